@@ -1,0 +1,37 @@
+"""BaseActor: Pykka has no supervision, so a crash is reported here (R-1.5)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import TracebackType
+
+import pykka
+
+CrashHandler = Callable[[str, BaseException], None]
+"""Called from the crashing actor's thread with its name and the exception."""
+
+
+class BaseActor(pykka.ThreadingActor):
+    """An actor that reports an unhandled exception to the supervisor before it dies.
+
+    A `tell`'d message that raises kills a Pykka actor with only a log line; corral
+    treats that as fatal: the supervisor shuts everything down in order and exits
+    non-zero.
+    """
+
+    use_daemon_thread = True
+    """A program that embeds corral and forgets stop() still exits (children die with it)."""
+
+    def __init__(self, name: str, on_crash: CrashHandler) -> None:
+        super().__init__()
+        self.name = name
+        self.log = logging.getLogger(f"corral.{name}")
+        self._on_crash = on_crash
+
+    def on_failure(self, exception_type: type[BaseException] | None,
+                   exception_value: BaseException | None,
+                   traceback: TracebackType | None) -> None:
+        self.log.critical("actor %s crashed", self.name,
+                          exc_info=(exception_type, exception_value, traceback))  # type: ignore[arg-type]
+        self._on_crash(self.name, exception_value or RuntimeError("unknown failure"))

@@ -1,0 +1,72 @@
+"""The one seam between actor threads and the asyncio loop (R-1.3).
+
+Actors answer by calling `reply.send(value)` from their own thread. A `LoopReply` carries
+the value into the event loop with `call_soon_threadsafe`; the loop never blocks on an
+actor and never awaits a Pykka future. A `ThreadReply` wakes a waiting thread (the
+synchronous embedding API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+
+def _resolve(future: asyncio.Future[object], value: object) -> None:
+    if not future.done():  # the awaiting request may have been cancelled meanwhile
+        future.set_result(value)
+
+
+class LoopReply:
+    """An answer slot that resolves an asyncio future on its loop, from any thread.
+
+    Hashable by identity, so the instance itself serves as the request's ticket.
+    """
+
+    __slots__ = ("_loop", "future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.future: asyncio.Future[object] = loop.create_future()
+
+    def send(self, value: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(_resolve, self.future, value)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
+
+
+class ThreadReply:
+    """An answer slot a plain thread waits on."""
+
+    __slots__ = ("_event", "_value")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value: object = None
+
+    def send(self, value: object) -> None:
+        self._value = value
+        self._event.set()
+
+    def wait(self, timeout_s: float | None) -> object:
+        """The value sent, or None if none came within `timeout_s`."""
+        if not self._event.wait(timeout_s):
+            return None
+        return self._value
+
+
+class Fanout:
+    """Hands each published event to a callback on the given loop (SSE, subscribers)."""
+
+    __slots__ = ("_callback", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: object) -> None:
+        self._loop = loop
+        self._callback = callback
+
+    def __call__(self, event: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._callback, event)  # type: ignore[arg-type]
+        except RuntimeError:
+            pass

@@ -1,0 +1,140 @@
+"""The OS edge: spawn a child, watch it exit, signal its group, reap it, keep its log.
+
+Rules learned the hard way (shared/STYLE.md):
+- argv exec, never a shell; the child leads its own session and process group, so one
+  `killpg` reaches every grandchild too.
+- The exit watcher waits on this one pid with WNOWAIT: it notices the exit (within a
+  millisecond) without reaping, so the pid, and with it the process group id, cannot be
+  reused before the owner has signalled the group's stragglers and reaped. The owner
+  reaps, in exactly one place (`reap`). Never `waitpid(-1)`.
+- PR_SET_PDEATHSIG kills the child when the thread that spawned it exits, which is the
+  spawning ModelInstance actor's thread: it lives until the supervisor has stopped every
+  child, and it dies with the supervisor, even under SIGKILL. stdin is a pipe held by
+  corral, so children that watch it see EOF too.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    def setup() -> None:  # runs in the child between fork and exec: keep it tiny
+        if _libc is not None:
+            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+    return setup
+
+
+class LogRing:
+    """The last `capacity` lines a child printed; appended by its reader thread."""
+
+    def __init__(self, capacity: int = 1000) -> None:
+        self._lines: collections.deque[str] = collections.deque(maxlen=capacity)
+
+    def append(self, line: str) -> None:
+        self._lines.append(line)  # deque.append is atomic; readers take a copy
+
+    def lines(self) -> list[str]:
+        return list(self._lines)
+
+
+def pick_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on `host` (it may be taken before the child binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class ChildProcess:
+    """One spawned child: its pid, its process group, its stdin, its log."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: LogRing,
+                 on_exit: Callable[[], None], on_line: Callable[[str], None] | None = None,
+                 label: str = "child") -> None:
+        """Spawn `argv`; `on_exit` is called once from a watcher thread when it exits."""
+        self.started_at = time.monotonic()
+        self._popen = subprocess.Popen(
+            argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+        self.pid = self._popen.pid
+        self.returncode: int | None = None
+        threading.Thread(target=self._watch_exit, args=(on_exit,), daemon=True,
+                         name=f"{label}-exit-{self.pid}").start()
+        threading.Thread(target=self._read_lines, args=(log, on_line), daemon=True,
+                         name=f"{label}-log-{self.pid}").start()
+
+    def _watch_exit(self, on_exit: Callable[[], None]) -> None:
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass  # already reaped: the exit is known anyway
+        on_exit()
+
+    def _read_lines(self, log: LogRing, on_line: Callable[[str], None] | None) -> None:
+        assert self._popen.stdout is not None
+        for raw in self._popen.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            log.append(line)
+            if on_line is not None:
+                on_line(line)
+
+    def signal_group(self, sig: int) -> bool:
+        """Send `sig` to the child's whole process group; False if nothing was there.
+
+        Only call before `reap`: until then the group id cannot have been reused.
+        """
+        if self.returncode is not None:
+            return False
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def write_stdin(self, line: str) -> None:
+        try:
+            assert self._popen.stdin is not None
+            self._popen.stdin.write(line.encode() + b"\n")
+            self._popen.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the child is exiting; its exit arrives as a message
+
+    def reap(self) -> int:
+        """Kill what is left of the group, reap the child, return its Popen returncode.
+
+        Call only after `on_exit` fired: the wait is then immediate.
+        """
+        self.signal_group(signal.SIGKILL)  # grandchildren must not outlive their leader
+        self.returncode = self._popen.wait()
+        if self._popen.stdin is not None:
+            try:
+                self._popen.stdin.close()
+            except OSError:
+                pass
+        return self.returncode

@@ -1,0 +1,264 @@
+"""A fake model server: real HTTP, llama-server's OpenAI-compatible subset, failure knobs.
+
+    python -m actors.fake_model --port 9000 --model demo --load-delay 1 --tokens-per-s 50
+
+It listens at once and answers /health with 503 until `--load-delay` has passed, then
+200. Completions produce `max_tokens` tokens ("tok0 tok1 ..."), streamed as SSE when the
+body says `"stream": true`, at `--tokens-per-s`. Knobs make it crash, hang, ignore
+SIGTERM or exit with a chosen code, so tests and the demo can watch corral cope.
+`GET /debug/stats` counts requests started, completed and cancelled by their client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from aiohttp import web
+
+ECHO_PATHS = ["/v1/responses", "/v1/messages", "/rerank", "/v1/rerank", "/reranking",
+              "/infill", "/apply-template"]
+
+
+class FakeModel:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ready = False
+        self.stats = {"started": 0, "completed": 0, "cancelled": 0}
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ helpers
+
+    def _count_request(self) -> None:
+        self.stats["started"] += 1
+        limit = self.args.crash_after_requests
+        if limit is not None and self.stats["started"] > limit:
+            print(f"fake_model: crashing on request {self.stats['started']} "
+                  f"(--crash-after-requests {limit})", flush=True)
+            os._exit(self.args.exit_code)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw:
+            return {}
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}',
+                                     content_type="application/json")
+        return data
+
+    def _not_ready(self) -> web.Response | None:
+        if self.ready:
+            return None
+        return web.json_response({"error": {"code": 503, "message": "Loading model",
+                                             "type": "unavailable_error"}}, status=503)
+
+    # ------------------------------------------------------------ handlers
+
+    async def health(self, request: web.Request) -> web.Response:
+        return self._not_ready() or web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.args.model, "object": "model", "owned_by": "fake",
+             "created": self.created}]})
+
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_alias": self.args.model, "role": "model",
+                                  "pid": os.getpid(), "total_slots": 1})
+
+    async def debug_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.stats, "pid": os.getpid()})
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        n_tokens = int(body.get("max_tokens") or body.get("n_predict") or 16)
+        chat = "chat" in request.path
+        if body.get("stream"):
+            return await self._stream(request, n_tokens, chat)
+        await self._pace(n_tokens)
+        text = "".join(f"tok{i} " for i in range(n_tokens))
+        self.stats["completed"] += 1
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response({
+            "id": f"fake-{self.stats['started']}", "model": self.args.model,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens,
+                      "total_tokens": n_tokens + 1}})
+
+    async def _pace(self, n_tokens: int) -> None:
+        if self.args.tokens_per_s > 0:
+            await asyncio.sleep(n_tokens / self.args.tokens_per_s)
+
+    async def _stream(self, request: web.Request, n_tokens: int,
+                      chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        gap_s = 1.0 / self.args.tokens_per_s if self.args.tokens_per_s > 0 else 0.0
+        try:
+            for i in range(n_tokens):
+                if gap_s:
+                    await asyncio.sleep(gap_s)
+                delta = ({"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} if chat
+                         else {"choices": [{"index": 0, "text": f"tok{i} "}]})
+                delta["model"] = self.args.model
+                await resp.write(f"data: {json.dumps(delta)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.stats["cancelled"] += 1
+            raise
+        self.stats["completed"] += 1
+        return resp
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        inputs = body.get("input", "")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = [{"object": "embedding", "index": i,
+                 "embedding": [((len(str(x)) + k) % 7) / 7.0 for k in range(8)]}
+                for i, x in enumerate(inputs)]
+        self.stats["completed"] += 1
+        return web.json_response({"object": "list", "model": self.args.model, "data": data})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        tokens = [len(word) for word in str(body.get("content", "")).split()]
+        self.stats["completed"] += 1
+        return web.json_response({"tokens": tokens})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        self.stats["completed"] += 1
+        return web.json_response({"content": " ".join(f"t{t}" for t in body.get("tokens", []))})
+
+    async def echo(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        self.stats["completed"] += 1
+        return web.json_response({"object": "echo", "path": request.path,
+                                  "model": self.args.model, "received_model": body.get("model")})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/v1/health", self.health)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/models", self.models)
+        r.add_get("/props", self.props)
+        r.add_get("/slots", self.props)
+        r.add_get("/debug/stats", self.debug_stats)
+        for path in ["/v1/chat/completions", "/chat/completions", "/v1/completions",
+                     "/completions", "/completion"]:
+            r.add_post(path, self.completion)
+        for path in ["/v1/embeddings", "/embeddings", "/embedding"]:
+            r.add_post(path, self.embeddings)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        for path in ECHO_PATHS:
+            r.add_post(path, self.echo)
+        return app
+
+
+def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Exit when the supervisor's end of stdin closes (it died), like llama-server."""
+    # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader aborts
+    # the interpreter at exit.
+    while os.read(0, 4096):
+        pass
+    loop.call_soon_threadsafe(stop.set)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    fake = FakeModel(args)
+    runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as e:
+        print(f"fake_model: cannot listen on {args.host}:{args.port}: {e}", flush=True)
+        return 98
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if not sys.stdin.isatty():
+        threading.Thread(target=_watch_stdin, args=(loop, stop), daemon=True).start()
+    print(f"fake_model {args.model}: listening on {args.host}:{args.port}, pid {os.getpid()}",
+          flush=True)
+    if args.crash_after_s is not None:
+        loop.call_later(args.crash_after_s, os._exit, args.exit_code)
+    if not args.hang_before_ready:
+        await asyncio.sleep(args.load_delay)
+        fake.ready = True
+        print(f"fake_model {args.model}: ready", flush=True)
+    await stop.wait()
+    print(f"fake_model {args.model}: shutting down", flush=True)
+    await runner.cleanup()
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m actors.fake_model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", default="fake")
+    p.add_argument("--load-delay", type=float, default=0.0, metavar="S",
+                   help="seconds before /health turns 200")
+    p.add_argument("--tokens-per-s", type=float, default=0.0, metavar="R",
+                   help="token rate; 0 = as fast as possible")
+    p.add_argument("--crash-after-requests", type=int, default=None, metavar="N",
+                   help="exit abruptly when request N+1 arrives")
+    p.add_argument("--crash-after-s", type=float, default=None, metavar="S",
+                   help="exit abruptly S seconds after start")
+    p.add_argument("--hang-before-ready", action="store_true",
+                   help="never become ready")
+    p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--exit-code", type=int, default=1,
+                   help="status for the crash knobs (default 1)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import uvloop
+        return uvloop.run(serve(args))
+    except ImportError:
+        return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

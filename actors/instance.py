@@ -1,0 +1,222 @@
+"""ModelInstance actor: owns one model's child process, its readiness and its stop sequence.
+
+It never chooses victims or touches the queue: it does what the Scheduler tells it and
+reports facts back (`InstanceReady`, `InstanceExited`). Slow work (waiting for the exit,
+polling the health path, deadlines) runs on helper threads that tell one message back,
+so a stop arriving mid-start is handled at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import http.client
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Any, assert_never
+
+from .base import BaseActor, CrashHandler
+from .childproc import ChildProcess, LogRing, pick_port, port_in_use
+from .config import PLACEHOLDER, ModelConfig
+from .lifecycle import describe_exit
+from .messages import (
+    ChildExited,
+    ChildReady,
+    InstanceExited,
+    InstanceMessage,
+    InstanceReady,
+    LoadDeadline,
+    StartInstance,
+    StopDeadline,
+    StopInstance,
+)
+from .timers import Timers
+
+BIND_RETRIES = 3
+"""A child that exits while its port is taken by someone else is respawned on a new port."""
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+
+
+def wait_ready_http(port: int, path: str, abandon: threading.Event,
+                    deliver: Any) -> None:
+    """Poll `path` until it answers 200, then call `deliver()` once (R-3.3 `http` mode).
+
+    Starts at 10 ms between polls and backs off to 250 ms; returns early once `abandon`
+    is set (the child exited or is being stopped).
+    """
+    delay_s = 0.01
+    while not abandon.is_set():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+        try:
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                deliver()
+                return
+        except (OSError, http.client.HTTPException):
+            pass  # not listening yet
+        finally:
+            conn.close()
+        abandon.wait(delay_s)
+        delay_s = min(delay_s * 2, 0.25)
+
+
+class ModelInstance(BaseActor):
+    """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
+
+    def __init__(self, model: str, config: ModelConfig, scheduler: Any, timers: Timers,
+                 log_ring: LogRing, on_crash: CrashHandler, host: str = "127.0.0.1") -> None:
+        super().__init__(f"instance-{model}", on_crash)
+        self.model = model
+        self.config = config
+        self.scheduler = scheduler
+        self.timers = timers
+        self.log_ring = log_ring
+        self.host = host
+        self.phase = Phase.IDLE
+        self.generation = 0
+        """The Scheduler's generation of the current (or last) child."""
+        self.spawn_id = 0
+        """Bumped at every spawn, bind retries included; stamps helper-thread messages."""
+        self.child: ChildProcess | None = None
+        self.port = 0
+        self.cause: str | None = None
+        """Why corral ended the child, if it did (load timeout); else its exit speaks."""
+        self.abandon_probe = threading.Event()
+        self.bind_retries = 0
+
+    def on_receive(self, message: InstanceMessage) -> None:
+        match message:
+            case StartInstance(generation=generation):
+                self.handle_start(generation)
+            case StopInstance(generation=generation, reason=reason):
+                self.handle_stop(generation, reason)
+            case ChildReady(spawn_id=spawn_id):
+                self.handle_ready(spawn_id)
+            case ChildExited(spawn_id=spawn_id):
+                self.handle_exited(spawn_id)
+            case LoadDeadline(spawn_id=spawn_id):
+                self.handle_load_deadline(spawn_id)
+            case StopDeadline(spawn_id=spawn_id):
+                self.handle_stop_deadline(spawn_id)
+            case _:
+                assert_never(message)
+
+    def on_stop(self) -> None:
+        # Last resort on an abnormal stop: this thread's exit would SIGKILL the child
+        # (PR_SET_PDEATHSIG) anyway; say so, and take its group with it.
+        if self.child is not None and self.child.returncode is None:
+            self.log.warning("actor stopping with child pid %d alive; killing its group",
+                             self.child.pid)
+            self.child.signal_group(signal.SIGKILL)
+
+    # ------------------------------------------------------------ handlers
+
+    def handle_start(self, generation: int) -> None:
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError(f"{self.model}: StartInstance#{generation} while "
+                               f"{self.phase.value} (#{self.generation})")
+        self.generation = generation
+        self.bind_retries = 0
+        self.spawn_child()
+
+    def spawn_child(self) -> None:
+        self.spawn_id += 1
+        spawn_id = self.spawn_id
+        self.port = pick_port(self.host)
+        self.cause = None
+        values = {"port": str(self.port), "host": self.host, "model": self.model}
+        argv = [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in self.config.cmd]
+        env = {**os.environ, **self.config.env}
+        ref = self.actor_ref
+        try:
+            self.child = ChildProcess(argv, env, self.log_ring, label=self.model,
+                                      on_exit=lambda: ref.tell(ChildExited(spawn_id)))
+        except (OSError, subprocess.SubprocessError) as e:
+            self.log.error("cannot start %s: %s", argv[0], e)
+            self.scheduler.tell(InstanceExited(self.model, self.generation, 127,
+                                               f"could not be started: {e}"))
+            return
+        self.phase = Phase.STARTING
+        self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
+                      self.child.pid, self.port, " ".join(argv))
+        self.abandon_probe = threading.Event()
+        threading.Thread(
+            target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
+            args=(self.port, self.config.health_path, self.abandon_probe,
+                  lambda: ref.tell(ChildReady(spawn_id)))).start()
+        self.timers.after(self.config.load_timeout_s, ref, LoadDeadline(spawn_id))
+
+    def handle_ready(self, spawn_id: int) -> None:
+        if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:
+            return
+        assert self.child is not None
+        self.phase = Phase.READY
+        took = time.monotonic() - self.child.started_at
+        self.log.info("%s#%d ready on port %d after %.3f s", self.model, self.generation,
+                      self.port, took)
+        self.scheduler.tell(InstanceReady(self.model, self.generation, self.child.pid,
+                                          self.port))
+
+    def handle_stop(self, generation: int, reason: str) -> None:
+        if generation != self.generation or self.phase in (Phase.IDLE, Phase.STOPPING):
+            return  # stale, or already on its way out
+        assert self.child is not None
+        self.abandon_probe.set()
+        if self.phase is Phase.STARTING:
+            # still loading: it may not handle SIGTERM yet, so kill at once (R-3.4)
+            self.log.info("stopping %s#%d while loading (%s): SIGKILL", self.model,
+                          generation, reason)
+            self.child.signal_group(signal.SIGKILL)
+        else:
+            self.log.info("stopping %s#%d (%s): SIGTERM, SIGKILL after %g s", self.model,
+                          generation, reason, self.config.stop_timeout_s)
+            self.child.signal_group(signal.SIGTERM)
+            self.timers.after(self.config.stop_timeout_s, self.actor_ref,
+                              StopDeadline(self.spawn_id))
+        self.phase = Phase.STOPPING
+
+    def handle_load_deadline(self, spawn_id: int) -> None:
+        if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:
+            return
+        assert self.child is not None
+        self.cause = f"not ready within load_timeout_s={self.config.load_timeout_s:g}"
+        self.log.warning("%s#%d %s; killing it", self.model, self.generation, self.cause)
+        self.abandon_probe.set()
+        self.child.signal_group(signal.SIGKILL)
+
+    def handle_stop_deadline(self, spawn_id: int) -> None:
+        if spawn_id != self.spawn_id or self.phase is not Phase.STOPPING:
+            return
+        assert self.child is not None
+        self.log.warning("%s#%d ignored SIGTERM for %g s; SIGKILL", self.model,
+                         self.generation, self.config.stop_timeout_s)
+        self.child.signal_group(signal.SIGKILL)
+
+    def handle_exited(self, spawn_id: int) -> None:
+        if spawn_id != self.spawn_id or self.child is None:
+            return
+        self.abandon_probe.set()
+        was = self.phase
+        returncode = self.child.reap()
+        self.phase = Phase.IDLE
+        description = self.cause or describe_exit(returncode)
+        if (was is Phase.STARTING and self.cause is None
+                and self.bind_retries < BIND_RETRIES and port_in_use(self.port, self.host)):
+            # Someone took the port between pick_port and the child's bind.
+            self.bind_retries += 1
+            self.log.warning("%s#%d %s while port %d is taken; retrying on a new port",
+                             self.model, self.generation, description, self.port)
+            self.spawn_child()
+            return
+        self.log.info("%s#%d pid %d %s", self.model, self.generation, self.child.pid,
+                      description)
+        self.scheduler.tell(InstanceExited(self.model, self.generation, returncode,
+                                           description))

@@ -1,0 +1,471 @@
+"""Pure scheduling: the queue, claims, the tick, victim choice and the restart budget.
+
+The rules are those of llama.cpp's router (shared/reference/server-models-sched.cpp), with
+its mutex and condition variables replaced by one owner: the Scheduler actor calls these
+methods one message at a time and executes the effects they return. Nothing here does
+I/O, reads a clock or sleeps; the time comes in as an argument, so tests drive it
+synchronously.
+
+Requests are named by their *ticket*, any hashable the caller chose (the Router uses the
+reply object itself); the policy never looks inside one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .lifecycle import ModelState, check_transition
+from .messages import (
+    Done,
+    Event,
+    Evicted,
+    EvictionReason,
+    Grant,
+    ModelsSnapshot,
+    ModelView,
+    Refusal,
+    StatusChanged,
+)
+
+log = logging.getLogger("corral.scheduler")
+
+S = ModelState
+
+
+# ---------------------------------------------------------------- effects
+
+
+class Spawn(msgspec.Struct, frozen=True):
+    """Start generation `generation` of `model`'s child."""
+
+    model: str
+    generation: int
+
+
+class Stop(msgspec.Struct, frozen=True):
+    """Stop the child of `generation` of `model`."""
+
+    model: str
+    generation: int
+    reason: str
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """Send `value` to the caller behind `ticket`."""
+
+    ticket: Any
+    value: Grant | Refusal | Done
+
+
+class Publish(msgspec.Struct, frozen=True):
+    """Hand `event` to every subscriber."""
+
+    event: Event
+
+
+Effect = Spawn | Stop | Answer | Publish
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass
+class RestartBudget:
+    """Erlang/OTP restart intensity: more than `intensity` failures in `period_s` is too many."""
+
+    intensity: int
+    period_s: float
+    failures: deque[float] = field(default_factory=deque)
+    """Times of the failures still inside the window, oldest first."""
+
+    def record(self, now: float) -> bool:
+        """Count a failure at `now`; return True when the budget is spent."""
+        self.failures.append(now)
+        while self.failures and self.failures[0] <= now - self.period_s:
+            self.failures.popleft()
+        return len(self.failures) > self.intensity
+
+    def reset(self) -> None:
+        self.failures.clear()
+
+
+@dataclass(eq=False)
+class ModelRecord:
+    """Everything the Scheduler knows about one model."""
+
+    name: str
+    pinned: bool
+    budget: RestartBudget
+    state: ModelState = S.UNLOADED
+    generation: int = 0
+    """Bumped at every spawn; events of an older generation are stale (R-1.4)."""
+    in_flight: int = 0
+    """Granted, not yet released requests of the current generation."""
+    last_used: float = 0.0
+    """Start of the latest granted request, or the spawn (R-4.4)."""
+    state_since: float = 0.0
+    pid: int | None = None
+    base_url: str | None = None
+    exit_code: int | None = None
+    last_exit: str | None = None
+    gave_up: str | None = None
+    """Set when the restart budget is spent: the error every request gets until a load."""
+    last_eviction: Evicted | None = None
+    loads: int = 0
+
+
+@dataclass(eq=False)
+class QueueEntry:
+    """Requests waiting for one model; N requests for one model share one entry (R-4.2)."""
+
+    model: str
+    waiters: dict[Hashable, None] = field(default_factory=dict)
+    """Tickets in arrival order (a dict as an ordered set)."""
+    explicit: bool = False
+    """Held by POST /models/load: the entry stays even with no waiter."""
+    claimed: bool = False
+    """Invariant: claimed implies the model's child is loading (or being stopped)."""
+
+
+class Policy:
+    """The scheduling state of one corral and the rules that change it."""
+
+    def __init__(self, models_max: int, restart_intensity: int = 3,
+                 restart_period_s: float = 60.0) -> None:
+        self.models_max = models_max
+        self.restart_intensity = restart_intensity
+        self.restart_period_s = restart_period_s
+        self.models: dict[str, ModelRecord] = {}
+        self.queue: dict[str, QueueEntry] = {}
+        """Insertion-ordered: the first unclaimed entry is the head (R-4.3)."""
+        self.waiting: dict[Hashable, str] = {}
+        """Ticket -> model, for every queued request."""
+        self.leases: dict[Hashable, tuple[str, int]] = {}
+        """Ticket -> (model, generation), for every granted request not yet released."""
+        self.shutting_down = False
+        self._out: list[Effect] = []
+
+    def add_model(self, name: str, now: float, *, pinned: bool = False) -> None:
+        budget = RestartBudget(self.restart_intensity, self.restart_period_s)
+        self.models[name] = ModelRecord(name=name, pinned=pinned, budget=budget,
+                                        state_since=now)
+
+    # ------------------------------------------------------------ requests
+
+    def acquire(self, ticket: Hashable, model: str, now: float,
+                autoload: bool = True) -> list[Effect]:
+        """A request for `model` arrived: grant it now, queue it, or refuse it."""
+        rec = self.models.get(model)
+        if self.shutting_down:
+            self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
+        elif rec is None:
+            self._refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
+        elif rec.state.is_serving:
+            self._grant(ticket, rec, now)
+        elif rec.gave_up is not None:
+            self._refuse(ticket, 500, rec.gave_up)
+        elif not autoload and rec.state is not S.LOADING:
+            self._refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
+                         "load it with POST /models/load", "invalid_request_error")
+        else:
+            entry = self.queue.get(model)
+            if entry is None:
+                entry = self.queue[model] = QueueEntry(model)
+            entry.waiters[ticket] = None
+            self.waiting[ticket] = model
+            log.debug("request for %s queued (%d waiting for it, %d entries)",
+                      model, len(entry.waiters), len(self.queue))
+            self._pump(now)
+        return self._flush()
+
+    def release(self, ticket: Hashable, now: float) -> list[Effect]:
+        """The request of `ticket` finished (or was never granted: then it is a cancel)."""
+        lease = self.leases.pop(ticket, None)
+        if lease is None:
+            return self.cancel(ticket, now) if ticket in self.waiting else []
+        name, generation = lease
+        rec = self.models.get(name)
+        # Invariant: a crash or stop zeroes in_flight, and a reload bumps the generation,
+        # so only leases of the live generation still count.
+        if rec is not None and rec.generation == generation and rec.state.is_running:
+            rec.in_flight -= 1
+        self._pump(now)
+        return self._flush()
+
+    def cancel(self, ticket: Hashable, now: float) -> list[Effect]:
+        """The client of `ticket` left; a cancel that crossed its grant is a release (R-4.7)."""
+        name = self.waiting.pop(ticket, None)
+        if name is None:
+            return self.release(ticket, now) if ticket in self.leases else []
+        entry = self.queue[name]
+        del entry.waiters[ticket]
+        if not entry.waiters and not entry.explicit:
+            # Its claim (if any) goes with it: the load goes on, and the model then
+            # sits idle, evictable; nothing is evicted on its behalf any more.
+            del self.queue[name]
+        self._pump(now)
+        return self._flush()
+
+    # ------------------------------------------------------------ management
+
+    def load(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
+        """POST /models/load: queue a load with no request behind it; clears `failed`."""
+        rec = self.models.get(model)
+        if rec is None:
+            self._refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
+        elif rec.state.is_running and rec.state is not S.STOPPING:
+            self._refuse(ticket, 400, f"model '{model}' is already running",
+                         "invalid_request_error")
+        elif self.shutting_down:
+            self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
+        else:
+            rec.gave_up = None
+            rec.budget.reset()
+            entry = self.queue.get(model)
+            if entry is None:
+                entry = self.queue[model] = QueueEntry(model)
+            entry.explicit = True
+            self._out.append(Answer(ticket, Done()))
+            self._pump(now)
+        return self._flush()
+
+    def unload(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
+        """POST /models/unload: stop the child now (busy or not); clears `failed`."""
+        rec = self.models.get(model)
+        if rec is None:
+            self._refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
+            return self._flush()
+        entry = self.queue.get(model)
+        if entry is not None and entry.explicit:
+            entry.explicit = False
+            if not entry.waiters:
+                del self.queue[model]
+        if rec.state is S.FAILED:
+            rec.gave_up = None
+            rec.budget.reset()
+            self._transition(rec, S.UNLOADED, "failure cleared by unload", now)
+        elif not rec.state.is_running or rec.state is S.STOPPING:
+            self._refuse(ticket, 400, f"model '{model}' is not running",
+                         "invalid_request_error")
+            return self._flush()
+        else:
+            self._stop(rec, "manual", None, now)
+        self._out.append(Answer(ticket, Done()))
+        self._pump(now)
+        return self._flush()
+
+    def shutdown(self, now: float) -> list[Effect]:
+        """Refuse every waiter, stop every child; `all_stopped` tells when it is over."""
+        self.shutting_down = True
+        for ticket in list(self.waiting):
+            self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
+        self.waiting.clear()
+        self.queue.clear()
+        for rec in self.models.values():
+            if rec.state.is_running and rec.state is not S.STOPPING:
+                self._stop(rec, "shutdown", None, now)
+        return self._flush()
+
+    @property
+    def all_stopped(self) -> bool:
+        return not any(rec.state.is_running for rec in self.models.values())
+
+    # ------------------------------------------------------------ instance facts
+
+    def instance_ready(self, model: str, generation: int, pid: int, base_url: str,
+                       now: float) -> list[Effect]:
+        """The child of `generation` answers: grant everyone queued for it, atomically (R-4.6)."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or rec.state is not S.LOADING:
+            return []  # stale, or already being stopped: never proxy into a stopping child
+        rec.pid = pid
+        rec.base_url = base_url
+        self._transition(rec, S.LOADED, f"ready, pid {pid}", now)
+        rec.last_used = now
+        entry = self.queue.pop(model, None)
+        if entry is not None:
+            for ticket in entry.waiters:
+                del self.waiting[ticket]
+                self._grant(ticket, rec, now)
+        self._pump(now)
+        return self._flush()
+
+    def instance_exited(self, model: str, generation: int, returncode: int,
+                        description: str, now: float) -> list[Effect]:
+        """The child of `generation` is gone and reaped: free its slot, count a failure."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or not rec.state.is_running:
+            return []
+        rec.in_flight = 0
+        rec.pid = None
+        rec.base_url = None
+        rec.exit_code = returncode
+        rec.last_exit = description
+        entry = self.queue.get(model)
+        if entry is not None:
+            entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
+        if rec.state is S.STOPPING:
+            self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+        else:
+            what = "load failed" if rec.state is S.LOADING else "crashed"
+            spent = rec.budget.record(now)
+            self._transition(rec, S.FAILED, f"{what}: {description}", now, returncode)
+            if spent:
+                rec.gave_up = (
+                    f"model '{model}' failed {len(rec.budget.failures)} times in "
+                    f"{rec.budget.period_s:g} s (last: {what}, {description}); not restarting "
+                    "until it is loaded again (POST /models/load)")
+                log.error("%s", rec.gave_up)
+                self._refuse_entry(model, 500, rec.gave_up)
+        self._pump(now)
+        return self._flush()
+
+    # ------------------------------------------------------------ views
+
+    def snapshot(self) -> ModelsSnapshot:
+        views = []
+        for rec in self.models.values():
+            entry = self.queue.get(rec.name)
+            port = int(rec.base_url.rsplit(":", 1)[1]) if rec.base_url else None
+            views.append(ModelView(
+                name=rec.name, state=rec.state.value, generation=rec.generation,
+                in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,
+                pid=rec.pid, port=port, exit_code=rec.exit_code, last_exit=rec.last_exit,
+                last_eviction=rec.last_eviction, loads=rec.loads))
+        return ModelsSnapshot(models=views, queue_depth=len(self.waiting))
+
+    def running_count(self) -> int:
+        return sum(1 for rec in self.models.values() if rec.state.is_running)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the state is inconsistent (used by tests)."""
+        for ticket, name in self.waiting.items():
+            assert ticket in self.queue[name].waiters, (ticket, name)
+        for name, entry in self.queue.items():
+            rec = self.models[name]
+            assert entry.waiters or entry.explicit, f"{name}: empty entry"
+            assert not rec.state.is_serving, f"{name}: queued while {rec.state.value}"
+            if entry.claimed:
+                assert rec.state in (S.LOADING, S.STOPPING), f"{name}: claim without child"
+            for ticket in entry.waiters:
+                assert self.waiting[ticket] == name
+        for rec in self.models.values():
+            live = sum(1 for (n, g) in self.leases.values()
+                       if n == rec.name and g == rec.generation)
+            if rec.state.is_running:
+                assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
+            else:
+                assert rec.in_flight == 0
+
+    # ------------------------------------------------------------ the rules
+
+    def _pump(self, now: float) -> None:
+        """Re-run the rules after any change to the queue or the running set (R-4.5)."""
+        if self.shutting_down:
+            return
+        self._tick(now)
+        self._claim(now)
+
+    def _needs_slot(self, entry: QueueEntry) -> bool:
+        state = self.models[entry.model].state
+        return not entry.claimed and state in (S.UNLOADED, S.FAILED, S.STOPPING)
+
+    def _has_capacity(self) -> bool:
+        return self.models_max <= 0 or self.running_count() < self.models_max
+
+    def _tick(self, now: float) -> None:
+        """Stop idle LRU victims until every entry that needs a slot can have one."""
+        if self.models_max <= 0 or not self.queue:
+            return
+        running = stopping = 0
+        for rec in self.models.values():
+            running += rec.state.is_running
+            stopping += rec.state is S.STOPPING
+        needing = [e.model for e in self.queue.values() if self._needs_slot(e)]
+        # Stopping children free their slot once reaped, so they count as free already:
+        # this is what stops two waiters from evicting two victims for one need.
+        free = self.models_max - running + stopping
+        while free < len(needing):
+            victim = self._pick_victim()
+            if victim is None:
+                return  # every running model is busy or wanted: a release re-ticks
+            self._stop(victim, "lru", needing[max(free, 0)], now)
+            free += 1
+
+    def _pick_victim(self) -> ModelRecord | None:
+        """The least recently used model that is idle, serving, unpinned and not wanted."""
+        best: ModelRecord | None = None
+        for rec in self.models.values():
+            if (not rec.state.is_serving or rec.in_flight or rec.pinned
+                    or rec.name in self.queue):
+                continue
+            if best is None or rec.last_used < best.last_used:
+                best = rec
+        return best
+
+    def _claim(self, now: float) -> None:
+        """Spawn for queue heads, in order, while there is capacity (R-4.3)."""
+        for entry in self.queue.values():
+            if not self._needs_slot(entry):
+                continue
+            rec = self.models[entry.model]
+            if rec.state is S.STOPPING or not self._has_capacity():
+                return  # the head waits, and nobody overtakes it
+            entry.claimed = True
+            self._spawn(rec, len(entry.waiters), now)
+
+    def _spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
+        rec.generation += 1
+        rec.loads += 1
+        rec.last_used = now
+        self._transition(rec, S.LOADING, f"spawn for {n_waiting} waiting request(s)", now)
+        self._out.append(Spawn(rec.name, rec.generation))
+
+    def _stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
+              now: float) -> None:
+        cause = f"{reason} eviction" + (f" for {for_model}" if for_model else "")
+        self._transition(rec, S.STOPPING, cause, now)
+        rec.last_eviction = Evicted(model=rec.name, reason=reason, for_model=for_model)
+        self._out.append(Publish(rec.last_eviction))
+        self._out.append(Stop(rec.name, rec.generation, reason))
+
+    def _grant(self, ticket: Hashable, rec: ModelRecord, now: float) -> None:
+        # The grant and the in-flight count happen in one step, so no tick can pick
+        # this model as a victim between "ready" and "proxied" (llama.cpp #28698).
+        assert rec.base_url is not None
+        rec.in_flight += 1
+        rec.last_used = now
+        self.leases[ticket] = (rec.name, rec.generation)
+        self._out.append(Answer(ticket, Grant(rec.name, rec.generation, rec.base_url)))
+
+    def _refuse(self, ticket: Hashable, status: int, message: str,
+                type_: str = "server_error", retry_after_s: float | None = None) -> None:
+        self._out.append(Answer(ticket, Refusal(status, message, type_, retry_after_s)))
+
+    def _refuse_entry(self, model: str, status: int, message: str) -> None:
+        entry = self.queue.pop(model, None)
+        if entry is None:
+            return
+        for ticket in entry.waiters:
+            del self.waiting[ticket]
+            self._refuse(ticket, status, message)
+
+    def _transition(self, rec: ModelRecord, new: ModelState, cause: str, now: float,
+                    exit_code: int | None = None) -> None:
+        check_transition(rec.name, rec.state, new)
+        took = now - rec.state_since
+        log.info("model %s#%d: %s -> %s (%s, after %.2f s)", rec.name, rec.generation,
+                 rec.state.value, new.value, cause, took)
+        rec.state = new
+        rec.state_since = now
+        self._out.append(Publish(StatusChanged(rec.name, new.value, cause, exit_code)))
+
+    def _flush(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out

@@ -1,0 +1,349 @@
+"""Router: the HTTP front (aiohttp on uvloop) and the streaming proxy.
+
+It decides nothing about scheduling. Per request it asks the Scheduler for a grant
+through the bridge (`LoopReply`), proxies byte for byte, and tells `Release` when the
+exchange is over, or `Cancel` if the client leaves while queued (R-4.7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from .bridge import LoopReply
+from .config import Config
+from .messages import (
+    Acquire,
+    Alive,
+    Cancel,
+    Done,
+    Event,
+    GetModels,
+    Grant,
+    LoadModel,
+    ModelsSnapshot,
+    Ping,
+    Refusal,
+    Release,
+    UnloadModel,
+)
+from .system import Supervisor
+
+log = logging.getLogger("corral.router")
+
+PROXIED_POST = [
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+    "/v1/messages", "/completion", "/completions", "/chat/completions", "/embedding",
+    "/embeddings", "/rerank", "/reranking", "/v1/rerank", "/tokenize", "/detokenize",
+    "/infill", "/apply-template",
+]
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key"}
+ASK_TIMEOUT_S = 5.0
+"""Bound on management questions to the Scheduler (never on a queued request)."""
+
+
+class RequestHead(msgspec.Struct):
+    """The one field of a proxied body the Router reads; the rest passes through."""
+
+    model: str | None = None
+
+
+class ModelName(msgspec.Struct, forbid_unknown_fields=False):
+    model: str
+
+
+def error(status: int, message: str, type_: str = "invalid_request_error",
+          headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-shaped error (R-6.4)."""
+    body = {"error": {"code": status, "message": message, "type": type_}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def refusal_response(refusal: Refusal) -> web.Response:
+    headers = None
+    if refusal.retry_after_s is not None:
+        headers = {"Retry-After": str(max(1, round(refusal.retry_after_s)))}
+    return error(refusal.status, refusal.message, refusal.error_type, headers)
+
+
+class Router:
+    """The HTTP application in front of one Supervisor."""
+
+    def __init__(self, supervisor: Supervisor, config: Config) -> None:
+        self.sup = supervisor
+        self.config = config
+        self.names = config.resolve_aliases()
+        self.sse_clients: set[asyncio.Queue[bytes | None]] = set()
+        self.session: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+        self.started = time.time()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=int(self.config.max_body_mib * 1024 * 1024),
+                              middlewares=[self._errors, self._auth])
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/v1/health", self.health)
+        r.add_get("/models", self.list_models)
+        r.add_get("/v1/models", self.list_models)
+        r.add_post("/models/load", self.load)
+        r.add_post("/models/unload", self.unload)
+        r.add_get("/models/sse", self.sse)
+        r.add_get("/models/logs", self.logs)
+        r.add_get("/props", self.props)
+        for path in PROXIED_POST:
+            r.add_post(path, self.proxy_post)
+        r.add_get("/{tail:.*}", self.proxy_get)
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 picks one); return the port."""
+        loop = asyncio.get_running_loop()
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self.sup.subscribe(loop, self._publish)
+        # handler_cancellation: a client that disconnects cancels its handler, which is
+        # how a queued request leaves the queue and a proxied one cancels upstream.
+        self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                                    shutdown_timeout=2.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def stop(self) -> None:
+        """Stop accepting, end SSE streams, give open requests a bounded time to finish."""
+        for queue in self.sse_clients:
+            queue.put_nowait(None)
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.session is not None:
+            await self.session.close()
+
+    # ------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return error(413, f"request body over the {self.config.max_body_mib:g} MiB limit")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error(e.status, e.reason or "error",
+                         "not_found_error" if e.status == 404 else "invalid_request_error")
+
+    @web.middleware
+    async def _auth(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                    ) -> web.StreamResponse:
+        key = self.config.api_key
+        if key and request.path not in ("/health", "/v1/health"):
+            given = request.headers.get("x-api-key", "")
+            auth = request.headers.get("Authorization", "")
+            if auth.lower().startswith("bearer "):
+                given = auth[7:].strip()
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return error(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                             "authentication_error")
+        return await handler(request)
+
+    # ------------------------------------------------------------ scheduler calls
+
+    async def _ask(self, make: Callable[[LoopReply], Any]) -> object:
+        """Send one management message and await the answer, bounded."""
+        reply = LoopReply(asyncio.get_running_loop())
+        self.sup.scheduler.tell(make(reply))
+        return await asyncio.wait_for(reply.future, ASK_TIMEOUT_S)
+
+    def _publish(self, event: Event) -> None:
+        data = b"data: " + msgspec.json.encode(event) + b"\n\n"
+        for queue in self.sse_clients:
+            queue.put_nowait(data)
+
+    # ------------------------------------------------------------ router endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.sup.crashed.is_set():
+            return error(503, "an actor crashed; corral is shutting down", "unavailable_error")
+        try:
+            alive = await self._ask(Ping)
+        except TimeoutError:
+            return error(503, f"the scheduler did not answer within {ASK_TIMEOUT_S:g} s",
+                         "unavailable_error")
+        assert isinstance(alive, Alive)
+        return web.json_response({"status": "ok", "running": alive.running,
+                                  "queue_depth": alive.queue_depth})
+
+    async def props(self, request: web.Request) -> web.StreamResponse:
+        if "model" in request.query:
+            return await self.proxy_get(request)
+        return web.json_response({"role": "router", "max_instances": self.config.models_max,
+                                  "models_autoload": self.config.autoload,
+                                  "model_alias": "corral", "model_path": "none",
+                                  "default_generation_settings": {"params": {}, "n_ctx": 0}})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        snap = await self._ask(GetModels)
+        assert isinstance(snap, ModelsSnapshot)
+        data = []
+        for view in snap.models:
+            model = self.config.models[view.name]
+            status: dict[str, Any] = {"value": view.state, "args": model.cmd}
+            if view.state == "failed":
+                status["exit_code"] = view.exit_code
+                status["failed"] = True
+                status["exit"] = view.last_exit
+            data.append({
+                "id": view.name, "object": "model", "owned_by": "corral",
+                "created": int(self.started), "aliases": model.aliases, "status": status,
+                "in_flight": view.in_flight, "waiting": view.waiting, "loads": view.loads,
+                "pid": view.pid, "port": view.port,
+                "last_eviction": msgspec.to_builtins(view.last_eviction),
+            })
+        return web.json_response({"object": "list", "data": data})
+
+    async def _model_from_body(self, request: web.Request) -> str | web.Response:
+        try:
+            body = msgspec.json.decode(await request.read(), type=ModelName)
+        except msgspec.DecodeError as e:
+            return error(400, f"invalid request body: {e}")
+        return body.model
+
+    async def load(self, request: web.Request) -> web.Response:
+        name = await self._model_from_body(request)
+        if isinstance(name, web.Response):
+            return name
+        answer = await self._ask(lambda r: LoadModel(self.names.get(name, name), r))
+        if isinstance(answer, Refusal):
+            return refusal_response(answer)
+        assert isinstance(answer, Done)
+        return web.json_response({"success": True})
+
+    async def unload(self, request: web.Request) -> web.Response:
+        name = await self._model_from_body(request)
+        if isinstance(name, web.Response):
+            return name
+        answer = await self._ask(lambda r: UnloadModel(self.names.get(name, name), r))
+        if isinstance(answer, Refusal):
+            return refusal_response(answer)
+        return web.json_response({"success": True})
+
+    async def sse(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.sse_clients.add(queue)
+        try:
+            await resp.write(b": connected\n\n")
+            while (data := await queue.get()) is not None:
+                await resp.write(data)
+        finally:
+            self.sse_clients.discard(queue)
+        return resp
+
+    async def logs(self, request: web.Request) -> web.Response:
+        name = self.names.get(request.query.get("model", ""))
+        if name is None:
+            return error(400, "name a configured model with ?model=")
+        return web.Response(text="\n".join(self.sup.logs[name].lines()) + "\n")
+
+    # ------------------------------------------------------------ proxy
+
+    async def proxy_post(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            head = msgspec.json.decode(body, type=RequestHead)
+        except msgspec.DecodeError as e:
+            return error(400, f"invalid JSON body: {e}")
+        if not head.model:
+            return error(400, "model name is missing from the request (set \"model\")")
+        return await self._forward(request, head.model, body)
+
+    async def proxy_get(self, request: web.Request) -> web.StreamResponse:
+        model = request.query.get("model")
+        if not model:
+            return error(404, f"no route for GET {request.path}; proxied GET requests name "
+                         "their model with ?model=", "not_found_error")
+        return await self._forward(request, model, b"")
+
+    async def _forward(self, request: web.Request, name: str,
+                       body: bytes) -> web.StreamResponse:
+        model = self.names.get(name)
+        if model is None:
+            return error(400, f"model '{name}' not found")
+        autoload = self.config.autoload
+        if "autoload" in request.query:
+            autoload = request.query["autoload"] in ("1", "true")
+        ticket = LoopReply(asyncio.get_running_loop())
+        scheduler = self.sup.scheduler
+        scheduler.tell(Acquire(ticket, model, autoload))
+        try:
+            answer = await ticket.future
+        except asyncio.CancelledError:
+            scheduler.tell(Cancel(ticket))  # a cancel that crossed a grant is a release
+            raise
+        if isinstance(answer, Refusal):
+            return refusal_response(answer)
+        assert isinstance(answer, Grant)
+        try:
+            return await self._stream(request, answer, body)
+        finally:
+            scheduler.tell(Release(ticket))
+
+    async def _stream(self, request: web.Request, grant: Grant,
+                      body: bytes) -> web.StreamResponse:
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
+        url = grant.base_url + request.path_qs
+        try:
+            upstream = await self.session.request(request.method, url, data=body or None,
+                                                  headers=headers, allow_redirects=False)
+        except aiohttp.ClientError as e:
+            return error(502, f"model '{grant.model}' is unreachable: {e}", "server_error")
+        async with upstream:
+            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in HOP_BY_HOP:
+                    resp.headers.add(key, value)
+            if upstream.content_length is not None:
+                resp.content_length = upstream.content_length
+            await resp.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+            except aiohttp.ClientError as e:
+                log.warning("model %s broke off a response: %s", grant.model, e)
+                if upstream.content_type == "text/event-stream":
+                    await resp.write(b"data: " + json.dumps({"error": {
+                        "code": 502, "type": "server_error",
+                        "message": f"model '{grant.model}' stopped mid-response: {e}"}}
+                    ).encode() + b"\n\n")
+                else:  # no way to say it in-band: cut the connection so it is not mistaken
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
+            await resp.write_eof()
+            return resp

@@ -1,0 +1,107 @@
+"""Scheduler actor: owns every model record and the queue; its mailbox replaces locks.
+
+It turns each message into a call on the pure `Policy` and executes the effects that
+come back: answers to tickets, Start/StopInstance to ModelInstance actors, events to
+subscribers. It never does I/O, never sleeps and never waits on another actor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, assert_never
+
+from .base import BaseActor, CrashHandler
+from .config import Config
+from .messages import (
+    Acquire,
+    Alive,
+    Cancel,
+    Event,
+    GetModels,
+    InstanceExited,
+    InstanceReady,
+    InstancesAttached,
+    LoadModel,
+    Ping,
+    Release,
+    SchedulerMessage,
+    Shutdown,
+    StartInstance,
+    StopInstance,
+    Subscribe,
+    UnloadModel,
+)
+from .policy import Answer, Effect, Policy, Publish, Spawn, Stop
+
+
+class Scheduler(BaseActor):
+    """Dispatches messages to the policy and carries out its effects."""
+
+    def __init__(self, config: Config, on_crash: CrashHandler,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("scheduler", on_crash)
+        self.clock = clock
+        self.policy = Policy(config.models_max, config.restart_intensity,
+                             config.restart_period_s)
+        for name, model in config.models.items():
+            self.policy.add_model(name, clock(), pinned=model.pinned)
+        self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
+        self.instances: dict[str, Any] = {}
+        """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
+        self.subscribers: list[Callable[[Event], None]] = []
+        self.shutdown_replies: list[Any] = []
+
+    def on_receive(self, message: SchedulerMessage) -> None:
+        now = self.clock()
+        p = self.policy
+        match message:
+            case Acquire(ticket=ticket, model=model, autoload=autoload):
+                self._run(p.acquire(ticket, model, now, autoload))
+            case Release(ticket=ticket):
+                self._run(p.release(ticket, now))
+            case Cancel(ticket=ticket):
+                self._run(p.cancel(ticket, now))
+            case LoadModel(model=model, reply=reply):
+                self._run(p.load(reply, model, now))
+            case UnloadModel(model=model, reply=reply):
+                self._run(p.unload(reply, model, now))
+            case GetModels(reply=reply):
+                reply.send(p.snapshot())
+            case Ping(reply=reply):
+                reply.send(Alive(running=p.running_count(), queue_depth=len(p.waiting)))
+            case Subscribe(sink=sink):
+                self.subscribers.append(sink)
+            case InstancesAttached(instances=instances):
+                self.instances = dict(instances)
+                for name in self.startup_loads:
+                    self._run(p.load(None, name, now))
+            case InstanceReady(model=model, generation=gen, pid=pid, port=port):
+                self._run(p.instance_ready(model, gen, pid, f"http://127.0.0.1:{port}", now))
+            case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
+                self._run(p.instance_exited(model, gen, rc, desc, now))
+            case Shutdown(reply=reply):
+                self.shutdown_replies.append(reply)
+                self._run(p.shutdown(now))
+            case _:
+                assert_never(message)
+        if self.shutdown_replies and p.all_stopped:
+            for reply in self.shutdown_replies:
+                reply.send(True)
+            self.shutdown_replies.clear()
+
+    def _run(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            match effect:
+                case Answer(ticket=ticket, value=value):
+                    if ticket is not None:  # None: a load nobody waits on (load_on_startup)
+                        ticket.send(value)
+                case Spawn(model=model, generation=gen):
+                    self.instances[model].tell(StartInstance(gen))
+                case Stop(model=model, generation=gen, reason=reason):
+                    self.instances[model].tell(StopInstance(gen, reason))
+                case Publish(event=event):
+                    for sink in self.subscribers:
+                        sink(event)
+                case _:
+                    assert_never(effect)

@@ -1,0 +1,163 @@
+"""The actor system of one corral: start in order, lease models, stop in reverse (R-1.6, R-7.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from .bridge import Fanout, LoopReply, ThreadReply
+from .childproc import LogRing
+from .config import Config
+from .instance import ModelInstance
+from .messages import (
+    Acquire,
+    Cancel,
+    Event,
+    Grant,
+    InstancesAttached,
+    Refusal,
+    Release,
+    Shutdown,
+    Subscribe,
+)
+from .scheduler import Scheduler
+from .timers import Timers
+
+log = logging.getLogger("corral")
+
+
+class LeaseError(Exception):
+    """A lease was refused; `status` is the HTTP status the Router would have answered."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.status = refusal.status
+        self.refusal = refusal
+
+
+class Supervisor:
+    """Runs corral's actors inside the calling program, with or without the HTTP front.
+
+        sup = Supervisor(config, on_event=print)
+        sup.start()
+        with sup.lease("chat") as base_url:
+            ...  # the model stays loaded, and is not evicted, inside the block
+        sup.stop()
+    """
+
+    def __init__(self, config: Config, *, on_event: Callable[[Event], None] | None = None,
+                 on_crash: Callable[[str, BaseException], None] | None = None) -> None:
+        """`on_event` runs on a corral thread: hand the event on, do not block in it.
+
+        `on_crash(actor_name, exception)` is called once if an actor dies; the default
+        logs it. After a crash, stop() the supervisor.
+        """
+        self.config = config
+        self._on_event = on_event
+        self._on_crash = on_crash
+        self.crashed = threading.Event()
+        self.logs = {name: LogRing() for name in config.models}
+        """Each model's recent child output (GET /models/logs)."""
+        self.timers: Timers | None = None
+        self.scheduler: Any = None
+        self.instances: dict[str, Any] = {}
+
+    def _crash(self, actor: str, error: BaseException) -> None:
+        if self.crashed.is_set():
+            return
+        self.crashed.set()
+        log.critical("actor %s died (%s); corral must shut down", actor, error)
+        if self._on_crash is not None:
+            self._on_crash(actor, error)
+
+    def start(self) -> None:
+        """Start the timers, the Scheduler, then one ModelInstance per model."""
+        self.timers = Timers()
+        self.scheduler = Scheduler.start(self.config, self._crash)
+        if self._on_event is not None:
+            self.scheduler.tell(Subscribe(self._on_event))
+        for name, model in self.config.models.items():
+            self.instances[name] = ModelInstance.start(
+                name, model, self.scheduler, self.timers, self.logs[name], self._crash)
+        self.scheduler.tell(InstancesAttached(self.instances))
+        log.info("corral started: %d models, models_max %d", len(self.config.models),
+                 self.config.models_max)
+
+    def subscribe(self, loop: asyncio.AbstractEventLoop,
+                  callback: Callable[[Event], None]) -> None:
+        """Call `callback(event)` on `loop` for every event from now on."""
+        self.scheduler.tell(Subscribe(Fanout(loop, callback)))
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop every child, then the actors in reverse order; True if all children exited.
+
+        Waits at most `timeout_s` (default: the longest stop_timeout_s plus 5 s) for the
+        children; actors are stopped either way, and a child still alive then dies with
+        its instance's thread (PR_SET_PDEATHSIG).
+        """
+        if self.scheduler is None:
+            return True
+        if timeout_s is None:
+            timeout_s = 5.0 + max((m.stop_timeout_s for m in self.config.models.values()),
+                                  default=0.0)
+        done = ThreadReply()
+        clean = False
+        with contextlib.suppress(Exception):
+            self.scheduler.tell(Shutdown(done))
+            clean = done.wait(timeout_s) is True
+        if not clean:
+            log.error("children did not all exit within %.1f s of shutdown", timeout_s)
+        for ref in self.instances.values():
+            ref.stop(block=True, timeout=5.0)
+        self.scheduler.stop(block=True, timeout=5.0)
+        if self.timers is not None:
+            self.timers.stop()
+        self.scheduler = None
+        return clean
+
+    # ------------------------------------------------------------ leases
+
+    @contextlib.contextmanager
+    def lease(self, model: str, timeout_s: float | None = None) -> Iterator[str]:
+        """Hold `model` loaded for the block; yields the child's base URL.
+
+        Raises LeaseError if corral refuses, TimeoutError after `timeout_s`.
+        """
+        ticket = ThreadReply()
+        self.scheduler.tell(Acquire(ticket, model))
+        answer = ticket.wait(timeout_s)
+        if answer is None:
+            self.scheduler.tell(Cancel(ticket))
+            raise TimeoutError(f"model '{model}' was not ready within {timeout_s} s")
+        if isinstance(answer, Refusal):
+            raise LeaseError(answer)
+        assert isinstance(answer, Grant)
+        try:
+            yield answer.base_url
+        finally:
+            self.scheduler.tell(Release(ticket))
+
+    @contextlib.asynccontextmanager
+    async def lease_async(self, model: str) -> AsyncIterator[str]:
+        """The `async with` form of `lease`: never blocks the event loop.
+
+        Cancelling the waiting task leaves the queue (or releases a crossing grant).
+        """
+        ticket = LoopReply(asyncio.get_running_loop())
+        self.scheduler.tell(Acquire(ticket, model))
+        try:
+            answer = await ticket.future
+        except BaseException:
+            self.scheduler.tell(Cancel(ticket))
+            raise
+        if isinstance(answer, Refusal):
+            raise LeaseError(answer)
+        assert isinstance(answer, Grant)
+        try:
+            yield answer.base_url
+        finally:
+            self.scheduler.tell(Release(ticket))

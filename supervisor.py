@@ -1,0 +1,175 @@
+"""corral's entry point: CLI, config, actors in order, uvloop + HTTP, ordered shutdown.
+
+    corral serve [--config FILE]        (no config: the built-in demo)
+    corral check-config FILE
+    corral models | status | load NAME | unload NAME   [--url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+
+import msgspec
+
+from actors import Config, ConfigError, Supervisor, demo_config, load_config
+from actors.config import parse_config
+from actors.router import Router
+
+log = logging.getLogger("corral")
+EXIT_CONFIG = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="corral", description="Supervisor for model servers.")
+    sub = p.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="run the supervisor (default)")
+    add_serve_args(serve)
+    check = sub.add_parser("check-config", help="check a config file; exit 2 if it is wrong")
+    check.add_argument("file")
+    for name, helptext in [("models", "list models and their state"),
+                           ("status", "is corral up, and what runs"),
+                           ("load", "load a model"), ("unload", "unload a model")]:
+        cmd = sub.add_parser(name, help=helptext)
+        cmd.add_argument("--url", default="http://127.0.0.1:8080")
+        cmd.add_argument("--api-key", default=None)
+        if name in ("load", "unload"):
+            cmd.add_argument("name")
+    return p
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: the built-in demo)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--models-max", type=int, metavar="N")
+    p.add_argument("--no-models-autoload", action="store_true")
+    p.add_argument("--api-key")
+    p.add_argument("--log-level", default="INFO")
+
+
+def effective_config(args: argparse.Namespace) -> Config:
+    config = load_config(args.config) if args.config else demo_config()
+    overrides: dict[str, object] = {}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    if args.models_max is not None:
+        overrides["models_max"] = args.models_max
+    if args.no_models_autoload:
+        overrides["autoload"] = False
+    if args.api_key is not None:
+        overrides["api_key"] = args.api_key
+    if not overrides:
+        return config
+    data = msgspec.to_builtins(config)
+    data.update(overrides)
+    return parse_config(data, "command line")
+
+
+async def serve(config: Config) -> int:
+    """Run until SIGINT/SIGTERM or an actor crash; return the exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    crashed: list[str] = []
+
+    def on_crash(actor: str, error: BaseException) -> None:
+        crashed.append(actor)
+        loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    sup = Supervisor(config, on_crash=on_crash)
+    sup.start()
+    router = Router(sup, config)
+    try:
+        port = await router.start(config.host, config.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
+        await asyncio.to_thread(sup.stop)
+        return 1
+    log.info("corral listening on http://%s:%d (models: %s)", config.host, port,
+             ", ".join(config.models) or "none")
+    print(f"corral: listening on http://{config.host}:{port}", flush=True)
+    await stop.wait()
+    log.info("shutting down%s", f" after a crash of {crashed[0]}" if crashed else "")
+    await router.stop()
+    clean = await asyncio.to_thread(sup.stop)
+    log.info("stopped %s", "cleanly" if clean else "(some children had to be killed)")
+    return 1 if crashed else 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = effective_config(args)
+    except ConfigError as e:
+        print(f"corral: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        import uvloop
+        return uvloop.run(serve(config))
+    except ImportError:
+        return asyncio.run(serve(config))
+
+
+def client(args: argparse.Namespace) -> int:
+    """The management commands: talk to a running corral over HTTP."""
+    base = args.url.rstrip("/")
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    if args.command in ("load", "unload"):
+        req = urllib.request.Request(f"{base}/models/{args.command}", method="POST",
+                                     data=json.dumps({"model": args.name}).encode(),
+                                     headers=headers)
+    else:
+        req = urllib.request.Request(f"{base}/models", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            data = json.load(resp)
+    except urllib.error.HTTPError as e:
+        print(f"corral: {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as e:
+        print(f"corral: cannot reach {base}: {e.reason}", file=sys.stderr)
+        return 1
+    if args.command in ("load", "unload"):
+        print(f"{args.command}: {args.name}: ok")
+        return 0
+    for model in data["data"]:
+        status = model["status"]
+        extra = f"  ({status.get('exit')})" if status.get("failed") else ""
+        print(f"{model['id']:<24} {status['value']:<9} in_flight={model['in_flight']} "
+              f"waiting={model['waiting']}{extra}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "check-config":
+        try:
+            config = load_config(args.file)
+        except ConfigError as e:
+            print(f"corral: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(f"{args.file}: ok ({len(config.models)} models)")
+        return 0
+    return client(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
