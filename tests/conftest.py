@@ -1,0 +1,67 @@
+"""Fixtures, and the check that the suite leaves no process of ours behind."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import Corral
+
+MARK = "CORRAL_TEST_RUN"
+os.environ[MARK] = uuid.uuid4().hex  # inherited by every process the tests start
+
+
+def our_processes() -> list[psutil.Process]:
+    """Processes other than this one that carry this run's environment marker."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(MARK) == os.environ[MARK] and proc.status() != "zombie":
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    yield
+    left = psutil.wait_procs(our_processes(), timeout=5)[1]
+    for proc in left:
+        proc.kill()
+    assert not left, f"processes left behind by the tests: {left}"
+
+
+@pytest.fixture
+def corral(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Corral]]:
+    """Start corral processes: `corral(config_text, *cli_args)`; all stopped at teardown."""
+    started: list[Corral] = []
+
+    def start(config_text: str | None, *args: str) -> Corral:
+        home = tmp_path / f"corral{len(started)}"
+        home.mkdir()
+        c = Corral(home, config_text, *args)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        rc = c.stop()
+        failed = getattr(request.node, "rep_call", None)
+        if failed is not None and failed.failed:
+            print(f"--- corral log (exit {rc}) ---\n{c.log()[-6000:]}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    report = yield
+    if report.when == "call":
+        item.rep_call = report  # type: ignore[attr-defined]
+    return report

@@ -1,0 +1,193 @@
+"""Test helpers: run a real corral process, talk HTTP to it, follow its SSE stream."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fake_cmd(*knobs: str) -> list[str]:
+    """argv of the bundled fake model server, with corral's placeholders."""
+    return [sys.executable, "-m", "actors.fake_model", "--host", "{host}", "--port", "{port}",
+            "--model", "{model}", *knobs]
+
+
+def toml_config(models: dict[str, dict[str, Any]], **top: Any) -> str:
+    """A TOML text for `models` (name -> keys) and top-level keys."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
+    for name, keys in models.items():
+        lines.append(f'\n[models."{name}"]')
+        lines += [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
+    return "\n".join(lines) + "\n"
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0,
+               what: str = "condition") -> Any:
+    """Poll `predicate` (backing off from 5 ms to 100 ms) until it returns truthy."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def request(port: int, method: str, path: str, body: Any = None,
+            headers: dict[str, str] | None = None, raw: bytes | None = None,
+            timeout_s: float = 30.0) -> tuple[int, Any, dict[str, str]]:
+    """One HTTP exchange; the body is JSON-decoded when it can be."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None
+                                           else None)
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        conn.request(method, path, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        payload = resp.read()
+        try:
+            decoded: Any = json.loads(payload)
+        except ValueError:
+            decoded = payload.decode(errors="replace")
+        return resp.status, decoded, {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+
+
+def chat(port: int, model: str, max_tokens: int = 4, **extra: Any) -> tuple[int, Any]:
+    status, body, _ = request(port, "POST", "/v1/chat/completions",
+                              {"model": model, "max_tokens": max_tokens,
+                               "messages": [{"role": "user", "content": "hi"}], **extra})
+    return status, body
+
+
+class Corral:
+    """A `python supervisor.py serve` process on a free port, stopped at teardown."""
+
+    def __init__(self, tmp: Path, config_text: str | None, *args: str) -> None:
+        self.log_path = tmp / "corral.log"
+        argv = [sys.executable, str(ROOT / "supervisor.py"), "serve", "--port", "0", *args]
+        if config_text is not None:
+            cfg = tmp / "corral.toml"
+            cfg.write_text(config_text)
+            argv += ["--config", str(cfg)]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
+                                     stdin=subprocess.DEVNULL, cwd=ROOT)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
+        try:
+            line = lines.get(timeout=20)
+        except queue.Empty:
+            self.stop()
+            raise AssertionError(f"corral did not start:\n{self.log()}") from None
+        if "listening on" not in line:
+            self.stop()
+            raise AssertionError(f"corral did not start ({line!r}):\n{self.log()}")
+        self.port = int(line.rsplit(":", 1)[1])
+
+    def _pump(self, lines: queue.Queue[str]) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            lines.put(raw.decode(errors="replace").strip())
+        lines.put("<eof>")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        status, body, _ = request(self.port, "GET", "/models")
+        assert status == 200, body
+        return {m["id"]: m for m in body["data"]}
+
+    def state(self, model: str) -> str:
+        return str(self.models()[model]["status"]["value"])
+
+    def wait_state(self, model: str, state: str, timeout_s: float = 15.0) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            m = self.models()[model]
+            return m if m["status"]["value"] == state else None
+        return wait_until(check, timeout_s, f"{model} to be {state}")  # type: ignore[no-any-return]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+class SSE:
+    """Follows GET /models/sse on a thread; `wait_for` blocks until a matching event."""
+
+    def __init__(self, port: int, headers: dict[str, str] | None = None) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._cv = threading.Condition()
+        self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self._conn.request("GET", "/models/sse", headers=headers or {})
+        self._resp = self._conn.getresponse()
+        assert self._resp.status == 200
+        assert self._resp.readline().startswith(b": connected")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while line := self._resp.readline():
+                if line.startswith(b"data: "):
+                    with self._cv:
+                        self.events.append(json.loads(line[6:]))
+                        self._cv.notify_all()
+        except (OSError, ValueError):
+            pass
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
+                 timeout_s: float = 15.0) -> dict[str, Any]:
+        with self._cv:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                for e in self.events:
+                    if predicate(e):
+                        return e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no matching event in {self.events}")
+                self._cv.wait(left)
+
+    def statuses(self, model: str) -> list[str]:
+        with self._cv:
+            return [e["status"] for e in self.events
+                    if e["type"] == "status_change" and e["model"] == model]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

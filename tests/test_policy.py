@@ -1,0 +1,364 @@
+"""The pure scheduling rules, driven synchronously: no threads, no sleeps, a fake clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.lifecycle import IllegalTransition, ModelState, check_transition
+from actors.messages import Done, Grant, Refusal
+from actors.policy import Answer, Effect, Policy, Spawn, Stop
+
+
+class World:
+    """A Policy plus a record of what it asked for, with helpers that play the instances."""
+
+    def __init__(self, models_max: int = 2, names: str = "abcd", intensity: int = 3,
+                 pinned: str = "") -> None:
+        self.p = Policy(models_max, intensity, 60.0)
+        for n in names:
+            self.p.add_model(n, 0.0, pinned=n in pinned)
+        self.now = 0.0
+        self.answers: dict[object, object] = {}
+        self.spawns: list[tuple[str, int]] = []
+        self.stops: list[tuple[str, str]] = []
+
+    def run(self, effects: list[Effect]) -> list[Effect]:
+        for e in effects:
+            if isinstance(e, Answer):
+                self.answers[e.ticket] = e.value
+            elif isinstance(e, Spawn):
+                self.spawns.append((e.model, e.generation))
+            elif isinstance(e, Stop):
+                self.stops.append((e.model, e.reason))
+        self.p.check_invariants()
+        return effects
+
+    def tick(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def acquire(self, ticket: object, model: str, autoload: bool = True) -> object:
+        self.run(self.p.acquire(ticket, model, self.tick(), autoload))
+        return self.answers.get(ticket)
+
+    def release(self, ticket: object) -> None:
+        self.run(self.p.release(ticket, self.tick()))
+
+    def cancel(self, ticket: object) -> None:
+        self.run(self.p.cancel(ticket, self.tick()))
+
+    def gen(self, model: str) -> int:
+        return self.p.models[model].generation
+
+    def ready(self, model: str) -> None:
+        self.run(self.p.instance_ready(model, self.gen(model), 100, "http://x:1", self.tick()))
+
+    def exited(self, model: str, rc: int = 0) -> None:
+        self.run(self.p.instance_exited(model, self.gen(model), rc, f"rc {rc}", self.tick()))
+
+    def state(self, model: str) -> str:
+        return self.p.models[model].state.value
+
+    def load_idle(self, *models: str) -> None:
+        """Load each model with one request, and release it."""
+        for m in models:
+            t = ("warm", m, self.now)
+            self.acquire(t, m)
+            if self.state(m) == "loading":
+                self.ready(m)
+            assert isinstance(self.answers[t], Grant)
+            self.release(t)
+
+
+def test_first_request_spawns_and_is_granted_when_ready() -> None:
+    w = World()
+    assert w.acquire(1, "a") is None
+    assert w.spawns == [("a", 1)]
+    assert w.state("a") == "loading"
+    w.ready("a")
+    grant = w.answers[1]
+    assert isinstance(grant, Grant) and grant.model == "a" and grant.generation == 1
+    assert w.p.models["a"].in_flight == 1
+
+
+def test_loaded_model_is_granted_at_once_and_counted_in_flight() -> None:
+    w = World()
+    w.load_idle("a")
+    assert isinstance(w.acquire(2, "a"), Grant)
+    assert w.p.models["a"].in_flight == 1
+    w.release(2)
+    assert w.p.models["a"].in_flight == 0
+
+
+def test_lru_victim_is_the_least_recently_used_idle_model() -> None:
+    w = World(models_max=2)
+    w.load_idle("a", "b")
+    w.load_idle("a")  # a is now more recent than b
+    w.acquire(10, "c")
+    assert w.stops == [("b", "lru")]
+    assert w.p.models["b"].last_eviction is not None
+    assert w.p.models["b"].last_eviction.for_model == "c"
+    assert w.spawns[-1][0] != "c"  # not before b is reaped
+    w.exited("b")
+    assert w.spawns[-1] == ("c", 1)
+
+
+def test_busy_model_is_never_evicted_and_the_waiter_gets_it_after_release() -> None:
+    w = World(models_max=1)
+    w.load_idle("a")
+    assert isinstance(w.acquire(1, "a"), Grant)
+    assert w.acquire(2, "b") is None
+    assert w.stops == []  # a is busy
+    w.release(1)
+    assert w.stops == [("a", "lru")]
+    w.exited("a")
+    w.ready("b")
+    assert isinstance(w.answers[2], Grant)
+
+
+def test_n_requests_for_one_missing_model_cause_one_eviction_and_one_load() -> None:
+    w = World(models_max=2)
+    w.load_idle("a", "b")
+    for t in (1, 2, 3):
+        w.acquire(t, "c")
+    assert len(w.stops) == 1
+    assert len(w.p.queue) == 1 and len(w.p.queue["c"].waiters) == 3
+    w.exited(w.stops[0][0])
+    assert [s for s in w.spawns if s[0] == "c"] == [("c", 1)]
+    w.ready("c")
+    assert all(isinstance(w.answers[t], Grant) for t in (1, 2, 3))
+    assert w.p.models["c"].in_flight == 3
+
+
+def test_model_wanted_by_the_queue_is_not_a_victim() -> None:
+    w = World(models_max=1)
+    w.load_idle("a")
+    w.acquire(1, "a")  # busy
+    w.acquire(2, "b")  # waits for a slot
+    w.release(1)       # a idle -> evicted for b
+    assert w.stops == [("a", "lru")]
+    w.acquire(3, "a")  # a stopping: queues behind b
+    assert not isinstance(w.answers.get(3), Grant)  # never proxied into a stopping child
+    w.exited("a")
+    w.ready("b")
+    # b is loaded, but a is wanted; b has a request in flight so nothing is evicted yet
+    assert w.stops == [("a", "lru")]
+    w.release(2)
+    assert w.stops[-1] == ("b", "lru")
+
+
+def test_pinned_model_is_never_a_victim() -> None:
+    w = World(models_max=1, pinned="a")
+    w.load_idle("a")
+    w.acquire(1, "b")
+    assert w.stops == []
+    assert w.answers.get(1) is None
+
+
+def test_queue_heads_claim_in_fifo_order() -> None:
+    w = World(models_max=1)
+    w.load_idle("a")
+    w.acquire(1, "a")
+    w.acquire(2, "b")
+    w.acquire(3, "c")
+    w.acquire(4, "d")
+    w.release(1)
+    w.exited("a")
+    assert [s[0] for s in w.spawns[1:]] == ["b"]
+    w.ready("b")
+    w.release(2)
+    w.exited("b")
+    w.ready("c")
+    w.release(3)
+    w.exited("c")
+    assert [s[0] for s in w.spawns[1:]] == ["b", "c", "d"]
+
+
+def test_cancel_while_queued_leaves_no_entry_and_evicts_nothing() -> None:
+    w = World(models_max=1)
+    w.load_idle("a")
+    w.acquire(1, "a")
+    w.acquire(2, "b")
+    w.cancel(2)
+    assert w.p.queue == {} and w.p.waiting == {}
+    w.release(1)
+    assert w.stops == []
+    assert w.state("a") == "loaded"
+
+
+def test_cancel_that_crossed_its_grant_is_a_release() -> None:
+    w = World()
+    w.load_idle("a")
+    w.acquire(1, "a")
+    w.cancel(1)
+    assert w.p.models["a"].in_flight == 0
+    assert w.p.leases == {}
+
+
+def test_failed_load_keeps_waiters_and_retries_until_budget_is_spent() -> None:
+    w = World(intensity=2)
+    w.acquire(1, "a")
+    w.acquire(2, "a")
+    w.exited("a", rc=1)  # load failure 1: retried at once
+    assert w.state("a") == "loading" and w.gen("a") == 2
+    assert w.answers == {}
+    w.exited("a", rc=1)  # 2: retried
+    w.exited("a", rc=1)  # 3 > intensity 2: give up
+    assert w.state("a") == "failed"
+    for t in (1, 2):
+        refusal = w.answers[t]
+        assert isinstance(refusal, Refusal) and refusal.status == 500
+        assert "'a' failed 3 times" in refusal.message and "rc 1" in refusal.message
+    assert w.p.queue == {}
+    refused = w.acquire(3, "a")
+    assert isinstance(refused, Refusal) and refused.status == 500
+    # an explicit load clears the failure
+    w.run(w.p.load("L", "a", w.tick()))
+    assert isinstance(w.answers["L"], Done) and w.state("a") == "loading"
+
+
+def test_crash_of_a_loaded_model_marks_it_failed_and_the_next_request_reloads() -> None:
+    w = World()
+    w.load_idle("a")
+    w.exited("a", rc=-9)
+    rec = w.p.models["a"]
+    assert rec.state is ModelState.FAILED and rec.exit_code == -9
+    w.acquire(1, "a")
+    assert w.state("a") == "loading" and w.gen("a") == 2
+    w.ready("a")
+    assert isinstance(w.answers[1], Grant)
+
+
+def test_release_of_a_lease_from_a_dead_generation_does_not_count() -> None:
+    w = World()
+    w.load_idle("a")
+    w.acquire(1, "a")
+    w.exited("a", rc=-9)  # crash with 1 in flight
+    w.acquire(2, "a")
+    w.ready("a")
+    assert w.p.models["a"].in_flight == 1
+    w.release(1)  # from generation 1
+    assert w.p.models["a"].in_flight == 1
+
+
+def test_stale_events_are_dropped() -> None:
+    w = World()
+    w.load_idle("a")
+    assert w.p.instance_exited("a", 0, -9, "old", 99.0) == []
+    assert w.p.instance_ready("a", 0, 1, "http://x:1", 99.0) == []
+    assert w.state("a") == "loaded"
+
+
+def test_unload_of_a_loading_model_does_not_wedge_its_waiters() -> None:
+    w = World()
+    w.acquire(1, "a")
+    w.run(w.p.unload("U", "a", w.tick()))
+    assert w.state("a") == "stopping"
+    w.ready("a")  # crossing readiness of the child being stopped: ignored
+    assert w.answers.get(1) is None
+    w.exited("a", rc=-9)
+    assert w.state("a") == "loading" and w.gen("a") == 2  # the waiter's entry reclaimed
+    w.ready("a")
+    assert isinstance(w.answers[1], Grant)
+
+
+def test_autoload_off_refuses_a_model_that_is_not_loaded() -> None:
+    w = World()
+    refusal = w.acquire(1, "a", autoload=False)
+    assert isinstance(refusal, Refusal) and refusal.status == 400
+    assert "not loaded" in refusal.message
+
+
+def test_management_errors() -> None:
+    w = World()
+    w.run(w.p.load("L", "zzz", w.tick()))
+    assert isinstance(w.answers["L"], Refusal) and w.answers["L"].status == 404
+    w.run(w.p.unload("U", "a", w.tick()))
+    assert isinstance(w.answers["U"], Refusal) and w.answers["U"].status == 400
+    w.load_idle("a")
+    w.run(w.p.load("L2", "a", w.tick()))
+    assert isinstance(w.answers["L2"], Refusal) and "already running" in w.answers["L2"].message
+
+
+def test_shutdown_refuses_waiters_and_stops_everything() -> None:
+    w = World(models_max=1)
+    w.load_idle("a")
+    w.acquire(1, "a")
+    w.acquire(2, "b")
+    w.run(w.p.shutdown(w.tick()))
+    assert isinstance(w.answers[2], Refusal) and w.answers[2].status == 503
+    assert w.stops[-1] == ("a", "shutdown")
+    assert not w.p.all_stopped
+    w.exited("a")
+    assert w.p.all_stopped
+
+
+def test_unlimited_models_max_never_evicts() -> None:
+    w = World(models_max=0)
+    w.load_idle("a", "b", "c", "d")
+    assert w.stops == []
+    assert w.p.running_count() == 4
+
+
+def test_illegal_transition_raises() -> None:
+    with pytest.raises(IllegalTransition):
+        check_transition("m", ModelState.UNLOADED, ModelState.LOADED)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
+    """Requests, releases, cancels, crashes, load failures and unloads at random.
+
+    After every step the invariants hold; at the end, with every child answering and
+    every client done, every request has been answered (R-4.8: nothing waits forever).
+    """
+    rng = random.Random(seed)
+    w = World(models_max=rng.choice([1, 2, 3]), intensity=1_000)
+    live: dict[str, int] = {}  # model -> generation of a child that exists
+    open_tickets: list[int] = []
+    for step in range(300):
+        for m, rec in w.p.models.items():
+            if rec.state.is_running:
+                live[m] = rec.generation
+        op = rng.random()
+        if op < 0.35:
+            t = step
+            open_tickets.append(t)
+            w.acquire(t, rng.choice("abcd"))
+        elif op < 0.55 and open_tickets:
+            w.release(open_tickets.pop(rng.randrange(len(open_tickets))))
+        elif op < 0.62 and open_tickets:
+            w.cancel(open_tickets.pop(rng.randrange(len(open_tickets))))
+        elif op < 0.8:
+            loading = [m for m, r in w.p.models.items() if r.state is ModelState.LOADING]
+            if loading:
+                w.ready(rng.choice(loading))
+        elif op < 0.95:
+            running = [m for m, r in w.p.models.items() if r.state.is_running]
+            if running:
+                m = rng.choice(running)
+                if w.p.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
+                    w.exited(m, rc=rng.choice([0, 1, -9]))
+        else:
+            w.run(w.p.unload(("u", step), rng.choice("abcd"), w.tick()))
+    # drain: children become ready or finish stopping, clients finish
+    for _ in range(200):
+        progressed = False
+        for m, rec in w.p.models.items():
+            if rec.state is ModelState.LOADING:
+                w.ready(m)
+                progressed = True
+            elif rec.state is ModelState.STOPPING:
+                w.exited(m)
+                progressed = True
+        granted = [t for t in open_tickets if isinstance(w.answers.get(t), Grant)]
+        for t in granted:
+            open_tickets.remove(t)
+            w.release(t)
+            progressed = True
+        if not progressed:
+            break
+    assert w.p.waiting == {}, f"requests never answered: {w.p.waiting}"
+    assert w.p.queue == {} or all(e.explicit and not e.waiters for e in w.p.queue.values())
