@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import pykka
 
@@ -35,3 +36,11 @@ class BaseActor(pykka.ThreadingActor):
         self.log.critical("actor %s crashed", self.name,
                           exc_info=(exception_type, exception_value, traceback))  # type: ignore[arg-type]
         self._on_crash(self.name, exception_value or RuntimeError("unknown failure"))
+
+
+def tell_or_drop(ref: pykka.ActorRef[Any], message: object) -> None:
+    """Tell from a helper thread; a recipient that has stopped no longer cares."""
+    try:
+        ref.tell(message)
+    except pykka.ActorDeadError:
+        pass

@@ -97,18 +97,27 @@ def _validate(config: Config, source: str) -> Config:
     return config
 
 
-def _describe(error: msgspec.ValidationError) -> str:
-    """`Expected `int`, got `str` - at `$.models.a.port`` -> `models.a.port: Expected ...`."""
+def _describe(error: msgspec.ValidationError, prefix: str = "") -> str:
+    """`Expected `int`, got `str` - at `$.port`` -> `PREFIX.port: Expected `int`, got `str``."""
     text = str(error)
     message, sep, where = text.rpartition(" - at `")
     if not sep:
-        return text
-    path = where.rstrip("`").removeprefix("$").removeprefix(".")
+        message, where = text, ""
+    path = ".".join(p for p in (prefix, where.rstrip("`").removeprefix("$.").lstrip("$")) if p)
     return f"{path}: {message}" if path else message
 
 
 def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
     """Decode a TOML-shaped dict; raise ConfigError naming `source` and the key path."""
+    models = data.get("models")
+    if isinstance(models, dict):
+        # One model at a time first: msgspec names a dict key `[...]`, and the model's
+        # name is the part of the path a user needs.
+        for name, table in models.items():
+            try:
+                msgspec.convert(table, type=ModelConfig)
+            except msgspec.ValidationError as e:
+                raise ConfigError(f"{source}: {_describe(e, f'models.{name}')}") from None
     try:
         config = msgspec.convert(data, type=Config)
     except msgspec.ValidationError as e:

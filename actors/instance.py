@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, assert_never
 
-from .base import BaseActor, CrashHandler
+from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import ChildProcess, LogRing, pick_port, port_in_use
 from .config import PLACEHOLDER, ModelConfig
 from .lifecycle import describe_exit
@@ -138,7 +138,7 @@ class ModelInstance(BaseActor):
         ref = self.actor_ref
         try:
             self.child = ChildProcess(argv, env, self.log_ring, label=self.model,
-                                      on_exit=lambda: ref.tell(ChildExited(spawn_id)))
+                                      on_exit=lambda: tell_or_drop(ref, ChildExited(spawn_id)))
         except (OSError, subprocess.SubprocessError) as e:
             self.log.error("cannot start %s: %s", argv[0], e)
             self.scheduler.tell(InstanceExited(self.model, self.generation, 127,
@@ -151,7 +151,7 @@ class ModelInstance(BaseActor):
         threading.Thread(
             target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
             args=(self.port, self.config.health_path, self.abandon_probe,
-                  lambda: ref.tell(ChildReady(spawn_id)))).start()
+                  lambda: tell_or_drop(ref, ChildReady(spawn_id)))).start()
         self.timers.after(self.config.load_timeout_s, ref, LoadDeadline(spawn_id))
 
     def handle_ready(self, spawn_id: int) -> None:

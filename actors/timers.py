@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-import pykka
+from .base import tell_or_drop
 
 
 class Timers:
@@ -51,7 +51,4 @@ class Timers:
                 if self._stopped:
                     return
                 _, _, ref, message = heapq.heappop(self._heap)
-            try:
-                ref.tell(message)
-            except pykka.ActorDeadError:
-                pass  # the recipient is gone; so is its interest in the deadline
+            tell_or_drop(ref, message)

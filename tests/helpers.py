@@ -86,7 +86,7 @@ class Corral:
             cfg = tmp / "corral.toml"
             cfg.write_text(config_text)
             argv += ["--config", str(cfg)]
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
                                      stdin=subprocess.DEVNULL, cwd=ROOT)
         lines: queue.Queue[str] = queue.Queue()

@@ -1,0 +1,123 @@
+"""The HTTP API's management endpoints, errors and authentication."""
+
+from __future__ import annotations
+
+from tests.helpers import SSE, chat, fake_cmd, request, toml_config
+
+
+def one_model(**top: object) -> str:
+    return toml_config({"a": {"cmd": fake_cmd(), "aliases": ["alpha"]},
+                        "b": {"cmd": fake_cmd()}}, **top)
+
+
+def test_malformed_json_is_a_400_naming_the_problem_and_corral_keeps_serving(corral) -> None:
+    c = corral(one_model())
+    status, body, _ = request(c.port, "POST", "/v1/chat/completions", raw=b'{"model": "a",')
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "malformed" in body["error"]["message"] or "truncated" in body["error"]["message"]
+    status, body, _ = request(c.port, "POST", "/v1/chat/completions", {"model": 5})
+    assert status == 400 and "Expected `str | null`, got `int` - at `$.model`" in \
+        body["error"]["message"]
+    status, body, _ = request(c.port, "POST", "/v1/chat/completions", raw=b"[1, 2]")
+    assert status == 400 and "Expected `object`" in body["error"]["message"]
+    assert chat(c.port, "a")[0] == 200
+    assert request(c.port, "GET", "/health")[0] == 200
+
+
+def test_missing_and_unknown_models_are_400(corral) -> None:
+    c = corral(one_model())
+    status, body, _ = request(c.port, "POST", "/v1/completions", {"prompt": "x"})
+    assert status == 400 and "model name is missing" in body["error"]["message"]
+    status, body, _ = request(c.port, "POST", "/v1/completions", {"model": "nope"})
+    assert status == 400 and body["error"]["message"] == "model 'nope' not found"
+    status, body, _ = request(c.port, "GET", "/props?model=nope")
+    assert status == 400
+
+
+def test_load_and_unload(corral) -> None:
+    c = corral(one_model())
+    sse = SSE(c.port)
+    status, body, _ = request(c.port, "POST", "/models/load", {"model": "nope"})
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body, _ = request(c.port, "POST", "/models/load", {"model": "alpha"})
+    assert (status, body) == (200, {"success": True})
+    c.wait_state("a", "loaded")
+    status, body, _ = request(c.port, "POST", "/models/load", {"model": "a"})
+    assert status == 400 and "already running" in body["error"]["message"]
+    status, body, _ = request(c.port, "POST", "/models/unload", {"model": "a"})
+    assert (status, body) == (200, {"success": True})
+    c.wait_state("a", "unloaded")
+    status, body, _ = request(c.port, "POST", "/models/unload", {"model": "a"})
+    assert status == 400 and "not running" in body["error"]["message"]
+    assert sse.statuses("a") == ["loading", "loaded", "stopping", "unloaded"]
+    evicted = [e for e in sse.events if e["type"] == "eviction"]
+    assert evicted == [{"type": "eviction", "model": "a", "reason": "manual",
+                        "for_model": None}]
+    status, body, _ = request(c.port, "POST", "/models/load", raw=b"{}")
+    assert status == 400 and "missing required field `model`" in body["error"]["message"]
+
+
+def test_models_list_has_the_llama_cpp_shape(corral) -> None:
+    c = corral(one_model())
+    for path in ("/models", "/v1/models"):
+        status, body, _ = request(c.port, "GET", path)
+        assert status == 200 and body["object"] == "list"
+        entry = body["data"][0]
+        assert entry["id"] == "a" and entry["object"] == "model"
+        assert entry["aliases"] == ["alpha"]
+        assert entry["status"]["value"] == "unloaded"
+        assert "failed" not in entry["status"]
+
+
+def test_autoload_off_refuses_until_loaded(corral) -> None:
+    c = corral(one_model(), "--no-models-autoload")
+    status, body = chat(c.port, "a")
+    assert status == 400 and "not loaded" in body["error"]["message"]
+    _, props, _ = request(c.port, "GET", "/props")
+    assert props["models_autoload"] is False
+    # a request may still ask for autoload explicitly, as in llama.cpp
+    status, _, _ = request(c.port, "POST", "/v1/completions?autoload=true", {"model": "b"})
+    assert status == 200
+    assert request(c.port, "POST", "/models/load", {"model": "a"})[0] == 200
+    c.wait_state("a", "loaded")
+    assert chat(c.port, "a")[0] == 200
+
+
+def test_api_key_guards_everything_but_health(corral) -> None:
+    c = corral(one_model(), "--api-key", "s3cret")
+    assert request(c.port, "GET", "/health")[0] == 200
+    status, body, _ = request(c.port, "GET", "/models")
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert request(c.port, "GET", "/models", headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert request(c.port, "GET", "/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+    assert request(c.port, "GET", "/models", headers={"x-api-key": "s3cret"})[0] == 200
+    status, _, _ = request(c.port, "POST", "/v1/completions", {"model": "a"},
+                           headers={"Authorization": "Bearer s3cret"})
+    assert status == 200
+
+
+def test_body_over_the_limit_is_413(corral) -> None:
+    c = corral(one_model(max_body_mib=0.01))
+    status, body, _ = request(c.port, "POST", "/v1/completions",
+                              raw=b'{"model": "a", "prompt": "' + b"x" * 20_000 + b'"}')
+    assert status == 413 and "limit" in body["error"]["message"]
+
+
+def test_unknown_get_route_is_a_404_with_a_hint(corral) -> None:
+    c = corral(one_model())
+    status, body, _ = request(c.port, "GET", "/nowhere")
+    assert status == 404 and "?model=" in body["error"]["message"]
+
+
+def test_cli_flags_override_the_file(corral) -> None:
+    c = corral(one_model(models_max=3), "--models-max", "1")
+    _, props, _ = request(c.port, "GET", "/props")
+    assert props["max_instances"] == 1
+
+
+def test_logs_of_a_child_are_kept(corral) -> None:
+    c = corral(one_model())
+    assert chat(c.port, "a")[0] == 200
+    status, text, _ = request(c.port, "GET", "/models/logs?model=a")
+    assert status == 200 and "fake_model a: ready" in text

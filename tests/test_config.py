@@ -1,0 +1,74 @@
+"""Config decoding and `corral check-config`: errors name the file, the key path and the problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.config import ConfigError, load_config
+from tests.helpers import ROOT
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "check-config",
+                           str(path)], capture_output=True, text=True, timeout=30)
+
+
+def test_a_good_config_loads_with_defaults(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, 'models_max = 1\n[models.m]\ncmd = ["x", "{port}"]\n'))
+    assert cfg.host == "127.0.0.1" and cfg.port == 8080 and cfg.models_max == 1
+    m = cfg.models["m"]
+    assert (m.health_path, m.load_timeout_s, m.stop_timeout_s) == ("/health", 600.0, 10.0)
+    result = check_config(write(tmp_path, '[models.m]\ncmd = ["x"]\n'))
+    assert result.returncode == 0 and "ok (1 models)" in result.stdout
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[models.m]\ncmd = "x"\n', "models.m.cmd: Expected `array`, got `str`"),
+    ('[models.m]\ncmd = ["x"]\nbogus = 1\n', "models.m: Object contains unknown field `bogus`"),
+    ('prot = 1\n', ": Object contains unknown field `prot`"),
+    ('[models.m]\ncmd = []\n', "models.m.cmd: Expected `array` of length >= 1"),
+    ('models_max = -1\n', "models_max: Expected `int` >= 0"),
+    ('[models.m]\ncmd = ["x"]\nstop_timeout_s = 0\n', "models.m.stop_timeout_s"),
+    ('[models.m]\ncmd = ["x", "{prot}"]\n', "models.m.cmd[1]: unknown placeholder {prot}"),
+    ('[models.m]\ncmd = ["x"]\naliases = ["n"]\n[models.n]\ncmd = ["y"]\n',
+     "models.m.aliases: 'n' is already the name or an alias of model 'n'"),
+    ('[models.m\n', "not valid TOML"),
+])
+def test_bad_configs_name_file_key_and_problem(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert expected in str(info.value)
+    result = check_config(path)
+    assert result.returncode == 2
+    assert str(path) in result.stderr and expected in result.stderr
+
+
+def test_missing_file_is_exit_2(tmp_path: Path) -> None:
+    result = check_config(tmp_path / "absent.toml")
+    assert result.returncode == 2 and "cannot read the config file" in result.stderr
+
+
+def test_serve_with_a_bad_config_exits_2(tmp_path: Path) -> None:
+    path = write(tmp_path, "models_max = 'two'\n")
+    result = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "serve", "--config",
+                             str(path)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "models_max: Expected `int`, got `str`" in result.stderr
+
+
+def test_api_key_file(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k123\n")
+    cfg = load_config(write(tmp_path, f'api_key_file = "{key}"\n'))
+    assert cfg.api_key == "k123"
