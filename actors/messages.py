@@ -62,6 +62,9 @@ class ModelView(msgspec.Struct, frozen=True):
     last_exit: str | None
     last_eviction: Evicted | None
     loads: int
+    loads_ok: int
+    load_s_total: float
+    evictions: dict[str, int]
 
 
 class ModelsSnapshot(Message, frozen=True):
@@ -69,6 +72,9 @@ class ModelsSnapshot(Message, frozen=True):
 
     models: list[ModelView]
     queue_depth: int
+    granted: int
+    queue_waits: int
+    queue_wait_s: float
 
 
 class Alive(Message, frozen=True):

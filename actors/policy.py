@@ -118,6 +118,23 @@ class ModelRecord:
     """Set when the restart budget is spent: the error every request gets until a load."""
     last_eviction: Evicted | None = None
     loads: int = 0
+    """Spawns, failed ones included."""
+    loads_ok: int = 0
+    load_s_total: float = 0.0
+    """Seconds from spawn to ready, summed over the successful loads."""
+
+
+@dataclass
+class Stats:
+    """Counters since start, for GET /metrics."""
+
+    granted: int = 0
+    queue_waits: int = 0
+    """Requests granted after waiting in the queue..."""
+    queue_wait_s: float = 0.0
+    """... and their summed wait."""
+    evictions: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(model, reason) -> count."""
 
 
 @dataclass(eq=False)
@@ -148,6 +165,9 @@ class Policy:
         """Ticket -> model, for every queued request."""
         self.leases: dict[Hashable, tuple[str, int]] = {}
         """Ticket -> (model, generation), for every granted request not yet released."""
+        self.queued_at: dict[Hashable, float] = {}
+        """Ticket -> when it joined the queue (same keys as `waiting`)."""
+        self.stats = Stats()
         self.shutting_down = False
         self._out: list[Effect] = []
 
@@ -179,6 +199,7 @@ class Policy:
                 entry = self.queue[model] = QueueEntry(model)
             entry.waiters[ticket] = None
             self.waiting[ticket] = model
+            self.queued_at[ticket] = now
             log.debug("request for %s queued (%d waiting for it, %d entries)",
                       model, len(entry.waiters), len(self.queue))
             self._pump(now)
@@ -203,6 +224,7 @@ class Policy:
         name = self.waiting.pop(ticket, None)
         if name is None:
             return self.release(ticket, now) if ticket in self.leases else []
+        del self.queued_at[ticket]
         entry = self.queue[name]
         del entry.waiters[ticket]
         if not entry.waiters and not entry.explicit:
@@ -266,6 +288,7 @@ class Policy:
         for ticket in list(self.waiting):
             self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
         self.waiting.clear()
+        self.queued_at.clear()
         self.queue.clear()
         for rec in self.models.values():
             if rec.state.is_running and rec.state is not S.STOPPING:
@@ -286,12 +309,16 @@ class Policy:
             return []  # stale, or already being stopped: never proxy into a stopping child
         rec.pid = pid
         rec.base_url = base_url
+        rec.loads_ok += 1
+        rec.load_s_total += now - rec.state_since
         self._transition(rec, S.LOADED, f"ready, pid {pid}", now)
         rec.last_used = now
         entry = self.queue.pop(model, None)
         if entry is not None:
             for ticket in entry.waiters:
                 del self.waiting[ticket]
+                self.stats.queue_waits += 1
+                self.stats.queue_wait_s += now - self.queued_at.pop(ticket)
                 self._grant(ticket, rec, now)
         self._pump(now)
         return self._flush()
@@ -337,14 +364,19 @@ class Policy:
                 name=rec.name, state=rec.state.value, generation=rec.generation,
                 in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,
                 pid=rec.pid, port=port, exit_code=rec.exit_code, last_exit=rec.last_exit,
-                last_eviction=rec.last_eviction, loads=rec.loads))
-        return ModelsSnapshot(models=views, queue_depth=len(self.waiting))
+                last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
+                load_s_total=rec.load_s_total,
+                evictions={r: n for (m, r), n in self.stats.evictions.items() if m == rec.name}))
+        return ModelsSnapshot(models=views, queue_depth=len(self.waiting),
+                              granted=self.stats.granted, queue_waits=self.stats.queue_waits,
+                              queue_wait_s=self.stats.queue_wait_s)
 
     def running_count(self) -> int:
         return sum(1 for rec in self.models.values() if rec.state.is_running)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the state is inconsistent (used by tests)."""
+        assert self.waiting.keys() == self.queued_at.keys()
         for ticket, name in self.waiting.items():
             assert ticket in self.queue[name].waiters, (ticket, name)
         for name, entry in self.queue.items():
@@ -432,6 +464,8 @@ class Policy:
         cause = f"{reason} eviction" + (f" for {for_model}" if for_model else "")
         self._transition(rec, S.STOPPING, cause, now)
         rec.last_eviction = Evicted(model=rec.name, reason=reason, for_model=for_model)
+        key = (rec.name, reason)
+        self.stats.evictions[key] = self.stats.evictions.get(key, 0) + 1
         self._out.append(Publish(rec.last_eviction))
         self._out.append(Stop(rec.name, rec.generation, reason))
 
@@ -441,6 +475,7 @@ class Policy:
         assert rec.base_url is not None
         rec.in_flight += 1
         rec.last_used = now
+        self.stats.granted += 1
         self.leases[ticket] = (rec.name, rec.generation)
         self._out.append(Answer(ticket, Grant(rec.name, rec.generation, rec.base_url)))
 
@@ -454,6 +489,7 @@ class Policy:
             return
         for ticket in entry.waiters:
             del self.waiting[ticket]
+            del self.queued_at[ticket]
             self._refuse(ticket, status, message)
 
     def _transition(self, rec: ModelRecord, new: ModelState, cause: str, now: float,

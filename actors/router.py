@@ -106,6 +106,7 @@ class Router:
         r.add_get("/models/sse", self.sse)
         r.add_get("/models/logs", self.logs)
         r.add_get("/props", self.props)
+        r.add_get("/metrics", self.metrics)
         for path in PROXIED_POST:
             r.add_post(path, self.proxy_post)
         r.add_get("/{tail:.*}", self.proxy_get)
@@ -203,6 +204,40 @@ class Router:
                                   "models_autoload": self.config.autoload,
                                   "model_alias": "corral", "model_path": "none",
                                   "default_generation_settings": {"params": {}, "n_ctx": 0}})
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        """Prometheus text (R-6.3); with ?model= the child's own metrics are proxied."""
+        if "model" in request.query:
+            return await self.proxy_get(request)
+        snap = await self._ask(GetModels)
+        assert isinstance(snap, ModelsSnapshot)
+        out = [
+            "# TYPE corral_models_running gauge",
+            "corral_models_running " + str(sum(
+                v.state in ("loading", "loaded", "sleeping", "stopping") for v in snap.models)),
+            "# TYPE corral_queue_depth gauge", f"corral_queue_depth {snap.queue_depth}",
+            "# TYPE corral_requests_granted_total counter",
+            f"corral_requests_granted_total {snap.granted}",
+            "# TYPE corral_queue_wait_seconds summary",
+            f"corral_queue_wait_seconds_sum {snap.queue_wait_s:.6f}",
+            f"corral_queue_wait_seconds_count {snap.queue_waits}",
+            "# TYPE corral_model_state gauge",
+            "# TYPE corral_model_in_flight gauge",
+            "# TYPE corral_model_loads_total counter",
+            "# TYPE corral_model_load_seconds summary",
+            "# TYPE corral_evictions_total counter",
+        ]
+        for v in snap.models:
+            m = f'model="{v.name}"'
+            out += [f'corral_model_state{{{m},state="{v.state}"}} 1',
+                    f"corral_model_in_flight{{{m}}} {v.in_flight}",
+                    f"corral_model_loads_total{{{m}}} {v.loads}",
+                    f"corral_model_load_seconds_sum{{{m}}} {v.load_s_total:.6f}",
+                    f"corral_model_load_seconds_count{{{m}}} {v.loads_ok}"]
+            out += [f'corral_evictions_total{{{m},reason="{reason}"}} {n}'
+                    for reason, n in sorted(v.evictions.items())]
+        return web.Response(text="\n".join(out) + "\n",
+                            content_type="text/plain", charset="utf-8")
 
     async def list_models(self, request: web.Request) -> web.Response:
         snap = await self._ask(GetModels)

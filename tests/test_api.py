@@ -121,3 +121,41 @@ def test_logs_of_a_child_are_kept(corral) -> None:
     assert chat(c.port, "a")[0] == 200
     status, text, _ = request(c.port, "GET", "/models/logs?model=a")
     assert status == 200 and "fake_model a: ready" in text
+
+
+def test_metrics_count_loads_waits_and_evictions(corral) -> None:
+    c = corral(one_model(models_max=1))
+    assert chat(c.port, "a")[0] == 200
+    assert chat(c.port, "b")[0] == 200  # evicts a
+    status, text, _ = request(c.port, "GET", "/metrics")
+    assert status == 200
+    lines = set(text.splitlines())
+    assert 'corral_evictions_total{model="a",reason="lru"} 1' in lines
+    assert 'corral_model_loads_total{model="b"} 1' in lines
+    assert 'corral_model_state{model="b",state="loaded"} 1' in lines
+    assert "corral_requests_granted_total 2" in lines
+    assert "corral_queue_wait_seconds_count 2" in lines
+    assert "corral_models_running 1" in lines
+
+
+def test_cli_management_commands(corral) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    c = corral(one_model())
+    url = f"http://127.0.0.1:{c.port}"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(ROOT / "supervisor.py"), *args, "--url", url],
+                              capture_output=True, text=True, timeout=30)
+
+    assert cli("load", "a").returncode == 0
+    c.wait_state("a", "loaded")
+    out = cli("models")
+    assert out.returncode == 0 and any(
+        line.split()[:2] == ["a", "loaded"] for line in out.stdout.splitlines())
+    assert cli("unload", "a").returncode == 0
+    c.wait_state("a", "unloaded")
+    bad = cli("load", "nope")
+    assert bad.returncode == 1 and "404" in bad.stderr
