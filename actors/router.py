@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pykka
 from aiohttp import web
 
 from .bridge import LoopReply
@@ -147,6 +148,9 @@ class Router:
                       ) -> web.StreamResponse:
         try:
             return await handler(request)
+        except pykka.ActorDeadError:
+            return error(503, "corral is shutting down (its scheduler has stopped)",
+                         "unavailable_error")
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"request body over the {self.config.max_body_mib:g} MiB limit")
         except web.HTTPException as e:
@@ -267,22 +271,20 @@ class Router:
         return body.model
 
     async def load(self, request: web.Request) -> web.Response:
+        return await self._manage(request, LoadModel)
+
+    async def unload(self, request: web.Request) -> web.Response:
+        return await self._manage(request, UnloadModel)
+
+    async def _manage(self, request: web.Request,
+                      command: type[LoadModel] | type[UnloadModel]) -> web.Response:
         name = await self._model_from_body(request)
         if isinstance(name, web.Response):
             return name
-        answer = await self._ask(lambda r: LoadModel(self.names.get(name, name), r))
+        answer = await self._ask(lambda r: command(self.names.get(name, name), r))
         if isinstance(answer, Refusal):
             return refusal_response(answer)
         assert isinstance(answer, Done)
-        return web.json_response({"success": True})
-
-    async def unload(self, request: web.Request) -> web.Response:
-        name = await self._model_from_body(request)
-        if isinstance(name, web.Response):
-            return name
-        answer = await self._ask(lambda r: UnloadModel(self.names.get(name, name), r))
-        if isinstance(answer, Refusal):
-            return refusal_response(answer)
         return web.json_response({"success": True})
 
     async def sse(self, request: web.Request) -> web.StreamResponse:

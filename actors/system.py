@@ -39,6 +39,13 @@ class LeaseError(Exception):
         self.refusal = refusal
 
 
+def _granted(answer: object) -> Grant:
+    if isinstance(answer, Refusal):
+        raise LeaseError(answer)
+    assert isinstance(answer, Grant)
+    return answer
+
+
 class Supervisor:
     """Runs corral's actors inside the calling program, with or without the HTTP front.
 
@@ -133,11 +140,9 @@ class Supervisor:
         if answer is None:
             self.scheduler.tell(Cancel(ticket))
             raise TimeoutError(f"model '{model}' was not ready within {timeout_s} s")
-        if isinstance(answer, Refusal):
-            raise LeaseError(answer)
-        assert isinstance(answer, Grant)
+        grant = _granted(answer)
         try:
-            yield answer.base_url
+            yield grant.base_url
         finally:
             self.scheduler.tell(Release(ticket))
 
@@ -154,10 +159,8 @@ class Supervisor:
         except BaseException:
             self.scheduler.tell(Cancel(ticket))
             raise
-        if isinstance(answer, Refusal):
-            raise LeaseError(answer)
-        assert isinstance(answer, Grant)
+        grant = _granted(answer)
         try:
-            yield answer.base_url
+            yield grant.base_url
         finally:
             self.scheduler.tell(Release(ticket))
