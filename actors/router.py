@@ -52,6 +52,8 @@ HOP_BY_HOP = frozenset({
     "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key"}
+SSE_BACKLOG = 10_000
+"""Events kept for a slow /models/sse client before new ones are dropped for it."""
 ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
 
@@ -125,15 +127,14 @@ class Router:
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
                                     shutdown_timeout=2.0)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        await web.TCPSite(self.runner, host, port).start()
+        return int(self.runner.addresses[0][1])
 
     async def stop(self) -> None:
         """Stop accepting, end SSE streams, give open requests a bounded time to finish."""
         for queue in self.sse_clients:
+            while queue.full():
+                queue.get_nowait()
             queue.put_nowait(None)
         if self.runner is not None:
             await self.runner.cleanup()
@@ -185,7 +186,10 @@ class Router:
     def _publish(self, event: Event) -> None:
         data = b"data: " + msgspec.json.encode(event) + b"\n\n"
         for queue in self.sse_clients:
-            queue.put_nowait(data)
+            try:
+                queue.put_nowait(data)
+            except asyncio.QueueFull:
+                log.warning("an SSE client is %d events behind; dropping one", SSE_BACKLOG)
 
     # ------------------------------------------------------------ router endpoints
 
@@ -291,7 +295,7 @@ class Router:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(SSE_BACKLOG)
         self.sse_clients.add(queue)
         try:
             await resp.write(b": connected\n\n")
