@@ -426,9 +426,22 @@ class Policy:
         while free < len(needing):
             victim = self._pick_victim()
             if victim is None:
+                self._refuse_if_pinned_out(needing[max(free, 0):])
                 return  # every running model is busy or wanted: a release re-ticks
             self._stop(victim, "lru", needing[max(free, 0)], now)
             free += 1
+
+    def _refuse_if_pinned_out(self, models: list[str]) -> None:
+        """Refuse what no slot will ever come free for: every running model is pinned."""
+        running = [rec for rec in self.models.values() if rec.state.is_running]
+        if not running or not all(rec.pinned and rec.state is not S.STOPPING
+                                  for rec in running):
+            return  # some slot frees eventually: a stop completes or a model goes idle
+        names = ", ".join(rec.name for rec in running)
+        for model in models:
+            self._refuse_entry(model, 503, (
+                f"model '{model}' cannot be loaded: all {self.models_max} slots (models_max) "
+                f"are held by pinned models ({names}); unload one or raise models_max"))
 
     def _pick_victim(self) -> ModelRecord | None:
         """The least recently used model that is idle, serving, unpinned and not wanted."""

@@ -159,3 +159,13 @@ def test_cli_management_commands(corral) -> None:
     c.wait_state("a", "unloaded")
     bad = cli("load", "nope")
     assert bad.returncode == 1 and "404" in bad.stderr
+
+
+def test_load_on_startup_and_pinned(corral) -> None:
+    cfg = toml_config({"p": {"cmd": fake_cmd(), "load_on_startup": True, "pinned": True},
+                       "q": {"cmd": fake_cmd()}}, models_max=1)
+    c = corral(cfg)
+    c.wait_state("p", "loaded")  # with no request at all
+    status, body = chat(c.port, "q")  # the only slot is held by a pinned model
+    assert status == 503 and "held by pinned models (p)" in body["error"]["message"]
+    assert c.state("p") == "loaded"

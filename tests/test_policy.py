@@ -150,11 +150,22 @@ def test_model_wanted_by_the_queue_is_not_a_victim() -> None:
 
 
 def test_pinned_model_is_never_a_victim() -> None:
+    w = World(models_max=2, pinned="a")
+    w.load_idle("a", "b")
+    w.acquire(1, "b")  # b busy
+    w.acquire(2, "c")
+    assert w.stops == [] and w.answers.get(2) is None  # waits for b, never takes a
+    w.release(1)
+    assert w.stops == [("b", "lru")]
+
+
+def test_a_request_no_slot_will_ever_free_for_is_refused_not_left_waiting() -> None:
     w = World(models_max=1, pinned="a")
     w.load_idle("a")
-    w.acquire(1, "b")
-    assert w.stops == []
-    assert w.answers.get(1) is None
+    refusal = w.acquire(1, "b")
+    assert isinstance(refusal, Refusal) and refusal.status == 503
+    assert "held by pinned models (a)" in refusal.message
+    assert w.p.queue == {} and w.stops == []
 
 
 def test_queue_heads_claim_in_fifo_order() -> None:
