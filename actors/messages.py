@@ -71,6 +71,7 @@ class ModelsSnapshot(Message, frozen=True):
     """Scheduler -> caller: every model's state, in config order."""
 
     models: list[ModelView]
+    running: int
     queue_depth: int
     granted: int
     queue_waits: int

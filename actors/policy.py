@@ -367,7 +367,8 @@ class Policy:
                 last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
                 load_s_total=rec.load_s_total,
                 evictions={r: n for (m, r), n in self.stats.evictions.items() if m == rec.name}))
-        return ModelsSnapshot(models=views, queue_depth=len(self.waiting),
+        return ModelsSnapshot(models=views, running=self.running_count(),
+                              queue_depth=len(self.waiting),
                               granted=self.stats.granted, queue_waits=self.stats.queue_waits,
                               queue_wait_s=self.stats.queue_wait_s)
 

@@ -221,8 +221,7 @@ class Router:
         assert isinstance(snap, ModelsSnapshot)
         out = [
             "# TYPE corral_models_running gauge",
-            "corral_models_running " + str(sum(
-                v.state in ("loading", "loaded", "sleeping", "stopping") for v in snap.models)),
+            f"corral_models_running {snap.running}",
             "# TYPE corral_queue_depth gauge", f"corral_queue_depth {snap.queue_depth}",
             "# TYPE corral_requests_granted_total counter",
             f"corral_requests_granted_total {snap.granted}",
