@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
+CHILD_HOST = "127.0.0.1"
+"""Children bind loopback only; the Router is the one door in (R-3.2)."""
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
@@ -52,7 +54,7 @@ class LogRing:
         return list(self._lines)
 
 
-def pick_port(host: str = "127.0.0.1") -> int:
+def pick_port(host: str = CHILD_HOST) -> int:
     """A port free right now on `host` (it may be taken before the child binds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -60,7 +62,7 @@ def pick_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+def port_in_use(port: int, host: str = CHILD_HOST) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))

@@ -18,7 +18,7 @@ import time
 from typing import Any, assert_never
 
 from .base import BaseActor, CrashHandler, tell_or_drop
-from .childproc import ChildProcess, LogRing, pick_port, port_in_use
+from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
 from .config import PLACEHOLDER, ModelConfig
 from .lifecycle import describe_exit
 from .messages import (
@@ -54,7 +54,7 @@ def wait_ready_http(port: int, path: str, abandon: threading.Event,
     """
     delay_s = 0.01
     while not abandon.is_set():
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+        conn = http.client.HTTPConnection(CHILD_HOST, port, timeout=2.0)
         try:
             conn.request("GET", path)
             if conn.getresponse().status == 200:
@@ -72,14 +72,13 @@ class ModelInstance(BaseActor):
     """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
 
     def __init__(self, model: str, config: ModelConfig, scheduler: Any, timers: Timers,
-                 log_ring: LogRing, on_crash: CrashHandler, host: str = "127.0.0.1") -> None:
+                 log_ring: LogRing, on_crash: CrashHandler) -> None:
         super().__init__(f"instance-{model}", on_crash)
         self.model = model
         self.config = config
         self.scheduler = scheduler
         self.timers = timers
         self.log_ring = log_ring
-        self.host = host
         self.phase = Phase.IDLE
         self.generation = 0
         """The Scheduler's generation of the current (or last) child."""
@@ -130,9 +129,9 @@ class ModelInstance(BaseActor):
     def spawn_child(self) -> None:
         self.spawn_id += 1
         spawn_id = self.spawn_id
-        self.port = pick_port(self.host)
+        self.port = pick_port(CHILD_HOST)
         self.cause = None
-        values = {"port": str(self.port), "host": self.host, "model": self.model}
+        values = {"port": str(self.port), "host": CHILD_HOST, "model": self.model}
         argv = [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in self.config.cmd]
         env = {**os.environ, **self.config.env}
         ref = self.actor_ref
@@ -209,7 +208,7 @@ class ModelInstance(BaseActor):
         self.phase = Phase.IDLE
         description = self.cause or describe_exit(returncode)
         if (was is Phase.STARTING and self.cause is None
-                and self.bind_retries < BIND_RETRIES and port_in_use(self.port, self.host)):
+                and self.bind_retries < BIND_RETRIES and port_in_use(self.port, CHILD_HOST)):
             # Someone took the port between pick_port and the child's bind.
             self.bind_retries += 1
             self.log.warning("%s#%d %s while port %d is taken; retrying on a new port",

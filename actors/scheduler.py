@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, assert_never
 
 from .base import BaseActor, CrashHandler
+from .childproc import CHILD_HOST
 from .config import Config
 from .messages import (
     Acquire,
@@ -77,7 +78,7 @@ class Scheduler(BaseActor):
                 for name in self.startup_loads:
                     self._run(p.load(None, name, now))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port):
-                self._run(p.instance_ready(model, gen, pid, f"http://127.0.0.1:{port}", now))
+                self._run(p.instance_ready(model, gen, pid, f"http://{CHILD_HOST}:{port}", now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
                 self._run(p.instance_exited(model, gen, rc, desc, now))
             case Shutdown(reply=reply):
