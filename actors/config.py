@@ -6,16 +6,19 @@ Every error names the file, the key path and what was expected, e.g.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
+MeasureMethod = Literal["command", "declared", "probe"]
+_DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 PLACEHOLDER = re.compile(r"\{(port|host|model)\}")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -37,6 +40,29 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     pinned: bool = False
     """Never evicted to make room (it still stops on unload and shutdown)."""
     load_on_startup: bool = False
+    measure: MeasureMethod | None = None
+    """How to learn the memory need (R-5.3); default `declared` with `memory_mib`, else
+    `command`."""
+    measure_args: list[str] = []
+    """Appended to `cmd` for the `command` method."""
+    memory_mib: dict[str, Annotated[float, Meta(ge=0)]] = {}
+    """Declared need per device name (`host` for host memory), for the `declared` method."""
+    measure_timeout_s: PositiveSeconds | None = None
+    """Overrides the top-level measure_timeout_s."""
+
+    @property
+    def measure_method(self) -> MeasureMethod:
+        if self.measure is not None:
+            return self.measure
+        return "declared" if self.memory_mib else "command"
+
+
+class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One `[[devices]]` table: a simulated device (R-5.8)."""
+
+    name: str
+    kind: Literal["simulated"]
+    total_mib: Annotated[float, Meta(gt=0)]
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -52,7 +78,41 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     restart_intensity: Annotated[int, Meta(ge=0)] = 3
     restart_period_s: PositiveSeconds = 60.0
     max_body_mib: Annotated[float, Meta(gt=0)] = 64.0
+    memory_margin_mib: Annotated[float, Meta(ge=0)] = 0.0
+    """Kept free on every device; 0 turns memory accounting off (R-5)."""
+    account_host: bool = False
+    """Count host memory too (otherwise it is unlimited)."""
+    measure_timeout_s: PositiveSeconds = 300.0
+    device_poll_s: PositiveSeconds = 2.0
+    """How often the DeviceMonitor samples the devices."""
+    state_dir: str | None = None
+    """Measure cache and simulated ledger; default $XDG_STATE_HOME/corral."""
+    devices: list[DeviceConfig] = []
+    simulated_ledger_dir: str | None = None
+    """Default: STATE_DIR/sim-ledger."""
     models: dict[str, ModelConfig] = {}
+
+    @property
+    def memory_accounting(self) -> bool:
+        return self.memory_margin_mib > 0
+
+    def state_path(self) -> Path:
+        if self.state_dir is not None:
+            return Path(self.state_dir).expanduser()
+        base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+        return Path(base) / "corral"
+
+    def child_env(self) -> dict[str, str]:
+        """What every child (instance or measure) gets in its environment."""
+        if not self.devices:
+            return {}
+        return {"CORRAL_SIM_LEDGER": str(self.sim_ledger_path()),
+                "CORRAL_DEVICES": ",".join(d.name for d in self.devices)}
+
+    def sim_ledger_path(self) -> Path:
+        if self.simulated_ledger_dir is not None:
+            return Path(self.simulated_ledger_dir).expanduser()
+        return self.state_path() / "sim-ledger"
 
     def resolve_aliases(self) -> dict[str, str]:
         """Every name a request may use -> the canonical model name."""
@@ -63,7 +123,28 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
         return names
 
 
+def _validate_devices(config: Config, source: str) -> None:
+    names: set[str] = set()
+    for i, device in enumerate(config.devices):
+        if not _DEVICE_NAME.fullmatch(device.name) or device.name == "host":
+            raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is not a usable "
+                              "device name (letters, digits, '_.:-'; not 'host')")
+        if device.name in names:
+            raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is declared twice")
+        names.add(device.name)
+    for name, model in config.models.items():
+        if model.measure == "declared" and not model.memory_mib:
+            raise ConfigError(f"{source}: models.{name}.memory_mib: measure = \"declared\" "
+                              "needs the figures, e.g. memory_mib = {gpu0 = 4096}")
+        for key in model.memory_mib:
+            if names and key != "host" and key not in names:
+                raise ConfigError(
+                    f"{source}: models.{name}.memory_mib: unknown device {key!r}; "
+                    f"declared devices: {', '.join(sorted(names))} (or 'host')")
+
+
 def _validate(config: Config, source: str) -> Config:
+    _validate_devices(config, source)
     seen: dict[str, str] = {}
     for name, model in config.models.items():
         if not name or name != name.strip():

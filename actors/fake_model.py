@@ -7,6 +7,11 @@ It listens at once and answers /health with 503 until `--load-delay` has passed,
 body says `"stream": true`, at `--tokens-per-s`. Knobs make it crash, hang, ignore
 SIGTERM or exit with a chosen code, so tests and the demo can watch corral cope.
 `GET /debug/stats` counts requests started, completed and cancelled by their client.
+
+Memory (simulated devices): with `--device-mib N` it registers N MiB on every device named
+in CORRAL_DEVICES by writing `$CORRAL_SIM_LEDGER/<device>/<pid>` at start. Started with
+CORRAL_ROLE=measure it serves nothing: it prints one `corral:measure:{json}` line with
+those figures (or fails, hangs or garbles as the --measure-* knobs say) and exits.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+MiB = 1024 * 1024
 ECHO_PATHS = ["/v1/responses", "/v1/messages", "/rerank", "/v1/rerank", "/reranking",
               "/infill", "/apply-template"]
 
@@ -197,8 +203,54 @@ def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     loop.call_soon_threadsafe(stop.set)
 
 
+def sim_devices() -> list[str]:
+    return [d for d in os.environ.get("CORRAL_DEVICES", "").split(",") if d]
+
+
+def register_memory(mib: float) -> list[str]:
+    """Write this process's use of every simulated device; return the files written."""
+    ledger = os.environ.get("CORRAL_SIM_LEDGER")
+    if not ledger or mib <= 0:
+        return []
+    paths = []
+    for device in sim_devices():
+        path = os.path.join(ledger, device, str(os.getpid()))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(str(int(mib * MiB)))
+        paths.append(path)
+    return paths
+
+
+def measure(args: argparse.Namespace) -> int:
+    """CORRAL_ROLE=measure: report the memory need on stdout (corral's measure protocol)."""
+    time.sleep(args.measure_delay)
+    if args.measure_hang:
+        print("fake_model: measuring forever", flush=True)
+        while True:
+            time.sleep(3600)
+    if args.measure_malformed:
+        print('corral:measure:{"result": "measured", "min": 42}', flush=True)
+        return 0
+    if args.measure_fail is not None:
+        print("corral:measure:" + json.dumps({"result": "failed", "error": args.measure_fail}),
+              flush=True)
+        return 0
+    mib = args.device_mib if args.measure_mib is None else args.measure_mib
+
+    def figures(n_ctx: int) -> dict[str, Any]:
+        return {"n_ctx": n_ctx, "devices": [
+            {"kind": "device", "name": d, "total": 0, "free": 0, "model": int(mib * MiB),
+             "context": 0, "compute": 0} for d in sim_devices()]}
+
+    print("corral:measure:" + json.dumps({"result": "measured", "min": figures(512),
+                                          "max": figures(4096)}), flush=True)
+    return 0
+
+
 async def serve(args: argparse.Namespace) -> int:
     fake = FakeModel(args)
+    register_memory(args.device_mib)
     runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
@@ -248,11 +300,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--exit-code", type=int, default=1,
                    help="status for the crash knobs (default 1)")
+    p.add_argument("--device-mib", type=float, default=0.0, metavar="N",
+                   help="MiB this model uses on every simulated device (CORRAL_DEVICES)")
+    p.add_argument("--measure-mib", type=float, default=None, metavar="N",
+                   help="MiB to report when measured (default: --device-mib)")
+    p.add_argument("--measure-delay", type=float, default=0.0, metavar="S")
+    p.add_argument("--measure-hang", action="store_true",
+                   help="when measured, never report")
+    p.add_argument("--measure-fail", default=None, metavar="ERROR",
+                   help="when measured, report a failure")
+    p.add_argument("--measure-malformed", action="store_true",
+                   help="when measured, print a malformed result")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if os.environ.get("CORRAL_ROLE") == "measure":
+        return measure(args)
     try:
         import uvloop
         return uvloop.run(serve(args))

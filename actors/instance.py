@@ -72,10 +72,13 @@ class ModelInstance(BaseActor):
     """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
 
     def __init__(self, model: str, config: ModelConfig, scheduler: Any, timers: Timers,
-                 log_ring: LogRing, on_crash: CrashHandler) -> None:
+                 log_ring: LogRing, on_crash: CrashHandler,
+                 extra_env: dict[str, str] | None = None) -> None:
         super().__init__(f"instance-{model}", on_crash)
         self.model = model
         self.config = config
+        self.extra_env = extra_env or {}
+        """corral's own variables for the child (CORRAL_SIM_LEDGER, CORRAL_DEVICES)."""
         self.scheduler = scheduler
         self.timers = timers
         self.log_ring = log_ring
@@ -133,7 +136,7 @@ class ModelInstance(BaseActor):
         self.cause = None
         values = {"port": str(self.port), "host": CHILD_HOST, "model": self.model}
         argv = [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in self.config.cmd]
-        env = {**os.environ, **self.config.env}
+        env = {**os.environ, **self.extra_env, **self.config.env}
         ref = self.actor_ref
         try:
             self.child = ChildProcess(argv, env, self.log_ring, label=self.model,

@@ -13,11 +13,14 @@ from typing import Literal
 
 import msgspec
 
+MiB = 1024 * 1024
+
 
 class DeviceUse(msgspec.Struct, frozen=True, kw_only=True):
     """One row of a measurement, in bytes."""
 
-    kind: Literal["device", "host"]
+    kind: Literal["device", "host", "buffer_type"]
+    """Only `device` rows (and `host` with account_host) are accounted."""
     name: str
     total: int = 0
     free: int = 0
@@ -38,10 +41,35 @@ class Breakdown(msgspec.Struct, frozen=True):
     devices: list[DeviceUse]
 
 
+MemoryStatus = Literal["unmeasured", "measuring", "measured", "failed"]
+
+
+class MemoryInfo(msgspec.Struct, frozen=True):
+    """A model's memory as GET /models and the `model_memory` event show it (R-5.1)."""
+
+    status: MemoryStatus
+    min: Breakdown | None = None
+    max: Breakdown | None = None
+    effective: Breakdown | None = None
+
+
+class DeviceSample(msgspec.Struct, frozen=True):
+    """One device as a DeviceMonitor backend saw it, in bytes."""
+
+    name: str
+    kind: Literal["device", "host"]
+    total: int
+    free: int
+    backend: str
+
+
 @dataclass
 class DeviceMemory:
     total: int
+    kind: str = "device"
     external: int = 0
+    free: int | None = None
+    """Free at the last report, as the backend saw it."""
 
 
 @dataclass
@@ -53,31 +81,53 @@ class Ledger:
     account_host: bool = False
     devices: dict[str, DeviceMemory] = field(default_factory=dict)
     held: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Model -> device -> bytes reserved. Invariant: only running models hold memory."""
+    """Model -> device -> bytes reserved. Invariant: only models with a live (or not yet
+    accounted-for) child hold memory."""
 
-    def _counts(self, row: DeviceUse) -> bool:
-        return row.total > 0 and (row.kind == "device" or self.account_host)
+    def _counts(self, kind: str) -> bool:
+        return kind == "device" or self.account_host
+
+    def _held_by_others(self, device: str, model: str | None) -> int:
+        return sum(devs.get(device, 0) for m, devs in self.held.items() if m != model)
 
     def calibrate(self, mem: Breakdown, reporter: str | None) -> None:
-        """Learn totals and outside usage from a report with `total` and `free` per device.
+        """Learn totals and outside usage from a measurement with `total` and `free`.
 
         `reporter` is the model whose own usage is in the report (None for a measure
         child, which allocates nothing); what others hold is tracked, not external.
         """
         for row in mem.devices:
-            if not self._counts(row):
+            if row.total <= 0 or not self._counts(row.kind):
                 continue
-            others = sum(devs.get(row.name, 0) for m, devs in self.held.items() if m != reporter)
             own = row.self_bytes if reporter is not None else 0
-            dev = self.devices.setdefault(row.name, DeviceMemory(row.total))
+            dev = self.devices.setdefault(row.name, DeviceMemory(row.total, row.kind))
             dev.total = row.total
-            dev.external = max(0, row.total - row.free - own - others)
+            dev.free = row.free
+            dev.external = max(0, row.total - row.free - own
+                               - self._held_by_others(row.name, reporter))
+
+    def observe(self, sample: DeviceSample, managed: int | None) -> None:
+        """Calibrate from a DeviceMonitor sample.
+
+        `managed` is what corral's children use on the device by per-process accounting;
+        None when the backend cannot attribute memory to processes, and then whatever
+        the models hold is assumed to be in use (the reference's rule).
+        """
+        if sample.total <= 0 or not self._counts(sample.kind):
+            return
+        ours = self._held_by_others(sample.name, None) if managed is None else managed
+        dev = self.devices.setdefault(sample.name, DeviceMemory(sample.total, sample.kind))
+        dev.total = sample.total
+        dev.kind = sample.kind
+        dev.free = sample.free
+        dev.external = max(0, sample.total - sample.free - ours)
 
     def reserve(self, model: str, mem: Breakdown | None) -> None:
         """Hold `mem` for `model` (a no-op if it already holds, or nothing is known)."""
         if mem is None or model in self.held:
             return
-        self.held[model] = {row.name: row.self_bytes for row in mem.devices if self._counts(row)}
+        self.held[model] = {row.name: row.self_bytes for row in mem.devices
+                            if self._counts(row.kind)}
 
     def release(self, model: str) -> None:
         self.held.pop(model, None)
@@ -87,19 +137,31 @@ class Ledger:
         dev = self.devices.get(device)
         if dev is None:
             return None
-        held = sum(devs.get(device, 0) for devs in self.held.values())
-        return dev.total - dev.external - held
+        return dev.total - dev.external - self._held_by_others(device, None)
 
-    def deficit(self, need: Breakdown | None) -> dict[str, int]:
-        """Device -> bytes missing for `need` (a model's `min`), keeping the margin free."""
+    def deficit(self, need: Breakdown | None,
+                give_back: dict[str, int] | None = None) -> dict[str, int]:
+        """Device -> bytes missing for `need` (a model's `min`), keeping the margin free.
+
+        `give_back` is memory about to come free (held by models being stopped).
+        """
         if need is None:
             return {}
         short: dict[str, int] = {}
         for row in need.devices:
-            avail = self.available(row.name) if self._counts(row) else None
+            avail = self.available(row.name) if self._counts(row.kind) else None
             if avail is None:
                 continue
+            avail += (give_back or {}).get(row.name, 0)
             missing = row.self_bytes - (avail - self.margin)
             if missing > 0:
                 short[row.name] = missing
         return short
+
+    def holds_of(self, models: list[str]) -> dict[str, int]:
+        """Device -> bytes held by `models` together."""
+        total: dict[str, int] = {}
+        for model in models:
+            for device, size in self.held.get(model, {}).items():
+                total[device] = total.get(device, 0) + size
+        return total

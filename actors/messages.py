@@ -11,6 +11,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from .ledger import Breakdown, DeviceSample, MemoryInfo
+
 
 class Reply(Protocol):
     """Where an answer goes: an asyncio future, a waiting thread, a test's list (bridge.py)."""
@@ -65,6 +67,7 @@ class ModelView(msgspec.Struct, frozen=True):
     loads_ok: int
     load_s_total: float
     evictions: dict[str, int]
+    memory: MemoryInfo
 
 
 class ModelsSnapshot(Message, frozen=True):
@@ -76,6 +79,28 @@ class ModelsSnapshot(Message, frozen=True):
     granted: int
     queue_waits: int
     queue_wait_s: float
+
+
+class DeviceView(msgspec.Struct, frozen=True):
+    """One device as GET /devices shows it (bytes)."""
+
+    name: str
+    kind: str
+    total: int
+    free: int | None
+    external: int
+    held: dict[str, int]
+    available: int
+
+
+class DevicesSnapshot(Message, frozen=True):
+    """Scheduler -> caller: the memory ledger (GET /devices)."""
+
+    memory_accounting: bool
+    margin: int
+    account_host: bool
+    backends: list[str]
+    devices: list[DeviceView]
 
 
 class Alive(Message, frozen=True):
@@ -103,12 +128,29 @@ class StatusChanged(Event, frozen=True, tag="status_change"):
     exit_code: int | None = None
 
 
+class Shortfall(msgspec.Struct, frozen=True):
+    """Why a memory eviction happened, on one device: bytes `needed`, bytes `available`."""
+
+    device: str
+    needed: int
+    available: int
+
+
 class Evicted(Event, frozen=True, tag="eviction"):
     """A running model was asked to stop, and why."""
 
     model: str
     reason: EvictionReason
     for_model: str | None = None
+    devices: list[Shortfall] = []
+    """For `memory` evictions: the newcomer's need and what was available, per device."""
+
+
+class ModelMemory(Event, frozen=True, tag="model_memory"):
+    """A model's memory measurement finished (or failed) (R-6.5)."""
+
+    model: str
+    memory: MemoryInfo
 
 
 # ---------------------------------------------------------------- Scheduler inbox
@@ -173,9 +215,11 @@ class Subscribe(Message, frozen=True):
 
 
 class InstancesAttached(Message, frozen=True):
-    """Supervisor -> Scheduler: the ModelInstance actors are up; start serving."""
+    """Supervisor -> Scheduler: the other actors are up; start serving (and measuring)."""
 
     instances: dict[str, Any]
+    monitor: Any = None
+    measurer: Any = None
 
 
 class InstanceReady(Message, frozen=True):
@@ -196,6 +240,52 @@ class InstanceExited(Message, frozen=True):
     description: str
 
 
+class GetDevices(Message, frozen=True):
+    """Router -> Scheduler: answer with a DevicesSnapshot."""
+
+    reply: Reply
+
+
+class MeasureStarted(Message, frozen=True):
+    """MeasureWorker -> Scheduler: measuring `model` has begun."""
+
+    model: str
+
+
+class Measured(Message, frozen=True):
+    """MeasureWorker -> Scheduler: how measuring `model` ended (R-5.2, R-5.3).
+
+    `result` is "measured" (with `min` and `max`) or "failed" (with `error`); `source`
+    says where the figures came from: the method's name, or "cache".
+    """
+
+    model: str
+    result: Literal["measured", "failed"]
+    min: Breakdown | None = None
+    max: Breakdown | None = None
+    error: str | None = None
+    source: str = ""
+
+
+class DeviceReport(msgspec.Struct, frozen=True):
+    """One sample of every device, and what corral's children use on them (bytes)."""
+
+    devices: list[DeviceSample]
+    managed: dict[str, int]
+    """Device -> bytes used by tracked children, for devices with per-process accounting."""
+    usage: dict[str, dict[str, int]]
+    """Tracked model -> device -> bytes its process tree uses (same devices as `managed`)."""
+    tracked: list[str]
+    """The models the monitor tracked when it took the sample."""
+    backends: list[str]
+
+
+class DevicesReported(Message, frozen=True):
+    """DeviceMonitor -> Scheduler: a fresh sample of the devices."""
+
+    report: DeviceReport
+
+
 class Shutdown(Message, frozen=True):
     """Supervisor -> Scheduler: refuse everything, stop every child, reply when all are reaped."""
 
@@ -204,7 +294,8 @@ class Shutdown(Message, frozen=True):
 
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
-    | InstancesAttached | InstanceReady | InstanceExited | Shutdown
+    | InstancesAttached | InstanceReady | InstanceExited | GetDevices | MeasureStarted
+    | Measured | DevicesReported | Shutdown
 )
 
 
@@ -251,3 +342,83 @@ class StopDeadline(Message, frozen=True):
 InstanceMessage = (
     StartInstance | StopInstance | ChildReady | ChildExited | LoadDeadline | StopDeadline
 )
+
+
+# ---------------------------------------------------------------- MeasureWorker inbox
+
+
+class MeasureModel(Message, frozen=True):
+    """Scheduler -> MeasureWorker: measure `model`; `front` jumps the queue (it is loading)."""
+
+    model: str
+    front: bool = False
+
+
+class MeasureLine(Message, frozen=True):
+    """Measure child's reader -> MeasureWorker: one line of output of spawn `spawn_id`."""
+
+    spawn_id: int
+    line: str
+
+
+class MeasureExited(Message, frozen=True):
+    """Exit watcher -> MeasureWorker: the measure child of `spawn_id` exited (not reaped)."""
+
+    spawn_id: int
+
+
+class MeasureDeadline(Message, frozen=True):
+    """Timer -> MeasureWorker: spawn `spawn_id` had measure_timeout_s to report."""
+
+    spawn_id: int
+
+
+class ProbeReady(Message, frozen=True):
+    """Readiness probe -> MeasureWorker: the probe child of `spawn_id` answers."""
+
+    spawn_id: int
+
+
+class ProbeUsage(Message, frozen=True):
+    """DeviceMonitor -> MeasureWorker: what the probe child of `spawn_id` uses."""
+
+    spawn_id: int
+    devices: list[DeviceSample]
+    usage: dict[str, int]
+    """Device -> bytes used by the probe's process tree."""
+
+
+MeasureMessage = (
+    MeasureModel | MeasureLine | MeasureExited | MeasureDeadline | ProbeReady | ProbeUsage
+)
+
+
+# ---------------------------------------------------------------- DeviceMonitor inbox
+
+
+class TrackModel(Message, frozen=True):
+    """Scheduler -> DeviceMonitor: `model`'s child was spawned, became ready or is gone.
+
+    Each one triggers a sample. "spawned" notes free memory as a baseline (for
+    attribution where process ids cannot be matched), "ready" starts attributing the
+    tree of `pid`, "exited" stops it.
+    """
+
+    model: str
+    event: Literal["spawned", "ready", "exited"]
+    pid: int | None = None
+
+
+class SampleTick(Message, frozen=True):
+    """Timer -> DeviceMonitor: time for the periodic sample."""
+
+
+class SampleProcess(Message, frozen=True):
+    """MeasureWorker -> DeviceMonitor: sample now and tell `reply_to` ProbeUsage for `pid`."""
+
+    pid: int
+    spawn_id: int
+    reply_to: Any
+
+
+MonitorMessage = TrackModel | SampleTick | SampleProcess

@@ -16,20 +16,26 @@ import logging
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
+from .ledger import Breakdown, DeviceUse, Ledger, MemoryInfo, MemoryStatus, MiB
 from .lifecycle import ModelState, check_transition
 from .messages import (
+    DeviceReport,
+    DevicesSnapshot,
+    DeviceView,
     Done,
     Event,
     Evicted,
     EvictionReason,
     Grant,
+    ModelMemory,
     ModelsSnapshot,
     ModelView,
     Refusal,
+    Shortfall,
     StatusChanged,
 )
 
@@ -69,7 +75,22 @@ class Publish(msgspec.Struct, frozen=True):
     event: Event
 
 
-Effect = Spawn | Stop | Answer | Publish
+class Measure(msgspec.Struct, frozen=True):
+    """Have the MeasureWorker measure `model`; `front`: it is about to load."""
+
+    model: str
+    front: bool
+
+
+class Track(msgspec.Struct, frozen=True):
+    """Tell the DeviceMonitor that `model`'s child was spawned, is ready or is gone."""
+
+    model: str
+    event: Literal["spawned", "ready", "exited"]
+    pid: int | None = None
+
+
+Effect = Spawn | Stop | Answer | Publish | Measure | Track
 
 
 # ---------------------------------------------------------------- state
@@ -122,6 +143,25 @@ class ModelRecord:
     loads_ok: int = 0
     load_s_total: float = 0.0
     """Seconds from spawn to ready, summed over the successful loads."""
+    memory: MemoryStatus = "unmeasured"
+    mem_min: Breakdown | None = None
+    mem_max: Breakdown | None = None
+    mem_effective: Breakdown | None = None
+    """What the running child really uses, from the first device report after ready."""
+    measure_attempts: int = 0
+    measure_front: bool = False
+    """A front-of-queue measure was asked for since the last result."""
+    awaiting_usage: bool = False
+    """Ready, and the next device report tells its real usage (R-5.6)."""
+    releasing: bool = False
+    """Exited; its hold stays until a device report no longer tracks it (R-5.6)."""
+
+    @property
+    def memory_settled(self) -> bool:
+        return self.memory in ("measured", "failed")
+
+    def memory_info(self) -> MemoryInfo:
+        return MemoryInfo(self.memory, self.mem_min, self.mem_max, self.mem_effective)
 
 
 @dataclass
@@ -154,8 +194,13 @@ class Policy:
     """The scheduling state of one corral and the rules that change it."""
 
     def __init__(self, models_max: int, restart_intensity: int = 3,
-                 restart_period_s: float = 60.0) -> None:
+                 restart_period_s: float = 60.0, memory_margin: int = 0,
+                 account_host: bool = False) -> None:
         self.models_max = models_max
+        self.memory_on = memory_margin > 0
+        """Memory accounting decides loads; off at margin 0, as in the reference."""
+        self.ledger = Ledger(memory_margin, account_host)
+        self.backends: list[str] = []
         self.restart_intensity = restart_intensity
         self.restart_period_s = restart_period_s
         self.models: dict[str, ModelRecord] = {}
@@ -313,6 +358,13 @@ class Policy:
         rec.load_s_total += now - rec.state_since
         self._transition(rec, S.LOADED, f"ready, pid {pid}", now)
         rec.last_used = now
+        if self.memory_on:
+            rec.awaiting_usage = True
+            self._out.append(Track(model, "ready", pid))
+            if rec.memory == "failed" and rec.measure_attempts < 2:
+                # The files may have been missing at measure time: try once more (R-5.2).
+                rec.memory = "unmeasured"
+                self._out.append(Measure(model, front=False))
         entry = self.queue.pop(model, None)
         if entry is not None:
             for ticket in entry.waiters:
@@ -334,6 +386,11 @@ class Policy:
         rec.base_url = None
         rec.exit_code = returncode
         rec.last_exit = description
+        rec.mem_effective = None
+        rec.awaiting_usage = False
+        if self.memory_on:
+            rec.releasing = model in self.ledger.held
+            self._out.append(Track(model, "exited"))
         entry = self.queue.get(model)
         if entry is not None:
             entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
@@ -353,6 +410,70 @@ class Policy:
         self._pump(now)
         return self._flush()
 
+    # ------------------------------------------------------------ memory facts
+
+    def start_measuring(self) -> list[Effect]:
+        """Queue every unmeasured model at the back of the measure queue (R-5.2)."""
+        if self.memory_on:
+            for rec in self.models.values():
+                if rec.memory == "unmeasured":
+                    self._out.append(Measure(rec.name, front=False))
+        return self._flush()
+
+    def measure_started(self, model: str) -> list[Effect]:
+        rec = self.models.get(model)
+        if rec is not None:
+            rec.memory = "measuring"
+            rec.measure_attempts += 1
+        return []
+
+    def measured(self, model: str, ok: bool, min_: Breakdown | None,
+                 max_: Breakdown | None, now: float) -> list[Effect]:
+        """A measurement ended; a failed one leaves the model outside the limits (R-5.2)."""
+        rec = self.models.get(model)
+        if rec is None:
+            return []
+        rec.measure_front = False
+        if ok:
+            rec.memory, rec.mem_min, rec.mem_max = "measured", min_, max_
+            if max_ is not None:
+                self.ledger.calibrate(max_, reporter=None)  # the latest view of the devices
+        else:
+            rec.memory, rec.mem_min, rec.mem_max = "failed", None, None
+        self._out.append(Publish(ModelMemory(model, rec.memory_info())))
+        self._pump(now)
+        return self._flush()
+
+    def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
+        """Fresh device figures: finish releases, calibrate, learn real usage (R-5.5, R-5.6)."""
+        self.backends = report.backends
+        tracked = set(report.tracked)
+        for rec in self.models.values():
+            if rec.releasing and rec.name not in tracked:
+                # Sampled after the monitor forgot the child: from now on whatever the
+                # device still shows for it is counted as external.
+                rec.releasing = False
+                if not rec.state.is_running:
+                    self.ledger.release(rec.name)
+        for sample in report.devices:
+            self.ledger.observe(sample, report.managed.get(sample.name))
+        seen = {d.name: d for d in report.devices}
+        for name, usage in report.usage.items():
+            user = self.models.get(name)
+            if user is None or not user.awaiting_usage or not user.state.is_serving or not usage:
+                continue
+            user.awaiting_usage = False
+            n_ctx = (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
+            user.mem_effective = Breakdown(n_ctx, [
+                DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total, free=seen[d].free,
+                          model=size) for d, size in usage.items() if d in seen])
+            self.ledger.release(name)
+            self.ledger.reserve(name, user.mem_effective)
+            log.info("model %s uses %s", name, ", ".join(
+                f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
+        self._pump(now)
+        return self._flush()
+
     # ------------------------------------------------------------ views
 
     def snapshot(self) -> ModelsSnapshot:
@@ -366,11 +487,24 @@ class Policy:
                 pid=rec.pid, port=port, exit_code=rec.exit_code, last_exit=rec.last_exit,
                 last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
                 load_s_total=rec.load_s_total,
-                evictions={r: n for (m, r), n in self.stats.evictions.items() if m == rec.name}))
+                evictions={r: n for (m, r), n in self.stats.evictions.items() if m == rec.name},
+                memory=rec.memory_info()))
         return ModelsSnapshot(models=views, running=self.running_count(),
                               queue_depth=len(self.waiting),
                               granted=self.stats.granted, queue_waits=self.stats.queue_waits,
                               queue_wait_s=self.stats.queue_wait_s)
+
+    def devices_snapshot(self) -> DevicesSnapshot:
+        led = self.ledger
+        views = []
+        for name, dev in led.devices.items():
+            held = {m: devs[name] for m, devs in led.held.items() if name in devs}
+            views.append(DeviceView(name=name, kind=dev.kind, total=dev.total, free=dev.free,
+                                    external=dev.external, held=held,
+                                    available=led.available(name) or 0))
+        return DevicesSnapshot(memory_accounting=self.memory_on, margin=led.margin,
+                               account_host=led.account_host, backends=self.backends,
+                               devices=views)
 
     def running_count(self) -> int:
         return sum(1 for rec in self.models.values() if rec.state.is_running)
@@ -395,6 +529,9 @@ class Policy:
                 assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
             else:
                 assert rec.in_flight == 0
+        for name in self.ledger.held:
+            rec = self.models[name]
+            assert rec.state.is_running or rec.releasing, f"{name}: holds memory, no child"
 
     # ------------------------------------------------------------ the rules
 
@@ -457,27 +594,84 @@ class Policy:
 
     def _claim(self, now: float) -> None:
         """Spawn for queue heads, in order, while there is capacity (R-4.3)."""
-        for entry in self.queue.values():
-            if not self._needs_slot(entry):
+        for entry in list(self.queue.values()):
+            if entry.model not in self.queue or not self._needs_slot(entry):
                 continue
             rec = self.models[entry.model]
             if rec.state is S.STOPPING or not self._has_capacity():
                 return  # the head waits, and nobody overtakes it
+            if self.memory_on:
+                room = self._make_room(rec, now)
+                if room == "refused":
+                    continue
+                if room == "wait":
+                    return
             entry.claimed = True
             self._spawn(rec, len(entry.waiters), now)
+
+    def _make_room(self, rec: ModelRecord, now: float) -> Literal["go", "wait", "refused"]:
+        """R-5.7: may `rec` spawn now? Evicts idle LRU models until it fits."""
+        if not rec.memory_settled:
+            if not rec.measure_front:
+                rec.measure_front = True
+                self._out.append(Measure(rec.name, front=True))
+            return "wait"  # the measurement decides what to unload
+        need = rec.mem_min
+        short = self.ledger.deficit(need, self._freeing())
+        while short:
+            victim = self._pick_victim()
+            if victim is None:
+                break
+            shortfalls = [Shortfall(d, row.self_bytes, self.ledger.available(d) or 0)
+                          for row in (need.devices if need else []) if (d := row.name) in short]
+            self._stop(victim, "memory", rec.name, now, shortfalls)
+            short = self.ledger.deficit(need, self._freeing())
+        if not short:
+            # It fits once what is being stopped has come back.
+            return "go" if not self.ledger.deficit(need) else "wait"
+        others = [r for r in self.models.values()
+                  if r is not rec and (r.state.is_running or r.releasing)]
+        missing = ", ".join(f"{b / MiB:.0f} MiB on {d}" for d, b in short.items())
+        if not others:
+            log.warning("model %s is projected to be short by %s with nothing else loaded; "
+                        "loading anyway (the minimum is pessimistic)", rec.name, missing)
+            return "go"
+        if all(r.pinned and r.state is not S.STOPPING and not r.releasing for r in others):
+            self._refuse_entry(rec.name, 503, (
+                f"model '{rec.name}' does not fit: short by {missing} beyond "
+                f"memory_margin_mib, and the models holding memory are pinned "
+                f"({', '.join(r.name for r in others)}); unload one"))
+            return "refused"
+        return "wait"  # busy models finish, stops complete: both re-pump
+
+    def _freeing(self) -> dict[str, int]:
+        """Memory held by children on their way out, per device."""
+        return self.ledger.holds_of([r.name for r in self.models.values()
+                                     if r.state is S.STOPPING or r.releasing])
 
     def _spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
         rec.generation += 1
         rec.loads += 1
         rec.last_used = now
         self._transition(rec, S.LOADING, f"spawn for {n_waiting} waiting request(s)", now)
+        if self.memory_on:
+            # A child still releasing from its last run is replaced by the new hold.
+            rec.releasing = False
+            self.ledger.release(rec.name)
+            self.ledger.reserve(rec.name, rec.mem_effective or rec.mem_min)
+            self._out.append(Track(rec.name, "spawned"))
         self._out.append(Spawn(rec.name, rec.generation))
 
     def _stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
-              now: float) -> None:
+              now: float, shortfalls: list[Shortfall] | None = None) -> None:
         cause = f"{reason} eviction" + (f" for {for_model}" if for_model else "")
+        if shortfalls:
+            cause += " (" + ", ".join(f"{s.device}: needs {s.needed / MiB:.0f} MiB, "
+                                      f"{s.available / MiB:.0f} MiB available"
+                                      for s in shortfalls) + ")"
         self._transition(rec, S.STOPPING, cause, now)
-        rec.last_eviction = Evicted(model=rec.name, reason=reason, for_model=for_model)
+        rec.last_eviction = Evicted(model=rec.name, reason=reason, for_model=for_model,
+                                    devices=shortfalls or [])
         key = (rec.name, reason)
         self.stats.evictions[key] = self.stats.evictions.get(key, 0) + 1
         self._out.append(Publish(rec.last_eviction))

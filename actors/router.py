@@ -26,8 +26,10 @@ from .messages import (
     Acquire,
     Alive,
     Cancel,
+    DevicesSnapshot,
     Done,
     Event,
+    GetDevices,
     GetModels,
     Grant,
     LoadModel,
@@ -110,6 +112,7 @@ class Router:
         r.add_get("/models/logs", self.logs)
         r.add_get("/props", self.props)
         r.add_get("/metrics", self.metrics)
+        r.add_get("/devices", self.devices)
         for path in PROXIED_POST:
             r.add_post(path, self.proxy_post)
         r.add_get("/{tail:.*}", self.proxy_get)
@@ -263,8 +266,17 @@ class Router:
                 "in_flight": view.in_flight, "waiting": view.waiting, "loads": view.loads,
                 "pid": view.pid, "port": view.port,
                 "last_eviction": msgspec.to_builtins(view.last_eviction),
+                "memory": msgspec.to_builtins(view.memory),
             })
         return web.json_response({"object": "list", "data": data})
+
+    async def devices(self, request: web.Request) -> web.Response:
+        """GET /devices: per device total, external, held per model, available (bytes)."""
+        snap = await self._ask(GetDevices)
+        assert isinstance(snap, DevicesSnapshot)
+        body = msgspec.to_builtins(snap)
+        body.pop("type", None)
+        return web.json_response(body)
 
     async def _model_from_body(self, request: web.Request) -> str | web.Response:
         try:

@@ -14,16 +14,22 @@ from typing import Any, assert_never
 from .base import BaseActor, CrashHandler
 from .childproc import CHILD_HOST
 from .config import Config
+from .ledger import MiB
 from .messages import (
     Acquire,
     Alive,
     Cancel,
+    DevicesReported,
     Event,
+    GetDevices,
     GetModels,
     InstanceExited,
     InstanceReady,
     InstancesAttached,
     LoadModel,
+    Measured,
+    MeasureModel,
+    MeasureStarted,
     Ping,
     Release,
     SchedulerMessage,
@@ -31,9 +37,10 @@ from .messages import (
     StartInstance,
     StopInstance,
     Subscribe,
+    TrackModel,
     UnloadModel,
 )
-from .policy import Answer, Effect, Policy, Publish, Spawn, Stop
+from .policy import Answer, Effect, Measure, Policy, Publish, Spawn, Stop, Track
 
 
 class Scheduler(BaseActor):
@@ -44,12 +51,15 @@ class Scheduler(BaseActor):
         super().__init__("scheduler", on_crash)
         self.clock = clock
         self.policy = Policy(config.models_max, config.restart_intensity,
-                             config.restart_period_s)
+                             config.restart_period_s, int(config.memory_margin_mib * MiB),
+                             config.account_host)
         for name, model in config.models.items():
             self.policy.add_model(name, clock(), pinned=model.pinned)
         self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
         self.instances: dict[str, Any] = {}
         """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
+        self.monitor: Any = None
+        self.measurer: Any = None
         self.subscribers: list[Callable[[Event], None]] = []
         self.shutdown_replies: list[Any] = []
 
@@ -73,14 +83,24 @@ class Scheduler(BaseActor):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.waiting)))
             case Subscribe(sink=sink):
                 self.subscribers.append(sink)
-            case InstancesAttached(instances=instances):
+            case InstancesAttached(instances=instances, monitor=monitor, measurer=measurer):
                 self.instances = dict(instances)
+                self.monitor, self.measurer = monitor, measurer
+                self._run(p.start_measuring())
                 for name in self.startup_loads:
                     self._run(p.load(None, name, now))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port):
                 self._run(p.instance_ready(model, gen, pid, f"http://{CHILD_HOST}:{port}", now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
                 self._run(p.instance_exited(model, gen, rc, desc, now))
+            case GetDevices(reply=reply):
+                reply.send(p.devices_snapshot())
+            case MeasureStarted(model=model):
+                self._run(p.measure_started(model))
+            case Measured(model=model, result=result, min=min_, max=max_):
+                self._run(p.measured(model, result == "measured", min_, max_, now))
+            case DevicesReported(report=report):
+                self._run(p.devices_reported(report, now))
             case Shutdown(reply=reply):
                 self.shutdown_replies.append(reply)
                 self._run(p.shutdown(now))
@@ -104,5 +124,11 @@ class Scheduler(BaseActor):
                 case Publish(event=event):
                     for sink in self.subscribers:
                         sink(event)
+                case Measure(model=model, front=front):
+                    if self.measurer is not None:
+                        self.measurer.tell(MeasureModel(model, front))
+                case Track(model=model, event=event, pid=pid):
+                    if self.monitor is not None:
+                        self.monitor.tell(TrackModel(model, event, pid))
                 case _:
                     assert_never(effect)

@@ -12,7 +12,9 @@ from typing import Any
 from .bridge import Fanout, LoopReply, ThreadReply
 from .childproc import LogRing
 from .config import Config
+from .device import DeviceMonitor, discover
 from .instance import ModelInstance
+from .measure import MeasureWorker
 from .messages import (
     Acquire,
     Cancel,
@@ -71,6 +73,8 @@ class Supervisor:
         """Each model's recent child output (GET /models/logs)."""
         self.timers: Timers | None = None
         self.scheduler: Any = None
+        self.monitor: Any = None
+        self.measurer: Any = None
         self.instances: dict[str, Any] = {}
 
     def _crash(self, actor: str, error: BaseException) -> None:
@@ -82,17 +86,29 @@ class Supervisor:
             self._on_crash(actor, error)
 
     def start(self) -> None:
-        """Start the timers, the Scheduler, then one ModelInstance per model."""
+        """Start the timers, the Scheduler, the DeviceMonitor, the MeasureWorker, then one
+        ModelInstance per model."""
+        config = self.config
         self.timers = Timers()
-        self.scheduler = Scheduler.start(self.config, self._crash)
+        self.scheduler = Scheduler.start(config, self._crash)
         if self._on_event is not None:
             self.scheduler.tell(Subscribe(self._on_event))
-        for name, model in self.config.models.items():
+        backends = discover(config)
+        device_names = sorted(d.name for b in backends for d in b.sample())
+        self.monitor = DeviceMonitor.start(backends, self.scheduler, self.timers,
+                                           config.device_poll_s, self._crash)
+        self.measurer = MeasureWorker.start(config, self.scheduler, self.monitor, self.timers,
+                                            device_names, self._crash)
+        for name, model in config.models.items():
             self.instances[name] = ModelInstance.start(
-                name, model, self.scheduler, self.timers, self.logs[name], self._crash)
-        self.scheduler.tell(InstancesAttached(self.instances))
-        log.info("corral started: %d models, models_max %d", len(self.config.models),
-                 self.config.models_max)
+                name, model, self.scheduler, self.timers, self.logs[name], self._crash,
+                extra_env=config.child_env())
+        self.scheduler.tell(InstancesAttached(self.instances, self.monitor, self.measurer))
+        memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
+                  f"{', '.join(device_names) or 'no device'}"
+                  if config.memory_accounting else "memory accounting off")
+        log.info("corral started: %d models, models_max %d, %s", len(config.models),
+                 config.models_max, memory)
 
     def subscribe(self, loop: asyncio.AbstractEventLoop,
                   callback: Callable[[Event], None]) -> None:
@@ -118,7 +134,7 @@ class Supervisor:
             clean = done.wait(timeout_s) is True
         if not clean:
             log.error("children did not all exit within %.1f s of shutdown", timeout_s)
-        for ref in self.instances.values():
+        for ref in [*self.instances.values(), self.measurer, self.monitor]:
             ref.stop(block=True, timeout=5.0)
         self.scheduler.stop(block=True, timeout=5.0)
         if self.timers is not None:

@@ -24,12 +24,25 @@ def fake_cmd(*knobs: str) -> list[str]:
             "--model", "{model}", *knobs]
 
 
-def toml_config(models: dict[str, dict[str, Any]], **top: Any) -> str:
-    """A TOML text for `models` (name -> keys) and top-level keys."""
-    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
+def toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def toml_config(models: dict[str, dict[str, Any]],
+                devices: list[dict[str, Any]] | None = None, **top: Any) -> str:
+    """A TOML text for `models` (name -> keys), `[[devices]]` and top-level keys."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in top.items()]
+    for device in devices or []:
+        lines.append("\n[[devices]]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in device.items()]
     for name, keys in models.items():
         lines.append(f'\n[models."{name}"]')
-        lines += [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in keys.items()]
     return "\n".join(lines) + "\n"
 
 

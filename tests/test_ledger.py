@@ -72,3 +72,25 @@ def test_reserve_is_idempotent_and_release_of_unknown_is_harmless() -> None:
     ledger.release("zzz")
     ledger.reserve("b", None)
     assert ledger.held.keys() == {"a"}
+
+
+def test_observe_counts_only_what_corral_children_do_not_use_as_external() -> None:
+    from actors.ledger import DeviceSample
+
+    ledger = Ledger(margin=0)
+    ledger.reserve("a", need(4))
+    sample = DeviceSample("gpu0", "device", 10 * GiB, 3 * GiB, "simulated")
+    ledger.observe(sample, managed=2 * GiB)  # a has allocated 2 of its 4 so far
+    assert ledger.devices["gpu0"].external == 5 * GiB
+    assert ledger.available("gpu0") == 1 * GiB  # 10 - 5 external - 4 reserved
+    ledger.observe(sample, managed=None)  # no per-process figures: trust the holds
+    assert ledger.devices["gpu0"].external == 3 * GiB
+
+
+def test_deficit_counts_memory_that_is_on_its_way_back() -> None:
+    ledger = Ledger(margin=1 * GiB)
+    ledger.calibrate(need(1), reporter=None)
+    ledger.reserve("a", need(4))
+    ledger.reserve("b", need(4))
+    assert ledger.deficit(need(4)) == {"gpu0": 3 * GiB}
+    assert ledger.deficit(need(4), give_back=ledger.holds_of(["a"])) == {}

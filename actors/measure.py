@@ -1,0 +1,289 @@
+"""MeasureWorker actor: learns each model's memory need, one measure child at a time (R-5.2).
+
+Methods (R-5.3): `command` runs the model's argv plus `measure_args` with
+CORRAL_ROLE=measure and reads one stdout line `corral:measure:{json}`; `declared` takes
+`memory_mib` from the config; `probe` starts the model for real, waits for it to answer,
+asks the DeviceMonitor what its process tree uses and stops it. Results are cached in
+state_dir, keyed by argv, the identity of the files it names and the device set, so a
+restart of corral measures nothing twice. The worker reports; the Scheduler decides.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Literal, assert_never
+
+import msgspec
+
+from .base import BaseActor, CrashHandler, tell_or_drop
+from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port
+from .config import PLACEHOLDER, Config, ModelConfig
+from .instance import wait_ready_http
+from .ledger import Breakdown, DeviceSample, DeviceUse, MiB
+from .lifecycle import describe_exit
+from .messages import (
+    Measured,
+    MeasureDeadline,
+    MeasureExited,
+    MeasureLine,
+    MeasureMessage,
+    MeasureModel,
+    MeasureStarted,
+    ProbeReady,
+    ProbeUsage,
+    SampleProcess,
+)
+from .timers import Timers
+
+MEASURE_PREFIX = "corral:measure:"
+
+
+class MeasureResult(msgspec.Struct, frozen=True):
+    """The JSON of a `corral:measure:` line."""
+
+    result: Literal["measured", "failed"]
+    min: Breakdown | None = None
+    max: Breakdown | None = None
+    error: str | None = None
+
+
+def parse_measure_line(line: str) -> MeasureResult | str | None:
+    """The result on a `corral:measure:` line; a str saying what is wrong with a malformed
+    one; None for any other line."""
+    if not line.startswith(MEASURE_PREFIX):
+        return None
+    try:
+        result = msgspec.json.decode(line[len(MEASURE_PREFIX):], type=MeasureResult)
+    except msgspec.DecodeError as e:
+        return f"malformed measurement: {e}"
+    if result.result == "measured" and (result.min is None or result.max is None):
+        return "malformed measurement: \"measured\" needs both \"min\" and \"max\""
+    return result
+
+
+def declared_breakdown(memory_mib: dict[str, float]) -> Breakdown:
+    return Breakdown(n_ctx=0, devices=[
+        DeviceUse(kind="host" if name == "host" else "device", name=name, model=int(mib * MiB))
+        for name, mib in memory_mib.items()])
+
+
+class MeasureCache:
+    """Measured results on disk, one JSON file per key."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @staticmethod
+    def key(name: str, model: ModelConfig, device_names: list[str]) -> str:
+        # {model} may choose what the child loads; {port} and {host} change nothing.
+        argv = [arg.replace("{model}", name) for arg in (*model.cmd, *model.measure_args)]
+        files = []
+        for arg in argv:
+            with contextlib.suppress(OSError, ValueError):
+                st = os.stat(arg)
+                if os.path.isfile(arg):
+                    files.append([arg, st.st_size, st.st_mtime_ns])
+        identity = {"method": model.measure_method, "argv": argv, "env": model.env,
+                    "files": files, "devices": sorted(device_names)}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+
+    def get(self, key: str) -> MeasureResult | None:
+        path = self.directory / f"{key}.json"
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=MeasureResult)
+        except FileNotFoundError:
+            return None
+        except (OSError, msgspec.DecodeError):
+            return None  # unreadable or from another version: measure again
+
+    def put(self, key: str, result: MeasureResult) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".{key}.{os.getpid()}.tmp"
+        tmp.write_bytes(msgspec.json.encode(result))
+        os.replace(tmp, self.directory / f"{key}.json")
+
+
+class MeasureWorker(BaseActor):
+    """Runs at most one measure child at a time, from a queue (R-5.2)."""
+
+    def __init__(self, config: Config, scheduler: Any, monitor: Any, timers: Timers,
+                 device_names: list[str], on_crash: CrashHandler) -> None:
+        super().__init__("measure", on_crash)
+        self.config = config
+        self.scheduler = scheduler
+        self.monitor = monitor
+        self.timers = timers
+        self.device_names = device_names
+        self.cache = MeasureCache(config.state_path() / "measure")
+        self.queue: collections.deque[str] = collections.deque()
+        self.current: str | None = None
+        """The model being measured. Invariant: set exactly while `child` is alive."""
+        self.child: ChildProcess | None = None
+        self.spawn_id = 0
+        self.cache_key = ""
+        self.reported = False
+        """Whether the current child's result went to the Scheduler."""
+        self.cause: str | None = None
+        self.abandon_probe = threading.Event()
+        self.log_ring = LogRing(200)
+
+    def on_receive(self, message: MeasureMessage) -> None:
+        match message:
+            case MeasureModel(model=model, front=front):
+                self.enqueue(model, front)
+            case MeasureLine(spawn_id=spawn_id, line=line):
+                if spawn_id == self.spawn_id and self.current is not None:
+                    self.handle_line(line)
+            case ProbeReady(spawn_id=spawn_id):
+                if spawn_id == self.spawn_id and self.child is not None and not self.reported:
+                    self.monitor.tell(SampleProcess(self.child.pid, spawn_id, self.actor_ref))
+            case ProbeUsage(spawn_id=spawn_id, devices=devices, usage=usage):
+                if spawn_id == self.spawn_id and self.current is not None:
+                    self.handle_probe_usage(devices, usage)
+            case MeasureDeadline(spawn_id=spawn_id):
+                self.handle_deadline(spawn_id)
+            case MeasureExited(spawn_id=spawn_id):
+                if spawn_id == self.spawn_id:
+                    self.handle_exited()
+            case _:
+                assert_never(message)
+
+    def on_stop(self) -> None:
+        self.abandon_probe.set()
+        if self.child is not None and self.child.returncode is None:
+            self.log.info("stopping: killing the measure child of %s", self.current)
+            self.child.reap()  # kills its group first
+
+    # ------------------------------------------------------------ queue
+
+    def enqueue(self, model: str, front: bool) -> None:
+        if model == self.current:
+            return
+        if model in self.queue:
+            if not front:
+                return
+            self.queue.remove(model)
+        if front:
+            self.queue.appendleft(model)
+        else:
+            self.queue.append(model)
+        self.next()
+
+    def next(self) -> None:
+        while self.current is None and self.queue:
+            model = self.queue.popleft()
+            config = self.config.models[model]
+            method = config.measure_method
+            if method == "declared":
+                figures = declared_breakdown(config.memory_mib)
+                self.report(model, MeasureResult("measured", figures, figures), "declared")
+                continue
+            self.cache_key = MeasureCache.key(model, config, self.device_names)
+            cached = self.cache.get(self.cache_key)
+            if cached is not None:
+                self.log.info("%s: memory figures from the cache (%s)", model, self.cache_key)
+                self.report(model, cached, "cache")
+                continue
+            self.start_child(model, config, method)
+
+    def start_child(self, model: str, config: ModelConfig, method: str) -> None:
+        self.spawn_id += 1
+        spawn_id = self.spawn_id
+        ref = self.actor_ref
+        values = {"port": str(pick_port(CHILD_HOST)), "host": CHILD_HOST, "model": model}
+        args = config.cmd + (config.measure_args if method == "command" else [])
+        argv = [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in args]
+        env = {**os.environ, **self.config.child_env(), **config.env}
+        self.log_ring = LogRing(200)
+        if method == "command":
+            env["CORRAL_ROLE"] = "measure"
+        try:
+            self.child = ChildProcess(
+                argv, env, self.log_ring, label=f"measure-{model}",
+                on_exit=lambda: tell_or_drop(ref, MeasureExited(spawn_id)),
+                on_line=lambda line: tell_or_drop(ref, MeasureLine(spawn_id, line)))
+        except (OSError, subprocess.SubprocessError) as e:
+            self.report(model, MeasureResult("failed", error=f"could not be started: {e}"),
+                        method)
+            return
+        self.current = model
+        self.reported = False
+        self.cause = None
+        timeout_s = config.measure_timeout_s or self.config.measure_timeout_s
+        self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model, method,
+                      self.child.pid, timeout_s, " ".join(argv))
+        self.scheduler.tell(MeasureStarted(model))
+        self.timers.after(timeout_s, ref, MeasureDeadline(spawn_id))
+        if method == "probe":
+            self.abandon_probe = threading.Event()
+            threading.Thread(
+                target=wait_ready_http, daemon=True, name=f"measure-{model}-ready",
+                args=(int(values["port"]), config.health_path, self.abandon_probe,
+                      lambda: tell_or_drop(ref, ProbeReady(spawn_id)))).start()
+
+    # ------------------------------------------------------------ child events
+
+    def handle_line(self, line: str) -> None:
+        assert self.current is not None
+        parsed = parse_measure_line(line)
+        if parsed is None or self.reported:
+            return
+        if isinstance(parsed, str):
+            parsed = MeasureResult("failed", error=parsed)
+        self.report(self.current, parsed, "command")
+
+    def handle_probe_usage(self, devices: list[DeviceSample], usage: dict[str, int]) -> None:
+        assert self.current is not None and self.child is not None
+        config = self.config.models[self.current]
+        seen = {d.name: d for d in devices}
+        rows = [DeviceUse(kind=seen[name].kind, name=name, total=seen[name].total,
+                          free=seen[name].free, model=size)
+                for name, size in usage.items() if name in seen]
+        figures = Breakdown(n_ctx=0, devices=rows)
+        self.report(self.current, MeasureResult("measured", figures, figures), "probe")
+        self.abandon_probe.set()
+        self.child.signal_group(signal.SIGTERM)
+        self.timers.after(config.stop_timeout_s, self.actor_ref, MeasureDeadline(self.spawn_id))
+
+    def handle_deadline(self, spawn_id: int) -> None:
+        if spawn_id != self.spawn_id or self.child is None or self.child.returncode is not None:
+            return
+        if not self.reported:
+            config = self.config.models[self.current or ""]
+            self.cause = (f"no result within measure_timeout_s="
+                          f"{config.measure_timeout_s or self.config.measure_timeout_s:g}")
+            self.log.warning("measuring %s: %s; killing pid %d", self.current, self.cause,
+                             self.child.pid)
+        self.child.signal_group(signal.SIGKILL)
+
+    def handle_exited(self) -> None:
+        assert self.child is not None and self.current is not None
+        self.abandon_probe.set()
+        returncode = self.child.reap()
+        if not self.reported:
+            why = self.cause or f"measure child {describe_exit(returncode)} before reporting"
+            tail = " | ".join(self.log_ring.lines()[-3:])
+            self.report(self.current, MeasureResult(
+                "failed", error=why + (f" (last output: {tail})" if tail else "")), "command")
+        self.child = None
+        self.current = None
+        self.next()
+
+    def report(self, model: str, result: MeasureResult, source: str) -> None:
+        self.reported = True
+        if result.result == "measured":
+            if source in ("command", "probe"):
+                self.cache.put(self.cache_key, result)
+        else:
+            self.log.warning("measuring %s failed: %s; memory limits will not apply to it",
+                             model, result.error)
+        self.scheduler.tell(Measured(model, result.result, result.min, result.max,
+                                     result.error, source))

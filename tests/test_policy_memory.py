@@ -1,0 +1,244 @@
+"""The memory rules of the pure scheduler (R-5.*), driven synchronously with a fake device."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.ledger import Breakdown, DeviceSample, DeviceUse
+from actors.lifecycle import ModelState
+from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
+from actors.policy import Effect, Measure, Publish, Track
+from tests.test_policy import World
+
+GiB = 1024**3
+
+
+def need(gib: float) -> Breakdown:
+    return Breakdown(n_ctx=512, devices=[DeviceUse(kind="device", name="gpu0",
+                                                   model=int(gib * GiB))])
+
+
+class MemWorld(World):
+    """A World with a 10 GiB device, a 1 GiB margin, and a monitor played by the test."""
+
+    def __init__(self, sizes: dict[str, float], models_max: int = 0, pinned: str = "",
+                 total_gib: float = 10, measured: bool = True) -> None:
+        super().__init__(models_max, "".join(sizes), pinned=pinned)
+        old = self.p
+        self.p = type(old)(models_max, 3, 60.0, memory_margin=1 * GiB)
+        for n in sizes:
+            self.p.add_model(n, 0.0, pinned=n in pinned)
+        self.sizes = sizes
+        self.total = int(total_gib * GiB)
+        self.external = 0
+        self.actual: dict[str, int] = {}
+        """Model -> bytes its live child really uses (set at spawn, gone at exit)."""
+        self.tracked: set[str] = set()
+        self.measures: list[Measure] = []
+        self.events: list[object] = []
+        if measured:
+            for n, gib in sizes.items():
+                self.run(self.p.measured(n, True, need(gib), need(gib), 0.0))
+        self.report()
+
+    def run(self, effects: list[Effect]) -> list[Effect]:
+        for e in effects:
+            if isinstance(e, Measure):
+                self.measures.append(e)
+            elif isinstance(e, Publish):
+                self.events.append(e.event)
+            elif isinstance(e, Track):
+                if e.event == "spawned":
+                    self.actual[e.model] = int(self.sizes[e.model] * GiB)
+                elif e.event == "ready":
+                    self.tracked.add(e.model)
+                else:
+                    self.tracked.discard(e.model)
+        return super().run(effects)
+
+    def exited(self, model: str, rc: int = 0) -> None:
+        self.actual.pop(model, None)  # the process is gone: its memory is back
+        super().exited(model, rc)
+
+    def report(self) -> None:
+        used = sum(self.actual.values()) + self.external
+        usage = {m: {"gpu0": self.actual.get(m, 0)} for m in self.tracked}
+        self.run(self.p.devices_reported(DeviceReport(
+            devices=[DeviceSample("gpu0", "device", self.total, max(0, self.total - used),
+                                  "simulated")],
+            managed={"gpu0": sum(u["gpu0"] for u in usage.values())}, usage=usage,
+            tracked=sorted(self.tracked), backends=["simulated"]), self.tick()))
+
+    def ready(self, model: str) -> None:
+        super().ready(model)
+        self.report()
+
+    def evictions(self) -> list[Evicted]:
+        return [e for e in self.events if isinstance(e, Evicted)]
+
+
+def test_two_4gib_models_coexist_and_a_third_evicts_the_lru_for_memory() -> None:
+    w = MemWorld({"a": 4, "b": 4, "c": 4})
+    w.load_idle("a", "b")
+    assert w.state("a") == w.state("b") == "loaded" and w.stops == []
+    w.acquire("t", "c")
+    assert w.stops == [("a", "memory")] and w.state("c") == "unloaded"
+    assert w.evictions()[-1] == Evicted("a", "memory", "c",
+                                        [Shortfall("gpu0", 4 * GiB, 2 * GiB)])
+    w.exited("a")
+    assert w.state("c") == "unloaded", "a's memory counts until a report no longer sees it"
+    w.report()
+    assert w.state("c") == "loading"
+    w.ready("c")
+    assert isinstance(w.answers["t"], Grant)
+    assert w.p.ledger.held == {"b": {"gpu0": 4 * GiB}, "c": {"gpu0": 4 * GiB}}
+
+
+def test_outside_usage_found_by_calibration_changes_the_decision() -> None:
+    w = MemWorld({"a": 4, "b": 4})
+    w.external = 3 * GiB
+    w.report()
+    assert w.p.ledger.devices["gpu0"].external == 3 * GiB
+    w.load_idle("a")
+    w.acquire("t", "b")  # 10 - 3 - 4 = 3 available, 1 kept: 4 does not fit
+    assert w.stops == [("a", "memory")]
+    w.external = 0
+    w.report()
+    assert w.p.ledger.devices["gpu0"].external == 0
+
+
+def test_a_model_too_big_alone_still_loads() -> None:
+    w = MemWorld({"big": 12})
+    w.acquire("t", "big")
+    assert w.state("big") == "loading"
+
+
+def test_busy_models_make_the_newcomer_wait_and_the_first_idle_one_goes() -> None:
+    w = MemWorld({"a": 4, "b": 4, "c": 4})
+    w.load_idle("a", "b")
+    w.acquire("ta", "a")
+    w.acquire("tb", "b")
+    w.acquire("tc", "c")
+    assert w.stops == [] and w.state("c") == "unloaded"
+    w.release("tb")
+    assert w.stops == [("b", "memory")]
+
+
+def test_pinned_holders_refuse_a_model_that_cannot_fit_instead_of_waiting() -> None:
+    w = MemWorld({"a": 4, "b": 4, "c": 4}, pinned="ab")
+    w.load_idle("a", "b")
+    answer = w.acquire("t", "c")
+    assert isinstance(answer, Refusal) and answer.status == 503
+    assert "pinned" in answer.message and "3072 MiB on gpu0" in answer.message
+    assert w.p.queue == {}
+
+
+def test_the_head_waits_for_its_measurement_and_asks_for_it_first() -> None:
+    w = MemWorld({"a": 4, "b": 4}, measured=False)
+    w.run(w.p.start_measuring())
+    assert w.measures == [Measure("a", False), Measure("b", False)]
+    w.acquire("t", "b")
+    assert w.state("b") == "unloaded" and w.measures[-1] == Measure("b", True)
+    w.acquire("t2", "b")
+    assert w.measures.count(Measure("b", True)) == 1, "asked once, not on every pump"
+    w.run(w.p.measure_started("b"))
+    assert w.p.models["b"].memory == "measuring"
+    w.run(w.p.measured("b", True, need(4), need(4), w.tick()))
+    assert w.state("b") == "loading"
+    assert any(isinstance(e, ModelMemory) and e.memory.status == "measured" for e in w.events)
+
+
+def test_a_failed_measurement_lifts_the_limits_and_is_retried_once_after_a_start() -> None:
+    w = MemWorld({"a": 40}, measured=False)
+    w.run(w.p.measure_started("a"))
+    w.run(w.p.measured("a", False, None, None, w.tick()))
+    assert w.p.models["a"].memory == "failed"
+    w.load_idle("a")
+    assert w.measures == [Measure("a", False)] and w.p.models["a"].memory == "unmeasured"
+    w.run(w.p.measure_started("a"))
+    w.run(w.p.measured("a", False, None, None, w.tick()))
+    w.run(w.p.unload("u", "a", w.tick()))
+    w.exited("a")
+    w.report()
+    w.load_idle("a")
+    assert w.measures == [Measure("a", False)], "two attempts, then no more"
+
+
+def test_real_usage_replaces_the_reservation_once_ready() -> None:
+    w = MemWorld({"a": 4, "b": 4, "c": 4})
+    w.sizes["a"] = 1  # measured at 4 GiB, really uses 1
+    w.load_idle("a")
+    assert w.p.ledger.held["a"] == {"gpu0": 1 * GiB}
+    assert w.p.models["a"].mem_effective is not None
+    w.load_idle("b", "c")  # 1 + 4 + 4 = 9 = 10 - margin
+    assert w.stops == [] and {w.state(m) for m in "abc"} == {"loaded"}
+
+
+def test_a_crashed_model_stops_holding_once_a_report_no_longer_tracks_it() -> None:
+    w = MemWorld({"a": 6, "b": 6})
+    w.load_idle("a")
+    w.exited("a", rc=-9)
+    assert w.state("a") == "failed" and "a" in w.p.ledger.held
+    w.acquire("t", "b")
+    assert w.state("b") == "unloaded", "waits: a's memory may still be in use"
+    w.report()
+    assert w.state("b") == "loading" and "a" not in w.p.ledger.held
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int) -> None:
+    rng = random.Random(seed)
+    sizes = {m: rng.choice([1, 2, 3, 4, 6, 12]) for m in "abcd"}
+    w = MemWorld(sizes, models_max=rng.choice([0, 2, 3]), measured=rng.random() < 0.5)
+    open_tickets: list[int] = []
+    for step in range(300):
+        op = rng.random()
+        if op < 0.3:
+            open_tickets.append(step)
+            w.acquire(step, rng.choice("abcd"))
+        elif op < 0.45 and open_tickets:
+            w.release(open_tickets.pop(rng.randrange(len(open_tickets))))
+        elif op < 0.5 and open_tickets:
+            w.cancel(open_tickets.pop(rng.randrange(len(open_tickets))))
+        elif op < 0.65:
+            loading = [m for m, r in w.p.models.items() if r.state is ModelState.LOADING]
+            if loading:
+                w.ready(rng.choice(loading))
+        elif op < 0.78:
+            running = [m for m, r in w.p.models.items() if r.state.is_running]
+            if running:
+                m = rng.choice(running)
+                if w.p.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
+                    w.exited(m, rc=rng.choice([0, -9]))
+        elif op < 0.88:
+            w.external = rng.choice([0, 0, 1, 3]) * GiB
+            w.report()
+        else:
+            m = rng.choice("abcd")
+            if w.p.models[m].memory in ("unmeasured", "measuring"):
+                ok = rng.random() < 0.8
+                w.run(w.p.measured(m, ok, need(sizes[m]) if ok else None,
+                                   need(sizes[m]) if ok else None, w.tick()))
+    for _ in range(300):  # drain: measures end, children answer or exit, clients finish
+        progressed = False
+        for m, rec in w.p.models.items():
+            if rec.memory in ("unmeasured", "measuring") and m in w.p.queue:
+                w.run(w.p.measured(m, True, need(sizes[m]), need(sizes[m]), w.tick()))
+                progressed = True
+            if rec.state is ModelState.LOADING:
+                w.ready(m)
+                progressed = True
+            elif rec.state is ModelState.STOPPING:
+                w.exited(m)
+                progressed = True
+        w.report()
+        granted = [t for t in open_tickets if isinstance(w.answers.get(t), Grant)]
+        for t in granted:
+            open_tickets.remove(t)
+            w.release(t)
+            progressed = True
+        if not progressed:
+            break
+    assert w.p.waiting == {}, f"requests never answered: {w.p.waiting}"
