@@ -230,10 +230,10 @@ class DeviceMonitor(BaseActor):
                 assert_never(message)
 
     def track(self, model: str, event: str, pid: int | None) -> None:
-        if event == "spawned":
+        if event == "spawned" and pid is not None:
             devices, _ = self.sample(set())
             self.baseline[model] = {d.name: d.free for d in devices}
-            self.tracked.pop(model, None)
+            self.tracked[model] = pid
         elif event == "ready" and pid is not None:
             self.tracked[model] = pid
         else:

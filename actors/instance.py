@@ -27,6 +27,7 @@ from .messages import (
     InstanceExited,
     InstanceMessage,
     InstanceReady,
+    InstanceStarted,
     LoadDeadline,
     StartInstance,
     StopDeadline,
@@ -147,6 +148,7 @@ class ModelInstance(BaseActor):
                                                f"could not be started: {e}"))
             return
         self.phase = Phase.STARTING
+        self.scheduler.tell(InstanceStarted(self.model, self.generation, self.child.pid))
         self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
                       self.child.pid, self.port, " ".join(argv))
         self.abandon_probe = threading.Event()

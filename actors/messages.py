@@ -222,6 +222,14 @@ class InstancesAttached(Message, frozen=True):
     measurer: Any = None
 
 
+class InstanceStarted(Message, frozen=True):
+    """ModelInstance -> Scheduler: generation `generation` of `model` runs as `pid` (loading)."""
+
+    model: str
+    generation: int
+    pid: int
+
+
 class InstanceReady(Message, frozen=True):
     """ModelInstance -> Scheduler: generation `generation` of `model` answers on `port`."""
 
@@ -294,8 +302,8 @@ class Shutdown(Message, frozen=True):
 
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
-    | InstancesAttached | InstanceReady | InstanceExited | GetDevices | MeasureStarted
-    | Measured | DevicesReported | Shutdown
+    | InstancesAttached | InstanceStarted | InstanceReady | InstanceExited | GetDevices
+    | MeasureStarted | Measured | DevicesReported | Shutdown
 )
 
 
@@ -399,9 +407,9 @@ MeasureMessage = (
 class TrackModel(Message, frozen=True):
     """Scheduler -> DeviceMonitor: `model`'s child was spawned, became ready or is gone.
 
-    Each one triggers a sample. "spawned" notes free memory as a baseline (for
-    attribution where process ids cannot be matched), "ready" starts attributing the
-    tree of `pid`, "exited" stops it.
+    Each one triggers a sample. "spawned" starts attributing the tree of `pid` to the
+    model and notes free memory as a baseline (for attribution where process ids cannot
+    be matched); "exited" stops it.
     """
 
     model: str

@@ -346,6 +346,16 @@ class Policy:
 
     # ------------------------------------------------------------ instance facts
 
+    def instance_started(self, model: str, generation: int, pid: int) -> list[Effect]:
+        """The child of `generation` runs as `pid`: from now on its memory is corral's."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or rec.state is not S.LOADING:
+            return []
+        rec.pid = pid
+        if self.memory_on:
+            self._out.append(Track(model, "spawned", pid))
+        return self._flush()
+
     def instance_ready(self, model: str, generation: int, pid: int, base_url: str,
                        now: float) -> list[Effect]:
         """The child of `generation` answers: grant everyone queued for it, atomically (R-4.6)."""
@@ -659,7 +669,6 @@ class Policy:
             rec.releasing = False
             self.ledger.release(rec.name)
             self.ledger.reserve(rec.name, rec.mem_effective or rec.mem_min)
-            self._out.append(Track(rec.name, "spawned"))
         self._out.append(Spawn(rec.name, rec.generation))
 
     def _stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,

@@ -26,6 +26,7 @@ from .messages import (
     InstanceExited,
     InstanceReady,
     InstancesAttached,
+    InstanceStarted,
     LoadModel,
     Measured,
     MeasureModel,
@@ -89,6 +90,8 @@ class Scheduler(BaseActor):
                 self._run(p.start_measuring())
                 for name in self.startup_loads:
                     self._run(p.load(None, name, now))
+            case InstanceStarted(model=model, generation=gen, pid=pid):
+                self._run(p.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port):
                 self._run(p.instance_ready(model, gen, pid, f"http://{CHILD_HOST}:{port}", now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):

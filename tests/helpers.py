@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -169,8 +171,8 @@ class SSE:
                     with self._cv:
                         self.events.append(json.loads(line[6:]))
                         self._cv.notify_all()
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError, AttributeError):
+            pass  # closed under the reader (http.client drops its file: AttributeError)
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
                  timeout_s: float = 15.0) -> dict[str, Any]:
@@ -191,6 +193,11 @@ class SSE:
                     if e["type"] == "status_change" and e["model"] == model]
 
     def close(self) -> None:
+        # Shut the socket down first: closing alone waits for the reader thread's
+        # blocked read (up to the 60 s timeout) on the buffered file's lock.
+        if self._conn.sock is not None:
+            with contextlib.suppress(OSError):
+                self._conn.sock.shutdown(socket.SHUT_RDWR)
         self._conn.close()
 
 

@@ -9,7 +9,7 @@ import pytest
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.lifecycle import ModelState
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
-from actors.policy import Effect, Measure, Publish, Track
+from actors.policy import Effect, Measure, Publish, Spawn, Track
 from tests.test_policy import World
 
 GiB = 1024**3
@@ -44,19 +44,24 @@ class MemWorld(World):
         self.report()
 
     def run(self, effects: list[Effect]) -> list[Effect]:
+        started = []
         for e in effects:
             if isinstance(e, Measure):
                 self.measures.append(e)
             elif isinstance(e, Publish):
                 self.events.append(e.event)
+            elif isinstance(e, Spawn):
+                self.actual[e.model] = int(self.sizes[e.model] * GiB)
+                started.append(e)
             elif isinstance(e, Track):
-                if e.event == "spawned":
-                    self.actual[e.model] = int(self.sizes[e.model] * GiB)
-                elif e.event == "ready":
-                    self.tracked.add(e.model)
-                else:
+                if e.event == "exited":
                     self.tracked.discard(e.model)
-        return super().run(effects)
+                else:
+                    self.tracked.add(e.model)
+        super().run(effects)
+        for e in started:  # the instance reports the child's pid
+            self.run(self.p.instance_started(e.model, e.generation, 100))
+        return effects
 
     def exited(self, model: str, rc: int = 0) -> None:
         self.actual.pop(model, None)  # the process is gone: its memory is back

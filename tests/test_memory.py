@@ -1,0 +1,174 @@
+"""Memory-aware scheduling with real processes on simulated devices (R-5.*, R-6.5)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.helpers import SSE, chat, fake_cmd, request, toml_config, wait_until
+
+GiB = 1024**3
+MiB = 1024**2
+GPU = [{"name": "gpu0", "kind": "simulated", "total_mib": 10240}]
+
+
+def mem_config(tmp: Path, models: dict[str, dict[str, Any]], **top: Any) -> str:
+    """10 GiB simulated device, 1 GiB margin, no slot limit: only memory decides."""
+    settings: dict[str, Any] = {"models_max": 0, "memory_margin_mib": 1024,
+                                "state_dir": str(tmp / "state"), "device_poll_s": 0.2, **top}
+    return toml_config(models, devices=GPU, **settings)
+
+
+def sized(mib: int, *knobs: str) -> dict[str, Any]:
+    return {"cmd": fake_cmd("--device-mib", str(mib), *knobs)}
+
+
+def devices(port: int) -> dict[str, Any]:
+    status, body, _ = request(port, "GET", "/devices")
+    assert status == 200, body
+    return {d["name"]: d for d in body["devices"]}
+
+
+def measured(c: Any, *models: str) -> None:
+    for m in models:
+        wait_until(lambda m=m: c.models()[m]["memory"]["status"] == "measured", 15,
+                   f"{m} to be measured")
+
+
+def test_two_4gib_models_coexist_and_a_third_evicts_the_lru(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {m: sized(4096) for m in "abc"}))
+    measured(c, "a", "b", "c")
+    sse = SSE(c.port)
+    assert chat(c.port, "a")[0] == 200
+    assert chat(c.port, "b")[0] == 200
+    gpu = wait_until(lambda: (d := devices(c.port)["gpu0"])["held"].keys() == {"a", "b"}
+                     and d, 5, "a and b to hold memory")
+    assert gpu["held"] == {"a": 4 * GiB, "b": 4 * GiB} and gpu["available"] == 2 * GiB
+    assert c.state("a") == c.state("b") == "loaded"
+    assert chat(c.port, "c")[0] == 200
+    models = c.models()
+    assert [models[m]["status"]["value"] for m in "abc"] == ["unloaded", "loaded", "loaded"]
+    eviction = sse.wait_for(lambda e: e["type"] == "eviction")
+    assert eviction == {"type": "eviction", "model": "a", "reason": "memory",
+                        "for_model": "c",
+                        "devices": [{"device": "gpu0", "needed": 4 * GiB,
+                                     "available": 2 * GiB}]}
+    assert models["a"]["last_eviction"] == eviction
+    memory = models["c"]["memory"]
+    assert memory["min"]["devices"][0]["model"] == 4 * GiB
+    assert memory["effective"]["devices"][0]["model"] == 4 * GiB
+    gpu = devices(c.port)["gpu0"]
+    assert gpu["held"] == {"b": 4 * GiB, "c": 4 * GiB} and gpu["external"] == 0
+    sse.close()
+
+
+def test_an_outside_process_holding_memory_changes_the_decision(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {m: sized(4096) for m in "ab"}))
+    measured(c, "a", "b")
+    ledger = tmp_path / "state" / "sim-ledger" / "gpu0"
+    outsider = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, sys; p = sys.argv[1] + '/' + str(os.getpid()); "
+         "open(p, 'w').write(str(3 * 1024**3)); sys.stdin.read()", str(ledger)],
+        stdin=subprocess.PIPE)
+    try:
+        wait_until(lambda: devices(c.port)["gpu0"]["external"] == 3 * GiB, 10,
+                   "calibration to see the outside process")
+        assert chat(c.port, "a")[0] == 200
+        assert chat(c.port, "b")[0] == 200  # 10 - 3 - 4 = 3 available, 1 kept: b evicts a
+        evicted = c.models()["a"]["last_eviction"]
+        assert evicted["reason"] == "memory" and evicted["for_model"] == "b"
+        assert evicted["devices"] == [{"device": "gpu0", "needed": 4 * GiB,
+                                       "available": 3 * GiB}]
+    finally:
+        outsider.kill()
+        outsider.wait()
+    wait_until(lambda: devices(c.port)["gpu0"]["external"] == 0, 10, "external back to 0")
+
+
+def test_a_model_too_big_alone_still_loads_with_a_warning(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {"big": sized(12288)}))
+    measured(c, "big")
+    assert chat(c.port, "big")[0] == 200
+    assert "model big is projected to be short by 3072 MiB on gpu0 with nothing else " \
+           "loaded; loading anyway" in c.log()
+
+
+def test_a_hanging_measure_child_is_killed_at_its_deadline(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {"m": {**sized(4096, "--measure-hang"),
+                                           "measure_timeout_s": 0.5}}))
+    sse = SSE(c.port)
+    failed = sse.wait_for(lambda e: e["type"] == "model_memory")
+    assert failed == {"type": "model_memory", "model": "m",
+                      "memory": {"status": "failed", "min": None, "max": None,
+                                 "effective": None}}
+    assert "no result within measure_timeout_s=0.5; killing pid" in c.log()
+
+    def measure_children() -> list[psutil.Process]:
+        found = []
+        for p in psutil.Process(c.proc.pid).children(recursive=True):
+            try:
+                if p.environ().get("CORRAL_ROLE") == "measure" and p.status() != "zombie":
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    wait_until(lambda: not measure_children(), 5, "the measure child to be gone")
+    assert chat(c.port, "m")[0] == 200  # limits do not apply to it
+    # measured once more after its first successful start (R-5.2), and that fails too
+    wait_until(lambda: sum(e["type"] == "model_memory" for e in sse.events) == 2, 10,
+               "the second measurement")
+    assert c.log().count("measuring m (command") == 2
+    sse.close()
+
+
+def test_a_crashed_models_memory_stops_counting_once_it_is_reaped(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {"a": sized(6144), "b": sized(6144)}))
+    measured(c, "a", "b")
+    assert chat(c.port, "a")[0] == 200
+    wait_until(lambda: devices(c.port)["gpu0"]["held"] == {"a": 6 * GiB}, 5, "a to hold")
+    os.kill(c.models()["a"]["pid"], signal.SIGKILL)
+    c.wait_state("a", "failed")
+    assert chat(c.port, "b")[0] == 200
+    gpu = devices(c.port)["gpu0"]
+    assert gpu["held"] == {"b": 6 * GiB} and gpu["external"] == 0
+    assert "loading anyway" not in c.log()  # b fitted: a's memory had come back
+
+
+def test_a_measurement_survives_a_restart_of_corral(corral, tmp_path) -> None:
+    text = mem_config(tmp_path, {"a": sized(2048)})
+    first = corral(text)
+    measured(first, "a")
+    assert "measuring a (command" in first.log()
+    first.stop()
+    second = corral(text)
+    measured(second, "a")
+    assert second.models()["a"]["memory"]["min"]["devices"][0]["model"] == 2 * GiB
+    assert "a: memory figures from the cache" in second.log()
+    assert "measuring a (command" not in second.log()
+
+
+def test_probe_declared_and_malformed_measurements(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {
+        "probed": {**sized(2048), "measure": "probe"},
+        "declared": {**sized(0), "memory_mib": {"gpu0": 3000}},
+        "garbled": sized(1024, "--measure-malformed"),
+    }))
+    measured(c, "probed", "declared")
+    models = c.models()
+    probed = models["probed"]["memory"]["min"]["devices"]
+    assert [(d["name"], d["model"]) for d in probed] == [("gpu0", 2 * GiB)]
+    assert probed[0]["total"] == 10 * GiB
+    declared = models["declared"]["memory"]["min"]["devices"]
+    assert [(d["name"], d["model"]) for d in declared] == [("gpu0", 3000 * MiB)]
+    wait_until(lambda: c.models()["garbled"]["memory"]["status"] == "failed", 10,
+               "the malformed result to fail")
+    assert "measuring garbled failed: malformed measurement" in c.log()
+    assert models["probed"]["status"]["value"] == "unloaded"  # the probe child is gone
