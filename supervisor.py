@@ -2,7 +2,7 @@
 
     corral serve [--config FILE]        (no config: the built-in demo)
     corral check-config FILE
-    corral models | status | load NAME | unload NAME   [--url URL]
+    corral models | status | devices | load NAME | unload NAME   [--url URL]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
+from typing import Any
 
 import msgspec
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file")
     for name, helptext in [("models", "list models and their state"),
                            ("status", "is corral up, and what runs"),
+                           ("devices", "device memory: total, outside use, held per model"),
                            ("load", "load a model"), ("unload", "unload a model")]:
         cmd = sub.add_parser(name, help=helptext)
         cmd.add_argument("--url", default="http://127.0.0.1:8080")
@@ -51,6 +53,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-max", type=int, metavar="N")
     p.add_argument("--no-models-autoload", action="store_true")
     p.add_argument("--api-key")
+    p.add_argument("--memory-margin-mib", type=float, metavar="MIB",
+                   help="keep this much free on every device; 0 turns memory accounting off")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -67,6 +71,8 @@ def effective_config(args: argparse.Namespace) -> Config:
         overrides["autoload"] = False
     if args.api_key is not None:
         overrides["api_key"] = args.api_key
+    if args.memory_margin_mib is not None:
+        overrides["memory_margin_mib"] = args.memory_margin_mib
     if not overrides:
         return config
     data = msgspec.to_builtins(config)
@@ -132,7 +138,8 @@ def client(args: argparse.Namespace) -> int:
                                      data=json.dumps({"model": args.name}).encode(),
                                      headers=headers)
     else:
-        req = urllib.request.Request(f"{base}/models", headers=headers)
+        path = "/devices" if args.command == "devices" else "/models"
+        req = urllib.request.Request(base + path, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             data = json.load(resp)
@@ -145,12 +152,26 @@ def client(args: argparse.Namespace) -> int:
     if args.command in ("load", "unload"):
         print(f"{args.command}: {args.name}: ok")
         return 0
+    if args.command == "devices":
+        print_devices(data)
+        return 0
     for model in data["data"]:
         status = model["status"]
         extra = f"  ({status.get('exit')})" if status.get("failed") else ""
         print(f"{model['id']:<24} {status['value']:<9} in_flight={model['in_flight']} "
-              f"waiting={model['waiting']}{extra}")
+              f"waiting={model['waiting']} memory={model['memory']['status']}{extra}")
     return 0
+
+
+def print_devices(data: dict[str, Any]) -> None:
+    mib = 1024 * 1024
+    state = (f"on, margin {data['margin'] // mib} MiB" if data["memory_accounting"]
+             else "off (memory_margin_mib = 0)")
+    print(f"memory accounting {state}; backends: {', '.join(data['backends']) or 'none'}")
+    for d in data["devices"]:
+        held = ", ".join(f"{m} {b // mib}" for m, b in d["held"].items()) or "-"
+        print(f"{d['name']:<12} total {d['total'] // mib} MiB  external {d['external'] // mib}"
+              f"  available {d['available'] // mib}  held: {held}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,8 +102,9 @@ class Corral:
             cfg.write_text(config_text)
             argv += ["--config", str(cfg)]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        env = {**os.environ, "XDG_STATE_HOME": str(tmp / "state")}  # the default state_dir
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log,
-                                     stdin=subprocess.DEVNULL, cwd=ROOT)
+                                     stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
         try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 
-from tests.helpers import SSE, chat, fake_cmd, request, toml_config, wait_until
+from tests.helpers import ROOT, SSE, chat, fake_cmd, request, toml_config, wait_until
 
 GiB = 1024**3
 MiB = 1024**2
@@ -172,3 +172,23 @@ def test_probe_declared_and_malformed_measurements(corral, tmp_path) -> None:
                "the malformed result to fail")
     assert "measuring garbled failed: malformed measurement" in c.log()
     assert models["probed"]["status"]["value"] == "unloaded"  # the probe child is gone
+
+
+def test_the_demo_accounts_memory_and_the_cli_shows_it(corral) -> None:
+    c = corral(None, "--memory-margin-mib", "256")
+    assert chat(c.port, "demo-small")[0] == 200
+    wait_until(lambda: devices(c.port)["demo-gpu"]["held"] == {"demo-small": GiB}, 10,
+               "demo-small to hold its 1 GiB")
+
+    def cli(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "supervisor.py"), *args, "--url",
+             f"http://127.0.0.1:{c.port}"], capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    out = cli("devices")
+    assert "memory accounting on, margin 256 MiB; backends: simulated" in out
+    assert "demo-gpu     total 6144 MiB  external 0  available 5120  held: demo-small 1024" in out
+    assert "demo-small               loaded    in_flight=0 waiting=0 memory=measured" in cli(
+        "models")

@@ -21,16 +21,16 @@ def three_models(models_max: int = 2, **knobs: list[str]) -> str:
 
 
 def test_demo_serves_on_demand_and_evicts_lru(corral) -> None:
-    c = corral(None)  # no config: the built-in demo, models_max 2
+    c = corral(None)  # no config: the built-in demo, a 6 GiB simulated device
     _, props, _ = request(c.port, "GET", "/props")
-    assert props["role"] == "router" and props["max_instances"] == 2
+    assert props["role"] == "router" and props["max_instances"] == 3
     for model in ("demo-small", "demo-medium", "demo-large"):
         status, body = chat(c.port, model, max_tokens=3)
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
     models = c.models()
     assert models["demo-small"]["status"]["value"] == "unloaded"
-    assert models["demo-small"]["last_eviction"]["reason"] == "lru"
+    assert models["demo-small"]["last_eviction"]["reason"] == "memory"
     assert models["demo-small"]["last_eviction"]["for_model"] == "demo-large"
     assert {models[m]["status"]["value"] for m in ("demo-medium", "demo-large")} == {"loaded"}
 

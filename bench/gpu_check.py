@@ -1,0 +1,179 @@
+"""Check corral's nvml backend against a real NVIDIA GPU (SPEC R-5.8).
+
+    python bench/gpu_check.py [--alloc-mib 1024] [--device 0] [--json FILE]
+
+On a machine with an NVIDIA driver it
+  1. reads every device through corral's NvmlBackend and compares total and free memory
+     with `nvidia-smi` (when it is installed);
+  2. starts a child that allocates --alloc-mib on one GPU through the CUDA driver API
+     (libcuda, present wherever the driver is; no PyTorch needed), and checks that the
+     DeviceMonitor attributes that memory to the child's pid tree, or, inside a
+     container where NVML's pids are the host's, that free memory dropped by as much;
+  3. kills the child and measures how long the driver takes to show the memory free
+     again (the bounded wait corral allows before it stops counting a dead child).
+It prints what it saw and exits 0 when everything matched, 1 on a mismatch, and 77
+(skipped) where there is no NVIDIA driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from actors.device import DeviceMonitor, NvmlBackend, process_tree
+
+MiB = 1024 * 1024
+SKIP = 77
+
+ALLOC_CHILD = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+def check(rc, what):
+    if rc != 0:
+        print(f"cuda error {rc} in {what}", flush=True)
+        sys.exit(3)
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+check(cuda.cuInit(0), "cuInit")
+check(cuda.cuDeviceGet(ctypes.byref(dev), int(sys.argv[1])), "cuDeviceGet")
+check(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
+check(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(sys.argv[2]))), "cuMemAlloc")
+check(cuda.cuMemsetD8_v2(ptr, 1, ctypes.c_size_t(int(sys.argv[2]))), "cuMemsetD8")
+print("allocated", flush=True)
+sys.stdin.read()
+"""
+
+
+def nvidia_smi() -> dict[int, tuple[int, int]] | None:
+    """index -> (total, free) in bytes, as nvidia-smi reports them (MiB precision)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,memory.free",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    rows = {}
+    for line in out.strip().splitlines():
+        index, total, free = (int(x.strip()) for x in line.split(","))
+        rows[index] = (total * MiB, free * MiB)
+    return rows
+
+
+def poll(predicate: Any, timeout_s: float) -> tuple[Any, float]:
+    """Call `predicate` every 10 ms until truthy; (value, seconds taken) or (None, timeout)."""
+    start = time.monotonic()
+    while True:
+        value = predicate()
+        if value:
+            return value, time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            return None, timeout_s
+        time.sleep(0.01)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--alloc-mib", type=int, default=1024)
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    report: dict[str, Any] = {"checks": []}
+    problems: list[str] = []
+
+    def check(ok: bool, what: str) -> None:
+        print(("ok    " if ok else "FAIL  ") + what, flush=True)
+        report["checks"].append({"ok": ok, "what": what})
+        if not ok:
+            problems.append(what)
+
+    try:
+        backend = NvmlBackend()
+    except Exception as e:
+        print(f"skipped: no usable NVIDIA driver ({type(e).__name__}: {e})")
+        return SKIP
+    samples = backend.sample()
+    report["devices"] = [{"name": s.name, "total": s.total, "free": s.free} for s in samples]
+    for s in samples:
+        print(f"{s.name}: total {s.total // MiB} MiB, free {s.free // MiB} MiB")
+    check(len(samples) > 0, f"NVML lists {len(samples)} device(s)")
+
+    smi = nvidia_smi()
+    if smi is None:
+        print("nvidia-smi not installed: totals not cross-checked")
+    else:
+        check(len(smi) == len(samples), f"nvidia-smi lists {len(smi)} device(s) too")
+        for i, s in enumerate(samples):
+            if i in smi:
+                total, free = smi[i]
+                check(abs(total - s.total) <= MiB, f"{s.name} total {s.total // MiB} MiB "
+                      f"matches nvidia-smi's {total // MiB} MiB")
+                check(abs(free - s.free) <= max(256 * MiB, s.total // 50),
+                      f"{s.name} free {s.free // MiB} MiB is near nvidia-smi's "
+                      f"{free // MiB} MiB")
+
+    if args.device >= len(samples):
+        check(False, f"--device {args.device} exists")
+        return finish(report, problems, args.json)
+    name = samples[args.device].name
+    size = args.alloc_mib * MiB
+    before = samples[args.device].free
+    child = subprocess.Popen([sys.executable, "-c", ALLOC_CHILD, str(args.device), str(size)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline().strip()
+        check(line == "allocated", f"a child allocated {args.alloc_mib} MiB on {name} "
+              f"({line or 'no output'})")
+        if line == "allocated":
+            tree = process_tree(child.pid)
+
+            def attributed() -> int:
+                table = backend.processes(tree)
+                if table is None:
+                    return 0
+                return DeviceMonitor.usage_of(tree, table).get(name, 0)
+
+            table = backend.processes(tree)
+            if table is None:
+                print("NVML pids are not this namespace's (a container): checking free memory")
+                after = backend.sample()[args.device].free
+                check(before - after >= size * 0.9, f"free memory on {name} dropped by "
+                      f"{(before - after) // MiB} MiB (>= 90% of {args.alloc_mib})")
+            else:
+                used, took = poll(lambda: attributed() >= size, 5.0)
+                seen = attributed()
+                report["attributed_bytes"] = seen
+                check(bool(used), f"the monitor attributes {seen // MiB} MiB on {name} to the "
+                      f"child's pid tree (>= {args.alloc_mib} MiB; seen after {took:.3f} s)")
+    finally:
+        child.kill()
+        child.wait()
+    back, took = poll(lambda: backend.sample()[args.device].free >= before - 64 * MiB, 10.0)
+    report["release_s"] = took
+    check(bool(back), f"the driver showed the memory free again {took:.3f} s after the "
+          "child was reaped")
+    if backend.processes(set()) is not None:
+        gone, took = poll(lambda: child.pid not in (backend.processes(set()) or {}).get(
+            name, {}), 10.0)
+        check(bool(gone), f"NVML stopped listing the dead child after {took:.3f} s")
+    backend.close()
+    return finish(report, problems, args.json)
+
+
+def finish(report: dict[str, Any], problems: list[str], path: Path | None) -> int:
+    report["ok"] = not problems
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2))
+    print("all checks passed" if not problems else f"{len(problems)} check(s) failed")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
