@@ -239,6 +239,9 @@ class MeasureWorker(BaseActor):
         if isinstance(parsed, str):
             parsed = MeasureResult("failed", error=parsed)
         self.report(self.current, parsed, "command")
+        # It should exit by itself now; one that lingers must not hold up the queue.
+        self.timers.after(self.config.models[self.current].stop_timeout_s, self.actor_ref,
+                          MeasureDeadline(self.spawn_id))
 
     def handle_probe_usage(self, devices: list[DeviceSample], usage: dict[str, int]) -> None:
         assert self.current is not None and self.child is not None

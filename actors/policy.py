@@ -1,4 +1,5 @@
-"""Pure scheduling: the queue, claims, the tick, victim choice and the restart budget.
+"""Pure scheduling: the queue, claims, the tick, victim choice, the restart budget and the
+memory rules (R-5.7).
 
 The rules are those of llama.cpp's router (shared/reference/server-models-sched.cpp), with
 its mutex and condition variables replaced by one owner: the Scheduler actor calls these
@@ -13,30 +14,34 @@ reply object itself); the policy never looks inside one.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
-import msgspec
-
-from .ledger import Breakdown, DeviceUse, Ledger, MemoryInfo, MemoryStatus, MiB
+from .ledger import Ledger, MiB
 from .lifecycle import ModelState, check_transition
+from .memory_rules import MemoryRules
 from .messages import (
-    DeviceReport,
-    DevicesSnapshot,
-    DeviceView,
     Done,
-    Event,
     Evicted,
     EvictionReason,
     Grant,
-    ModelMemory,
     ModelsSnapshot,
     ModelView,
     Refusal,
     Shortfall,
     StatusChanged,
+)
+from .records import (
+    Answer,
+    Effect,
+    Measure,
+    ModelRecord,
+    Publish,
+    QueueEntry,
+    RestartBudget,
+    Spawn,
+    Stats,
+    Stop,
+    Track,
 )
 
 log = logging.getLogger("corral.scheduler")
@@ -44,153 +49,7 @@ log = logging.getLogger("corral.scheduler")
 S = ModelState
 
 
-# ---------------------------------------------------------------- effects
-
-
-class Spawn(msgspec.Struct, frozen=True):
-    """Start generation `generation` of `model`'s child."""
-
-    model: str
-    generation: int
-
-
-class Stop(msgspec.Struct, frozen=True):
-    """Stop the child of `generation` of `model`."""
-
-    model: str
-    generation: int
-    reason: str
-
-
-class Answer(msgspec.Struct, frozen=True):
-    """Send `value` to the caller behind `ticket`."""
-
-    ticket: Any
-    value: Grant | Refusal | Done
-
-
-class Publish(msgspec.Struct, frozen=True):
-    """Hand `event` to every subscriber."""
-
-    event: Event
-
-
-class Measure(msgspec.Struct, frozen=True):
-    """Have the MeasureWorker measure `model`; `front`: it is about to load."""
-
-    model: str
-    front: bool
-
-
-class Track(msgspec.Struct, frozen=True):
-    """Tell the DeviceMonitor that `model`'s child was spawned, is ready or is gone."""
-
-    model: str
-    event: Literal["spawned", "ready", "exited"]
-    pid: int | None = None
-
-
-Effect = Spawn | Stop | Answer | Publish | Measure | Track
-
-
-# ---------------------------------------------------------------- state
-
-
-@dataclass
-class RestartBudget:
-    """Erlang/OTP restart intensity: more than `intensity` failures in `period_s` is too many."""
-
-    intensity: int
-    period_s: float
-    failures: deque[float] = field(default_factory=deque)
-    """Times of the failures still inside the window, oldest first."""
-
-    def record(self, now: float) -> bool:
-        """Count a failure at `now`; return True when the budget is spent."""
-        self.failures.append(now)
-        while self.failures and self.failures[0] <= now - self.period_s:
-            self.failures.popleft()
-        return len(self.failures) > self.intensity
-
-    def reset(self) -> None:
-        self.failures.clear()
-
-
-@dataclass(eq=False)
-class ModelRecord:
-    """Everything the Scheduler knows about one model."""
-
-    name: str
-    pinned: bool
-    budget: RestartBudget
-    state: ModelState = S.UNLOADED
-    generation: int = 0
-    """Bumped at every spawn; events of an older generation are stale (R-1.4)."""
-    in_flight: int = 0
-    """Granted, not yet released requests of the current generation."""
-    last_used: float = 0.0
-    """Start of the latest granted request, or the spawn (R-4.4)."""
-    state_since: float = 0.0
-    pid: int | None = None
-    base_url: str | None = None
-    exit_code: int | None = None
-    last_exit: str | None = None
-    gave_up: str | None = None
-    """Set when the restart budget is spent: the error every request gets until a load."""
-    last_eviction: Evicted | None = None
-    loads: int = 0
-    """Spawns, failed ones included."""
-    loads_ok: int = 0
-    load_s_total: float = 0.0
-    """Seconds from spawn to ready, summed over the successful loads."""
-    memory: MemoryStatus = "unmeasured"
-    mem_min: Breakdown | None = None
-    mem_max: Breakdown | None = None
-    mem_effective: Breakdown | None = None
-    """What the running child really uses, from the first device report after ready."""
-    measure_attempts: int = 0
-    measure_front: bool = False
-    """A front-of-queue measure was asked for since the last result."""
-    awaiting_usage: bool = False
-    """Ready, and the next device report tells its real usage (R-5.6)."""
-    releasing: bool = False
-    """Exited; its hold stays until a device report no longer tracks it (R-5.6)."""
-
-    @property
-    def memory_settled(self) -> bool:
-        return self.memory in ("measured", "failed")
-
-    def memory_info(self) -> MemoryInfo:
-        return MemoryInfo(self.memory, self.mem_min, self.mem_max, self.mem_effective)
-
-
-@dataclass
-class Stats:
-    """Counters since start, for GET /metrics."""
-
-    granted: int = 0
-    queue_waits: int = 0
-    """Requests granted after waiting in the queue..."""
-    queue_wait_s: float = 0.0
-    """... and their summed wait."""
-    evictions: dict[tuple[str, str], int] = field(default_factory=dict)
-    """(model, reason) -> count."""
-
-
-@dataclass(eq=False)
-class QueueEntry:
-    """Requests waiting for one model; N requests for one model share one entry (R-4.2)."""
-
-    model: str
-    waiters: dict[Hashable, None] = field(default_factory=dict)
-    """Tickets in arrival order (a dict as an ordered set)."""
-    explicit: bool = False
-    """Held by POST /models/load: the entry stays even with no waiter."""
-    claimed: bool = False
-    """Invariant: claimed implies the model's child is loading (or being stopped)."""
-
-
-class Policy:
+class Policy(MemoryRules):
     """The scheduling state of one corral and the rules that change it."""
 
     def __init__(self, models_max: int, restart_intensity: int = 3,
@@ -420,70 +279,6 @@ class Policy:
         self._pump(now)
         return self._flush()
 
-    # ------------------------------------------------------------ memory facts
-
-    def start_measuring(self) -> list[Effect]:
-        """Queue every unmeasured model at the back of the measure queue (R-5.2)."""
-        if self.memory_on:
-            for rec in self.models.values():
-                if rec.memory == "unmeasured":
-                    self._out.append(Measure(rec.name, front=False))
-        return self._flush()
-
-    def measure_started(self, model: str) -> list[Effect]:
-        rec = self.models.get(model)
-        if rec is not None:
-            rec.memory = "measuring"
-            rec.measure_attempts += 1
-        return []
-
-    def measured(self, model: str, ok: bool, min_: Breakdown | None,
-                 max_: Breakdown | None, now: float) -> list[Effect]:
-        """A measurement ended; a failed one leaves the model outside the limits (R-5.2)."""
-        rec = self.models.get(model)
-        if rec is None:
-            return []
-        rec.measure_front = False
-        if ok:
-            rec.memory, rec.mem_min, rec.mem_max = "measured", min_, max_
-            if max_ is not None:
-                self.ledger.calibrate(max_, reporter=None)  # the latest view of the devices
-        else:
-            rec.memory, rec.mem_min, rec.mem_max = "failed", None, None
-        self._out.append(Publish(ModelMemory(model, rec.memory_info())))
-        self._pump(now)
-        return self._flush()
-
-    def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
-        """Fresh device figures: finish releases, calibrate, learn real usage (R-5.5, R-5.6)."""
-        self.backends = report.backends
-        tracked = set(report.tracked)
-        for rec in self.models.values():
-            if rec.releasing and rec.name not in tracked:
-                # Sampled after the monitor forgot the child: from now on whatever the
-                # device still shows for it is counted as external.
-                rec.releasing = False
-                if not rec.state.is_running:
-                    self.ledger.release(rec.name)
-        for sample in report.devices:
-            self.ledger.observe(sample, report.managed.get(sample.name))
-        seen = {d.name: d for d in report.devices}
-        for name, usage in report.usage.items():
-            user = self.models.get(name)
-            if user is None or not user.awaiting_usage or not user.state.is_serving or not usage:
-                continue
-            user.awaiting_usage = False
-            n_ctx = (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
-            user.mem_effective = Breakdown(n_ctx, [
-                DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total, free=seen[d].free,
-                          model=size) for d, size in usage.items() if d in seen])
-            self.ledger.release(name)
-            self.ledger.reserve(name, user.mem_effective)
-            log.info("model %s uses %s", name, ", ".join(
-                f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
-        self._pump(now)
-        return self._flush()
-
     # ------------------------------------------------------------ views
 
     def snapshot(self) -> ModelsSnapshot:
@@ -503,18 +298,6 @@ class Policy:
                               queue_depth=len(self.waiting),
                               granted=self.stats.granted, queue_waits=self.stats.queue_waits,
                               queue_wait_s=self.stats.queue_wait_s)
-
-    def devices_snapshot(self) -> DevicesSnapshot:
-        led = self.ledger
-        views = []
-        for name, dev in led.devices.items():
-            held = {m: devs[name] for m, devs in led.held.items() if name in devs}
-            views.append(DeviceView(name=name, kind=dev.kind, total=dev.total, free=dev.free,
-                                    external=dev.external, held=held,
-                                    available=led.available(name) or 0))
-        return DevicesSnapshot(memory_accounting=self.memory_on, margin=led.margin,
-                               account_host=led.account_host, backends=self.backends,
-                               devices=views)
 
     def running_count(self) -> int:
         return sum(1 for rec in self.models.values() if rec.state.is_running)
@@ -618,46 +401,6 @@ class Policy:
                     return
             entry.claimed = True
             self._spawn(rec, len(entry.waiters), now)
-
-    def _make_room(self, rec: ModelRecord, now: float) -> Literal["go", "wait", "refused"]:
-        """R-5.7: may `rec` spawn now? Evicts idle LRU models until it fits."""
-        if not rec.memory_settled:
-            if not rec.measure_front:
-                rec.measure_front = True
-                self._out.append(Measure(rec.name, front=True))
-            return "wait"  # the measurement decides what to unload
-        need = rec.mem_min
-        short = self.ledger.deficit(need, self._freeing())
-        while short:
-            victim = self._pick_victim()
-            if victim is None:
-                break
-            shortfalls = [Shortfall(d, row.self_bytes, self.ledger.available(d) or 0)
-                          for row in (need.devices if need else []) if (d := row.name) in short]
-            self._stop(victim, "memory", rec.name, now, shortfalls)
-            short = self.ledger.deficit(need, self._freeing())
-        if not short:
-            # It fits once what is being stopped has come back.
-            return "go" if not self.ledger.deficit(need) else "wait"
-        others = [r for r in self.models.values()
-                  if r is not rec and (r.state.is_running or r.releasing)]
-        missing = ", ".join(f"{b / MiB:.0f} MiB on {d}" for d, b in short.items())
-        if not others:
-            log.warning("model %s is projected to be short by %s with nothing else loaded; "
-                        "loading anyway (the minimum is pessimistic)", rec.name, missing)
-            return "go"
-        if all(r.pinned and r.state is not S.STOPPING and not r.releasing for r in others):
-            self._refuse_entry(rec.name, 503, (
-                f"model '{rec.name}' does not fit: short by {missing} beyond "
-                f"memory_margin_mib, and the models holding memory are pinned "
-                f"({', '.join(r.name for r in others)}); unload one"))
-            return "refused"
-        return "wait"  # busy models finish, stops complete: both re-pump
-
-    def _freeing(self) -> dict[str, int]:
-        """Memory held by children on their way out, per device."""
-        return self.ledger.holds_of([r.name for r in self.models.values()
-                                     if r.state is S.STOPPING or r.releasing])
 
     def _spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
         rec.generation += 1

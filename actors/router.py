@@ -246,6 +246,19 @@ class Router:
                     f"corral_model_load_seconds_count{{{m}}} {v.loads_ok}"]
             out += [f'corral_evictions_total{{{m},reason="{reason}"}} {n}'
                     for reason, n in sorted(v.evictions.items())]
+        devices = await self._ask(GetDevices)
+        assert isinstance(devices, DevicesSnapshot)
+        out += ["# TYPE corral_device_total_bytes gauge",
+                "# TYPE corral_device_external_bytes gauge",
+                "# TYPE corral_device_available_bytes gauge",
+                "# TYPE corral_device_held_bytes gauge"]
+        for d in devices.devices:
+            dev = f'device="{d.name}"'
+            out += [f"corral_device_total_bytes{{{dev}}} {d.total}",
+                    f"corral_device_external_bytes{{{dev}}} {d.external}",
+                    f"corral_device_available_bytes{{{dev}}} {d.available}"]
+            out += [f'corral_device_held_bytes{{{dev},model="{m}"}} {b}'
+                    for m, b in d.held.items()]
         return web.Response(text="\n".join(out) + "\n",
                             content_type="text/plain", charset="utf-8")
 

@@ -41,7 +41,8 @@ from .messages import (
     TrackModel,
     UnloadModel,
 )
-from .policy import Answer, Effect, Measure, Policy, Publish, Spawn, Stop, Track
+from .policy import Policy
+from .records import Answer, Effect, Measure, Publish, Spawn, Stop, Track
 
 
 class Scheduler(BaseActor):

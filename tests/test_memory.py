@@ -65,6 +65,10 @@ def test_two_4gib_models_coexist_and_a_third_evicts_the_lru(corral, tmp_path) ->
     assert memory["effective"]["devices"][0]["model"] == 4 * GiB
     gpu = devices(c.port)["gpu0"]
     assert gpu["held"] == {"b": 4 * GiB, "c": 4 * GiB} and gpu["external"] == 0
+    _, metrics, _ = request(c.port, "GET", "/metrics")
+    assert f'corral_device_available_bytes{{device="gpu0"}} {2 * GiB}' in metrics
+    assert f'corral_device_held_bytes{{device="gpu0",model="c"}} {4 * GiB}' in metrics
+    assert 'corral_evictions_total{model="a",reason="memory"} 1' in metrics
     sse.close()
 
 
@@ -192,3 +196,13 @@ def test_the_demo_accounts_memory_and_the_cli_shows_it(corral) -> None:
     assert "demo-gpu     total 6144 MiB  external 0  available 5120  held: demo-small 1024" in out
     assert "demo-small               loaded    in_flight=0 waiting=0 memory=measured" in cli(
         "models")
+
+
+def test_stopping_corral_mid_measurement_leaves_no_measure_child(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {"m": sized(1024, "--measure-hang")}))
+    wait_until(lambda: c.models()["m"]["memory"]["status"] == "measuring", 10, "measuring")
+    [child] = [p for p in psutil.Process(c.proc.pid).children(recursive=True)
+               if p.environ().get("CORRAL_ROLE") == "measure"]
+    assert c.stop() == 0
+    assert "stopping: killing the measure child of m" in c.log()
+    assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE

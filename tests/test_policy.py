@@ -8,7 +8,8 @@ import pytest
 
 from actors.lifecycle import IllegalTransition, ModelState, check_transition
 from actors.messages import Done, Grant, Refusal
-from actors.policy import Answer, Effect, Policy, Spawn, Stop
+from actors.policy import Policy
+from actors.records import Answer, Effect, Spawn, Stop
 
 
 class World:

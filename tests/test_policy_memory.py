@@ -9,7 +9,7 @@ import pytest
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.lifecycle import ModelState
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
-from actors.policy import Effect, Measure, Publish, Spawn, Track
+from actors.records import Effect, Measure, Publish, Spawn, Track
 from tests.test_policy import World
 
 GiB = 1024**3

@@ -1,0 +1,164 @@
+"""The Scheduler's state (model records, queue entries, the restart budget, counters) and
+the effects its policy returns. Plain data: the rules that change it live in policy.py.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from .ledger import Breakdown, MemoryInfo, MemoryStatus
+from .lifecycle import ModelState
+from .messages import Done, Event, Evicted, Grant, Refusal
+
+S = ModelState
+
+
+# ---------------------------------------------------------------- effects
+
+
+class Spawn(msgspec.Struct, frozen=True):
+    """Start generation `generation` of `model`'s child."""
+
+    model: str
+    generation: int
+
+
+class Stop(msgspec.Struct, frozen=True):
+    """Stop the child of `generation` of `model`."""
+
+    model: str
+    generation: int
+    reason: str
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """Send `value` to the caller behind `ticket`."""
+
+    ticket: Any
+    value: Grant | Refusal | Done
+
+
+class Publish(msgspec.Struct, frozen=True):
+    """Hand `event` to every subscriber."""
+
+    event: Event
+
+
+class Measure(msgspec.Struct, frozen=True):
+    """Have the MeasureWorker measure `model`; `front`: it is about to load."""
+
+    model: str
+    front: bool
+
+
+class Track(msgspec.Struct, frozen=True):
+    """Tell the DeviceMonitor that `model`'s child was spawned, is ready or is gone."""
+
+    model: str
+    event: Literal["spawned", "ready", "exited"]
+    pid: int | None = None
+
+
+Effect = Spawn | Stop | Answer | Publish | Measure | Track
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass
+class RestartBudget:
+    """Erlang/OTP restart intensity: more than `intensity` failures in `period_s` is too many."""
+
+    intensity: int
+    period_s: float
+    failures: deque[float] = field(default_factory=deque)
+    """Times of the failures still inside the window, oldest first."""
+
+    def record(self, now: float) -> bool:
+        """Count a failure at `now`; return True when the budget is spent."""
+        self.failures.append(now)
+        while self.failures and self.failures[0] <= now - self.period_s:
+            self.failures.popleft()
+        return len(self.failures) > self.intensity
+
+    def reset(self) -> None:
+        self.failures.clear()
+
+
+@dataclass(eq=False)
+class ModelRecord:
+    """Everything the Scheduler knows about one model."""
+
+    name: str
+    pinned: bool
+    budget: RestartBudget
+    state: ModelState = S.UNLOADED
+    generation: int = 0
+    """Bumped at every spawn; events of an older generation are stale (R-1.4)."""
+    in_flight: int = 0
+    """Granted, not yet released requests of the current generation."""
+    last_used: float = 0.0
+    """Start of the latest granted request, or the spawn (R-4.4)."""
+    state_since: float = 0.0
+    pid: int | None = None
+    base_url: str | None = None
+    exit_code: int | None = None
+    last_exit: str | None = None
+    gave_up: str | None = None
+    """Set when the restart budget is spent: the error every request gets until a load."""
+    last_eviction: Evicted | None = None
+    loads: int = 0
+    """Spawns, failed ones included."""
+    loads_ok: int = 0
+    load_s_total: float = 0.0
+    """Seconds from spawn to ready, summed over the successful loads."""
+    memory: MemoryStatus = "unmeasured"
+    mem_min: Breakdown | None = None
+    mem_max: Breakdown | None = None
+    mem_effective: Breakdown | None = None
+    """What the running child really uses, from the first device report after ready."""
+    measure_attempts: int = 0
+    measure_front: bool = False
+    """A front-of-queue measure was asked for since the last result."""
+    awaiting_usage: bool = False
+    """Ready, and the next device report tells its real usage (R-5.6)."""
+    releasing: bool = False
+    """Exited; its hold stays until a device report no longer tracks it (R-5.6)."""
+
+    @property
+    def memory_settled(self) -> bool:
+        return self.memory in ("measured", "failed")
+
+    def memory_info(self) -> MemoryInfo:
+        return MemoryInfo(self.memory, self.mem_min, self.mem_max, self.mem_effective)
+
+
+@dataclass
+class Stats:
+    """Counters since start, for GET /metrics."""
+
+    granted: int = 0
+    queue_waits: int = 0
+    """Requests granted after waiting in the queue..."""
+    queue_wait_s: float = 0.0
+    """... and their summed wait."""
+    evictions: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(model, reason) -> count."""
+
+
+@dataclass(eq=False)
+class QueueEntry:
+    """Requests waiting for one model; N requests for one model share one entry (R-4.2)."""
+
+    model: str
+    waiters: dict[Hashable, None] = field(default_factory=dict)
+    """Tickets in arrival order (a dict as an ordered set)."""
+    explicit: bool = False
+    """Held by POST /models/load: the entry stays even with no waiter."""
+    claimed: bool = False
+    """Invariant: claimed implies the model's child is loading (or being stopped)."""
