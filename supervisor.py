@@ -93,7 +93,11 @@ async def serve(config: Config) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sup = Supervisor(config, on_crash=on_crash)
-    sup.start()
+    try:
+        sup.start()
+    except ConfigError as e:
+        print(f"corral: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     router = Router(sup, config)
     try:
         port = await router.start(config.host, config.port)

@@ -18,7 +18,7 @@ from typing import Any, Protocol, assert_never
 import psutil
 
 from .base import BaseActor, CrashHandler
-from .config import Config, DeviceConfig
+from .config import Config, ConfigError, DeviceConfig
 from .ledger import DeviceSample, MiB
 from .messages import (
     DeviceReport,
@@ -176,7 +176,13 @@ def discover(config: Config) -> list[Backend]:
     answers; host memory too with `account_host`."""
     backends: list[Backend] = []
     if config.devices:
-        backends.append(SimulatedBackend(config.devices, config.sim_ledger_path()))
+        path = config.sim_ledger_path()
+        try:
+            backends.append(SimulatedBackend(config.devices, path))
+        except OSError as e:
+            raise ConfigError(f"simulated_ledger_dir: cannot use {path}: {e.strerror}; "
+                              "set simulated_ledger_dir or state_dir to a writable "
+                              "folder") from None
     else:
         try:
             nvml = NvmlBackend()

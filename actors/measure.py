@@ -284,7 +284,12 @@ class MeasureWorker(BaseActor):
         self.reported = True
         if result.result == "measured":
             if source in ("command", "probe"):
-                self.cache.put(self.cache_key, result)
+                try:
+                    self.cache.put(self.cache_key, result)
+                except OSError as e:
+                    self.log.warning("cannot write the measure cache in %s: %s; %s will be "
+                                     "measured again after a restart", self.cache.directory,
+                                     e.strerror, model)
         else:
             self.log.warning("measuring %s failed: %s; memory limits will not apply to it",
                              model, result.error)

@@ -87,13 +87,13 @@ class Supervisor:
 
     def start(self) -> None:
         """Start the timers, the Scheduler, the DeviceMonitor, the MeasureWorker, then one
-        ModelInstance per model."""
+        ModelInstance per model. Raises ConfigError if a device cannot be used."""
         config = self.config
+        backends = discover(config)  # raises ConfigError before anything has started
         self.timers = Timers()
         self.scheduler = Scheduler.start(config, self._crash)
         if self._on_event is not None:
             self.scheduler.tell(Subscribe(self._on_event))
-        backends = discover(config)
         device_names = sorted(d.name for b in backends for d in b.sample())
         self.monitor = DeviceMonitor.start(backends, self.scheduler, self.timers,
                                            config.device_poll_s, self._crash)

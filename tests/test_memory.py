@@ -206,3 +206,20 @@ def test_stopping_corral_mid_measurement_leaves_no_measure_child(corral, tmp_pat
     assert c.stop() == 0
     assert "stopping: killing the measure child of m" in c.log()
     assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
+
+
+def test_an_unusable_state_dir_is_a_clear_error_or_a_warning(corral, tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(mem_config(tmp_path, {"a": sized(1024)}, state_dir=str(blocker / "state")))
+    result = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "--config", str(cfg),
+                             "--port", "0"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert f"simulated_ledger_dir: cannot use {blocker}/state/sim-ledger" in result.stderr
+    # the ledger elsewhere: only the cache is unusable, and that is a warning
+    c = corral(mem_config(tmp_path, {"a": sized(1024)}, state_dir=str(blocker / "state"),
+                          simulated_ledger_dir=str(tmp_path / "ledger")))
+    measured(c, "a")
+    assert "cannot write the measure cache" in c.log()
+    assert chat(c.port, "a")[0] == 200
