@@ -50,6 +50,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     measure_timeout_s: PositiveSeconds | None = None
     """Overrides the top-level measure_timeout_s."""
 
+    def argv(self, name: str, host: str, port: int, extra: list[str] | None = None) -> list[str]:
+        """`cmd` (plus `extra`) with the placeholders filled in."""
+        values = {"port": str(port), "host": host, "model": name}
+        return [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg)
+                for arg in [*self.cmd, *(extra or [])]]
+
     @property
     def measure_method(self) -> MeasureMethod:
         if self.measure is not None:

@@ -19,7 +19,7 @@ from typing import Any, assert_never
 
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
-from .config import PLACEHOLDER, ModelConfig
+from .config import ModelConfig
 from .lifecycle import describe_exit
 from .messages import (
     ChildExited,
@@ -135,8 +135,7 @@ class ModelInstance(BaseActor):
         spawn_id = self.spawn_id
         self.port = pick_port(CHILD_HOST)
         self.cause = None
-        values = {"port": str(self.port), "host": CHILD_HOST, "model": self.model}
-        argv = [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in self.config.cmd]
+        argv = self.config.argv(self.model, CHILD_HOST, self.port)
         env = {**os.environ, **self.extra_env, **self.config.env}
         ref = self.actor_ref
         try:

@@ -51,6 +51,8 @@ class MemoryInfo(msgspec.Struct, frozen=True):
     min: Breakdown | None = None
     max: Breakdown | None = None
     effective: Breakdown | None = None
+    error: str | None = None
+    """Why the last measurement failed."""
 
 
 class DeviceSample(msgspec.Struct, frozen=True):

@@ -25,7 +25,7 @@ import msgspec
 
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port
-from .config import PLACEHOLDER, Config, ModelConfig
+from .config import Config, ModelConfig
 from .instance import wait_ready_http
 from .ledger import Breakdown, DeviceSample, DeviceUse, MiB
 from .lifecycle import describe_exit
@@ -99,10 +99,8 @@ class MeasureCache:
         path = self.directory / f"{key}.json"
         try:
             return msgspec.json.decode(path.read_bytes(), type=MeasureResult)
-        except FileNotFoundError:
-            return None
         except (OSError, msgspec.DecodeError):
-            return None  # unreadable or from another version: measure again
+            return None  # absent, unreadable or from another version: measure again
 
     def put(self, key: str, result: MeasureResult) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -198,9 +196,9 @@ class MeasureWorker(BaseActor):
         self.spawn_id += 1
         spawn_id = self.spawn_id
         ref = self.actor_ref
-        values = {"port": str(pick_port(CHILD_HOST)), "host": CHILD_HOST, "model": model}
-        args = config.cmd + (config.measure_args if method == "command" else [])
-        argv = [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in args]
+        port = pick_port(CHILD_HOST)
+        argv = config.argv(model, CHILD_HOST, port,
+                           config.measure_args if method == "command" else None)
         env = {**os.environ, **self.config.child_env(), **config.env}
         self.log_ring = LogRing(200)
         if method == "command":
@@ -226,7 +224,7 @@ class MeasureWorker(BaseActor):
             self.abandon_probe = threading.Event()
             threading.Thread(
                 target=wait_ready_http, daemon=True, name=f"measure-{model}-ready",
-                args=(int(values["port"]), config.health_path, self.abandon_probe,
+                args=(port, config.health_path, self.abandon_probe,
                       lambda: tell_or_drop(ref, ProbeReady(spawn_id)))).start()
 
     # ------------------------------------------------------------ child events
@@ -294,4 +292,4 @@ class MeasureWorker(BaseActor):
             self.log.warning("measuring %s failed: %s; memory limits will not apply to it",
                              model, result.error)
         self.scheduler.tell(Measured(model, result.result, result.min, result.max,
-                                     result.error, source))
+                                     result.error))

@@ -71,12 +71,13 @@ class MemoryRules:
         return []
 
     def measured(self, model: str, ok: bool, min_: Breakdown | None,
-                 max_: Breakdown | None, now: float) -> list[Effect]:
+                 max_: Breakdown | None, now: float, error: str | None = None) -> list[Effect]:
         """A measurement ended; a failed one leaves the model outside the limits (R-5.2)."""
         rec = self.models.get(model)
         if rec is None:
             return []
         rec.measure_front = False
+        rec.mem_error = error
         if ok:
             rec.memory, rec.mem_min, rec.mem_max = "measured", min_, max_
             if max_ is not None:

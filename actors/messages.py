@@ -263,8 +263,7 @@ class MeasureStarted(Message, frozen=True):
 class Measured(Message, frozen=True):
     """MeasureWorker -> Scheduler: how measuring `model` ended (R-5.2, R-5.3).
 
-    `result` is "measured" (with `min` and `max`) or "failed" (with `error`); `source`
-    says where the figures came from: the method's name, or "cache".
+    `result` is "measured" (with `min` and `max`) or "failed" (with `error`).
     """
 
     model: str
@@ -272,7 +271,6 @@ class Measured(Message, frozen=True):
     min: Breakdown | None = None
     max: Breakdown | None = None
     error: str | None = None
-    source: str = ""
 
 
 class DeviceReport(msgspec.Struct, frozen=True):

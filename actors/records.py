@@ -122,6 +122,7 @@ class ModelRecord:
     mem_max: Breakdown | None = None
     mem_effective: Breakdown | None = None
     """What the running child really uses, from the first device report after ready."""
+    mem_error: str | None = None
     measure_attempts: int = 0
     measure_front: bool = False
     """A front-of-queue measure was asked for since the last result."""
@@ -135,7 +136,8 @@ class ModelRecord:
         return self.memory in ("measured", "failed")
 
     def memory_info(self) -> MemoryInfo:
-        return MemoryInfo(self.memory, self.mem_min, self.mem_max, self.mem_effective)
+        return MemoryInfo(self.memory, self.mem_min, self.mem_max, self.mem_effective,
+                          self.mem_error)
 
 
 @dataclass

@@ -101,8 +101,8 @@ class Scheduler(BaseActor):
                 reply.send(p.devices_snapshot())
             case MeasureStarted(model=model):
                 self._run(p.measure_started(model))
-            case Measured(model=model, result=result, min=min_, max=max_):
-                self._run(p.measured(model, result == "measured", min_, max_, now))
+            case Measured(model=model, result=result, min=min_, max=max_, error=error):
+                self._run(p.measured(model, result == "measured", min_, max_, now, error))
             case DevicesReported(report=report):
                 self._run(p.devices_reported(report, now))
             case Shutdown(reply=reply):

@@ -109,9 +109,12 @@ def test_a_hanging_measure_child_is_killed_at_its_deadline(corral, tmp_path) -> 
                                            "measure_timeout_s": 0.5}}))
     sse = SSE(c.port)
     failed = sse.wait_for(lambda e: e["type"] == "model_memory")
+    error = failed["memory"].pop("error")
     assert failed == {"type": "model_memory", "model": "m",
                       "memory": {"status": "failed", "min": None, "max": None,
                                  "effective": None}}
+    assert error == ("no result within measure_timeout_s=0.5 "
+                     "(last output: fake_model: measuring forever)")
     assert "no result within measure_timeout_s=0.5; killing pid" in c.log()
 
     def measure_children() -> list[psutil.Process]:
