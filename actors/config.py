@@ -34,6 +34,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """argv, never run through a shell; `{port}`, `{host}` and `{model}` are filled in."""
     env: dict[str, str] = {}
     aliases: list[str] = []
+    health: Literal["http", "llama"] = "http"
+    """Readiness (R-3.3): `http` polls health_path; `llama` reads llama-server's child
+    protocol (state lines on stdout, the exit command on stdin)."""
     health_path: str = "/health"
     load_timeout_s: PositiveSeconds = 600.0
     stop_timeout_s: PositiveSeconds = 10.0

@@ -39,11 +39,19 @@ class FakeModel:
         self.ready = False
         self.stats = {"started": 0, "completed": 0, "cancelled": 0}
         self.created = int(time.time())
+        self.last_active = time.monotonic()
+        self.sleeping = False
+        self.sleeper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ helpers
 
     def _count_request(self) -> None:
         self.stats["started"] += 1
+        self.last_active = time.monotonic()
+        if self.sleeping:
+            self.sleeping = False
+            print("fake_model: woken by a request", flush=True)
+            llama_state("ready", {})  # a wakeup: no model info
         limit = self.args.crash_after_requests
         if limit is not None and self.stats["started"] > limit:
             print(f"fake_model: crashing on request {self.stats['started']} "
@@ -106,6 +114,17 @@ class FakeModel:
             "created": int(time.time()), "choices": [choice],
             "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens,
                       "total_tokens": n_tokens + 1}})
+
+    async def sleep_when_idle(self, idle_s: float) -> None:
+        """--sleep-idle-s: report `sleeping` after idle_s with no request (llama protocol)."""
+        while True:
+            busy = self.stats["started"] - self.stats["completed"] - self.stats["cancelled"]
+            idle = time.monotonic() - self.last_active
+            if not self.sleeping and not busy and idle >= idle_s:
+                self.sleeping = True
+                print("fake_model: idle, sleeping", flush=True)
+                llama_state("sleeping", {})
+            await asyncio.sleep(min(0.05, idle_s))
 
     async def _pace(self, n_tokens: int) -> None:
         if self.args.tokens_per_s > 0:
@@ -194,12 +213,29 @@ class FakeModel:
         return app
 
 
-def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """Exit when the supervisor's end of stdin closes (it died), like llama-server."""
+LLAMA_STATE = "cmd_child_to_router:state:"
+LLAMA_EXIT = "cmd_router_to_child:exit"
+
+
+def llama_state(state: str, payload: dict[str, Any]) -> None:
+    """One line of llama-server's child protocol on stdout (the leading newline as it has)."""
+    print("\n" + LLAMA_STATE + json.dumps({"state": state, "payload": payload}), flush=True)
+
+
+def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
+                 on_exit_command: Any) -> None:
+    """Exit when the supervisor's end of stdin closes (it died), like llama-server; with
+    --llama-protocol also on the exit command, with status 0."""
     # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader aborts
     # the interpreter at exit.
-    while os.read(0, 4096):
-        pass
+    buffered = b""
+    while chunk := os.read(0, 4096):
+        buffered += chunk
+        if on_exit_command is not None and LLAMA_EXIT.encode() in buffered:
+            print("fake_model: exit command received, exiting...", flush=True)
+            loop.call_soon_threadsafe(on_exit_command)
+            return
+        buffered = buffered[-64:]
     loop.call_soon_threadsafe(stop.set)
 
 
@@ -266,15 +302,27 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     if not sys.stdin.isatty():
-        threading.Thread(target=_watch_stdin, args=(loop, stop), daemon=True).start()
+        on_exit = stop.set if args.llama_protocol and not args.ignore_exit_command else None
+        threading.Thread(target=_watch_stdin, args=(loop, stop, on_exit), daemon=True).start()
     print(f"fake_model {args.model}: listening on {args.host}:{args.port}, pid {os.getpid()}",
           flush=True)
     if args.crash_after_s is not None:
         loop.call_later(args.crash_after_s, os._exit, args.exit_code)
     if not args.hang_before_ready:
-        await asyncio.sleep(args.load_delay)
+        if args.llama_protocol:
+            for value in (0.0, 0.5):
+                llama_state("loading", {"stages": ["text_model"], "current": "text_model",
+                                        "value": value})
+                await asyncio.sleep(args.load_delay / 2)
+        else:
+            await asyncio.sleep(args.load_delay)
         fake.ready = True
+        fake.last_active = time.monotonic()
         print(f"fake_model {args.model}: ready", flush=True)
+        if args.llama_protocol:
+            llama_state("ready", {"model": args.model, "n_ctx": 4096, "fake": True})
+        if args.sleep_idle_s is not None:
+            fake.sleeper = asyncio.create_task(fake.sleep_when_idle(args.sleep_idle_s))
     await stop.wait()
     print(f"fake_model {args.model}: shutting down", flush=True)
     await runner.cleanup()
@@ -300,6 +348,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--exit-code", type=int, default=1,
                    help="status for the crash knobs (default 1)")
+    p.add_argument("--llama-protocol", action="store_true",
+                   help="speak llama-server's child protocol: state lines on stdout "
+                        "(loading, ready, sleeping), the exit command on stdin")
+    p.add_argument("--ignore-exit-command", action="store_true",
+                   help="with --llama-protocol: do not leave on the exit command")
+    p.add_argument("--sleep-idle-s", type=float, default=None, metavar="S",
+                   help="with --llama-protocol: report sleeping after S idle seconds")
     p.add_argument("--device-mib", type=float, default=0.0, metavar="N",
                    help="MiB this model uses on every simulated device (CORRAL_DEVICES)")
     p.add_argument("--measure-mib", type=float, default=None, metavar="N",

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, assert_never
 
+import msgspec
+
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
 from .config import ModelConfig
@@ -24,9 +26,11 @@ from .lifecycle import describe_exit
 from .messages import (
     ChildExited,
     ChildReady,
+    ChildState,
     InstanceExited,
     InstanceMessage,
     InstanceReady,
+    InstanceReported,
     InstanceStarted,
     LoadDeadline,
     StartInstance,
@@ -37,6 +41,19 @@ from .timers import Timers
 
 BIND_RETRIES = 3
 """A child that exits while its port is taken by someone else is respawned on a new port."""
+LLAMA_STATE = "cmd_child_to_router:state:"
+"""llama-server's child protocol: a child reports its state on stdout after this prefix..."""
+LLAMA_EXIT = "cmd_router_to_child:exit"
+"""... and leaves when the router writes this line to its stdin."""
+KILL_GRACE_S = 2.0
+"""After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
+
+
+class LlamaState(msgspec.Struct, frozen=True):
+    """The JSON of a `cmd_child_to_router:state:` line."""
+
+    state: str
+    payload: Any = None
 
 
 class Phase(enum.Enum):
@@ -94,6 +111,11 @@ class ModelInstance(BaseActor):
         """Why corral ended the child, if it did (load timeout); else its exit speaks."""
         self.abandon_probe = threading.Event()
         self.bind_retries = 0
+        self.llama = config.health == "llama"
+        self.asleep = False
+        """A llama child said `sleeping` (and has not said `ready` since)."""
+        self.stop_stage = 0
+        """0: asked to exit (llama), 1: SIGTERM sent; the next StopDeadline escalates."""
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
@@ -102,7 +124,11 @@ class ModelInstance(BaseActor):
             case StopInstance(generation=generation, reason=reason):
                 self.handle_stop(generation, reason)
             case ChildReady(spawn_id=spawn_id):
-                self.handle_ready(spawn_id)
+                if spawn_id == self.spawn_id and self.phase is Phase.STARTING:
+                    self.become_ready(None)
+            case ChildState(spawn_id=spawn_id, line=line):
+                if spawn_id == self.spawn_id and self.phase in (Phase.STARTING, Phase.READY):
+                    self.handle_state_line(line)
             case ChildExited(spawn_id=spawn_id):
                 self.handle_exited(spawn_id)
             case LoadDeadline(spawn_id=spawn_id):
@@ -138,9 +164,15 @@ class ModelInstance(BaseActor):
         argv = self.config.argv(self.model, CHILD_HOST, self.port)
         env = {**os.environ, **self.extra_env, **self.config.env}
         ref = self.actor_ref
+
+        def on_line(line: str) -> None:  # on the output reader thread: filter, pass on
+            if line.startswith(LLAMA_STATE):
+                tell_or_drop(ref, ChildState(spawn_id, line))
+
         try:
             self.child = ChildProcess(argv, env, self.log_ring, label=self.model,
-                                      on_exit=lambda: tell_or_drop(ref, ChildExited(spawn_id)))
+                                      on_exit=lambda: tell_or_drop(ref, ChildExited(spawn_id)),
+                                      on_line=on_line if self.llama else None)
         except (OSError, subprocess.SubprocessError) as e:
             self.log.error("cannot start %s: %s", argv[0], e)
             self.scheduler.tell(InstanceExited(self.model, self.generation, 127,
@@ -151,22 +183,44 @@ class ModelInstance(BaseActor):
         self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
                       self.child.pid, self.port, " ".join(argv))
         self.abandon_probe = threading.Event()
-        threading.Thread(
-            target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
-            args=(self.port, self.config.health_path, self.abandon_probe,
-                  lambda: tell_or_drop(ref, ChildReady(spawn_id)))).start()
+        self.asleep = False
+        if not self.llama:  # a llama child says `ready` itself (R-3.3)
+            threading.Thread(
+                target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
+                args=(self.port, self.config.health_path, self.abandon_probe,
+                      lambda: tell_or_drop(ref, ChildReady(spawn_id)))).start()
         self.timers.after(self.config.load_timeout_s, ref, LoadDeadline(spawn_id))
 
-    def handle_ready(self, spawn_id: int) -> None:
-        if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:
-            return
+    def become_ready(self, info: dict[str, Any] | None) -> None:
         assert self.child is not None
         self.phase = Phase.READY
         took = time.monotonic() - self.child.started_at
         self.log.info("%s#%d ready on port %d after %.3f s", self.model, self.generation,
                       self.port, took)
         self.scheduler.tell(InstanceReady(self.model, self.generation, self.child.pid,
-                                          self.port))
+                                          self.port, info))
+
+    def handle_state_line(self, line: str) -> None:
+        """One line of the llama child protocol: loading progress, ready, sleeping."""
+        try:
+            said = msgspec.json.decode(line[len(LLAMA_STATE):], type=LlamaState)
+        except msgspec.DecodeError as e:
+            self.log.warning("%s#%d: unreadable state line (%s): %.200s", self.model,
+                             self.generation, e, line)
+            return
+        payload = said.payload if isinstance(said.payload, dict) else {}
+        starting = self.phase is Phase.STARTING
+        if said.state in ("loading", "downloading") and starting:
+            self.scheduler.tell(InstanceReported(self.model, self.generation, "loading", payload))
+        elif said.state == "ready" and starting:
+            self.become_ready(payload or None)
+        elif said.state == "ready" and self.asleep:  # a request woke it
+            self.asleep = False
+            self.scheduler.tell(InstanceReported(self.model, self.generation, "awake", payload))
+        elif said.state == "sleeping" and not starting and not self.asleep:
+            self.asleep = True
+            self.scheduler.tell(InstanceReported(self.model, self.generation, "sleeping",
+                                                 payload))
 
     def handle_stop(self, generation: int, reason: str) -> None:
         if generation != self.generation or self.phase in (Phase.IDLE, Phase.STOPPING):
@@ -178,10 +232,18 @@ class ModelInstance(BaseActor):
             self.log.info("stopping %s#%d while loading (%s): SIGKILL", self.model,
                           generation, reason)
             self.child.signal_group(signal.SIGKILL)
+        elif self.llama:
+            self.log.info("stopping %s#%d (%s): exit command, SIGTERM after %g s", self.model,
+                          generation, reason, self.config.stop_timeout_s)
+            self.child.write_stdin(LLAMA_EXIT)
+            self.stop_stage = 0
+            self.timers.after(self.config.stop_timeout_s, self.actor_ref,
+                              StopDeadline(self.spawn_id))
         else:
             self.log.info("stopping %s#%d (%s): SIGTERM, SIGKILL after %g s", self.model,
                           generation, reason, self.config.stop_timeout_s)
             self.child.signal_group(signal.SIGTERM)
+            self.stop_stage = 1
             self.timers.after(self.config.stop_timeout_s, self.actor_ref,
                               StopDeadline(self.spawn_id))
         self.phase = Phase.STOPPING
@@ -199,8 +261,15 @@ class ModelInstance(BaseActor):
         if spawn_id != self.spawn_id or self.phase is not Phase.STOPPING:
             return
         assert self.child is not None
-        self.log.warning("%s#%d ignored SIGTERM for %g s; SIGKILL", self.model,
-                         self.generation, self.config.stop_timeout_s)
+        if self.stop_stage == 0:
+            self.log.warning("%s#%d ignored the exit command for %g s; SIGTERM, SIGKILL "
+                             "after %g s", self.model, self.generation,
+                             self.config.stop_timeout_s, KILL_GRACE_S)
+            self.child.signal_group(signal.SIGTERM)
+            self.stop_stage = 1
+            self.timers.after(KILL_GRACE_S, self.actor_ref, StopDeadline(self.spawn_id))
+            return
+        self.log.warning("%s#%d ignored SIGTERM; SIGKILL", self.model, self.generation)
         self.child.signal_group(signal.SIGKILL)
 
     def handle_exited(self, spawn_id: int) -> None:

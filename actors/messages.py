@@ -68,6 +68,8 @@ class ModelView(msgspec.Struct, frozen=True):
     load_s_total: float
     evictions: dict[str, int]
     memory: MemoryInfo
+    info: dict[str, Any] | None = None
+    progress: dict[str, Any] | None = None
 
 
 class ModelsSnapshot(Message, frozen=True):
@@ -119,13 +121,17 @@ class Event(msgspec.Struct, frozen=True, tag_field="type"):
     """Base of the events the Scheduler publishes to subscribers (SSE, callbacks)."""
 
 
-class StatusChanged(Event, frozen=True, tag="status_change"):
-    """A model changed state."""
+class StatusChanged(Event, frozen=True, tag="status_change", omit_defaults=True):
+    """A model changed state, or reported loading progress (llama children)."""
 
     model: str
     status: str
     cause: str
     exit_code: int | None = None
+    info: dict[str, Any] | None = None
+    """What a llama child said about its model when it became ready."""
+    progress: dict[str, Any] | None = None
+    """A llama child's loading progress: `{stages, current, value}`."""
 
 
 class Shortfall(msgspec.Struct, frozen=True):
@@ -237,6 +243,18 @@ class InstanceReady(Message, frozen=True):
     generation: int
     pid: int
     port: int
+    info: dict[str, Any] | None = None
+    """The model info a llama child sent with `ready`."""
+
+
+class InstanceReported(Message, frozen=True):
+    """ModelInstance -> Scheduler: a llama child's state line: loading progress, or that it
+    went to sleep, or woke up (R-3.6)."""
+
+    model: str
+    generation: int
+    state: Literal["loading", "sleeping", "awake"]
+    payload: dict[str, Any]
 
 
 class InstanceExited(Message, frozen=True):
@@ -300,8 +318,8 @@ class Shutdown(Message, frozen=True):
 
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
-    | InstancesAttached | InstanceStarted | InstanceReady | InstanceExited | GetDevices
-    | MeasureStarted | Measured | DevicesReported | Shutdown
+    | InstancesAttached | InstanceStarted | InstanceReady | InstanceReported | InstanceExited
+    | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
 
 
@@ -327,6 +345,13 @@ class ChildReady(Message, frozen=True):
     spawn_id: int
 
 
+class ChildState(Message, frozen=True):
+    """Output reader -> ModelInstance: a `cmd_child_to_router:state:` line of spawn `spawn_id`."""
+
+    spawn_id: int
+    line: str
+
+
 class ChildExited(Message, frozen=True):
     """Exit watcher -> ModelInstance: the child of spawn `spawn_id` exited (not yet reaped)."""
 
@@ -346,7 +371,8 @@ class StopDeadline(Message, frozen=True):
 
 
 InstanceMessage = (
-    StartInstance | StopInstance | ChildReady | ChildExited | LoadDeadline | StopDeadline
+    StartInstance | StopInstance | ChildReady | ChildState | ChildExited | LoadDeadline
+    | StopDeadline
 )
 
 

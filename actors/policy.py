@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from typing import Any
 
 from .ledger import Ledger, MiB
 from .lifecycle import ModelState, check_transition
@@ -216,7 +217,7 @@ class Policy(MemoryRules):
         return self._flush()
 
     def instance_ready(self, model: str, generation: int, pid: int, base_url: str,
-                       now: float) -> list[Effect]:
+                       now: float, info: dict[str, Any] | None = None) -> list[Effect]:
         """The child of `generation` answers: grant everyone queued for it, atomically (R-4.6)."""
         rec = self.models.get(model)
         if rec is None or rec.generation != generation or rec.state is not S.LOADING:
@@ -225,7 +226,8 @@ class Policy(MemoryRules):
         rec.base_url = base_url
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
-        self._transition(rec, S.LOADED, f"ready, pid {pid}", now)
+        rec.info, rec.progress = info, None
+        self._transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
         rec.last_used = now
         if self.memory_on:
             rec.awaiting_usage = True
@@ -244,6 +246,28 @@ class Policy(MemoryRules):
         self._pump(now)
         return self._flush()
 
+    def instance_reported(self, model: str, generation: int, state: str,
+                          payload: dict[str, Any], now: float) -> list[Effect]:
+        """A llama child's progress, or that it went to sleep or woke up (R-3.6)."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation:
+            return []
+        if state == "loading" and rec.state is S.LOADING:
+            rec.progress = payload
+            self._out.append(Publish(StatusChanged(model, "loading", "loading progress",
+                                                   progress=payload)))
+        elif state == "sleeping" and rec.state is S.LOADED:
+            # It keeps its slot (and stays an eviction candidate) but gives its memory
+            # back; a request wakes it, and then it holds again.
+            self._transition(rec, S.SLEEPING, "idle, the child sleeps", now)
+            self.ledger.release(model)
+        elif state == "awake" and rec.state is S.SLEEPING:
+            self._transition(rec, S.LOADED, "woken by a request", now)
+            if self.memory_on:
+                self.ledger.reserve(model, rec.mem_effective or rec.mem_min)
+        self._pump(now)
+        return self._flush()
+
     def instance_exited(self, model: str, generation: int, returncode: int,
                         description: str, now: float) -> list[Effect]:
         """The child of `generation` is gone and reaped: free its slot, count a failure."""
@@ -256,6 +280,7 @@ class Policy(MemoryRules):
         rec.exit_code = returncode
         rec.last_exit = description
         rec.mem_effective = None
+        rec.info = rec.progress = None
         rec.awaiting_usage = False
         if self.memory_on:
             rec.releasing = model in self.ledger.held
@@ -293,7 +318,7 @@ class Policy(MemoryRules):
                 last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
                 load_s_total=rec.load_s_total,
                 evictions={r: n for (m, r), n in self.stats.evictions.items() if m == rec.name},
-                memory=rec.memory_info()))
+                memory=rec.memory_info(), info=rec.info, progress=rec.progress))
         return ModelsSnapshot(models=views, running=self.running_count(),
                               queue_depth=len(self.waiting),
                               granted=self.stats.granted, queue_waits=self.stats.queue_waits,
@@ -453,14 +478,14 @@ class Policy(MemoryRules):
             self._refuse(ticket, status, message)
 
     def _transition(self, rec: ModelRecord, new: ModelState, cause: str, now: float,
-                    exit_code: int | None = None) -> None:
+                    exit_code: int | None = None, info: dict[str, Any] | None = None) -> None:
         check_transition(rec.name, rec.state, new)
         took = now - rec.state_since
         log.info("model %s#%d: %s -> %s (%s, after %.2f s)", rec.name, rec.generation,
                  rec.state.value, new.value, cause, took)
         rec.state = new
         rec.state_since = now
-        self._out.append(Publish(StatusChanged(rec.name, new.value, cause, exit_code)))
+        self._out.append(Publish(StatusChanged(rec.name, new.value, cause, exit_code, info)))
 
     def _flush(self) -> list[Effect]:
         out, self._out = self._out, []

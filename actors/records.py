@@ -117,6 +117,10 @@ class ModelRecord:
     loads_ok: int = 0
     load_s_total: float = 0.0
     """Seconds from spawn to ready, summed over the successful loads."""
+    info: dict[str, Any] | None = None
+    """What a llama child said about its model when it became ready."""
+    progress: dict[str, Any] | None = None
+    """A llama child's latest loading progress (while loading)."""
     memory: MemoryStatus = "unmeasured"
     mem_min: Breakdown | None = None
     mem_max: Breakdown | None = None

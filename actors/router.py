@@ -273,14 +273,20 @@ class Router:
                 status["exit_code"] = view.exit_code
                 status["failed"] = True
                 status["exit"] = view.last_exit
-            data.append({
+            if view.progress is not None:
+                status["progress"] = view.progress
+            entry: dict[str, Any] = {
                 "id": view.name, "object": "model", "owned_by": "corral",
                 "created": int(self.started), "aliases": model.aliases, "status": status,
                 "in_flight": view.in_flight, "waiting": view.waiting, "loads": view.loads,
                 "pid": view.pid, "port": view.port,
                 "last_eviction": msgspec.to_builtins(view.last_eviction),
                 "memory": msgspec.to_builtins(view.memory),
-            })
+            }
+            # as llama.cpp does: what a running child said about its model, beside ours
+            for key, value in (view.info or {}).items():
+                entry.setdefault(key, value)
+            data.append(entry)
         return web.json_response({"object": "list", "data": data})
 
     async def devices(self, request: web.Request) -> web.Response:

@@ -25,6 +25,7 @@ from .messages import (
     GetModels,
     InstanceExited,
     InstanceReady,
+    InstanceReported,
     InstancesAttached,
     InstanceStarted,
     LoadModel,
@@ -93,8 +94,11 @@ class Scheduler(BaseActor):
                     self._run(p.load(None, name, now))
             case InstanceStarted(model=model, generation=gen, pid=pid):
                 self._run(p.instance_started(model, gen, pid))
-            case InstanceReady(model=model, generation=gen, pid=pid, port=port):
-                self._run(p.instance_ready(model, gen, pid, f"http://{CHILD_HOST}:{port}", now))
+            case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info):
+                url = f"http://{CHILD_HOST}:{port}"
+                self._run(p.instance_ready(model, gen, pid, url, now, info))
+            case InstanceReported(model=model, generation=gen, state=state, payload=payload):
+                self._run(p.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
                 self._run(p.instance_exited(model, gen, rc, desc, now))
             case GetDevices(reply=reply):

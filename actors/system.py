@@ -100,9 +100,12 @@ class Supervisor:
         self.measurer = MeasureWorker.start(config, self.scheduler, self.monitor, self.timers,
                                             device_names, self._crash)
         for name, model in config.models.items():
+            extra_env = config.child_env()
+            if model.health == "llama":  # llama-server acts as a router's child when set
+                extra_env["LLAMA_SERVER_ROUTER_PORT"] = str(config.port)
             self.instances[name] = ModelInstance.start(
                 name, model, self.scheduler, self.timers, self.logs[name], self._crash,
-                extra_env=config.child_env())
+                extra_env=extra_env)
         self.scheduler.tell(InstancesAttached(self.instances, self.monitor, self.measurer))
         memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
                   f"{', '.join(device_names) or 'no device'}"

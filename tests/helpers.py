@@ -189,9 +189,11 @@ class SSE:
                 self._cv.wait(left)
 
     def statuses(self, model: str) -> list[str]:
+        """The transitions of `model` (loading progress reports left out)."""
         with self._cv:
             return [e["status"] for e in self.events
-                    if e["type"] == "status_change" and e["model"] == model]
+                    if e["type"] == "status_change" and e["model"] == model
+                    and "progress" not in e]
 
     def close(self) -> None:
         # Shut the socket down first: closing alone waits for the reader thread's

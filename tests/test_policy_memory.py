@@ -247,3 +247,14 @@ def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int)
         if not progressed:
             break
     assert w.p.waiting == {}, f"requests never answered: {w.p.waiting}"
+
+
+def test_a_sleeping_model_gives_its_memory_back_and_holds_again_when_woken() -> None:
+    w = MemWorld({"a": 4, "b": 4, "c": 4})
+    w.load_idle("a", "b")
+    w.run(w.p.instance_reported("a", w.gen("a"), "sleeping", {}, w.tick()))
+    assert w.state("a") == "sleeping" and "a" not in w.p.ledger.held
+    w.load_idle("c")  # fits in what a gave back: nothing evicted
+    assert w.stops == []
+    w.run(w.p.instance_reported("a", w.gen("a"), "awake", {}, w.tick()))
+    assert w.state("a") == "loaded" and w.p.ledger.held["a"] == {"gpu0": 4 * GiB}
