@@ -11,16 +11,20 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import signal
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from actors import Config, ConfigError, Supervisor, demo_config, load_config
 from actors.config import parse_config
+from actors.presets import llama_models
 from actors.router import Router
 
 log = logging.getLogger("corral")
@@ -53,14 +57,44 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-max", type=int, metavar="N")
     p.add_argument("--no-models-autoload", action="store_true")
     p.add_argument("--api-key")
+    p.add_argument("--models-preset", metavar="FILE.ini",
+                   help="llama.cpp router presets: one llama-server child per section")
+    p.add_argument("--models-dir", metavar="DIR",
+                   help="llama.cpp router models dir: one llama-server child per *.gguf")
+    p.add_argument("--llama-server", metavar="BIN",
+                   help="the llama-server binary for --models-preset/--models-dir "
+                        "(default: llama-server on PATH)")
     p.add_argument("--memory-margin-mib", type=float, metavar="MIB",
                    help="keep this much free on every device; 0 turns memory accounting off")
     p.add_argument("--log-level", default="INFO")
 
 
 def effective_config(args: argparse.Namespace) -> Config:
-    config = load_config(args.config) if args.config else demo_config()
+    """The config file (or the demo), llama.cpp presets and the flags, checked together.
+
+    Called again on a reload (GET /models?reload=1, SIGHUP): it re-reads every file.
+    """
+    llama = args.models_preset is not None or args.models_dir is not None
+    if args.config:
+        config = load_config(args.config)
+    elif llama:
+        config = Config()
+    else:
+        config = demo_config()
     overrides: dict[str, object] = {}
+    if llama:
+        binary = args.llama_server or shutil.which("llama-server")
+        if binary is None:
+            raise ConfigError("--llama-server: no llama-server on PATH; name one with "
+                              "--llama-server BIN (bash scripts/llama-server.sh builds one)")
+        models = llama_models(binary, Path(args.models_preset) if args.models_preset else None,
+                              Path(args.models_dir) if args.models_dir else None,
+                              config.state_path())
+        clash = sorted(set(models) & set(config.models))
+        if clash:
+            raise ConfigError(f"models {', '.join(clash)}: defined both in {args.config} and "
+                              "by the llama.cpp presets; rename one")
+        overrides["models"] = {**msgspec.to_builtins(config.models), **models}
     if args.host is not None:
         overrides["host"] = args.host
     if args.port is not None:
@@ -77,11 +111,15 @@ def effective_config(args: argparse.Namespace) -> Config:
         return config
     data = msgspec.to_builtins(config)
     data.update(overrides)
-    return parse_config(data, "command line")
+    source = args.models_preset or args.models_dir or "command line"
+    return parse_config(data, source)
 
 
-async def serve(config: Config) -> int:
-    """Run until SIGINT/SIGTERM or an actor crash; return the exit status."""
+async def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Run until SIGINT/SIGTERM or an actor crash; return the exit status.
+
+    `reload` re-reads the config (SIGHUP, GET /models?reload=1).
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     crashed: list[str] = []
@@ -98,7 +136,17 @@ async def serve(config: Config) -> int:
     except ConfigError as e:
         print(f"corral: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    router = Router(sup, config)
+    router = Router(sup, config, reload)
+    async def reload_on_sighup() -> None:
+        try:
+            summary = await router.reload()
+        except (ConfigError, TimeoutError) as e:
+            log.error("SIGHUP: reload refused, nothing changed: %s", e)
+        else:
+            log.info("SIGHUP: reloaded (%s)", msgspec.json.encode(summary).decode())
+
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_on_sighup()))
     try:
         port = await router.start(config.host, config.port)
     except OSError as e:
@@ -126,9 +174,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     try:
         import uvloop
-        return uvloop.run(serve(config))
+        return uvloop.run(serve(config, lambda: effective_config(args)))
     except ImportError:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, lambda: effective_config(args)))
 
 
 def client(args: argparse.Namespace) -> int:

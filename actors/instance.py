@@ -91,12 +91,13 @@ class ModelInstance(BaseActor):
 
     def __init__(self, model: str, config: ModelConfig, scheduler: Any, timers: Timers,
                  log_ring: LogRing, on_crash: CrashHandler,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, router_port: int = 0) -> None:
         super().__init__(f"instance-{model}", on_crash)
         self.model = model
         self.config = config
         self.extra_env = extra_env or {}
         """corral's own variables for the child (CORRAL_SIM_LEDGER, CORRAL_DEVICES)."""
+        self.router_port = router_port
         self.scheduler = scheduler
         self.timers = timers
         self.log_ring = log_ring
@@ -119,8 +120,8 @@ class ModelInstance(BaseActor):
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
-            case StartInstance(generation=generation):
-                self.handle_start(generation)
+            case StartInstance(generation=generation, config=config):
+                self.handle_start(generation, config)
             case StopInstance(generation=generation, reason=reason):
                 self.handle_stop(generation, reason)
             case ChildReady(spawn_id=spawn_id):
@@ -148,11 +149,13 @@ class ModelInstance(BaseActor):
 
     # ------------------------------------------------------------ handlers
 
-    def handle_start(self, generation: int) -> None:
+    def handle_start(self, generation: int, config: ModelConfig) -> None:
         if self.phase is not Phase.IDLE:
             raise RuntimeError(f"{self.model}: StartInstance#{generation} while "
                                f"{self.phase.value} (#{self.generation})")
         self.generation = generation
+        self.config = config
+        self.llama = config.health == "llama"
         self.bind_retries = 0
         self.spawn_child()
 
@@ -163,6 +166,8 @@ class ModelInstance(BaseActor):
         self.cause = None
         argv = self.config.argv(self.model, CHILD_HOST, self.port)
         env = {**os.environ, **self.extra_env, **self.config.env}
+        if self.llama:  # llama-server acts as a router's child when this is set
+            env["LLAMA_SERVER_ROUTER_PORT"] = str(self.router_port)
         ref = self.actor_ref
 
         def on_line(line: str) -> None:  # on the output reader thread: filter, pass on

@@ -122,6 +122,8 @@ class MeasureWorker(BaseActor):
         self.device_names = device_names
         self.cache = MeasureCache(config.state_path() / "measure")
         self.queue: collections.deque[str] = collections.deque()
+        self.configs: dict[str, ModelConfig] = {}
+        """Model -> the config its latest MeasureModel came with."""
         self.current: str | None = None
         """The model being measured. Invariant: set exactly while `child` is alive."""
         self.child: ChildProcess | None = None
@@ -135,7 +137,8 @@ class MeasureWorker(BaseActor):
 
     def on_receive(self, message: MeasureMessage) -> None:
         match message:
-            case MeasureModel(model=model, front=front):
+            case MeasureModel(model=model, config=config, front=front):
+                self.configs[model] = config
                 self.enqueue(model, front)
             case MeasureLine(spawn_id=spawn_id, line=line):
                 if spawn_id == self.spawn_id and self.current is not None:
@@ -178,7 +181,7 @@ class MeasureWorker(BaseActor):
     def next(self) -> None:
         while self.current is None and self.queue:
             model = self.queue.popleft()
-            config = self.config.models[model]
+            config = self.configs[model]
             method = config.measure_method
             if method == "declared":
                 figures = declared_breakdown(config.memory_mib)
@@ -238,12 +241,12 @@ class MeasureWorker(BaseActor):
             parsed = MeasureResult("failed", error=parsed)
         self.report(self.current, parsed, "command")
         # It should exit by itself now; one that lingers must not hold up the queue.
-        self.timers.after(self.config.models[self.current].stop_timeout_s, self.actor_ref,
+        self.timers.after(self.configs[self.current].stop_timeout_s, self.actor_ref,
                           MeasureDeadline(self.spawn_id))
 
     def handle_probe_usage(self, devices: list[DeviceSample], usage: dict[str, int]) -> None:
         assert self.current is not None and self.child is not None
-        config = self.config.models[self.current]
+        config = self.configs[self.current]
         seen = {d.name: d for d in devices}
         rows = [DeviceUse(kind=seen[name].kind, name=name, total=seen[name].total,
                           free=seen[name].free, model=size)
@@ -258,7 +261,7 @@ class MeasureWorker(BaseActor):
         if spawn_id != self.spawn_id or self.child is None or self.child.returncode is not None:
             return
         if not self.reported:
-            config = self.config.models[self.current or ""]
+            config = self.configs[self.current or ""]
             self.cause = (f"no result within measure_timeout_s="
                           f"{config.measure_timeout_s or self.config.measure_timeout_s:g}")
             self.log.warning("measuring %s: %s; killing pid %d", self.current, self.cause,

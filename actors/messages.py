@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from .config import ModelConfig
 from .ledger import Breakdown, DeviceSample, MemoryInfo
 
 
@@ -266,6 +267,25 @@ class InstanceExited(Message, frozen=True):
     description: str
 
 
+class Reconfigure(Message, frozen=True):
+    """Supervisor -> Scheduler: this is the model table now (a reload, R-2.6); `instances`
+    has an actor for every model in it. Answers a ReloadSummary."""
+
+    models: dict[str, ModelConfig]
+    instances: dict[str, Any]
+    reply: Reply
+
+
+class ReloadSummary(Message, frozen=True):
+    """Scheduler -> caller: what a reload did; `restarted` are running models whose
+    config changed (stopped once their requests have finished)."""
+
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    restarted: list[str]
+
+
 class GetDevices(Message, frozen=True):
     """Router -> Scheduler: answer with a DevicesSnapshot."""
 
@@ -319,7 +339,7 @@ class Shutdown(Message, frozen=True):
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
     | InstancesAttached | InstanceStarted | InstanceReady | InstanceReported | InstanceExited
-    | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
+    | Reconfigure | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
 
 
@@ -327,9 +347,11 @@ SchedulerMessage = (
 
 
 class StartInstance(Message, frozen=True):
-    """Scheduler -> ModelInstance: spawn the child as generation `generation`."""
+    """Scheduler -> ModelInstance: spawn the child as generation `generation` of `config`
+    (a reload changes the config the next spawn uses)."""
 
     generation: int
+    config: ModelConfig
 
 
 class StopInstance(Message, frozen=True):
@@ -380,9 +402,11 @@ InstanceMessage = (
 
 
 class MeasureModel(Message, frozen=True):
-    """Scheduler -> MeasureWorker: measure `model`; `front` jumps the queue (it is loading)."""
+    """Scheduler -> MeasureWorker: measure `model` as `config` says; `front` jumps the queue
+    (it is about to load)."""
 
     model: str
+    config: ModelConfig
     front: bool = False
 
 

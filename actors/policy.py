@@ -86,12 +86,12 @@ class Policy(MemoryRules):
     def acquire(self, ticket: Hashable, model: str, now: float,
                 autoload: bool = True) -> list[Effect]:
         """A request for `model` arrived: grant it now, queue it, or refuse it."""
-        rec = self.models.get(model)
+        rec = self._find(model)
         if self.shutting_down:
             self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
         elif rec is None:
             self._refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
-        elif rec.state.is_serving:
+        elif rec.state.is_serving and not rec.stale:
             self._grant(ticket, rec, now)
         elif rec.gave_up is not None:
             self._refuse(ticket, 500, rec.gave_up)
@@ -121,6 +121,8 @@ class Policy(MemoryRules):
         # so only leases of the live generation still count.
         if rec is not None and rec.generation == generation and rec.state.is_running:
             rec.in_flight -= 1
+            if rec.stale and rec.in_flight == 0 and rec.state.is_serving:
+                self._stop(rec, "reload", None, now)  # drained: now it may restart
         self._pump(now)
         return self._flush()
 
@@ -143,7 +145,7 @@ class Policy(MemoryRules):
 
     def load(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
         """POST /models/load: queue a load with no request behind it; clears `failed`."""
-        rec = self.models.get(model)
+        rec = self._find(model)
         if rec is None:
             self._refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
         elif rec.state.is_running and rec.state is not S.STOPPING:
@@ -164,7 +166,7 @@ class Policy(MemoryRules):
 
     def unload(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
         """POST /models/unload: stop the child now (busy or not); clears `failed`."""
-        rec = self.models.get(model)
+        rec = self._find(model)
         if rec is None:
             self._refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
             return self._flush()
@@ -288,7 +290,11 @@ class Policy(MemoryRules):
         entry = self.queue.get(model)
         if entry is not None:
             entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
-        if rec.state is S.STOPPING:
+        if rec.removed:
+            self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+            self.ledger.release(model)
+            del self.models[model]
+        elif rec.state is S.STOPPING:
             self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
         else:
             what = "load failed" if rec.state is S.LOADING else "crashed"
@@ -304,11 +310,63 @@ class Policy(MemoryRules):
         self._pump(now)
         return self._flush()
 
+    # ------------------------------------------------------------ reload
+
+    def reconfigure(self, added: dict[str, bool], removed: list[str],
+                    changed: dict[str, bool], now: float) -> tuple[list[Effect], list[str]]:
+        """A reload (R-2.6): models added (name -> pinned), removed, or with a changed
+        config. Running models whose config changed, or that are gone, stop once their
+        requests have finished; the queue and unchanged models are kept. Returns the
+        effects and the models that restart."""
+        for name, pinned in added.items():
+            self.add_model(name, now, pinned=pinned)
+            if self.memory_on:
+                self._out.append(Measure(name, front=False))
+        for name in removed:
+            rec = self.models[name]
+            rec.removed = True
+            self._refuse_entry(name, 400, f"model '{name}' was removed by a reload")
+            if rec.state.is_running:
+                self._retire(rec, now)
+            else:
+                del self.models[name]
+        restarted = []
+        for name, pinned in changed.items():
+            rec = self.models[name]
+            rec.pinned = pinned
+            rec.gave_up = None
+            rec.budget.reset()
+            if rec.state is S.FAILED:
+                self._transition(rec, S.UNLOADED, "failure cleared by a reload", now)
+            if self.memory_on:  # new arguments, new figures
+                rec.memory, rec.mem_min, rec.mem_max = "unmeasured", None, None
+                self._out.append(Measure(name, front=False))
+            if rec.state.is_running and rec.state is not S.STOPPING:
+                restarted.append(name)
+                self._retire(rec, now)
+        self._pump(now)
+        return self._flush(), restarted
+
+    def _retire(self, rec: ModelRecord, now: float) -> None:
+        """Stop `rec` for a reload now if idle, else once its last request is released."""
+        if rec.state is S.STOPPING:
+            return
+        if rec.in_flight == 0:
+            self._stop(rec, "reload", None, now)
+        else:
+            rec.stale = True
+
+    def _find(self, model: str) -> ModelRecord | None:
+        rec = self.models.get(model)
+        return None if rec is None or rec.removed else rec
+
     # ------------------------------------------------------------ views
 
     def snapshot(self) -> ModelsSnapshot:
         views = []
         for rec in self.models.values():
+            if rec.removed:
+                continue
             entry = self.queue.get(rec.name)
             port = int(rec.base_url.rsplit(":", 1)[1]) if rec.base_url else None
             views.append(ModelView(
@@ -335,7 +393,7 @@ class Policy(MemoryRules):
         for name, entry in self.queue.items():
             rec = self.models[name]
             assert entry.waiters or entry.explicit, f"{name}: empty entry"
-            assert not rec.state.is_serving, f"{name}: queued while {rec.state.value}"
+            assert not rec.state.is_serving or rec.stale, f"{name}: queued while serving"
             if entry.claimed:
                 assert rec.state in (S.LOADING, S.STOPPING), f"{name}: claim without child"
             for ticket in entry.waiters:
@@ -431,6 +489,7 @@ class Policy(MemoryRules):
         rec.generation += 1
         rec.loads += 1
         rec.last_used = now
+        rec.stale = False
         self._transition(rec, S.LOADING, f"spawn for {n_waiting} waiting request(s)", now)
         if self.memory_on:
             # A child still releasing from its last run is replaced by the new hold.

@@ -117,6 +117,10 @@ class ModelRecord:
     loads_ok: int = 0
     load_s_total: float = 0.0
     """Seconds from spawn to ready, summed over the successful loads."""
+    stale: bool = False
+    """A reload changed or removed it while busy: no new grants; it stops once idle."""
+    removed: bool = False
+    """A reload removed it; the record goes once its child is reaped."""
     info: dict[str, Any] | None = None
     """What a llama child said about its model when it became ready."""
     progress: dict[str, Any] | None = None

@@ -21,7 +21,7 @@ import pykka
 from aiohttp import web
 
 from .bridge import LoopReply
-from .config import Config
+from .config import Config, ConfigError
 from .messages import (
     Acquire,
     Alive,
@@ -37,6 +37,7 @@ from .messages import (
     Ping,
     Refusal,
     Release,
+    ReloadSummary,
     UnloadModel,
 )
 from .system import Supervisor
@@ -87,10 +88,13 @@ def refusal_response(refusal: Refusal) -> web.Response:
 class Router:
     """The HTTP application in front of one Supervisor."""
 
-    def __init__(self, supervisor: Supervisor, config: Config) -> None:
+    def __init__(self, supervisor: Supervisor, config: Config,
+                 reloader: Callable[[], Config] | None = None) -> None:
+        """`reloader` re-reads the config for GET /models?reload=1 (and SIGHUP)."""
         self.sup = supervisor
         self.config = config
         self.names = config.resolve_aliases()
+        self.reloader = reloader
         self.sse_clients: set[asyncio.Queue[bytes | None]] = set()
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
@@ -262,12 +266,31 @@ class Router:
         return web.Response(text="\n".join(out) + "\n",
                             content_type="text/plain", charset="utf-8")
 
+    async def reload(self) -> ReloadSummary:
+        """Re-read the config and make its model table the live one; raises ConfigError
+        (and changes nothing) if it is wrong."""
+        if self.reloader is None:
+            raise ConfigError("this corral has no config file to reload")
+        config = await asyncio.to_thread(self.reloader)
+        summary = await asyncio.to_thread(self.sup.reload, config)
+        self.names = config.resolve_aliases()
+        return summary
+
     async def list_models(self, request: web.Request) -> web.Response:
+        if request.query.get("reload", "").lower() in ("1", "true"):
+            try:
+                await self.reload()
+            except ConfigError as e:
+                log.error("reload refused: %s", e)
+                return error(400, f"reload refused, nothing changed: {e}")
         snap = await self._ask(GetModels)
         assert isinstance(snap, ModelsSnapshot)
         data = []
+        models = self.sup.config.models
         for view in snap.models:
-            model = self.config.models[view.name]
+            model = models.get(view.name)
+            if model is None:
+                continue  # added or removed by a reload between the two reads
             status: dict[str, Any] = {"value": view.state, "args": model.cmd}
             if view.state == "failed":
                 status["exit_code"] = view.exit_code

@@ -13,7 +13,7 @@ from typing import Any, assert_never
 
 from .base import BaseActor, CrashHandler
 from .childproc import CHILD_HOST
-from .config import Config
+from .config import Config, ModelConfig
 from .ledger import MiB
 from .messages import (
     Acquire,
@@ -33,7 +33,9 @@ from .messages import (
     MeasureModel,
     MeasureStarted,
     Ping,
+    Reconfigure,
     Release,
+    ReloadSummary,
     SchedulerMessage,
     Shutdown,
     StartInstance,
@@ -58,6 +60,8 @@ class Scheduler(BaseActor):
                              config.account_host)
         for name, model in config.models.items():
             self.policy.add_model(name, clock(), pinned=model.pinned)
+        self.configs = dict(config.models)
+        """The current model table: a spawn or a measure uses the config of its moment."""
         self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
         self.instances: dict[str, Any] = {}
         """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
@@ -101,6 +105,8 @@ class Scheduler(BaseActor):
                 self._run(p.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
                 self._run(p.instance_exited(model, gen, rc, desc, now))
+            case Reconfigure(models=models, instances=instances, reply=reply):
+                self.reconfigure(models, instances, reply, now)
             case GetDevices(reply=reply):
                 reply.send(p.devices_snapshot())
             case MeasureStarted(model=model):
@@ -119,6 +125,23 @@ class Scheduler(BaseActor):
                 reply.send(True)
             self.shutdown_replies.clear()
 
+    def reconfigure(self, models: dict[str, ModelConfig], instances: dict[str, Any],
+                    reply: Any, now: float) -> None:
+        old, self.configs = self.configs, dict(models)
+        self.instances.update(instances)
+        added = [n for n in models if n not in old]
+        removed = [n for n in old if n not in models]
+        changed = [n for n in models if n in old and models[n] != old[n]]
+        effects, restarted = self.policy.reconfigure(
+            {n: models[n].pinned for n in added}, removed,
+            {n: models[n].pinned for n in changed}, now)
+        self._run(effects)
+        summary = ReloadSummary(added, removed, changed, restarted)
+        self.log.info("reload: added %s, removed %s, changed %s (restarting %s), %d unchanged",
+                      added or "none", removed or "none", changed or "none",
+                      restarted or "none", len(models) - len(added) - len(changed))
+        reply.send(summary)
+
     def _run(self, effects: list[Effect]) -> None:
         for effect in effects:
             match effect:
@@ -126,7 +149,7 @@ class Scheduler(BaseActor):
                     if ticket is not None:  # None: a load nobody waits on (load_on_startup)
                         ticket.send(value)
                 case Spawn(model=model, generation=gen):
-                    self.instances[model].tell(StartInstance(gen))
+                    self.instances[model].tell(StartInstance(gen, self.configs[model]))
                 case Stop(model=model, generation=gen, reason=reason):
                     self.instances[model].tell(StopInstance(gen, reason))
                 case Publish(event=event):
@@ -134,7 +157,7 @@ class Scheduler(BaseActor):
                         sink(event)
                 case Measure(model=model, front=front):
                     if self.measurer is not None:
-                        self.measurer.tell(MeasureModel(model, front))
+                        self.measurer.tell(MeasureModel(model, self.configs[model], front))
                 case Track(model=model, event=event, pid=pid):
                     if self.monitor is not None:
                         self.monitor.tell(TrackModel(model, event, pid))

@@ -9,9 +9,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import msgspec
+
 from .bridge import Fanout, LoopReply, ThreadReply
 from .childproc import LogRing
-from .config import Config
+from .config import Config, ModelConfig
 from .device import DeviceMonitor, discover
 from .instance import ModelInstance
 from .measure import MeasureWorker
@@ -21,8 +23,10 @@ from .messages import (
     Event,
     Grant,
     InstancesAttached,
+    Reconfigure,
     Refusal,
     Release,
+    ReloadSummary,
     Shutdown,
     Subscribe,
 )
@@ -100,18 +104,39 @@ class Supervisor:
         self.measurer = MeasureWorker.start(config, self.scheduler, self.monitor, self.timers,
                                             device_names, self._crash)
         for name, model in config.models.items():
-            extra_env = config.child_env()
-            if model.health == "llama":  # llama-server acts as a router's child when set
-                extra_env["LLAMA_SERVER_ROUTER_PORT"] = str(config.port)
-            self.instances[name] = ModelInstance.start(
-                name, model, self.scheduler, self.timers, self.logs[name], self._crash,
-                extra_env=extra_env)
+            self.instances[name] = self._start_instance(name, model)
         self.scheduler.tell(InstancesAttached(self.instances, self.monitor, self.measurer))
         memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
                   f"{', '.join(device_names) or 'no device'}"
                   if config.memory_accounting else "memory accounting off")
         log.info("corral started: %d models, models_max %d, %s", len(config.models),
                  config.models_max, memory)
+
+    def _start_instance(self, name: str, model: ModelConfig) -> Any:
+        self.logs.setdefault(name, LogRing())
+        return ModelInstance.start(name, model, self.scheduler, self.timers, self.logs[name],
+                                   self._crash, extra_env=self.config.child_env(),
+                                   router_port=self.config.port)
+
+    def reload(self, config: Config, timeout_s: float = 10.0) -> ReloadSummary:
+        """Make `config`'s model table the live one (R-2.6): new models appear, removed
+        ones are unloaded, running ones whose config changed restart once idle, the rest
+        keep running. Top-level settings take effect on the next start."""
+        fixed = [k for k in Config.__struct_fields__
+                 if k != "models" and getattr(config, k) != getattr(self.config, k)]
+        if fixed:
+            log.warning("reload: %s changed; that takes effect when corral restarts",
+                        ", ".join(fixed))
+        for name, model in config.models.items():
+            if name not in self.instances:
+                self.instances[name] = self._start_instance(name, model)
+        done = ThreadReply()
+        self.scheduler.tell(Reconfigure(dict(config.models), dict(self.instances), done))
+        summary = done.wait(timeout_s)
+        if not isinstance(summary, ReloadSummary):
+            raise TimeoutError(f"the scheduler did not apply the reload within {timeout_s} s")
+        self.config = msgspec.structs.replace(self.config, models=config.models)
+        return summary
 
     def subscribe(self, loop: asyncio.AbstractEventLoop,
                   callback: Callable[[Event], None]) -> None:
