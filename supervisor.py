@@ -145,8 +145,15 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
         else:
             log.info("SIGHUP: reloaded (%s)", msgspec.json.encode(summary).decode())
 
+    reloads: set[asyncio.Task[None]] = set()  # held until done: the loop keeps weak refs
+
+    def on_sighup() -> None:
+        task = loop.create_task(reload_on_sighup())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     if reload is not None:
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_on_sighup()))
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
     try:
         port = await router.start(config.host, config.port)
     except OSError as e:

@@ -166,8 +166,7 @@ class Preset:
     options: dict[LlamaArg, str] = field(default_factory=dict)
 
     def set(self, arg: LlamaArg, value: str) -> None:
-        self.options.pop(arg, None)  # a later value replaces an earlier one
-        self.options[arg] = value
+        self.options[arg] = value  # a later value replaces an earlier one, in its place
 
     def get(self, name: str) -> str | None:
         for arg, value in self.options.items():

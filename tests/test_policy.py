@@ -353,8 +353,11 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
                 m = rng.choice(running)
                 if w.p.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
                     w.exited(m, rc=rng.choice([0, 1, -9]))
-        else:
+        elif op < 0.97:
             w.run(w.p.unload(("u", step), rng.choice("abcd"), w.tick()))
+        else:  # a reload that changes some models' config
+            changed = {m: False for m in "abcd" if rng.random() < 0.5}
+            w.run(w.p.reconfigure({}, [], changed, w.tick())[0])
     # drain: children become ready or finish stopping, clients finish
     for _ in range(200):
         progressed = False
@@ -374,3 +377,39 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
             break
     assert w.p.waiting == {}, f"requests never answered: {w.p.waiting}"
     assert w.p.queue == {} or all(e.explicit and not e.waiters for e in w.p.queue.values())
+
+
+def test_reload_restarts_a_changed_model_only_after_its_requests_finish() -> None:
+    w = World(models_max=2)
+    w.load_idle("a", "b")
+    w.acquire("busy", "a")
+    effects, restarted = w.p.reconfigure({"e": False}, [], {"a": False, "c": True}, w.tick())
+    w.run(effects)
+    assert restarted == ["a"] and w.stops == [] and "e" in w.p.models
+    assert w.p.models["c"].pinned
+    assert w.acquire("new", "a") is None, "no new request goes to the old child"
+    w.release("busy")
+    assert w.stops == [("a", "reload")]
+    w.exited("a")
+    assert w.state("a") == "loading"  # the waiter brings it back, with the new config
+    w.ready("a")
+    grant = w.answers["new"]
+    assert isinstance(grant, Grant) and grant.generation == 2
+
+
+def test_reload_removes_a_model_refusing_its_waiters_and_forgetting_it_once_stopped() -> None:
+    w = World(models_max=1)
+    w.load_idle("a")
+    w.acquire("waits", "b")  # evicts a, waits for the slot
+    w.acquire("uses-b-too", "b")
+    effects, _ = w.p.reconfigure({}, ["b", "a"], {}, w.tick())
+    w.run(effects)
+    for t in ("waits", "uses-b-too"):
+        answer = w.answers[t]
+        assert isinstance(answer, Refusal) and "removed by a reload" in answer.message
+    assert "b" not in w.p.models and "a" in w.p.models  # a still has a child to reap
+    w.exited("a")
+    assert set(w.p.models) == {"c", "d"}
+    refusal = w.acquire("late", "a")
+    assert isinstance(refusal, Refusal) and refusal.status == 400
+    assert [v.name for v in w.p.snapshot().models] == ["c", "d"]

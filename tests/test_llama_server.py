@@ -1,0 +1,209 @@
+"""corral as a drop-in for llama-server's router, over real llama-server children (R-2.4).
+
+The binary comes from `bash scripts/llama-server.sh` (which `.ci/run` runs first); the
+models are tiny random-weight GGUF files written by scripts/tiny_gguf.py. Without the
+binary these tests skip, naming the script.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.tiny_gguf import write_tiny_gguf
+from tests.helpers import ROOT, SSE, pid_alive, request, wait_until
+
+
+def find_llama_server() -> str | None:
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "llama-server.sh"), "--where"],
+                         capture_output=True, text=True, timeout=30)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+BINARY = find_llama_server()
+pytestmark = pytest.mark.skipif(
+    BINARY is None, reason="no llama-server here: run `bash scripts/llama-server.sh` "
+    "(or set LLAMA_SERVER) to build it")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("gguf")
+    for seed in range(3):
+        write_tiny_gguf(folder / f"m{seed}.gguf", seed=seed)
+    return folder
+
+
+def preset(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "models.ini"
+    path.write_text(text)
+    return path
+
+
+def serve(corral: Any, ini: Path, *flags: str) -> Any:
+    assert BINARY is not None
+    return corral(None, "--models-preset", str(ini), "--llama-server", BINARY, *flags)
+
+
+def three(models: Path, extra: str = "") -> str:
+    return "[*]\nc = 256\nno-warmup = true\n" + extra + "".join(
+        f"\n[m{i}]\nmodel = {models}/m{i}.gguf\n" for i in range(3))
+
+
+def chat(port: int, model: str, n: int = 4, **extra: Any) -> tuple[int, Any]:
+    status, body, _ = request(port, "POST", "/v1/chat/completions", {
+        "model": model, "max_tokens": n, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi"}], **extra})
+    return status, body
+
+
+def test_on_demand_load_ready_from_the_ready_line_and_streaming(corral, tmp_path,
+                                                                models) -> None:
+    c = serve(corral, preset(tmp_path, three(models)))
+    assert c.state("m0") == "unloaded"
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": "m0", "stream": True, "max_tokens": 8, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi"}]}),
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type", "").startswith(
+        "text/event-stream")
+    events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    conn.close()
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert sum(1 for ch in chunks if ch["choices"] and ch["choices"][0]["delta"].get(
+        "content")) >= 1
+    entry = c.models()["m0"]
+    assert entry["status"]["value"] == "loaded"
+    assert "meta" in entry  # the model info llama-server sent with `ready`
+    assert "m0#1 ready on port" in c.log()
+
+
+def test_lru_eviction_at_models_max_and_unload_by_the_exit_command(corral, tmp_path,
+                                                                   models) -> None:
+    c = serve(corral, preset(tmp_path, three(models)), "--models-max", "2")
+    sse = SSE(c.port)
+    for m in ("m0", "m1", "m2"):
+        assert chat(c.port, m)[0] == 200
+    assert c.models()["m0"]["last_eviction"]["reason"] == "lru"
+    assert {c.state(m) for m in ("m1", "m2")} == {"loaded"}
+    assert request(c.port, "POST", "/models/unload", {"model": "m1"})[0] == 200
+    gone = sse.wait_for(lambda e: e["model"] == "m1" and e.get("status") == "unloaded")
+    assert gone["exit_code"] == 0  # it left on the exit command: no signal needed
+    assert "ignored the exit command" not in c.log()
+    sse.close()
+
+
+def test_a_child_killed_mid_request_gives_a_clean_error_and_reloads(corral, tmp_path,
+                                                                   models) -> None:
+    c = serve(corral, preset(tmp_path, three(models)))
+    assert chat(c.port, "m0")[0] == 200
+    pid = c.models()["m0"]["pid"]
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": "m0", "stream": True, "max_tokens": 200_000, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi"}]}),
+        headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # it is streaming
+    os.kill(pid, signal.SIGKILL)
+    rest = resp.read().decode()
+    conn.close()
+    assert '"code": 502' in rest and "stopped mid-response" in rest
+    c.wait_state("m0", "failed")
+    status, body = chat(c.port, "m0")
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert c.models()["m0"]["pid"] != pid
+
+
+def test_sleep_and_wake(corral, tmp_path, models) -> None:
+    c = serve(corral, preset(tmp_path, three(models, "sleep-idle-seconds = 1\n")))
+    sse = SSE(c.port)
+    assert chat(c.port, "m0")[0] == 200
+    c.wait_state("m0", "sleeping", timeout_s=15)
+    pid = c.models()["m0"]["pid"]
+    assert chat(c.port, "m0")[0] == 200  # proxied at once; the request wakes it
+    wait_until(lambda: sse.statuses("m0")[-2:] == ["sleeping", "loaded"] or None, 10,
+               "m0 to wake up")
+    assert c.models()["m0"]["pid"] == pid  # the same process
+    sse.close()
+
+
+def test_preset_reload_keeps_unchanged_children(corral, tmp_path, models) -> None:
+    ini = preset(tmp_path, three(models))
+    c = serve(corral, ini)
+    for m in ("m0", "m1"):
+        assert chat(c.port, m)[0] == 200
+    pids = {m: c.models()[m]["pid"] for m in ("m0", "m1")}
+    # m1 removed, m2 changed (not running), m0 untouched, m3 new
+    ini.write_text(three(models).replace(f"[m1]\nmodel = {models}/m1.gguf\n", "")
+                   .replace("m2.gguf\n", "m2.gguf\nc = 128\n")
+                   + f"\n[m3]\nmodel = {models}/m1.gguf\n")
+    status, body, _ = request(c.port, "GET", "/models?reload=1")
+    assert status == 200
+    assert [m["id"] for m in body["data"]] == ["m0", "m2", "m3"]
+    wait_until(lambda: not pid_alive(pids["m1"]), 10, "the removed model's child to exit")
+    assert c.models()["m0"]["pid"] == pids["m0"]  # unchanged: still the same child
+    assert "--ctx-size 128" in " ".join(c.models()["m2"]["status"]["args"])
+    assert chat(c.port, "m3")[0] == 200
+    assert chat(c.port, "m1")[0] == 400
+    # now change the running m0: it restarts with the new arguments
+    ini.write_text(ini.read_text().replace("m0.gguf\n", "m0.gguf\nc = 128\n", 1))
+    assert request(c.port, "GET", "/models?reload=1")[0] == 200
+    wait_until(lambda: not pid_alive(pids["m0"]), 10, "the changed model's child to exit")
+    assert c.models()["m0"]["last_eviction"]["reason"] == "reload"
+    assert chat(c.port, "m0")[0] == 200
+    # a broken preset is refused, and nothing changes
+    ini.write_text(ini.read_text() + "\n[bad]\nmodel = x.gguf\nno-such-option = 1\n")
+    status, body, _ = request(c.port, "GET", "/models?reload=1")
+    assert status == 400 and "[bad]: no-such-option: not a llama-server argument" in \
+        body["error"]["message"]
+    assert [m["id"] for m in c.models().values()] == ["m0", "m2", "m3"]
+
+
+def test_models_dir_offers_each_gguf_by_its_stem(corral, tmp_path, models) -> None:
+    folder = tmp_path / "dir"
+    (folder / "multi").mkdir(parents=True)
+    write_tiny_gguf(folder / "solo.gguf", seed=5)
+    write_tiny_gguf(folder / "multi" / "weights.gguf", seed=6)
+    (folder / "mmproj-solo.gguf").write_bytes(b"")  # a companion file, not a model
+    assert BINARY is not None
+    c = corral(None, "--models-dir", str(folder), "--llama-server", BINARY)
+    assert sorted(c.models()) == ["multi", "solo"]
+    assert chat(c.port, "multi")[0] == 200
+
+
+def test_a_preset_error_names_the_file_section_and_key(tmp_path, models) -> None:
+    ini = preset(tmp_path, f"[m0]\nmodel = {models}/m0.gguf\nctx = 5\n")
+    assert BINARY is not None
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "supervisor.py"), "--models-preset", str(ini),
+         "--llama-server", BINARY], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"{ini}: [m0]: ctx: not a llama-server argument" in out.stderr
+
+
+def test_concurrent_requests_to_one_cold_model_load_it_once(corral, tmp_path,
+                                                             models) -> None:
+    c = serve(corral, preset(tmp_path, three(models)))
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(chat(c.port, "m1")[0]))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [200] * 6
+    assert c.models()["m1"]["loads"] == 1
