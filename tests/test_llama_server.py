@@ -107,7 +107,8 @@ def test_lru_eviction_at_models_max_and_unload_by_the_exit_command(corral, tmp_p
 
 def test_a_child_killed_mid_request_gives_a_clean_error_and_reloads(corral, tmp_path,
                                                                    models) -> None:
-    c = serve(corral, preset(tmp_path, three(models)))
+    # context-shift: generation goes on past the small context, until the kill
+    c = serve(corral, preset(tmp_path, three(models, "context-shift = true\n")))
     assert chat(c.port, "m0")[0] == 200
     pid = c.models()["m0"]["pid"]
     conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)

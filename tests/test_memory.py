@@ -62,6 +62,9 @@ def test_two_4gib_models_coexist_and_a_third_evicts_the_lru(corral, tmp_path) ->
     assert models["a"]["last_eviction"] == eviction
     memory = models["c"]["memory"]
     assert memory["min"]["devices"][0]["model"] == 4 * GiB
+    # the real usage comes with the device report that follows `ready`
+    memory = wait_until(lambda: (m := c.models()["c"]["memory"])["effective"] and m, 5,
+                        "c's real usage")
     assert memory["effective"]["devices"][0]["model"] == 4 * GiB
     gpu = devices(c.port)["gpu0"]
     assert gpu["held"] == {"b": 4 * GiB, "c": 4 * GiB} and gpu["external"] == 0
