@@ -44,8 +44,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Never evicted to make room (it still stops on unload and shutdown)."""
     load_on_startup: bool = False
     measure: MeasureMethod | None = None
-    """How to learn the memory need (R-5.3); default `declared` with `memory_mib`, else
-    `command`."""
+    """How to learn the memory need (R-5.3); default `declared` with `memory_mib`, `probe`
+    for llama children (llama-server has no measure role), else `command`."""
     measure_args: list[str] = []
     """Appended to `cmd` for the `command` method."""
     memory_mib: dict[str, Annotated[float, Meta(ge=0)]] = {}
@@ -63,7 +63,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     def measure_method(self) -> MeasureMethod:
         if self.measure is not None:
             return self.measure
-        return "declared" if self.memory_mib else "command"
+        if self.memory_mib:
+            return "declared"
+        return "probe" if self.health == "llama" else "command"
 
 
 class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -121,3 +121,8 @@ def test_memory_config_defaults(tmp_path: Path) -> None:
     assert config.models["c"].measure_method == "command"
     assert config.sim_ledger_path() == tmp_path / "sim-ledger"
     assert config.child_env() == {}
+
+
+def test_llama_children_are_probed_by_default() -> None:
+    assert ModelConfig(cmd=["x"], health="llama").measure_method == "probe"
+    assert ModelConfig(cmd=["x"], health="llama", measure="command").measure_method == "command"
