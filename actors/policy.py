@@ -13,6 +13,8 @@ reply object itself); the policy never looks inside one.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 from collections.abc import Hashable
 from typing import Any
@@ -74,6 +76,15 @@ class Policy(MemoryRules):
         """Ticket -> when it joined the queue (same keys as `waiting`)."""
         self.stats = Stats()
         self.shutting_down = False
+        self.n_running = 0
+        self.n_stopping = 0
+        self.n_running_pinned = 0
+        """Counts kept by `_transition` (and a pin change), so a decision is O(1)."""
+        self.idle: list[tuple[float, int, str]] = []
+        """Heap of (last_used, seq, model) offered as victims; an entry is valid while the
+        model is evictable and its last_used unchanged. Invariant: every evictable model
+        has a valid entry."""
+        self._idle_seq = itertools.count()
         self._out: list[Effect] = []
 
     def add_model(self, name: str, now: float, *, pinned: bool = False) -> None:
@@ -123,6 +134,7 @@ class Policy(MemoryRules):
             rec.in_flight -= 1
             if rec.stale and rec.in_flight == 0 and rec.state.is_serving:
                 self._stop(rec, "reload", None, now)  # drained: now it may restart
+            self._maybe_idle(rec)
         self._pump(now)
         return self._flush()
 
@@ -138,6 +150,7 @@ class Policy(MemoryRules):
             # Its claim (if any) goes with it: the load goes on, and the model then
             # sits idle, evictable; nothing is evicted on its behalf any more.
             del self.queue[name]
+            self._maybe_idle(self.models[name])
         self._pump(now)
         return self._flush()
 
@@ -175,6 +188,7 @@ class Policy(MemoryRules):
             entry.explicit = False
             if not entry.waiters:
                 del self.queue[model]
+                self._maybe_idle(rec)
         if rec.state is S.FAILED:
             rec.gave_up = None
             rec.budget.reset()
@@ -245,6 +259,7 @@ class Policy(MemoryRules):
                 self.stats.queue_waits += 1
                 self.stats.queue_wait_s += now - self.queued_at.pop(ticket)
                 self._grant(ticket, rec, now)
+        self._maybe_idle(rec)
         self._pump(now)
         return self._flush()
 
@@ -267,6 +282,7 @@ class Policy(MemoryRules):
             self._transition(rec, S.LOADED, "woken by a request", now)
             if self.memory_on:
                 self.ledger.reserve(model, rec.mem_effective or rec.mem_min)
+        self._maybe_idle(rec)
         self._pump(now)
         return self._flush()
 
@@ -333,7 +349,10 @@ class Policy(MemoryRules):
         restarted = []
         for name, pinned in changed.items():
             rec = self.models[name]
+            if rec.state.is_running:
+                self.n_running_pinned += int(pinned) - int(rec.pinned)
             rec.pinned = pinned
+            self._maybe_idle(rec)
             rec.gave_up = None
             rec.budget.reset()
             if rec.state is S.FAILED:
@@ -383,7 +402,7 @@ class Policy(MemoryRules):
                               queue_wait_s=self.stats.queue_wait_s)
 
     def running_count(self) -> int:
-        return sum(1 for rec in self.models.values() if rec.state.is_running)
+        return self.n_running
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the state is inconsistent (used by tests)."""
@@ -405,6 +424,14 @@ class Policy(MemoryRules):
                 assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
             else:
                 assert rec.in_flight == 0
+        recs = list(self.models.values())
+        assert self.n_running == sum(r.state.is_running for r in recs), "n_running"
+        assert self.n_stopping == sum(r.state is S.STOPPING for r in recs), "n_stopping"
+        assert self.n_running_pinned == sum(r.state.is_running and r.pinned for r in recs)
+        offered = {(name, last) for last, _, name in self.idle}
+        for rec in recs:
+            if self._evictable(rec):
+                assert (rec.name, rec.last_used) in offered, f"{rec.name}: evictable, unoffered"
         for name in self.ledger.held:
             rec = self.models[name]
             assert rec.state.is_running or rec.releasing, f"{name}: holds memory, no child"
@@ -423,67 +450,88 @@ class Policy(MemoryRules):
         return not entry.claimed and state in (S.UNLOADED, S.FAILED, S.STOPPING)
 
     def _has_capacity(self) -> bool:
-        return self.models_max <= 0 or self.running_count() < self.models_max
+        return self.models_max <= 0 or self.n_running < self.models_max
 
     def _tick(self, now: float) -> None:
-        """Stop idle LRU victims until every entry that needs a slot can have one."""
+        """Stop idle LRU victims until every entry that needs a slot can have one.
+
+        O(1) unless a victim exists or every running model is pinned (then O(queue)):
+        at most one slot is needed per entry, so a queue no longer than the free
+        slots needs nothing.
+        """
         if self.models_max <= 0 or not self.queue:
             return
-        running = stopping = 0
-        for rec in self.models.values():
-            running += rec.state.is_running
-            stopping += rec.state is S.STOPPING
-        needing = [e.model for e in self.queue.values() if self._needs_slot(e)]
         # Stopping children free their slot once reaped, so they count as free already:
         # this is what stops two waiters from evicting two victims for one need.
-        free = self.models_max - running + stopping
+        free = self.models_max - self.n_running + self.n_stopping
+        if free >= len(self.queue):
+            return
+        pinned_out = self.n_running > 0 and self.n_running_pinned == self.n_running \
+            and self.n_stopping == 0
+        if self._pick_victim() is None and not pinned_out:
+            return  # every running model is busy or wanted: a release re-ticks
+        needing = [e.model for e in self.queue.values() if self._needs_slot(e)]
         while free < len(needing):
             victim = self._pick_victim()
             if victim is None:
-                self._refuse_if_pinned_out(needing[max(free, 0):])
-                return  # every running model is busy or wanted: a release re-ticks
+                if pinned_out:
+                    self._refuse_pinned_out(needing[max(free, 0):])
+                return
             self._stop(victim, "lru", needing[max(free, 0)], now)
             free += 1
 
-    def _refuse_if_pinned_out(self, models: list[str]) -> None:
+    def _refuse_pinned_out(self, models: list[str]) -> None:
         """Refuse what no slot will ever come free for: every running model is pinned."""
-        running = [rec for rec in self.models.values() if rec.state.is_running]
-        if not running or not all(rec.pinned and rec.state is not S.STOPPING
-                                  for rec in running):
-            return  # some slot frees eventually: a stop completes or a model goes idle
-        names = ", ".join(rec.name for rec in running)
+        names = ", ".join(rec.name for rec in self.models.values() if rec.state.is_running)
         for model in models:
             self._refuse_entry(model, 503, (
                 f"model '{model}' cannot be loaded: all {self.models_max} slots (models_max) "
                 f"are held by pinned models ({names}); unload one or raise models_max"))
 
+    def _evictable(self, rec: ModelRecord) -> bool:
+        return (rec.state.is_serving and not rec.in_flight and not rec.pinned
+                and rec.name not in self.queue and not rec.removed)
+
+    def _maybe_idle(self, rec: ModelRecord) -> None:
+        """Offer `rec` to the victim heap if it is evictable now (stale offers are
+        dropped when they reach the top)."""
+        if self._evictable(rec):
+            heapq.heappush(self.idle, (rec.last_used, next(self._idle_seq), rec.name))
+
     def _pick_victim(self) -> ModelRecord | None:
         """The least recently used model that is idle, serving, unpinned and not wanted."""
-        best: ModelRecord | None = None
-        for rec in self.models.values():
-            if (not rec.state.is_serving or rec.in_flight or rec.pinned
-                    or rec.name in self.queue):
-                continue
-            if best is None or rec.last_used < best.last_used:
-                best = rec
-        return best
+        while self.idle:
+            last_used, _, name = self.idle[0]
+            rec = self.models.get(name)
+            if rec is not None and rec.last_used == last_used and self._evictable(rec):
+                return rec
+            heapq.heappop(self.idle)
+        return None
 
     def _claim(self, now: float) -> None:
-        """Spawn for queue heads, in order, while there is capacity (R-4.3)."""
-        for entry in list(self.queue.values()):
-            if entry.model not in self.queue or not self._needs_slot(entry):
-                continue
-            rec = self.models[entry.model]
-            if rec.state is S.STOPPING or not self._has_capacity():
-                return  # the head waits, and nobody overtakes it
-            if self.memory_on:
-                room = self._make_room(rec, now)
-                if room == "refused":
+        """Spawn for queue heads, in order, while there is capacity (R-4.3).
+
+        Scans only up to the first head that must wait (claimed entries before it are
+        at most models_max); a refusal changes the queue, and the scan starts over.
+        """
+        rescan = True
+        while rescan:
+            rescan = False
+            for entry in self.queue.values():
+                if not self._needs_slot(entry):
                     continue
-                if room == "wait":
-                    return
-            entry.claimed = True
-            self._spawn(rec, len(entry.waiters), now)
+                rec = self.models[entry.model]
+                if rec.state is S.STOPPING or not self._has_capacity():
+                    return  # the head waits, and nobody overtakes it
+                if self.memory_on:
+                    room = self._make_room(rec, now)
+                    if room == "refused":
+                        rescan = True
+                        break
+                    if room == "wait":
+                        return
+                entry.claimed = True
+                self._spawn(rec, len(entry.waiters), now)
 
     def _spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
         rec.generation += 1
@@ -531,6 +579,7 @@ class Policy(MemoryRules):
         entry = self.queue.pop(model, None)
         if entry is None:
             return
+        self._maybe_idle(self.models[model])
         for ticket in entry.waiters:
             del self.waiting[ticket]
             del self.queued_at[ticket]
@@ -539,6 +588,10 @@ class Policy(MemoryRules):
     def _transition(self, rec: ModelRecord, new: ModelState, cause: str, now: float,
                     exit_code: int | None = None, info: dict[str, Any] | None = None) -> None:
         check_transition(rec.name, rec.state, new)
+        running = int(new.is_running) - int(rec.state.is_running)
+        self.n_running += running
+        self.n_running_pinned += running * rec.pinned
+        self.n_stopping += int(new is S.STOPPING) - int(rec.state is S.STOPPING)
         took = now - rec.state_since
         log.info("model %s#%d: %s -> %s (%s, after %.2f s)", rec.name, rec.generation,
                  rec.state.value, new.value, cause, took)
