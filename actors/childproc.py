@@ -10,7 +10,10 @@ Rules learned the hard way (shared/STYLE.md):
 - PR_SET_PDEATHSIG kills the child when the thread that spawned it exits, which is the
   spawning ModelInstance actor's thread: it lives until the supervisor has stopped every
   child, and it dies with the supervisor, even under SIGKILL. stdin is a pipe held by
-  corral, so children that watch it see EOF too.
+  corral, so children that watch it see EOF too. The signal is set by exec'ing the child
+  through util-linux's `setpriv --pdeathsig KILL`: a `preexec_fn` would force Python to
+  fork instead of vfork, which costs ~10 ms with a 200 MB heap against 0.2 ms
+  (measured on this machine); without setpriv, the preexec_fn is the fallback.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +34,7 @@ CHILD_HOST = "127.0.0.1"
 """Children bind loopback only; the Router is the one door in (R-3.2)."""
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -79,10 +84,18 @@ class ChildProcess:
                  label: str = "child") -> None:
         """Spawn `argv`; `on_exit` is called once from a watcher thread when it exits."""
         self.started_at = time.monotonic()
+        preexec = None
+        if _SETPRIV is not None:
+            # setpriv would report a missing program only by exiting 127: say it here
+            if shutil.which(argv[0], path=env.get("PATH")) is None:
+                raise FileNotFoundError(2, "No such file or directory", argv[0])
+            argv = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv]
+        else:
+            preexec = _die_with_parent(os.getpid())
         self._popen = subprocess.Popen(
             argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-            preexec_fn=_die_with_parent(os.getpid()),
+            preexec_fn=preexec,
         )
         self.pid = self._popen.pid
         self.returncode: int | None = None

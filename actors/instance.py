@@ -67,10 +67,12 @@ def wait_ready_http(port: int, path: str, abandon: threading.Event,
                     deliver: Any) -> None:
     """Poll `path` until it answers 200, then call `deliver()` once (R-3.3 `http` mode).
 
-    Starts at 10 ms between polls and backs off to 250 ms; returns early once `abandon`
+    Polls every 10 ms for the first second (most children are up by then, and a late
+    poll is pure added latency), then backs off to 250 ms; returns early once `abandon`
     is set (the child exited or is being stopped).
     """
     delay_s = 0.01
+    start = time.monotonic()
     while not abandon.is_set():
         conn = http.client.HTTPConnection(CHILD_HOST, port, timeout=2.0)
         try:
@@ -83,7 +85,8 @@ def wait_ready_http(port: int, path: str, abandon: threading.Event,
         finally:
             conn.close()
         abandon.wait(delay_s)
-        delay_s = min(delay_s * 2, 0.25)
+        if time.monotonic() - start > 1.0:
+            delay_s = min(delay_s * 2, 0.25)
 
 
 class ModelInstance(BaseActor):

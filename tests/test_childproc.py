@@ -80,3 +80,28 @@ def test_stdin_is_a_pipe_that_closes_when_reaped() -> None:
 def test_pick_port_gives_a_free_port() -> None:
     port = pick_port()
     assert 0 < port < 65536 and not port_in_use(port)
+
+
+def test_a_missing_program_is_an_error_at_spawn_not_a_strange_exit() -> None:
+    import pytest
+
+    with pytest.raises(FileNotFoundError):
+        ChildProcess(["corral-no-such-program"], {"PATH": "/usr/bin:/bin"}, LogRing(),
+                     on_exit=lambda: None)
+
+
+def test_the_pid_is_the_program_itself_in_its_own_group() -> None:
+    import os
+
+    child, exited = spawn("import time; time.sleep(30)")
+    try:
+        # setpriv (when used) has exec'd into the program: same pid, the program's argv
+        wait_until(lambda: "time.sleep(30)" in open(f"/proc/{child.pid}/cmdline").read(), 5,
+                   "the program to be exec'd")
+        status = open(f"/proc/{child.pid}/status").read()
+        assert os.getpgid(child.pid) == child.pid
+        assert "PPid:\t" + str(os.getpid()) in status
+    finally:
+        child.signal_group(9)
+        assert exited.wait(10)
+        child.reap()

@@ -1,0 +1,1 @@
+"""corral's benches: `python -m bench {load,overhead,swap,scheduler}` (see bench/README.md)."""

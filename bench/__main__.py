@@ -1,0 +1,21 @@
+"""python -m bench {load,overhead,swap,scheduler} [options]; --help on each."""
+
+from __future__ import annotations
+
+import sys
+
+from bench import load, overhead, scheduler, swap
+
+COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
+            "scheduler": scheduler.main}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
+        return 2
+    return COMMANDS[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

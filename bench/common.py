@@ -1,0 +1,146 @@
+"""What every bench shares: the machine, percentiles, one HTTP exchange, corral and fake
+children as real processes, JSON output."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE = [sys.executable, "-m", "actors.fake_model", "--host", "{host}", "--port", "{port}",
+        "--model", "{model}"]
+
+
+def machine() -> dict[str, Any]:
+    versions = {}
+    for pkg in ("pykka", "msgspec", "aiohttp", "uvloop", "psutil"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "versions": versions}
+
+
+def pct(samples: list[float], q: float) -> float:
+    """The q-quantile of `samples` (nearest rank), or 0.0 for none."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary_ms(samples_s: list[float]) -> dict[str, float]:
+    return {"n": len(samples_s), "p50": pct(samples_s, 0.5) * 1e3,
+            "p90": pct(samples_s, 0.9) * 1e3, "p99": pct(samples_s, 0.99) * 1e3}
+
+
+def write_json(path: Path | None, data: dict[str, Any]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+@dataclass
+class Result:
+    """One request as the client saw it."""
+
+    status: int
+    latency_s: float
+    ttfb_s: float
+    tokens: int = 0
+    error: str | None = None
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, *, stream: bool = False,
+               max_tokens: int = 1, extra: dict[str, Any] | None = None) -> Result:
+    """POST one chat completion and read the whole answer; never raises."""
+    body = {"model": model, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": "hi"}], **(extra or {})}
+    start = time.perf_counter()
+    ttfb = 0.0
+    tokens = 0
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            if stream:
+                async for line in resp.content:
+                    if not ttfb:
+                        ttfb = time.perf_counter() - start
+                    if line.startswith(b"data: {") and b'"content"' in line:
+                        tokens += 1
+            else:
+                data = await resp.read()
+                ttfb = time.perf_counter() - start
+                if resp.status == 200:
+                    tokens = json.loads(data).get("usage", {}).get("completion_tokens", 0)
+            return Result(resp.status, time.perf_counter() - start, ttfb or 0.0, tokens)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        return Result(0, time.perf_counter() - start, ttfb, tokens, type(e).__name__)
+
+
+def session(limit: int = 0) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+                                 timeout=aiohttp.ClientTimeout(total=600))
+
+
+class Corral:
+    """`python supervisor.py serve` on a free port, with `toml` as its config."""
+
+    def __init__(self, toml: str, *flags: str) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="corral-bench-")
+        cfg = Path(self.dir.name) / "corral.toml"
+        cfg.write_text(toml)
+        self.log = open(Path(self.dir.name) / "corral.log", "wb")  # noqa: SIM115
+        env = {**os.environ, "XDG_STATE_HOME": self.dir.name}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "supervisor.py"), "serve", "--config", str(cfg),
+             "--port", "0", "--log-level", "WARNING", *flags],
+            stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        if "listening on" not in line:
+            self.stop()
+            raise RuntimeError(f"corral did not start: {line!r}; see {self.log.name}")
+        self.url = line.split("listening on ", 1)[1].strip()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        self.dir.cleanup()
+
+    def __enter__(self) -> Corral:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def toml_models(models: dict[str, list[str]], **top: Any) -> str:
+    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
+    for name, cmd in models.items():
+        lines += [f'\n[models."{name}"]', f"cmd = {json.dumps(cmd)}"]
+    return "\n".join(lines) + "\n"
+
+
+async def get_json(s: aiohttp.ClientSession, url: str) -> Any:
+    async with s.get(url) as resp:
+        return await resp.json(content_type=None)

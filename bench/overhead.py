@@ -1,0 +1,271 @@
+"""What corral's proxy costs: the same requests straight to a child and through corral,
+interleaved round by round in one run.
+
+    python -m bench overhead [--rounds 3] [--requests 600] [--json FILE]
+    python -m bench overhead --llama-server BIN     # also: corral vs llama-server's router
+
+Small non-streaming requests (max_tokens 1) at concurrency 1, 16 and 64, and streams at
+1, 64 and 256 at once from a child that streams at --tokens-per-s (a realistic rate).
+Each round runs the direct and the corral case back to back, alternating which goes
+first. Reports throughput ratios (through corral / direct), added p50/p99 latency and
+time to first byte, and corral's CPU time per proxied request (from its process's CPU
+time over its rounds). With --llama-server, real llama-server children on tiny GGUF
+models answer the same requests through corral and through llama-server's own router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from bench.common import (
+    FAKE,
+    Corral,
+    Result,
+    get_json,
+    machine,
+    pct,
+    send,
+    session,
+    summary_ms,
+    toml_models,
+    write_json,
+)
+
+
+@dataclass
+class Round:
+    wall_s: float
+    results: list[Result]
+    cpu_s: float = 0.0
+
+    @property
+    def ok(self) -> list[Result]:
+        return [r for r in self.results if r.status == 200]
+
+
+@dataclass
+class Side:
+    """Every round of one way of sending the requests."""
+
+    rounds: list[Round] = field(default_factory=list)
+
+    def rate(self, per: str = "requests") -> float:
+        """The median over rounds of requests (or tokens) per second."""
+        if per == "tokens":
+            return statistics.median(sum(r.tokens for r in rd.ok) / rd.wall_s
+                                     for rd in self.rounds)
+        return statistics.median(len(rd.ok) / rd.wall_s for rd in self.rounds)
+
+    def samples(self, what: str) -> list[float]:
+        return [getattr(r, what) for rd in self.rounds for r in rd.ok]
+
+    def errors(self) -> int:
+        return sum(len(rd.results) - len(rd.ok) for rd in self.rounds)
+
+
+async def run_round(s: aiohttp.ClientSession, url: str, model: str, n: int,
+                    concurrency: int, *, stream: bool, max_tokens: int,
+                    extra: dict[str, Any] | None = None,
+                    cpu_of: psutil.Process | None = None) -> Round:
+    queue = list(range(n))
+    results: list[Result] = []
+
+    async def worker() -> None:
+        while queue:
+            queue.pop()
+            results.append(await send(s, url, model, stream=stream, max_tokens=max_tokens,
+                                      extra=extra))
+
+    cpu0 = sum(cpu_of.cpu_times()[:2]) if cpu_of else 0.0
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    cpu = sum(cpu_of.cpu_times()[:2]) - cpu0 if cpu_of else 0.0
+    return Round(wall, results, cpu)
+
+
+async def compare(s: aiohttp.ClientSession, targets: dict[str, tuple[str, str]],
+                  rounds: int, n: int, concurrency: int, *, stream: bool, max_tokens: int,
+                  extra: dict[str, Any] | None = None,
+                  cpu: dict[str, psutil.Process] | None = None) -> dict[str, Side]:
+    """Interleaved rounds over `targets` (name -> (base URL, model)), order rotating."""
+    sides = {name: Side() for name in targets}
+    names = list(targets)
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            url, model = targets[name]
+            sides[name].rounds.append(await run_round(
+                s, url, model, n, concurrency, stream=stream, max_tokens=max_tokens,
+                extra=extra, cpu_of=(cpu or {}).get(name)))
+    return sides
+
+
+def row(case: str, sides: dict[str, Side], base: str, other: str, per: str) -> dict[str, Any]:
+    b, o = sides[base], sides[other]
+    lat = "ttfb_s" if per == "tokens" else "latency_s"
+    out: dict[str, Any] = {"case": case, "per": per, base: b.rate(per), other: o.rate(per),
+                           "ratio": o.rate(per) / b.rate(per) if b.rate(per) else 0.0}
+    for q in (0.5, 0.99):
+        key = f"added_{'ttfb' if per == 'tokens' else 'latency'}_p{int(q * 100)}_ms"
+        out[key] = (pct(o.samples(lat), q) - pct(b.samples(lat), q)) * 1e3
+    out[f"{base}_ms"] = summary_ms(b.samples(lat))
+    out[f"{other}_ms"] = summary_ms(o.samples(lat))
+    out["errors"] = {base: b.errors(), other: o.errors()}
+    cpu_rounds = [rd for rd in o.rounds if rd.cpu_s]
+    if cpu_rounds:
+        served = sum(len(rd.ok) for rd in cpu_rounds)
+        out["cpu_us_per_request"] = sum(rd.cpu_s for rd in cpu_rounds) / max(served, 1) * 1e6
+    return out
+
+
+def print_rows(rows: list[dict[str, Any]], base: str, other: str) -> None:
+    print(f"{'case':<28} {base:>12} {other:>12} {'ratio':>7} {'+p50 ms':>8} {'+p99 ms':>8}"
+          f" {'cpu us/req':>10}")
+    for r in rows:
+        unit = "tok/s" if r["per"] == "tokens" else "req/s"
+        p50 = next(v for k, v in r.items() if k.startswith("added_") and k.endswith("p50_ms"))
+        p99 = next(v for k, v in r.items() if k.startswith("added_") and k.endswith("p99_ms"))
+        cpu = f"{r['cpu_us_per_request']:.0f}" if "cpu_us_per_request" in r else "-"
+        print(f"{r['case'] + ' (' + unit + ')':<28} {r[base]:>12,.0f} {r[other]:>12,.0f} "
+              f"{r['ratio']:>7.3f} {p50:>8.2f} {p99:>8.2f} {cpu:>10}")
+
+
+async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
+    toml = toml_models({"small": FAKE,
+                        "stream": [*FAKE, "--tokens-per-s", str(args.tokens_per_s)]},
+                       models_max=2)
+    rows = []
+    with Corral(toml) as corral:
+        async with session() as s:
+            for model in ("small", "stream"):  # load both; learn their children's ports
+                await send(s, corral.url, model)
+            listing = await get_json(s, corral.url + "/models")
+            ports = {m["id"]: m["port"] for m in listing["data"]}
+            cpu = {"corral": psutil.Process(corral.proc.pid)}
+            for c in args.concurrency:
+                targets = {"direct": (f"http://127.0.0.1:{ports['small']}", "small"),
+                           "corral": (corral.url, "small")}
+                sides = await compare(s, targets, args.rounds, max(args.requests, c), c,
+                                      stream=False, max_tokens=1, cpu=cpu)
+                rows.append(row(f"small c={c}", sides, "direct", "corral", "requests"))
+                print_rows(rows[-1:], "direct", "corral")
+            n_tokens = int(args.tokens_per_s * args.stream_seconds)
+            for n in args.streams:
+                targets = {"direct": (f"http://127.0.0.1:{ports['stream']}", "stream"),
+                           "corral": (corral.url, "stream")}
+                sides = await compare(s, targets, args.rounds, n, n, stream=True,
+                                      max_tokens=n_tokens, cpu=cpu)
+                rows.append(row(f"streams n={n}", sides, "direct", "corral", "tokens"))
+                print_rows(rows[-1:], "direct", "corral")
+    return rows
+
+
+async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Tiny GGUF models behind corral and behind llama-server's own router."""
+    from scripts.tiny_gguf import write_tiny_gguf
+
+    with tempfile.TemporaryDirectory(prefix="corral-bench-llama-") as tmp:
+        ini = Path(tmp) / "models.ini"
+        ini.write_text("[*]\nc = 512\nno-warmup = true\n" + "".join(
+            f"\n[m{i}]\nmodel = {write_tiny_gguf(Path(tmp) / f'm{i}.gguf', seed=i)}\n"
+            for i in range(2)))
+        router_port = _free_port()
+        router_log = open(Path(tmp) / "router.log", "wb")  # noqa: SIM115
+        router = subprocess.Popen(
+            [args.llama_server, "--models-preset", str(ini), "--host", "127.0.0.1",
+             "--port", str(router_port), "--models-max", "2"],
+            stdout=router_log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+        rows = []
+        try:
+            with Corral("models_max = 2\n", "--models-preset", str(ini),
+                        "--llama-server", args.llama_server) as corral:
+                targets = {"llama-router": (f"http://127.0.0.1:{router_port}", "m0"),
+                           "corral": (corral.url, "m0")}
+                async with session() as s:
+                    await _wait_up(s, targets["llama-router"][0])
+                    for url, model in targets.values():
+                        await send(s, url, model)  # load
+                    cpu = {"corral": psutil.Process(corral.proc.pid)}
+                    for c in args.concurrency:
+                        sides = await compare(s, targets, args.rounds,
+                                              max(args.requests // 2, c), c, stream=False,
+                                              max_tokens=1, cpu=cpu)
+                        rows.append(row(f"llama small c={c}", sides, "llama-router", "corral",
+                                        "requests"))
+                        print_rows(rows[-1:], "llama-router", "corral")
+                    for n in (1, 16):
+                        sides = await compare(s, targets, args.rounds, n, n, stream=True,
+                                              max_tokens=200, extra={"ignore_eos": True},
+                                              cpu=cpu)
+                        rows.append(row(f"llama streams n={n}", sides, "llama-router", "corral",
+                                        "tokens"))
+                        print_rows(rows[-1:], "llama-router", "corral")
+        finally:
+            router.terminate()
+            try:
+                router.wait(15)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
+            router_log.close()
+    return rows
+
+
+def _free_port() -> int:
+    from actors.childproc import pick_port
+    return pick_port()
+
+
+async def _wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with s.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up within {timeout_s} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=600, help="small requests per round")
+    ap.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[1, 16, 64])
+    ap.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[1, 64, 256])
+    ap.add_argument("--tokens-per-s", type=float, default=30.0, help="per stream")
+    ap.add_argument("--stream-seconds", type=float, default=4.0)
+    ap.add_argument("--llama-server", metavar="BIN")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    rows = _run(fake_side_by_side(args))
+    if args.llama_server:
+        rows += _run(llama_side_by_side(args))
+    write_json(args.json, {"bench": "overhead", "machine": machine(),
+                           "params": {k: v for k, v in vars(args).items() if k != "json"},
+                           "rows": rows})
+    return 0
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)

@@ -1,0 +1,135 @@
+"""How fast the pure scheduler decides, and how fast an actor message comes back.
+
+    python -m bench scheduler [--ops 20000] [--json FILE]
+
+1. Decisions per second of `actors.policy.Policy` (no threads, no I/O) at 1,000 models with
+   10,000 waiting requests, and at other sizes to show how the cost grows. A decision is
+   one call: a request that queues, a cancel, a request granted at once, a release. Set
+   up so that every running model is busy (no eviction is possible), models_max is a
+   tenth of the models, and the waiters are spread over the models that are not running.
+2. Actor round trip: a Ping told to the live Scheduler actor, answered into the asyncio
+   loop through the bridge (LoopReply), one at a time and 64 at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from actors import Config, Supervisor
+from actors.bridge import LoopReply
+from actors.messages import Ping
+from actors.policy import Policy
+from bench.common import machine, summary_ms, write_json
+
+SIZES = [(100, 1_000), (1_000, 1_000), (1_000, 10_000), (1_000, 50_000), (5_000, 10_000),
+         (10_000, 10_000)]
+
+
+def build(n_models: int, n_waiters: int, seed: int = 0) -> tuple[Policy, list[str], list[str],
+                                                                  list[object]]:
+    """A policy with a tenth of the models running and busy, and `n_waiters` queued."""
+    rng = random.Random(seed)
+    running = max(1, n_models // 10)
+    p = Policy(models_max=running)
+    names = [f"m{i}" for i in range(n_models)]
+    for name in names:
+        p.add_model(name, 0.0)
+    for i, name in enumerate(names[:running]):
+        p.acquire(("hold", name), name, float(i))
+        p.instance_ready(name, 1, 1000 + i, f"http://127.0.0.1:{10000 + i}", float(i))
+    idle = names[running:]
+    waiting: list[object] = []
+    for i in range(n_waiters):
+        ticket = ("w", i)
+        p.acquire(ticket, rng.choice(idle), 1.0)
+        waiting.append(ticket)
+    assert len(p.waiting) == n_waiters, "every waiter must still be waiting"
+    return p, names[:running], idle, waiting
+
+
+def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0) -> float:
+    p, loaded, idle, waiting = build(n_models, n_waiters, seed)
+    rng = random.Random(seed + 1)
+    now = 2.0
+    done = 0
+    start = time.perf_counter()
+    while done < ops:
+        now += 1e-3
+        if rng.random() < 0.5:  # a request joins the queue, another leaves it
+            ticket = ("n", done)
+            p.acquire(ticket, rng.choice(idle), now)
+            i = rng.randrange(len(waiting))  # swap-remove: the harness stays O(1)
+            victim, waiting[i] = waiting[i], ticket
+            p.cancel(victim, now)
+        else:  # a request to a loaded model, granted at once, and its release
+            ticket = ("g", done)
+            p.acquire(ticket, rng.choice(loaded), now)
+            p.release(ticket, now)
+        done += 2
+    took = time.perf_counter() - start
+    assert len(p.waiting) == n_waiters
+    return done / took
+
+
+async def round_trips(n: int, concurrency: int) -> dict[str, Any]:
+    sup = Supervisor(Config(models={}))
+    sup.start()
+    loop = asyncio.get_running_loop()
+    try:
+        async def one() -> float:
+            reply = LoopReply(loop)
+            start = time.perf_counter()
+            sup.scheduler.tell(Ping(reply))
+            await reply.future
+            return time.perf_counter() - start
+
+        samples = [await one() for _ in range(n)]
+        start = time.perf_counter()
+        done = 0
+        while done < n:
+            batch = min(concurrency, n - done)
+            await asyncio.gather(*(one() for _ in range(batch)))
+            done += batch
+        per_s = n / (time.perf_counter() - start)
+    finally:
+        await asyncio.to_thread(sup.stop)
+    return {"sequential_ms": summary_ms(samples), "concurrent": concurrency,
+            "replies_per_s": per_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench scheduler", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", type=int, default=20_000, help="decisions timed per size")
+    ap.add_argument("--sizes", default=",".join(f"{m}x{w}" for m, w in SIZES),
+                    help="MODELSxWAITERS,... (default: %(default)s)")
+    ap.add_argument("--round-trips", type=int, default=2_000)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+    curve = []
+    print(f"{'models':>7} {'waiters':>8} {'decisions/s':>12} {'us/decision':>12}")
+    for n_models, n_waiters in sizes:
+        rate = decisions_per_s(n_models, n_waiters, args.ops)
+        curve.append({"models": n_models, "waiters": n_waiters, "decisions_per_s": rate,
+                      "us_per_decision": 1e6 / rate})
+        print(f"{n_models:>7} {n_waiters:>8} {rate:>12,.0f} {1e6 / rate:>12.1f}")
+    try:
+        import uvloop
+        rt = uvloop.run(round_trips(args.round_trips, 64))
+    except ImportError:
+        rt = asyncio.run(round_trips(args.round_trips, 64))
+    seq = rt["sequential_ms"]
+    print(f"actor round trip (Ping -> Scheduler -> LoopReply): p50 {seq['p50'] * 1e3:.0f} us, "
+          f"p99 {seq['p99'] * 1e3:.0f} us; {rt['replies_per_s']:,.0f} replies/s at 64 "
+          "concurrent")
+    write_json(args.json, {"bench": "scheduler", "machine": machine(),
+                           "params": {"ops": args.ops, "sizes": sizes,
+                                      "round_trips": args.round_trips},
+                           "decisions": curve, "round_trip": rt})
+    return 0

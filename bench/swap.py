@@ -1,0 +1,196 @@
+"""The cost of a cold start and of swapping models, side by side.
+
+    python -m bench swap [--runs 20] [--json FILE]
+    python -m bench swap --llama-server BIN     # also corral vs llama-server's router
+
+1. Cold start: request -> first byte for an unloaded model through corral, against the
+   same child started by the bench itself (spawn -> its readiness -> the same request),
+   interleaved run by run; corral's share is the difference of the medians. Measured
+   with a child that announces readiness on stdout (llama protocol) and with one that
+   is polled on /health (http readiness, corral polls from 10 ms backing off).
+2. Swap: two models, models_max 1, requests alternating between them one at a time, so
+   every request stops one child and starts the other.
+With --llama-server: both, on real llama-server children with tiny GGUF models, through
+corral and through llama-server's own router (same models, same requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from actors.childproc import pick_port
+from bench.common import FAKE, Corral, get_json, machine, send, session, summary_ms, write_json
+
+PUSH = [*FAKE, "--llama-protocol"]
+
+
+async def unload(s: aiohttp.ClientSession, url: str, model: str) -> None:
+    async with s.post(url + "/models/unload", json={"model": model}) as resp:
+        await resp.read()
+    for _ in range(1000):
+        listing = await get_json(s, url + "/models")
+        status = next(m["status"]["value"] for m in listing["data"] if m["id"] == model)
+        if status == "unloaded":
+            return
+        await asyncio.sleep(0.01)
+    raise RuntimeError(f"{model} did not unload")
+
+
+async def direct_cold(s: aiohttp.ClientSession, cmd: list[str], push: bool) -> float:
+    """Spawn the child ourselves, wait for its readiness, send the request: first byte."""
+    port = pick_port()
+    argv = [a.replace("{host}", "127.0.0.1").replace("{port}", str(port))
+            .replace("{model}", "m") for a in cmd]
+    start = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE,
+                                                stdin=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        if push:
+            assert proc.stdout is not None
+            while b'"state": "ready"' not in await proc.stdout.readline():
+                pass
+        else:  # the best a poller can do: every millisecond
+            while True:
+                try:
+                    async with s.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.001)
+        result = await send(s, url, "m")
+        assert result.status == 200, result
+        return time.perf_counter() - start - result.latency_s + result.ttfb_s
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def corral_cold(s: aiohttp.ClientSession, url: str, model: str) -> float:
+    await unload(s, url, model)
+    result = await send(s, url, model)
+    assert result.status == 200, result
+    return result.ttfb_s
+
+
+async def swaps(s: aiohttp.ClientSession, url: str, models: list[str], runs: int,
+                extra: dict[str, Any] | None = None) -> list[float]:
+    out = []
+    for i in range(runs + 1):
+        result = await send(s, url, models[i % 2], extra=extra)
+        assert result.status == 200, result
+        if i:  # the first only loads
+            out.append(result.ttfb_s)
+    return out
+
+
+async def fake_runs(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, cmd, health in (("push", PUSH, "llama"), ("http", FAKE, "http")):
+        toml = (f"models_max = 1\n[models.m]\ncmd = {cmd!r}\nhealth = \"{health}\"\n"
+                .replace("'", '"'))
+        with Corral(toml) as corral:
+            async with session() as s:
+                direct, through = [], []
+                for _ in range(args.runs):
+                    direct.append(await direct_cold(s, cmd, push=health == "llama"))
+                    through.append(await corral_cold(s, corral.url, "m"))
+        share = statistics.median(through) - statistics.median(direct)
+        out[f"cold_{label}"] = {"direct_ms": summary_ms(direct),
+                                "corral_ms": summary_ms(through),
+                                "corral_share_ms": share * 1e3}
+        print(f"cold start ({label} readiness): direct p50 {statistics.median(direct) * 1e3:.1f}"
+              f" ms, through corral p50 {statistics.median(through) * 1e3:.1f} ms: "
+              f"corral's share {share * 1e3:.2f} ms")
+    toml = (f"models_max = 1\n[models.a]\ncmd = {PUSH!r}\nhealth = \"llama\"\n"
+            f"[models.b]\ncmd = {PUSH!r}\nhealth = \"llama\"\n").replace("'", '"')
+    with Corral(toml) as corral:
+        async with session() as s:
+            samples = await swaps(s, corral.url, ["a", "b"], args.runs)
+    out["swap"] = {"corral_ms": summary_ms(samples)}
+    print(f"swap at models_max 1 (fake, push readiness): p50 "
+          f"{statistics.median(samples) * 1e3:.1f} ms, p99 {summary_ms(samples)['p99']:.1f} ms")
+    return out
+
+
+async def llama_runs(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.overhead import _wait_up
+    from scripts.tiny_gguf import write_tiny_gguf
+
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="corral-bench-swap-") as tmp:
+        ini = Path(tmp) / "models.ini"
+        ini.write_text("[*]\nc = 512\nno-warmup = true\n" + "".join(
+            f"\n[m{i}]\nmodel = {write_tiny_gguf(Path(tmp) / f'm{i}.gguf', seed=i)}\n"
+            for i in range(2)))
+        port = pick_port()
+        log = open(Path(tmp) / "router.log", "wb")  # noqa: SIM115
+        router = subprocess.Popen(
+            [args.llama_server, "--models-preset", str(ini), "--host", "127.0.0.1",
+             "--port", str(port), "--models-max", "1"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+        try:
+            with Corral("models_max = 1\n", "--models-preset", str(ini),
+                        "--llama-server", args.llama_server) as corral:
+                urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
+                async with session() as s:
+                    await _wait_up(s, urls["llama-router"])
+                    cold: dict[str, list[float]] = {k: [] for k in urls}
+                    swap: dict[str, list[float]] = {k: [] for k in urls}
+                    for i in range(args.runs):
+                        for name in list(urls)[i % 2:] + list(urls)[:i % 2]:
+                            await send(s, urls[name], "m0")
+                            cold[name].append(await corral_cold(s, urls[name], "m0"))
+                    for name in urls:
+                        swap[name] = await swaps(s, urls[name], ["m0", "m1"], args.runs)
+            for name in urls:
+                out[f"llama_{name}"] = {"cold_ms": summary_ms(cold[name]),
+                                        "swap_ms": summary_ms(swap[name])}
+                print(f"{name:<13} cold start p50 {statistics.median(cold[name]) * 1e3:7.1f} ms"
+                      f", swap p50 {statistics.median(swap[name]) * 1e3:7.1f} ms, p99 "
+                      f"{summary_ms(swap[name])['p99']:7.1f} ms")
+        finally:
+            router.terminate()
+            try:
+                router.wait(15)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
+            log.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench swap", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--llama-server", metavar="BIN")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    try:
+        import uvloop
+        runner: Any = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    result = runner(fake_runs(args))
+    if args.llama_server:
+        result.update(runner(llama_runs(args)))
+    write_json(args.json, {"bench": "swap", "machine": machine(),
+                           "params": {"runs": args.runs, "llama_server": args.llama_server},
+                           **result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
