@@ -3,7 +3,6 @@ children as real processes, JSON output."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import json
 import os
@@ -87,7 +86,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, *, stream: 
                 if resp.status == 200:
                     tokens = json.loads(data).get("usage", {}).get("completion_tokens", 0)
             return Result(resp.status, time.perf_counter() - start, ttfb or 0.0, tokens)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         return Result(0, time.perf_counter() - start, ttfb, tokens, type(e).__name__)
 
 

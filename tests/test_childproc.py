@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from actors.childproc import ChildProcess, LogRing, pick_port, port_in_use
 from tests.helpers import ROOT, pid_alive, wait_until
@@ -96,9 +97,10 @@ def test_the_pid_is_the_program_itself_in_its_own_group() -> None:
     child, exited = spawn("import time; time.sleep(30)")
     try:
         # setpriv (when used) has exec'd into the program: same pid, the program's argv
-        wait_until(lambda: "time.sleep(30)" in open(f"/proc/{child.pid}/cmdline").read(), 5,
+        proc = Path(f"/proc/{child.pid}")
+        wait_until(lambda: "time.sleep(30)" in (proc / "cmdline").read_text(), 5,
                    "the program to be exec'd")
-        status = open(f"/proc/{child.pid}/status").read()
+        status = (proc / "status").read_text()
         assert os.getpgid(child.pid) == child.pid
         assert "PPid:\t" + str(os.getpid()) in status
     finally:
