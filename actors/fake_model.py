@@ -290,7 +290,7 @@ async def serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
-        await web.TCPSite(runner, args.host, args.port).start()
+        await web.TCPSite(runner, args.host, args.port, backlog=2048).start()
     except OSError as e:
         print(f"fake_model: cannot listen on {args.host}:{args.port}: {e}", flush=True)
         return 98

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from .bridge import LoopReply
 from .config import Config, ConfigError
+from .front import Connection, Front
 from .messages import (
     Acquire,
     Alive,
@@ -57,6 +58,9 @@ HOP_BY_HOP = frozenset({
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key"}
 SSE_BACKLOG = 10_000
 """Events kept for a slow /models/sse client before new ones are dropped for it."""
+BACKLOG = 2048
+"""Pending connections the front accepts: at 100 (asyncio's default) a burst of 256
+streams lost SYNs and waited out a 1 s retransmit (bench overhead, p99 time to first byte)."""
 ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
 
@@ -95,6 +99,8 @@ class Router:
         self.config = config
         self.names = config.resolve_aliases()
         self.reloader = reloader
+        self.front: Front | None = None
+        self.server: asyncio.Server | None = None
         self.sse_clients: set[asyncio.Queue[bytes | None]] = set()
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
@@ -122,8 +128,13 @@ class Router:
         r.add_get("/{tail:.*}", self.proxy_get)
         return app
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0 picks one); return the port."""
+    async def start(self, host: str, port: int, fast: bool = True) -> int:
+        """Listen on host:port (0 picks one); return the port.
+
+        With `fast` (the default) the port is served by the front (actors/front.py):
+        proxied POSTs on raw protocols, everything else handed to this aiohttp app on an
+        internal loopback port. Without it, aiohttp serves the port itself.
+        """
         loop = asyncio.get_running_loop()
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
@@ -134,11 +145,24 @@ class Router:
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
                                     shutdown_timeout=2.0)
         await self.runner.setup()
-        await web.TCPSite(self.runner, host, port).start()
-        return int(self.runner.addresses[0][1])
+        if not fast:
+            await web.TCPSite(self.runner, host, port).start()
+            return int(self.runner.addresses[0][1])
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        internal = int(self.runner.addresses[0][1])
+        self.front = Front(lambda: self.names, lambda: self.sup.scheduler, lambda: internal,
+                           self.config.api_key, self.config.autoload,
+                           int(self.config.max_body_mib * 1024 * 1024),
+                           frozenset(p.encode() for p in PROXIED_POST))
+        front = self.front
+        self.server = await loop.create_server(lambda: Connection(front), host, port,
+                                               backlog=BACKLOG)
+        return int(self.server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
         """Stop accepting, end SSE streams, give open requests a bounded time to finish."""
+        if self.server is not None:
+            self.server.close()
         for queue in self.sse_clients:
             while queue.full():
                 queue.get_nowait()
@@ -147,6 +171,8 @@ class Router:
             await self.runner.cleanup()
         if self.session is not None:
             await self.session.close()
+        if self.front is not None:
+            self.front.close()
 
     # ------------------------------------------------------------ middleware
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import subprocess
 import tempfile
@@ -113,8 +114,10 @@ async def compare(s: aiohttp.ClientSession, targets: dict[str, tuple[str, str]],
 
 def row(case: str, sides: dict[str, Side], base: str, other: str, per: str) -> dict[str, Any]:
     b, o = sides[base], sides[other]
+    case = case if other in ("corral", "llama-router") else f"{case} [{other}]"
     lat = "ttfb_s" if per == "tokens" else "latency_s"
-    out: dict[str, Any] = {"case": case, "per": per, base: b.rate(per), other: o.rate(per),
+    out: dict[str, Any] = {"case": case, "per": per, "base": base, "other": other,
+                           base: b.rate(per), other: o.rate(per),
                            "ratio": o.rate(per) / b.rate(per) if b.rate(per) else 0.0}
     for q in (0.5, 0.99):
         key = f"added_{'ttfb' if per == 'tokens' else 'latency'}_p{int(q * 100)}_ms"
@@ -130,14 +133,15 @@ def row(case: str, sides: dict[str, Side], base: str, other: str, per: str) -> d
 
 
 def print_rows(rows: list[dict[str, Any]], base: str, other: str) -> None:
-    print(f"{'case':<28} {base:>12} {other:>12} {'ratio':>7} {'+p50 ms':>8} {'+p99 ms':>8}"
+    print(f"{'case':<36} {base:>12} {other:>12} {'ratio':>7} {'+p50 ms':>8} {'+p99 ms':>8}"
           f" {'cpu us/req':>10}")
     for r in rows:
         unit = "tok/s" if r["per"] == "tokens" else "req/s"
         p50 = next(v for k, v in r.items() if k.startswith("added_") and k.endswith("p50_ms"))
         p99 = next(v for k, v in r.items() if k.startswith("added_") and k.endswith("p99_ms"))
         cpu = f"{r['cpu_us_per_request']:.0f}" if "cpu_us_per_request" in r else "-"
-        print(f"{r['case'] + ' (' + unit + ')':<28} {r[base]:>12,.0f} {r[other]:>12,.0f} "
+        print(f"{r['case'] + ' (' + unit + ')':<36} {r[r['base']]:>12,.0f} "
+              f"{r[r['other']]:>12,.0f} "
               f"{r['ratio']:>7.3f} {p50:>8.2f} {p99:>8.2f} {cpu:>10}")
 
 
@@ -146,28 +150,42 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "stream": [*FAKE, "--tokens-per-s", str(args.tokens_per_s)]},
                        models_max=2)
     rows = []
-    with Corral(toml) as corral:
+    with Corral(toml) as corral, contextlib.ExitStack() as stack:
+        # --aiohttp: a second corral, serving its port with aiohttp alone, in the same run
+        old = stack.enter_context(Corral(toml, "--aiohttp-proxy")) if args.aiohttp else None
         async with session() as s:
             for model in ("small", "stream"):  # load both; learn their children's ports
                 await send(s, corral.url, model)
+                if old:
+                    await send(s, old.url, model)
             listing = await get_json(s, corral.url + "/models")
             ports = {m["id"]: m["port"] for m in listing["data"]}
             cpu = {"corral": psutil.Process(corral.proc.pid)}
+            if old:
+                cpu["corral-aiohttp"] = psutil.Process(old.proc.pid)
+
+            def targets(model: str) -> dict[str, tuple[str, str]]:
+                out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),
+                       "corral": (corral.url, model)}
+                if old:
+                    out["corral-aiohttp"] = (old.url, model)
+                return out
+
+            others = ["corral", "corral-aiohttp"] if old else ["corral"]
             for c in args.concurrency:
-                targets = {"direct": (f"http://127.0.0.1:{ports['small']}", "small"),
-                           "corral": (corral.url, "small")}
-                sides = await compare(s, targets, args.rounds, max(args.requests, c), c,
-                                      stream=False, max_tokens=1, cpu=cpu)
-                rows.append(row(f"small c={c}", sides, "direct", "corral", "requests"))
-                print_rows(rows[-1:], "direct", "corral")
+                sides = await compare(s, targets("small"), args.rounds,
+                                      max(args.requests, c), c, stream=False, max_tokens=1,
+                                      cpu=cpu)
+                for other in others:
+                    rows.append(row(f"small c={c}", sides, "direct", other, "requests"))
+                print_rows(rows[-len(others):], "direct", "corral")
             n_tokens = int(args.tokens_per_s * args.stream_seconds)
             for n in args.streams:
-                targets = {"direct": (f"http://127.0.0.1:{ports['stream']}", "stream"),
-                           "corral": (corral.url, "stream")}
-                sides = await compare(s, targets, args.rounds, n, n, stream=True,
+                sides = await compare(s, targets("stream"), args.rounds, n, n, stream=True,
                                       max_tokens=n_tokens, cpu=cpu)
-                rows.append(row(f"streams n={n}", sides, "direct", "corral", "tokens"))
-                print_rows(rows[-1:], "direct", "corral")
+                for other in others:
+                    rows.append(row(f"streams n={n}", sides, "direct", other, "tokens"))
+                print_rows(rows[-len(others):], "direct", "corral")
     return rows
 
 
@@ -252,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-s", type=float, default=30.0, help="per stream")
     ap.add_argument("--stream-seconds", type=float, default=4.0)
     ap.add_argument("--llama-server", metavar="BIN")
+    ap.add_argument("--aiohttp", action="store_true",
+                    help="also a corral serving its port with aiohttp alone (the old path)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows = _run(fake_side_by_side(args))

@@ -122,7 +122,9 @@ def test_a_child_killed_mid_request_gives_a_clean_error_and_reloads(corral, tmp_
     os.kill(pid, signal.SIGKILL)
     rest = resp.read().decode()
     conn.close()
-    assert '"code": 502' in rest and "stopped mid-response" in rest
+    last = [line for line in rest.splitlines() if line.startswith("data: ")][-1]
+    error = json.loads(last[6:])["error"]
+    assert error["code"] == 502 and "stopped mid-response" in error["message"]
     c.wait_state("m0", "failed")
     status, body = chat(c.port, "m0")
     assert status == 200 and body["usage"]["completion_tokens"] == 4
