@@ -28,3 +28,51 @@ def test_gpu_check_runs_and_skips_cleanly_without_a_driver() -> None:
     else:
         assert out.returncode == 77, out.stdout + out.stderr
         assert out.stdout.startswith("skipped: no usable NVIDIA driver")
+
+
+def bench(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True,
+                         text=True, timeout=timeout_s, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def test_scheduler_bench_runs(tmp_path) -> None:
+    path = tmp_path / "s.json"
+    bench("scheduler", "--ops", "200", "--sizes", "20x50,40x100", "--round-trips", "20",
+          "--json", str(path))
+    data = json.loads(path.read_text())
+    assert [d["models"] for d in data["decisions"]] == [20, 40]
+    assert all(d["decisions_per_s"] > 0 for d in data["decisions"])
+    assert data["round_trip"]["sequential_ms"]["n"] == 20 and data["machine"]["cores"]
+
+
+def test_overhead_bench_runs(tmp_path) -> None:
+    path = tmp_path / "o.json"
+    bench("overhead", "--rounds", "1", "--requests", "20", "--concurrency", "2",
+          "--streams", "2", "--tokens-per-s", "50", "--stream-seconds", "0.2",
+          "--json", str(path))
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["small c=2", "streams n=2"]
+    assert all(r["errors"] == {"direct": 0, "corral": 0} for r in rows)
+    assert rows[0]["corral"] > 0 and rows[1]["corral"] > 0
+
+
+def test_swap_bench_runs(tmp_path) -> None:
+    path = tmp_path / "w.json"
+    bench("swap", "--runs", "2", "--json", str(path))
+    data = json.loads(path.read_text())
+    assert data["cold_push"]["corral_ms"]["n"] == 2 and data["swap"]["corral_ms"]["n"] == 2
+
+
+def test_load_bench_runs_against_a_corral(corral, tmp_path) -> None:
+    from tests.helpers import fake_cmd, toml_config
+
+    c = corral(toml_config({m: {"cmd": fake_cmd()} for m in "ab"}, models_max=1))
+    path = tmp_path / "l.json"
+    out = bench("load", "--url", f"http://127.0.0.1:{c.port}", "--concurrency", "2",
+                "--requests", "6", "--mix", "round-robin", "--json", str(path))
+    data = json.loads(path.read_text())
+    assert data["ok"] == 6 and data["models"] == ["a", "b"]
+    assert data["corral"]["loads"] >= 2 and data["corral"]["evictions"] >= 1
+    assert "6/6 ok" in out.stdout
