@@ -19,7 +19,7 @@ import asyncio
 import collections
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httptools
@@ -65,7 +65,7 @@ class Request:
 
 
 def json_response(status: int, body: dict[str, Any], keep_alive: bool,
-                  extra: list[tuple[str, str]] = ()) -> bytes:  # type: ignore[assignment]
+                  extra: Sequence[tuple[str, str]] = ()) -> bytes:
     data = msgspec.json.encode(body)
     head = [f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}",
             "Content-Type: application/json", f"Content-Length: {len(data)}",
@@ -107,7 +107,8 @@ class Front:
 
     def close(self) -> None:
         for conn in list(self.connections):
-            conn.transport.close() if conn.transport else None
+            if conn.transport is not None:
+                conn.transport.close()
         for pool in self.idle.values():
             for up in pool:
                 up.close()
@@ -162,8 +163,13 @@ class Upstream(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.sink is not None:
-            self.sink.response_head(self.parser.get_status_code(), self.headers)
+        if self.sink is None:
+            return
+        self.sink.response_head(self.parser.get_status_code(), self.headers)
+        if self.sink.head_only:  # a HEAD answer has no body, whatever its headers say
+            sink, self.sink = self.sink, None
+            self.close()  # the parser would wait for that body: never reuse this one
+            sink.response_done()
 
     def on_body(self, body: bytes) -> None:
         if self.sink is not None:
@@ -197,6 +203,7 @@ class Connection(asyncio.Protocol):
         self.keep_alive = True
         self.done: asyncio.Future[None] | None = None
         self.model: str | None = None
+        self.head_only = False
 
     # ------------------------------------------------------------ client side
 
@@ -297,7 +304,7 @@ class Connection(asyncio.Protocol):
         self.next_request()
 
     def reply(self, status: int, body: dict[str, Any],
-              extra: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+              extra: Sequence[tuple[str, str]] = ()) -> None:
         if self.transport is not None:
             self.transport.write(json_response(status, body, self.keep_alive, extra))
         self.finish()
@@ -403,6 +410,7 @@ class Connection(asyncio.Protocol):
             self.reply(502, error_body(502, f"{what} is unreachable: {e}", "server_error"))
             return
         self.model = model
+        self.head_only = req.method == b"HEAD"
         self.done = asyncio.get_running_loop().create_future()
         self.upstream = up
         up.start(self, data, bytes(req.body))
@@ -426,6 +434,8 @@ class Connection(asyncio.Protocol):
                 out.append(name + b": " + value)
         if length is not None:
             out.append(b"Content-Length: " + length)
+        elif self.head_only:
+            pass
         else:
             self.chunked = True
             out.append(b"Transfer-Encoding: chunked")

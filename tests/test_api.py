@@ -169,3 +169,20 @@ def test_load_on_startup_and_pinned(corral) -> None:
     status, body = chat(c.port, "q")  # the only slot is held by a pinned model
     assert status == 503 and "held by pinned models (p)" in body["error"]["message"]
     assert c.state("p") == "loaded"
+
+
+def test_head_and_pipelined_requests_through_the_front(corral) -> None:
+    import socket
+
+    c = corral(one_model())
+    with socket.create_connection(("127.0.0.1", c.port), timeout=10) as sock:
+        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"}"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+    first, second = data.split(b"HTTP/1.1 200")[1:]
+    assert b'"status"' not in first  # HEAD: headers only
+    assert b'"status"' in second
