@@ -91,18 +91,22 @@ class Front:
         self.autoload = autoload
         self.max_body = max_body
         self.proxied = proxied
-        self.idle: dict[tuple[str, int], list[Upstream]] = collections.defaultdict(list)
+        self.idle: dict[tuple[str, int, str], list[Upstream]] = collections.defaultdict(list)
         """Keep-alive connections to children (and the internal app), by address."""
         self.connections: set[Connection] = set()
 
-    async def upstream(self, host: str, port: int) -> Upstream:
-        pool = self.idle[(host, port)]
+    async def upstream(self, host: str, port: int, tag: str) -> Upstream:
+        """A connection to host:port, reused if one is idle. `tag` names the process
+        behind the port (model#generation): a new child that happens to get a dead
+        one's port never receives the dead one's connections."""
+        pool = self.idle[(host, port, tag)]
         while pool:
             up = pool.pop()
             if not up.closed:
                 return up
         loop = asyncio.get_running_loop()
-        _, up = await loop.create_connection(lambda: Upstream(self, (host, port)), host, port)
+        _, up = await loop.create_connection(lambda: Upstream(self, (host, port, tag)),
+                                             host, port)
         return up
 
     def close(self) -> None:
@@ -119,7 +123,7 @@ class Upstream(asyncio.Protocol):
     """One keep-alive connection to a child; parses its responses for the Connection
     that currently uses it."""
 
-    def __init__(self, front: Front, address: tuple[str, int]) -> None:
+    def __init__(self, front: Front, address: tuple[str, int, str]) -> None:
         self.front = front
         self.address = address
         self.transport: asyncio.Transport | None = None
@@ -133,6 +137,11 @@ class Upstream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        pool = self.front.idle.get(self.address)
+        if pool is not None and self in pool:
+            pool.remove(self)
+            if not pool:  # the child is gone: so is its key
+                del self.front.idle[self.address]
         if self.sink is not None:
             sink, self.sink = self.sink, None
             sink.upstream_broke(exc or ConnectionResetError("the child closed the connection"))
@@ -387,24 +396,25 @@ class Connection(asyncio.Protocol):
         assert isinstance(answer, Grant)
         try:
             host, _, port = answer.base_url.rpartition("/")[2].partition(":")
-            await self.forward(req, host, int(port), answer.model, drop=NOT_FORWARDED)
+            await self.forward(req, host, int(port), answer.model, drop=NOT_FORWARDED,
+                               tag=f"{answer.model}#{answer.generation}")
         finally:
             scheduler.tell(Release(ticket))
 
     async def pass_through(self, req: Request) -> None:
         """Everything but a proxied POST: to the aiohttp app, with the client's headers."""
         await self.forward(req, "127.0.0.1", self.front.internal_port(), None,
-                           drop=HOP_BY_HOP | {b"host"})
+                           drop=HOP_BY_HOP | {b"host"}, tag="api")
 
     async def forward(self, req: Request, host: str, port: int, model: str | None,
-                      drop: frozenset[bytes]) -> None:
+                      drop: frozenset[bytes], tag: str) -> None:
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + host.encode()]
         head += [name + b": " + value for name, value in req.headers
                  if name.lower() not in drop]
         head.append(b"Content-Length: " + str(len(req.body)).encode())
         data = b"\r\n".join(head) + b"\r\n\r\n"
         try:
-            up = await self.front.upstream(host, port)
+            up = await self.front.upstream(host, port, tag)
         except OSError as e:
             what = f"model '{model}'" if model else "corral's API"
             self.reply(502, error_body(502, f"{what} is unreachable: {e}", "server_error"))
