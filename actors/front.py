@@ -147,6 +147,7 @@ class Upstream(asyncio.Protocol):
             sink.upstream_broke(exc or ConnectionResetError("the child closed the connection"))
 
     def data_received(self, data: bytes) -> None:
+        sink = self.sink
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -154,6 +155,8 @@ class Upstream(asyncio.Protocol):
             if self.sink is not None:
                 sink, self.sink = self.sink, None
                 sink.upstream_broke(e)
+        if sink is not None:
+            sink.flush()  # what this read produced goes out in one write
 
     def start(self, sink: Connection, head: bytes, body: bytes) -> None:
         self.sink = sink
@@ -213,6 +216,8 @@ class Connection(asyncio.Protocol):
         self.done: asyncio.Future[None] | None = None
         self.model: str | None = None
         self.head_only = False
+        self.out: list[bytes] = []
+        """Response bytes for the client, written once per upstream read (`flush`)."""
 
     # ------------------------------------------------------------ client side
 
@@ -450,19 +455,24 @@ class Connection(asyncio.Protocol):
             self.chunked = True
             out.append(b"Transfer-Encoding: chunked")
         out.append(b"Connection: keep-alive" if self.keep_alive else b"Connection: close")
-        self.transport.write(b"\r\n".join(out) + b"\r\n\r\n")
+        self.out.append(b"\r\n".join(out) + b"\r\n\r\n")
 
     def response_body(self, body: bytes) -> None:
-        if self.transport is None:
-            return
         if self.chunked:
-            self.transport.writelines([f"{len(body):x}\r\n".encode(), body, b"\r\n"])
+            self.out += (f"{len(body):x}\r\n".encode(), body, b"\r\n")
         else:
-            self.transport.write(body)
+            self.out.append(body)
+
+    def flush(self) -> None:
+        if self.out:
+            if self.transport is not None:
+                self.transport.write(b"".join(self.out))
+            self.out.clear()
 
     def response_done(self) -> None:
-        if self.transport is not None and self.chunked:
-            self.transport.write(b"0\r\n\r\n")
+        if self.chunked:
+            self.out.append(b"0\r\n\r\n")
+        self.flush()
         self._resolve()
         self.finish()
 
@@ -478,9 +488,11 @@ class Connection(asyncio.Protocol):
                 event = b"data: " + msgspec.json.encode(error_body(
                     502, f"{what} stopped mid-response: {exc}", "server_error")) + b"\n\n"
                 self.response_body(event)
-                self.transport.write(b"0\r\n\r\n")
+                self.out.append(b"0\r\n\r\n")
+                self.flush()
                 self.keep_alive = False
             else:  # no way to say it in-band: cut the connection so it is not mistaken
+                self.flush()
                 self.transport.close()
         self._resolve()
         self.finish()
