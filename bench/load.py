@@ -86,12 +86,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                           max_tokens=args.max_tokens))
 
         async def progress() -> None:
+            tty = sys.stderr.isatty()  # a log gets a line every 5 s, not a carriage return
             while True:
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5 if tty else 5.0)
                 ok = sum(r.status == 200 for r in results)
                 took = time.perf_counter() - start
-                print(f"\r{len(results)} done, {ok} ok, {len(results) - ok} errors, "
-                      f"{len(results) / took:,.0f} req/s", end="", file=sys.stderr)
+                print(f"{chr(13) if tty else ''}{len(results)} done, {ok} ok, "
+                      f"{len(results) - ok} errors, {len(results) / took:,.0f} req/s",
+                      end="" if tty else "\n", file=sys.stderr)
 
         ticker = asyncio.create_task(progress())
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
