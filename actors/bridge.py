@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
+
+from .messages import Acquire, Cancel, Grant, Refusal
 
 
 def _resolve(future: asyncio.Future[object], value: object) -> None:
@@ -70,3 +73,22 @@ class Fanout:
             self._loop.call_soon_threadsafe(self._callback, event)  # type: ignore[arg-type]
         except RuntimeError:
             pass
+
+
+async def acquire(scheduler: Any, model: str, autoload: bool = True,
+                  ) -> tuple[LoopReply, Grant | Refusal]:
+    """Ask the Scheduler for `model` and wait for the answer, without blocking the loop.
+
+    Returns the ticket (to Release after a Grant) and the answer. If the wait is
+    cancelled (the client left), the request leaves the queue, or, if its grant crossed
+    the cancel, is released.
+    """
+    ticket = LoopReply(asyncio.get_running_loop())
+    scheduler.tell(Acquire(ticket, model, autoload))
+    try:
+        answer = await ticket.future
+    except BaseException:
+        scheduler.tell(Cancel(ticket))
+        raise
+    assert isinstance(answer, Grant | Refusal)
+    return ticket, answer

@@ -26,8 +26,8 @@ import httptools
 import msgspec
 import pykka
 
-from .bridge import LoopReply
-from .messages import Acquire, Cancel, Grant, Refusal, Release
+from .bridge import acquire
+from .messages import Refusal, Release
 
 log = logging.getLogger("corral.front")
 
@@ -382,15 +382,8 @@ class Connection(asyncio.Protocol):
         for pair in query.split(b"&"):
             if pair.startswith(b"autoload="):
                 autoload = pair[9:] in (b"1", b"true")
-        loop = asyncio.get_running_loop()
-        ticket = LoopReply(loop)
         scheduler = self.front.scheduler()
-        scheduler.tell(Acquire(ticket, model, autoload))
-        try:
-            answer = await ticket.future
-        except asyncio.CancelledError:
-            scheduler.tell(Cancel(ticket))  # a cancel that crossed a grant is a release
-            raise
+        ticket, answer = await acquire(scheduler, model, autoload)
         if isinstance(answer, Refusal):
             extra = []
             if answer.retry_after_s is not None:
@@ -398,7 +391,6 @@ class Connection(asyncio.Protocol):
             self.reply(answer.status, error_body(answer.status, answer.message,
                                                  answer.error_type), extra)
             return
-        assert isinstance(answer, Grant)
         try:
             host, _, port = answer.base_url.rpartition("/")[2].partition(":")
             await self.forward(req, host, int(port), answer.model, drop=NOT_FORWARDED,

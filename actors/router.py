@@ -20,13 +20,11 @@ import msgspec
 import pykka
 from aiohttp import web
 
-from .bridge import LoopReply
+from .bridge import LoopReply, acquire
 from .config import Config, ConfigError
 from .front import Connection, Front
 from .messages import (
-    Acquire,
     Alive,
-    Cancel,
     DevicesSnapshot,
     Done,
     Event,
@@ -417,17 +415,10 @@ class Router:
         autoload = self.config.autoload
         if "autoload" in request.query:
             autoload = request.query["autoload"] in ("1", "true")
-        ticket = LoopReply(asyncio.get_running_loop())
         scheduler = self.sup.scheduler
-        scheduler.tell(Acquire(ticket, model, autoload))
-        try:
-            answer = await ticket.future
-        except asyncio.CancelledError:
-            scheduler.tell(Cancel(ticket))  # a cancel that crossed a grant is a release
-            raise
+        ticket, answer = await acquire(scheduler, model, autoload)
         if isinstance(answer, Refusal):
             return refusal_response(answer)
-        assert isinstance(answer, Grant)
         try:
             return await self._stream(request, answer, body)
         finally:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from .bridge import Fanout, LoopReply, ThreadReply
+from .bridge import Fanout, ThreadReply, acquire
 from .childproc import LogRing
 from .config import Config, ModelConfig
 from .device import DeviceMonitor, discover
@@ -196,13 +196,7 @@ class Supervisor:
 
         Cancelling the waiting task leaves the queue (or releases a crossing grant).
         """
-        ticket = LoopReply(asyncio.get_running_loop())
-        self.scheduler.tell(Acquire(ticket, model))
-        try:
-            answer = await ticket.future
-        except BaseException:
-            self.scheduler.tell(Cancel(ticket))
-            raise
+        ticket, answer = await acquire(self.scheduler, model)
         grant = _granted(answer)
         try:
             yield grant.base_url
