@@ -3,6 +3,8 @@ children as real processes, JSON output."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,3 +146,51 @@ def toml_models(models: dict[str, list[str]], **top: Any) -> str:
 async def get_json(s: aiohttp.ClientSession, url: str) -> Any:
     async with s.get(url) as resp:
         return await resp.json(content_type=None)
+
+
+async def wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with s.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up within {timeout_s} s")
+
+
+@contextlib.asynccontextmanager
+async def llama_pair(binary: str, models_max: int, n_models: int = 2,
+                     ) -> AsyncIterator[dict[str, str]]:
+    """Tiny GGUF models behind llama-server's own router and behind corral, same preset:
+    yields {"llama-router": url, "corral": url}."""
+    from actors.childproc import pick_port
+    from scripts.tiny_gguf import write_tiny_gguf
+
+    with tempfile.TemporaryDirectory(prefix="corral-bench-llama-") as tmp:
+        ini = Path(tmp) / "models.ini"
+        ini.write_text("[*]\nc = 512\nno-warmup = true\n" + "".join(
+            f"\n[m{i}]\nmodel = {write_tiny_gguf(Path(tmp) / f'm{i}.gguf', seed=i)}\n"
+            for i in range(n_models)))
+        port = pick_port()
+        with open(Path(tmp) / "router.log", "wb") as log:
+            router = subprocess.Popen(
+                [binary, "--models-preset", str(ini), "--host", "127.0.0.1",
+                 "--port", str(port), "--models-max", str(models_max)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+            try:
+                with Corral(f"models_max = {models_max}\n", "--models-preset", str(ini),
+                            "--llama-server", binary) as corral:
+                    urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
+                    async with session() as s:
+                        await wait_up(s, urls["llama-router"])
+                    yield urls
+            finally:
+                router.terminate()
+                try:
+                    router.wait(15)
+                except subprocess.TimeoutExpired:
+                    router.kill()
+                    router.wait()

@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ from bench.common import (
     Corral,
     Result,
     get_json,
+    llama_pair,
     machine,
     pct,
     send,
@@ -191,71 +190,34 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Tiny GGUF models behind corral and behind llama-server's own router."""
-    from scripts.tiny_gguf import write_tiny_gguf
-
-    with tempfile.TemporaryDirectory(prefix="corral-bench-llama-") as tmp:
-        ini = Path(tmp) / "models.ini"
-        ini.write_text("[*]\nc = 512\nno-warmup = true\n" + "".join(
-            f"\n[m{i}]\nmodel = {write_tiny_gguf(Path(tmp) / f'm{i}.gguf', seed=i)}\n"
-            for i in range(2)))
-        router_port = _free_port()
-        router_log = open(Path(tmp) / "router.log", "wb")  # noqa: SIM115
-        router = subprocess.Popen(
-            [args.llama_server, "--models-preset", str(ini), "--host", "127.0.0.1",
-             "--port", str(router_port), "--models-max", "2"],
-            stdout=router_log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
-        rows = []
-        try:
-            with Corral("models_max = 2\n", "--models-preset", str(ini),
-                        "--llama-server", args.llama_server) as corral:
-                targets = {"llama-router": (f"http://127.0.0.1:{router_port}", "m0"),
-                           "corral": (corral.url, "m0")}
-                async with session() as s:
-                    await _wait_up(s, targets["llama-router"][0])
-                    for url, model in targets.values():
-                        await send(s, url, model)  # load
-                    cpu = {"corral": psutil.Process(corral.proc.pid)}
-                    for c in args.concurrency:
-                        sides = await compare(s, targets, args.rounds,
-                                              max(args.requests // 2, c), c, stream=False,
-                                              max_tokens=1, cpu=cpu)
-                        rows.append(row(f"llama small c={c}", sides, "llama-router", "corral",
-                                        "requests"))
-                        print_rows(rows[-1:], "llama-router", "corral")
-                    for n in (1, 16):
-                        sides = await compare(s, targets, args.rounds, n, n, stream=True,
-                                              max_tokens=200, extra={"ignore_eos": True},
-                                              cpu=cpu)
-                        rows.append(row(f"llama streams n={n}", sides, "llama-router", "corral",
-                                        "tokens"))
-                        print_rows(rows[-1:], "llama-router", "corral")
-        finally:
-            router.terminate()
-            try:
-                router.wait(15)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait()
-            router_log.close()
+    rows = []
+    async with llama_pair(args.llama_server, models_max=2) as urls, session() as s:
+        targets = {name: (url, "m0") for name, url in urls.items()}
+        for url, model in targets.values():
+            await send(s, url, model)  # load
+        cpu = {"corral": psutil.Process(_pid_of(urls["corral"]))}
+        for c in args.concurrency:
+            sides = await compare(s, targets, args.rounds, max(args.requests // 2, c), c,
+                                  stream=False, max_tokens=1, cpu=cpu)
+            rows.append(row(f"llama small c={c}", sides, "llama-router", "corral",
+                            "requests"))
+            print_rows(rows[-1:], "llama-router", "corral")
+        for n in (1, 16):
+            sides = await compare(s, targets, args.rounds, n, n, stream=True, max_tokens=200,
+                                  extra={"ignore_eos": True}, cpu=cpu)
+            rows.append(row(f"llama streams n={n}", sides, "llama-router", "corral", "tokens"))
+            print_rows(rows[-1:], "llama-router", "corral")
     return rows
 
 
-def _free_port() -> int:
-    from actors.childproc import pick_port
-    return pick_port()
-
-
-async def _wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            async with s.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up within {timeout_s} s")
+def _pid_of(url: str) -> int:
+    """The pid of the process listening on `url`'s port (the corral behind it)."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            assert conn.pid is not None
+            return conn.pid
+    raise RuntimeError(f"nothing listens on {url}")
 
 
 def main(argv: list[str] | None = None) -> int:

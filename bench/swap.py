@@ -21,7 +21,6 @@ import asyncio
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,17 @@ from typing import Any
 import aiohttp
 
 from actors.childproc import pick_port
-from bench.common import FAKE, Corral, get_json, machine, send, session, summary_ms, write_json
+from bench.common import (
+    FAKE,
+    Corral,
+    get_json,
+    llama_pair,
+    machine,
+    send,
+    session,
+    summary_ms,
+    write_json,
+)
 
 PUSH = [*FAKE, "--llama-protocol"]
 
@@ -125,49 +134,22 @@ async def fake_runs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def llama_runs(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.overhead import _wait_up
-    from scripts.tiny_gguf import write_tiny_gguf
-
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="corral-bench-swap-") as tmp:
-        ini = Path(tmp) / "models.ini"
-        ini.write_text("[*]\nc = 512\nno-warmup = true\n" + "".join(
-            f"\n[m{i}]\nmodel = {write_tiny_gguf(Path(tmp) / f'm{i}.gguf', seed=i)}\n"
-            for i in range(2)))
-        port = pick_port()
-        log = open(Path(tmp) / "router.log", "wb")  # noqa: SIM115
-        router = subprocess.Popen(
-            [args.llama_server, "--models-preset", str(ini), "--host", "127.0.0.1",
-             "--port", str(port), "--models-max", "1"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
-        try:
-            with Corral("models_max = 1\n", "--models-preset", str(ini),
-                        "--llama-server", args.llama_server) as corral:
-                urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
-                async with session() as s:
-                    await _wait_up(s, urls["llama-router"])
-                    cold: dict[str, list[float]] = {k: [] for k in urls}
-                    swap: dict[str, list[float]] = {k: [] for k in urls}
-                    for i in range(args.runs):
-                        for name in list(urls)[i % 2:] + list(urls)[:i % 2]:
-                            await send(s, urls[name], "m0")
-                            cold[name].append(await corral_cold(s, urls[name], "m0"))
-                    for name in urls:
-                        swap[name] = await swaps(s, urls[name], ["m0", "m1"], args.runs)
-            for name in urls:
-                out[f"llama_{name}"] = {"cold_ms": summary_ms(cold[name]),
-                                        "swap_ms": summary_ms(swap[name])}
-                print(f"{name:<13} cold start p50 {statistics.median(cold[name]) * 1e3:7.1f} ms"
-                      f", swap p50 {statistics.median(swap[name]) * 1e3:7.1f} ms, p99 "
-                      f"{summary_ms(swap[name])['p99']:7.1f} ms")
-        finally:
-            router.terminate()
-            try:
-                router.wait(15)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait()
-            log.close()
+    async with llama_pair(args.llama_server, models_max=1) as urls, session() as s:
+        cold: dict[str, list[float]] = {k: [] for k in urls}
+        swap: dict[str, list[float]] = {}
+        for i in range(args.runs):
+            for name in list(urls)[i % 2:] + list(urls)[:i % 2]:
+                await send(s, urls[name], "m0")
+                cold[name].append(await corral_cold(s, urls[name], "m0"))
+        for name in urls:
+            swap[name] = await swaps(s, urls[name], ["m0", "m1"], args.runs)
+    for name in urls:
+        out[f"llama_{name}"] = {"cold_ms": summary_ms(cold[name]),
+                                "swap_ms": summary_ms(swap[name])}
+        print(f"{name:<13} cold start p50 {statistics.median(cold[name]) * 1e3:7.1f} ms"
+              f", swap p50 {statistics.median(swap[name]) * 1e3:7.1f} ms, p99 "
+              f"{summary_ms(swap[name])['p99']:7.1f} ms")
     return out
 
 
