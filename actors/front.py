@@ -31,10 +31,12 @@ from .messages import Refusal, Release
 
 log = logging.getLogger("corral.front")
 
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"content-length",
+HOP_BY_HOP_NAMES = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "trailers", "transfer-encoding", "upgrade", "content-length",
 })
+"""Headers that belong to one connection, never passed on (both proxy paths use them)."""
+HOP_BY_HOP = frozenset(name.encode() for name in HOP_BY_HOP_NAMES)
 NOT_FORWARDED = HOP_BY_HOP | {b"authorization", b"x-api-key", b"host", b"expect"}
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            413: "Payload Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
@@ -75,7 +77,15 @@ def json_response(status: int, body: dict[str, Any], keep_alive: bool,
 
 
 def error_body(status: int, message: str, type_: str) -> dict[str, Any]:
+    """An OpenAI-shaped error (R-6.4)."""
     return {"error": {"code": status, "message": message, "type": type_}}
+
+
+def retry_after(refusal: Refusal) -> list[tuple[str, str]]:
+    """The Retry-After header a refusal asks for, if any."""
+    if refusal.retry_after_s is None:
+        return []
+    return [("Retry-After", str(max(1, round(refusal.retry_after_s))))]
 
 
 class Front:
@@ -385,11 +395,8 @@ class Connection(asyncio.Protocol):
         scheduler = self.front.scheduler()
         ticket, answer = await acquire(scheduler, model, autoload)
         if isinstance(answer, Refusal):
-            extra = []
-            if answer.retry_after_s is not None:
-                extra.append(("Retry-After", str(max(1, round(answer.retry_after_s)))))
             self.reply(answer.status, error_body(answer.status, answer.message,
-                                                 answer.error_type), extra)
+                                                 answer.error_type), retry_after(answer))
             return
         try:
             host, _, port = answer.base_url.rpartition("/")[2].partition(":")

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .bridge import LoopReply, acquire
 from .config import Config, ConfigError
-from .front import Connection, Front
+from .front import HOP_BY_HOP_NAMES, Connection, Front, RequestHead, error_body, retry_after
 from .messages import (
     Alive,
     DevicesSnapshot,
@@ -49,10 +49,7 @@ PROXIED_POST = [
     "/embeddings", "/rerank", "/reranking", "/v1/rerank", "/tokenize", "/detokenize",
     "/infill", "/apply-template",
 ]
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-    "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-})
+HOP_BY_HOP = HOP_BY_HOP_NAMES | {"host"}
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key"}
 SSE_BACKLOG = 10_000
 """Events kept for a slow /models/sse client before new ones are dropped for it."""
@@ -63,12 +60,6 @@ ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
 
 
-class RequestHead(msgspec.Struct):
-    """The one field of a proxied body the Router reads; the rest passes through."""
-
-    model: str | None = None
-
-
 class ModelName(msgspec.Struct, forbid_unknown_fields=False):
     model: str
 
@@ -76,15 +67,13 @@ class ModelName(msgspec.Struct, forbid_unknown_fields=False):
 def error(status: int, message: str, type_: str = "invalid_request_error",
           headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI-shaped error (R-6.4)."""
-    body = {"error": {"code": status, "message": message, "type": type_}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(status, message, type_), status=status,
+                             headers=headers)
 
 
 def refusal_response(refusal: Refusal) -> web.Response:
-    headers = None
-    if refusal.retry_after_s is not None:
-        headers = {"Retry-After": str(max(1, round(refusal.retry_after_s)))}
-    return error(refusal.status, refusal.message, refusal.error_type, headers)
+    return error(refusal.status, refusal.message, refusal.error_type,
+                 dict(retry_after(refusal)) or None)
 
 
 class Router:
