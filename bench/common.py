@@ -163,9 +163,9 @@ async def wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -
 
 @contextlib.asynccontextmanager
 async def llama_pair(binary: str, models_max: int, n_models: int = 2,
-                     ) -> AsyncIterator[dict[str, str]]:
+                     ) -> AsyncIterator[tuple[dict[str, str], int]]:
     """Tiny GGUF models behind llama-server's own router and behind corral, same preset:
-    yields {"llama-router": url, "corral": url}."""
+    yields ({"llama-router": url, "corral": url}, corral's pid)."""
     from actors.childproc import pick_port
     from scripts.tiny_gguf import write_tiny_gguf
 
@@ -186,7 +186,7 @@ async def llama_pair(binary: str, models_max: int, n_models: int = 2,
                     urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
                     async with session() as s:
                         await wait_up(s, urls["llama-router"])
-                    yield urls
+                    yield urls, corral.proc.pid
             finally:
                 router.terminate()
                 try:

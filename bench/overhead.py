@@ -191,11 +191,11 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
 async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Tiny GGUF models behind corral and behind llama-server's own router."""
     rows = []
-    async with llama_pair(args.llama_server, models_max=2) as urls, session() as s:
+    async with llama_pair(args.llama_server, models_max=2) as (urls, pid), session() as s:
         targets = {name: (url, "m0") for name, url in urls.items()}
         for url, model in targets.values():
             await send(s, url, model)  # load
-        cpu = {"corral": psutil.Process(_pid_of(urls["corral"]))}
+        cpu = {"corral": psutil.Process(pid)}
         for c in args.concurrency:
             sides = await compare(s, targets, args.rounds, max(args.requests // 2, c), c,
                                   stream=False, max_tokens=1, cpu=cpu)
@@ -208,16 +208,6 @@ async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row(f"llama streams n={n}", sides, "llama-router", "corral", "tokens"))
             print_rows(rows[-1:], "llama-router", "corral")
     return rows
-
-
-def _pid_of(url: str) -> int:
-    """The pid of the process listening on `url`'s port (the corral behind it)."""
-    port = int(url.rsplit(":", 1)[1])
-    for conn in psutil.net_connections("tcp"):
-        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
-            assert conn.pid is not None
-            return conn.pid
-    raise RuntimeError(f"nothing listens on {url}")
 
 
 def main(argv: list[str] | None = None) -> int:

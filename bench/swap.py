@@ -135,7 +135,7 @@ async def fake_runs(args: argparse.Namespace) -> dict[str, Any]:
 
 async def llama_runs(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    async with llama_pair(args.llama_server, models_max=1) as urls, session() as s:
+    async with llama_pair(args.llama_server, models_max=1) as (urls, _), session() as s:
         cold: dict[str, list[float]] = {k: [] for k in urls}
         swap: dict[str, list[float]] = {}
         for i in range(args.runs):

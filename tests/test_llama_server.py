@@ -66,16 +66,22 @@ def chat(port: int, model: str, n: int = 4, **extra: Any) -> tuple[int, Any]:
     return status, body
 
 
+def stream(port: int, model: str, max_tokens: int) -> tuple[http.client.HTTPConnection,
+                                                              http.client.HTTPResponse]:
+    """Start a streamed chat completion; the caller reads the response and closes."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi"}]}),
+        headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
 def test_on_demand_load_ready_from_the_ready_line_and_streaming(corral, tmp_path,
                                                                 models) -> None:
     c = serve(corral, preset(tmp_path, three(models)))
     assert c.state("m0") == "unloaded"
-    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps({
-        "model": "m0", "stream": True, "max_tokens": 8, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "hi"}]}),
-        headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = stream(c.port, "m0", 8)
     assert resp.status == 200 and resp.getheader("Content-Type", "").startswith(
         "text/event-stream")
     events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
@@ -111,12 +117,7 @@ def test_a_child_killed_mid_request_gives_a_clean_error_and_reloads(corral, tmp_
     c = serve(corral, preset(tmp_path, three(models, "context-shift = true\n")))
     assert chat(c.port, "m0")[0] == 200
     pid = c.models()["m0"]["pid"]
-    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps({
-        "model": "m0", "stream": True, "max_tokens": 200_000, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "hi"}]}),
-        headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    conn, resp = stream(c.port, "m0", 200_000)
     assert resp.status == 200
     assert resp.readline().startswith(b"data: ")  # it is streaming
     os.kill(pid, signal.SIGKILL)
