@@ -88,7 +88,9 @@ async def round_trips(n: int, concurrency: int) -> dict[str, Any]:
             await reply.future
             return time.perf_counter() - start
 
+        cpu = time.process_time()
         samples = [await one() for _ in range(n)]
+        cpu_us = (time.process_time() - cpu) / n * 1e6
         start = time.perf_counter()
         done = 0
         while done < n:
@@ -98,7 +100,8 @@ async def round_trips(n: int, concurrency: int) -> dict[str, Any]:
         per_s = n / (time.perf_counter() - start)
     finally:
         await asyncio.to_thread(sup.stop)
-    return {"sequential_ms": summary_ms(samples), "concurrent": concurrency,
+    return {"sequential_ms": summary_ms(samples), "sequential_cpu_us": cpu_us,
+            "concurrent": concurrency,
             "replies_per_s": per_s}
 
 
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         rt = asyncio.run(round_trips(args.round_trips, 64))
     seq = rt["sequential_ms"]
     print(f"actor round trip (Ping -> Scheduler -> LoopReply): p50 {seq['p50'] * 1e3:.0f} us, "
-          f"p99 {seq['p99'] * 1e3:.0f} us; {rt['replies_per_s']:,.0f} replies/s at 64 "
+          f"p99 {seq['p99'] * 1e3:.0f} us, CPU {rt['sequential_cpu_us']:.0f} us each; "
+          f"{rt['replies_per_s']:,.0f} replies/s at 64 "
           "concurrent")
     write_json(args.json, {"bench": "scheduler", "machine": machine(),
                            "params": {"ops": args.ops, "sizes": sizes,
