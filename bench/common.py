@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = [sys.executable, "-m", "actors.fake_model", "--host", "{host}", "--port", "{port}",
@@ -161,11 +162,28 @@ async def wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -
     raise RuntimeError(f"{url} did not come up within {timeout_s} s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) the process `pid` has used so far, its children not
+    included: the sum of its threads' run times from /proc (nanoseconds), where psutil's
+    figure would come in 10 ms ticks."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended meanwhile
+    if total:
+        return total / 1e9
+    times = psutil.Process(pid).cpu_times()  # no schedstat (an older or other kernel)
+    return float(times.user + times.system)
+
+
 @contextlib.asynccontextmanager
 async def llama_pair(binary: str, models_max: int, n_models: int = 2,
-                     ) -> AsyncIterator[tuple[dict[str, str], int]]:
+                     ) -> AsyncIterator[tuple[dict[str, str], dict[str, int]]]:
     """Tiny GGUF models behind llama-server's own router and behind corral, same preset:
-    yields ({"llama-router": url, "corral": url}, corral's pid)."""
+    yields ({"llama-router": url, "corral": url}, the two processes' pids by the same
+    names; the children are other processes)."""
     from actors.childproc import pick_port
     from scripts.tiny_gguf import write_tiny_gguf
 
@@ -186,7 +204,7 @@ async def llama_pair(binary: str, models_max: int, n_models: int = 2,
                     urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
                     async with session() as s:
                         await wait_up(s, urls["llama-router"])
-                    yield urls, corral.proc.pid
+                    yield urls, {"llama-router": router.pid, "corral": corral.proc.pid}
             finally:
                 router.terminate()
                 try:

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import psutil
 
 from bench.common import (
     FAKE,
     Corral,
     Result,
+    cpu_seconds,
     get_json,
     llama_pair,
     machine,
@@ -77,7 +77,7 @@ class Side:
 async def run_round(s: aiohttp.ClientSession, url: str, model: str, n: int,
                     concurrency: int, *, stream: bool, max_tokens: int,
                     extra: dict[str, Any] | None = None,
-                    cpu_of: psutil.Process | None = None) -> Round:
+                    cpu_of: int | None = None) -> Round:
     queue = list(range(n))
     results: list[Result] = []
 
@@ -87,19 +87,20 @@ async def run_round(s: aiohttp.ClientSession, url: str, model: str, n: int,
             results.append(await send(s, url, model, stream=stream, max_tokens=max_tokens,
                                       extra=extra))
 
-    cpu0 = sum(cpu_of.cpu_times()[:2]) if cpu_of else 0.0
+    cpu0 = cpu_seconds(cpu_of) if cpu_of else 0.0
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    cpu = sum(cpu_of.cpu_times()[:2]) - cpu0 if cpu_of else 0.0
+    cpu = cpu_seconds(cpu_of) - cpu0 if cpu_of else 0.0
     return Round(wall, results, cpu)
 
 
 async def compare(s: aiohttp.ClientSession, targets: dict[str, tuple[str, str]],
                   rounds: int, n: int, concurrency: int, *, stream: bool, max_tokens: int,
                   extra: dict[str, Any] | None = None,
-                  cpu: dict[str, psutil.Process] | None = None) -> dict[str, Side]:
-    """Interleaved rounds over `targets` (name -> (base URL, model)), order rotating."""
+                  cpu: dict[str, int] | None = None) -> dict[str, Side]:
+    """Interleaved rounds over `targets` (name -> (base URL, model)), order rotating;
+    `cpu` names the processes (by pid) whose CPU time each side's rounds are charged."""
     sides = {name: Side() for name in targets}
     names = list(targets)
     for i in range(rounds):
@@ -124,24 +125,32 @@ def row(case: str, sides: dict[str, Side], base: str, other: str, per: str) -> d
     out[f"{base}_ms"] = summary_ms(b.samples(lat))
     out[f"{other}_ms"] = summary_ms(o.samples(lat))
     out["errors"] = {base: b.errors(), other: o.errors()}
-    cpu_rounds = [rd for rd in o.rounds if rd.cpu_s]
-    if cpu_rounds:
-        served = sum(len(rd.ok) for rd in cpu_rounds)
-        out["cpu_us_per_request"] = sum(rd.cpu_s for rd in cpu_rounds) / max(served, 1) * 1e6
+    for name, side in ((base, b), (other, o)):
+        cpu_rounds = [rd for rd in side.rounds if rd.cpu_s]
+        if cpu_rounds:  # per request, or per token for the streams
+            served = sum(len(rd.ok) if per == "requests" else sum(r.tokens for r in rd.ok)
+                         for rd in cpu_rounds)
+            out[f"{name}_cpu_us_per_{per[:-1]}"] = (sum(rd.cpu_s for rd in cpu_rounds)
+                                                    / max(served, 1) * 1e6)
     return out
 
 
 def print_rows(rows: list[dict[str, Any]], base: str, other: str) -> None:
+    """One line per row; CPU is microseconds per request (per token for streams) of the
+    process behind each side, where it is measured."""
     print(f"{'case':<36} {base:>12} {other:>12} {'ratio':>7} {'+p50 ms':>8} {'+p99 ms':>8}"
-          f" {'cpu us/req':>10}")
+          f" {'cpu us':>14}")
     for r in rows:
         unit = "tok/s" if r["per"] == "tokens" else "req/s"
         p50 = next(v for k, v in r.items() if k.startswith("added_") and k.endswith("p50_ms"))
         p99 = next(v for k, v in r.items() if k.startswith("added_") and k.endswith("p99_ms"))
-        cpu = f"{r['cpu_us_per_request']:.0f}" if "cpu_us_per_request" in r else "-"
+        per = r["per"][:-1]
+        cpus = [r.get(f"{r[side]}_cpu_us_per_{per}") for side in ("base", "other")]
+        cpu = " / ".join("-" if c is None else f"{c:.1f}" if per == "token" else f"{c:.0f}"
+                         for c in cpus) if any(c is not None for c in cpus) else "-"
         print(f"{r['case'] + ' (' + unit + ')':<36} {r[r['base']]:>12,.0f} "
               f"{r[r['other']]:>12,.0f} "
-              f"{r['ratio']:>7.3f} {p50:>8.2f} {p99:>8.2f} {cpu:>10}")
+              f"{r['ratio']:>7.3f} {p50:>8.2f} {p99:>8.2f} {cpu:>14}")
 
 
 async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -159,9 +168,9 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
                     await send(s, old.url, model)
             listing = await get_json(s, corral.url + "/models")
             ports = {m["id"]: m["port"] for m in listing["data"]}
-            cpu = {"corral": psutil.Process(corral.proc.pid)}
+            cpu = {"corral": corral.proc.pid}
             if old:
-                cpu["corral-aiohttp"] = psutil.Process(old.proc.pid)
+                cpu["corral-aiohttp"] = old.proc.pid
 
             def targets(model: str) -> dict[str, tuple[str, str]]:
                 out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),
@@ -191,11 +200,10 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
 async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Tiny GGUF models behind corral and behind llama-server's own router."""
     rows = []
-    async with llama_pair(args.llama_server, models_max=2) as (urls, pid), session() as s:
+    async with llama_pair(args.llama_server, models_max=2) as (urls, cpu), session() as s:
         targets = {name: (url, "m0") for name, url in urls.items()}
         for url, model in targets.values():
             await send(s, url, model)  # load
-        cpu = {"corral": psutil.Process(pid)}
         for c in args.concurrency:
             sides = await compare(s, targets, args.rounds, max(args.requests // 2, c), c,
                                   stream=False, max_tokens=1, cpu=cpu)
