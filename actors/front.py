@@ -2,8 +2,8 @@
 
 corral's port is served here. A proxied POST (`/v1/chat/completions` and the rest of
 R-6.1) is parsed with httptools, its model read with msgspec, granted by the Scheduler
-and streamed to and from the child over pooled keep-alive connections, with no
-framework in between. Every other request (the management API, GET with ?model=) is
+and streamed to and from the child over pooled keep-alive connections (a new one per
+request for llama-server children: router.unpooled), with no framework in between. Every other request (the management API, GET with ?model=) is
 passed, bytes in and bytes out, to the aiohttp application on an internal loopback
 port. Measured with `python -m bench overhead`: see bench/README.md.
 
@@ -91,10 +91,13 @@ def retry_after(refusal: Refusal) -> list[tuple[str, str]]:
 class Front:
     """Everything the connections share: the names, the scheduler, the upstream pool."""
 
-    def __init__(self, names: Callable[[], dict[str, str]], scheduler: Callable[[], Any],
+    def __init__(self, names: Callable[[], dict[str, str]],
+                 unpooled: Callable[[], frozenset[str]], scheduler: Callable[[], Any],
                  internal_port: Callable[[], int], api_key: str | None, autoload: bool,
                  max_body: int, proxied: frozenset[bytes]) -> None:
         self.names = names
+        self.unpooled = unpooled
+        """Models whose requests each get a new upstream connection (router.unpooled)."""
         self.scheduler = scheduler
         self.internal_port = internal_port
         self.api_key = api_key.encode() if api_key else None
@@ -416,6 +419,8 @@ class Connection(asyncio.Protocol):
         head += [name + b": " + value for name, value in req.headers
                  if name.lower() not in drop]
         head.append(b"Content-Length: " + str(len(req.body)).encode())
+        if model in self.front.unpooled():
+            head.append(b"Connection: close")  # the answer closes it: never pooled
         data = b"\r\n".join(head) + b"\r\n\r\n"
         try:
             up = await self.front.upstream(host, port, tag)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import psutil
+
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config, wait_until
 
 
@@ -64,3 +66,19 @@ def test_a_sleeping_child_keeps_its_slot_wakes_on_a_request_and_can_be_evicted(c
     assert c.models()["m"]["last_eviction"]["reason"] == "lru"
     assert sse.statuses("m")[:4] == ["loading", "loaded", "sleeping", "loaded"]
     sse.close()
+
+
+def test_llama_children_get_a_connection_per_request_others_a_pooled_one(corral) -> None:
+    # llama-server holds an HTTP thread per open connection (see router.unpooled)
+    c = corral(toml_config({"llama": llama_model(), "plain": {"cmd": fake_cmd()}}))
+    for model in ("llama", "plain") * 3:
+        assert chat(c.port, model)[0] == 200
+    me = psutil.Process(c.proc.pid)
+
+    def open_to(model: str) -> int:
+        port = c.models()[model]["port"]
+        return sum(1 for k in me.net_connections("tcp") if k.raddr and k.raddr.port == port
+                   and k.status == psutil.CONN_ESTABLISHED)
+
+    assert open_to("plain") == 1  # three requests, one kept-alive connection
+    wait_until(lambda: open_to("llama") == 0, what="no connection kept to the llama child")

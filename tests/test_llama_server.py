@@ -14,9 +14,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from scripts.tiny_gguf import write_tiny_gguf
@@ -211,3 +213,31 @@ def test_concurrent_requests_to_one_cold_model_load_it_once(corral, tmp_path,
         t.join(60)
     assert results == [200] * 6
     assert c.models()["m1"]["loads"] == 1
+
+
+def test_a_burst_wider_than_the_childs_http_threads_is_not_held_up(corral, tmp_path,
+                                                                   models) -> None:
+    # llama-server gives each open connection one of its HTTP threads (8 or so here).
+    # Through pooled keep-alive connections, half of 16 concurrent requests waited 5 s
+    # for kept-alive ones to time out; corral now opens one connection per request.
+    c = serve(corral, preset(tmp_path, three(models)))
+    assert chat(c.port, "m0")[0] == 200
+    child_port = c.models()["m0"]["port"]
+    took: list[tuple[int, float]] = []
+
+    def one() -> None:
+        start = time.monotonic()
+        status = chat(c.port, "m0", 1)[0]
+        took.append((status, time.monotonic() - start))
+
+    for _ in range(2):
+        threads = [threading.Thread(target=one) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert [s for s, _ in took] == [200] * 32
+    assert max(t for _, t in took) < 4.0, sorted(t for _, t in took)  # the stall was 5.4 s
+    assert wait_until(lambda: not [
+        k for k in psutil.Process(c.proc.pid).net_connections("tcp")
+        if k.raddr and k.raddr.port == child_port and k.status == psutil.CONN_ESTABLISHED])
