@@ -3,9 +3,10 @@
 corral's port is served here. A proxied POST (`/v1/chat/completions` and the rest of
 R-6.1) is parsed with httptools, its model read with msgspec, granted by the Scheduler
 and streamed to and from the child over pooled keep-alive connections (a new one per
-request for llama-server children: router.unpooled), with no framework in between. Every other request (the management API, GET with ?model=) is
-passed, bytes in and bytes out, to the aiohttp application on an internal loopback
-port. Measured with `python -m bench overhead`: see bench/README.md.
+request for llama-server children: router.unpooled), with no framework in between.
+Every other request (the management API, GET with ?model=) is passed, bytes in and
+bytes out, to the aiohttp application on an internal loopback port. Measured with
+`python -m bench overhead`: see bench/README.md.
 
 Per client connection one request is handled at a time (pipelined ones wait their
 turn). A client that goes away cancels its place in the queue or its upstream request;
