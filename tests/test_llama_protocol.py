@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import psutil
+import pytest
 
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config, wait_until
 
@@ -68,9 +69,11 @@ def test_a_sleeping_child_keeps_its_slot_wakes_on_a_request_and_can_be_evicted(c
     sse.close()
 
 
-def test_llama_children_get_a_connection_per_request_others_a_pooled_one(corral) -> None:
+@pytest.mark.parametrize("flags", [(), ("--aiohttp-proxy",)], ids=["front", "aiohttp"])
+def test_llama_children_get_a_connection_per_request_others_a_pooled_one(
+        corral, flags: tuple[str, ...]) -> None:
     # llama-server holds an HTTP thread per open connection (see router.unpooled)
-    c = corral(toml_config({"llama": llama_model(), "plain": {"cmd": fake_cmd()}}))
+    c = corral(toml_config({"llama": llama_model(), "plain": {"cmd": fake_cmd()}}), *flags)
     for model in ("llama", "plain") * 3:
         assert chat(c.port, model)[0] == 200
     me = psutil.Process(c.proc.pid)
