@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -77,7 +78,8 @@ def refusal_response(refusal: Refusal) -> web.Response:
 
 
 def unpooled(config: Config) -> frozenset[str]:
-    """Models whose children get a new connection per request, closed after it.
+    """Models whose children get a new connection per request, closed after it: those
+    that run llama-server (`health = "llama"`, or a `cmd` that starts with it).
 
     llama-server (cpp-httplib) gives each connection one of its HTTP threads for as long
     as the connection stays open. Kept-alive connections that corral reuses keep their
@@ -87,7 +89,8 @@ def unpooled(config: Config) -> frozenset[str]:
     connection per request too). Other children are servers with an event loop, and for
     them a pooled connection saves a connect per request.
     """
-    return frozenset(name for name, model in config.models.items() if model.health == "llama")
+    return frozenset(name for name, model in config.models.items()
+                     if model.health == "llama" or Path(model.cmd[0]).name == "llama-server")
 
 
 class Router:

@@ -85,3 +85,15 @@ def test_llama_children_get_a_connection_per_request_others_a_pooled_one(
 
     assert open_to("plain") == 1  # three requests, one kept-alive connection
     wait_until(lambda: open_to("llama") == 0, what="no connection kept to the llama child")
+
+
+def test_which_children_are_unpooled() -> None:
+    from actors import Config, ModelConfig
+    from actors.router import unpooled
+
+    config = Config(models={
+        "preset": ModelConfig(cmd=["/opt/llama/llama-server", "--model", "x.gguf"]),
+        "protocol": ModelConfig(cmd=["my-wrapper"], health="llama"),
+        "other": ModelConfig(cmd=["vllm", "serve"]),
+        "lookalike": ModelConfig(cmd=["llama-server-wrapper.sh"])})
+    assert unpooled(config) == {"preset", "protocol"}
