@@ -79,7 +79,7 @@ def refusal_response(refusal: Refusal) -> web.Response:
 
 def unpooled(config: Config) -> frozenset[str]:
     """Models whose children get a new connection per request, closed after it: those
-    that run llama-server (`health = "llama"`, or a `cmd` that starts with it).
+    that run llama-server (`health = "llama"`, or a `cmd` whose program is llama-server).
 
     llama-server (cpp-httplib) gives each connection one of its HTTP threads for as long
     as the connection stays open. Kept-alive connections that corral reuses keep their

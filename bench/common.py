@@ -149,7 +149,9 @@ async def get_json(s: aiohttp.ClientSession, url: str) -> Any:
         return await resp.json(content_type=None)
 
 
-async def wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
+async def wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0,
+                  every_s: float = 0.05) -> None:
+    """Poll `url`/health every `every_s` until it answers 200."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -158,7 +160,7 @@ async def wait_up(s: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -
                     return
         except aiohttp.ClientError:
             pass
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(every_s)
     raise RuntimeError(f"{url} did not come up within {timeout_s} s")
 
 

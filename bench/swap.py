@@ -37,6 +37,7 @@ from bench.common import (
     send,
     session,
     summary_ms,
+    wait_up,
     write_json,
 )
 
@@ -70,14 +71,7 @@ async def direct_cold(s: aiohttp.ClientSession, cmd: list[str], push: bool) -> f
             while b'"state": "ready"' not in await proc.stdout.readline():
                 pass
         else:  # the best a poller can do: every millisecond
-            while True:
-                try:
-                    async with s.get(url + "/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.001)
+            await wait_up(s, url, every_s=0.001)
         result = await send(s, url, "m")
         assert result.status == 200, result
         return time.perf_counter() - start - result.latency_s + result.ttfb_s
