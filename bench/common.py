@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httptools
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +93,80 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, *, stream: 
             return Result(resp.status, time.perf_counter() - start, ttfb or 0.0, tokens)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         return Result(0, time.perf_counter() - start, ttfb, tokens, type(e).__name__)
+
+
+class _LeanConnection(asyncio.Protocol):
+    """One keep-alive client connection on a raw protocol, parsed with httptools."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[int] | None = None
+        self.reusable = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self.reusable = self.parser.should_keep_alive()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(self.parser.get_status_code())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reusable = False
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc or ConnectionResetError("closed mid-response"))
+
+    async def request(self, raw: bytes) -> int:
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return await self.waiter
+
+
+async def lean_requests(url: str, model: str, n: int, concurrency: int, max_tokens: int = 1,
+                        extra: dict[str, Any] | None = None) -> list[Result]:
+    """`n` small non-streaming chat completions from `concurrency` keep-alive
+    connections, sent and parsed with as little client work as possible (raw protocol,
+    httptools, one prepared request), so that the client takes little of the CPU the
+    servers it measures share with it. Never raises; a failed request is a Result with
+    status 0."""
+    host, _, port = url.split("://", 1)[1].partition(":")
+    body = json.dumps({"model": model, "max_tokens": max_tokens, "stream": False,
+                       "messages": [{"role": "user", "content": "hi"}], **(extra or {})})
+    raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+           f"{body}").encode()
+    loop = asyncio.get_running_loop()
+    left = [n]
+    results: list[Result] = []
+
+    async def worker() -> None:
+        conn: _LeanConnection | None = None
+        while left[0] > 0:
+            left[0] -= 1
+            start = time.perf_counter()
+            try:
+                if conn is None or not conn.reusable:
+                    if conn is not None and conn.transport is not None:
+                        conn.transport.close()
+                    _, conn = await loop.create_connection(_LeanConnection, host, int(port))
+                status = await conn.request(raw)
+            except OSError as e:
+                conn = None
+                results.append(Result(0, time.perf_counter() - start, 0.0, 0,
+                                      type(e).__name__))
+                continue
+            took = time.perf_counter() - start
+            results.append(Result(status, took, took))
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
 
 
 def session(limit: int = 0) -> aiohttp.ClientSession:

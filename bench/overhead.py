@@ -32,6 +32,7 @@ from bench.common import (
     Result,
     cpu_seconds,
     get_json,
+    lean_requests,
     llama_pair,
     machine,
     pct,
@@ -78,6 +79,8 @@ async def run_round(s: aiohttp.ClientSession, url: str, model: str, n: int,
                     concurrency: int, *, stream: bool, max_tokens: int,
                     extra: dict[str, Any] | None = None,
                     cpu_of: int | None = None) -> Round:
+    """One round: streams through aiohttp (the token rate is the child's), small
+    requests through `lean_requests` (the client's own CPU matters there)."""
     queue = list(range(n))
     results: list[Result] = []
 
@@ -89,7 +92,10 @@ async def run_round(s: aiohttp.ClientSession, url: str, model: str, n: int,
 
     cpu0 = cpu_seconds(cpu_of) if cpu_of else 0.0
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    if stream:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        results = await lean_requests(url, model, n, concurrency, max_tokens, extra)
     wall = time.perf_counter() - start
     cpu = cpu_seconds(cpu_of) - cpu0 if cpu_of else 0.0
     return Round(wall, results, cpu)
