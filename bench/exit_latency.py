@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import signal
 import statistics
@@ -38,15 +37,7 @@ from actors import Config, ModelConfig, StatusChanged, Supervisor
 from actors.bridge import ThreadReply
 from actors.childproc import ChildProcess, LogRing, pick_port
 from actors.messages import GetModels, ModelsSnapshot
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
-
-
-FAKE = [sys.executable, "-m", "actors.fake_model", "--port", "{port}", "--model", "{model}"]
-
+from bench.common import FAKE, machine, pct
 
 OBSERVER = """
 import os, select, sys, time
@@ -102,7 +93,8 @@ def one_watcher_run(observer: Observer) -> Run:
         if "ready" in line:
             ready.set()
 
-    argv = [a.replace("{port}", str(pick_port())).replace("{model}", "m") for a in FAKE]
+    argv = [a.replace("{host}", "127.0.0.1").replace("{port}", str(pick_port()))
+            .replace("{model}", "m") for a in FAKE]
     child = ChildProcess(argv, dict(os.environ), LogRing(), on_exit=on_exit, on_line=on_line)
     ready.wait(30)
     observer.arm(child.pid)
@@ -151,7 +143,7 @@ def scheduler_latency(runs: int, observer: Observer) -> list[Run]:
 
 
 def figures(samples: list[float]) -> dict[str, float]:
-    return {"p50": pct(samples, 0.5), "p99": pct(samples, 0.99),
+    return {"p50": pct(samples, 0.5) * 1000, "p99": pct(samples, 0.99) * 1000,
             "max": max(samples) * 1000, "mean": statistics.mean(samples) * 1000}
 
 
@@ -166,8 +158,7 @@ def main() -> None:
     finally:
         observer.close()
     result: dict[str, Any] = {
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+        "machine": machine(),
         "runs": {"watcher": len(watcher), "scheduler": len(sched)},
         "teardown_ms": figures([k for k, _ in watcher + sched]),
         "watcher_ms": figures([n for _, n in watcher]),
