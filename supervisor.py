@@ -66,9 +66,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: llama-server on PATH)")
     p.add_argument("--memory-margin-mib", type=float, metavar="MIB",
                    help="keep this much free on every device; 0 turns memory accounting off")
-    p.add_argument("--aiohttp-proxy", action="store_true",
-                   help="serve the port with aiohttp alone, without the fast front (the "
-                        "slower path, kept for side-by-side measurement)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -118,8 +115,7 @@ def effective_config(args: argparse.Namespace) -> Config:
     return parse_config(data, source)
 
 
-async def serve(config: Config, reload: Callable[[], Config] | None = None,
-                aiohttp_proxy: bool = False) -> int:
+async def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:
     """Run until SIGINT/SIGTERM or an actor crash; return the exit status.
 
     `reload` re-reads the config (SIGHUP, GET /models?reload=1).
@@ -159,7 +155,7 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None,
     if reload is not None:
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
     try:
-        port = await router.start(config.host, config.port, fast=not aiohttp_proxy)
+        port = await router.start(config.host, config.port)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
         await asyncio.to_thread(sup.stop)
@@ -185,9 +181,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     try:
         import uvloop
-        return uvloop.run(serve(config, lambda: effective_config(args), args.aiohttp_proxy))
+        return uvloop.run(serve(config, lambda: effective_config(args)))
     except ImportError:
-        return asyncio.run(serve(config, lambda: effective_config(args), args.aiohttp_proxy))
+        return asyncio.run(serve(config, lambda: effective_config(args)))
 
 
 def client(args: argparse.Namespace) -> int:

@@ -52,6 +52,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Declared need per device name (`host` for host memory), for the `declared` method."""
     measure_timeout_s: PositiveSeconds | None = None
     """Overrides the top-level measure_timeout_s."""
+    first_byte_timeout_s: PositiveSeconds | None = None
+    """A child that has not begun its answer this long after the request was sent gets
+    the request cut off and the client a 504 (default: no limit)."""
 
     def argv(self, name: str, host: str, port: int, extra: list[str] | None = None) -> list[str]:
         """`cmd` (plus `extra`) with the placeholders filled in."""
@@ -74,6 +77,27 @@ class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     name: str
     kind: Literal["simulated"]
     total_mib: Annotated[float, Meta(gt=0)]
+
+
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The `[http]` table: the edge's limits and timeouts (R-6.7), checked before the API
+    key costs anything. Defaults follow nginx's and uvicorn's."""
+
+    max_header_kib: Annotated[float, Meta(gt=0)] = 32.0
+    """Request line plus headers; larger gets 431."""
+    max_url_kib: Annotated[float, Meta(gt=0)] = 8.0
+    """The request target alone; longer gets 414."""
+    header_timeout_s: PositiveSeconds = 10.0
+    """A request's whole header block must arrive within this (else 408)."""
+    body_timeout_s: PositiveSeconds = 30.0
+    """Longest pause between two reads of a request body (else 408)."""
+    keep_alive_timeout_s: PositiveSeconds = 5.0
+    """An idle client connection is closed after this."""
+    max_connections: Annotated[int, Meta(ge=1)] | None = None
+    """Client connections open at once; over it a new one gets 503 and is closed. Default:
+    half of what the open-file limit leaves (each client may hold a child connection)."""
+    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    """On SIGTERM, how long running answers may take to finish before they are cut."""
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -101,6 +125,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     devices: list[DeviceConfig] = []
     simulated_ledger_dir: str | None = None
     """Default: STATE_DIR/sim-ledger."""
+    http: HttpConfig = HttpConfig()
     models: dict[str, ModelConfig] = {}
 
     @property
@@ -176,6 +201,9 @@ def _validate(config: Config, source: str) -> Config:
                 raise ConfigError(f"{source}: models.{name}.aliases: {alias!r} is already "
                                   f"the name or an alias of model {owner!r}")
             seen[alias] = name
+    if config.api_key is not None and not config.api_key.strip():
+        raise ConfigError(f"{source}: api_key: empty; an empty key would turn "
+                          "authentication off. Remove the key, or set a real one")
     if config.api_key is not None and config.api_key_file is not None:
         raise ConfigError(f"{source}: api_key and api_key_file: set one, not both")
     if config.api_key_file is not None:

@@ -181,7 +181,7 @@ class Policy(MemoryRules):
         """POST /models/unload: stop the child now (busy or not); clears `failed`."""
         rec = self._find(model)
         if rec is None:
-            self._refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
+            self._refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
             return self._flush()
         entry = self.queue.get(model)
         if entry is not None and entry.explicit:

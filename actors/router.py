@@ -1,29 +1,35 @@
-"""Router: the HTTP front (aiohttp on uvloop) and the streaming proxy.
+"""Router: corral's HTTP side — the front on the public port, the management API behind it.
 
-It decides nothing about scheduling. Per request it asks the Scheduler for a grant
-through the bridge (`LoopReply`), proxies byte for byte, and tells `Release` when the
-exchange is over, or `Cancel` if the client leaves while queued (R-4.7).
+The front (actors/front.py) serves the port and proxies every request that names a model.
+This module is the management API (aiohttp, on an internal loopback port that only the
+front talks to): health, the model list, load and unload, events, logs, metrics, devices.
+It decides nothing about scheduling; it asks the Scheduler through the bridge.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgspec
 import pykka
 from aiohttp import web
 
-from .bridge import LoopReply, acquire
+from .bridge import LoopReply
 from .config import Config, ConfigError
-from .front import HOP_BY_HOP_NAMES, Connection, Front, RequestHead, error_body, retry_after
+from .edge import (
+    JSON_DEPTH_LIMIT,
+    OPEN_PATHS,
+    Answer,
+    Routes,
+    check_key,
+    error_body,
+    refusal_answer,
+)
+from .front import Front
 from .messages import (
     Alive,
     DevicesSnapshot,
@@ -31,12 +37,10 @@ from .messages import (
     Event,
     GetDevices,
     GetModels,
-    Grant,
     LoadModel,
     ModelsSnapshot,
     Ping,
     Refusal,
-    Release,
     ReloadSummary,
     UnloadModel,
 )
@@ -44,19 +48,8 @@ from .system import Supervisor
 
 log = logging.getLogger("corral.router")
 
-PROXIED_POST = [
-    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
-    "/v1/messages", "/completion", "/completions", "/chat/completions", "/embedding",
-    "/embeddings", "/rerank", "/reranking", "/v1/rerank", "/tokenize", "/detokenize",
-    "/infill", "/apply-template",
-]
-HOP_BY_HOP = HOP_BY_HOP_NAMES | {"host"}
-NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key"}
 SSE_BACKLOG = 10_000
 """Events kept for a slow /models/sse client before new ones are dropped for it."""
-BACKLOG = 2048
-"""Pending connections the front accepts: at 100 (asyncio's default) a burst of 256
-streams lost SYNs and waited out a 1 s retransmit (bench overhead, p99 time to first byte)."""
 ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
 
@@ -72,29 +65,13 @@ def error(status: int, message: str, type_: str = "invalid_request_error",
                              headers=headers)
 
 
-def refusal_response(refusal: Refusal) -> web.Response:
-    return error(refusal.status, refusal.message, refusal.error_type,
-                 dict(retry_after(refusal)) or None)
-
-
-def unpooled(config: Config) -> frozenset[str]:
-    """Models whose children get a new connection per request, closed after it: those
-    that run llama-server (`health = "llama"`, or a `cmd` whose program is llama-server).
-
-    llama-server (cpp-httplib) gives each connection one of its HTTP threads for as long
-    as the connection stays open. Kept-alive connections that corral reuses keep their
-    threads; a burst that opens more connections than the server has idle threads leaves
-    the rest queued until a kept-alive connection has been idle for 5 s (seen: 8 of 16
-    requests answered 5.4 s late at 16 concurrent; llama-server's own router opens a
-    connection per request too). Other children are servers with an event loop, and for
-    them a pooled connection saves a connect per request.
-    """
-    return frozenset(name for name, model in config.models.items()
-                     if model.health == "llama" or Path(model.cmd[0]).name == "llama-server")
+def answer_response(answer: Answer) -> web.Response:
+    return error(answer.status, answer.message, answer.type or "invalid_request_error",
+                 dict(answer.headers) or None)
 
 
 class Router:
-    """The HTTP application in front of one Supervisor."""
+    """The front and the management API of one Supervisor."""
 
     def __init__(self, supervisor: Supervisor, config: Config,
                  reloader: Callable[[], Config] | None = None) -> None:
@@ -102,12 +79,9 @@ class Router:
         self.sup = supervisor
         self.config = config
         self.names = config.resolve_aliases()
-        self.unpooled = unpooled(config)
         self.reloader = reloader
         self.front: Front | None = None
-        self.server: asyncio.Server | None = None
         self.sse_clients: set[asyncio.Queue[bytes | None]] = set()
-        self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
         self.started = time.time()
 
@@ -128,57 +102,34 @@ class Router:
         r.add_get("/props", self.props)
         r.add_get("/metrics", self.metrics)
         r.add_get("/devices", self.devices)
-        for path in PROXIED_POST:
-            r.add_post(path, self.proxy_post)
-        r.add_get("/{tail:.*}", self.proxy_get)
         return app
 
-    async def start(self, host: str, port: int, fast: bool = True) -> int:
-        """Listen on host:port (0 picks one); return the port.
-
-        With `fast` (the default) the port is served by the front (actors/front.py):
-        proxied POSTs on raw protocols, everything else handed to this aiohttp app on an
-        internal loopback port. Without it, aiohttp serves the port itself.
-        """
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 picks one); return the port."""
         loop = asyncio.get_running_loop()
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self.sup.subscribe(loop, self._publish)
-        # handler_cancellation: a client that disconnects cancels its handler, which is
-        # how a queued request leaves the queue and a proxied one cancels upstream.
+        # handler_cancellation: the front closing its connection (its client left)
+        # cancels the handler.
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
                                     shutdown_timeout=2.0)
         await self.runner.setup()
-        if not fast:
-            await web.TCPSite(self.runner, host, port).start()
-            return int(self.runner.addresses[0][1])
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        internal = int(self.runner.addresses[0][1])
-        self.front = Front(lambda: self.names, lambda: self.unpooled,
-                           lambda: self.sup.scheduler, lambda: internal,
-                           self.config.api_key, self.config.autoload,
-                           int(self.config.max_body_mib * 1024 * 1024),
-                           frozenset(p.encode() for p in PROXIED_POST))
-        front = self.front
-        self.server = await loop.create_server(lambda: Connection(front), host, port,
-                                               backlog=BACKLOG)
-        return int(self.server.sockets[0].getsockname()[1])
+        api_port = int(self.runner.addresses[0][1])
+        self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler, api_port,
+                           self.config.api_key, self.config.http, self.config.max_body_mib)
+        return await self.front.listen(host, port)
 
     async def stop(self) -> None:
-        """Stop accepting, end SSE streams, give open requests a bounded time to finish."""
-        if self.server is not None:
-            self.server.close()
+        """Drain (R-6.7): stop accepting, end event streams, let running answers finish
+        within http.drain_timeout_s, then close the rest."""
         for queue in self.sse_clients:
             while queue.full():
                 queue.get_nowait()
             queue.put_nowait(None)
+        if self.front is not None:
+            await self.front.drain(self.config.http.drain_timeout_s)
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.session is not None:
-            await self.session.close()
-        if self.front is not None:
-            self.front.close()
 
     # ------------------------------------------------------------ middleware
 
@@ -193,25 +144,24 @@ class Router:
                          "unavailable_error")
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"request body over the {self.config.max_body_mib:g} MiB limit")
+        except web.HTTPNotFound:
+            return error(404, f"no route for {request.method} {request.path}; requests to a "
+                         "model are POSTs naming it in the body, or GETs with ?model=",
+                         "not_found_error")
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return error(e.status, e.reason or "error",
-                         "not_found_error" if e.status == 404 else "invalid_request_error")
+            return error(e.status, e.reason or "error", "invalid_request_error")
 
     @web.middleware
     async def _auth(self, request: web.Request,
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
                     ) -> web.StreamResponse:
         key = self.config.api_key
-        if key and request.path not in ("/health", "/v1/health"):
-            given = request.headers.get("x-api-key", "")
-            auth = request.headers.get("Authorization", "")
-            if auth.lower().startswith("bearer "):
-                given = auth[7:].strip()
-            if not hmac.compare_digest(given.encode(), key.encode()):
-                return error(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                             "authentication_error")
+        refused = check_key(request.raw_headers,
+                            None if request.path in OPEN_PATHS or key is None else key.encode())
+        if refused is not None:
+            return answer_response(refused)
         return await handler(request)
 
     # ------------------------------------------------------------ scheduler calls
@@ -245,17 +195,13 @@ class Router:
                                   "queue_depth": alive.queue_depth})
 
     async def props(self, request: web.Request) -> web.StreamResponse:
-        if "model" in request.query:
-            return await self.proxy_get(request)
         return web.json_response({"role": "router", "max_instances": self.config.models_max,
                                   "models_autoload": self.config.autoload,
                                   "model_alias": "corral", "model_path": "none",
                                   "default_generation_settings": {"params": {}, "n_ctx": 0}})
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
-        """Prometheus text (R-6.3); with ?model= the child's own metrics are proxied."""
-        if "model" in request.query:
-            return await self.proxy_get(request)
+        """Prometheus text (R-6.3); with ?model= the front proxies the child's own."""
         snap = await self._ask(GetModels)
         assert isinstance(snap, ModelsSnapshot)
         out = [
@@ -306,7 +252,8 @@ class Router:
         config = await asyncio.to_thread(self.reloader)
         summary = await asyncio.to_thread(self.sup.reload, config)
         self.names = config.resolve_aliases()
-        self.unpooled = unpooled(config)
+        if self.front is not None:
+            self.front.routes = Routes.of(config)
         return summary
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -358,6 +305,9 @@ class Router:
             body = msgspec.json.decode(await request.read(), type=ModelName)
         except msgspec.DecodeError as e:
             return error(400, f"invalid request body: {e}")
+        except RecursionError:
+            return error(400, f"invalid request body: nested deeper than {JSON_DEPTH_LIMIT} "
+                         "levels")
         return body.model
 
     async def load(self, request: web.Request) -> web.Response:
@@ -371,9 +321,12 @@ class Router:
         name = await self._model_from_body(request)
         if isinstance(name, web.Response):
             return name
-        answer = await self._ask(lambda r: command(self.names.get(name, name), r))
+        model = self.names.get(name)
+        if model is None:
+            return error(404, f"model '{name}' not found", "not_found_error")
+        answer = await self._ask(lambda r: command(model, r))
         if isinstance(answer, Refusal):
-            return refusal_response(answer)
+            return answer_response(refusal_answer(answer))
         assert isinstance(answer, Done)
         return web.json_response({"success": True})
 
@@ -392,80 +345,10 @@ class Router:
         return resp
 
     async def logs(self, request: web.Request) -> web.Response:
-        name = self.names.get(request.query.get("model", ""))
-        if name is None:
+        given = request.query.get("model", "")
+        if not given:
             return error(400, "name a configured model with ?model=")
+        name = self.names.get(given)
+        if name is None:
+            return error(404, f"model '{given}' not found", "not_found_error")
         return web.Response(text="\n".join(self.sup.logs[name].lines()) + "\n")
-
-    # ------------------------------------------------------------ proxy
-
-    async def proxy_post(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        try:
-            head = msgspec.json.decode(body, type=RequestHead)
-        except msgspec.DecodeError as e:
-            return error(400, f"invalid JSON body: {e}")
-        if not head.model:
-            return error(400, "model name is missing from the request (set \"model\")")
-        return await self._forward(request, head.model, body)
-
-    async def proxy_get(self, request: web.Request) -> web.StreamResponse:
-        model = request.query.get("model")
-        if not model:
-            return error(404, f"no route for GET {request.path}; proxied GET requests name "
-                         "their model with ?model=", "not_found_error")
-        return await self._forward(request, model, b"")
-
-    async def _forward(self, request: web.Request, name: str,
-                       body: bytes) -> web.StreamResponse:
-        model = self.names.get(name)
-        if model is None:
-            return error(400, f"model '{name}' not found")
-        autoload = self.config.autoload
-        if "autoload" in request.query:
-            autoload = request.query["autoload"] in ("1", "true")
-        scheduler = self.sup.scheduler
-        ticket, answer = await acquire(scheduler, model, autoload)
-        if isinstance(answer, Refusal):
-            return refusal_response(answer)
-        try:
-            return await self._stream(request, answer, body)
-        finally:
-            scheduler.tell(Release(ticket))
-
-    async def _stream(self, request: web.Request, grant: Grant,
-                      body: bytes) -> web.StreamResponse:
-        assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
-        if grant.model in self.unpooled:
-            headers["Connection"] = "close"
-        url = grant.base_url + request.path_qs
-        try:
-            upstream = await self.session.request(request.method, url, data=body or None,
-                                                  headers=headers, allow_redirects=False)
-        except aiohttp.ClientError as e:
-            return error(502, f"model '{grant.model}' is unreachable: {e}", "server_error")
-        async with upstream:
-            resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in HOP_BY_HOP:
-                    resp.headers.add(key, value)
-            if upstream.content_length is not None:
-                resp.content_length = upstream.content_length
-            await resp.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await resp.write(chunk)
-            except aiohttp.ClientError as e:
-                log.warning("model %s broke off a response: %s", grant.model, e)
-                if upstream.content_type == "text/event-stream":
-                    await resp.write(b"data: " + json.dumps({"error": {
-                        "code": 502, "type": "server_error",
-                        "message": f"model '{grant.model}' stopped mid-response: {e}"}}
-                    ).encode() + b"\n\n")
-                else:  # no way to say it in-band: cut the connection so it is not mistaken
-                    if request.transport is not None:
-                        request.transport.close()
-                    return resp
-            await resp.write_eof()
-            return resp

@@ -186,11 +186,3 @@ def test_head_and_pipelined_requests_through_the_front(corral) -> None:
     first, second = data.split(b"HTTP/1.1 200")[1:]
     assert b'"status"' not in first  # HEAD: headers only
     assert b'"status"' in second
-
-
-def test_the_aiohttp_only_path_still_serves(corral) -> None:
-    c = corral(one_model(), "--aiohttp-proxy")
-    status, body = chat(c.port, "alpha")
-    assert status == 200 and body["model"] == "a"
-    status, body, _ = request(c.port, "POST", "/v1/chat/completions", raw=b"{oops")
-    assert status == 400 and "invalid JSON" in body["error"]["message"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import psutil
-import pytest
 
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config, wait_until
 
@@ -69,11 +68,9 @@ def test_a_sleeping_child_keeps_its_slot_wakes_on_a_request_and_can_be_evicted(c
     sse.close()
 
 
-@pytest.mark.parametrize("flags", [(), ("--aiohttp-proxy",)], ids=["front", "aiohttp"])
-def test_llama_children_get_a_connection_per_request_others_a_pooled_one(
-        corral, flags: tuple[str, ...]) -> None:
-    # llama-server holds an HTTP thread per open connection (see router.unpooled)
-    c = corral(toml_config({"llama": llama_model(), "plain": {"cmd": fake_cmd()}}), *flags)
+def test_llama_children_get_a_capped_pool_others_an_uncapped_one(corral) -> None:
+    # llama-server holds an HTTP thread per open connection (edge.llama_pool_cap)
+    c = corral(toml_config({"llama": llama_model(), "plain": {"cmd": fake_cmd()}}))
     for model in ("llama", "plain") * 3:
         assert chat(c.port, model)[0] == 200
     me = psutil.Process(c.proc.pid)
@@ -84,16 +81,24 @@ def test_llama_children_get_a_connection_per_request_others_a_pooled_one(
                    and k.status == psutil.CONN_ESTABLISHED)
 
     assert open_to("plain") == 1  # three requests, one kept-alive connection
-    wait_until(lambda: open_to("llama") == 0, what="no connection kept to the llama child")
+    assert open_to("llama") == 1
+    # closed by corral before the child's 5 s keep-alive could close it under a request
+    wait_until(lambda: open_to("llama") == 0, timeout_s=8, what="the idle connection closed")
 
 
-def test_which_children_are_unpooled() -> None:
+def test_llama_pool_cap_follows_the_childs_http_threads() -> None:
     from actors import Config, ModelConfig
-    from actors.router import unpooled
+    from actors.edge import Routes, llama_pool_cap
 
+    assert llama_pool_cap(["llama-server", "-m", "x"], cpus=2) == 6  # np auto 4: 8 threads
+    assert llama_pool_cap(["llama-server", "-np", "8"], cpus=2) == 10
+    assert llama_pool_cap(["llama-server", "--parallel=2", "--threads-http", "3"]) == 1
+    assert llama_pool_cap(["llama-server"], cpus=32) == 29  # max(np + 4, cpus - 1)
     config = Config(models={
         "preset": ModelConfig(cmd=["/opt/llama/llama-server", "--model", "x.gguf"]),
         "protocol": ModelConfig(cmd=["my-wrapper"], health="llama"),
         "other": ModelConfig(cmd=["vllm", "serve"]),
         "lookalike": ModelConfig(cmd=["llama-server-wrapper.sh"])})
-    assert unpooled(config) == {"preset", "protocol"}
+    caps = {name: route.pool_cap for name, route in Routes.of(config).models.items()}
+    assert caps["other"] is None and caps["lookalike"] is None
+    assert caps["preset"] is not None and caps["protocol"] is not None

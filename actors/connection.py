@@ -1,0 +1,412 @@
+"""One client connection: parsing, limits, timers, flow control, and its exchanges in order.
+
+Everything a hostile client can send is bounded before it costs anything (R-6.7): the
+header block and the URL have limits, the key and the body cap are checked when the
+headers are complete (before the body is read, before `100 Continue` is sent), a
+header block and a body must keep arriving, an idle connection is closed. One request
+is served at a time; while it runs, reading stops as soon as the next one begins, so at
+most one read's worth of pipelined bytes waits behind it, and nothing for the next
+request (an interim answer, an error) is written until the running answer is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import TYPE_CHECKING, cast
+
+import httptools
+
+from .edge import OPEN_PATHS, Answer, check_key
+from .exchange import Exchange, Phase
+
+if TYPE_CHECKING:
+    from .front import Front
+
+log = logging.getLogger("corral.front")
+
+_OPEN = frozenset(p.encode() for p in OPEN_PATHS)
+PROBE_FIRST_S = 0.05
+PROBE_EVERY_S = 1.0
+"""How soon, then how often, a queued request whose client sent EOF is probed."""
+LINGER_S = 2.0
+"""After an early answer that closes the connection, how long the rest of the request is
+read and dropped, so the client reads the answer instead of a reset."""
+
+
+class Request:
+    """One request as parsed; `answer` is set when corral refuses it itself."""
+
+    __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "continue_sent",
+                 "headers", "headers_done", "http10", "keep_alive", "method", "url",
+                 "url_parts", "url_size", "wants_continue")
+
+    def __init__(self) -> None:
+        self.url_parts: list[bytes] = []
+        self.url_size = 0
+        self.url = b""
+        self.method = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+        self.body = b""
+        self.http10 = False
+        self.keep_alive = True
+        self.complete = False
+        self.answer: Answer | None = None
+        self.wants_continue = False
+        self.continue_sent = False
+
+
+class Connection(asyncio.Protocol):
+    """One client connection (uvicorn's shape: the protocol parses, exchanges answer)."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.req: Request | None = None
+        """The request being parsed."""
+        self.pending: collections.deque[Request] = collections.deque()
+        """Whole requests behind the running exchange (bounded by one read: see module)."""
+        self.exchange: Exchange | None = None
+        self.head_bytes = 0
+        """Bytes fed since the current header block began (the limit's count)."""
+        self.timer: asyncio.TimerHandle | None = None
+        self.last_read = 0.0
+        self.reading = True
+        self.eof = False
+        """The client half-closed: answer what it sent, then close."""
+        self.lingering = False
+        """An early answer closes the connection: what arrives now is dropped."""
+        self.deferred: Answer | None = None
+        """An error for bytes behind the running exchange, written when it is done."""
+
+    # ------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self.front.admit(self):
+            transport.write(Answer(503, "corral is at its connection limit "
+                                   "(http.max_connections); try again shortly").encode(False))
+            transport.close()
+            return
+        self.transport = transport
+        self.last_read = self.loop.time()
+        self._arm(self.front.http.header_timeout_s, self._header_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.front.connections.discard(self)
+        self.transport = None
+        self._disarm()
+        if self.exchange is not None:
+            self.exchange.client_gone()
+        elif self.front.draining:
+            self.front.exchange_finished()
+
+    def eof_received(self) -> bool:
+        """The client is done sending: it may have half-closed (answer it) or left (stop).
+
+        Both look the same here. The running answer and the requests already sent are
+        answered; a write to a client that left draws a reset, and the reset ends them. A
+        request still queued would not write until its model has loaded for nobody, so
+        it is probed with interim `100 Continue` answers (which every HTTP/1.1 client
+        skips, RFC 9110 15.2) until it is granted or the reset arrives (R-4.7).
+        """
+        self.eof = True
+        if self.exchange is None and not self.pending:
+            return False  # nothing to answer (a half-sent request can never complete)
+        self._probe(PROBE_FIRST_S)
+        return True
+
+    def _probe(self, next_s: float) -> None:
+        ex = self.exchange
+        if self.transport is None or ex is None or ex.phase is not Phase.WAITING:
+            return
+        if not ex.req.http10:
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.loop.call_later(next_s, self._probe, PROBE_EVERY_S)
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
+        self.last_read = self.loop.time()
+        req = self.req
+        in_head = req is None or not req.headers_done
+        if in_head:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.reading_done()  # what follows is not HTTP: its 400 is queued already
+        except httptools.HttpParserError as e:
+            self.fail(Answer(400, f"malformed HTTP request: {e}"))
+            return
+        req = self.req
+        if (req is not None and not req.headers_done and not self.lingering
+                and self.head_bytes > self.front.limits.max_header):
+            self.fail(self.front.header_too_big())
+
+    def pause_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.pause_upstream()
+
+    def resume_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.resume_upstream()
+
+    # ------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self.req = Request()
+        self.head_bytes = 0
+        if self.exchange is None:
+            self._arm(self.front.http.header_timeout_s, self._header_late)
+        else:
+            self.pause_reading()  # pipelined: wait for the running answer
+
+    def on_url(self, url: bytes) -> None:
+        req = self.req
+        assert req is not None
+        req.url_size += len(url)
+        if req.url_size <= self.front.limits.max_url:
+            req.url_parts.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        req = self.req
+        assert req is not None
+        if not req.headers_done:  # after it: chunked trailers, never forwarded (finding 8)
+            req.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        req = self.req
+        assert req is not None
+        req.headers_done = True
+        if self.lingering:
+            return
+        req.url = b"".join(req.url_parts)
+        req.method = self.parser.get_method()
+        req.http10 = self.parser.get_http_version() == "1.0"
+        req.keep_alive = self.parser.should_keep_alive()
+        req.answer = self.screen(req)
+        if req.answer is not None:
+            req.keep_alive = False
+            if self.exchange is None and not self.pending:
+                self.answer_early(req.answer)
+            return
+        if self.exchange is None and not self.pending:
+            if req.wants_continue:
+                self.send_continue(req)
+            self._arm(self.front.http.body_timeout_s, self._body_late)
+
+    def on_body(self, body: bytes) -> None:
+        req = self.req
+        assert req is not None
+        if req.answer is not None or self.lingering:
+            return  # refused already: the body is dropped, not kept
+        req.body_size += len(body)
+        if req.body_size > self.front.limits.max_body:  # chunked: no length to check first
+            req.answer = self.front.too_big()
+            req.keep_alive = False
+            req.body_parts.clear()
+            if self.exchange is None and not self.pending:
+                self.answer_early(req.answer)
+            return
+        req.body_parts.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self.req
+        assert req is not None
+        self.req = None
+        if self.lingering:
+            return
+        req.complete = True
+        req.body = b"".join(req.body_parts) if len(req.body_parts) != 1 else req.body_parts[0]
+        req.body_parts = []
+        self.pending.append(req)
+        if self.exchange is None:
+            self._disarm()
+            self.next_request()
+
+    # ------------------------------------------------------------ screening
+
+    def screen(self, req: Request) -> Answer | None:
+        """What must refuse this request before its body is read (R-6.7), or None."""
+        limits = self.front.limits
+        size = req.url_size + sum(len(n) + len(v) + 4 for n, v in req.headers)
+        if size > limits.max_header:
+            return self.front.header_too_big()
+        if req.url_size > limits.max_url:
+            return Answer(414, f"URL over the {limits.max_url // 1024} KiB limit "
+                          "(http.max_url_kib)")
+        if self.parser.should_upgrade():
+            return Answer(400, "upgrades are not supported")
+        host = expect = None
+        length = 0
+        for name, value in req.headers:
+            lname = name.lower()
+            if lname == b"host":
+                host = value
+            elif lname == b"expect":
+                expect = value
+            elif lname == b"content-length" and value.strip().isdigit():
+                length = int(value)
+        if host is None and not req.http10:
+            return Answer(400, "HTTP/1.1 request without a Host header")
+        path = req.url.partition(b"?")[0]
+        refused = check_key(req.headers, None if path in _OPEN else self.front.api_key)
+        if refused is not None:
+            return refused
+        if length > limits.max_body:
+            return self.front.too_big()
+        if expect is not None:
+            if expect.strip().lower() != b"100-continue":
+                return Answer(417, f"unsupported expectation {expect.decode('latin-1')!r} "
+                              "(only 100-continue is)")
+            req.wants_continue = not req.http10
+        return None
+
+    def send_continue(self, req: Request) -> None:
+        if not req.continue_sent and not req.complete:
+            req.continue_sent = True
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    # ------------------------------------------------------------ answering
+
+    def next_request(self) -> None:
+        """Serve the next whole request, or wait for one."""
+        while self.exchange is None and self.transport is not None:
+            if self.front.draining and (self.pending or self.req is not None):
+                self.pending.clear()
+                self.answer_early(Answer(503, "corral is shutting down; retry elsewhere "
+                                         "or after its restart"))
+                return
+            if not self.pending:
+                self.idle()
+                return
+            req = self.pending.popleft()
+            if req.answer is not None:
+                self.write(req.answer.encode(False))
+                self.close()
+                return
+            self.exchange = Exchange(self, req)
+
+    def exchange_done(self, exchange: Exchange) -> None:
+        assert exchange is self.exchange
+        self.exchange = None
+        if self.front.draining:
+            self.front.exchange_finished()
+        if self.transport is None:
+            return
+        if not exchange.keep_alive:
+            self.close()
+        else:
+            self.next_request()
+
+    def idle(self) -> None:
+        """Nothing to answer: wait for the next request (or its rest), or close."""
+        if self.deferred is not None:
+            self.answer_early(self.deferred)
+            return
+        if self.eof or self.front.draining:
+            self.close()
+            return
+        req = self.req
+        if req is None:
+            self._arm(self.front.http.keep_alive_timeout_s, self._idle_late)
+        elif req.headers_done:
+            if req.answer is not None:
+                self.answer_early(req.answer)
+                return
+            if req.wants_continue:
+                self.send_continue(req)
+            self._arm(self.front.http.body_timeout_s, self._body_late)
+        else:
+            self._arm(self.front.http.header_timeout_s, self._header_late)
+        self.resume_reading()
+
+    def fail(self, answer: Answer) -> None:
+        """Bytes that cannot be served: answer after what runs now, then close."""
+        if self.exchange is not None or self.pending:
+            self.deferred = self.deferred or answer
+            self.reading_done()
+        else:
+            self.answer_early(answer)
+
+    def answer_early(self, answer: Answer) -> None:
+        """Answer now and close; drop what the client still sends meanwhile."""
+        self.write(answer.encode(False))
+        self.lingering = True
+        self.pending.clear()
+        self._disarm()
+        if self.transport is not None:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.resume_reading()
+            self.timer = self.loop.call_later(LINGER_S, self.close)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+    def pause_reading(self) -> None:
+        if self.reading and self.transport is not None:
+            self.reading = False
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self.reading and self.transport is not None and not self.eof:
+            self.reading = True
+            self.transport.resume_reading()
+
+    def reading_done(self) -> None:
+        """Nothing more will be parsed on this connection."""
+        self.pause_reading()
+        self.parser = httptools.HttpRequestParser(self)  # a fresh one that is never fed
+        self.req = None
+
+    def drain(self) -> None:
+        """Shutdown: let the running answer finish, answer nothing new."""
+        if self.exchange is None and not self.lingering:
+            self.next_request()
+
+    # ------------------------------------------------------------ timers
+
+    def _arm(self, delay_s: float, callback: object) -> None:
+        self._disarm()
+        self.timer = self.loop.call_later(delay_s, callback)  # type: ignore[arg-type]
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _idle_late(self) -> None:
+        self.close()
+
+    def _header_late(self) -> None:
+        if self.req is None and not self.head_bytes:
+            self.close()  # connected and sent nothing: nobody to answer
+            return
+        self.front.note_timeout("header")
+        self.answer_early(Answer(408, f"request headers not received within "
+                                 f"{self.front.http.header_timeout_s:g} s "
+                                 "(http.header_timeout_s)"))
+
+    def _body_late(self) -> None:
+        left = self.last_read + self.front.http.body_timeout_s - self.loop.time()
+        if left > 0:  # it is still arriving: check again when it could be late
+            self.timer = self.loop.call_later(left, self._body_late)
+            return
+        self.front.note_timeout("body")
+        self.answer_early(Answer(408, f"request body stalled for "
+                                 f"{self.front.http.body_timeout_s:g} s "
+                                 "(http.body_timeout_s)"))

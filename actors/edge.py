@@ -1,0 +1,254 @@
+"""The HTTP edge's rules, in one place, for both servers (the front and the management API).
+
+What is forwarded and what is not, how the key is checked, what an error looks like, how
+`autoload` is read, which requests name a model, and the routing value the front reads
+on every request (`Routes`, replaced whole on reload, never mutated).
+"""
+
+from __future__ import annotations
+
+import hmac
+import http
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+import msgspec
+
+from .config import Config
+from .messages import Refusal
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"content-length",
+})
+"""Headers that belong to one connection: never passed on, in either direction."""
+NOT_FORWARDED = HOP_BY_HOP | {b"authorization", b"x-api-key", b"host", b"expect"}
+"""Not sent to a child: the key stays with corral (R-6.2), Host and Expect are ours."""
+TO_API_DROPPED = HOP_BY_HOP | {b"host", b"expect"}
+"""Not sent to the management API (it checks the key again itself)."""
+
+PROXIED_POST = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+    "/v1/messages", "/completion", "/completions", "/chat/completions", "/embedding",
+    "/embeddings", "/rerank", "/reranking", "/v1/rerank", "/tokenize", "/detokenize",
+    "/infill", "/apply-template",
+})
+"""POST paths whose body names the model (R-6.1)."""
+OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/sse",
+                     "/models/logs", "/devices"})
+"""corral's own GET paths: served by the management API even with ?model= (all other
+GETs that name a model, /props and /metrics included, go to the model, as in llama.cpp)."""
+OPEN_PATHS = frozenset({"/health", "/v1/health"})
+"""The only paths served without the key (R-6.6)."""
+
+JSON_DEPTH_LIMIT = 997
+"""msgspec's nesting limit; deeper bodies are a 400 naming it, not a RecursionError."""
+SSE_PREFIX = b"text/event-stream"
+
+
+def reason(status: int) -> str:
+    """The standard reason phrase, or a neutral one for codes without one."""
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def error_body(status: int, message: str, type_: str) -> dict[str, Any]:
+    """An OpenAI-shaped error (R-6.4)."""
+    return {"error": {"code": status, "message": message, "type": type_}}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error type that goes with a status corral answers itself."""
+    return {401: "authentication_error", 404: "not_found_error",
+            503: "unavailable_error"}.get(status, "server_error" if status >= 500
+                                          else "invalid_request_error")
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """An answer corral gives itself (an error or a refusal), before or instead of a child's."""
+
+    status: int
+    message: str
+    type: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def encode(self, keep_alive: bool) -> bytes:
+        return json_response(self.status, error_body(self.status, self.message,
+                                                     self.type or error_type(self.status)),
+                             keep_alive, self.headers)
+
+
+def json_response(status: int, body: dict[str, Any], keep_alive: bool,
+                  extra: Iterable[tuple[str, str]] = ()) -> bytes:
+    """A whole HTTP/1.1 response with a JSON body and a Content-Length (fine for 1.0 too)."""
+    data = msgspec.json.encode(body)
+    head = [f"HTTP/1.1 {status} {reason(status)}", "Content-Type: application/json",
+            f"Content-Length: {len(data)}",
+            f"Connection: {'keep-alive' if keep_alive else 'close'}",
+            *(f"{k}: {v}" for k, v in extra)]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+
+
+def refusal_answer(refusal: Refusal) -> Answer:
+    """The answer for a Scheduler refusal, with Retry-After when it asks for one."""
+    extra: tuple[tuple[str, str], ...] = ()
+    if refusal.retry_after_s is not None:
+        extra = (("Retry-After", str(max(1, math.ceil(refusal.retry_after_s)))),)
+    return Answer(refusal.status, refusal.message, refusal.error_type, extra)
+
+
+def sse_error_event(what: str, exc: BaseException | str) -> bytes:
+    """The event that ends a stream a child broke off: clients see an error, not a hang
+    or a stream that merely looks finished."""
+    return b"data: " + msgspec.json.encode(error_body(
+        502, f"{what} stopped mid-response: {exc}", "server_error")) + b"\n\n"
+
+
+def check_key(headers: Headers, key: bytes | None) -> Answer | None:
+    """None if the request may pass; else the 400 or 401 to answer (R-6.6).
+
+    The key comes as `Authorization: Bearer KEY` or `x-api-key: KEY`. A request with two
+    Authorization (or two x-api-key) headers is a 400 whatever the key: servers that pick
+    different ones would disagree on who is asking (issue 10, finding 8).
+    """
+    bearer: list[bytes] = []
+    api_key: list[bytes] = []
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"authorization":
+            bearer.append(value)
+        elif lname == b"x-api-key":
+            api_key.append(value)
+    if len(bearer) > 1 or len(api_key) > 1:
+        return Answer(400, "more than one Authorization or x-api-key header; send one")
+    if key is None:
+        return None
+    given = b""
+    if bearer and bearer[0][:7].lower() == b"bearer ":
+        given = bearer[0][7:].strip()
+    elif api_key:
+        given = api_key[0].strip()
+    if given and hmac.compare_digest(given, key):
+        return None
+    return Answer(401, "invalid or missing API key (send Authorization: Bearer KEY)")
+
+
+def parse_query(query: str) -> dict[str, str]:
+    """The query's fields (the first of repeated ones), percent-decoded."""
+    fields: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        fields.setdefault(name, value)
+    return fields
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_autoload(fields: dict[str, str], default: bool) -> bool | Answer:
+    """`?autoload=` read case-insensitively; garbage is a 400, not a silent false."""
+    value = fields.get("autoload")
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    return Answer(400, f"autoload must be true or false (or 1 or 0), got {value!r}")
+
+
+class RequestHead(msgspec.Struct):
+    """The one field of a proxied body corral reads; the rest passes through untouched."""
+
+    model: str | None = None
+
+
+_decode_head = msgspec.json.Decoder(RequestHead).decode
+
+
+def model_of_body(body: bytes) -> str | Answer:
+    """The `model` a JSON body names, or the 400 that says what is wrong with it."""
+    try:
+        head = _decode_head(body) if body else RequestHead()
+    except msgspec.DecodeError as e:
+        return Answer(400, f"invalid JSON body: {e}")
+    except RecursionError:
+        return Answer(400, f"invalid JSON body: nested deeper than {JSON_DEPTH_LIMIT} levels")
+    if not head.model:
+        return Answer(400, 'model name is missing from the request (set "model")')
+    return head.model
+
+
+class ModelRoute(msgspec.Struct, frozen=True):
+    """How the front talks to one model's children."""
+
+    pool_cap: int | None
+    """Most connections open to one child at once (None: no cap)."""
+    first_byte_timeout_s: float | None
+    """No answer head by then: 504 (None: wait as long as the child takes)."""
+
+
+class Routes(msgspec.Struct, frozen=True):
+    """The model table as the front sees it: one immutable value, replaced on reload."""
+
+    names: dict[str, str]
+    """Every name and alias -> the canonical model name."""
+    models: dict[str, ModelRoute]
+    autoload: bool
+
+    @classmethod
+    def of(cls, config: Config) -> Routes:
+        models = {name: ModelRoute(llama_pool_cap(m.cmd) if is_llama(m.cmd, m.health) else None,
+                                   m.first_byte_timeout_s)
+                  for name, m in config.models.items()}
+        return cls(config.resolve_aliases(), models, config.autoload)
+
+
+def is_llama(cmd: Sequence[str], health: str) -> bool:
+    """A child that runs llama-server (its connections are capped: `llama_pool_cap`)."""
+    return health == "llama" or Path(cmd[0]).name == "llama-server"
+
+
+LLAMA_NP_AUTO = 4
+"""llama-server's `-np` when not given (server.cpp: auto means 4 slots)."""
+
+
+def llama_pool_cap(argv: Sequence[str], cpus: int | None = None) -> int:
+    """How many connections corral keeps open to one llama-server child at most.
+
+    llama-server (cpp-httplib) holds one HTTP thread per open connection until it has been
+    idle 5 s, and has `--threads-http` of them (default max(np + 4, cpus - 1)). A pool that
+    opened one more than that left requests waiting 5.4 s for a thread (issue 10); two
+    threads stay free for corral's health polls and other clients.
+    """
+    def flag(*names: str) -> int | None:
+        for i, arg in enumerate(argv):
+            for name in names:
+                if arg == name and i + 1 < len(argv):
+                    value = argv[i + 1]
+                elif arg.startswith(name + "="):
+                    value = arg.split("=", 1)[1]
+                else:
+                    continue
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
+
+    threads = flag("--threads-http")
+    if threads is None or threads < 1:
+        np = flag("-np", "--parallel")
+        if np is None or np < 1:
+            np = LLAMA_NP_AUTO
+        threads = max(np + 4, (cpus or os.cpu_count() or 1) - 1)
+    return max(1, threads - 2)

@@ -1,0 +1,293 @@
+"""One request and its answer: the front's unit of work.
+
+An `Exchange` owns everything that belongs to one request — its grant, its upstream
+connection, the flags of the answer being written — so that nothing of one request can
+leak into the next on the same client connection (issue 10). Its phases:
+
+    waiting ──> forwarding ──> streaming ──> done
+       └───────────┴──────────────┴────────────^
+
+waiting: for the Scheduler's grant and a pooled connection; forwarding: the request is
+sent, no answer head yet (a 502/504 can still be given); streaming: the child's head has
+gone to the client (from here a failure can only end the stream); done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import TYPE_CHECKING
+
+import pykka
+
+from .bridge import acquire
+from .edge import (
+    HOP_BY_HOP,
+    NOT_FORWARDED,
+    OWN_GET,
+    PROXIED_POST,
+    SSE_PREFIX,
+    TO_API_DROPPED,
+    Answer,
+    model_of_body,
+    parse_autoload,
+    parse_query,
+    reason,
+    refusal_answer,
+    sse_error_event,
+)
+from .messages import Refusal, Release
+from .upstream import Pool, Upstream
+
+if TYPE_CHECKING:
+    from .connection import Connection, Request
+
+log = logging.getLogger("corral.front")
+
+_PROXIED = frozenset(p.encode() for p in PROXIED_POST)
+_OWN_GET = frozenset(p.encode() for p in OWN_GET)
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    FORWARDING = "forwarding"
+    STREAMING = "streaming"
+    DONE = "done"
+
+
+P = Phase
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    P.WAITING: frozenset({P.FORWARDING, P.DONE}),
+    P.FORWARDING: frozenset({P.STREAMING, P.DONE}),
+    P.STREAMING: frozenset({P.DONE}),
+    P.DONE: frozenset(),
+}
+
+
+class Exchange:
+    """One request on one client connection, from its grant to the last byte of its answer."""
+
+    __slots__ = ("chunked", "conn", "done", "head_only", "keep_alive", "out", "phase", "req",
+                 "sse", "task", "upstream", "what")
+
+    def __init__(self, conn: Connection, req: Request) -> None:
+        self.conn = conn
+        self.req = req
+        self.phase = Phase.WAITING
+        self.keep_alive = req.keep_alive
+        """Whether the client connection stays open after this answer."""
+        self.head_only = req.method == b"HEAD"
+        self.chunked = False
+        """The answer is re-framed as chunks for the client (the child gave no length)."""
+        self.sse = False
+        self.what = "corral's API"
+        self.upstream: Upstream | None = None
+        """The leased connection, while the answer is being read from it."""
+        self.out: list[bytes] = []
+        """Bytes for the client, written once per upstream read (`flush`)."""
+        self.done: asyncio.Future[None] | None = None
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def _to(self, phase: Phase) -> None:
+        assert phase in TRANSITIONS[self.phase], f"exchange: {self.phase} -> {phase}"
+        self.phase = phase
+
+    # ------------------------------------------------------------ the request
+
+    async def run(self) -> None:
+        try:
+            await self._serve()
+        except pykka.ActorDeadError:
+            self.answer(Answer(503, "corral is shutting down (its scheduler has stopped)"))
+        except Exception as e:  # a bug here must not take the server down
+            log.exception("request %r %r failed", self.req.method, self.req.url)
+            if self.phase in (Phase.WAITING, Phase.FORWARDING):
+                self.answer(Answer(500, f"internal error: {e}"))
+            else:
+                self.keep_alive = False
+        finally:
+            if self.upstream is not None:
+                self.upstream.detach()
+                self.upstream = None
+            self.phase = Phase.DONE
+            self.conn.exchange_done(self)
+
+    async def _serve(self) -> None:
+        req = self.req
+        path, _, query = req.url.partition(b"?")
+        fields = parse_query(query.decode("latin-1")) if query else {}
+        if req.method == b"POST" and path in _PROXIED:
+            name = model_of_body(req.body)
+        elif req.method in (b"GET", b"HEAD") and "model" in fields and path not in _OWN_GET:
+            name = fields["model"] or Answer(400, "?model= is empty; name a model")
+        else:
+            await self.forward(self.conn.front.api_pool(), TO_API_DROPPED, None)
+            return
+        if isinstance(name, Answer):
+            self.answer(name)
+            return
+        await self.to_model(name, fields)
+
+    async def to_model(self, name: str, fields: dict[str, str]) -> None:
+        front = self.conn.front
+        routes = front.routes
+        model = routes.names.get(name)
+        if model is None:
+            self.answer(Answer(400, f"model '{name}' not found"))
+            return
+        autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload
+        if isinstance(autoload, Answer):
+            self.answer(autoload)
+            return
+        self.what = f"model '{model}'"
+        scheduler = front.scheduler()
+        ticket, grant = await acquire(scheduler, model, autoload)
+        if isinstance(grant, Refusal):
+            self.answer(refusal_answer(grant))
+            return
+        try:
+            route = routes.models.get(grant.model)
+            host, _, port = grant.base_url.rpartition("/")[2].partition(":")
+            pool = front.pools.get((host, int(port), f"{grant.model}#{grant.generation}"),
+                                   route.pool_cap if route else None)
+            await self.forward(pool, NOT_FORWARDED,
+                               route.first_byte_timeout_s if route else None)
+        finally:
+            scheduler.tell(Release(ticket))
+
+    async def forward(self, pool: Pool, drop: frozenset[bytes],
+                      first_byte_timeout_s: float | None) -> None:
+        """Send the request on a pooled connection and stream the answer back."""
+        req = self.req
+        try:
+            up = await pool.lease()
+        except OSError as e:
+            self.answer(Answer(502, f"{self.what} is unreachable: {e}"))
+            return
+        self.upstream = up
+        host = pool.key[0].encode()
+        head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + host]
+        head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
+        head.append(b"Content-Length: %d" % len(req.body))
+        loop = asyncio.get_running_loop()
+        self.done = loop.create_future()
+        self._to(Phase.FORWARDING)
+        up.send(self, b"\r\n".join(head) + b"\r\n\r\n" + req.body, self.head_only)
+        timer = (loop.call_later(first_byte_timeout_s, self._first_byte_late,
+                                 first_byte_timeout_s) if first_byte_timeout_s else None)
+        try:
+            await self.done
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _first_byte_late(self, timeout_s: float) -> None:
+        if self.phase is not Phase.FORWARDING:
+            return
+        log.warning("%s sent no answer within %g s (first_byte_timeout_s): 504", self.what,
+                    timeout_s)
+        if self.upstream is not None:
+            self.upstream.detach()
+            self.upstream = None
+        self.answer(Answer(504, f"{self.what} sent no answer within {timeout_s:g} s "
+                           "(first_byte_timeout_s)", "timeout_error"))
+        self._resolve()
+
+    def answer(self, answer: Answer) -> None:
+        """corral's own answer, in place of a child's."""
+        self.keep_alive = self.keep_alive and not self.conn.front.draining
+        self.conn.write(answer.encode(self.keep_alive))
+        self._to(Phase.DONE)
+
+    def _resolve(self) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    # ------------------------------------------------------------ the answer (Sink)
+
+    def response_interim(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.phase is not Phase.FORWARDING or self.req.http10:
+            return  # an HTTP/1.0 client knows no interim answers
+        out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
+        out += [n + b": " + v for n, v in headers if n.lower() not in HOP_BY_HOP]
+        self.out.append(b"\r\n".join(out) + b"\r\n\r\n")
+
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._to(Phase.STREAMING)
+        length = None
+        out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
+        for name, value in headers:
+            lname = name.lower()
+            if lname == b"content-length":
+                length = value
+            elif lname == b"content-type" and value.startswith(SSE_PREFIX):
+                self.sse = True
+            if lname not in HOP_BY_HOP:
+                out.append(name + b": " + value)
+        keep = self.keep_alive and not self.conn.front.draining
+        if length is not None:
+            out.append(b"Content-Length: " + length)
+        elif self.head_only or status in (204, 304):
+            pass
+        elif not self.req.http10:
+            self.chunked = True
+            out.append(b"Transfer-Encoding: chunked")
+        else:
+            keep = False  # an HTTP/1.0 client reads to the close
+        self.keep_alive = keep
+        out.append(b"Connection: keep-alive" if keep else b"Connection: close")
+        self.out.append(b"\r\n".join(out) + b"\r\n\r\n")
+
+    def response_body(self, body: bytes) -> None:
+        if self.chunked:
+            self.out += (b"%x\r\n" % len(body), body, b"\r\n")
+        else:
+            self.out.append(body)
+
+    def flush(self) -> None:
+        if self.out:
+            self.conn.write(b"".join(self.out))
+            self.out.clear()
+
+    def response_done(self) -> None:
+        self.upstream = None  # given back to its pool, or closed, by itself
+        if self.chunked:
+            self.out.append(b"0\r\n\r\n")
+        self.flush()
+        self._to(Phase.DONE)
+        self._resolve()
+
+    def upstream_broke(self, why: str) -> None:
+        self.upstream = None
+        if self.phase is Phase.FORWARDING:
+            self.out.clear()  # interim answers only; the final one is ours
+            self.answer(Answer(502, f"{self.what} is unreachable: {why}"))
+        elif self.phase is Phase.STREAMING:
+            log.warning("%s broke off a response: %s", self.what, why)
+            if self.sse and self.chunked:
+                self.response_body(sse_error_event(self.what, why))
+                self.out.append(b"0\r\n\r\n")
+            self.flush()
+            # Without an in-band way to say it, cutting the connection is the only way
+            # a client can tell a broken answer from a whole one.
+            self.keep_alive = False
+            self._to(Phase.DONE)
+        self._resolve()
+
+    # ------------------------------------------------------------ the client
+
+    def pause_upstream(self) -> None:
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def resume_upstream(self) -> None:
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+
+    def client_gone(self) -> None:
+        """The client closed: leave the queue, or drop the request upstream."""
+        if self.upstream is not None:
+            self.upstream.detach()  # mid-answer: it cannot be reused
+            self.upstream = None
+        self.task.cancel()

@@ -1,0 +1,345 @@
+"""Connections from the front to children (and to the management API), and their pools.
+
+Invariant: an `Upstream` is in exactly one place — its pool's idle list (IDLE), leased to
+one exchange (LEASED), or CLOSED — and `Pool.check()` asserts it. A connection goes back
+to the idle list only when its answer ended cleanly: the whole message read, the child
+willing to keep it open, no byte after it, reading not paused. Anything else closes it,
+so no answer can ever reach a request it does not belong to through a reused connection
+(issue 10: a doubled pool entry handed one client's answer to another).
+
+Answers are parsed strictly: 100 Continue is consumed, other 1xx answers (103 Early
+Hints) are passed on as interim answers and never end the exchange, 101 is an error, and
+an answer without a length that ends when the child closes (HTTP/1.0) is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+from typing import Protocol
+
+import httptools
+
+PoolKey = tuple[str, int, str]
+"""(host, port, tag): the tag names the process behind the port (`model#generation`), so a
+new child that gets a dead one's port never receives the dead one's connections."""
+
+
+class Sink(Protocol):
+    """What an upstream connection reports to the exchange that leased it."""
+
+    def response_interim(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    def response_body(self, body: bytes) -> None: ...
+    def flush(self) -> None: ...
+    def response_done(self) -> None: ...
+    def upstream_broke(self, reason: str) -> None: ...
+
+
+class UpState(enum.Enum):
+    IDLE = "idle"
+    LEASED = "leased"
+    CLOSED = "closed"
+
+
+class Upstream(asyncio.Protocol):
+    """One HTTP/1.1 connection to a child; parses its answers for the exchange that holds it."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.state = UpState.LEASED
+        """Invariant: LEASED iff in pool.leased, IDLE iff in pool.idle."""
+        self.transport: asyncio.Transport | None = None
+        self.sink: Sink | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_only = False
+        """The request was HEAD: the answer ends at its headers, whatever they say."""
+        self.head_seen = False
+        self.finished = False
+        """The final answer has been read whole."""
+        self.extra = False
+        """Bytes followed the answer: the connection can never be trusted again."""
+        self.close_delimited = False
+        """The answer has no length: it ends when the child closes (HTTP/1.0 style)."""
+        self.paused = False
+        self.keep_alive = False
+        """The child will keep the connection open after this answer."""
+        self.idle_since = 0.0
+
+    # ------------------------------------------------------------ exchange side
+
+    def send(self, sink: Sink, data: bytes, head_only: bool) -> None:
+        """Write one request; its answer goes to `sink`."""
+        assert self.state is UpState.LEASED and self.sink is None and self.transport is not None
+        self.sink = sink
+        self.head_only = head_only
+        self.headers = []
+        self.head_seen = self.finished = self.extra = self.close_delimited = False
+        self.keep_alive = False
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport.write(data)
+
+    def detach(self) -> None:
+        """The exchange is over before the answer was: the connection cannot be reused."""
+        self.sink = None
+        self.close()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.state is not UpState.CLOSED:
+            self.pool.remove(self)
+            self.state = UpState.CLOSED
+        if self.transport is not None:
+            self.transport.close()
+
+    # ------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.state is not UpState.CLOSED:
+            self.pool.remove(self)
+            self.state = UpState.CLOSED
+        sink, self.sink = self.sink, None
+        if sink is None:
+            return
+        if self.head_seen and self.close_delimited and not self.finished:
+            sink.response_done()  # the close is how this answer ends
+        else:
+            sink.upstream_broke(str(exc) if exc else "the child closed the connection")
+
+    def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is None:  # bytes nobody asked for (an idle connection): never reuse it
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._broke(sink, "it answered 101 Switching Protocols, which corral does not "
+                        "pass on")
+            return
+        except httptools.HttpParserError as e:
+            if not self.finished:
+                self._broke(sink, f"malformed answer: {e}")
+                return
+            self.extra = True  # garbage after a whole answer
+        if self.finished:
+            self.sink = None
+            if self.extra or not self.keep_alive:
+                self.close()
+            else:
+                self.resume_reading()  # paused for a slow client: not for the next one
+                self.pool.give_back(self)
+            sink.response_done()
+        elif self.sink is not None:
+            sink.flush()  # what this read produced goes out in one write
+
+    def _broke(self, sink: Sink, reason: str) -> None:
+        self.sink = None
+        self.close()
+        sink.upstream_broke(reason)
+
+    # ------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.finished:
+            self.extra = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if self.finished or self.sink is None:
+            return
+        status = self.parser.get_status_code()
+        if status == 101:
+            return  # feed_data raises HttpParserUpgrade next
+        headers, self.headers = self.headers, []
+        if status < 200:  # interim: the final answer is still to come
+            if status != 100:
+                self.sink.response_interim(status, headers)
+            return
+        self.head_seen = True
+        self.close_delimited = (status not in (204, 304) and not self.head_only and not any(
+            n.lower() in (b"content-length", b"transfer-encoding") for n, _ in headers))
+        self.sink.response_head(status, headers)
+        if self.head_only:  # the parser would wait for a body that never comes
+            self.finished = True
+            self.extra = True  # so: never pooled
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None and not self.finished:
+            self.sink.response_body(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_seen and not self.finished:
+            self.finished = True
+            self.keep_alive = self.parser.should_keep_alive()  # only valid here
+
+
+class Pool:
+    """Connections to one child process, at most `cap` at once (None: no cap).
+
+    Beyond the cap a lease waits for a connection to come back; a connection idle for
+    `idle_s` is closed (before the child's own keep-alive timeout closes it under a
+    request that is just being sent).
+    """
+
+    def __init__(self, pools: Pools, key: PoolKey, cap: int | None) -> None:
+        self.pools = pools
+        self.key = key
+        self.cap = cap
+        self.idle: list[Upstream] = []
+        """Most recently used last; the stalest first."""
+        self.leased: set[Upstream] = set()
+        self.opening = 0
+        self.waiters: collections.deque[asyncio.Future[Upstream | None]] = collections.deque()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.idle or self.leased or self.opening or self.waiters)
+
+    async def lease(self) -> Upstream:
+        """A connection for one exchange: an idle one, a new one, or (at the cap) the
+        next one given back. Raises OSError if the child cannot be reached."""
+        deadline = asyncio.get_running_loop().time() - self.pools.idle_s
+        while self.idle:
+            up = self.idle.pop()
+            if up.idle_since < deadline or up.transport is None:
+                up.close()  # about to be closed by the child: do not send into it
+                continue
+            up.state = UpState.LEASED
+            self.leased.add(up)
+            return up
+        if self.cap is not None and len(self.leased) + self.opening >= self.cap:
+            handed = await self._wait_turn()
+            if handed is not None:
+                return handed
+        return await self._open()
+
+    async def _wait_turn(self) -> Upstream | None:
+        """Wait at the cap: a connection handed over, or None (room to open one)."""
+        turn: asyncio.Future[Upstream | None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(turn)
+        try:
+            return await turn
+        except asyncio.CancelledError:
+            if turn in self.waiters:
+                self.waiters.remove(turn)
+            elif turn.done() and not turn.cancelled():  # handed over as we were cancelled
+                up = turn.result()
+                if up is not None:
+                    self.give_back(up)
+                else:
+                    self._wake()
+            raise
+        finally:
+            self.pools.forget_if_empty(self)
+
+    async def _open(self) -> Upstream:
+        loop = asyncio.get_running_loop()
+        host, port, _ = self.key
+        self.opening += 1
+        try:
+            _, up = await loop.create_connection(lambda: Upstream(self), host, port)
+        finally:
+            self.opening -= 1
+        if up.transport is None or up.transport.is_closing():
+            raise ConnectionResetError("the connection closed as it opened")
+        self.leased.add(up)
+        return up
+
+    def give_back(self, up: Upstream) -> None:
+        """An answer ended cleanly: to the next waiter, or to the idle list."""
+        assert up.state is UpState.LEASED and up in self.leased, up.state
+        assert up.sink is None and not up.paused
+        while self.waiters:
+            turn = self.waiters.popleft()
+            if not turn.done():
+                turn.set_result(up)  # stays leased, to its new holder
+                return
+        self.leased.remove(up)
+        up.state = UpState.IDLE
+        up.idle_since = asyncio.get_running_loop().time()
+        self.idle.append(up)
+
+    def remove(self, up: Upstream) -> None:
+        """`up` is closing: forget it, and let a waiter open a connection in its place."""
+        if up.state is UpState.LEASED:
+            self.leased.discard(up)
+        elif up.state is UpState.IDLE and up in self.idle:
+            self.idle.remove(up)
+        self._wake()
+        self.pools.forget_if_empty(self)
+
+    def _wake(self) -> None:
+        while self.waiters:
+            turn = self.waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+
+    def sweep(self, now: float) -> None:
+        """Close the connections idle longer than idle_s (the stalest are first)."""
+        while self.idle and self.idle[0].idle_since < now - self.pools.idle_s:
+            self.idle[0].close()
+
+    def check(self) -> None:
+        """Assert the invariant (tests call it after every step)."""
+        assert len(set(map(id, self.idle))) == len(self.idle), "a connection is idle twice"
+        assert not (set(self.idle) & self.leased), "a connection is idle and leased"
+        for up in self.idle:
+            assert up.state is UpState.IDLE and up.sink is None
+        for up in self.leased:
+            assert up.state is UpState.LEASED
+        if self.cap is not None:
+            assert len(self.leased) <= self.cap, (len(self.leased), self.cap)
+
+
+class Pools:
+    """Every pool of the front, by child."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.pools: dict[PoolKey, Pool] = {}
+
+    def get(self, key: PoolKey, cap: int | None) -> Pool:
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = Pool(self, key, cap)
+        return pool
+
+    def forget_if_empty(self, pool: Pool) -> None:
+        if pool.empty and self.pools.get(pool.key) is pool:
+            del self.pools[pool.key]  # the child may be gone: so is its key
+
+    def sweep(self, now: float) -> None:
+        for pool in list(self.pools.values()):
+            pool.sweep(now)
+
+    def close(self) -> None:
+        for pool in list(self.pools.values()):
+            for up in [*pool.idle, *pool.leased]:
+                up.close()
+
+    def check(self) -> None:
+        for pool in self.pools.values():
+            pool.check()
+
+    def counts(self) -> dict[str, int]:
+        """Idle and leased connections over all pools (tests and /debug)."""
+        return {"idle": sum(len(p.idle) for p in self.pools.values()),
+                "leased": sum(len(p.leased) for p in self.pools.values())}
