@@ -129,6 +129,9 @@ class Front:
         if self.server is not None:
             self.server.close()
         self.draining = True
+        busy = sum(c.exchange is not None for c in self.connections)
+        log.info("draining: %d answers running, %d connections open; new requests get 503",
+                 busy, len(self.connections))
         for conn in list(self.connections):
             conn.drain()
         self.exchange_finished()

@@ -115,6 +115,7 @@ class Router:
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         api_port = int(self.runner.addresses[0][1])
+        log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler, api_port,
                            self.config.api_key, self.config.http, self.config.max_body_mib)
         return await self.front.listen(host, port)

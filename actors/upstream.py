@@ -17,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import os
 from typing import Protocol
 
 import httptools
+
+CHECK = os.environ.get("CORRAL_CHECK_INVARIANTS") == "1"
+"""Assert the pool invariant after every change (the edge's fuzz test sets it)."""
 
 PoolKey = tuple[str, int, str]
 """(host, port, tag): the tag names the process behind the port (`model#generation`), so a
@@ -223,6 +227,8 @@ class Pool:
                 continue
             up.state = UpState.LEASED
             self.leased.add(up)
+            if CHECK:
+                self.check()
             return up
         if self.cap is not None and len(self.leased) + self.opening >= self.cap:
             handed = await self._wait_turn()
@@ -275,6 +281,8 @@ class Pool:
         up.state = UpState.IDLE
         up.idle_since = asyncio.get_running_loop().time()
         self.idle.append(up)
+        if CHECK:
+            self.check()
 
     def remove(self, up: Upstream) -> None:
         """`up` is closing: forget it, and let a waiter open a connection in its place."""
@@ -284,6 +292,8 @@ class Pool:
             self.idle.remove(up)
         self._wake()
         self.pools.forget_if_empty(self)
+        if CHECK:
+            self.check()
 
     def _wake(self) -> None:
         while self.waiters:

@@ -96,6 +96,8 @@ class Corral:
 
     def __init__(self, tmp: Path, config_text: str | None, *args: str) -> None:
         self.log_path = tmp / "corral.log"
+        self.key: str | None = None
+        """The API key `models()` sends, for a corral that has one."""
         argv = [sys.executable, str(ROOT / "supervisor.py"), "serve", "--port", "0", *args]
         if config_text is not None:
             cfg = tmp / "corral.toml"
@@ -127,7 +129,8 @@ class Corral:
         return self.log_path.read_text(errors="replace")
 
     def models(self) -> dict[str, dict[str, Any]]:
-        status, body, _ = request(self.port, "GET", "/models")
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else None
+        status, body, _ = request(self.port, "GET", "/models", headers=headers)
         assert status == 200, body
         return {m["id"]: m for m in body["data"]}
 

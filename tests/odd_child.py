@@ -1,0 +1,126 @@
+"""A child that speaks HTTP oddly on purpose, on raw sockets: the edge's hostile tests.
+
+    python -m tests.odd_child --port 9000
+
+Every answer carries the request's `x-request-id` (header and body), so a test can tell
+whose answer a client got. The `x-odd` request header picks a behaviour:
+
+    (none)        200 with Content-Length, keep-alive
+    early-hints   103 Early Hints and 100 Continue, then the answer
+    extra         the answer and a second, unasked-for one in the same write
+    extra-later   the answer, then an unasked-for one 50 ms later
+    http10        an HTTP/1.0 answer with no length, ended by closing
+    http10-sse    an SSE stream as HTTP/1.0 (ends with [DONE], then the close)
+    switch        101 Switching Protocols and bytes after it
+    silent        never answers
+    big           a chunked answer of `x-size` bytes (default 8 MiB)
+    slow          `x-events` SSE events (default 5), 50 ms apart
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import httptools
+
+
+class Child(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        self.headers: dict[str, str] = {}
+        self.url = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self.headers = {}
+        self.url = b""
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode().lower()] = value.decode()
+
+    def on_message_complete(self) -> None:
+        asyncio.get_running_loop().create_task(self.answer(dict(self.headers), self.url))
+
+    async def answer(self, headers: dict[str, str], url: bytes) -> None:
+        t = self.transport
+        assert t is not None
+        rid = headers.get("x-request-id", "")
+        odd = headers.get("x-odd", "")
+        body = json.dumps({"id": rid, "url": url.decode(), "headers": headers}).encode()
+        plain = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-request-id: "
+                 + rid.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        if odd == "early-hints":
+            t.write(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n")
+            await asyncio.sleep(0.01)
+            t.write(b"HTTP/1.1 100 Continue\r\n\r\n" + plain)
+        elif odd == "extra":
+            t.write(plain + plain.replace(rid.encode(), b"EXTRA"))
+        elif odd == "extra-later":
+            t.write(plain)
+            await asyncio.sleep(0.05)
+            t.write(plain.replace(rid.encode(), b"EXTRA"))
+        elif odd == "http10":
+            t.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n")
+            await asyncio.sleep(0.01)
+            t.write(body)
+            t.close()
+        elif odd == "http10-sse":
+            t.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+            for i in range(3):
+                t.write(b'data: {"n": %d, "id": "%s"}\n\n' % (i, rid.encode()))
+                await asyncio.sleep(0.01)
+            t.write(b"data: [DONE]\n\n")
+            t.close()
+        elif odd == "switch":
+            t.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade"
+                    b"\r\n\r\nnot http any more")
+        elif odd == "silent":
+            return
+        elif odd == "big":
+            size = int(headers.get("x-size", str(8 * 2**20)))
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                    b"x-request-id: " + rid.encode() + b"\r\nContent-Length: %d\r\n\r\n" % size)
+            block = b"x" * 65536
+            for _ in range(size // len(block)):
+                t.write(block)
+            t.write(b"x" * (size % len(block)))
+        elif odd == "slow":
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n")
+            for i in range(int(headers.get("x-events", "5"))):
+                event = b'data: {"n": %d, "id": "%s"}\n\n' % (i, rid.encode())
+                t.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await asyncio.sleep(0.05)
+            t.write(b"0\r\n\r\n")
+        else:
+            t.write(plain)
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    args, _ = p.parse_known_args()
+    server = await asyncio.get_running_loop().create_server(Child, args.host, args.port)
+    print(f"odd child listening on {args.port}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
