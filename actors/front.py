@@ -15,7 +15,9 @@ application on an internal loopback port. The parts:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -34,6 +36,8 @@ streams lost SYNs and waited out a 1 s retransmit (bench overhead, p99 time to f
 POOL_IDLE_S = 4.0
 """A pooled connection idle this long is closed: below the 5 s keep-alive of llama-server
 (cpp-httplib) and uvicorn (vLLM), so corral never sends into a connection being closed."""
+FD_LOW = 8
+"""Within this many of the open-file limit, corral says it has run out."""
 FD_RESERVE = 64
 """File descriptors kept back from clients for children's pipes, logs and the API."""
 
@@ -119,8 +123,19 @@ class Front:
                       " KiB limit (http.max_header_kib)")
 
     def _sweep(self) -> None:
+        """Once a second: close stale pooled connections, and say so when the open-file
+        limit is reached (the event loop then drops new connections without a word)."""
         loop = asyncio.get_running_loop()
         self.pools.sweep(loop.time())
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        try:
+            open_fds = len(os.listdir("/proc/self/fd"))
+        except OSError as e:  # EMFILE: not even this one could be opened
+            open_fds = soft if e.errno == errno.EMFILE else 0
+        if soft != resource.RLIM_INFINITY and open_fds >= soft - FD_LOW:
+            self.warn("emfile", f"out of file descriptors ({open_fds} open, limit {soft}): "
+                      "new clients are being dropped; raise the limit (ulimit -n) or lower "
+                      "http.max_connections")
         self._sweeper = loop.call_later(1.0, self._sweep)
 
     async def drain(self, timeout_s: float) -> None:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,18 +128,20 @@ class _LeanConnection(asyncio.Protocol):
 
 
 async def lean_requests(url: str, model: str, n: int, concurrency: int, max_tokens: int = 1,
-                        extra: dict[str, Any] | None = None) -> list[Result]:
+                        extra: dict[str, Any] | None = None, path: str = "/v1/chat/completions",
+                        body: dict[str, Any] | None = None) -> list[Result]:
     """`n` small non-streaming chat completions from `concurrency` keep-alive
     connections, sent and parsed with as little client work as possible (raw protocol,
     httptools, one prepared request), so that the client takes little of the CPU the
     servers it measures share with it. Never raises; a failed request is a Result with
     status 0."""
     host, _, port = url.split("://", 1)[1].partition(":")
-    body = json.dumps({"model": model, "max_tokens": max_tokens, "stream": False,
-                       "messages": [{"role": "user", "content": "hi"}], **(extra or {})})
-    raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-           f"{body}").encode()
+    data = json.dumps(body if body is not None else {
+        "model": model, "max_tokens": max_tokens, "stream": False,
+        "messages": [{"role": "user", "content": "hi"}], **(extra or {})})
+    raw = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+           f"{data}").encode()
     loop = asyncio.get_running_loop()
     left = [n]
     results: list[Result] = []
@@ -175,18 +177,20 @@ def session(limit: int = 0) -> aiohttp.ClientSession:
 
 
 class Corral:
-    """`python supervisor.py serve` on a free port, with `toml` as its config."""
+    """`python supervisor.py serve` on a free port, with `toml` as its config; `root` runs
+    another checkout of corral (a baseline: `baseline()`)."""
 
-    def __init__(self, toml: str, *flags: str) -> None:
+    def __init__(self, toml: str, *flags: str, root: Path = ROOT) -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="corral-bench-")
         cfg = Path(self.dir.name) / "corral.toml"
         cfg.write_text(toml)
         self.log = open(Path(self.dir.name) / "corral.log", "wb")  # noqa: SIM115
         env = {**os.environ, "XDG_STATE_HOME": self.dir.name}
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "supervisor.py"), "serve", "--config", str(cfg),
+            [sys.executable, str(root / "supervisor.py"), "serve", "--config", str(cfg),
              "--port", "0", "--log-level", "WARNING", *flags],
-            stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+            stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, cwd=root,
+            env={**env, "PYTHONPATH": str(root)})
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().decode()
         if "listening on" not in line:
@@ -210,6 +214,24 @@ class Corral:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def baseline(rev: str | None) -> Iterator[Path | None]:
+    """A checkout of corral at git revision `rev` in a temporary worktree (None: none), so a
+    bench can run the code before a change beside the code after it, in one run."""
+    if rev is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="corral-baseline-") as tmp:
+        path = Path(tmp) / "corral"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
+                       check=True, capture_output=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+                           check=False, capture_output=True)
 
 
 def toml_models(models: dict[str, list[str]], **top: Any) -> str:
@@ -257,10 +279,12 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.asynccontextmanager
 async def llama_pair(binary: str, models_max: int, n_models: int = 2,
+                     baseline_root: Path | None = None,
                      ) -> AsyncIterator[tuple[dict[str, str], dict[str, int]]]:
     """Tiny GGUF models behind llama-server's own router and behind corral, same preset:
     yields ({"llama-router": url, "corral": url}, the two processes' pids by the same
-    names; the children are other processes)."""
+    names; the children are other processes). With `baseline_root`, a third: the corral
+    of that checkout, as "corral-baseline"."""
     from actors.childproc import pick_port
     from scripts.tiny_gguf import write_tiny_gguf
 
@@ -276,12 +300,18 @@ async def llama_pair(binary: str, models_max: int, n_models: int = 2,
                  "--port", str(port), "--models-max", str(models_max)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
             try:
-                with Corral(f"models_max = {models_max}\n", "--models-preset", str(ini),
-                            "--llama-server", binary) as corral:
+                args = (f"models_max = {models_max}\n", "--models-preset", str(ini),
+                        "--llama-server", binary)
+                with Corral(*args) as corral, contextlib.ExitStack() as stack:
                     urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
+                    pids = {"llama-router": router.pid, "corral": corral.proc.pid}
+                    if baseline_root is not None:
+                        old = stack.enter_context(Corral(*args, root=baseline_root))
+                        urls["corral-baseline"] = old.url
+                        pids["corral-baseline"] = old.proc.pid
                     async with session() as s:
                         await wait_up(s, urls["llama-router"])
-                    yield urls, {"llama-router": router.pid, "corral": corral.proc.pid}
+                    yield urls, pids
             finally:
                 router.terminate()
                 try:

@@ -3,6 +3,7 @@ interleaved round by round in one run.
 
     python -m bench overhead [--rounds 3] [--requests 600] [--json FILE]
     python -m bench overhead --llama-server BIN     # also: corral vs llama-server's router
+    python -m bench overhead --baseline REV         # also: the corral of git revision REV
 
 Small non-streaming requests (max_tokens 1) at concurrency 1, 16 and 64, and streams at
 1, 64 and 256 at once from a child that streams at --tokens-per-s (a realistic rate).
@@ -30,6 +31,7 @@ from bench.common import (
     FAKE,
     Corral,
     Result,
+    baseline,
     cpu_seconds,
     get_json,
     lean_requests,
@@ -165,8 +167,9 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
                        models_max=2)
     rows = []
     with Corral(toml) as corral, contextlib.ExitStack() as stack:
-        # --aiohttp: a second corral, serving its port with aiohttp alone, in the same run
-        old = stack.enter_context(Corral(toml, "--aiohttp-proxy")) if args.aiohttp else None
+        # --baseline: the corral of another revision, in the same run
+        old = (stack.enter_context(Corral(toml, root=args.baseline_root))
+               if args.baseline_root else None)
         async with session() as s:
             for model in ("small", "stream"):  # load both; learn their children's ports
                 await send(s, corral.url, model)
@@ -176,16 +179,16 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
             ports = {m["id"]: m["port"] for m in listing["data"]}
             cpu = {"corral": corral.proc.pid}
             if old:
-                cpu["corral-aiohttp"] = old.proc.pid
+                cpu["corral-baseline"] = old.proc.pid
 
             def targets(model: str) -> dict[str, tuple[str, str]]:
                 out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),
                        "corral": (corral.url, model)}
                 if old:
-                    out["corral-aiohttp"] = (old.url, model)
+                    out["corral-baseline"] = (old.url, model)
                 return out
 
-            others = ["corral", "corral-aiohttp"] if old else ["corral"]
+            others = ["corral", "corral-baseline"] if old else ["corral"]
             for c in args.concurrency:
                 sides = await compare(s, targets("small"), args.rounds,
                                       max(args.requests, c), c, stream=False, max_tokens=1,
@@ -206,21 +209,25 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
 async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Tiny GGUF models behind corral and behind llama-server's own router."""
     rows = []
-    async with llama_pair(args.llama_server, models_max=2) as (urls, cpu), session() as s:
+    async with llama_pair(args.llama_server, models_max=2,
+                          baseline_root=args.baseline_root) as (urls, cpu), session() as s:
         targets = {name: (url, "m0") for name, url in urls.items()}
         for url, model in targets.values():
             await send(s, url, model)  # load
         for c in args.concurrency:
             sides = await compare(s, targets, args.rounds, max(args.requests // 2, c), c,
                                   stream=False, max_tokens=1, cpu=cpu)
-            rows.append(row(f"llama small c={c}", sides, "llama-router", "corral",
-                            "requests"))
-            print_rows(rows[-1:], "llama-router", "corral")
+            others = [name for name in urls if name.startswith("corral")]
+            rows += [row(f"llama small c={c}", sides, "llama-router", o, "requests")
+                     for o in others]
+            print_rows(rows[-len(others):], "llama-router", "corral")
         for n in (1, 16):
             sides = await compare(s, targets, args.rounds, n, n, stream=True, max_tokens=200,
                                   extra={"ignore_eos": True}, cpu=cpu)
-            rows.append(row(f"llama streams n={n}", sides, "llama-router", "corral", "tokens"))
-            print_rows(rows[-1:], "llama-router", "corral")
+            others = [name for name in urls if name.startswith("corral")]
+            rows += [row(f"llama streams n={n}", sides, "llama-router", o, "tokens")
+                     for o in others]
+            print_rows(rows[-len(others):], "llama-router", "corral")
     return rows
 
 
@@ -236,15 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-s", type=float, default=30.0, help="per stream")
     ap.add_argument("--stream-seconds", type=float, default=4.0)
     ap.add_argument("--llama-server", metavar="BIN")
-    ap.add_argument("--aiohttp", action="store_true",
-                    help="also a corral serving its port with aiohttp alone (the old path)")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also the corral of git revision REV (a worktree), side by side")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    rows = _run(fake_side_by_side(args))
-    if args.llama_server:
-        rows += _run(llama_side_by_side(args))
+    with baseline(args.baseline) as args.baseline_root:
+        rows = _run(fake_side_by_side(args))
+        if args.llama_server:
+            rows += _run(llama_side_by_side(args))
     write_json(args.json, {"bench": "overhead", "machine": machine(),
-                           "params": {k: v for k, v in vars(args).items() if k != "json"},
+                           "params": {k: v for k, v in vars(args).items()
+                                      if k not in ("json", "baseline_root")},
                            "rows": rows})
     return 0
 
