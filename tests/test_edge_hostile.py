@@ -177,8 +177,10 @@ def test_pipelined_bytes_behind_a_running_answer_stay_bounded(edge) -> None:
             sent += n
             left = left[n:]
         raw.sock.setblocking(True)
-        assert sent < 64 * 2**20, sent  # the kernel buffers, then nothing more is taken
-        assert proc.memory_info().rss - before < 40 * 2**20
+        # The kernel's buffers fill (a few MiB on loopback), then nothing more is taken;
+        # before issue 10 all 32 MiB went in within the second, and into corral's memory.
+        assert sent < 12 * 2**20, sent
+        assert proc.memory_info().rss - before < 12 * 2**20
         first = raw.read(1)[0]
         assert first.status == 200 and first.body.count(b"data:") == 40
 
