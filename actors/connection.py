@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import httptools
@@ -75,7 +77,10 @@ class Connection(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.head_bytes = 0
         """Bytes fed since the current header block began (the limit's count)."""
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = math.inf
+        """When `on_deadline` runs (loop time): the Front checks every connection once a
+        second (a timer per request cost more than the rest of the front's bookkeeping)."""
+        self.on_deadline: Callable[[], None] = self.close
         self.last_read = 0.0
         self.reading = True
         self.eof = False
@@ -341,12 +346,11 @@ class Connection(asyncio.Protocol):
         self.write(answer.encode(False))
         self.lingering = True
         self.pending.clear()
-        self._disarm()
         if self.transport is not None:
             if self.transport.can_write_eof():
                 self.transport.write_eof()
             self.resume_reading()
-            self.timer = self.loop.call_later(LINGER_S, self.close)
+        self._arm(LINGER_S, self.close)
 
     def write(self, data: bytes) -> None:
         if self.transport is not None:
@@ -380,14 +384,18 @@ class Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------ timers
 
-    def _arm(self, delay_s: float, callback: object) -> None:
-        self._disarm()
-        self.timer = self.loop.call_later(delay_s, callback)  # type: ignore[arg-type]
+    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self.deadline = self.loop.time() + delay_s
+        self.on_deadline = callback
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.deadline = math.inf
+
+    def check_deadline(self, now: float) -> None:
+        """Called by the Front once a second."""
+        if now >= self.deadline:
+            self.deadline = math.inf
+            self.on_deadline()
 
     def _idle_late(self) -> None:
         self.close()
@@ -404,7 +412,7 @@ class Connection(asyncio.Protocol):
     def _body_late(self) -> None:
         left = self.last_read + self.front.http.body_timeout_s - self.loop.time()
         if left > 0:  # it is still arriving: check again when it could be late
-            self.timer = self.loop.call_later(left, self._body_late)
+            self._arm(left, self._body_late)
             return
         self.front.note_timeout("body")
         self.answer_early(Answer(408, f"request body stalled for "

@@ -52,12 +52,12 @@ JSON_DEPTH_LIMIT = 997
 SSE_PREFIX = b"text/event-stream"
 
 
+_REASONS = {s.value: s.phrase for s in http.HTTPStatus}
+
+
 def reason(status: int) -> str:
     """The standard reason phrase, or a neutral one for codes without one."""
-    try:
-        return http.HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
+    return _REASONS.get(status, "Unknown")
 
 
 def error_body(status: int, message: str, type_: str) -> dict[str, Any]:

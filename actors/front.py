@@ -123,10 +123,14 @@ class Front:
                       " KiB limit (http.max_header_kib)")
 
     def _sweep(self) -> None:
-        """Once a second: close stale pooled connections, and say so when the open-file
+        """Once a second: run the connections' timeouts (so they fire up to a second late),
+        close stale pooled connections, and say so when the open-file
         limit is reached (the event loop then drops new connections without a word)."""
         loop = asyncio.get_running_loop()
-        self.pools.sweep(loop.time())
+        now = loop.time()
+        self.pools.sweep(now)
+        for conn in list(self.connections):
+            conn.check_deadline(now)
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         try:
             open_fds = len(os.listdir("/proc/self/fd"))
