@@ -122,7 +122,7 @@ class Connection(asyncio.Protocol):
         skips, RFC 9110 15.2) until it is granted or the reset arrives (R-4.7).
         """
         self.eof = True
-        if self.exchange is None and not self.pending:
+        if not self.busy:
             return False  # nothing to answer (a half-sent request can never complete)
         self._probe(PROBE_FIRST_S)
         return True
@@ -196,13 +196,11 @@ class Connection(asyncio.Protocol):
         req.method = self.parser.get_method()
         req.http10 = self.parser.get_http_version() == "1.0"
         req.keep_alive = self.parser.should_keep_alive()
-        req.answer = self.screen(req)
-        if req.answer is not None:
-            req.keep_alive = False
-            if self.exchange is None and not self.pending:
-                self.answer_early(req.answer)
+        refused = self.screen(req)
+        if refused is not None:
+            self.refuse(req, refused)
             return
-        if self.exchange is None and not self.pending:
+        if not self.busy:
             if req.wants_continue:
                 self.send_continue(req)
             self._arm(self.front.http.body_timeout_s, self._body_late)
@@ -214,11 +212,8 @@ class Connection(asyncio.Protocol):
             return  # refused already: the body is dropped, not kept
         req.body_size += len(body)
         if req.body_size > self.front.limits.max_body:  # chunked: no length to check first
-            req.answer = self.front.too_big()
-            req.keep_alive = False
             req.body_parts.clear()
-            if self.exchange is None and not self.pending:
-                self.answer_early(req.answer)
+            self.refuse(req, self.front.too_big())
             return
         req.body_parts.append(body)
 
@@ -229,7 +224,7 @@ class Connection(asyncio.Protocol):
         if self.lingering:
             return
         req.complete = True
-        req.body = b"".join(req.body_parts) if len(req.body_parts) != 1 else req.body_parts[0]
+        req.body = b"".join(req.body_parts)
         req.body_parts = []
         self.pending.append(req)
         if self.exchange is None:
@@ -273,6 +268,18 @@ class Connection(asyncio.Protocol):
                               "(only 100-continue is)")
             req.wants_continue = not req.http10
         return None
+
+    @property
+    def busy(self) -> bool:
+        """An answer runs or waits its turn: nothing for a later request is written now."""
+        return self.exchange is not None or bool(self.pending)
+
+    def refuse(self, req: Request, answer: Answer) -> None:
+        """corral answers `req` itself and closes: now, or in its turn behind `busy`."""
+        req.answer = answer
+        req.keep_alive = False
+        if not self.busy:
+            self.answer_early(answer)
 
     def send_continue(self, req: Request) -> None:
         if not req.continue_sent and not req.complete:
@@ -335,7 +342,7 @@ class Connection(asyncio.Protocol):
 
     def fail(self, answer: Answer) -> None:
         """Bytes that cannot be served: answer after what runs now, then close."""
-        if self.exchange is not None or self.pending:
+        if self.busy:
             self.deferred = self.deferred or answer
             self.reading_done()
         else:

@@ -101,11 +101,15 @@ class Upstream(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
+        self._forget()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _forget(self) -> None:
+        """Out of the pool for good (closing, or closed by the child)."""
         if self.state is not UpState.CLOSED:
             self.pool.remove(self)
             self.state = UpState.CLOSED
-        if self.transport is not None:
-            self.transport.close()
 
     # ------------------------------------------------------------ asyncio callbacks
 
@@ -113,9 +117,7 @@ class Upstream(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.state is not UpState.CLOSED:
-            self.pool.remove(self)
-            self.state = UpState.CLOSED
+        self._forget()
         sink, self.sink = self.sink, None
         if sink is None:
             return
@@ -348,8 +350,3 @@ class Pools:
     def check(self) -> None:
         for pool in self.pools.values():
             pool.check()
-
-    def counts(self) -> dict[str, int]:
-        """Idle and leased connections over all pools (tests and /debug)."""
-        return {"idle": sum(len(p.idle) for p in self.pools.values()),
-                "leased": sum(len(p.leased) for p in self.pools.values())}

@@ -117,12 +117,9 @@ def test_a_huge_header_is_refused_at_the_limit_without_stalling_others(edge) -> 
     """Finding 3: a 128 MiB header stalled every other client for 14-20 s."""
     with Raw(edge.port) as attacker:
         attacker.send(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
-        start = time.monotonic()
         try:
             for _ in range(4096):  # up to 64 MiB, until corral answers and closes
                 attacker.sock.sendall(b"a" * 16384)
-                if time.monotonic() - start < 1:
-                    continue
         except (BrokenPipeError, ConnectionResetError):
             pass
         answer = attacker.one()
