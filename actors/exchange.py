@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import pykka
 
-from .bridge import acquire
 from .edge import (
     HOP_BY_HOP,
     NOT_FORWARDED,
@@ -37,7 +36,7 @@ from .edge import (
     refusal_answer,
     sse_error_event,
 )
-from .messages import Refusal, Release
+from .messages import Refusal
 from .upstream import Pool, Upstream
 
 if TYPE_CHECKING:
@@ -142,10 +141,11 @@ class Exchange:
             return
         self.what = f"model '{model}'"
         scheduler = front.scheduler()
-        ticket, grant = await acquire(scheduler, model, autoload)
-        if isinstance(grant, Refusal):
-            self.answer(refusal_answer(grant))
+        share = await front.shares.acquire(scheduler, model, autoload)
+        if isinstance(share, Refusal):
+            self.answer(refusal_answer(share))
             return
+        grant = share.grant
         try:
             route = routes.models.get(grant.model)
             host, _, port = grant.base_url.rpartition("/")[2].partition(":")
@@ -154,7 +154,7 @@ class Exchange:
             await self.forward(pool, NOT_FORWARDED,
                                route.first_byte_timeout_s if route else None)
         finally:
-            scheduler.tell(Release(ticket))
+            front.shares.release(scheduler, share)
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
                       first_byte_timeout_s: float | None) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from .config import HttpConfig
 from .connection import Connection
 from .edge import Answer, Routes
+from .shares import Shares
 from .upstream import Pool, Pools
 
 log = logging.getLogger("corral.front")
@@ -69,6 +70,7 @@ class Front:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
+        self.shares = Shares()
         self.api_key = api_key.encode() if api_key is not None else None
         self.http = http
         self.limits = Limits(http, max_body_mib)

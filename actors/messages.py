@@ -175,9 +175,14 @@ class Acquire(Message, frozen=True):
 
 
 class Release(Message, frozen=True):
-    """Router/lease -> Scheduler: the request holding `ticket` has finished."""
+    """Router/lease -> Scheduler: the request holding `ticket` has finished.
+
+    `shared`: other requests joined the grant (actors/shares.py), so the model was in use
+    until now, not only since the grant.
+    """
 
     ticket: Reply
+    shared: bool = False
 
 
 class Cancel(Message, frozen=True):
@@ -219,6 +224,20 @@ class Subscribe(Message, frozen=True):
     """
 
     sink: Any
+
+
+class WatchGrants(Message, frozen=True):
+    """Front -> Scheduler: call `sink(Withdraw)` whenever grants may no longer be shared."""
+
+    sink: Any
+
+
+class Withdraw(Message, frozen=True):
+    """Scheduler -> front: no new request may join a grant of `model`'s `generation` (it
+    stops serving, or restarts for a reload once its requests are done)."""
+
+    model: str
+    generation: int
 
 
 class InstancesAttached(Message, frozen=True):
@@ -338,8 +357,9 @@ class Shutdown(Message, frozen=True):
 
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
-    | InstancesAttached | InstanceStarted | InstanceReady | InstanceReported | InstanceExited
-    | Reconfigure | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
+    | WatchGrants | InstancesAttached | InstanceStarted | InstanceReady | InstanceReported
+    | InstanceExited | Reconfigure | GetDevices | MeasureStarted | Measured | DevicesReported
+    | Shutdown
 )
 
 

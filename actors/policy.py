@@ -32,6 +32,7 @@ from .messages import (
     Refusal,
     Shortfall,
     StatusChanged,
+    Withdraw,
 )
 from .records import (
     Answer,
@@ -121,8 +122,9 @@ class Policy(MemoryRules):
             self._pump(now)
         return self._flush()
 
-    def release(self, ticket: Hashable, now: float) -> list[Effect]:
-        """The request of `ticket` finished (or was never granted: then it is a cancel)."""
+    def release(self, ticket: Hashable, now: float, shared: bool = False) -> list[Effect]:
+        """The request of `ticket` finished (or was never granted: then it is a cancel).
+        `shared`: other requests joined its grant, so the model was in use until now."""
         lease = self.leases.pop(ticket, None)
         if lease is None:
             return self.cancel(ticket, now) if ticket in self.waiting else []
@@ -132,6 +134,8 @@ class Policy(MemoryRules):
         # so only leases of the live generation still count.
         if rec is not None and rec.generation == generation and rec.state.is_running:
             rec.in_flight -= 1
+            if shared:
+                rec.last_used = now
             if rec.stale and rec.in_flight == 0 and rec.state.is_serving:
                 self._stop(rec, "reload", None, now)  # drained: now it may restart
             self._maybe_idle(rec)
@@ -374,6 +378,7 @@ class Policy(MemoryRules):
             self._stop(rec, "reload", None, now)
         else:
             rec.stale = True
+            self._out.append(Withdraw(rec.name, rec.generation))
 
     def _find(self, model: str) -> ModelRecord | None:
         rec = self.models.get(model)
@@ -595,6 +600,8 @@ class Policy(MemoryRules):
         took = now - rec.state_since
         log.info("model %s#%d: %s -> %s (%s, after %.2f s)", rec.name, rec.generation,
                  rec.state.value, new.value, cause, took)
+        if rec.state.is_serving and not new.is_serving:
+            self._out.append(Withdraw(rec.name, rec.generation))
         rec.state = new
         rec.state_since = now
         self._out.append(Publish(StatusChanged(rec.name, new.value, cause, exit_code, info)))

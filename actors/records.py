@@ -13,7 +13,7 @@ import msgspec
 
 from .ledger import Breakdown, MemoryInfo, MemoryStatus
 from .lifecycle import ModelState
-from .messages import Done, Event, Evicted, Grant, Refusal
+from .messages import Done, Event, Evicted, Grant, Refusal, Withdraw
 
 S = ModelState
 
@@ -64,7 +64,8 @@ class Track(msgspec.Struct, frozen=True):
     pid: int | None = None
 
 
-Effect = Spawn | Stop | Answer | Publish | Measure | Track
+Effect = Spawn | Stop | Answer | Publish | Measure | Track | Withdraw
+"""Withdraw goes to the front: no new request may join a grant of that generation."""
 
 
 # ---------------------------------------------------------------- state

@@ -39,11 +39,13 @@ from .messages import (
     GetModels,
     LoadModel,
     ModelsSnapshot,
+    ModelView,
     Ping,
     Refusal,
     ReloadSummary,
     UnloadModel,
 )
+from .shares import Shares
 from .system import Supervisor
 
 log = logging.getLogger("corral.router")
@@ -118,6 +120,7 @@ class Router:
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler, api_port,
                            self.config.api_key, self.config.http, self.config.max_body_mib)
+        self.sup.watch_grants(loop, self.front.shares.withdraw)
         return await self.front.listen(host, port)
 
     async def stop(self) -> None:
@@ -201,6 +204,13 @@ class Router:
                                   "model_alias": "corral", "model_path": "none",
                                   "default_generation_settings": {"params": {}, "n_ctx": 0}})
 
+    def _shares(self) -> Shares:
+        return self.front.shares if self.front is not None else Shares()
+
+    def _in_flight(self, view: ModelView) -> int:
+        """The Scheduler counts a shared grant once; the front knows who joined it."""
+        return view.in_flight + self._shares().extra.get(view.name, 0)
+
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         """Prometheus text (R-6.3); with ?model= the front proxies the child's own."""
         snap = await self._ask(GetModels)
@@ -210,7 +220,9 @@ class Router:
             f"corral_models_running {snap.running}",
             "# TYPE corral_queue_depth gauge", f"corral_queue_depth {snap.queue_depth}",
             "# TYPE corral_requests_granted_total counter",
-            f"corral_requests_granted_total {snap.granted}",
+            f"corral_requests_granted_total {snap.granted + self._shares().joined_total}",
+            "# TYPE corral_requests_joined_total counter",
+            f"corral_requests_joined_total {self._shares().joined_total}",
             "# TYPE corral_queue_wait_seconds summary",
             f"corral_queue_wait_seconds_sum {snap.queue_wait_s:.6f}",
             f"corral_queue_wait_seconds_count {snap.queue_waits}",
@@ -223,7 +235,7 @@ class Router:
         for v in snap.models:
             m = f'model="{v.name}"'
             out += [f'corral_model_state{{{m},state="{v.state}"}} 1',
-                    f"corral_model_in_flight{{{m}}} {v.in_flight}",
+                    f"corral_model_in_flight{{{m}}} {self._in_flight(v)}",
                     f"corral_model_loads_total{{{m}}} {v.loads}",
                     f"corral_model_load_seconds_sum{{{m}}} {v.load_s_total:.6f}",
                     f"corral_model_load_seconds_count{{{m}}} {v.loads_ok}"]
@@ -282,7 +294,7 @@ class Router:
             entry: dict[str, Any] = {
                 "id": view.name, "object": "model", "owned_by": "corral",
                 "created": int(self.started), "aliases": model.aliases, "status": status,
-                "in_flight": view.in_flight, "waiting": view.waiting, "loads": view.loads,
+                "in_flight": self._in_flight(view), "waiting": view.waiting, "loads": view.loads,
                 "pid": view.pid, "port": view.port,
                 "last_eviction": msgspec.to_builtins(view.last_eviction),
                 "memory": msgspec.to_builtins(view.memory),

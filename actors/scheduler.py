@@ -43,6 +43,8 @@ from .messages import (
     Subscribe,
     TrackModel,
     UnloadModel,
+    WatchGrants,
+    Withdraw,
 )
 from .policy import Policy
 from .records import Answer, Effect, Measure, Publish, Spawn, Stop, Track
@@ -68,6 +70,7 @@ class Scheduler(BaseActor):
         self.monitor: Any = None
         self.measurer: Any = None
         self.subscribers: list[Callable[[Event], None]] = []
+        self.grant_watchers: list[Callable[[Withdraw], None]] = []
         self.shutdown_replies: list[Any] = []
 
     def on_receive(self, message: SchedulerMessage) -> None:
@@ -76,8 +79,8 @@ class Scheduler(BaseActor):
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload):
                 self._run(p.acquire(ticket, model, now, autoload))
-            case Release(ticket=ticket):
-                self._run(p.release(ticket, now))
+            case Release(ticket=ticket, shared=shared):
+                self._run(p.release(ticket, now, shared))
             case Cancel(ticket=ticket):
                 self._run(p.cancel(ticket, now))
             case LoadModel(model=model, reply=reply):
@@ -90,6 +93,8 @@ class Scheduler(BaseActor):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.waiting)))
             case Subscribe(sink=sink):
                 self.subscribers.append(sink)
+            case WatchGrants(sink=sink):
+                self.grant_watchers.append(sink)
             case InstancesAttached(instances=instances, monitor=monitor, measurer=measurer):
                 self.instances = dict(instances)
                 self.monitor, self.measurer = monitor, measurer
@@ -155,6 +160,9 @@ class Scheduler(BaseActor):
                 case Publish(event=event):
                     for sink in self.subscribers:
                         sink(event)
+                case Withdraw():
+                    for watcher in self.grant_watchers:
+                        watcher(effect)
                 case Measure(model=model, front=front):
                     if self.measurer is not None:
                         self.measurer.tell(MeasureModel(model, self.configs[model], front))

@@ -29,6 +29,8 @@ from .messages import (
     ReloadSummary,
     Shutdown,
     Subscribe,
+    WatchGrants,
+    Withdraw,
 )
 from .scheduler import Scheduler
 from .timers import Timers
@@ -142,6 +144,11 @@ class Supervisor:
                   callback: Callable[[Event], None]) -> None:
         """Call `callback(event)` on `loop` for every event from now on."""
         self.scheduler.tell(Subscribe(Fanout(loop, callback)))
+
+    def watch_grants(self, loop: asyncio.AbstractEventLoop,
+                     callback: Callable[[Withdraw], None]) -> None:
+        """Call `callback(withdraw)` on `loop` when a grant may no longer be shared."""
+        self.scheduler.tell(WatchGrants(Fanout(loop, callback)))
 
     def stop(self, timeout_s: float | None = None) -> bool:
         """Stop every child, then the actors in reverse order; True if all children exited.

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from actors.lifecycle import IllegalTransition, ModelState, check_transition
-from actors.messages import Done, Grant, Refusal
+from actors.messages import Done, Grant, Refusal, Withdraw
 from actors.policy import Policy
 from actors.records import Answer, Effect, Spawn, Stop
 
@@ -413,3 +413,30 @@ def test_reload_removes_a_model_refusing_its_waiters_and_forgetting_it_once_stop
     refusal = w.acquire("late", "a")
     assert isinstance(refusal, Refusal) and refusal.status == 400
     assert [v.name for v in w.p.snapshot().models] == ["c", "d"]
+
+
+def test_a_grant_is_withdrawn_when_its_model_stops_serving_or_is_retired() -> None:
+    """The front shares a grant among overlapping requests until told otherwise
+    (actors/shares.py): a reload of a busy model and any stop must tell it."""
+    w = World(models_max=3)
+    w.load_idle("a", "b")
+    w.acquire("busy", "a")
+    effects = w.run(w.p.reconfigure({}, [], {"a": False}, w.tick())[0])
+    assert Withdraw("a", w.gen("a")) in effects  # busy: stale, stops once released
+    assert not any(isinstance(e, Stop) for e in effects)
+    effects = w.run(w.p.unload("u", "b", w.tick()))
+    assert Withdraw("b", w.gen("b")) in effects
+    w.acquire("x", "c")
+    assert not any(isinstance(e, Withdraw) for e in w.run(w.p.instance_ready(
+        "c", w.gen("c"), 100, "http://x:1", w.tick())))  # loading -> loaded withdraws none
+
+
+def test_releasing_a_shared_grant_counts_the_model_used_until_then() -> None:
+    w = World(models_max=2)
+    w.load_idle("a", "b")
+    w.acquire("t", "a")  # a's grant, shared by the front with later requests
+    w.acquire("s", "b")  # b is used after a's grant began ...
+    w.release("s")
+    w.run(w.p.release("t", w.tick(), shared=True))  # ... but before a's last request ended
+    w.acquire("u", "c")
+    assert w.stops == [("b", "lru")]
