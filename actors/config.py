@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
+NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 PLACEHOLDER = re.compile(r"\{(port|host|model)\}")
@@ -25,6 +26,25 @@ _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 class ConfigError(Exception):
     """A config that cannot be used; the message says where and what to fix."""
+
+
+class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's operating rules, as the policy needs them (from its config, top-level
+    defaults filled in)."""
+
+    pinned: bool = False
+    ttl_s: float = 0.0
+    """Stop the model after this long with no request (0: never)."""
+    queue_max: int = 0
+    """Most requests waiting for it; more get 503 at once (0: no limit)."""
+    queue_timeout_s: float = 0.0
+    """A request waits at most this long, then gets 503 (0: no limit)."""
+    max_concurrency: int = 0
+    """Most requests in flight to its child; more wait (0: no limit)."""
+    min_resident_s: float = 0.0
+    """Not an LRU victim until it has been loaded this long."""
+    permanent: bool = False
+    """restart = "permanent": reload at once after a crash."""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -55,6 +75,20 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     first_byte_timeout_s: PositiveSeconds | None = None
     """A child that has not begun its answer this long after the request was sent gets
     the request cut off and the client a 504 (default: no limit)."""
+    ttl_s: NonNegativeSeconds | None = None
+    """Stop the model after this long with no request (default: the top-level ttl_s)."""
+    queue_max: Annotated[int, Meta(ge=0)] | None = None
+    """Most requests waiting for this model (default: the top-level queue_max)."""
+    queue_timeout_s: NonNegativeSeconds | None = None
+    """Longest wait for this model (default: the top-level queue_timeout_s)."""
+    max_concurrency: Annotated[int, Meta(ge=0)] = 0
+    """Most requests in flight to the child; more wait for this model only (0: no limit)."""
+    min_resident_s: NonNegativeSeconds | None = None
+    """Not evicted for another model until loaded this long (default: top level)."""
+    restart: Literal["transient", "permanent"] = "transient"
+    """`permanent`: reloaded at once after a crash; `transient`: on the next request."""
+    liveness_interval_s: NonNegativeSeconds | None = None
+    """How often a loaded `http` child's health_path is polled (default: top level)."""
 
     def argv(self, name: str, host: str, port: int, extra: list[str] | None = None) -> list[str]:
         """`cmd` (plus `extra`) with the placeholders filled in."""
@@ -111,7 +145,24 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     api_key: str | None = None
     api_key_file: str | None = None
     restart_intensity: Annotated[int, Meta(ge=0)] = 3
+    """More failures than this within restart_period_s start a backoff (R-3.7)..."""
     restart_period_s: PositiveSeconds = 60.0
+    restart_backoff_max_s: PositiveSeconds = 60.0
+    """... of 1 s, then 2, 4 ... up to this."""
+    restart_healthy_s: NonNegativeSeconds = 30.0
+    """A crash after this long of normal service does not count towards a backoff."""
+    ttl_s: NonNegativeSeconds = 0.0
+    """Stop a model after this long with no request (0: never); per model `ttl_s`."""
+    queue_max: Annotated[int, Meta(ge=0)] = 0
+    """Most requests waiting per model; more get 503 + Retry-After at once (0: no limit)."""
+    queue_timeout_s: NonNegativeSeconds = 0.0
+    """Longest wait in the queue; then 503 + Retry-After (0: no limit)."""
+    min_resident_s: NonNegativeSeconds = 0.0
+    """A model loaded less than this long ago is not evicted for another (swap thrash)."""
+    liveness_interval_s: NonNegativeSeconds = 10.0
+    """How often loaded `http` children's health_path is polled (0: never)..."""
+    liveness_failures: Annotated[int, Meta(ge=1)] = 3
+    """... and after how many failures or timeouts in a row the child is stopped."""
     max_body_mib: Annotated[float, Meta(gt=0)] = 64.0
     memory_margin_mib: Annotated[float, Meta(ge=0)] = 0.0
     """Kept free on every device; 0 turns memory accounting off (R-5)."""
@@ -127,6 +178,26 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     """Default: STATE_DIR/sim-ledger."""
     http: HttpConfig = HttpConfig()
     models: dict[str, ModelConfig] = {}
+
+    def rules_of(self, model: ModelConfig) -> ModelRules:
+        """What the policy needs of `model`, with the top-level defaults filled in."""
+        return ModelRules(
+            pinned=model.pinned,
+            ttl_s=self.ttl_s if model.ttl_s is None else model.ttl_s,
+            queue_max=self.queue_max if model.queue_max is None else model.queue_max,
+            queue_timeout_s=(self.queue_timeout_s if model.queue_timeout_s is None
+                             else model.queue_timeout_s),
+            max_concurrency=model.max_concurrency,
+            min_resident_s=(self.min_resident_s if model.min_resident_s is None
+                            else model.min_resident_s),
+            permanent=model.restart == "permanent")
+
+    def liveness_of(self, model: ModelConfig) -> float:
+        """Seconds between liveness polls of `model`'s child (0: none)."""
+        if model.health != "http":
+            return 0.0
+        return (self.liveness_interval_s if model.liveness_interval_s is None
+                else model.liveness_interval_s)
 
     @property
     def memory_accounting(self) -> bool:

@@ -14,7 +14,6 @@ class ModelState(enum.Enum):
     LOADED = "loaded"
     SLEEPING = "sleeping"
     STOPPING = "stopping"
-    FAILED = "failed"
 
     @property
     def is_running(self) -> bool:
@@ -34,12 +33,13 @@ _SERVING = frozenset({ModelState.LOADED, ModelState.SLEEPING})
 S = ModelState
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
     S.UNLOADED: frozenset({S.LOADING}),
-    S.LOADING: frozenset({S.LOADED, S.STOPPING, S.FAILED}),
-    S.LOADED: frozenset({S.SLEEPING, S.STOPPING, S.FAILED}),
-    S.SLEEPING: frozenset({S.LOADED, S.STOPPING, S.FAILED}),
+    S.LOADING: frozenset({S.LOADED, S.STOPPING, S.UNLOADED}),  # unloaded: the load failed
+    S.LOADED: frozenset({S.SLEEPING, S.STOPPING, S.UNLOADED}),  # unloaded: it crashed
+    S.SLEEPING: frozenset({S.LOADED, S.STOPPING, S.UNLOADED}),
     S.STOPPING: frozenset({S.UNLOADED}),
-    S.FAILED: frozenset({S.LOADING, S.UNLOADED}),
 }
+"""A crash or a failed load is `unloaded` with the record's `failed` flag, as llama.cpp's
+router shows it."""
 
 
 class IllegalTransition(RuntimeError):

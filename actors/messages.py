@@ -71,6 +71,13 @@ class ModelView(msgspec.Struct, frozen=True):
     memory: MemoryInfo
     info: dict[str, Any] | None = None
     progress: dict[str, Any] | None = None
+    failed: bool = False
+    retry_after_s: float | None = None
+    """In a restart backoff: seconds until the next load may start."""
+    expires_in_s: float | None = None
+    """Loaded and idle with a ttl_s: seconds until it is stopped."""
+    queue_oldest_s: float | None = None
+    """How long the oldest request waiting for it has waited."""
 
 
 class ModelsSnapshot(Message, frozen=True):
@@ -115,7 +122,8 @@ class Alive(Message, frozen=True):
 
 # ---------------------------------------------------------------- events (sent as JSON)
 
-EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "shutdown"]
+EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "shutdown",
+                         "unhealthy"]
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type"):
@@ -133,6 +141,12 @@ class StatusChanged(Event, frozen=True, tag="status_change", omit_defaults=True)
     """What a llama child said about its model when it became ready."""
     progress: dict[str, Any] | None = None
     """A llama child's loading progress: `{stages, current, value}`."""
+    failed: bool = False
+    """As llama.cpp's router: `unloaded` after a crash or a failed load says so here..."""
+    exit: str | None = None
+    """... and corral says how the child ended..."""
+    retry_after_s: float | None = None
+    """... and, in a backoff, how long until the next load may start."""
 
 
 class Shortfall(msgspec.Struct, frozen=True):
@@ -224,6 +238,31 @@ class Subscribe(Message, frozen=True):
     """
 
     sink: Any
+
+
+class TtlDue(Message, frozen=True):
+    """Timer -> Scheduler: `model`'s idle TTL may have run out (R-3.6)."""
+
+    model: str
+    generation: int
+
+
+class WaitDue(Message, frozen=True):
+    """Timer -> Scheduler: the request of `ticket` may have waited its queue_timeout_s."""
+
+    ticket: Any
+
+
+class Repump(Message, frozen=True):
+    """Timer -> Scheduler: a backoff or a min_resident_s ended; look at the queue again."""
+
+
+class Unhealthy(Message, frozen=True):
+    """ModelInstance -> Scheduler: the child of `generation` failed its liveness checks."""
+
+    model: str
+    generation: int
+    detail: str
 
 
 class WatchGrants(Message, frozen=True):
@@ -357,9 +396,9 @@ class Shutdown(Message, frozen=True):
 
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
-    | WatchGrants | InstancesAttached | InstanceStarted | InstanceReady | InstanceReported
-    | InstanceExited | Reconfigure | GetDevices | MeasureStarted | Measured | DevicesReported
-    | Shutdown
+    | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | InstancesAttached
+    | InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Reconfigure
+    | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
 
 

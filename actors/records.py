@@ -4,16 +4,18 @@ the effects its policy returns. Plain data: the rules that change it live in pol
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from .config import ModelRules
 from .ledger import Breakdown, MemoryInfo, MemoryStatus
 from .lifecycle import ModelState
 from .messages import Done, Event, Evicted, Grant, Refusal, Withdraw
+
+if TYPE_CHECKING:
+    from .policy.breaker import Breaker
 
 S = ModelState
 
@@ -64,31 +66,18 @@ class Track(msgspec.Struct, frozen=True):
     pid: int | None = None
 
 
-Effect = Spawn | Stop | Answer | Publish | Measure | Track | Withdraw
+class Later(msgspec.Struct, frozen=True):
+    """Tell the Scheduler `message` (a timer message) after `delay_s` seconds."""
+
+    delay_s: float
+    message: Any
+
+
+Effect = Spawn | Stop | Answer | Publish | Measure | Track | Withdraw | Later
 """Withdraw goes to the front: no new request may join a grant of that generation."""
 
 
 # ---------------------------------------------------------------- state
-
-
-@dataclass
-class RestartBudget:
-    """Erlang/OTP restart intensity: more than `intensity` failures in `period_s` is too many."""
-
-    intensity: int
-    period_s: float
-    failures: deque[float] = field(default_factory=deque)
-    """Times of the failures still inside the window, oldest first."""
-
-    def record(self, now: float) -> bool:
-        """Count a failure at `now`; return True when the budget is spent."""
-        self.failures.append(now)
-        while self.failures and self.failures[0] <= now - self.period_s:
-            self.failures.popleft()
-        return len(self.failures) > self.intensity
-
-    def reset(self) -> None:
-        self.failures.clear()
 
 
 @dataclass(eq=False)
@@ -96,8 +85,8 @@ class ModelRecord:
     """Everything the Scheduler knows about one model."""
 
     name: str
-    pinned: bool
-    budget: RestartBudget
+    rules: ModelRules
+    breaker: Breaker
     state: ModelState = S.UNLOADED
     generation: int = 0
     """Bumped at every spawn; events of an older generation are stale (R-1.4)."""
@@ -110,8 +99,13 @@ class ModelRecord:
     base_url: str | None = None
     exit_code: int | None = None
     last_exit: str | None = None
-    gave_up: str | None = None
-    """Set when the restart budget is spent: the error every request gets until a load."""
+    failed: bool = False
+    """Its last child crashed or failed to load (shown as llama.cpp does: `unloaded`,
+    `failed: true`); cleared when a child gets ready, or by a load or unload."""
+    ready_at: float | None = None
+    """When the current child got ready (None: it has not)."""
+    ttl_armed: bool = False
+    """An idle-TTL timer is pending for this generation (one at a time)."""
     last_eviction: Evicted | None = None
     loads: int = 0
     """Spawns, failed ones included."""
@@ -141,6 +135,10 @@ class ModelRecord:
     """Exited; its hold stays until a device report no longer tracks it (R-5.6)."""
 
     @property
+    def pinned(self) -> bool:
+        return self.rules.pinned
+
+    @property
     def memory_settled(self) -> bool:
         return self.memory in ("measured", "failed")
 
@@ -160,16 +158,3 @@ class Stats:
     """... and their summed wait."""
     evictions: dict[tuple[str, str], int] = field(default_factory=dict)
     """(model, reason) -> count."""
-
-
-@dataclass(eq=False)
-class QueueEntry:
-    """Requests waiting for one model; N requests for one model share one entry (R-4.2)."""
-
-    model: str
-    waiters: dict[Hashable, None] = field(default_factory=dict)
-    """Tickets in arrival order (a dict as an ordered set)."""
-    explicit: bool = False
-    """Held by POST /models/load: the entry stays even with no waiter."""
-    claimed: bool = False
-    """Invariant: claimed implies the model's child is loading (or being stopped)."""

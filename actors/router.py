@@ -285,16 +285,23 @@ class Router:
             if model is None:
                 continue  # added or removed by a reload between the two reads
             status: dict[str, Any] = {"value": view.state, "args": model.cmd}
-            if view.state == "failed":
-                status["exit_code"] = view.exit_code
+            if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
                 status["failed"] = True
+                status["exit_code"] = view.exit_code
                 status["exit"] = view.last_exit
+            if view.retry_after_s is not None:
+                status["retry_after_s"] = round(view.retry_after_s, 3)
+            if view.expires_in_s is not None:
+                status["expires_in_s"] = round(view.expires_in_s, 3)
             if view.progress is not None:
                 status["progress"] = view.progress
             entry: dict[str, Any] = {
                 "id": view.name, "object": "model", "owned_by": "corral",
                 "created": int(self.started), "aliases": model.aliases, "status": status,
-                "in_flight": self._in_flight(view), "waiting": view.waiting, "loads": view.loads,
+                "in_flight": self._in_flight(view), "waiting": view.waiting,
+                "oldest_wait_s": (round(view.queue_oldest_s, 3)
+                                  if view.queue_oldest_s is not None else None),
+                "loads": view.loads,
                 "pid": view.pid, "port": view.port,
                 "last_eviction": msgspec.to_builtins(view.last_eviction),
                 "memory": msgspec.to_builtins(view.memory),

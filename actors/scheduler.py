@@ -36,32 +36,40 @@ from .messages import (
     Reconfigure,
     Release,
     ReloadSummary,
+    Repump,
     SchedulerMessage,
     Shutdown,
     StartInstance,
     StopInstance,
     Subscribe,
     TrackModel,
+    TtlDue,
+    Unhealthy,
     UnloadModel,
+    WaitDue,
     WatchGrants,
     Withdraw,
 )
 from .policy import Policy
-from .records import Answer, Effect, Measure, Publish, Spawn, Stop, Track
+from .records import Answer, Effect, Later, Measure, Publish, Spawn, Stop, Track
+from .timers import Timers
 
 
 class Scheduler(BaseActor):
     """Dispatches messages to the policy and carries out its effects."""
 
-    def __init__(self, config: Config, on_crash: CrashHandler,
+    def __init__(self, config: Config, on_crash: CrashHandler, timers: Timers | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("scheduler", on_crash)
         self.clock = clock
+        self.timers = timers
+        self.config = config
         self.policy = Policy(config.models_max, config.restart_intensity,
                              config.restart_period_s, int(config.memory_margin_mib * MiB),
-                             config.account_host)
+                             config.account_host, config.restart_backoff_max_s,
+                             config.restart_healthy_s)
         for name, model in config.models.items():
-            self.policy.add_model(name, clock(), pinned=model.pinned)
+            self.policy.add_model(name, clock(), rules=config.rules_of(model))
         self.configs = dict(config.models)
         """The current model table: a spawn or a measure uses the config of its moment."""
         self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
@@ -88,9 +96,17 @@ class Scheduler(BaseActor):
             case UnloadModel(model=model, reply=reply):
                 self._run(p.unload(reply, model, now))
             case GetModels(reply=reply):
-                reply.send(p.snapshot())
+                reply.send(p.snapshot(now))
             case Ping(reply=reply):
-                reply.send(Alive(running=p.running_count(), queue_depth=len(p.waiting)))
+                reply.send(Alive(running=p.running_count(), queue_depth=len(p.queue)))
+            case TtlDue(model=model, generation=gen):
+                self._run(p.ttl_due(model, gen, now))
+            case WaitDue(ticket=ticket):
+                self._run(p.wait_due(ticket, now))
+            case Repump():
+                self._run(p.repump(now))
+            case Unhealthy(model=model, generation=gen, detail=detail):
+                self._run(p.instance_unhealthy(model, gen, detail, now))
             case Subscribe(sink=sink):
                 self.subscribers.append(sink)
             case WatchGrants(sink=sink):
@@ -137,15 +153,25 @@ class Scheduler(BaseActor):
         added = [n for n in models if n not in old]
         removed = [n for n in old if n not in models]
         changed = [n for n in models if n in old and models[n] != old[n]]
+        rules = self.config.rules_of
         effects, restarted = self.policy.reconfigure(
-            {n: models[n].pinned for n in added}, removed,
-            {n: models[n].pinned for n in changed}, now)
+            {n: rules(models[n]) for n in added}, removed,
+            {n: rules(models[n]) for n in changed}, now)
         self._run(effects)
         summary = ReloadSummary(added, removed, changed, restarted)
         self.log.info("reload: added %s, removed %s, changed %s (restarting %s), %d unchanged",
                       added or "none", removed or "none", changed or "none",
                       restarted or "none", len(models) - len(added) - len(changed))
         reply.send(summary)
+
+    def _hand(self, sink: Callable[[Any], None], item: object) -> None:
+        """Give `item` to a subscriber; an embedding app's callback that raises is logged,
+        never allowed to take the Scheduler down."""
+        try:
+            sink(item)
+        except Exception:
+            self.log.exception("an event subscriber raised on %r; the event is dropped for it",
+                               item)
 
     def _run(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -159,10 +185,13 @@ class Scheduler(BaseActor):
                     self.instances[model].tell(StopInstance(gen, reason))
                 case Publish(event=event):
                     for sink in self.subscribers:
-                        sink(event)
+                        self._hand(sink, event)
                 case Withdraw():
                     for watcher in self.grant_watchers:
-                        watcher(effect)
+                        self._hand(watcher, effect)
+                case Later(delay_s=delay, message=message):
+                    if self.timers is not None:
+                        self.timers.after(delay, self.actor_ref, message)
                 case Measure(model=model, front=front):
                     if self.measurer is not None:
                         self.measurer.tell(MeasureModel(model, self.configs[model], front))

@@ -89,7 +89,10 @@ class Supervisor:
         self.crashed.set()
         log.critical("actor %s died (%s); corral must shut down", actor, error)
         if self._on_crash is not None:
-            self._on_crash(actor, error)
+            try:
+                self._on_crash(actor, error)
+            except Exception:  # the embedding app's callback: never into an actor
+                log.exception("the on_crash callback raised")
 
     def start(self) -> None:
         """Start the timers, the Scheduler, the DeviceMonitor, the MeasureWorker, then one
@@ -97,7 +100,7 @@ class Supervisor:
         config = self.config
         backends = discover(config)  # raises ConfigError before anything has started
         self.timers = Timers()
-        self.scheduler = Scheduler.start(config, self._crash)
+        self.scheduler = Scheduler.start(config, self._crash, self.timers)
         if self._on_event is not None:
             self.scheduler.tell(Subscribe(self._on_event))
         device_names = sorted(d.name for b in backends for d in b.sample())

@@ -10,7 +10,7 @@ which the child is gone; corral's figures start from that moment:
 
 - kill -> gone: the kernel's teardown (not corral's);
 - gone -> watcher: the exit watcher's callback (os.waitid on the one pid);
-- gone -> Scheduler: the Scheduler has marked the model `failed` (the StatusChanged
+- gone -> Scheduler: the Scheduler has marked the model `unloaded`, `failed` (the StatusChanged
   event, published in the same step): watcher, ModelInstance and Scheduler together.
 
 Prints p50/p99 in milliseconds and one JSON line with the machine and the figures.
@@ -133,7 +133,7 @@ def scheduler_latency(runs: int, observer: Observer) -> list[Run]:
             os.kill(snap.models[0].pid, signal.SIGKILL)
             while True:
                 at, e = events.get(timeout=10)
-                if e.status == "failed":
+                if e.status == "unloaded" and e.failed:
                     gone = observer.gone_at()
                     out.append((gone - t0, at - gone))
                     break

@@ -48,7 +48,7 @@ def build(n_models: int, n_waiters: int, seed: int = 0) -> tuple[Policy, list[st
         ticket = ("w", i)
         p.acquire(ticket, rng.choice(idle), 1.0)
         waiting.append(ticket)
-    assert len(p.waiting) == n_waiters, "every waiter must still be waiting"
+    assert len(p.queue) == n_waiters, "every waiter must still be waiting"
     return p, names[:running], idle, waiting
 
 
@@ -72,7 +72,7 @@ def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0) -> f
             p.release(ticket, now)
         done += 2
     took = time.perf_counter() - start
-    assert len(p.waiting) == n_waiters
+    assert len(p.queue) == n_waiters
     return done / took
 
 

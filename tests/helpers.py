@@ -138,9 +138,13 @@ class Corral:
         return str(self.models()[model]["status"]["value"])
 
     def wait_state(self, model: str, state: str, timeout_s: float = 15.0) -> dict[str, Any]:
+        """Wait for `state`; "failed" means llama.cpp's `unloaded` with `failed: true`."""
         def check() -> dict[str, Any] | None:
             m = self.models()[model]
-            return m if m["status"]["value"] == state else None
+            status = m["status"]
+            if state == "failed":
+                return m if status["value"] == "unloaded" and status.get("failed") else None
+            return m if status["value"] == state else None
         return wait_until(check, timeout_s, f"{model} to be {state}")  # type: ignore[no-any-return]
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:

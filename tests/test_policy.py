@@ -6,24 +6,35 @@ import random
 
 import pytest
 
+from actors.config import ModelRules
 from actors.lifecycle import IllegalTransition, ModelState, check_transition
-from actors.messages import Done, Grant, Refusal, Withdraw
+from actors.messages import (
+    Grant,
+    Refusal,
+    Repump,
+    StatusChanged,
+    TtlDue,
+    WaitDue,
+    Withdraw,
+)
 from actors.policy import Policy
-from actors.records import Answer, Effect, Spawn, Stop
+from actors.records import Answer, Effect, Later, Publish, Spawn, Stop
 
 
 class World:
     """A Policy plus a record of what it asked for, with helpers that play the instances."""
 
     def __init__(self, models_max: int = 2, names: str = "abcd", intensity: int = 3,
-                 pinned: str = "") -> None:
+                 pinned: str = "", rules: dict[str, ModelRules] | None = None) -> None:
         self.p = Policy(models_max, intensity, 60.0)
         for n in names:
-            self.p.add_model(n, 0.0, pinned=n in pinned)
+            self.p.add_model(n, 0.0, rules=(rules or {}).get(n, ModelRules(pinned=n in pinned)))
         self.now = 0.0
         self.answers: dict[object, object] = {}
         self.spawns: list[tuple[str, int]] = []
         self.stops: list[tuple[str, str]] = []
+        self.timers: list[tuple[float, object]] = []
+        """(due, message) of the Later effects not yet fired."""
 
     def run(self, effects: list[Effect]) -> list[Effect]:
         for e in effects:
@@ -33,8 +44,23 @@ class World:
                 self.spawns.append((e.model, e.generation))
             elif isinstance(e, Stop):
                 self.stops.append((e.model, e.reason))
+            elif isinstance(e, Later):
+                self.timers.append((self.now + e.delay_s, e.message))
         self.p.check_invariants()
         return effects
+
+    def fire_timers(self) -> None:
+        """Deliver every timer message due by now, as the Scheduler would."""
+        due = sorted((t for t in self.timers if t[0] <= self.now), key=lambda t: t[0])
+        self.timers = [t for t in self.timers if t[0] > self.now]
+        for _, message in due:
+            match message:
+                case TtlDue(model=model, generation=gen):
+                    self.run(self.p.ttl_due(model, gen, self.now))
+                case WaitDue(ticket=ticket):
+                    self.run(self.p.wait_due(ticket, self.now))
+                case Repump():
+                    self.run(self.p.repump(self.now))
 
     def tick(self) -> float:
         self.now += 1.0
@@ -125,7 +151,7 @@ def test_n_requests_for_one_missing_model_cause_one_eviction_and_one_load() -> N
     for t in (1, 2, 3):
         w.acquire(t, "c")
     assert len(w.stops) == 1
-    assert len(w.p.queue) == 1 and len(w.p.queue["c"].waiters) == 3
+    assert len(w.p.queue.entries) == 1 and len(w.p.queue.entries["c"].waiters) == 3
     w.exited(w.stops[0][0])
     assert [s for s in w.spawns if s[0] == "c"] == [("c", 1)]
     w.ready("c")
@@ -166,7 +192,7 @@ def test_a_request_no_slot_will_ever_free_for_is_refused_not_left_waiting() -> N
     refusal = w.acquire(1, "b")
     assert isinstance(refusal, Refusal) and refusal.status == 503
     assert "held by pinned models (a)" in refusal.message
-    assert w.p.queue == {} and w.stops == []
+    assert w.p.queue.entries == {} and w.stops == []
 
 
 def test_queue_heads_claim_in_fifo_order() -> None:
@@ -194,7 +220,7 @@ def test_cancel_while_queued_leaves_no_entry_and_evicts_nothing() -> None:
     w.acquire(1, "a")
     w.acquire(2, "b")
     w.cancel(2)
-    assert w.p.queue == {} and w.p.waiting == {}
+    assert w.p.queue.entries == {} and w.p.queue.waiters == {}
     w.release(1)
     assert w.stops == []
     assert w.state("a") == "loaded"
@@ -209,38 +235,83 @@ def test_cancel_that_crossed_its_grant_is_a_release() -> None:
     assert w.p.leases == {}
 
 
-def test_failed_load_keeps_waiters_and_retries_until_budget_is_spent() -> None:
+def test_a_failed_load_answers_its_waiters_once_each_and_the_next_request_retries() -> None:
     w = World(intensity=2)
     w.acquire(1, "a")
     w.acquire(2, "a")
-    w.exited("a", rc=1)  # load failure 1: retried at once
-    assert w.state("a") == "loading" and w.gen("a") == 2
-    assert w.answers == {}
-    w.exited("a", rc=1)  # 2: retried
-    w.exited("a", rc=1)  # 3 > intensity 2: give up
-    assert w.state("a") == "failed"
-    for t in (1, 2):
+    w.exited("a", rc=1)
+    assert w.state("a") == "unloaded" and w.p.models["a"].failed
+    for t in (1, 2):  # R-4.8: one error each, naming the model, the attempt and the exit
         refusal = w.answers[t]
-        assert isinstance(refusal, Refusal) and refusal.status == 500
-        assert "'a' failed 3 times" in refusal.message and "rc 1" in refusal.message
-    assert w.p.queue == {}
-    refused = w.acquire(3, "a")
-    assert isinstance(refused, Refusal) and refused.status == 500
-    # an explicit load clears the failure
-    w.run(w.p.load("L", "a", w.tick()))
-    assert isinstance(w.answers["L"], Done) and w.state("a") == "loading"
+        assert isinstance(refusal, Refusal) and refusal.status == 503
+        assert refusal.message == "model 'a' failed to load (attempt 1): rc 1"
+        assert refusal.retry_after_s == 1.0
+    assert w.p.queue.entries == {}
+    assert w.acquire(3, "a") is None and w.state("a") == "loading"  # no backoff yet
+    w.ready("a")
+    assert isinstance(w.answers[3], Grant) and not w.p.models["a"].failed
 
 
-def test_crash_of_a_loaded_model_marks_it_failed_and_the_next_request_reloads() -> None:
+def test_repeated_failures_back_off_exponentially_then_one_load_heals_it() -> None:
+    w = World(intensity=2)
+    delays = []
+    for attempt in range(1, 7):
+        t = ("r", attempt)
+        w.acquire(t, "a")
+        if w.state("a") != "loading":  # in a backoff: the request waits for its end
+            assert t in w.p.queue.waiters and w.spawns[-1][1] == attempt - 1
+            w.now = w.p.models["a"].breaker.retry_at
+            w.fire_timers()
+        assert w.state("a") == "loading", attempt
+        w.exited("a", rc=1)
+        delays.append(w.p.models["a"].breaker.backoff_s)
+    assert delays == [0, 0, 1, 2, 4, 8]  # more than 2 failures in 60 s: 1 s, 2 s, 4 s ...
+    w.acquire("healed", "a")
+    w.now = w.p.models["a"].breaker.retry_at
+    w.fire_timers()
+    w.ready("a")  # the half-open try succeeds
+    assert isinstance(w.answers["healed"], Grant)
+    w.release("healed")
+    w.exited("a", rc=-9)  # a crash right after: back to the first step, not 16 s
+    assert w.p.models["a"].breaker.backoff_s == 1
+
+
+def test_a_request_that_cannot_outwait_a_backoff_gets_503_with_retry_after() -> None:
+    w = World(intensity=0, rules={"a": ModelRules(queue_timeout_s=0.5)})
+    w.acquire(1, "a")
+    w.exited("a", rc=1)  # 1 > 0 failures: a 1 s backoff
+    w.run(w.p.acquire(2, "a", w.now + 0.25))
+    refusal = w.answers[2]
+    assert isinstance(refusal, Refusal) and refusal.status == 503
+    assert refusal.retry_after_s == pytest.approx(0.75)
+    assert "failed 1 times in 60 s" in refusal.message and "may start in 0.8 s" in refusal.message
+
+
+def test_a_crash_after_healthy_service_reloads_at_once() -> None:
+    w = World(intensity=0)
+    w.load_idle("a")
+    w.now += 31  # restart_healthy_s 30
+    w.exited("a", rc=-9)
+    assert w.p.models["a"].breaker.backoff_s == 0
+    w.acquire(1, "a")
+    assert w.state("a") == "loading"
+
+
+def test_crash_of_a_loaded_model_shows_unloaded_failed_and_the_next_request_reloads() -> None:
     w = World()
     w.load_idle("a")
-    w.exited("a", rc=-9)
+    effects = w.run(w.p.instance_exited("a", 1, -9, "killed by SIGKILL", w.tick()))
     rec = w.p.models["a"]
-    assert rec.state is ModelState.FAILED and rec.exit_code == -9
+    assert rec.state is ModelState.UNLOADED and rec.failed and rec.exit_code == -9
+    event = next(e.event for e in effects if isinstance(e, Publish))
+    assert isinstance(event, StatusChanged) and event.status == "unloaded" and event.failed
+    assert event.exit == "killed by SIGKILL" and event.exit_code == -9
+    view = w.p.snapshot(w.now).models[0]
+    assert view.state == "unloaded" and view.failed
     w.acquire(1, "a")
     assert w.state("a") == "loading" and w.gen("a") == 2
     w.ready("a")
-    assert isinstance(w.answers[1], Grant)
+    assert isinstance(w.answers[1], Grant) and not w.p.snapshot(w.now).models[0].failed
 
 
 def test_release_of_a_lease_from_a_dead_generation_does_not_count() -> None:
@@ -375,8 +446,8 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
             progressed = True
         if not progressed:
             break
-    assert w.p.waiting == {}, f"requests never answered: {w.p.waiting}"
-    assert w.p.queue == {} or all(e.explicit and not e.waiters for e in w.p.queue.values())
+    assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
+    assert all(e.explicit and not e.waiters for e in w.p.queue.entries.values())
 
 
 def test_reload_restarts_a_changed_model_only_after_its_requests_finish() -> None:

@@ -137,7 +137,7 @@ def test_pinned_holders_refuse_a_model_that_cannot_fit_instead_of_waiting() -> N
     answer = w.acquire("t", "c")
     assert isinstance(answer, Refusal) and answer.status == 503
     assert "pinned" in answer.message and "3072 MiB on gpu0" in answer.message
-    assert w.p.queue == {}
+    assert w.p.queue.entries == {}
 
 
 def test_the_head_waits_for_its_measurement_and_asks_for_it_first() -> None:
@@ -185,7 +185,7 @@ def test_a_crashed_model_stops_holding_once_a_report_no_longer_tracks_it() -> No
     w = MemWorld({"a": 6, "b": 6})
     w.load_idle("a")
     w.exited("a", rc=-9)
-    assert w.state("a") == "failed" and "a" in w.p.ledger.held
+    assert w.state("a") == "unloaded" and w.p.models["a"].failed and "a" in w.p.ledger.held
     w.acquire("t", "b")
     assert w.state("b") == "unloaded", "waits: a's memory may still be in use"
     w.report()
@@ -229,7 +229,7 @@ def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int)
     for _ in range(300):  # drain: measures end, children answer or exit, clients finish
         progressed = False
         for m, rec in w.p.models.items():
-            if rec.memory in ("unmeasured", "measuring") and m in w.p.queue:
+            if rec.memory in ("unmeasured", "measuring") and m in w.p.queue.entries:
                 w.run(w.p.measured(m, True, need(sizes[m]), need(sizes[m]), w.tick()))
                 progressed = True
             if rec.state is ModelState.LOADING:
@@ -246,7 +246,7 @@ def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int)
             progressed = True
         if not progressed:
             break
-    assert w.p.waiting == {}, f"requests never answered: {w.p.waiting}"
+    assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
 
 
 def test_a_sleeping_model_gives_its_memory_back_and_holds_again_when_woken() -> None:

@@ -190,7 +190,8 @@ def test_sigkill_of_corral_leaves_no_child_alive(corral) -> None:
     wait_until(lambda: not any(pid_alive(p) for p in pids), 10, "children to die with corral")
 
 
-def test_a_load_that_fails_keeps_its_waiters_and_is_retried(corral, tmp_path: Path) -> None:
+def test_a_load_that_fails_answers_its_waiter_and_the_next_request_retries(
+        corral, tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"
     # fails the first time (no shell: python decides), then becomes a fake model
     flaky = ["python3", "-c",
@@ -200,23 +201,36 @@ def test_a_load_that_fails_keeps_its_waiters_and_is_retried(corral, tmp_path: Pa
              str(marker), *fake_cmd()[1:]]
     c = corral(toml_config({"a": {"cmd": flaky}}))
     sse = SSE(c.port)
+    status, body, headers = request(c.port, "POST", "/v1/chat/completions",
+                                    {"model": "a", "messages": []})
+    assert status == 503 and headers["retry-after"] == "1"  # one error, at once
+    assert body["error"]["message"] == (
+        "model 'a' failed to load (attempt 1): exited with status 7")
     status, body = chat(c.port, "a")
     assert status == 200, body
-    assert sse.statuses("a") == ["loading", "failed", "loading", "loaded"]
-    failed = next(e for e in sse.events if e.get("status") == "failed")
-    assert failed["exit_code"] == 7 and "exited with status 7" in failed["cause"]
+    assert sse.statuses("a") == ["loading", "unloaded", "loading", "loaded"]
+    failed = next(e for e in sse.events if e.get("failed"))
+    assert failed["status"] == "unloaded" and failed["exit_code"] == 7
+    assert failed["exit"] == "exited with status 7" and "load failed" in failed["cause"]
 
 
-def test_a_model_that_never_starts_gives_an_error_naming_it(corral) -> None:
+def test_a_model_that_never_starts_backs_off_and_says_why(corral) -> None:
     cfg = toml_config({"broken": {"cmd": ["python3", "-c", "import sys; sys.exit(3)"]}},
-                      restart_intensity=2)
+                      restart_intensity=1, queue_timeout_s=0.2)
     c = corral(cfg)
-    status, body = chat(c.port, "broken")
-    assert status == 500
-    msg = body["error"]["message"]
-    assert "'broken' failed 3 times" in msg and "exited with status 3" in msg
-    assert c.models()["broken"]["status"]["value"] == "failed"
-    assert chat(c.port, "broken")[0] == 500  # refused at once until loaded again
+    for attempt in (1, 2):
+        status, body = chat(c.port, "broken")
+        assert status == 503
+        assert f"'broken' failed to load (attempt {attempt})" in body["error"]["message"]
+        assert "exited with status 3" in body["error"]["message"]
+    status = c.models()["broken"]["status"]
+    assert status["value"] == "unloaded" and status["failed"] is True  # llama.cpp's values
+    assert status["exit_code"] == 3 and 0 < status["retry_after_s"] <= 1
+    # In the backoff, a request that would outwait its queue_timeout_s is told at once.
+    status_, body, headers = request(c.port, "POST", "/v1/chat/completions",
+                                     {"model": "broken", "messages": []})
+    assert status_ == 503 and int(headers["retry-after"]) >= 1
+    assert "the next load may start in" in body["error"]["message"]
     assert request(c.port, "GET", "/health")[0] == 200
 
 
@@ -225,7 +239,7 @@ def test_load_timeout_kills_a_child_that_never_gets_ready(corral) -> None:
                       restart_intensity=0)
     c = corral(cfg)
     status, body = chat(c.port, "hang")
-    assert status == 500
+    assert status == 503
     assert "not ready within load_timeout_s=0.5" in body["error"]["message"]
 
 

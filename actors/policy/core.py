@@ -1,97 +1,107 @@
-"""Pure scheduling: the queue, claims, the tick, victim choice, the restart budget and the
-memory rules (R-5.7).
+"""The policy's core: what each event means, in the order the rules are applied.
 
 The rules are those of llama.cpp's router (shared/reference/server-models-sched.cpp), with
 its mutex and condition variables replaced by one owner: the Scheduler actor calls these
 methods one message at a time and executes the effects they return. Nothing here does
-I/O, reads a clock or sleeps; the time comes in as an argument, so tests drive it
-synchronously.
+I/O, reads a clock or sleeps; the time comes in as an argument, and a timer is an effect
+(`Later`) whose message comes back as an event, so tests drive it all synchronously.
 
 Requests are named by their *ticket*, any hashable the caller chose (the Router uses the
-reply object itself); the policy never looks inside one.
+reply object itself); the policy never looks inside one. The parts it composes:
+
+    queue.RequestQueue   who waits for which model, and since when
+    victims.Victims      the least recently used model that may go
+    memory.Memory        the ledger, and a plan for each load (go / wait / evict / refuse)
+    breaker.Breaker      one per model: restart intensity, backoff, half-open
+    views                GET /models, GET /devices and the invariants
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 from collections.abc import Hashable
 from typing import Any
 
-from .ledger import Ledger, MiB
-from .lifecycle import ModelState, check_transition
-from .memory_rules import MemoryRules
-from .messages import (
+from ..config import ModelRules
+from ..ledger import Breakdown, MiB
+from ..lifecycle import ModelState, check_transition
+from ..messages import (
+    DeviceReport,
+    DevicesSnapshot,
     Done,
     Evicted,
     EvictionReason,
     Grant,
     ModelsSnapshot,
-    ModelView,
     Refusal,
+    Repump,
     Shortfall,
     StatusChanged,
+    TtlDue,
+    WaitDue,
     Withdraw,
 )
-from .records import (
+from ..records import (
     Answer,
     Effect,
+    Later,
     Measure,
     ModelRecord,
     Publish,
-    QueueEntry,
-    RestartBudget,
     Spawn,
     Stats,
     Stop,
     Track,
 )
+from . import views
+from .breaker import Breaker
+from .memory import Memory
+from .queue import QueueEntry, RequestQueue
+from .victims import Victims
 
 log = logging.getLogger("corral.scheduler")
 
 S = ModelState
 
 
-class Policy(MemoryRules):
+class Policy:
     """The scheduling state of one corral and the rules that change it."""
 
     def __init__(self, models_max: int, restart_intensity: int = 3,
                  restart_period_s: float = 60.0, memory_margin: int = 0,
-                 account_host: bool = False) -> None:
+                 account_host: bool = False, restart_backoff_max_s: float = 60.0,
+                 restart_healthy_s: float = 30.0) -> None:
         self.models_max = models_max
-        self.memory_on = memory_margin > 0
-        """Memory accounting decides loads; off at margin 0, as in the reference."""
-        self.ledger = Ledger(memory_margin, account_host)
-        self.backends: list[str] = []
-        self.restart_intensity = restart_intensity
-        self.restart_period_s = restart_period_s
+        self.breaker_args = (restart_intensity, restart_period_s, restart_backoff_max_s,
+                             restart_healthy_s)
         self.models: dict[str, ModelRecord] = {}
-        self.queue: dict[str, QueueEntry] = {}
-        """Insertion-ordered: the first unclaimed entry is the head (R-4.3)."""
-        self.waiting: dict[Hashable, str] = {}
-        """Ticket -> model, for every queued request."""
+        self.queue = RequestQueue()
         self.leases: dict[Hashable, tuple[str, int]] = {}
         """Ticket -> (model, generation), for every granted request not yet released."""
-        self.queued_at: dict[Hashable, float] = {}
-        """Ticket -> when it joined the queue (same keys as `waiting`)."""
+        self.memory = Memory(memory_margin, account_host)
+        self.victims = Victims(self._evictable)
         self.stats = Stats()
         self.shutting_down = False
         self.n_running = 0
         self.n_stopping = 0
         self.n_running_pinned = 0
         """Counts kept by `_transition` (and a pin change), so a decision is O(1)."""
-        self.idle: list[tuple[float, int, str]] = []
-        """Heap of (last_used, seq, model) offered as victims; an entry is valid while the
-        model is evictable and its last_used unchanged. Invariant: every evictable model
-        has a valid entry."""
-        self._idle_seq = itertools.count()
+        self.wake_at: float | None = None
+        """A Repump is due then (a young victim comes of age)."""
         self._out: list[Effect] = []
 
-    def add_model(self, name: str, now: float, *, pinned: bool = False) -> None:
-        budget = RestartBudget(self.restart_intensity, self.restart_period_s)
-        self.models[name] = ModelRecord(name=name, pinned=pinned, budget=budget,
-                                        state_since=now)
+    @property
+    def ledger(self) -> Any:
+        return self.memory.ledger
+
+    @property
+    def memory_on(self) -> bool:
+        return self.memory.on
+
+    def add_model(self, name: str, now: float, *, pinned: bool = False,
+                  rules: ModelRules | None = None) -> None:
+        self.models[name] = ModelRecord(name=name, rules=rules or ModelRules(pinned=pinned),
+                                        breaker=Breaker(*self.breaker_args), state_since=now)
 
     # ------------------------------------------------------------ requests
 
@@ -99,26 +109,41 @@ class Policy(MemoryRules):
                 autoload: bool = True) -> list[Effect]:
         """A request for `model` arrived: grant it now, queue it, or refuse it."""
         rec = self._find(model)
+        # 1. Nothing is served while shutting down, nor for a model that is not there.
         if self.shutting_down:
             self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
-        elif rec is None:
+            return self._flush()
+        if rec is None:
             self._refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
-        elif rec.state.is_serving and not rec.stale:
+            return self._flush()
+        rules, breaker = rec.rules, rec.breaker
+        entry = self.queue.entry(model)
+        # 2. A serving model with room takes it at once, unless others wait for it
+        #    (max_concurrency): nobody overtakes them (R-4.2).
+        if self._has_room(rec) and entry is None:
             self._grant(ticket, rec, now)
-        elif rec.gave_up is not None:
-            self._refuse(ticket, 500, rec.gave_up)
-        elif not autoload and rec.state is not S.LOADING:
+        # 3. Without autoload, only a child that is there or on its way is worth a wait.
+        elif not autoload and rec.state is not S.LOADING and not rec.state.is_serving:
             self._refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
                          "load it with POST /models/load", "invalid_request_error")
+        # 4. A backoff that outlasts the request's patience: say when to come back.
+        elif (breaker.is_open(now) and rules.queue_timeout_s
+              and now + rules.queue_timeout_s < breaker.retry_at):
+            self._refuse(ticket, 503, self._backoff_message(rec, now),
+                         retry_after_s=breaker.retry_at - now)
+        # 5. A full queue refuses at once (R-4.9).
+        elif rules.queue_max and entry is not None and len(entry.waiters) >= rules.queue_max:
+            self._refuse(ticket, 503, f"model '{model}' has {len(entry.waiters)} requests "
+                         f"waiting already (queue_max {rules.queue_max}); try again later",
+                         retry_after_s=1.0)
+        # 6. Otherwise it waits, at most queue_timeout_s.
         else:
-            entry = self.queue.get(model)
-            if entry is None:
-                entry = self.queue[model] = QueueEntry(model)
-            entry.waiters[ticket] = None
-            self.waiting[ticket] = model
-            self.queued_at[ticket] = now
+            deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
+            entry = self.queue.add(ticket, model, now, deadline)
+            if deadline is not None:
+                self._out.append(Later(rules.queue_timeout_s, WaitDue(ticket)))
             log.debug("request for %s queued (%d waiting for it, %d entries)",
-                      model, len(entry.waiters), len(self.queue))
+                      model, len(entry.waiters), len(self.queue.entries))
             self._pump(now)
         return self._flush()
 
@@ -127,7 +152,7 @@ class Policy(MemoryRules):
         `shared`: other requests joined its grant, so the model was in use until now."""
         lease = self.leases.pop(ticket, None)
         if lease is None:
-            return self.cancel(ticket, now) if ticket in self.waiting else []
+            return self.cancel(ticket, now) if ticket in self.queue else []
         name, generation = lease
         rec = self.models.get(name)
         # Invariant: a crash or stop zeroes in_flight, and a reload bumps the generation,
@@ -138,30 +163,42 @@ class Policy(MemoryRules):
                 rec.last_used = now
             if rec.stale and rec.in_flight == 0 and rec.state.is_serving:
                 self._stop(rec, "reload", None, now)  # drained: now it may restart
-            self._maybe_idle(rec)
+            else:
+                self._serve_waiters(rec, now)  # max_concurrency: the next in line
+            self._idle(rec)
         self._pump(now)
         return self._flush()
 
     def cancel(self, ticket: Hashable, now: float) -> list[Effect]:
         """The client of `ticket` left; a cancel that crossed its grant is a release (R-4.7)."""
-        name = self.waiting.pop(ticket, None)
-        if name is None:
+        removed = self.queue.remove(ticket)
+        if removed is None:
             return self.release(ticket, now) if ticket in self.leases else []
-        del self.queued_at[ticket]
-        entry = self.queue[name]
-        del entry.waiters[ticket]
-        if not entry.waiters and not entry.explicit:
+        waiter, gone = removed
+        if gone:
             # Its claim (if any) goes with it: the load goes on, and the model then
             # sits idle, evictable; nothing is evicted on its behalf any more.
-            del self.queue[name]
-            self._maybe_idle(self.models[name])
+            self._idle(self.models[waiter.model])
         self._pump(now)
+        return self._flush()
+
+    def wait_due(self, ticket: Hashable, now: float) -> list[Effect]:
+        """A queued request's queue_timeout_s ran out: 503, and it leaves like a cancel."""
+        waiter = self.queue.waiters.get(ticket)
+        if waiter is None or waiter.deadline is None or now < waiter.deadline:
+            return []  # granted, refused or gone meanwhile
+        rec = self.models[waiter.model]
+        why = (f"; {self._backoff_message(rec, now)}" if rec.breaker.is_open(now) else
+               f" (state {self._state_word(rec)})")
+        self._out.extend(self.cancel(ticket, now))
+        self._refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "
+                     f"'{waiter.model}' (queue_timeout_s){why}", retry_after_s=1.0)
         return self._flush()
 
     # ------------------------------------------------------------ management
 
     def load(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
-        """POST /models/load: queue a load with no request behind it; clears `failed`."""
+        """POST /models/load: queue a load with no request behind it; ends a backoff."""
         rec = self._find(model)
         if rec is None:
             self._refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
@@ -171,32 +208,27 @@ class Policy(MemoryRules):
         elif self.shutting_down:
             self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
         else:
-            rec.gave_up = None
-            rec.budget.reset()
-            entry = self.queue.get(model)
-            if entry is None:
-                entry = self.queue[model] = QueueEntry(model)
-            entry.explicit = True
+            rec.breaker.reset()
+            self.queue.open(model).explicit = True
             self._out.append(Answer(ticket, Done()))
             self._pump(now)
         return self._flush()
 
     def unload(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
-        """POST /models/unload: stop the child now (busy or not); clears `failed`."""
+        """POST /models/unload: stop the child now (busy or not); clears a failure."""
         rec = self._find(model)
         if rec is None:
             self._refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
             return self._flush()
-        entry = self.queue.get(model)
+        entry = self.queue.entry(model)
         if entry is not None and entry.explicit:
             entry.explicit = False
-            if not entry.waiters:
-                del self.queue[model]
-                self._maybe_idle(rec)
-        if rec.state is S.FAILED:
-            rec.gave_up = None
-            rec.budget.reset()
-            self._transition(rec, S.UNLOADED, "failure cleared by unload", now)
+            if self.queue.close_if_empty(model):
+                self._idle(rec)
+        if rec.state is S.UNLOADED and rec.failed:
+            rec.failed = False
+            rec.breaker.reset()
+            self._publish_state(rec, "failure cleared by unload", now)
         elif not rec.state.is_running or rec.state is S.STOPPING:
             self._refuse(ticket, 400, f"model '{model}' is not running",
                          "invalid_request_error")
@@ -210,11 +242,8 @@ class Policy(MemoryRules):
     def shutdown(self, now: float) -> list[Effect]:
         """Refuse every waiter, stop every child; `all_stopped` tells when it is over."""
         self.shutting_down = True
-        for ticket in list(self.waiting):
+        for ticket in self.queue.clear():
             self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
-        self.waiting.clear()
-        self.queued_at.clear()
-        self.queue.clear()
         for rec in self.models.values():
             if rec.state.is_running and rec.state is not S.STOPPING:
                 self._stop(rec, "shutdown", None, now)
@@ -223,6 +252,33 @@ class Policy(MemoryRules):
     @property
     def all_stopped(self) -> bool:
         return not any(rec.state.is_running for rec in self.models.values())
+
+    # ------------------------------------------------------------ timers
+
+    def ttl_due(self, model: str, generation: int, now: float) -> list[Effect]:
+        """A model's idle TTL may have run out: stop it if it has really been idle that
+        long, else look again when it would have (R-3.6)."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation:
+            return []
+        rec.ttl_armed = False
+        if not self._evictable(rec) or not rec.rules.ttl_s:
+            return []  # busy, wanted or pinned now: armed again once idle
+        due = rec.last_used + rec.rules.ttl_s
+        if now >= due:
+            self._stop(rec, "ttl", None, now)
+            self._pump(now)
+        else:
+            rec.ttl_armed = True
+            self._out.append(Later(due - now, TtlDue(model, generation)))
+        return self._flush()
+
+    def repump(self, now: float) -> list[Effect]:
+        """A backoff or a min_resident_s ended."""
+        if self.wake_at is not None and now >= self.wake_at:
+            self.wake_at = None
+        self._pump(now)
+        return self._flush()
 
     # ------------------------------------------------------------ instance facts
 
@@ -247,8 +303,10 @@ class Policy(MemoryRules):
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
         rec.info, rec.progress = info, None
+        rec.failed = False
+        rec.ready_at = rec.last_used = now
+        rec.breaker.ready()
         self._transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
-        rec.last_used = now
         if self.memory_on:
             rec.awaiting_usage = True
             self._out.append(Track(model, "ready", pid))
@@ -256,14 +314,11 @@ class Policy(MemoryRules):
                 # The files may have been missing at measure time: try once more (R-5.2).
                 rec.memory = "unmeasured"
                 self._out.append(Measure(model, front=False))
-        entry = self.queue.pop(model, None)
+        entry = self.queue.entry(model)
         if entry is not None:
-            for ticket in entry.waiters:
-                del self.waiting[ticket]
-                self.stats.queue_waits += 1
-                self.stats.queue_wait_s += now - self.queued_at.pop(ticket)
-                self._grant(ticket, rec, now)
-        self._maybe_idle(rec)
+            entry.claimed = entry.explicit = False
+            self._serve_waiters(rec, now)
+        self._idle(rec)
         self._pump(now)
         return self._flush()
 
@@ -286,19 +341,32 @@ class Policy(MemoryRules):
             self._transition(rec, S.LOADED, "woken by a request", now)
             if self.memory_on:
                 self.ledger.reserve(model, rec.mem_effective or rec.mem_min)
-        self._maybe_idle(rec)
+        self._idle(rec)
+        self._pump(now)
+        return self._flush()
+
+    def instance_unhealthy(self, model: str, generation: int, detail: str,
+                           now: float) -> list[Effect]:
+        """A loaded child failed its liveness checks: stop it; the next request reloads."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or not rec.state.is_serving:
+            return []
+        log.warning("model %s#%d is unhealthy (%s); stopping it", model, generation, detail)
+        rec.failed = True
+        self._stop(rec, "unhealthy", None, now)
         self._pump(now)
         return self._flush()
 
     def instance_exited(self, model: str, generation: int, returncode: int,
                         description: str, now: float) -> list[Effect]:
-        """The child of `generation` is gone and reaped: free its slot, count a failure."""
+        """The child of `generation` is gone and reaped: free its slot; a crash or failed
+        load answers its waiters and may open the breaker (R-3.7, R-4.8)."""
         rec = self.models.get(model)
         if rec is None or rec.generation != generation or not rec.state.is_running:
             return []
+        was, up_since = rec.state, rec.ready_at
         rec.in_flight = 0
-        rec.pid = None
-        rec.base_url = None
+        rec.pid = rec.base_url = rec.ready_at = None
         rec.exit_code = returncode
         rec.last_exit = description
         rec.mem_effective = None
@@ -307,39 +375,90 @@ class Policy(MemoryRules):
         if self.memory_on:
             rec.releasing = model in self.ledger.held
             self._out.append(Track(model, "exited"))
-        entry = self.queue.get(model)
+        entry = self.queue.entry(model)
         if entry is not None:
             entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
         if rec.removed:
             self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
             self.ledger.release(model)
             del self.models[model]
-        elif rec.state is S.STOPPING:
+            self.victims.forget(model)
+        elif was is S.STOPPING:
             self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
         else:
-            what = "load failed" if rec.state is S.LOADING else "crashed"
-            spent = rec.budget.record(now)
-            self._transition(rec, S.FAILED, f"{what}: {description}", now, returncode)
-            if spent:
-                rec.gave_up = (
-                    f"model '{model}' failed {len(rec.budget.failures)} times in "
-                    f"{rec.budget.period_s:g} s (last: {what}, {description}); not restarting "
-                    "until it is loaded again (POST /models/load)")
-                log.error("%s", rec.gave_up)
-                self._refuse_entry(model, 500, rec.gave_up)
+            self._failed(rec, was, up_since, description, returncode, now)
         self._pump(now)
         return self._flush()
 
+    def _failed(self, rec: ModelRecord, was: ModelState, up_since: float | None,
+                description: str, returncode: int, now: float) -> None:
+        what = "load failed" if was is S.LOADING else "crashed"
+        attempt = rec.breaker.attempt
+        backoff = rec.breaker.failed(now, up_since)
+        rec.failed = True
+        cause = f"{what}: {description}"
+        if backoff:
+            cause += (f"; {len(rec.breaker.failures)} failures in "
+                      f"{rec.breaker.period_s:g} s, no load for {backoff:g} s")
+            self._out.append(Later(backoff, Repump()))
+        self._transition(rec, S.UNLOADED, cause, now, returncode)
+        if was is S.LOADING:
+            # R-4.8: the requests that waited on this load get one error each.
+            self._refuse_entry(rec.name, 503, (
+                f"model '{rec.name}' failed to load (attempt {attempt}): {description}"),
+                retry_after_s=max(backoff, 1.0))
+        if rec.rules.permanent:
+            self.queue.open(rec.name).explicit = True  # R-3.7: back at once (or after it)
+
+    # ------------------------------------------------------------ memory facts
+
+    def start_measuring(self) -> list[Effect]:
+        self._out.extend(self.memory.unmeasured(self.models.values()))
+        return self._flush()
+
+    def measure_started(self, model: str) -> list[Effect]:
+        rec = self.models.get(model)
+        if rec is not None:
+            rec.memory = "measuring"
+            rec.measure_attempts += 1
+        return []
+
+    def measured(self, model: str, ok: bool, min_: Breakdown | None,
+                 max_: Breakdown | None, now: float, error: str | None = None) -> list[Effect]:
+        rec = self.models.get(model)
+        if rec is None:
+            return []
+        self._out.extend(self.memory.measured(rec, ok, min_, max_, error))
+        self._pump(now)
+        return self._flush()
+
+    def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
+        self.memory.reported(report, self.models)
+        self._pump(now)
+        return self._flush()
+
+    def devices_snapshot(self) -> DevicesSnapshot:
+        return self.memory.snapshot()
+
     # ------------------------------------------------------------ reload
 
-    def reconfigure(self, added: dict[str, bool], removed: list[str],
-                    changed: dict[str, bool], now: float) -> tuple[list[Effect], list[str]]:
-        """A reload (R-2.6): models added (name -> pinned), removed, or with a changed
-        config. Running models whose config changed, or that are gone, stop once their
-        requests have finished; the queue and unchanged models are kept. Returns the
-        effects and the models that restart."""
-        for name, pinned in added.items():
-            self.add_model(name, now, pinned=pinned)
+    def reconfigure(self, added: dict[str, ModelRules | bool], removed: list[str],
+                    changed: dict[str, ModelRules | bool],
+                    now: float) -> tuple[list[Effect], list[str]]:
+        """A reload (R-2.6): models added, removed, or with a changed config (name ->
+        rules, or just `pinned`). Running models whose config changed, or that are gone,
+        stop once their requests have finished; the queue and unchanged models are kept.
+        Returns the effects and the models that restart."""
+        for name, given in added.items():
+            rules = given if isinstance(given, ModelRules) else ModelRules(pinned=given)
+            old = self.models.get(name)
+            if old is not None and old.removed:
+                # Back before its old child was reaped: one record, which counts that
+                # child until it exits.
+                old.removed = False
+                self._set_rules(old, rules)
+            else:
+                self.add_model(name, now, rules=rules)
             if self.memory_on:
                 self._out.append(Measure(name, front=False))
         for name in removed:
@@ -350,17 +469,13 @@ class Policy(MemoryRules):
                 self._retire(rec, now)
             else:
                 del self.models[name]
+                self.victims.forget(name)
         restarted = []
-        for name, pinned in changed.items():
+        for name, given in changed.items():
             rec = self.models[name]
-            if rec.state.is_running:
-                self.n_running_pinned += int(pinned) - int(rec.pinned)
-            rec.pinned = pinned
-            self._maybe_idle(rec)
-            rec.gave_up = None
-            rec.budget.reset()
-            if rec.state is S.FAILED:
-                self._transition(rec, S.UNLOADED, "failure cleared by a reload", now)
+            self._set_rules(rec, given if isinstance(given, ModelRules)
+                            else ModelRules(pinned=given))
+            rec.breaker.reset()
             if self.memory_on:  # new arguments, new figures
                 rec.memory, rec.mem_min, rec.mem_max = "unmeasured", None, None
                 self._out.append(Measure(name, front=False))
@@ -369,6 +484,12 @@ class Policy(MemoryRules):
                 self._retire(rec, now)
         self._pump(now)
         return self._flush(), restarted
+
+    def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
+        if rec.state.is_running:
+            self.n_running_pinned += int(rules.pinned) - int(rec.pinned)
+        rec.rules = rules
+        self._idle(rec)
 
     def _retire(self, rec: ModelRecord, now: float) -> None:
         """Stop `rec` for a reload now if idle, else once its last request is released."""
@@ -386,60 +507,14 @@ class Policy(MemoryRules):
 
     # ------------------------------------------------------------ views
 
-    def snapshot(self) -> ModelsSnapshot:
-        views = []
-        for rec in self.models.values():
-            if rec.removed:
-                continue
-            entry = self.queue.get(rec.name)
-            port = int(rec.base_url.rsplit(":", 1)[1]) if rec.base_url else None
-            views.append(ModelView(
-                name=rec.name, state=rec.state.value, generation=rec.generation,
-                in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,
-                pid=rec.pid, port=port, exit_code=rec.exit_code, last_exit=rec.last_exit,
-                last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
-                load_s_total=rec.load_s_total,
-                evictions={r: n for (m, r), n in self.stats.evictions.items() if m == rec.name},
-                memory=rec.memory_info(), info=rec.info, progress=rec.progress))
-        return ModelsSnapshot(models=views, running=self.running_count(),
-                              queue_depth=len(self.waiting),
-                              granted=self.stats.granted, queue_waits=self.stats.queue_waits,
-                              queue_wait_s=self.stats.queue_wait_s)
+    def snapshot(self, now: float = 0.0) -> ModelsSnapshot:
+        return views.snapshot(self, now)
 
     def running_count(self) -> int:
         return self.n_running
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the state is inconsistent (used by tests)."""
-        assert self.waiting.keys() == self.queued_at.keys()
-        for ticket, name in self.waiting.items():
-            assert ticket in self.queue[name].waiters, (ticket, name)
-        for name, entry in self.queue.items():
-            rec = self.models[name]
-            assert entry.waiters or entry.explicit, f"{name}: empty entry"
-            assert not rec.state.is_serving or rec.stale, f"{name}: queued while serving"
-            if entry.claimed:
-                assert rec.state in (S.LOADING, S.STOPPING), f"{name}: claim without child"
-            for ticket in entry.waiters:
-                assert self.waiting[ticket] == name
-        for rec in self.models.values():
-            live = sum(1 for (n, g) in self.leases.values()
-                       if n == rec.name and g == rec.generation)
-            if rec.state.is_running:
-                assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
-            else:
-                assert rec.in_flight == 0
-        recs = list(self.models.values())
-        assert self.n_running == sum(r.state.is_running for r in recs), "n_running"
-        assert self.n_stopping == sum(r.state is S.STOPPING for r in recs), "n_stopping"
-        assert self.n_running_pinned == sum(r.state.is_running and r.pinned for r in recs)
-        offered = {(name, last) for last, _, name in self.idle}
-        for rec in recs:
-            if self._evictable(rec):
-                assert (rec.name, rec.last_used) in offered, f"{rec.name}: evictable, unoffered"
-        for name in self.ledger.held:
-            rec = self.models[name]
-            assert rec.state.is_running or rec.releasing, f"{name}: holds memory, no child"
+        views.check(self)
 
     # ------------------------------------------------------------ the rules
 
@@ -450,12 +525,19 @@ class Policy(MemoryRules):
         self._tick(now)
         self._claim(now)
 
-    def _needs_slot(self, entry: QueueEntry) -> bool:
-        state = self.models[entry.model].state
-        return not entry.claimed and state in (S.UNLOADED, S.FAILED, S.STOPPING)
+    def _needs_slot(self, entry: QueueEntry, now: float) -> bool:
+        rec = self.models[entry.model]
+        return (not entry.claimed and rec.state in (S.UNLOADED, S.STOPPING)
+                and not rec.breaker.is_open(now))
 
     def _has_capacity(self) -> bool:
         return self.models_max <= 0 or self.n_running < self.models_max
+
+    def _has_room(self, rec: ModelRecord) -> bool:
+        """May a request be proxied into `rec` now?"""
+        limit = rec.rules.max_concurrency
+        return (rec.state.is_serving and not rec.stale
+                and (not limit or rec.in_flight < limit))
 
     def _tick(self, now: float) -> None:
         """Stop idle LRU victims until every entry that needs a slot can have one.
@@ -464,20 +546,20 @@ class Policy(MemoryRules):
         at most one slot is needed per entry, so a queue no longer than the free
         slots needs nothing.
         """
-        if self.models_max <= 0 or not self.queue:
+        if self.models_max <= 0 or not self.queue.entries:
             return
         # Stopping children free their slot once reaped, so they count as free already:
         # this is what stops two waiters from evicting two victims for one need.
         free = self.models_max - self.n_running + self.n_stopping
-        if free >= len(self.queue):
+        if free >= len(self.queue.entries):
             return
         pinned_out = self.n_running > 0 and self.n_running_pinned == self.n_running \
             and self.n_stopping == 0
-        if self._pick_victim() is None and not pinned_out:
-            return  # every running model is busy or wanted: a release re-ticks
-        needing = [e.model for e in self.queue.values() if self._needs_slot(e)]
+        if self._pick_victim(now) is None and not pinned_out:
+            return  # every running model is busy, wanted or young: a release re-ticks
+        needing = [e.model for e in self.queue if self._needs_slot(e, now)]
         while free < len(needing):
-            victim = self._pick_victim()
+            victim = self._pick_victim(now)
             if victim is None:
                 if pinned_out:
                     self._refuse_pinned_out(needing[max(free, 0):])
@@ -495,23 +577,27 @@ class Policy(MemoryRules):
 
     def _evictable(self, rec: ModelRecord) -> bool:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
-                and rec.name not in self.queue and not rec.removed)
+                and rec.name not in self.queue.entries and not rec.removed)
 
-    def _maybe_idle(self, rec: ModelRecord) -> None:
-        """Offer `rec` to the victim heap if it is evictable now (stale offers are
-        dropped when they reach the top)."""
-        if self._evictable(rec):
-            heapq.heappush(self.idle, (rec.last_used, next(self._idle_seq), rec.name))
+    def _resident_until(self, rec: ModelRecord) -> float:
+        return (rec.ready_at or rec.state_since) + rec.rules.min_resident_s
 
-    def _pick_victim(self) -> ModelRecord | None:
-        """The least recently used model that is idle, serving, unpinned and not wanted."""
-        while self.idle:
-            last_used, _, name = self.idle[0]
-            rec = self.models.get(name)
-            if rec is not None and rec.last_used == last_used and self._evictable(rec):
-                return rec
-            heapq.heappop(self.idle)
-        return None
+    def _pick_victim(self, now: float) -> ModelRecord | None:
+        """The least recently used model that is idle, serving, unpinned, not wanted and
+        resident for its min_resident_s; if only young ones are left, wake up when the
+        first comes of age (R-4.4)."""
+        victim, wake = self.victims.pick(self.models, now, self._resident_until)
+        if wake is not None and (self.wake_at is None or wake < self.wake_at):
+            self.wake_at = wake
+            self._out.append(Later(wake - now, Repump()))
+        return victim
+
+    def _idle(self, rec: ModelRecord) -> None:
+        """`rec` may have become idle: offer it as a victim, and arm its TTL."""
+        self.victims.offer(rec)
+        if (rec.rules.ttl_s and not rec.ttl_armed and self._evictable(rec)):
+            rec.ttl_armed = True
+            self._out.append(Later(rec.rules.ttl_s, TtlDue(rec.name, rec.generation)))
 
     def _claim(self, now: float) -> None:
         """Spawn for queue heads, in order, while there is capacity (R-4.3).
@@ -522,18 +608,26 @@ class Policy(MemoryRules):
         rescan = True
         while rescan:
             rescan = False
-            for entry in self.queue.values():
-                if not self._needs_slot(entry):
+            for entry in self.queue:
+                if not self._needs_slot(entry, now):
                     continue
                 rec = self.models[entry.model]
                 if rec.state is S.STOPPING or not self._has_capacity():
                     return  # the head waits, and nobody overtakes it
                 if self.memory_on:
-                    room = self._make_room(rec, now)
-                    if room == "refused":
+                    victims = self.victims.ranked(self.models, now, self._resident_until)
+                    plan = self.memory.plan(rec, self.models, victims)
+                    for victim, shortfalls in plan.evict:
+                        self._stop(victim, "memory", rec.name, now, shortfalls)
+                    if plan.measure:
+                        rec.measure_front = True
+                        self._out.append(Measure(rec.name, front=True))
+                    if plan.verdict == "refuse":
+                        assert plan.refusal is not None
+                        self._refuse_entry(rec.name, 503, plan.refusal)
                         rescan = True
                         break
-                    if room == "wait":
+                    if plan.verdict == "wait":
                         return
                 entry.claimed = True
                 self._spawn(rec, len(entry.waiters), now)
@@ -542,14 +636,28 @@ class Policy(MemoryRules):
         rec.generation += 1
         rec.loads += 1
         rec.last_used = now
-        rec.stale = False
-        self._transition(rec, S.LOADING, f"spawn for {n_waiting} waiting request(s)", now)
+        rec.stale = rec.ttl_armed = False
+        attempt = rec.breaker.loading()
+        cause = f"spawn for {n_waiting} waiting request(s)"
+        if attempt > 1:
+            cause += f", attempt {attempt}"
+        self._transition(rec, S.LOADING, cause, now)
         if self.memory_on:
-            # A child still releasing from its last run is replaced by the new hold.
-            rec.releasing = False
-            self.ledger.release(rec.name)
-            self.ledger.reserve(rec.name, rec.mem_effective or rec.mem_min)
+            self.memory.spawning(rec)
         self._out.append(Spawn(rec.name, rec.generation))
+
+    def _serve_waiters(self, rec: ModelRecord, now: float) -> None:
+        """Grant the requests queued for a serving model, oldest first, while it has room."""
+        entry = self.queue.entry(rec.name)
+        if entry is None:
+            return
+        while entry.waiters and self._has_room(rec):
+            ticket = next(iter(entry.waiters))
+            waiter = self.queue.take(ticket)
+            self.stats.queue_waits += 1
+            self.stats.queue_wait_s += now - waiter.queued_at
+            self._grant(ticket, rec, now)
+        self.queue.close_if_empty(rec.name)
 
     def _stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
               now: float, shortfalls: list[Shortfall] | None = None) -> None:
@@ -580,15 +688,21 @@ class Policy(MemoryRules):
                 type_: str = "server_error", retry_after_s: float | None = None) -> None:
         self._out.append(Answer(ticket, Refusal(status, message, type_, retry_after_s)))
 
-    def _refuse_entry(self, model: str, status: int, message: str) -> None:
-        entry = self.queue.pop(model, None)
-        if entry is None:
-            return
-        self._maybe_idle(self.models[model])
-        for ticket in entry.waiters:
-            del self.waiting[ticket]
-            del self.queued_at[ticket]
-            self._refuse(ticket, status, message)
+    def _refuse_entry(self, model: str, status: int, message: str,
+                      retry_after_s: float | None = None) -> None:
+        waiters = self.queue.drop(model)
+        rec = self.models[model]
+        self._idle(rec)
+        for ticket, _ in waiters:
+            self._refuse(ticket, status, message, retry_after_s=retry_after_s)
+
+    def _backoff_message(self, rec: ModelRecord, now: float) -> str:
+        return (f"model '{rec.name}' failed {len(rec.breaker.failures)} times in "
+                f"{rec.breaker.period_s:g} s (last: {rec.last_exit}); the next load may "
+                f"start in {rec.breaker.retry_at - now:.1f} s")
+
+    def _state_word(self, rec: ModelRecord) -> str:
+        return rec.state.value + (", failed" if rec.failed else "")
 
     def _transition(self, rec: ModelRecord, new: ModelState, cause: str, now: float,
                     exit_code: int | None = None, info: dict[str, Any] | None = None) -> None:
@@ -604,7 +718,16 @@ class Policy(MemoryRules):
             self._out.append(Withdraw(rec.name, rec.generation))
         rec.state = new
         rec.state_since = now
-        self._out.append(Publish(StatusChanged(rec.name, new.value, cause, exit_code, info)))
+        self._publish_state(rec, cause, now, exit_code, info)
+
+    def _publish_state(self, rec: ModelRecord, cause: str, now: float,
+                       exit_code: int | None = None,
+                       info: dict[str, Any] | None = None) -> None:
+        failed = rec.failed and rec.state is S.UNLOADED
+        retry = rec.breaker.retry_at - now if rec.breaker.is_open(now) else None
+        self._out.append(Publish(StatusChanged(
+            rec.name, rec.state.value, cause, exit_code, info, failed=failed,
+            exit=rec.last_exit if failed else None, retry_after_s=retry)))
 
     def _flush(self) -> list[Effect]:
         out, self._out = self._out, []

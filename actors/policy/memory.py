@@ -1,0 +1,144 @@
+"""The memory part of the policy (SPEC R-5.2, R-5.5 to R-5.7): what a measurement or a
+device report means for the ledger, and the plan for a model about to load: go, wait,
+evict these first, or refuse. It decides; the core carries the plan out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..ledger import Breakdown, DeviceUse, Ledger, MiB
+from ..lifecycle import ModelState
+from ..messages import DeviceReport, DevicesSnapshot, DeviceView, ModelMemory, Shortfall
+from ..records import Effect, Measure, ModelRecord, Publish
+
+log = logging.getLogger("corral.scheduler")
+
+S = ModelState
+
+
+@dataclass
+class Plan:
+    verdict: Literal["go", "wait", "refuse"]
+    evict: list[tuple[ModelRecord, list[Shortfall]]] = field(default_factory=list)
+    """Stop these first (reason `memory`), with what the newcomer lacked on each device."""
+    measure: bool = False
+    """Ask for a measurement at the front of the measure queue."""
+    refusal: str | None = None
+
+
+class Memory:
+    def __init__(self, margin: int, account_host: bool) -> None:
+        self.on = margin > 0
+        """Memory accounting decides loads; off at margin 0, as in the reference."""
+        self.ledger = Ledger(margin, account_host)
+        self.backends: list[str] = []
+
+    # ------------------------------------------------------------ facts
+
+    def unmeasured(self, models: Iterable[ModelRecord]) -> list[Effect]:
+        """Queue every unmeasured model at the back of the measure queue (R-5.2)."""
+        if not self.on:
+            return []
+        return [Measure(rec.name, front=False) for rec in models if rec.memory == "unmeasured"]
+
+    def measured(self, rec: ModelRecord, ok: bool, min_: Breakdown | None,
+                 max_: Breakdown | None, error: str | None) -> list[Effect]:
+        """A measurement ended; a failed one leaves the model outside the limits (R-5.2)."""
+        rec.measure_front = False
+        rec.mem_error = error
+        if ok:
+            rec.memory, rec.mem_min, rec.mem_max = "measured", min_, max_
+            if max_ is not None:
+                self.ledger.calibrate(max_, reporter=None)  # the latest view of the devices
+        else:
+            rec.memory, rec.mem_min, rec.mem_max = "failed", None, None
+        return [Publish(ModelMemory(rec.name, rec.memory_info()))]
+
+    def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> None:
+        """Fresh device figures: finish releases, calibrate, learn real usage (R-5.5, R-5.6)."""
+        self.backends = report.backends
+        tracked = set(report.tracked)
+        for rec in models.values():
+            if rec.releasing and rec.name not in tracked:
+                # Sampled after the monitor forgot the child: from now on whatever the
+                # device still shows for it is counted as external.
+                rec.releasing = False
+                if not rec.state.is_running:
+                    self.ledger.release(rec.name)
+        for sample in report.devices:
+            self.ledger.observe(sample, report.managed.get(sample.name))
+        seen = {d.name: d for d in report.devices}
+        for name, usage in report.usage.items():
+            user = models.get(name)
+            if user is None or not user.awaiting_usage or not user.state.is_serving or not usage:
+                continue
+            user.awaiting_usage = False
+            n_ctx = (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
+            user.mem_effective = Breakdown(n_ctx, [
+                DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total, free=seen[d].free,
+                          model=size) for d, size in usage.items() if d in seen])
+            self.ledger.release(name)
+            self.ledger.reserve(name, user.mem_effective)
+            log.info("model %s uses %s", name, ", ".join(
+                f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
+
+    def spawning(self, rec: ModelRecord) -> None:
+        """A child still releasing from its last run is replaced by the new hold."""
+        rec.releasing = False
+        self.ledger.release(rec.name)
+        self.ledger.reserve(rec.name, rec.mem_effective or rec.mem_min)
+
+    # ------------------------------------------------------------ the rule
+
+    def plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
+             victims: Iterable[ModelRecord]) -> Plan:
+        """R-5.7: may `rec` spawn now? `victims`: idle models, least recently used first."""
+        if not rec.memory_settled:
+            return Plan("wait", measure=not rec.measure_front)  # the measurement decides
+        need = rec.mem_min
+        going = [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
+        plan = Plan("wait")
+        short = self.ledger.deficit(need, self.ledger.holds_of(going))
+        for victim in victims:
+            if not short:
+                break
+            plan.evict.append((victim, [
+                Shortfall(d, row.self_bytes, self.ledger.available(d) or 0)
+                for row in (need.devices if need else []) if (d := row.name) in short]))
+            going.append(victim.name)
+            short = self.ledger.deficit(need, self.ledger.holds_of(going))
+        if not short:
+            # It fits once what is being stopped has come back.
+            plan.verdict = "go" if not self.ledger.deficit(need) else "wait"
+            return plan
+        others = [r for r in models.values()
+                  if r is not rec and (r.state.is_running or r.releasing)]
+        missing = ", ".join(f"{b / MiB:.0f} MiB on {d}" for d, b in short.items())
+        if not others:
+            log.warning("model %s is projected to be short by %s with nothing else loaded; "
+                        "loading anyway (the minimum is pessimistic)", rec.name, missing)
+            return Plan("go")
+        if all(r.pinned and r.state is not S.STOPPING and not r.releasing for r in others):
+            return Plan("refuse", refusal=(
+                f"model '{rec.name}' does not fit: short by {missing} beyond "
+                f"memory_margin_mib, and the models holding memory are pinned "
+                f"({', '.join(r.name for r in others)}); unload one"))
+        return plan  # busy models finish, stops complete: both re-pump
+
+    # ------------------------------------------------------------ view
+
+    def snapshot(self) -> DevicesSnapshot:
+        led = self.ledger
+        views = []
+        for name, dev in led.devices.items():
+            held = {m: devs[name] for m, devs in led.held.items() if name in devs}
+            views.append(DeviceView(name=name, kind=dev.kind, total=dev.total, free=dev.free,
+                                    external=dev.external, held=held,
+                                    available=led.available(name) or 0))
+        return DevicesSnapshot(memory_accounting=self.on, margin=led.margin,
+                               account_host=led.account_host, backends=self.backends,
+                               devices=views)

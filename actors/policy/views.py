@@ -1,0 +1,71 @@
+"""What the policy shows (GET /models, /metrics) and what must always hold of it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..lifecycle import ModelState
+from ..messages import ModelsSnapshot, ModelView
+
+if TYPE_CHECKING:
+    from .core import Policy
+
+S = ModelState
+
+
+def snapshot(p: Policy, now: float) -> ModelsSnapshot:
+    views = []
+    for rec in p.models.values():
+        if rec.removed:
+            continue
+        entry = p.queue.entry(rec.name)
+        oldest = (now - p.queue.waiters[next(iter(entry.waiters))].queued_at
+                  if entry is not None and entry.waiters else None)
+        expires = (rec.last_used + rec.rules.ttl_s - now
+                   if rec.rules.ttl_s and p._evictable(rec) else None)
+        port = int(rec.base_url.rsplit(":", 1)[1]) if rec.base_url else None
+        views.append(ModelView(
+            name=rec.name, state=rec.state.value, generation=rec.generation,
+            in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,
+            pid=rec.pid, port=port, exit_code=rec.exit_code, last_exit=rec.last_exit,
+            last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
+            load_s_total=rec.load_s_total,
+            evictions={r: n for (m, r), n in p.stats.evictions.items() if m == rec.name},
+            memory=rec.memory_info(), info=rec.info, progress=rec.progress,
+            failed=rec.failed and rec.state is S.UNLOADED,
+            retry_after_s=rec.breaker.retry_at - now if rec.breaker.is_open(now) else None,
+            expires_in_s=max(expires, 0.0) if expires is not None else None,
+            queue_oldest_s=oldest))
+    return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
+                          granted=p.stats.granted, queue_waits=p.stats.queue_waits,
+                          queue_wait_s=p.stats.queue_wait_s)
+
+
+def check(p: Policy) -> None:
+    """Raise AssertionError if the state is inconsistent (tests run it after every step)."""
+    p.queue.check()
+    for name, entry in p.queue.entries.items():
+        rec = p.models[name]
+        if rec.state.is_serving:
+            limit = rec.rules.max_concurrency
+            assert rec.stale or (limit and rec.in_flight >= limit), \
+                f"{name}: queued while it could serve"
+        if entry.claimed:
+            assert rec.state in (S.LOADING, S.STOPPING), f"{name}: claim without child"
+    for rec in p.models.values():
+        live = sum(1 for (n, g) in p.leases.values() if n == rec.name and g == rec.generation)
+        if rec.state.is_running:
+            assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
+        else:
+            assert rec.in_flight == 0
+        limit = rec.rules.max_concurrency
+        assert not limit or rec.in_flight <= limit, f"{rec.name}: over max_concurrency"
+    recs = list(p.models.values())
+    assert p.n_running == sum(r.state.is_running for r in recs), "n_running"
+    assert p.n_stopping == sum(r.state is S.STOPPING for r in recs), "n_stopping"
+    assert p.n_running_pinned == sum(r.state.is_running and r.pinned for r in recs)
+    assert p.models_max <= 0 or p.n_running <= p.models_max, "over models_max"
+    p.victims.check(p.models)
+    for name in p.ledger.held:
+        rec = p.models[name]
+        assert rec.state.is_running or rec.releasing, f"{name}: holds memory, no child"
