@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from actors.config import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.lifecycle import ModelState
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
@@ -24,12 +25,13 @@ class MemWorld(World):
     """A World with a 10 GiB device, a 1 GiB margin, and a monitor played by the test."""
 
     def __init__(self, sizes: dict[str, float], models_max: int = 0, pinned: str = "",
-                 total_gib: float = 10, measured: bool = True) -> None:
+                 total_gib: float = 10, measured: bool = True,
+                 rules: dict[str, ModelRules] | None = None, intensity: int = 3) -> None:
         super().__init__(models_max, "".join(sizes), pinned=pinned)
         old = self.p
-        self.p = type(old)(models_max, 3, 60.0, memory_margin=1 * GiB)
+        self.p = type(old)(models_max, intensity, 60.0, memory_margin=1 * GiB)
         for n in sizes:
-            self.p.add_model(n, 0.0, pinned=n in pinned)
+            self.p.add_model(n, 0.0, rules=(rules or {}).get(n, ModelRules(pinned=n in pinned)))
         self.sizes = sizes
         self.total = int(total_gib * GiB)
         self.external = 0

@@ -470,6 +470,7 @@ class Policy:
             else:
                 del self.models[name]
                 self.victims.forget(name)
+                self.ledger.release(name)  # a child still releasing: external from now on
         restarted = []
         for name, given in changed.items():
             rec = self.models[name]

@@ -1,0 +1,217 @@
+"""A Hypothesis state machine over the pure policy: random requests, releases, cancels,
+loads, unloads, spawns, readiness, exits, sleeps, reloads, device reports, measurements
+and the passing of time (TTL, queue timeouts, backoffs), with every operating rule drawn
+at random per model. After every step the policy's invariants hold (views.check: never
+over models_max, in_flight = live leases, the victim heap bounded, ...), every answer is
+the first for its ticket, and a load never overcommits the memory margin unless the
+model is alone. At the end, with the children answering and the clients finishing,
+every request has had exactly one answer.
+
+CI runs 150 machines of up to 100 steps (about 13,000 steps in all); the environment
+variable CORRAL_STATEFUL_EXAMPLES sets the number of machines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from actors.config import ModelRules
+from actors.lifecycle import ModelState
+from actors.messages import Grant
+from actors.records import Answer, Effect, Spawn
+from tests.test_policy_memory import GiB, MemWorld, need
+
+S = ModelState
+NAMES = "abcd"
+
+model_rules = st.builds(
+    ModelRules,
+    pinned=st.sampled_from([False, False, False, True]),
+    ttl_s=st.sampled_from([0.0, 0.0, 2.0, 10.0]),
+    queue_max=st.sampled_from([0, 0, 1, 3]),
+    queue_timeout_s=st.sampled_from([0.0, 0.0, 1.0, 5.0]),
+    max_concurrency=st.sampled_from([0, 0, 1, 2]),
+    min_resident_s=st.sampled_from([0.0, 0.0, 3.0]),
+    permanent=st.sampled_from([False, False, False, True]))
+
+
+class StrictWorld(MemWorld):
+    """A MemWorld that asserts the step-wise properties as effects come out."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.answered: dict[object, int] = {}
+        super().__init__(*args, **kw)
+
+    def run(self, effects: list[Effect]) -> list[Effect]:
+        for e in effects:
+            if isinstance(e, Answer) and e.ticket is not None:
+                self.answered[e.ticket] = self.answered.get(e.ticket, 0) + 1
+                assert self.answered[e.ticket] == 1, f"{e.ticket!r} answered twice"
+        super().run(effects)
+        for e in effects:
+            if isinstance(e, Spawn):
+                rec = self.p.models[e.model]
+                others = [r for r in self.p.models.values()
+                          if r is not rec and (r.state.is_running or r.releasing)]
+                if rec.memory == "measured" and others and self.p.memory_on:
+                    available = self.p.ledger.available("gpu0")
+                    assert available is None or available >= self.p.ledger.margin, (
+                        f"{e.model} spawned into {available / GiB:.2f} GiB "
+                        f"(margin {self.p.ledger.margin / GiB:.0f} GiB)")
+        return effects
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    tickets = Bundle("tickets")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w: StrictWorld
+        self.next_ticket = 0
+        self.requests: list[int] = []
+        self.cancelled: set[int] = set()
+        """Clients that left: a request that left while queued gets no answer."""
+
+    @initialize(models_max=st.sampled_from([0, 1, 2, 3]),
+                sizes=st.lists(st.sampled_from([1, 2, 3, 4, 6, 12]), min_size=4, max_size=4),
+                rules=st.lists(model_rules, min_size=4, max_size=4),
+                measured=st.booleans(), intensity=st.sampled_from([0, 1, 3]))
+    def setup(self, models_max: int, sizes: list[int], rules: list[ModelRules],
+              measured: bool, intensity: int) -> None:
+        self.sizes = dict(zip(NAMES, sizes, strict=True))
+        self.w = StrictWorld(self.sizes, models_max=models_max, measured=measured,
+                             rules=dict(zip(NAMES, rules, strict=True)), intensity=intensity)
+
+    def _models(self, state: ModelState) -> list[str]:
+        return [m for m, r in self.w.p.models.items() if r.state is state]
+
+    @rule(target=tickets, model=st.sampled_from(NAMES), autoload=st.booleans())
+    def acquire(self, model: str, autoload: bool) -> int:
+        self.next_ticket += 1
+        t = self.next_ticket
+        self.requests.append(t)
+        self.w.run(self.w.p.acquire(t, model, self.w.now, autoload))
+        return t
+
+    @rule(t=consumes(tickets), shared=st.booleans())
+    def release(self, t: int, shared: bool) -> None:
+        if t not in self.w.answered:
+            self.cancelled.add(t)  # a release before the grant is a cancel
+        self.w.run(self.w.p.release(t, self.w.now, shared))
+
+    @rule(t=consumes(tickets))
+    def cancel(self, t: int) -> None:
+        self.cancelled.add(t)
+        self.w.run(self.w.p.cancel(t, self.w.now))
+
+    @rule(i=st.integers(0, 3))
+    def ready(self, i: int) -> None:
+        loading = self._models(S.LOADING)
+        if loading:
+            self.w.ready(loading[i % len(loading)])
+
+    @rule(i=st.integers(0, 3), rc=st.sampled_from([0, 1, -9]))
+    def exit(self, i: int, rc: int) -> None:
+        running = [m for m, r in self.w.p.models.items() if r.state.is_running]
+        if running:
+            self.w.exited(running[i % len(running)], rc)
+
+    @rule(model=st.sampled_from(NAMES), what=st.sampled_from(["sleeping", "awake"]))
+    def llama_report(self, model: str, what: str) -> None:
+        rec = self.w.p.models.get(model)
+        if rec is not None:
+            self.w.run(self.w.p.instance_reported(model, rec.generation, what, {}, self.w.now))
+
+    @rule(model=st.sampled_from(NAMES), unload=st.booleans())
+    def manage(self, model: str, unload: bool) -> None:
+        self.next_ticket += 1
+        p = self.w.p
+        call = p.unload if unload else p.load
+        self.w.run(call(("manage", self.next_ticket), model, self.w.now))
+
+    @rule(model=st.sampled_from(NAMES), rules=model_rules, remove=st.booleans())
+    def reload(self, model: str, rules: ModelRules, remove: bool) -> None:
+        p = self.w.p
+        rec = p.models.get(model)
+        if rec is None or rec.removed:
+            effects, _ = p.reconfigure({model: rules}, [], {}, self.w.now)
+        elif remove:
+            effects, _ = p.reconfigure({}, [model], {}, self.w.now)
+        else:
+            effects, _ = p.reconfigure({}, [], {model: rules}, self.w.now)
+        self.w.run(effects)
+
+    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0, 12.0]))
+    def time_passes(self, dt: float) -> None:
+        self.w.now += dt
+        self.w.fire_timers()
+
+    @rule(external=st.sampled_from([0, 0, 1, 3]))
+    def device_report(self, external: int) -> None:
+        self.w.external = external * GiB
+        self.w.report()
+
+    @rule(model=st.sampled_from(NAMES), ok=st.booleans())
+    def measured(self, model: str, ok: bool) -> None:
+        rec = self.w.p.models.get(model)
+        if rec is not None and rec.memory in ("unmeasured", "measuring"):
+            size = need(self.sizes[model])
+            self.w.run(self.w.p.measured(model, ok, size if ok else None,
+                                         size if ok else None, self.w.now))
+
+    @precondition(lambda self: hasattr(self, "w"))
+    @invariant()
+    def consistent(self) -> None:
+        self.w.p.check_invariants()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "w"):
+            return
+        w = self.w
+        for _ in range(500):  # measures end, children answer or exit, clients finish
+            progressed = False
+            for m, rec in list(w.p.models.items()):
+                if rec.memory in ("unmeasured", "measuring") and m in w.p.queue.entries:
+                    size = need(self.sizes[m])
+                    w.run(w.p.measured(m, True, size, size, w.now))
+                    progressed = True
+                if rec.state is S.LOADING:
+                    w.ready(m)
+                    progressed = True
+                elif rec.state is S.STOPPING:
+                    w.exited(m)
+                    progressed = True
+            w.report()
+            for t in self.requests:
+                if isinstance(w.answers.get(t), Grant) and t in w.p.leases:
+                    w.run(w.p.release(t, w.now))
+                    progressed = True
+            if w.p.queue.waiters or w.timers:
+                w.now += 5
+                w.fire_timers()
+                progressed = True
+            if not progressed:
+                break
+        assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
+        unanswered = [t for t in self.requests if t not in w.answered and t not in self.cancelled]
+        assert not unanswered, f"requests never answered: {unanswered}"
+
+
+PolicyMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("CORRAL_STATEFUL_EXAMPLES", "150")),
+    stateful_step_count=100, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_policy_state_machine = PolicyMachine.TestCase
