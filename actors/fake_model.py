@@ -77,6 +77,9 @@ class FakeModel:
     # ------------------------------------------------------------ handlers
 
     async def health(self, request: web.Request) -> web.Response:
+        limit = self.args.wedge_after_requests
+        if limit is not None and self.stats["started"] >= limit:
+            await asyncio.Event().wait()  # wedged: the port is open, nothing answers
         return self._not_ready() or web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -341,6 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token rate; 0 = as fast as possible")
     p.add_argument("--crash-after-requests", type=int, default=None, metavar="N",
                    help="exit abruptly when request N+1 arrives")
+    p.add_argument("--wedge-after-requests", type=int, default=None, metavar="N",
+                   help="after N requests, /health never answers (a hung server)")
     p.add_argument("--crash-after-s", type=float, default=None, metavar="S",
                    help="exit abruptly S seconds after start")
     p.add_argument("--hang-before-ready", action="store_true",

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, assert_never
 
 import msgspec
@@ -32,10 +33,13 @@ from .messages import (
     InstanceReady,
     InstanceReported,
     InstanceStarted,
+    LivenessResult,
+    LivenessTick,
     LoadDeadline,
     StartInstance,
     StopDeadline,
     StopInstance,
+    Unhealthy,
 )
 from .timers import Timers
 
@@ -89,13 +93,44 @@ def wait_ready_http(port: int, path: str, abandon: threading.Event,
             delay_s = min(delay_s * 2, 0.25)
 
 
+def probe_health(port: int, path: str, timeout_s: float, deliver: Any) -> None:
+    """One liveness check: GET `path`, then `deliver(ok, detail)` once."""
+    conn = http.client.HTTPConnection(CHILD_HOST, port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = resp.read(200).decode(errors="replace")
+        ok, detail = resp.status == 200, f"{path} answered {resp.status} {body!r}"
+    except TimeoutError:
+        ok, detail = False, f"{path} did not answer within {timeout_s:g} s"
+    except (OSError, http.client.HTTPException) as e:
+        ok, detail = False, f"{path} failed: {e}"
+    finally:
+        conn.close()
+    deliver(ok, detail)
+
+
+class Liveness(msgspec.Struct, frozen=True):
+    """How a loaded `http` child is watched (R-3.3): a poll every `interval_s` (0: none),
+    and after `failures` failures or timeouts in a row it is reported unhealthy."""
+
+    interval_s: float = 0.0
+    failures: int = 3
+
+
 class ModelInstance(BaseActor):
     """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
 
     def __init__(self, model: str, config: ModelConfig, scheduler: Any, timers: Timers,
                  log_ring: LogRing, on_crash: CrashHandler,
-                 extra_env: dict[str, str] | None = None, router_port: int = 0) -> None:
+                 extra_env: dict[str, str] | None = None, router_port: int = 0,
+                 liveness: Callable[[ModelConfig], Liveness] | None = None) -> None:
         super().__init__(f"instance-{model}", on_crash)
+        self.liveness_of = liveness or (lambda _: Liveness())
+        """The liveness rule of a config (top-level defaults filled in)."""
+        self.liveness = Liveness()
+        self.missed = 0
+        """Liveness checks failed in a row."""
         self.model = model
         self.config = config
         self.extra_env = extra_env or {}
@@ -139,6 +174,10 @@ class ModelInstance(BaseActor):
                 self.handle_load_deadline(spawn_id)
             case StopDeadline(spawn_id=spawn_id):
                 self.handle_stop_deadline(spawn_id)
+            case LivenessTick(spawn_id=spawn_id):
+                self.handle_liveness_tick(spawn_id)
+            case LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail):
+                self.handle_liveness_result(spawn_id, ok, detail)
             case _:
                 assert_never(message)
 
@@ -159,6 +198,7 @@ class ModelInstance(BaseActor):
         self.generation = generation
         self.config = config
         self.llama = config.health == "llama"
+        self.liveness = self.liveness_of(config)
         self.bind_retries = 0
         self.spawn_child()
 
@@ -207,6 +247,10 @@ class ModelInstance(BaseActor):
                       self.port, took)
         self.scheduler.tell(InstanceReady(self.model, self.generation, self.child.pid,
                                           self.port, info))
+        self.missed = 0
+        if self.liveness.interval_s and not self.llama:
+            self.timers.after(self.liveness.interval_s, self.actor_ref,
+                              LivenessTick(self.spawn_id))
 
     def handle_state_line(self, line: str) -> None:
         """One line of the llama child protocol: loading progress, ready, sleeping."""
@@ -255,6 +299,29 @@ class ModelInstance(BaseActor):
             self.timers.after(self.config.stop_timeout_s, self.actor_ref,
                               StopDeadline(self.spawn_id))
         self.phase = Phase.STOPPING
+
+    def handle_liveness_tick(self, spawn_id: int) -> None:
+        if spawn_id != self.spawn_id or self.phase is not Phase.READY:
+            return
+        ref, port, path = self.actor_ref, self.port, self.config.health_path
+        threading.Thread(
+            target=probe_health, daemon=True, name=f"{self.model}-liveness",
+            args=(port, path, min(self.liveness.interval_s, 5.0),
+                  lambda ok, detail: tell_or_drop(ref, LivenessResult(spawn_id, ok, detail)))
+        ).start()
+
+    def handle_liveness_result(self, spawn_id: int, ok: bool, detail: str) -> None:
+        if spawn_id != self.spawn_id or self.phase is not Phase.READY:
+            return
+        self.missed = 0 if ok else self.missed + 1
+        if not ok:
+            self.log.warning("%s#%d liveness check %d of %d failed: %s", self.model,
+                             self.generation, self.missed, self.liveness.failures, detail)
+        if self.missed >= self.liveness.failures:
+            self.scheduler.tell(Unhealthy(self.model, self.generation, (
+                f"{self.missed} liveness checks failed in a row, the last: {detail}")))
+            return  # the Scheduler stops it
+        self.timers.after(self.liveness.interval_s, self.actor_ref, LivenessTick(spawn_id))
 
     def handle_load_deadline(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:

@@ -36,6 +36,9 @@ class Grant(Message, frozen=True):
     model: str
     generation: int
     base_url: str
+    shareable: bool = True
+    """Other requests may join it (actors/shares.py); not with a max_concurrency, where
+    the Scheduler must count each request."""
 
 
 class Refusal(Message, frozen=True):
@@ -439,6 +442,20 @@ class ChildExited(Message, frozen=True):
     spawn_id: int
 
 
+class LivenessTick(Message, frozen=True):
+    """Timer -> ModelInstance: time to check that the child of `spawn_id` still answers."""
+
+    spawn_id: int
+
+
+class LivenessResult(Message, frozen=True):
+    """Probe thread -> ModelInstance: what the child's health path answered (R-3.3)."""
+
+    spawn_id: int
+    ok: bool
+    detail: str
+
+
 class LoadDeadline(Message, frozen=True):
     """Timer -> ModelInstance: spawn `spawn_id` had load_timeout_s to become ready."""
 
@@ -453,7 +470,7 @@ class StopDeadline(Message, frozen=True):
 
 InstanceMessage = (
     StartInstance | StopInstance | ChildReady | ChildState | ChildExited | LoadDeadline
-    | StopDeadline
+    | StopDeadline | LivenessTick | LivenessResult
 )
 
 

@@ -57,7 +57,8 @@ class Shares:
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
-        self.open.setdefault(model, share)  # another request may have opened one meanwhile
+        if answer.shareable:
+            self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
 
     def release(self, scheduler: Any, share: SharedGrant) -> None:

@@ -15,7 +15,7 @@ from .bridge import Fanout, ThreadReply, acquire
 from .childproc import LogRing
 from .config import Config, ModelConfig
 from .device import DeviceMonitor, discover
-from .instance import ModelInstance
+from .instance import Liveness, ModelInstance
 from .measure import MeasureWorker
 from .messages import (
     Acquire,
@@ -119,9 +119,11 @@ class Supervisor:
 
     def _start_instance(self, name: str, model: ModelConfig) -> Any:
         self.logs.setdefault(name, LogRing())
-        return ModelInstance.start(name, model, self.scheduler, self.timers, self.logs[name],
-                                   self._crash, extra_env=self.config.child_env(),
-                                   router_port=self.config.port)
+        config = self.config
+        return ModelInstance.start(
+            name, model, self.scheduler, self.timers, self.logs[name], self._crash,
+            extra_env=config.child_env(), router_port=config.port,
+            liveness=lambda m: Liveness(config.liveness_of(m), config.liveness_failures))
 
     def reload(self, config: Config, timeout_s: float = 10.0) -> ReloadSummary:
         """Make `config`'s model table the live one (R-2.6): new models appear, removed

@@ -4,8 +4,9 @@ Erlang/OTP's restart intensity is the trigger: more than `intensity` failures wi
 `period_s` open the breaker for a backoff of 1 s, then 2, 4 ... up to `backoff_max_s`.
 While it is open no load starts; when it ends, the next need tries one load (half-open).
 A load that succeeds brings the backoff back to its first step, so only loads that keep
-failing back off longer and longer; a crash after `healthy_s` of normal service is not
-held against the model at all.
+failing by themselves back off longer and longer (children killed from outside stay at
+the first step); a crash after `healthy_s` of normal service is not held against the
+model at all.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ class Breaker:
     attempt: int = 0
     """Loads tried since the model last served healthily (for error messages)."""
 
-    def failed(self, now: float, up_since: float | None) -> float:
+    def failed(self, now: float, up_since: float | None, grow: bool = True) -> float:
         """Count a failure at `now` of a child ready since `up_since` (None: it never got
-        ready); return the backoff it opens (0: none)."""
+        ready); return the backoff it opens (0: none). `grow`: the failure is the model's
+        own (a load that exited with a status), so the backoff doubles; a child killed
+        by a signal (the OOM killer, an operator) keeps it at its first step."""
         if up_since is not None and now - up_since >= self.healthy_s:
             self.reset()  # it served normally for a while: an accident, not a loop
             return 0.0
@@ -40,7 +43,7 @@ class Breaker:
             self.failures.popleft()
         if len(self.failures) <= self.intensity:
             return 0.0
-        self.backoff_s = min(self.backoff_max_s, max(1.0, 2 * self.backoff_s))
+        self.backoff_s = min(self.backoff_max_s, max(1.0, 2 * self.backoff_s if grow else 1.0))
         self.retry_at = now + self.backoff_s
         return self.backoff_s
 

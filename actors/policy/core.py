@@ -394,7 +394,8 @@ class Policy:
                 description: str, returncode: int, now: float) -> None:
         what = "load failed" if was is S.LOADING else "crashed"
         attempt = rec.breaker.attempt
-        backoff = rec.breaker.failed(now, up_since)
+        killed = returncode < 0
+        backoff = rec.breaker.failed(now, up_since, grow=was is S.LOADING and not killed)
         rec.failed = True
         cause = f"{what}: {description}"
         if backoff:
@@ -403,10 +404,16 @@ class Policy:
             self._out.append(Later(backoff, Repump()))
         self._transition(rec, S.UNLOADED, cause, now, returncode)
         if was is S.LOADING:
-            # the requests that waited on this load get one error each.
-            self._refuse_entry(rec.name, 503, (
-                f"model '{rec.name}' failed to load (attempt {attempt}): {description}"),
-                retry_after_s=max(backoff, 1.0))
+            # the requests that waited on this load get one error each. A load
+            # killed by a signal (the OOM killer, an operator) may have been no fault of
+            # the model's: its waiters get one more try, and the next failure answers them.
+            message = f"model '{rec.name}' failed to load (attempt {attempt}): {description}"
+            if killed:
+                for ticket, _ in self.queue.keep_for_one_retry(rec.name):
+                    self._refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0))
+                self._idle(rec)
+            else:
+                self._refuse_entry(rec.name, 503, message, retry_after_s=max(backoff, 1.0))
         if rec.rules.permanent:
             self.queue.open(rec.name).explicit = True  # back at once (or after it)
 
@@ -683,7 +690,8 @@ class Policy:
         rec.last_used = now
         self.stats.granted += 1
         self.leases[ticket] = (rec.name, rec.generation)
-        self._out.append(Answer(ticket, Grant(rec.name, rec.generation, rec.base_url)))
+        self._out.append(Answer(ticket, Grant(rec.name, rec.generation, rec.base_url,
+                                              shareable=not rec.rules.max_concurrency)))
 
     def _refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None) -> None:

@@ -19,6 +19,8 @@ class Waiter:
     queued_at: float
     deadline: float | None = None
     """When it gives up (queue_timeout_s), or None to wait as long as it takes."""
+    outlived_a_kill: bool = False
+    """A load it waited on was killed by a signal; the next failure answers it."""
 
 
 @dataclass(eq=False)
@@ -92,6 +94,21 @@ class RequestQueue:
         if entry is None:
             return []
         return [(t, self.waiters.pop(t)) for t in entry.waiters]
+
+    def keep_for_one_retry(self, model: str) -> list[tuple[Hashable, Waiter]]:
+        """A load the entry waited on was killed by a signal: keep the waiters that have
+        not outlived a kill yet (marked now); remove and return the others."""
+        entry = self.entries.get(model)
+        if entry is None:
+            return []
+        done = [(t, self.waiters[t]) for t in entry.waiters if self.waiters[t].outlived_a_kill]
+        for t, _ in done:
+            del self.waiters[t]
+            del entry.waiters[t]
+        for t in entry.waiters:
+            self.waiters[t].outlived_a_kill = True
+        self.close_if_empty(model)
+        return done
 
     def close_if_empty(self, model: str) -> bool:
         """Drop the model's entry if nothing holds it any more; True if it is gone."""
