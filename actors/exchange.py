@@ -37,12 +37,17 @@ from .edge import (
     sse_error_event,
 )
 from .messages import Refusal
+from .shares import SharedGrant
 from .upstream import Pool, Upstream
 
 if TYPE_CHECKING:
     from .connection import Connection, Request
 
 log = logging.getLogger("corral.front")
+
+RETRY_POLLS = 40
+RETRY_POLL_S = 0.05
+"""A request whose child went away waits up to 2 s for the Scheduler to see the exit."""
 
 _PROXIED = frozenset(p.encode() for p in PROXIED_POST)
 _OWN_GET = frozenset(p.encode() for p in OWN_GET)
@@ -58,7 +63,7 @@ class Phase(enum.Enum):
 P = Phase
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     P.WAITING: frozenset({P.FORWARDING, P.DONE}),
-    P.FORWARDING: frozenset({P.STREAMING, P.DONE}),
+    P.FORWARDING: frozenset({P.STREAMING, P.DONE, P.WAITING}),  # waiting: a retry
     P.STREAMING: frozenset({P.DONE}),
     P.DONE: frozenset(),
 }
@@ -67,8 +72,8 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("chunked", "conn", "done", "head_only", "keep_alive", "out", "phase", "req",
-                 "sse", "task", "upstream", "what")
+    __slots__ = ("broke", "chunked", "conn", "done", "head_only", "keep_alive", "out", "phase",
+                 "req", "sse", "task", "upstream", "what")
 
     def __init__(self, conn: Connection, req: Request) -> None:
         self.conn = conn
@@ -86,6 +91,8 @@ class Exchange:
         self.out: list[bytes] = []
         """Bytes for the client, written once per upstream read (`flush`)."""
         self.done: asyncio.Future[None] | None = None
+        self.broke: str | None = None
+        """Why the child went away before answering, when a retry may follow."""
         self.task = asyncio.get_running_loop().create_task(self.run())
 
     def _to(self, phase: Phase) -> None:
@@ -141,30 +148,61 @@ class Exchange:
             return
         self.what = f"model '{model}'"
         scheduler = front.scheduler()
-        share = await front.shares.acquire(scheduler, model, autoload)
-        if isinstance(share, Refusal):
-            self.answer(refusal_answer(share))
-            return
-        grant = share.grant
-        try:
-            route = routes.models.get(grant.model)
-            host, _, port = grant.base_url.rpartition("/")[2].partition(":")
-            pool = front.pools.get((host, int(port), f"{grant.model}#{grant.generation}"),
-                                   route.pool_cap if route else None)
-            await self.forward(pool, NOT_FORWARDED,
-                               route.first_byte_timeout_s if route else None)
-        finally:
-            front.shares.release(scheduler, share)
+        gone: int | None = None  # the generation that went away before answering
+        for attempt in (1, 2):
+            share = await front.shares.acquire(scheduler, model, autoload)
+            if gone is not None:
+                share = await self._next_instance(share, gone)
+            if isinstance(share, Refusal):
+                self.answer(refusal_answer(share))
+                return
+            grant = share.grant
+            try:
+                route = routes.models.get(grant.model)
+                host, _, port = grant.base_url.rpartition("/")[2].partition(":")
+                pool = front.pools.get((host, int(port), f"{grant.model}#{grant.generation}"),
+                                       route.pool_cap if route else None)
+                broke = await self.forward(pool, NOT_FORWARDED,
+                                           route.first_byte_timeout_s if route else None,
+                                           may_retry=attempt == 1)
+            finally:
+                front.shares.release(scheduler, share)
+            if broke is None:
+                return
+            # Nothing of an answer was sent: the next instance gets the request, once.
+            log.warning("%s#%d went away before answering (%s); sending the request to "
+                        "its next instance", self.what, grant.generation, broke)
+            gone = grant.generation
+            if self.phase is not Phase.WAITING:  # it failed as it connected: still waiting
+                self._to(Phase.WAITING)
+
+    async def _next_instance(self, share: SharedGrant | Refusal,
+                             gone: int) -> SharedGrant | Refusal:
+        """A grant that is not for generation `gone`: until the Scheduler has seen that
+        child's exit (a few ms behind the connection's end), it may still grant it."""
+        front = self.conn.front
+        for _ in range(RETRY_POLLS):
+            if isinstance(share, Refusal) or share.grant.generation != gone:
+                return share
+            front.shares.release(front.scheduler(), share)
+            await asyncio.sleep(RETRY_POLL_S)
+            share = await front.shares.acquire(front.scheduler(), share.grant.model, True)
+        return share
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
-                      first_byte_timeout_s: float | None) -> None:
-        """Send the request on a pooled connection and stream the answer back."""
+                      first_byte_timeout_s: float | None, may_retry: bool = False) -> str | None:
+        """Send the request on a pooled connection and stream the answer back. With
+        `may_retry`, a child that goes away before any of its answer returns why,
+        instead of the client getting a 502."""
         req = self.req
+        self.broke = None
         try:
             up = await pool.lease()
         except OSError as e:
+            if may_retry:
+                return str(e)
             self.answer(Answer(502, f"{self.what} is unreachable: {e}"))
-            return
+            return None
         self.upstream = up
         host = pool.key[0].encode()
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + host]
@@ -173,6 +211,7 @@ class Exchange:
         loop = asyncio.get_running_loop()
         self.done = loop.create_future()
         self._to(Phase.FORWARDING)
+        self.broke = "" if may_retry else None
         up.send(self, b"\r\n".join(head) + b"\r\n\r\n" + req.body, self.head_only)
         timer = (loop.call_later(first_byte_timeout_s, self._first_byte_late,
                                  first_byte_timeout_s) if first_byte_timeout_s else None)
@@ -181,6 +220,7 @@ class Exchange:
         finally:
             if timer is not None:
                 timer.cancel()
+        return self.broke or None
 
     def _first_byte_late(self, timeout_s: float) -> None:
         if self.phase is not Phase.FORWARDING:
@@ -262,7 +302,10 @@ class Exchange:
         self.upstream = None
         if self.phase is Phase.FORWARDING:
             self.out.clear()  # interim answers only; the final one is ours
-            self.answer(Answer(502, f"{self.what} is unreachable: {why}"))
+            if self.broke is not None:  # a retry may follow: nothing was sent yet
+                self.broke = why
+            else:
+                self.answer(Answer(502, f"{self.what} is unreachable: {why}"))
         elif self.phase is Phase.STREAMING:
             log.warning("%s broke off a response: %s", self.what, why)
             if self.sse and self.chunked:

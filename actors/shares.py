@@ -38,6 +38,10 @@ class Shares:
 
     def __init__(self) -> None:
         self.open: dict[str, SharedGrant] = {}
+        self.withdrawn: dict[str, int] = {}
+        """Model -> the newest generation withdrawn. A grant can reach its request after
+        its withdrawal did (both come through the loop, and a resumed request runs after
+        the callbacks of its turn): such a grant is used, never opened to others."""
         self.joined_total = 0
         """Requests that joined a grant, ever (each also counts as granted)."""
         self.extra: dict[str, int] = {}
@@ -57,7 +61,7 @@ class Shares:
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
-        if answer.shareable:
+        if answer.shareable and answer.generation > self.withdrawn.get(model, 0):
             self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
 
@@ -75,6 +79,8 @@ class Shares:
 
     def withdraw(self, message: Withdraw) -> None:
         """The Scheduler: no new request may join grants of this model's generation."""
-        share = self.open.get(message.model)
-        if share is not None and share.grant.generation == message.generation:
-            del self.open[message.model]
+        model, generation = message.model, message.generation
+        self.withdrawn[model] = max(self.withdrawn.get(model, 0), generation)
+        share = self.open.get(model)
+        if share is not None and share.grant.generation <= generation:
+            del self.open[model]

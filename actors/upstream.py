@@ -263,6 +263,9 @@ class Pool:
         self.opening += 1
         try:
             _, up = await loop.create_connection(lambda: Upstream(self), host, port)
+        except BaseException:
+            self._wake()  # its place at the cap is free again: the next one tries
+            raise
         finally:
             self.opening -= 1
         if up.transport is None or up.transport.is_closing():

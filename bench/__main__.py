@@ -1,13 +1,13 @@
-"""python -m bench {load,overhead,swap,scheduler,tokenize} [options]; --help on each."""
+"""python -m bench {load,overhead,swap,scheduler,tokenize,chaos} [options]; --help on each."""
 
 from __future__ import annotations
 
 import sys
 
-from bench import load, overhead, scheduler, swap, tokenize_rate
+from bench import chaos, load, overhead, scheduler, swap, tokenize_rate
 
 COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
-            "scheduler": scheduler.main, "tokenize": tokenize_rate.main}
+            "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main}
 
 
 def main() -> int:

@@ -257,3 +257,20 @@ def test_loads_killed_by_signals_keep_the_backoff_at_its_first_step() -> None:
         w.fire_timers()
         w.exited("a", rc=-9)
         assert w.p.models["a"].breaker.backoff_s == 1
+
+
+def test_a_model_removed_and_added_back_never_reuses_a_generation() -> None:
+    """Found by the state machine: a lease of the old record matched the new record's
+    first generation, so its release would have taken a request off the new child."""
+    w = World(models_max=2, names="ab")
+    w.load_idle("a")
+    w.acquire("old", "a")  # still running when a reload removes a
+    w.run(w.p.reconfigure({}, ["a"], {}, w.tick())[0])
+    w.exited("a")
+    assert "a" not in w.p.models
+    w.run(w.p.reconfigure({"a": False}, [], {}, w.tick())[0])
+    w.acquire("new", "a")
+    w.ready("a")
+    assert w.gen("a") == 2 and isinstance(w.answers["new"], Grant)
+    w.release("old")  # the old lease: counts for nothing now
+    assert w.p.models["a"].in_flight == 1

@@ -64,8 +64,10 @@ class StrictWorld(MemWorld):
         for e in effects:
             if isinstance(e, Spawn):
                 rec = self.p.models[e.model]
+                # Alone: no other model holds memory (one whose measurement failed is
+                # outside the limits, R-5.2, and holds none).
                 others = [r for r in self.p.models.values()
-                          if r is not rec and (r.state.is_running or r.releasing)]
+                          if r is not rec and r.name in self.p.ledger.held]
                 if rec.memory == "measured" and others and self.p.memory_on:
                     available = self.p.ledger.available("gpu0")
                     assert available is None or available >= self.p.ledger.margin, (

@@ -256,13 +256,20 @@ def test_stop_escalates_to_sigkill_for_a_child_ignoring_sigterm(corral) -> None:
     assert not pid_alive(pid)
 
 
-def test_a_child_killed_mid_request_gives_a_clean_error(corral) -> None:
-    c = corral(three_models(2, a=["--crash-after-requests", "1"]))
+def test_a_request_whose_child_dies_before_answering_goes_to_the_next_instance(
+        corral) -> None:
+    c = corral(three_models(2, a=["--crash-after-requests", "1"],
+                            b=["--crash-after-requests", "0"]))
     assert chat(c.port, "a")[0] == 200
-    status, body = chat(c.port, "a")  # the child dies on this one
+    pid = c.models()["a"]["pid"]
+    status, body = chat(c.port, "a")  # the child dies on this one, before any answer
+    assert status == 200, body
+    assert c.models()["a"]["pid"] != pid and c.models()["a"]["loads"] == 2
+    assert "went away before answering" in c.log()
+    status, body = chat(c.port, "b")  # b dies on every request: one retry, then a 502
     assert status == 502 and "unreachable" in body["error"]["message"]
-    c.wait_state("a", "failed")
-    assert chat(c.port, "a")[0] == 200  # and comes back on demand
+    assert c.models()["b"]["loads"] == 2
+    c.wait_state("b", "failed")
 
 
 def test_children_run_in_their_own_process_group(corral) -> None:

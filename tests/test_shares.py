@@ -4,11 +4,17 @@ taking requests, and that must hold under continuous load."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from pathlib import Path
 from typing import Any
 
+from actors.bridge import Fanout
+from actors.messages import Acquire, Cancel, Release, Withdraw
+from actors.policy import Policy
+from actors.records import Answer
+from actors.shares import Shares
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
 
@@ -102,3 +108,156 @@ def test_a_request_after_a_manual_unload_goes_to_the_next_instance(corral) -> No
     assert new_pid is not None and new_pid != pid
     busy.join(10)
     assert slow  # answered one way or the other (the fake child finishes it on SIGTERM)
+
+
+# ---------------------------------------------------------------- a grant that arrives late
+#
+# The Scheduler's Grant and its Withdraw both reach the loop through call_soon_threadsafe,
+# in that order; but the request the Grant wakes resumes after the Withdraw's callback has
+# run in the same loop turn. These play the Scheduler with the real Policy (as
+# Scheduler._run dispatches its effects), the event right after the model got ready.
+
+
+class Sched:
+    def __init__(self, loop: asyncio.AbstractEventLoop, shares: Shares) -> None:
+        self.p = Policy(3)
+        self.p.add_model("a", 0.0)
+        self.now = 0.0
+        self.watch = Fanout(loop, shares.withdraw)
+
+    def t(self) -> float:
+        self.now += 1
+        return self.now
+
+    def run(self, effects) -> None:  # Scheduler._run
+        for e in effects:
+            if isinstance(e, Answer) and hasattr(e.ticket, "send"):
+                e.ticket.send(e.value)
+            elif isinstance(e, Withdraw):
+                self.watch(e)
+        self.p.check_invariants()
+
+    def tell(self, m) -> None:
+        match m:
+            case Acquire(ticket=tk, model=model, autoload=al):
+                self.run(self.p.acquire(tk, model, self.t(), al))
+            case Release(ticket=tk, shared=sh):
+                self.run(self.p.release(tk, self.t(), sh))
+            case Cancel(ticket=tk):
+                self.run(self.p.cancel(tk, self.t()))
+
+    def ready(self) -> None:
+        g = self.p.models["a"].generation
+        self.run(self.p.instance_ready("a", g, 1, "http://127.0.0.1:1", self.t()))
+
+
+async def _try_acquire(shares: Shares, s) -> object:
+    """A new request for a: its share if it got one at once, else None (it queued)."""
+    task = asyncio.ensure_future(shares.acquire(s, "a", True))
+    await asyncio.sleep(0.02)
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
+async def _first_grant_then(event) -> tuple[Shares, Sched, object]:
+    """One request waits for a's load; the child becomes ready and, in the Scheduler's
+    very next message, `event` happens - before the loop has woken the request."""
+    shares = Shares()
+    s = Sched(asyncio.get_running_loop(), shares)
+    first = asyncio.ensure_future(shares.acquire(s, "a", True))
+    await asyncio.sleep(0)  # queued; a is loading
+    s.ready()               # Answer(Grant a#1) -> loop
+    event(s)                # ... and Withdraw(a, 1) -> loop, same batch
+    share1 = await first
+    return shares, s, share1
+
+
+def test_unload_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
+    async def main() -> None:
+        shares, s, share1 = await _first_grant_then(
+            lambda s: s.run(s.p.unload("u", "a", s.t())))
+        assert s.p.models["a"].state.value == "stopping"
+        late = await _try_acquire(shares, s)  # arrives after the unload was answered
+        assert late is not share1, (
+            f"joined withdrawn grant a#{late.grant.generation}: proxied into a stopping "
+            f"child (R-4.6); shares.open={shares.open}")
+    asyncio.run(main())
+
+
+def test_crash_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
+    async def main() -> None:
+        shares, s, share1 = await _first_grant_then(
+            lambda s: s.run(s.p.instance_exited("a", 1, -9, "killed", s.t())))
+        assert s.p.models["a"].state.value in ("unloaded", "loading")
+        late = await _try_acquire(shares, s)
+        assert late is not share1, "joined the grant of a dead child"
+    asyncio.run(main())
+
+
+def test_reload_right_after_ready_never_drains_under_overlapping_load() -> None:
+    async def main() -> None:
+        shares, s, share1 = await _first_grant_then(
+            lambda s: s.run(s.p.reconfigure({}, [], {"a": False}, s.t())[0]))
+        rec = s.p.models["a"]
+        assert rec.stale
+        # Overlapping requests: each new one arrives before the previous one ends.
+        running = [share1]
+        for _ in range(50):
+            nxt = await _try_acquire(shares, s)
+            shares.release(s, running.pop(0))
+            if nxt is None:
+                break  # queued for the next instance: correct
+            running.append(nxt)
+            await asyncio.sleep(0)
+        assert rec.state.value != "loaded" or not rec.stale, (
+            f"a#{rec.generation} still stale and serving after 50 overlapping requests "
+            f"(in_flight {rec.in_flight}); the reload never restarts it")
+    asyncio.run(main())
+
+
+def test_real_scheduler_busy_loop_unload_after_ready_joins_stopping_child() -> None:
+    """The real Scheduler actor on its own thread; the loop is busy for 50 ms in one
+    iteration (a burst of work) while the child becomes ready and is unloaded."""
+    import threading
+    import time
+
+    from actors.bridge import ThreadReply
+    from actors.config import parse_config
+    from actors.messages import InstanceReady, InstancesAttached, UnloadModel, WatchGrants
+    from actors.scheduler import Scheduler
+
+    class Nobody:
+        def tell(self, _m) -> None:
+            pass
+
+    config = parse_config({"models": {"a": {"cmd": ["true", "{port}"]}}})
+    sched = Scheduler.start(config, lambda *a: None)
+    try:
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            shares = Shares()
+            sched.tell(WatchGrants(Fanout(loop, shares.withdraw)))
+            sched.tell(InstancesAttached({"a": Nobody()}))
+            first = asyncio.ensure_future(shares.acquire(sched, "a", True))
+            await asyncio.sleep(0.05)  # queued, a#1 loading
+
+            def scheduler_side() -> None:
+                sched.tell(InstanceReady("a", 1, 4242, 1))
+                done = ThreadReply()
+                sched.tell(UnloadModel("a", done))
+                assert done.wait(5) is not None
+
+            def busy() -> None:  # one long loop iteration
+                threading.Thread(target=scheduler_side).start()
+                time.sleep(0.05)
+            loop.call_soon(busy)
+            share1 = await first
+            late = await _try_acquire(shares, sched)
+            assert late is not share1, (
+                "after the unload was answered, a new request joined a#1 "
+                f"(open: {shares.open})")
+        asyncio.run(main())
+    finally:
+        sched.stop()

@@ -86,6 +86,10 @@ class Policy:
         self.n_stopping = 0
         self.n_running_pinned = 0
         """Counts kept by `_transition` (and a pin change), so a decision is O(1)."""
+        self.last_generation: dict[str, int] = {}
+        """Model -> the generation of its record when a reload dropped it: a model added
+        back goes on counting from there, so a late lease or event of its old record is
+        never taken for one of its new."""
         self.wake_at: float | None = None
         """A Repump is due then (a young victim comes of age)."""
         self._out: list[Effect] = []
@@ -101,7 +105,15 @@ class Policy:
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
         self.models[name] = ModelRecord(name=name, rules=rules or ModelRules(pinned=pinned),
-                                        breaker=Breaker(*self.breaker_args), state_since=now)
+                                        breaker=Breaker(*self.breaker_args), state_since=now,
+                                        generation=self.last_generation.pop(name, 0))
+
+    def _drop(self, name: str) -> None:
+        """Forget a model a reload removed (its child, if any, is reaped)."""
+        rec = self.models.pop(name)
+        self.last_generation[name] = rec.generation
+        self.victims.forget(name)
+        self.ledger.release(name)
 
     # ------------------------------------------------------------ requests
 
@@ -380,9 +392,7 @@ class Policy:
             entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
         if rec.removed:
             self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
-            self.ledger.release(model)
-            del self.models[model]
-            self.victims.forget(model)
+            self._drop(model)
         elif was is S.STOPPING:
             self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
         else:
@@ -475,9 +485,7 @@ class Policy:
             if rec.state.is_running:
                 self._retire(rec, now)
             else:
-                del self.models[name]
-                self.victims.forget(name)
-                self.ledger.release(name)  # a child still releasing: external from now on
+                self._drop(name)  # a child still releasing: external from now on
         restarted = []
         for name, given in changed.items():
             rec = self.models[name]
