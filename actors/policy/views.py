@@ -8,7 +8,7 @@ from ..lifecycle import ModelState
 from ..messages import ModelsSnapshot, ModelView
 
 if TYPE_CHECKING:
-    from .core import Policy
+    from .rules import Rules as Policy
 
 S = ModelState
 

@@ -1,0 +1,263 @@
+"""What the children, the measurements and a reload report, and what the policy makes
+of it: readiness grants the waiters (R-4.6), an exit frees the slot and, for a crash or
+a failed load, answers the waiters and may open the breaker (R-3.7, R-4.8).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..config import ModelRules
+from ..ledger import Breakdown
+from ..lifecycle import ModelState
+from ..messages import (
+    DeviceReport,
+    DevicesSnapshot,
+    Repump,
+    StatusChanged,
+    Withdraw,
+)
+from ..records import (
+    Effect,
+    Later,
+    Measure,
+    ModelRecord,
+    Publish,
+    Track,
+)
+from .rules import Rules
+
+log = logging.getLogger("corral.scheduler")
+
+S = ModelState
+
+
+
+class Children(Rules):
+    """The events that come from children, the memory actors and a reload."""
+
+    # ------------------------------------------------------------ instance facts
+
+    def instance_started(self, model: str, generation: int, pid: int) -> list[Effect]:
+        """The child of `generation` runs as `pid`: from now on its memory is corral's."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or rec.state is not S.LOADING:
+            return []
+        rec.pid = pid
+        if self.memory_on:
+            self._out.append(Track(model, "spawned", pid))
+        return self._flush()
+
+    def instance_ready(self, model: str, generation: int, pid: int, base_url: str,
+                       now: float, info: dict[str, Any] | None = None) -> list[Effect]:
+        """The child of `generation` answers: grant everyone queued for it, atomically (R-4.6)."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or rec.state is not S.LOADING:
+            return []  # stale, or already being stopped: never proxy into a stopping child
+        rec.pid = pid
+        rec.base_url = base_url
+        rec.loads_ok += 1
+        rec.load_s_total += now - rec.state_since
+        rec.info, rec.progress = info, None
+        rec.failed = False
+        rec.ready_at = rec.last_used = now
+        rec.breaker.ready()
+        self._transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
+        if self.memory_on:
+            rec.awaiting_usage = True
+            self._out.append(Track(model, "ready", pid))
+            if rec.memory == "failed" and rec.measure_attempts < 2:
+                # The files may have been missing at measure time: try once more (R-5.2).
+                rec.memory = "unmeasured"
+                self._out.append(Measure(model, front=False))
+        entry = self.queue.entry(model)
+        if entry is not None:
+            entry.claimed = entry.explicit = False
+            self._serve_waiters(rec, now)
+        self._idle(rec)
+        self._pump(now)
+        return self._flush()
+
+    def instance_reported(self, model: str, generation: int, state: str,
+                          payload: dict[str, Any], now: float) -> list[Effect]:
+        """A llama child's progress, or that it went to sleep or woke up (R-3.6)."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation:
+            return []
+        if state == "loading" and rec.state is S.LOADING:
+            rec.progress = payload
+            self._out.append(Publish(StatusChanged(model, "loading", "loading progress",
+                                                   progress=payload)))
+        elif state == "sleeping" and rec.state is S.LOADED:
+            # It keeps its slot (and stays an eviction candidate) but gives its memory
+            # back; a request wakes it, and then it holds again.
+            self._transition(rec, S.SLEEPING, "idle, the child sleeps", now)
+            self.ledger.release(model)
+        elif state == "awake" and rec.state is S.SLEEPING:
+            self._transition(rec, S.LOADED, "woken by a request", now)
+            if self.memory_on:
+                self.ledger.reserve(model, rec.mem_effective or rec.mem_min)
+        self._idle(rec)
+        self._pump(now)
+        return self._flush()
+
+    def instance_unhealthy(self, model: str, generation: int, detail: str,
+                           now: float) -> list[Effect]:
+        """A loaded child failed its liveness checks: stop it; the next request reloads."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or not rec.state.is_serving:
+            return []
+        log.warning("model %s#%d is unhealthy (%s); stopping it", model, generation, detail)
+        rec.failed = True
+        self._stop(rec, "unhealthy", None, now)
+        self._pump(now)
+        return self._flush()
+
+    def instance_exited(self, model: str, generation: int, returncode: int,
+                        description: str, now: float) -> list[Effect]:
+        """The child of `generation` is gone and reaped: free its slot; a crash or failed
+        load answers its waiters and may open the breaker (R-3.7, R-4.8)."""
+        rec = self.models.get(model)
+        if rec is None or rec.generation != generation or not rec.state.is_running:
+            return []
+        was, up_since = rec.state, rec.ready_at
+        rec.in_flight = 0
+        rec.pid = rec.base_url = rec.ready_at = None
+        rec.exit_code = returncode
+        rec.last_exit = description
+        rec.mem_effective = None
+        rec.info = rec.progress = None
+        rec.awaiting_usage = False
+        if self.memory_on:
+            rec.releasing = model in self.ledger.held
+            self._out.append(Track(model, "exited"))
+        entry = self.queue.entry(model)
+        if entry is not None:
+            entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
+        if rec.removed:
+            self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+            self._drop(model)
+        elif was is S.STOPPING:
+            self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+        else:
+            self._failed(rec, was, up_since, description, returncode, now)
+        self._pump(now)
+        return self._flush()
+
+    def _failed(self, rec: ModelRecord, was: ModelState, up_since: float | None,
+                description: str, returncode: int, now: float) -> None:
+        what = "load failed" if was is S.LOADING else "crashed"
+        attempt = rec.breaker.attempt
+        killed = returncode < 0
+        backoff = rec.breaker.failed(now, up_since, grow=was is S.LOADING and not killed)
+        rec.failed = True
+        cause = f"{what}: {description}"
+        if backoff:
+            cause += (f"; {len(rec.breaker.failures)} failures in "
+                      f"{rec.breaker.period_s:g} s, no load for {backoff:g} s")
+            self._out.append(Later(backoff, Repump()))
+        self._transition(rec, S.UNLOADED, cause, now, returncode)
+        if was is S.LOADING:
+            # R-4.8: the requests that waited on this load get one error each. A load
+            # killed by a signal (the OOM killer, an operator) may have been no fault of
+            # the model's: its waiters get one more try, and the next failure answers them.
+            message = f"model '{rec.name}' failed to load (attempt {attempt}): {description}"
+            if killed:
+                for ticket, _ in self.queue.keep_for_one_retry(rec.name):
+                    self._refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0))
+                self._idle(rec)
+            else:
+                self._refuse_entry(rec.name, 503, message, retry_after_s=max(backoff, 1.0))
+        if rec.rules.permanent:
+            self.queue.open(rec.name).explicit = True  # R-3.7: back at once (or after it)
+
+    # ------------------------------------------------------------ memory facts
+
+    def start_measuring(self) -> list[Effect]:
+        self._out.extend(self.memory.unmeasured(self.models.values()))
+        return self._flush()
+
+    def measure_started(self, model: str) -> list[Effect]:
+        rec = self.models.get(model)
+        if rec is not None:
+            rec.memory = "measuring"
+            rec.measure_attempts += 1
+        return []
+
+    def measured(self, model: str, ok: bool, min_: Breakdown | None,
+                 max_: Breakdown | None, now: float, error: str | None = None) -> list[Effect]:
+        rec = self.models.get(model)
+        if rec is None:
+            return []
+        self._out.extend(self.memory.measured(rec, ok, min_, max_, error))
+        self._pump(now)
+        return self._flush()
+
+    def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
+        self.memory.reported(report, self.models)
+        self._pump(now)
+        return self._flush()
+
+    def devices_snapshot(self) -> DevicesSnapshot:
+        return self.memory.snapshot()
+
+    # ------------------------------------------------------------ reload
+
+    def reconfigure(self, added: dict[str, ModelRules | bool], removed: list[str],
+                    changed: dict[str, ModelRules | bool],
+                    now: float) -> tuple[list[Effect], list[str]]:
+        """A reload (R-2.6): models added, removed, or with a changed config (name ->
+        rules, or just `pinned`). Running models whose config changed, or that are gone,
+        stop once their requests have finished; the queue and unchanged models are kept.
+        Returns the effects and the models that restart."""
+        for name, given in added.items():
+            rules = given if isinstance(given, ModelRules) else ModelRules(pinned=given)
+            old = self.models.get(name)
+            if old is not None and old.removed:
+                # Back before its old child was reaped: one record, which counts that
+                # child until it exits.
+                old.removed = False
+                self._set_rules(old, rules)
+            else:
+                self.add_model(name, now, rules=rules)
+            if self.memory_on:
+                self._out.append(Measure(name, front=False))
+        for name in removed:
+            rec = self.models[name]
+            rec.removed = True
+            self._refuse_entry(name, 400, f"model '{name}' was removed by a reload")
+            if rec.state.is_running:
+                self._retire(rec, now)
+            else:
+                self._drop(name)  # a child still releasing: external from now on
+        restarted = []
+        for name, given in changed.items():
+            rec = self.models[name]
+            self._set_rules(rec, given if isinstance(given, ModelRules)
+                            else ModelRules(pinned=given))
+            rec.breaker.reset()
+            if self.memory_on:  # new arguments, new figures
+                rec.memory, rec.mem_min, rec.mem_max = "unmeasured", None, None
+                self._out.append(Measure(name, front=False))
+            if rec.state.is_running and rec.state is not S.STOPPING:
+                restarted.append(name)
+                self._retire(rec, now)
+        self._pump(now)
+        return self._flush(), restarted
+
+    def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
+        if rec.state.is_running:
+            self.n_running_pinned += int(rules.pinned) - int(rec.pinned)
+        rec.rules = rules
+        self._idle(rec)
+
+    def _retire(self, rec: ModelRecord, now: float) -> None:
+        """Stop `rec` for a reload now if idle, else once its last request is released."""
+        if rec.state is S.STOPPING:
+            return
+        if rec.in_flight == 0:
+            self._stop(rec, "reload", None, now)
+        else:
+            rec.stale = True
+            self._out.append(Withdraw(rec.name, rec.generation))
