@@ -36,7 +36,7 @@ from .edge import (
     refusal_answer,
     sse_error_event,
 )
-from .messages import Refusal
+from .messages import AnswerLate, Refusal
 from .shares import SharedGrant
 from .upstream import Pool, Upstream
 
@@ -72,8 +72,8 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("broke", "chunked", "conn", "done", "head_only", "keep_alive", "out", "phase",
-                 "req", "sse", "task", "upstream", "what")
+    __slots__ = ("broke", "chunked", "conn", "done", "head_only", "keep_alive", "late", "out",
+                 "phase", "req", "sse", "task", "upstream", "what")
 
     def __init__(self, conn: Connection, req: Request) -> None:
         self.conn = conn
@@ -91,6 +91,8 @@ class Exchange:
         self.out: list[bytes] = []
         """Bytes for the client, written once per upstream read (`flush`)."""
         self.done: asyncio.Future[None] | None = None
+        self.late = False
+        """The child sent no answer head within first_byte_timeout_s."""
         self.broke: str | None = None
         """Why the child went away before answering, when a retry may follow."""
         self.task = asyncio.get_running_loop().create_task(self.run())
@@ -162,11 +164,13 @@ class Exchange:
                 host, _, port = grant.base_url.rpartition("/")[2].partition(":")
                 pool = front.pools.get((host, int(port), f"{grant.model}#{grant.generation}"),
                                        route.pool_cap if route else None)
-                broke = await self.forward(pool, NOT_FORWARDED,
-                                           route.first_byte_timeout_s if route else None,
-                                           may_retry=attempt == 1)
+                late = route.first_byte_timeout_s if route else None
+                broke = await self.forward(pool, NOT_FORWARDED, late, may_retry=attempt == 1)
             finally:
                 front.shares.release(scheduler, share)
+            if self.late:
+                scheduler.tell(AnswerLate(grant.model, grant.generation, (
+                    f"a request had no answer within {late:g} s (first_byte_timeout_s)")))
             if broke is None:
                 return
             # Nothing of an answer was sent: the next instance gets the request, once.
@@ -227,6 +231,7 @@ class Exchange:
             return
         log.warning("%s sent no answer within %g s (first_byte_timeout_s): 504", self.what,
                     timeout_s)
+        self.late = True
         if self.upstream is not None:
             self.upstream.detach()
             self.upstream = None

@@ -33,6 +33,7 @@ from .messages import (
     InstanceReady,
     InstanceReported,
     InstanceStarted,
+    LivenessMiss,
     LivenessResult,
     LivenessTick,
     LoadDeadline,
@@ -177,7 +178,10 @@ class ModelInstance(BaseActor):
             case LivenessTick(spawn_id=spawn_id):
                 self.handle_liveness_tick(spawn_id)
             case LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail):
-                self.handle_liveness_result(spawn_id, ok, detail)
+                self.handle_liveness_result(spawn_id, ok, detail, rearm=True)
+            case LivenessMiss(generation=generation, detail=detail):
+                if generation == self.generation:
+                    self.handle_liveness_result(self.spawn_id, False, detail, rearm=False)
             case _:
                 assert_never(message)
 
@@ -310,7 +314,8 @@ class ModelInstance(BaseActor):
                   lambda ok, detail: tell_or_drop(ref, LivenessResult(spawn_id, ok, detail)))
         ).start()
 
-    def handle_liveness_result(self, spawn_id: int, ok: bool, detail: str) -> None:
+    def handle_liveness_result(self, spawn_id: int, ok: bool, detail: str,
+                               rearm: bool) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.READY:
             return
         self.missed = 0 if ok else self.missed + 1
@@ -321,7 +326,8 @@ class ModelInstance(BaseActor):
             self.scheduler.tell(Unhealthy(self.model, self.generation, (
                 f"{self.missed} liveness checks failed in a row, the last: {detail}")))
             return  # the Scheduler stops it
-        self.timers.after(self.liveness.interval_s, self.actor_ref, LivenessTick(spawn_id))
+        if rearm:  # a poll's result: the next poll (a late answer is no poll)
+            self.timers.after(self.liveness.interval_s, self.actor_ref, LivenessTick(spawn_id))
 
     def handle_load_deadline(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:

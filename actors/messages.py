@@ -81,6 +81,8 @@ class ModelView(msgspec.Struct, frozen=True):
     """Loaded and idle with a ttl_s: seconds until it is stopped."""
     queue_oldest_s: float | None = None
     """How long the oldest request waiting for it has waited."""
+    queue_position: int | None = None
+    """Its place among the models requests wait for (0: the head of the queue)."""
 
 
 class ModelsSnapshot(Message, frozen=True):
@@ -168,6 +170,15 @@ class Evicted(Event, frozen=True, tag="eviction"):
     for_model: str | None = None
     devices: list[Shortfall] = []
     """For `memory` evictions: the newcomer's need and what was available, per device."""
+
+
+class QueueChanged(Event, frozen=True, tag="queue"):
+    """The requests waiting for a model changed (R-4.9): how many, and how long the
+    oldest of them has waited (GET /models also shows the model's place in the queue)."""
+
+    model: str
+    waiting: int
+    oldest_wait_s: float | None = None
 
 
 class ModelMemory(Event, frozen=True, tag="model_memory"):
@@ -262,6 +273,15 @@ class Repump(Message, frozen=True):
 
 class Unhealthy(Message, frozen=True):
     """ModelInstance -> Scheduler: the child of `generation` failed its liveness checks."""
+
+    model: str
+    generation: int
+    detail: str
+
+
+class AnswerLate(Message, frozen=True):
+    """Front -> Scheduler: the child of `generation` sent no answer head within the model's
+    first_byte_timeout_s; it counts as one failed liveness check."""
 
     model: str
     generation: int
@@ -399,7 +419,7 @@ class Shutdown(Message, frozen=True):
 
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
-    | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | InstancesAttached
+    | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | AnswerLate | InstancesAttached
     | InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Reconfigure
     | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
@@ -456,6 +476,14 @@ class LivenessResult(Message, frozen=True):
     detail: str
 
 
+class LivenessMiss(Message, frozen=True):
+    """Scheduler -> ModelInstance: a request to the child of `generation` timed out
+    (first_byte_timeout_s): one failed liveness check."""
+
+    generation: int
+    detail: str
+
+
 class LoadDeadline(Message, frozen=True):
     """Timer -> ModelInstance: spawn `spawn_id` had load_timeout_s to become ready."""
 
@@ -470,7 +498,7 @@ class StopDeadline(Message, frozen=True):
 
 InstanceMessage = (
     StartInstance | StopInstance | ChildReady | ChildState | ChildExited | LoadDeadline
-    | StopDeadline | LivenessTick | LivenessResult
+    | StopDeadline | LivenessTick | LivenessResult | LivenessMiss
 )
 
 

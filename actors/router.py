@@ -301,6 +301,7 @@ class Router:
                 "in_flight": self._in_flight(view), "waiting": view.waiting,
                 "oldest_wait_s": (round(view.queue_oldest_s, 3)
                                   if view.queue_oldest_s is not None else None),
+                "queue_position": view.queue_position,
                 "loads": view.loads,
                 "pid": view.pid, "port": view.port,
                 "last_eviction": msgspec.to_builtins(view.last_eviction),

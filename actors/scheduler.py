@@ -18,6 +18,7 @@ from .ledger import MiB
 from .messages import (
     Acquire,
     Alive,
+    AnswerLate,
     Cancel,
     DevicesReported,
     Event,
@@ -28,6 +29,7 @@ from .messages import (
     InstanceReported,
     InstancesAttached,
     InstanceStarted,
+    LivenessMiss,
     LoadModel,
     Measured,
     MeasureModel,
@@ -107,6 +109,9 @@ class Scheduler(BaseActor):
                 self._run(p.repump(now))
             case Unhealthy(model=model, generation=gen, detail=detail):
                 self._run(p.instance_unhealthy(model, gen, detail, now))
+            case AnswerLate(model=model, generation=gen, detail=detail):
+                if model in self.instances:
+                    self.instances[model].tell(LivenessMiss(gen, detail))
             case Subscribe(sink=sink):
                 self.subscribers.append(sink)
             case WatchGrants(sink=sink):

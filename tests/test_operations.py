@@ -87,11 +87,15 @@ def test_max_concurrency_and_queue_max(corral) -> None:
     c = corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "20"),
                                   "max_concurrency": 1, "queue_max": 1}}))
     assert chat(c.port, "a")[0] == 200
+    sse = SSE(c.port)
     first, out1 = in_background(chat, c.port, "a", 20)  # 1 s
     wait_until(lambda: c.models()["a"]["in_flight"] == 1, 5, "the first in flight")
     second, out2 = in_background(chat, c.port, "a", 1)
     wait_until(lambda: c.models()["a"]["waiting"] == 1, 5, "the second to wait")
     assert c.models()["a"]["in_flight"] == 1 and c.models()["a"]["oldest_wait_s"] >= 0
+    assert c.models()["a"]["queue_position"] == 0
+    sse.wait_for(lambda e: e.get("type") == "queue" and e["model"] == "a"
+                 and e["waiting"] == 1)
     status, body, headers = post(c.port, "a")  # over queue_max
     assert status == 503 and headers["retry-after"] == "1"
     assert "queue_max 1" in body["error"]["message"]
@@ -112,3 +116,18 @@ def test_a_child_that_stops_answering_health_is_stopped_and_reloaded(corral) -> 
     assert "2 liveness checks failed in a row" in c.log()
     assert "/health did not answer within 0.2 s" in c.log()
     assert chat(c.port, "a")[0] == 200 and c.models()["a"]["pid"] != pid
+
+
+def test_first_byte_timeouts_count_as_failed_liveness_checks(corral) -> None:
+    """A child that takes requests but never answers: 504s, and after liveness_failures of
+    them the child is stopped (its /health answering does not save it)."""
+    c = corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "1"),
+                                  "first_byte_timeout_s": 0.3}},
+                           liveness_interval_s=0, liveness_failures=2))
+    assert request(c.port, "POST", "/models/load", {"model": "a"})[0] == 200
+    pid = c.wait_state("a", "loaded")["pid"]
+    for _ in range(2):
+        status, body, _ = post(c.port, "a", max_tokens=50)  # 50 s of tokens: never in time
+        assert status == 504 and "first_byte_timeout_s" in body["error"]["message"]
+    wait_until(lambda: not pid_alive(pid), 10, "the child to be stopped")
+    assert c.wait_state("a", "failed")["last_eviction"]["reason"] == "unhealthy"

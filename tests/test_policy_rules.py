@@ -274,3 +274,18 @@ def test_a_model_removed_and_added_back_never_reuses_a_generation() -> None:
     assert w.gen("a") == 2 and isinstance(w.answers["new"], Grant)
     w.release("old")  # the old lease: counts for nothing now
     assert w.p.models["a"].in_flight == 1
+
+
+def test_queue_events_say_how_many_wait_and_for_how_long() -> None:
+    from actors.messages import QueueChanged
+
+    w = World()
+    effects = w.run(w.p.acquire(1, "a", 10.0))
+    assert Publish(QueueChanged("a", 1, 0.0)) in effects
+    effects = w.run(w.p.acquire(2, "a", 12.5))
+    assert Publish(QueueChanged("a", 2, 2.5)) in effects
+    effects = w.run(w.p.instance_ready("a", 1, 100, "http://x:1", 13.0))
+    assert Publish(QueueChanged("a", 0, None)) in effects
+    effects = w.run(w.p.acquire(3, "a", 14.0))  # granted at once: nothing queued
+    assert not any(isinstance(e, Publish) and isinstance(e.event, QueueChanged)
+                   for e in effects)

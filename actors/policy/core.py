@@ -135,7 +135,8 @@ class Policy(Children):
         rec = self.models[waiter.model]
         why = (f"; {self._backoff_message(rec, now)}" if rec.breaker.is_open(now) else
                f" (state {self._state_word(rec)})")
-        self._out.extend(self.cancel(ticket, now))
+        left = self.cancel(ticket, now)  # (not `_out.extend(self.cancel())`: that extends
+        self._out.extend(left)           # the list the cancel's flush hands over)
         self._refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "
                      f"'{waiter.model}' (queue_timeout_s){why}", retry_after_s=1.0)
         return self._flush()

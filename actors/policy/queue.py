@@ -41,6 +41,8 @@ class RequestQueue:
         self.entries: dict[str, QueueEntry] = {}
         """Model -> its entry, in arrival order."""
         self.waiters: dict[Hashable, Waiter] = {}
+        self.changed: set[str] = set()
+        """Models whose waiters changed since the policy last said so (a `queue` event)."""
 
     def __len__(self) -> int:
         """Queued requests (not entries)."""
@@ -67,6 +69,7 @@ class RequestQueue:
         entry = self.open(model)
         entry.waiters[ticket] = None
         self.waiters[ticket] = Waiter(model, now, deadline)
+        self.changed.add(model)
         return entry
 
     def remove(self, ticket: Hashable) -> tuple[Waiter, bool] | None:
@@ -77,6 +80,7 @@ class RequestQueue:
             return None
         entry = self.entries[waiter.model]
         del entry.waiters[ticket]
+        self.changed.add(waiter.model)
         gone = not entry.waiters and not entry.explicit
         if gone:
             del self.entries[waiter.model]
@@ -86,6 +90,7 @@ class RequestQueue:
         """Take `ticket` out of a non-empty entry that stays (it is being granted)."""
         waiter = self.waiters.pop(ticket)
         del self.entries[waiter.model].waiters[ticket]
+        self.changed.add(waiter.model)
         return waiter
 
     def drop(self, model: str) -> list[tuple[Hashable, Waiter]]:
@@ -93,6 +98,8 @@ class RequestQueue:
         entry = self.entries.pop(model, None)
         if entry is None:
             return []
+        if entry.waiters:
+            self.changed.add(model)
         return [(t, self.waiters.pop(t)) for t in entry.waiters]
 
     def keep_for_one_retry(self, model: str) -> list[tuple[Hashable, Waiter]]:
@@ -105,6 +112,7 @@ class RequestQueue:
         for t, _ in done:
             del self.waiters[t]
             del entry.waiters[t]
+            self.changed.add(model)
         for t in entry.waiters:
             self.waiters[t].outlived_a_kill = True
         self.close_if_empty(model)
@@ -118,10 +126,18 @@ class RequestQueue:
         return model not in self.entries
 
     def clear(self) -> list[Hashable]:
+        self.changed.update(w.model for w in self.waiters.values())
         tickets = list(self.waiters)
         self.entries.clear()
         self.waiters.clear()
         return tickets
+
+    def view(self, model: str, now: float) -> tuple[int, float | None]:
+        """(requests waiting for `model`, how long the oldest of them has waited)."""
+        entry = self.entries.get(model)
+        if entry is None or not entry.waiters:
+            return 0, None
+        return len(entry.waiters), now - self.waiters[next(iter(entry.waiters))].queued_at
 
     def check(self) -> None:
         for ticket, waiter in self.waiters.items():

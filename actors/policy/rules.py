@@ -18,6 +18,7 @@ from ..messages import (
     EvictionReason,
     Grant,
     ModelsSnapshot,
+    QueueChanged,
     Refusal,
     Repump,
     Shortfall,
@@ -73,6 +74,8 @@ class Rules:
         """Model -> the generation of its record when a reload dropped it: a model added
         back goes on counting from there, so a late lease or event of its old record is
         never taken for one of its new."""
+        self.now = 0.0
+        """The time of the latest event (what a `queue` event's waits are measured at)."""
         self.wake_at: float | None = None
         """A Repump is due then (a young victim comes of age)."""
         self._out: list[Effect] = []
@@ -117,6 +120,7 @@ class Rules:
 
     def _pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
+        self.now = now
         if self.shutting_down:
             return
         self._tick(now)
@@ -328,5 +332,9 @@ class Rules:
             exit=rec.last_exit if failed else None, retry_after_s=retry)))
 
     def _flush(self) -> list[Effect]:
+        for model in self.queue.changed:
+            waiting, oldest = self.queue.view(model, self.now)
+            self._out.append(Publish(QueueChanged(model, waiting, oldest)))
+        self.queue.changed.clear()
         out, self._out = self._out, []
         return out
