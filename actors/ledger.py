@@ -83,8 +83,16 @@ class Ledger:
     account_host: bool = False
     devices: dict[str, DeviceMemory] = field(default_factory=dict)
     held: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Model -> device -> bytes reserved. Invariant: only models with a live (or not yet
-    accounted-for) child hold memory."""
+    """Model -> device -> bytes held: per device the larger of what is reserved for the
+    model and what its child was last seen using, so use above a reservation (a loading
+    child growing, a sleeping child's leftover context, growth after ready) is never
+    invisible. Invariant: only models with a live (or not yet accounted-for) child hold
+    memory; `held[m][d] == max(reserved[m][d], observed[m][d])`."""
+    reserved: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Model -> device -> bytes set aside for it: its measured need while it loads, its
+    first observed use once ready."""
+    observed: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Model -> device -> bytes its child was last seen using (DeviceMonitor reports)."""
 
     def _counts(self, kind: str) -> bool:
         return kind == "device" or self.account_host
@@ -125,14 +133,38 @@ class Ledger:
         dev.external = max(0, sample.total - sample.free - ours)
 
     def reserve(self, model: str, mem: Breakdown | None) -> None:
-        """Hold `mem` for `model` (a no-op if it already holds, or nothing is known)."""
-        if mem is None or model in self.held:
+        """Set `mem` aside for `model`, in place of its earlier reservation (a no-op if
+        nothing is known)."""
+        if mem is None:
             return
-        self.held[model] = {row.name: row.self_bytes for row in mem.devices
-                            if self._counts(row.kind)}
+        self.reserved[model] = {row.name: row.self_bytes for row in mem.devices
+                                if self._counts(row.kind)}
+        self._hold(model)
+
+    def saw(self, model: str, use: dict[str, int]) -> None:
+        """`model`'s child was seen using `use` (device -> bytes)."""
+        self.observed[model] = {d: b for d, b in use.items()
+                                if d in self.devices and self._counts(self.devices[d].kind)}
+        self._hold(model)
+
+    def unreserve(self, model: str) -> None:
+        """Drop the reservation but keep what the child is still seen using (it sleeps)."""
+        self.reserved.pop(model, None)
+        self._hold(model)
 
     def release(self, model: str) -> None:
+        """The child is gone and no report shows it any more: it holds nothing."""
         self.held.pop(model, None)
+        self.reserved.pop(model, None)
+        self.observed.pop(model, None)
+
+    def _hold(self, model: str) -> None:
+        res, seen = self.reserved.get(model, {}), self.observed.get(model, {})
+        hold = {d: max(res.get(d, 0), seen.get(d, 0)) for d in res.keys() | seen.keys()}
+        if hold or model in self.reserved:
+            self.held[model] = hold
+        else:
+            self.held.pop(model, None)
 
     def available(self, device: str) -> int | None:
         """Bytes not used by anyone on `device`; None if the device was never reported."""

@@ -63,15 +63,30 @@ def test_unreported_devices_and_host_memory_are_unlimited_by_default() -> None:
     assert strict.deficit(host) == {"host": 32 * GiB}
 
 
-def test_reserve_is_idempotent_and_release_of_unknown_is_harmless() -> None:
+def test_a_reservation_is_replaced_and_release_of_unknown_is_harmless() -> None:
     ledger = Ledger(margin=0)
     ledger.calibrate(need(1), reporter=None)
-    ledger.reserve("a", need(4))
-    ledger.reserve("a", need(8))  # already holding: unchanged
+    ledger.reserve("a", need(8))  # loading: its max
+    ledger.reserve("a", need(4))  # ready: what it really uses
     assert ledger.available("gpu0") == 6 * GiB
     ledger.release("zzz")
     ledger.reserve("b", None)
     assert ledger.held.keys() == {"a"}
+
+
+def test_a_model_holds_the_larger_of_its_reservation_and_its_seen_use() -> None:
+    ledger = Ledger(margin=0)
+    ledger.calibrate(need(1), reporter=None)
+    ledger.reserve("a", need(4))
+    ledger.saw("a", {"gpu0": 3 * GiB})
+    assert ledger.held["a"] == {"gpu0": 4 * GiB}
+    ledger.saw("a", {"gpu0": 6 * GiB})  # it grew past its reservation
+    assert ledger.held["a"] == {"gpu0": 6 * GiB} and ledger.available("gpu0") == 4 * GiB
+    ledger.unreserve("a")  # it sleeps: what the device still shows stays held
+    ledger.saw("a", {"gpu0": GiB // 2})
+    assert ledger.held["a"] == {"gpu0": GiB // 2}
+    ledger.release("a")  # reaped and no longer reported
+    assert "a" not in ledger.held and ledger.available("gpu0") == 10 * GiB
 
 
 def test_observe_counts_only_what_corral_children_do_not_use_as_external() -> None:

@@ -255,8 +255,63 @@ def test_a_sleeping_model_gives_its_memory_back_and_holds_again_when_woken() -> 
     w = MemWorld({"a": 4, "b": 4, "c": 4})
     w.load_idle("a", "b")
     w.run(w.p.instance_reported("a", w.gen("a"), "sleeping", {}, w.tick()))
-    assert w.state("a") == "sleeping" and "a" not in w.p.ledger.held
+    w.actual["a"] = GiB // 2  # what a sleeping llama-server keeps: its CUDA context
+    w.report()
+    assert w.state("a") == "sleeping" and w.p.ledger.held["a"] == {"gpu0": GiB // 2}
     w.load_idle("c")  # fits in what a gave back: nothing evicted
     assert w.stops == []
     w.run(w.p.instance_reported("a", w.gen("a"), "awake", {}, w.tick()))
     assert w.state("a") == "loaded" and w.p.ledger.held["a"] == {"gpu0": 4 * GiB}
+
+
+def minmax(min_gib: float, max_gib: float) -> tuple[Breakdown, Breakdown]:
+    return need(min_gib), need(max_gib)
+
+
+def test_two_loads_never_run_at_once_on_one_device_and_a_load_holds_its_max() -> None:
+    """Issue 12: 24 GiB, margin 1 GiB, two models with min 8 / max 18 GiB were started
+    together (really 36 GiB) while the ledger said 8 + 8 held, 8 GiB available."""
+    w = MemWorld({"a": 18, "b": 18}, total_gib=24, measured=False)
+    for m in "ab":
+        w.run(w.p.measured(m, True, *minmax(8, 18), 0.0))
+    w.acquire(1, "a")
+    w.acquire(2, "b")
+    assert [s[0] for s in w.spawns] == ["a"], "b must wait for a's load to be charged"
+    assert w.p.ledger.held["a"] == {"gpu0": 18 * GiB}  # loading: its max
+    w.ready("a")  # ready, and the report at ready charges its real use (18 GiB)
+    assert [s[0] for s in w.spawns] == ["a"], "18 + 18 GiB do not fit in 24 - 1"
+    w.release(1)  # a is idle now: it goes for b
+    assert w.stops == [("a", "memory")]
+
+
+def test_a_load_still_growing_is_not_judged_as_free_memory() -> None:
+    """Issue 12: `a` loading and really using 18 GiB (6 free), the ledger said 16 GiB
+    available and admitted `c` (8 GiB + margin)."""
+    w = MemWorld({"a": 18, "c": 8}, total_gib=24, measured=False)
+    w.run(w.p.measured("a", True, *minmax(8, 18), 0.0))
+    w.run(w.p.measured("c", True, *minmax(8, 8), 0.0))
+    w.acquire(1, "a")
+    w.report()  # a's child is loading, at 18 GiB already
+    w.acquire(2, "c")
+    assert [s[0] for s in w.spawns] == ["a"]
+
+
+def test_use_above_a_hold_is_held() -> None:
+    w = MemWorld({"a": 4, "b": 4}, total_gib=10)
+    w.load_idle("a")
+    w.actual["a"] = 7 * GiB  # grew after its one effective sample
+    w.report()
+    assert w.p.ledger.held["a"] == {"gpu0": 7 * GiB}
+    w.acquire(1, "b")  # 7 + 4 > 10 - 1: a must go first
+    assert w.stops == [("a", "memory")]
+
+
+def test_loads_on_other_devices_may_run_together() -> None:
+    w = MemWorld({"a": 4, "b": 4}, total_gib=10, measured=False)
+    w.run(w.p.measured("a", True, need(4), need(4), 0.0))
+    other = Breakdown(n_ctx=512, devices=[DeviceUse(kind="device", name="gpu1",
+                                                    model=4 * GiB)])
+    w.run(w.p.measured("b", True, other, other, 0.0))
+    w.acquire(1, "a")
+    w.acquire(2, "b")
+    assert sorted(s[0] for s in w.spawns) == ["a", "b"]

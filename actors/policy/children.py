@@ -93,11 +93,11 @@ class Children(Rules):
             # It keeps its slot (and stays an eviction candidate) but gives its memory
             # back; a request wakes it, and then it holds again.
             self._transition(rec, S.SLEEPING, "idle, the child sleeps", now)
-            self.ledger.release(model)
+            self.ledger.unreserve(model)  # what the device still shows for it stays held
         elif state == "awake" and rec.state is S.SLEEPING:
             self._transition(rec, S.LOADED, "woken by a request", now)
             if self.memory_on:
-                self.ledger.reserve(model, rec.mem_effective or rec.mem_min)
+                self.ledger.reserve(model, rec.mem_effective or self.memory.need(rec))
         self._idle(rec)
         self._pump(now)
         return self._flush()

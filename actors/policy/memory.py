@@ -74,23 +74,40 @@ class Memory:
         seen = {d.name: d for d in report.devices}
         for name, usage in report.usage.items():
             user = models.get(name)
-            if user is None or not user.awaiting_usage or not user.state.is_serving or not usage:
+            if user is None or not user.state.is_running:
                 continue
-            user.awaiting_usage = False
-            n_ctx = (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
-            user.mem_effective = Breakdown(n_ctx, [
-                DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total, free=seen[d].free,
-                          model=size) for d, size in usage.items() if d in seen])
-            self.ledger.release(name)
-            self.ledger.reserve(name, user.mem_effective)
-            log.info("model %s uses %s", name, ", ".join(
-                f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
+            if user.awaiting_usage and user.state.is_serving:
+                # The first report since it got ready: its load is charged now (the
+                # next load on its devices may go), at what it really uses.
+                user.awaiting_usage = False
+                if usage:
+                    n_ctx = (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
+                    user.mem_effective = Breakdown(n_ctx, [
+                        DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total,
+                                  free=seen[d].free, model=size)
+                        for d, size in usage.items() if d in seen])
+                    self.ledger.reserve(name, user.mem_effective)
+                    log.info("model %s uses %s", name, ", ".join(
+                        f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
+            if usage:
+                self.ledger.saw(name, usage)  # use above its reservation is held too
+
+    @staticmethod
+    def need(rec: ModelRecord) -> Breakdown | None:
+        """What a load of `rec` holds until it is charged its real use: `max` if measured
+        (it runs at its configured context), else `min`."""
+        return rec.mem_max or rec.mem_min
+
+    @staticmethod
+    def devices_of(rec: ModelRecord) -> set[str]:
+        need = rec.mem_max or rec.mem_min or rec.mem_effective
+        return {row.name for row in need.devices if row.kind == "device"} if need else set()
 
     def spawning(self, rec: ModelRecord) -> None:
         """A child still releasing from its last run is replaced by the new hold."""
         rec.releasing = False
         self.ledger.release(rec.name)
-        self.ledger.reserve(rec.name, rec.mem_effective or rec.mem_min)
+        self.ledger.reserve(rec.name, self.need(rec))
 
     # ------------------------------------------------------------ the rule
 
@@ -99,7 +116,7 @@ class Memory:
         """R-5.7: may `rec` spawn now? `victims`: idle models, least recently used first."""
         if not rec.memory_settled:
             return Plan("wait", measure=not rec.measure_front)  # the measurement decides
-        need = rec.mem_min
+        need = self.need(rec)
         going = [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
         plan = Plan("wait")
         short = self.ledger.deficit(need, self.ledger.holds_of(going))
