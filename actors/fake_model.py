@@ -42,6 +42,7 @@ class FakeModel:
         self.last_active = time.monotonic()
         self.sleeping = False
         self.sleeper: asyncio.Task[None] | None = None
+        self.grower: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ helpers
 
@@ -276,20 +277,31 @@ def measure(args: argparse.Namespace) -> int:
               flush=True)
         return 0
     mib = args.device_mib if args.measure_mib is None else args.measure_mib
+    min_mib = mib if args.measure_min_mib is None else args.measure_min_mib
 
-    def figures(n_ctx: int) -> dict[str, Any]:
+    def figures(n_ctx: int, mib: float) -> dict[str, Any]:
         return {"n_ctx": n_ctx, "devices": [
             {"kind": "device", "name": d, "total": 0, "free": 0, "model": int(mib * MiB),
              "context": 0, "compute": 0} for d in sim_devices()]}
 
-    print("corral:measure:" + json.dumps({"result": "measured", "min": figures(512),
-                                          "max": figures(4096)}), flush=True)
+    print("corral:measure:" + json.dumps({"result": "measured", "min": figures(512, min_mib),
+                                          "max": figures(4096, mib)}), flush=True)
     return 0
+
+
+async def grow(start_mib: float, end_mib: float, seconds: float) -> None:
+    """--grow-to-mib: use more of the simulated devices, linearly, over `seconds`."""
+    steps = 20
+    for i in range(1, steps + 1):
+        await asyncio.sleep(seconds / steps)
+        register_memory(start_mib + (end_mib - start_mib) * i / steps)
 
 
 async def serve(args: argparse.Namespace) -> int:
     fake = FakeModel(args)
     register_memory(args.device_mib)
+    if args.grow_to_mib is not None:
+        fake.grower = asyncio.create_task(grow(args.device_mib, args.grow_to_mib, args.grow_s))
     runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
@@ -362,6 +374,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --llama-protocol: report sleeping after S idle seconds")
     p.add_argument("--device-mib", type=float, default=0.0, metavar="N",
                    help="MiB this model uses on every simulated device (CORRAL_DEVICES)")
+    p.add_argument("--grow-to-mib", type=float, default=None, metavar="N",
+                   help="use more of the simulated devices, from --device-mib to N ...")
+    p.add_argument("--grow-s", type=float, default=1.0, metavar="S",
+                   help="... over S seconds from the start (a load filling its memory)")
+    p.add_argument("--measure-min-mib", type=float, default=None, metavar="N",
+                   help="the measured min (smallest context); default: as --measure-mib")
     p.add_argument("--measure-mib", type=float, default=None, metavar="N",
                    help="MiB to report when measured (default: --device-mib)")
     p.add_argument("--measure-delay", type=float, default=0.0, metavar="S")

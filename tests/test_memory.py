@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +230,46 @@ def test_an_unusable_state_dir_is_a_clear_error_or_a_warning(corral, tmp_path) -
     measured(c, "a")
     assert "cannot write the measure cache" in c.log()
     assert chat(c.port, "a")[0] == 200
+
+
+def running_sets(sse: Any) -> list[set[str]]:
+    """The set of running models after each status change the SSE stream saw."""
+    state: dict[str, str] = {}
+    sets = []
+    for e in sse.events:
+        if e.get("type") == "status_change":
+            state[e["model"]] = e["status"]
+            sets.append({m for m, s in state.items() if s in ("loading", "loaded")})
+    return sets
+
+
+def test_two_models_that_fit_alone_but_not_together_never_run_at_once(
+        corral, tmp_path) -> None:
+    """Each needs 4 GiB at its smallest context and fills 6 GiB while it loads (its max);
+    10 GiB with a 1 GiB margin holds one. Reserved at min, both used to start together."""
+    model = sized(1024, "--measure-min-mib", "4096", "--measure-mib", "6144",
+                  "--grow-to-mib", "6144", "--grow-s", "0.5", "--load-delay", "0.5")
+    c = corral(mem_config(tmp_path, {"a": model, "b": model}))
+    measured(c, "a", "b")
+    sse = SSE(c.port)
+    out: list[int] = []
+    threads = [threading.Thread(target=lambda m=m: out.append(chat(c.port, m)[0]))
+               for m in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [200, 200]
+    wait_until(lambda: len(running_sets(sse)) >= 4, 5, "the status changes")
+    assert all(s != {"a", "b"} for s in running_sets(sse)), running_sets(sse)
+    sse.close()
+
+
+def test_a_child_that_grows_after_ready_is_charged_its_growth(corral, tmp_path) -> None:
+    model = sized(1024, "--grow-to-mib", "5120", "--grow-s", "1.5")  # measured at 1 GiB
+    c = corral(mem_config(tmp_path, {"a": model}))
+    measured(c, "a")
+    assert chat(c.port, "a")[0] == 200
+    wait_until(lambda: devices(c.port)["gpu0"]["held"].get("a") == 5 * GiB, 10,
+               "a's hold to follow its growth to 5 GiB")
+    assert devices(c.port)["gpu0"]["available"] == 5 * GiB
