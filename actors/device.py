@@ -24,8 +24,6 @@ from .messages import (
     DeviceReport,
     DevicesReported,
     MonitorMessage,
-    ProbeUsage,
-    SampleProcess,
     SampleTick,
     TrackModel,
 )
@@ -228,10 +226,6 @@ class DeviceMonitor(BaseActor):
                 self.timers.after(self.poll_s, self.actor_ref, SampleTick())
             case TrackModel(model=model, event=event, pid=pid):
                 self.track(model, event, pid)
-            case SampleProcess(pid=pid, spawn_id=spawn_id, reply_to=reply_to):
-                tree = process_tree(pid)
-                devices, table = self.sample(tree)
-                reply_to.tell(ProbeUsage(spawn_id, devices, self.usage_of(tree, table)))
             case _:
                 assert_never(message)
 

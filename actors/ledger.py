@@ -41,7 +41,8 @@ class Breakdown(msgspec.Struct, frozen=True):
     devices: list[DeviceUse]
 
 
-MemoryStatus = Literal["unmeasured", "measuring", "measured", "failed"]
+MemoryStatus = Literal["unmeasured", "measuring", "measured", "failed", "at_load"]
+"""`at_load`: a `probe` model with no figures yet; its first load is its measurement."""
 
 
 class MemoryInfo(msgspec.Struct, frozen=True):
@@ -100,14 +101,19 @@ class Ledger:
     def _held_by_others(self, device: str, model: str | None) -> int:
         return sum(devs.get(device, 0) for m, devs in self.held.items() if m != model)
 
-    def calibrate(self, mem: Breakdown, reporter: str | None) -> None:
+    def calibrate(self, mem: Breakdown, reporter: str | None,
+                  unknown_only: bool = False) -> None:
         """Learn totals and outside usage from a measurement with `total` and `free`.
 
         `reporter` is the model whose own usage is in the report (None for a measure
         child, which allocates nothing); what others hold is tracked, not external.
+        `unknown_only`: leave devices the DeviceMonitor reported alone (its figures are
+        fresher than a measurement's).
         """
         for row in mem.devices:
             if row.total <= 0 or not self._counts(row.kind):
+                continue
+            if unknown_only and row.name in self.devices:
                 continue
             own = row.self_bytes if reporter is not None else 0
             dev = self.devices.setdefault(row.name, DeviceMemory(row.total, row.kind))

@@ -2,8 +2,9 @@
 
 Methods (R-5.3): `command` runs the model's argv plus `measure_args` with
 CORRAL_ROLE=measure and reads one stdout line `corral:measure:{json}`; `declared` takes
-`memory_mib` from the config; `probe` starts the model for real, waits for it to answer,
-asks the DeviceMonitor what its process tree uses and stops it. Results are cached in
+`memory_mib` from the config; `probe` has no measure child: the model's first real load
+is its measurement (the Scheduler samples the running child and sends the figures back
+to be cached). Results are cached in
 state_dir, keyed by argv, the identity of the files it names and the device set, so a
 restart of corral measures nothing twice. The worker reports; the Scheduler decides.
 """
@@ -17,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 from pathlib import Path
 from typing import Any, Literal, assert_never
 
@@ -26,8 +26,7 @@ import msgspec
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port
 from .config import Config, ModelConfig
-from .instance import wait_ready_http
-from .ledger import Breakdown, DeviceSample, DeviceUse, MiB
+from .ledger import Breakdown, DeviceUse, MiB
 from .lifecycle import describe_exit
 from .messages import (
     Measured,
@@ -37,9 +36,7 @@ from .messages import (
     MeasureMessage,
     MeasureModel,
     MeasureStarted,
-    ProbeReady,
-    ProbeUsage,
-    SampleProcess,
+    Remember,
 )
 from .timers import Timers
 
@@ -112,12 +109,11 @@ class MeasureCache:
 class MeasureWorker(BaseActor):
     """Runs at most one measure child at a time, from a queue (R-5.2)."""
 
-    def __init__(self, config: Config, scheduler: Any, monitor: Any, timers: Timers,
+    def __init__(self, config: Config, scheduler: Any, timers: Timers,
                  device_names: list[str], on_crash: CrashHandler) -> None:
         super().__init__("measure", on_crash)
         self.config = config
         self.scheduler = scheduler
-        self.monitor = monitor
         self.timers = timers
         self.device_names = device_names
         self.cache = MeasureCache(config.state_path() / "measure")
@@ -132,7 +128,6 @@ class MeasureWorker(BaseActor):
         self.reported = False
         """Whether the current child's result went to the Scheduler."""
         self.cause: str | None = None
-        self.abandon_probe = threading.Event()
         self.log_ring = LogRing(200)
 
     def on_receive(self, message: MeasureMessage) -> None:
@@ -143,12 +138,9 @@ class MeasureWorker(BaseActor):
             case MeasureLine(spawn_id=spawn_id, line=line):
                 if spawn_id == self.spawn_id and self.current is not None:
                     self.handle_line(line)
-            case ProbeReady(spawn_id=spawn_id):
-                if spawn_id == self.spawn_id and self.child is not None and not self.reported:
-                    self.monitor.tell(SampleProcess(self.child.pid, spawn_id, self.actor_ref))
-            case ProbeUsage(spawn_id=spawn_id, devices=devices, usage=usage):
-                if spawn_id == self.spawn_id and self.current is not None:
-                    self.handle_probe_usage(devices, usage)
+            case Remember(model=model, config=config, figures=figures):
+                self.remember(MeasureCache.key(model, config, self.device_names), model,
+                              MeasureResult("measured", figures, figures))
             case MeasureDeadline(spawn_id=spawn_id):
                 self.handle_deadline(spawn_id)
             case MeasureExited(spawn_id=spawn_id):
@@ -158,7 +150,6 @@ class MeasureWorker(BaseActor):
                 assert_never(message)
 
     def on_stop(self) -> None:
-        self.abandon_probe.set()
         if self.child is not None and self.child.returncode is None:
             self.log.info("stopping: killing the measure child of %s", self.current)
             self.child.reap()  # kills its group first
@@ -193,19 +184,20 @@ class MeasureWorker(BaseActor):
                 self.log.info("%s: memory figures from the cache (%s)", model, self.cache_key)
                 self.report(model, cached, "cache")
                 continue
-            self.start_child(model, config, method)
+            if method == "probe":  # a probe is a load: the Scheduler measures its first
+                self.log.info("%s: measured by its first load (probe)", model)
+                self.scheduler.tell(Measured(model, "at_load"))
+                continue
+            self.start_child(model, config)
 
-    def start_child(self, model: str, config: ModelConfig, method: str) -> None:
+    def start_child(self, model: str, config: ModelConfig) -> None:
         self.spawn_id += 1
         spawn_id = self.spawn_id
         ref = self.actor_ref
         port = pick_port(CHILD_HOST)
-        argv = config.argv(model, CHILD_HOST, port,
-                           config.measure_args if method == "command" else None)
-        env = {**os.environ, **self.config.child_env(), **config.env}
+        argv = config.argv(model, CHILD_HOST, port, config.measure_args)
+        env = {**os.environ, **self.config.child_env(), **config.env, "CORRAL_ROLE": "measure"}
         self.log_ring = LogRing(200)
-        if method == "command":
-            env["CORRAL_ROLE"] = "measure"
         try:
             self.child = ChildProcess(
                 argv, env, self.log_ring, label=f"measure-{model}",
@@ -213,22 +205,16 @@ class MeasureWorker(BaseActor):
                 on_line=lambda line: tell_or_drop(ref, MeasureLine(spawn_id, line)))
         except (OSError, subprocess.SubprocessError) as e:
             self.report(model, MeasureResult("failed", error=f"could not be started: {e}"),
-                        method)
+                        "command")
             return
         self.current = model
         self.reported = False
         self.cause = None
         timeout_s = config.measure_timeout_s or self.config.measure_timeout_s
-        self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model, method,
+        self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model, "command",
                       self.child.pid, timeout_s, " ".join(argv))
         self.scheduler.tell(MeasureStarted(model))
         self.timers.after(timeout_s, ref, MeasureDeadline(spawn_id))
-        if method == "probe":
-            self.abandon_probe = threading.Event()
-            threading.Thread(
-                target=wait_ready_http, daemon=True, name=f"measure-{model}-ready",
-                args=(port, config.health_path, self.abandon_probe,
-                      lambda: tell_or_drop(ref, ProbeReady(spawn_id)))).start()
 
     # ------------------------------------------------------------ child events
 
@@ -244,19 +230,6 @@ class MeasureWorker(BaseActor):
         self.timers.after(self.configs[self.current].stop_timeout_s, self.actor_ref,
                           MeasureDeadline(self.spawn_id))
 
-    def handle_probe_usage(self, devices: list[DeviceSample], usage: dict[str, int]) -> None:
-        assert self.current is not None and self.child is not None
-        config = self.configs[self.current]
-        seen = {d.name: d for d in devices}
-        rows = [DeviceUse(kind=seen[name].kind, name=name, total=seen[name].total,
-                          free=seen[name].free, model=size)
-                for name, size in usage.items() if name in seen]
-        figures = Breakdown(n_ctx=0, devices=rows)
-        self.report(self.current, MeasureResult("measured", figures, figures), "probe")
-        self.abandon_probe.set()
-        self.child.signal_group(signal.SIGTERM)
-        self.timers.after(config.stop_timeout_s, self.actor_ref, MeasureDeadline(self.spawn_id))
-
     def handle_deadline(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.child is None or self.child.returncode is not None:
             return
@@ -270,7 +243,6 @@ class MeasureWorker(BaseActor):
 
     def handle_exited(self) -> None:
         assert self.child is not None and self.current is not None
-        self.abandon_probe.set()
         returncode = self.child.reap()
         if not self.reported:
             why = self.cause or f"measure child {describe_exit(returncode)} before reporting"
@@ -281,16 +253,19 @@ class MeasureWorker(BaseActor):
         self.current = None
         self.next()
 
+    def remember(self, key: str, model: str, result: MeasureResult) -> None:
+        try:
+            self.cache.put(key, result)
+        except OSError as e:
+            self.log.warning("cannot write the measure cache in %s: %s; %s will be "
+                             "measured again after a restart", self.cache.directory,
+                             e.strerror, model)
+
     def report(self, model: str, result: MeasureResult, source: str) -> None:
         self.reported = True
         if result.result == "measured":
-            if source in ("command", "probe"):
-                try:
-                    self.cache.put(self.cache_key, result)
-                except OSError as e:
-                    self.log.warning("cannot write the measure cache in %s: %s; %s will be "
-                                     "measured again after a restart", self.cache.directory,
-                                     e.strerror, model)
+            if source == "command":
+                self.remember(self.cache_key, model, result)
         else:
             self.log.warning("measuring %s failed: %s; memory limits will not apply to it",
                              model, result.error)

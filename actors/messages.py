@@ -382,11 +382,12 @@ class MeasureStarted(Message, frozen=True):
 class Measured(Message, frozen=True):
     """MeasureWorker -> Scheduler: how measuring `model` ended (R-5.2, R-5.3).
 
-    `result` is "measured" (with `min` and `max`) or "failed" (with `error`).
+    `result` is "measured" (with `min` and `max`), "failed" (with `error`), or "at_load":
+    a `probe` model with nothing cached, which is measured by its first real load.
     """
 
     model: str
-    result: Literal["measured", "failed"]
+    result: Literal["measured", "failed", "at_load"]
     min: Breakdown | None = None
     max: Breakdown | None = None
     error: str | None = None
@@ -533,23 +534,17 @@ class MeasureDeadline(Message, frozen=True):
     spawn_id: int
 
 
-class ProbeReady(Message, frozen=True):
-    """Readiness probe -> MeasureWorker: the probe child of `spawn_id` answers."""
+class Remember(Message, frozen=True):
+    """Scheduler -> MeasureWorker: `model` was measured by sampling its running child
+    (a `probe` model's first load, or one whose measurement failed); cache `figures`."""
 
-    spawn_id: int
-
-
-class ProbeUsage(Message, frozen=True):
-    """DeviceMonitor -> MeasureWorker: what the probe child of `spawn_id` uses."""
-
-    spawn_id: int
-    devices: list[DeviceSample]
-    usage: dict[str, int]
-    """Device -> bytes used by the probe's process tree."""
+    model: str
+    config: ModelConfig
+    figures: Breakdown
 
 
 MeasureMessage = (
-    MeasureModel | MeasureLine | MeasureExited | MeasureDeadline | ProbeReady | ProbeUsage
+    MeasureModel | MeasureLine | MeasureExited | MeasureDeadline | Remember
 )
 
 
@@ -573,12 +568,4 @@ class SampleTick(Message, frozen=True):
     """Timer -> DeviceMonitor: time for the periodic sample."""
 
 
-class SampleProcess(Message, frozen=True):
-    """MeasureWorker -> DeviceMonitor: sample now and tell `reply_to` ProbeUsage for `pid`."""
-
-    pid: int
-    spawn_id: int
-    reply_to: Any
-
-
-MonitorMessage = TrackModel | SampleTick | SampleProcess
+MonitorMessage = TrackModel | SampleTick

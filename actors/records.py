@@ -66,6 +66,13 @@ class Track(msgspec.Struct, frozen=True):
     pid: int | None = None
 
 
+class Learned(msgspec.Struct, frozen=True):
+    """`model`'s figures were learned from its running child: have them cached."""
+
+    model: str
+    figures: Breakdown
+
+
 class Later(msgspec.Struct, frozen=True):
     """Tell the Scheduler `message` (a timer message) after `delay_s` seconds."""
 
@@ -73,7 +80,7 @@ class Later(msgspec.Struct, frozen=True):
     message: Any
 
 
-Effect = Spawn | Stop | Answer | Publish | Measure | Track | Withdraw | Later
+Effect = Spawn | Stop | Answer | Publish | Measure | Track | Withdraw | Later | Learned
 """Withdraw goes to the front: no new request may join a grant of that generation."""
 
 
@@ -140,7 +147,7 @@ class ModelRecord:
 
     @property
     def memory_settled(self) -> bool:
-        return self.memory in ("measured", "failed")
+        return self.memory in ("measured", "failed", "at_load")
 
     def memory_info(self) -> MemoryInfo:
         return MemoryInfo(self.memory, self.mem_min, self.mem_max, self.mem_effective,

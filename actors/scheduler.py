@@ -38,6 +38,7 @@ from .messages import (
     Reconfigure,
     Release,
     ReloadSummary,
+    Remember,
     Repump,
     SchedulerMessage,
     Shutdown,
@@ -53,7 +54,7 @@ from .messages import (
     Withdraw,
 )
 from .policy import Policy
-from .records import Answer, Effect, Later, Measure, Publish, Spawn, Stop, Track
+from .records import Answer, Effect, Later, Learned, Measure, Publish, Spawn, Stop, Track
 from .timers import Timers
 
 
@@ -138,7 +139,8 @@ class Scheduler(BaseActor):
             case MeasureStarted(model=model):
                 self._run(p.measure_started(model))
             case Measured(model=model, result=result, min=min_, max=max_, error=error):
-                self._run(p.measured(model, result == "measured", min_, max_, now, error))
+                self._run(p.measured(model, result == "measured", min_, max_, now, error,
+                                     at_load=result == "at_load"))
             case DevicesReported(report=report):
                 self._run(p.devices_reported(report, now))
             case Shutdown(reply=reply):
@@ -194,6 +196,9 @@ class Scheduler(BaseActor):
                 case Withdraw():
                     for watcher in self.grant_watchers:
                         self._hand(watcher, effect)
+                case Learned(model=model, figures=figures):
+                    if self.measurer is not None and model in self.configs:
+                        self.measurer.tell(Remember(model, self.configs[model], figures))
                 case Later(delay_s=delay, message=message):
                     if self.timers is not None:
                         self.timers.after(delay, self.actor_ref, message)

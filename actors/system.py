@@ -106,8 +106,8 @@ class Supervisor:
         device_names = sorted(d.name for b in backends for d in b.sample())
         self.monitor = DeviceMonitor.start(backends, self.scheduler, self.timers,
                                            config.device_poll_s, self._crash)
-        self.measurer = MeasureWorker.start(config, self.scheduler, self.monitor, self.timers,
-                                            device_names, self._crash)
+        self.measurer = MeasureWorker.start(config, self.scheduler, self.timers, device_names,
+                                            self._crash)
         for name, model in config.models.items():
             self.instances[name] = self._start_instance(name, model)
         self.scheduler.tell(InstancesAttached(self.instances, self.monitor, self.measurer))

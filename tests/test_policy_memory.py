@@ -10,7 +10,7 @@ from actors.config import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.lifecycle import ModelState
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
-from actors.records import Effect, Measure, Publish, Spawn, Track
+from actors.records import Effect, Learned, Measure, Publish, Spawn, Track
 from tests.test_policy import World
 
 GiB = 1024**3
@@ -39,6 +39,7 @@ class MemWorld(World):
         """Model -> bytes its live child really uses (set at spawn, gone at exit)."""
         self.tracked: set[str] = set()
         self.measures: list[Measure] = []
+        self.learned: list[Learned] = []
         self.events: list[object] = []
         if measured:
             for n, gib in sizes.items():
@@ -50,6 +51,8 @@ class MemWorld(World):
         for e in effects:
             if isinstance(e, Measure):
                 self.measures.append(e)
+            elif isinstance(e, Learned):
+                self.learned.append(e)
             elif isinstance(e, Publish):
                 self.events.append(e.event)
             elif isinstance(e, Spawn):
@@ -157,20 +160,46 @@ def test_the_head_waits_for_its_measurement_and_asks_for_it_first() -> None:
     assert any(isinstance(e, ModelMemory) and e.memory.status == "measured" for e in w.events)
 
 
-def test_a_failed_measurement_lifts_the_limits_and_is_retried_once_after_a_start() -> None:
-    w = MemWorld({"a": 40}, measured=False)
+def test_a_failed_measurement_lifts_the_limits_and_the_running_child_is_its_figure() -> None:
+    """Issue 12: the retry after a failed measurement started a second copy of a model
+    already serving; now the running child is sampled instead."""
+    w = MemWorld({"a": 6}, measured=False)
     w.run(w.p.measure_started("a"))
     w.run(w.p.measured("a", False, None, None, w.tick()))
     assert w.p.models["a"].memory == "failed"
-    w.load_idle("a")
-    assert w.measures == [Measure("a", False)] and w.p.models["a"].memory == "unmeasured"
-    w.run(w.p.measure_started("a"))
-    w.run(w.p.measured("a", False, None, None, w.tick()))
-    w.run(w.p.unload("u", "a", w.tick()))
-    w.exited("a")
-    w.report()
-    w.load_idle("a")
-    assert w.measures == [Measure("a", False)], "two attempts, then no more"
+    w.load_idle("a")  # its ready brings a device report: 6 GiB
+    assert w.measures == [], "no measure child for a model that runs"
+    rec = w.p.models["a"]
+    assert rec.memory == "measured" and rec.mem_max.devices[0].self_bytes == 6 * GiB
+    assert any(isinstance(e, Learned) and e.model == "a" for e in w.learned)
+
+
+def test_a_probe_is_a_load_measured_by_its_running_child() -> None:
+    """Issue 12: a probe ran beside the rules, booked as external use, and evicted an
+    idle model although the probed one fitted."""
+    w = MemWorld({"y": 4, "p": 4}, models_max=2)
+    w.load_idle("y")
+    w.run(w.p.measured("p", False, None, None, w.tick(), at_load=True))
+    assert w.p.models["p"].memory == "at_load"
+    w.acquire(1, "p")
+    assert w.stops == [] and w.spawns[-1][0] == "p"  # a load like any other: fits, no eviction
+    w.acquire(2, "y")
+    assert isinstance(w.answers[2], Grant)
+    w.ready("p")
+    rec = w.p.models["p"]
+    assert rec.memory == "measured" and rec.mem_max.devices[0].self_bytes == 4 * GiB
+    assert w.stops == []
+    assert w.p.ledger.held == {"y": {"gpu0": 4 * GiB}, "p": {"gpu0": 4 * GiB}}
+
+
+def test_a_probe_load_is_alone_on_every_device() -> None:
+    w = MemWorld({"a": 2, "p": 2})
+    w.run(w.p.measured("p", False, None, None, w.tick(), at_load=True))
+    w.acquire(1, "p")
+    w.acquire(2, "a")  # p's devices are not known until it is charged: a waits
+    assert [s[0] for s in w.spawns] == ["p"]
+    w.ready("p")
+    assert [s[0] for s in w.spawns] == ["p", "a"]
 
 
 def test_real_usage_replaces_the_reservation_once_ready() -> None:

@@ -187,13 +187,14 @@ class PolicyMachine(RuleBasedStateMachine):
         self.w.external = external * GiB
         self.w.report()
 
-    @rule(model=st.sampled_from(NAMES), ok=st.booleans())
-    def measured(self, model: str, ok: bool) -> None:
+    @rule(model=st.sampled_from(NAMES), outcome=st.sampled_from(["ok", "failed", "at_load"]))
+    def measured(self, model: str, outcome: str) -> None:
         rec = self.w.p.models.get(model)
         if rec is not None and rec.memory in ("unmeasured", "measuring"):
-            size = self.sizes[model]
+            size, ok = self.sizes[model], outcome == "ok"
             self.w.run(self.w.p.measured(model, ok, need(size / 2) if ok else None,
-                                         need(size) if ok else None, self.w.now))
+                                         need(size) if ok else None, self.w.now,
+                                         at_load=outcome == "at_load"))
 
     @precondition(lambda self: hasattr(self, "w"))
     @invariant()

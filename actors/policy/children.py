@@ -67,10 +67,6 @@ class Children(Rules):
         if self.memory_on:
             rec.awaiting_usage = True
             self._out.append(Track(model, "ready", pid))
-            if rec.memory == "failed" and rec.measure_attempts < 2:
-                # The files may have been missing at measure time: try once more.
-                rec.memory = "unmeasured"
-                self._out.append(Measure(model, front=False))
         entry = self.queue.entry(model)
         if entry is not None:
             entry.claimed = entry.explicit = False
@@ -186,16 +182,19 @@ class Children(Rules):
         return []
 
     def measured(self, model: str, ok: bool, min_: Breakdown | None,
-                 max_: Breakdown | None, now: float, error: str | None = None) -> list[Effect]:
+                 max_: Breakdown | None, now: float, error: str | None = None,
+                 at_load: bool = False) -> list[Effect]:
         rec = self.models.get(model)
         if rec is None:
             return []
-        self._out.extend(self.memory.measured(rec, ok, min_, max_, error))
+        if at_load and rec.state.is_serving:
+            return []  # it runs already: the running child is sampled instead
+        self._out.extend(self.memory.measured(rec, ok, min_, max_, error, at_load))
         self._pump(now)
         return self._flush()
 
     def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
-        self.memory.reported(report, self.models)
+        self._out.extend(self.memory.reported(report, self.models))
         self._pump(now)
         return self._flush()
 

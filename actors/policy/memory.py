@@ -13,7 +13,7 @@ from typing import Literal
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB
 from ..lifecycle import ModelState
 from ..messages import DeviceReport, DevicesSnapshot, DeviceView, ModelMemory, Shortfall
-from ..records import Effect, Measure, ModelRecord, Publish
+from ..records import Effect, Learned, Measure, ModelRecord, Publish
 
 log = logging.getLogger("corral.scheduler")
 
@@ -46,19 +46,23 @@ class Memory:
         return [Measure(rec.name, front=False) for rec in models if rec.memory == "unmeasured"]
 
     def measured(self, rec: ModelRecord, ok: bool, min_: Breakdown | None,
-                 max_: Breakdown | None, error: str | None) -> list[Effect]:
-        """A measurement ended; a failed one leaves the model outside the limits (R-5.2)."""
+                 max_: Breakdown | None, error: str | None,
+                 at_load: bool = False) -> list[Effect]:
+        """A measurement ended; a failed one leaves the model outside the limits (R-5.2);
+        `at_load`: its first load will be its measurement (a `probe` model)."""
         rec.measure_front = False
         rec.mem_error = error
-        if ok:
+        if at_load:
+            rec.memory, rec.mem_min, rec.mem_max = "at_load", None, None
+        elif ok:
             rec.memory, rec.mem_min, rec.mem_max = "measured", min_, max_
-            if max_ is not None:
-                self.ledger.calibrate(max_, reporter=None)  # the latest view of the devices
+            if max_ is not None:  # a device not yet reported: the measure child's view
+                self.ledger.calibrate(max_, reporter=None, unknown_only=True)
         else:
             rec.memory, rec.mem_min, rec.mem_max = "failed", None, None
         return [Publish(ModelMemory(rec.name, rec.memory_info()))]
 
-    def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> None:
+    def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> list[Effect]:
         """Fresh device figures: finish releases, calibrate, learn real usage (R-5.5, R-5.6)."""
         self.backends = report.backends
         tracked = set(report.tracked)
@@ -72,6 +76,7 @@ class Memory:
         for sample in report.devices:
             self.ledger.observe(sample, report.managed.get(sample.name))
         seen = {d.name: d for d in report.devices}
+        out: list[Effect] = []
         for name, usage in report.usage.items():
             user = models.get(name)
             if user is None or not user.state.is_running:
@@ -89,8 +94,19 @@ class Memory:
                     self.ledger.reserve(name, user.mem_effective)
                     log.info("model %s uses %s", name, ", ".join(
                         f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
+                    if user.memory in ("at_load", "failed"):
+                        out += self._learned(user, user.mem_effective)
             if usage:
                 self.ledger.saw(name, usage)  # use above its reservation is held too
+        return out
+
+    @staticmethod
+    def _learned(rec: ModelRecord, figures: Breakdown) -> list[Effect]:
+        """No figures but a running child: what it uses is its measurement (a probe is a
+        load like any other, and no second copy of a serving model is ever started)."""
+        log.info("model %s measured by its running child", rec.name)
+        rec.memory, rec.mem_min, rec.mem_max, rec.mem_error = "measured", figures, figures, None
+        return [Publish(ModelMemory(rec.name, rec.memory_info())), Learned(rec.name, figures)]
 
     @staticmethod
     def need(rec: ModelRecord) -> Breakdown | None:
@@ -98,8 +114,10 @@ class Memory:
         (it runs at its configured context), else `min`."""
         return rec.mem_max or rec.mem_min
 
-    @staticmethod
-    def devices_of(rec: ModelRecord) -> set[str]:
+    def devices_of(self, rec: ModelRecord) -> set[str]:
+        """The devices a load of `rec` uses; every device while that is not known yet."""
+        if rec.memory == "at_load" and not rec.mem_effective:
+            return {n for n, d in self.ledger.devices.items() if d.kind == "device"}
         need = rec.mem_max or rec.mem_min or rec.mem_effective
         return {row.name for row in need.devices if row.kind == "device"} if need else set()
 
