@@ -209,6 +209,10 @@ class DeviceMonitor(BaseActor):
         """Model -> pid of its ready child."""
         self.baseline: dict[str, dict[str, int]] = {}
         """Model -> device -> free bytes when its child was spawned."""
+        self.charged: dict[str, dict[str, int]] = {}
+        """Model -> device -> what its load took on a device with no per-process figures:
+        the free memory lost between its spawn and its ready (loads on one device run
+        one at a time, so no other load is in that window), fixed from then on."""
 
     def on_start(self) -> None:
         if self.backends:
@@ -236,9 +240,14 @@ class DeviceMonitor(BaseActor):
             self.tracked[model] = pid
         elif event == "ready" and pid is not None:
             self.tracked[model] = pid
+            devices, _ = self.sample(set())
+            before = self.baseline.pop(model, {})
+            self.charged[model] = {d.name: max(0, before[d.name] - d.free) for d in devices
+                                   if d.name in before and d.kind == "device"}
         else:
             self.tracked.pop(model, None)
             self.baseline.pop(model, None)
+            self.charged.pop(model, None)
         self.report()
 
     def sample(self, pids: set[int]) -> tuple[list[DeviceSample], ProcessTable]:
@@ -265,10 +274,16 @@ class DeviceMonitor(BaseActor):
         usage = {model: self.usage_of(tree, table) for model, tree in trees.items()}
         for model, tree_usage in usage.items():
             # No per-process figures on a device (a container): what its free memory
-            # lost since the spawn is this model's.
+            # lost since the spawn is this model's while it loads, and what it lost by
+            # its ready after that (later drops belong to later loads).
             before = self.baseline.get(model, {})
+            charged = self.charged.get(model, {})
             for d in devices:
-                if d.name not in table and d.name in before and d.kind == "device":
+                if d.name in table or d.kind != "device":
+                    continue
+                if d.name in charged:
+                    tree_usage[d.name] = charged[d.name]
+                elif d.name in before:
                     tree_usage[d.name] = max(0, before[d.name] - d.free)
         managed = {device: sum(u.get(device, 0) for u in usage.values()) for device in table}
         self.scheduler.tell(DevicesReported(DeviceReport(

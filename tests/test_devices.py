@@ -13,6 +13,7 @@ import pytest
 
 from actors.config import Config, ConfigError, DeviceConfig, ModelConfig, parse_config
 from actors.device import HostBackend, NvmlBackend, SimulatedBackend, discover
+from actors.ledger import DeviceSample
 from actors.measure import MeasureCache, MeasureResult, parse_measure_line
 
 MiB = 1024**2
@@ -126,3 +127,44 @@ def test_memory_config_defaults(tmp_path: Path) -> None:
 def test_llama_children_are_probed_by_default() -> None:
     assert ModelConfig(cmd=["x"], health="llama").measure_method == "probe"
     assert ModelConfig(cmd=["x"], health="llama", measure="command").measure_method == "command"
+
+
+class NoAttribution:
+    """A GPU seen from inside a container: free memory, but no per-process figures."""
+
+    name = "nvml"
+
+    def __init__(self) -> None:
+        self.free = 24 * 1024 * MiB
+
+    def sample(self) -> list[DeviceSample]:
+        return [DeviceSample("CUDA0", "device", 24 * 1024 * MiB, self.free, "nvml")]
+
+    def processes(self, pids: set[int]) -> None:
+        return None
+
+
+def test_without_per_process_figures_a_load_is_charged_what_it_took_until_ready() -> None:
+    """Issue 12: two loads in flight were each charged the other's allocation too (10 +
+    10 GiB reported as 20 + 20), and that stayed their hold for life."""
+    from actors.device import DeviceMonitor
+    from actors.messages import DevicesReported
+
+    GiB = 1024 * MiB
+    backend = NoAttribution()
+    reports: list[DevicesReported] = []
+
+    class Scheduler:
+        def tell(self, message: DevicesReported) -> None:
+            reports.append(message)
+
+    monitor = DeviceMonitor([backend], Scheduler(), None, 2.0, lambda *a: None)
+    me = os.getpid()
+    monitor.track("a", "spawned", me)
+    backend.free -= 10 * GiB
+    monitor.track("a", "ready", me)
+    monitor.track("b", "spawned", me)  # the next load, only once a is charged
+    backend.free -= 10 * GiB
+    monitor.track("b", "ready", me)
+    usage = reports[-1].report.usage
+    assert usage == {"a": {"CUDA0": 10 * GiB}, "b": {"CUDA0": 10 * GiB}}
