@@ -20,7 +20,7 @@ PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
-PLACEHOLDER = re.compile(r"\{(port|host|model)\}")
+PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -45,6 +45,11 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     """Not an LRU victim until it has been loaded this long."""
     permanent: bool = False
     """restart = "permanent": reload at once after a crash."""
+    devices: list[str] | None = None
+    """Where it may be placed (None: any GPU)."""
+    devices_per_instance: int = 1
+    placeable: bool = True
+    """False when its env pins CUDA_VISIBLE_DEVICES: it runs where that says."""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -89,10 +94,22 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """`permanent`: reloaded at once after a crash; `transient`: on the next request."""
     liveness_interval_s: NonNegativeSeconds | None = None
     """How often a loaded `http` child's health_path is polled (default: top level)."""
+    devices: Annotated[list[str], Meta(min_length=1)] | None = None
+    """The devices corral may place it on (R-5.9); default: every GPU the monitor sees."""
+    devices_per_instance: Annotated[int, Meta(ge=1)] = 1
+    """How many of them one child uses at once."""
 
-    def argv(self, name: str, host: str, port: int, extra: list[str] | None = None) -> list[str]:
-        """`cmd` (plus `extra`) with the placeholders filled in."""
-        values = {"port": str(port), "host": host, "model": name}
+    @property
+    def placed_by_env(self) -> bool:
+        """Its `env` names its GPUs itself: corral does not place it."""
+        return "CUDA_VISIBLE_DEVICES" in self.env
+
+    def argv(self, name: str, host: str, port: int, extra: list[str] | None = None,
+             devices: list[str] | None = None) -> list[str]:
+        """`cmd` (plus `extra`) with the placeholders filled in; `{devices}` is the
+        comma-separated placement, `{device}` its first device."""
+        values = {"port": str(port), "host": host, "model": name,
+                  "devices": ",".join(devices or []), "device": (devices or [""])[0]}
         return [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg)
                 for arg in [*self.cmd, *(extra or [])]]
 
@@ -190,7 +207,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             max_concurrency=model.max_concurrency,
             min_resident_s=(self.min_resident_s if model.min_resident_s is None
                             else model.min_resident_s),
-            permanent=model.restart == "permanent")
+            permanent=model.restart == "permanent", devices=model.devices,
+            devices_per_instance=model.devices_per_instance,
+            placeable=not model.placed_by_env)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""
@@ -262,7 +281,12 @@ def _validate(config: Config, source: str) -> Config:
                 if not PLACEHOLDER.fullmatch(match.group(0)):
                     raise ConfigError(
                         f"{source}: models.{name}.cmd[{i}]: unknown placeholder "
-                        f"{match.group(0)}; use {{port}}, {{host}} or {{model}}")
+                        f"{match.group(0)}; use {{port}}, {{host}}, {{model}}, "
+                        "{devices} or {device}")
+        if model.devices is not None and model.devices_per_instance > len(model.devices):
+            raise ConfigError(f"{source}: models.{name}.devices_per_instance: "
+                              f"{model.devices_per_instance} is more than the "
+                              f"{len(model.devices)} device(s) in models.{name}.devices")
         if not model.health_path.startswith("/"):
             raise ConfigError(f"{source}: models.{name}.health_path: must start with '/', "
                               f"got {model.health_path!r}")

@@ -279,10 +279,10 @@ def measure(args: argparse.Namespace) -> int:
     mib = args.device_mib if args.measure_mib is None else args.measure_mib
     min_mib = mib if args.measure_min_mib is None else args.measure_min_mib
 
-    def figures(n_ctx: int, mib: float) -> dict[str, Any]:
+    def figures(n_ctx: int, mib: float) -> dict[str, Any]:  # a model that fits on one GPU
         return {"n_ctx": n_ctx, "devices": [
             {"kind": "device", "name": d, "total": 0, "free": 0, "model": int(mib * MiB),
-             "context": 0, "compute": 0} for d in sim_devices()]}
+             "context": 0, "compute": 0} for d in sim_devices()[:1]]}
 
     print("corral:measure:" + json.dumps({"result": "measured", "min": figures(512, min_mib),
                                           "max": figures(4096, mib)}), flush=True)

@@ -94,6 +94,18 @@ def wait_ready_http(port: int, path: str, abandon: threading.Event,
             delay_s = min(delay_s * 2, 0.25)
 
 
+def placement_env(devices: list[str] | None) -> dict[str, str]:
+    """What tells a child where it was placed: CUDA_VISIBLE_DEVICES for NVML's `CUDA<n>`
+    devices, CORRAL_DEVICES for simulated ones (the fake model registers its use there)."""
+    if not devices:
+        return {}
+    env = {"CORRAL_DEVICES": ",".join(devices)}
+    cuda = [d[4:] for d in devices if d.startswith("CUDA") and d[4:].isdigit()]
+    if cuda and len(cuda) == len(devices):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda)
+    return env
+
+
 def probe_health(port: int, path: str, timeout_s: float, deliver: Any) -> None:
     """One liveness check: GET `path`, then `deliver(ok, detail)` once."""
     conn = http.client.HTTPConnection(CHILD_HOST, port, timeout=timeout_s)
@@ -130,6 +142,8 @@ class ModelInstance(BaseActor):
         self.liveness_of = liveness or (lambda _: Liveness())
         """The liveness rule of a config (top-level defaults filled in)."""
         self.liveness = Liveness()
+        self.devices: list[str] | None = None
+        """Where the Scheduler placed the current child (None: where its config says)."""
         self.missed = 0
         """Liveness checks failed in a row."""
         self.model = model
@@ -159,8 +173,8 @@ class ModelInstance(BaseActor):
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
-            case StartInstance(generation=generation, config=config):
-                self.handle_start(generation, config)
+            case StartInstance(generation=generation, config=config, devices=devices):
+                self.handle_start(generation, config, devices)
             case StopInstance(generation=generation, reason=reason):
                 self.handle_stop(generation, reason)
             case ChildReady(spawn_id=spawn_id):
@@ -195,7 +209,8 @@ class ModelInstance(BaseActor):
 
     # ------------------------------------------------------------ handlers
 
-    def handle_start(self, generation: int, config: ModelConfig) -> None:
+    def handle_start(self, generation: int, config: ModelConfig,
+                     devices: list[str] | None = None) -> None:
         if self.phase is not Phase.IDLE:
             raise RuntimeError(f"{self.model}: StartInstance#{generation} while "
                                f"{self.phase.value} (#{self.generation})")
@@ -203,6 +218,7 @@ class ModelInstance(BaseActor):
         self.config = config
         self.llama = config.health == "llama"
         self.liveness = self.liveness_of(config)
+        self.devices = devices
         self.bind_retries = 0
         self.spawn_child()
 
@@ -211,8 +227,8 @@ class ModelInstance(BaseActor):
         spawn_id = self.spawn_id
         self.port = pick_port(CHILD_HOST)
         self.cause = None
-        argv = self.config.argv(self.model, CHILD_HOST, self.port)
-        env = {**os.environ, **self.extra_env, **self.config.env}
+        argv = self.config.argv(self.model, CHILD_HOST, self.port, devices=self.devices)
+        env = {**os.environ, **self.extra_env, **placement_env(self.devices), **self.config.env}
         if self.llama:  # llama-server acts as a router's child when this is set
             env["LLAMA_SERVER_ROUTER_PORT"] = str(self.router_port)
         ref = self.actor_ref

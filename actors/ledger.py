@@ -149,8 +149,8 @@ class Ledger:
 
     def saw(self, model: str, use: dict[str, int]) -> None:
         """`model`'s child was seen using `use` (device -> bytes)."""
-        self.observed[model] = {d: b for d, b in use.items()
-                                if d in self.devices and self._counts(self.devices[d].kind)}
+        self.observed[model] = {d: b for d, b in use.items() if b > 0
+                                and d in self.devices and self._counts(self.devices[d].kind)}
         self._hold(model)
 
     def unreserve(self, model: str) -> None:

@@ -83,6 +83,8 @@ class ModelView(msgspec.Struct, frozen=True):
     """How long the oldest request waiting for it has waited."""
     queue_position: int | None = None
     """Its place among the models requests wait for (0: the head of the queue)."""
+    devices: list[str] | None = None
+    """Where its running child was placed."""
 
 
 class ModelsSnapshot(Message, frozen=True):
@@ -435,6 +437,8 @@ class StartInstance(Message, frozen=True):
 
     generation: int
     config: ModelConfig
+    devices: list[str] | None = None
+    """Where corral placed it: `{devices}`, `CUDA_VISIBLE_DEVICES`, CORRAL_DEVICES."""
 
 
 class StopInstance(Message, frozen=True):

@@ -24,10 +24,12 @@ S = ModelState
 
 
 class Spawn(msgspec.Struct, frozen=True):
-    """Start generation `generation` of `model`'s child."""
+    """Start generation `generation` of `model`'s child, on `devices` (None: where its
+    config says)."""
 
     model: str
     generation: int
+    devices: list[str] | None = None
 
 
 class Stop(msgspec.Struct, frozen=True):
@@ -111,6 +113,8 @@ class ModelRecord:
     `failed: true`); cleared when a child gets ready, or by a load or unload."""
     ready_at: float | None = None
     """When the current child got ready (None: it has not)."""
+    placement: list[str] | None = None
+    """The devices corral put its current child on (R-5.9)."""
     ttl_armed: bool = False
     """An idle-TTL timer is pending for this generation (one at a time)."""
     last_eviction: Evicted | None = None

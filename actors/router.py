@@ -303,7 +303,7 @@ class Router:
                                   if view.queue_oldest_s is not None else None),
                 "queue_position": view.queue_position,
                 "loads": view.loads,
-                "pid": view.pid, "port": view.port,
+                "pid": view.pid, "port": view.port, "devices": view.devices,
                 "last_eviction": msgspec.to_builtins(view.last_eviction),
                 "memory": msgspec.to_builtins(view.memory),
             }

@@ -186,8 +186,9 @@ class Scheduler(BaseActor):
                 case Answer(ticket=ticket, value=value):
                     if ticket is not None:  # None: a load nobody waits on (load_on_startup)
                         ticket.send(value)
-                case Spawn(model=model, generation=gen):
-                    self.instances[model].tell(StartInstance(gen, self.configs[model]))
+                case Spawn(model=model, generation=gen, devices=devices):
+                    self.instances[model].tell(StartInstance(gen, self.configs[model],
+                                                             devices))
                 case Stop(model=model, generation=gen, reason=reason):
                     self.instances[model].tell(StopInstance(gen, reason))
                 case Publish(event=event):

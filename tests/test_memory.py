@@ -278,3 +278,27 @@ def test_a_child_that_grows_after_ready_is_charged_its_growth(corral, tmp_path) 
     wait_until(lambda: devices(c.port)["gpu0"]["held"].get("a") == 5 * GiB, 10,
                "a's hold to follow its growth to 5 GiB")
     assert devices(c.port)["gpu0"]["available"] == 5 * GiB
+
+
+def test_placement_across_two_simulated_gpus(corral, tmp_path) -> None:
+    """R-5.9: the free GPU first, then an eviction on the GPU whose idle model was used
+    least recently; a model whose env names its GPU is left where it says."""
+    gpus = [{"name": f"gpu{i}", "kind": "simulated", "total_mib": 10240} for i in (0, 1)]
+    models = {m: sized(6144) for m in "abc"}
+    models["pinned_env"] = {**sized(1024), "env": {"CUDA_VISIBLE_DEVICES": "0"}}
+    c = corral(toml_config(models, devices=gpus, models_max=0, memory_margin_mib=1024,
+                           state_dir=str(tmp_path / "state"), device_poll_s=0.2))
+    measured(c, "a", "b", "c")
+    assert chat(c.port, "a")[0] == 200 and chat(c.port, "b")[0] == 200
+    placed = {m: c.models()[m]["devices"] for m in "ab"}
+    assert placed == {"a": ["gpu0"], "b": ["gpu1"]}
+    held = wait_until(lambda: (d := devices(c.port)) and d["gpu0"]["held"].get("a")
+                      and d["gpu1"]["held"].get("b") and d, 5, "each to hold its own GPU")
+    assert held["gpu0"]["held"] == {"a": 6 * GiB} and held["gpu1"]["held"] == {"b": 6 * GiB}
+    assert chat(c.port, "c")[0] == 200  # both full: a (least recently used) goes
+    models_now = c.models()
+    assert models_now["a"]["status"]["value"] == "unloaded"
+    assert models_now["a"]["last_eviction"]["devices"][0]["device"] == "gpu0"
+    assert models_now["c"]["devices"] == ["gpu0"]
+    assert chat(c.port, "pinned_env")[0] == 200
+    assert c.models()["pinned_env"]["devices"] is None

@@ -119,7 +119,7 @@ class Children(Rules):
             return []
         was, up_since = rec.state, rec.ready_at
         rec.in_flight = 0
-        rec.pid = rec.base_url = rec.ready_at = None
+        rec.pid = rec.base_url = rec.ready_at = rec.placement = None
         rec.exit_code = returncode
         rec.last_exit = description
         rec.mem_effective = None

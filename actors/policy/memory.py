@@ -5,6 +5,7 @@ evict these first, or refuse. It decides; the core carries the plan out.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ class Plan:
     measure: bool = False
     """Ask for a measurement at the front of the measure queue."""
     refusal: str | None = None
+    devices: list[str] | None = None
+    """Where it goes, when corral places it (R-5.9)."""
 
 
 class Memory:
@@ -90,7 +93,7 @@ class Memory:
                     user.mem_effective = Breakdown(n_ctx, [
                         DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total,
                                   free=seen[d].free, model=size)
-                        for d, size in usage.items() if d in seen])
+                        for d, size in usage.items() if d in seen and size > 0])
                     self.ledger.reserve(name, user.mem_effective)
                     log.info("model %s uses %s", name, ", ".join(
                         f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
@@ -115,9 +118,13 @@ class Memory:
         return rec.mem_max or rec.mem_min
 
     def devices_of(self, rec: ModelRecord) -> set[str]:
-        """The devices a load of `rec` uses; every device while that is not known yet."""
-        if rec.memory == "at_load" and not rec.mem_effective:
-            return {n for n, d in self.ledger.devices.items() if d.kind == "device"}
+        """The devices a load of `rec` uses; every one it may use while that is not known
+        yet (a probe, or a model corral places)."""
+        if rec.placement:
+            return set(rec.placement)
+        gpus = {n for n, d in self.ledger.devices.items() if d.kind == "device"}
+        if self.candidates(rec) or (rec.memory == "at_load" and not rec.mem_effective):
+            return set(rec.rules.devices or gpus) & gpus if rec.rules.devices else gpus
         need = rec.mem_max or rec.mem_min or rec.mem_effective
         return {row.name for row in need.devices if row.kind == "device"} if need else set()
 
@@ -125,16 +132,63 @@ class Memory:
         """A child still releasing from its last run is replaced by the new hold."""
         rec.releasing = False
         self.ledger.release(rec.name)
-        self.ledger.reserve(rec.name, self.need(rec))
+        self.ledger.reserve(rec.name, self.placed_need(rec, rec.placement))
+
+    # ------------------------------------------------------------ placement (R-5.9)
+
+    def candidates(self, rec: ModelRecord) -> list[list[str]]:
+        """The device sets `rec` may be placed on; none when there is nothing to choose
+        (one GPU and no `devices` key) or its env pins CUDA_VISIBLE_DEVICES."""
+        rules = rec.rules
+        if not rules.placeable:
+            return []
+        gpus = sorted(n for n, d in self.ledger.devices.items() if d.kind == "device")
+        if rules.devices is None and len(gpus) <= 1:
+            return []
+        allowed = [d for d in (rules.devices or gpus) if d in gpus]
+        return [list(c) for c in itertools.combinations(allowed, rules.devices_per_instance)]
+
+    def placed_need(self, rec: ModelRecord, devices: list[str] | None) -> Breakdown | None:
+        """`rec`'s need moved onto `devices`: what it measured on GPUs, split evenly over
+        them (the measurement names the GPUs it happened to run on), host rows as they are."""
+        need = self.need(rec)
+        if need is None or not devices:
+            return need
+        gpu = sum(r.self_bytes for r in need.devices if r.kind == "device")
+        rows = [r for r in need.devices if r.kind != "device"]
+        rows += [DeviceUse(kind="device", name=d, model=gpu // len(devices)) for d in devices]
+        return Breakdown(need.n_ctx, rows)
 
     # ------------------------------------------------------------ the rule
 
     def plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
-             victims: Iterable[ModelRecord]) -> Plan:
-        """R-5.7: may `rec` spawn now? `victims`: idle models, least recently used first."""
+             victims: list[ModelRecord]) -> Plan:
+        """R-5.7: may `rec` spawn now, and where? `victims`: idle models, least recently
+        used first. With several places it may go, the cheapest wins: one where it fits
+        as things are, then one where the idle models to evict were used least recently,
+        then one where it waits; ties go to the most free memory (R-5.9)."""
         if not rec.memory_settled:
             return Plan("wait", measure=not rec.measure_front)  # the measurement decides
-        need = self.need(rec)
+        places = self.candidates(rec)
+        if not places:
+            return self._fit(rec, self.need(rec), models, victims)
+        best: tuple[tuple[float, ...], Plan] | None = None
+        for devices in places:
+            on = set(devices)
+            useful = [v for v in victims if on & self.ledger.held.get(v.name, {}).keys()]
+            plan = self._fit(rec, self.placed_need(rec, devices), models, useful)
+            plan.devices = devices
+            rank = {"go": 1 if plan.evict else 0, "wait": 2, "refuse": 3}[plan.verdict]
+            recency = max((v.last_used for v, _ in plan.evict), default=0.0)
+            free = sum(self.ledger.available(d) or 0 for d in devices)
+            key = (rank, recency, -free)
+            if best is None or key < best[0]:
+                best = (key, plan)
+        assert best is not None
+        return best[1]
+
+    def _fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
+             victims: list[ModelRecord]) -> Plan:
         going = [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
         plan = Plan("wait")
         short = self.ledger.deficit(need, self.ledger.holds_of(going))

@@ -232,6 +232,7 @@ class Rules:
                         break
                     if plan.verdict == "wait":
                         return
+                    rec.placement = plan.devices
                 entry.claimed = True
                 self._spawn(rec, len(entry.waiters), now)
 
@@ -254,10 +255,12 @@ class Rules:
         cause = f"spawn for {n_waiting} waiting request(s)"
         if attempt > 1:
             cause += f", attempt {attempt}"
+        if rec.placement:
+            cause += f", on {', '.join(rec.placement)}"
         self._transition(rec, S.LOADING, cause, now)
         if self.memory_on:
             self.memory.spawning(rec)
-        self._out.append(Spawn(rec.name, rec.generation))
+        self._out.append(Spawn(rec.name, rec.generation, rec.placement))
 
     def _serve_waiters(self, rec: ModelRecord, now: float) -> None:
         """Grant the requests queued for a serving model, oldest first, while it has room."""

@@ -36,8 +36,8 @@ def snapshot(p: Policy, now: float) -> ModelsSnapshot:
             failed=rec.failed and rec.state is S.UNLOADED,
             retry_after_s=rec.breaker.retry_at - now if rec.breaker.is_open(now) else None,
             expires_in_s=max(expires, 0.0) if expires is not None else None,
-            queue_oldest_s=oldest, queue_position=places.get(rec.name) if oldest is not None
-            else None))
+            devices=rec.placement, queue_oldest_s=oldest,
+            queue_position=places.get(rec.name) if oldest is not None else None))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
                           queue_wait_s=p.stats.queue_wait_s)

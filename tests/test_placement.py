@@ -1,0 +1,140 @@
+"""Placement by fit across GPUs (R-5.9), pure: two simulated 10 GiB GPUs, 1 GiB margin,
+children that use exactly their measured need on the devices they were placed on."""
+
+from __future__ import annotations
+
+from actors.config import ModelRules
+from actors.ledger import DeviceSample
+from actors.messages import DeviceReport, Evicted, Grant
+from actors.records import Effect, Publish, Spawn, Track
+from tests.test_policy import World
+from tests.test_policy_memory import GiB, need
+
+GPUS = ("gpu0", "gpu1")
+
+
+class GpuWorld(World):
+    def __init__(self, sizes: dict[str, float], rules: dict[str, ModelRules] | None = None,
+                 models_max: int = 0) -> None:
+        super().__init__(models_max, "".join(sizes))
+        self.p = type(self.p)(models_max, 3, 60.0, memory_margin=1 * GiB)
+        for n in sizes:
+            self.p.add_model(n, 0.0, rules=(rules or {}).get(n, ModelRules()))
+        self.sizes = sizes
+        self.actual: dict[str, dict[str, int]] = {}
+        self.tracked: set[str] = set()
+        self.placed: dict[str, list[str] | None] = {}
+        self.evicted: list[Evicted] = []
+        self.report()
+        for n, gib in sizes.items():  # measured on gpu0, as a measure child happens to
+            self.run(self.p.measured(n, True, need(gib), need(gib), 0.0))
+
+    def run(self, effects: list[Effect]) -> list[Effect]:
+        for e in effects:
+            if isinstance(e, Spawn):
+                self.placed[e.model] = e.devices
+                devices = e.devices or ["gpu0"]
+                share = int(self.sizes[e.model] * GiB) // len(devices)
+                self.actual[e.model] = {d: share for d in devices}
+            elif isinstance(e, Track):
+                (self.tracked.add if e.event != "exited" else self.tracked.discard)(e.model)
+            elif isinstance(e, Publish) and isinstance(e.event, Evicted):
+                self.evicted.append(e.event)
+        return super().run(effects)
+
+    def exited(self, model: str, rc: int = 0) -> None:
+        self.actual.pop(model, None)
+        super().exited(model, rc)
+
+    def report(self) -> None:
+        samples = [DeviceSample(d, "device", 10 * GiB,
+                                10 * GiB - sum(u.get(d, 0) for u in self.actual.values()),
+                                "simulated") for d in GPUS]
+        usage = {m: dict(self.actual.get(m, {})) for m in self.tracked}
+        managed = {d: sum(u.get(d, 0) for u in usage.values()) for d in GPUS}
+        self.run(self.p.devices_reported(DeviceReport(
+            devices=samples, managed=managed, usage=usage, tracked=sorted(self.tracked),
+            backends=["simulated"]), self.tick()))
+
+    def ready(self, model: str) -> None:
+        super().ready(model)
+        self.report()
+
+
+def test_a_model_goes_to_the_gpu_where_it_fits_without_evicting() -> None:
+    w = GpuWorld({"a": 6, "b": 6})
+    w.load_idle("a")
+    w.load_idle("b")
+    assert w.placed == {"a": ["gpu0"], "b": ["gpu1"]} and w.stops == []
+    view = {v.name: v for v in w.p.snapshot(w.now).models}
+    assert view["a"].devices == ["gpu0"] and view["b"].devices == ["gpu1"]
+    assert w.p.ledger.held == {"a": {"gpu0": 6 * GiB}, "b": {"gpu1": 6 * GiB}}
+
+
+def test_when_every_gpu_is_full_it_evicts_where_the_idle_models_are_least_recent() -> None:
+    w = GpuWorld({"a": 6, "b": 6, "c": 6})
+    w.load_idle("a", "b")  # a on gpu0, then b on gpu1: a is the least recently used
+    w.acquire(1, "c")
+    assert w.stops == [("a", "memory")]
+    assert w.evicted[-1].devices[0].device == "gpu0"  # the event says where room was made
+    w.exited("a")
+    w.report()
+    assert w.placed["c"] == ["gpu0"]
+
+
+def test_devices_restricts_where_a_model_may_go() -> None:
+    w = GpuWorld({"a": 6, "b": 6}, rules={"b": ModelRules(devices=["gpu0"])})
+    w.load_idle("a")  # on gpu0 (both free: the first)
+    w.acquire(1, "b")  # may only use gpu0: a must go, although gpu1 is free
+    assert w.stops == [("a", "memory")]
+
+
+def test_ties_go_to_the_most_free_memory() -> None:
+    w = GpuWorld({"a": 2, "b": 1, "c": 1})
+    w.load_idle("a")  # gpu0: 2 GiB used
+    w.load_idle("b")  # gpu1 has more free
+    assert w.placed["b"] == ["gpu1"]
+
+
+def test_a_model_whose_env_pins_its_gpus_is_not_placed() -> None:
+    w = GpuWorld({"a": 2}, rules={"a": ModelRules(placeable=False)})
+    w.load_idle("a")
+    assert w.placed == {"a": None}
+
+
+def test_a_model_over_two_gpus_is_split_over_both() -> None:
+    w = GpuWorld({"a": 12}, rules={"a": ModelRules(devices_per_instance=2)})
+    w.acquire(1, "a")
+    assert w.placed == {"a": ["gpu0", "gpu1"]}
+    assert w.p.ledger.held["a"] == {"gpu0": 6 * GiB, "gpu1": 6 * GiB}
+    w.ready("a")
+    assert isinstance(w.answers[1], Grant)
+
+
+def test_a_child_is_told_where_it_was_placed() -> None:
+    from actors.config import parse_config
+    from actors.instance import placement_env
+
+    config = parse_config({"models": {"m": {
+        "cmd": ["llama-server", "--device", "{devices}", "--main", "{device}", "{port}"],
+        "devices": ["CUDA1", "CUDA2"], "devices_per_instance": 2}}})
+    model = config.models["m"]
+    assert model.argv("m", "127.0.0.1", 5, devices=["CUDA1", "CUDA2"]) == [
+        "llama-server", "--device", "CUDA1,CUDA2", "--main", "CUDA1", "5"]
+    assert placement_env(["CUDA1", "CUDA2"]) == {"CORRAL_DEVICES": "CUDA1,CUDA2",
+                                                  "CUDA_VISIBLE_DEVICES": "1,2"}
+    assert placement_env(["gpu0"]) == {"CORRAL_DEVICES": "gpu0"}  # simulated: no CUDA
+    assert config.rules_of(model).devices_per_instance == 2
+    pinned = parse_config({"models": {"m": {"cmd": ["x", "{port}"],
+                                            "env": {"CUDA_VISIBLE_DEVICES": "0"}}}})
+    assert not pinned.rules_of(pinned.models["m"]).placeable
+
+
+def test_more_devices_per_instance_than_allowed_devices_is_a_config_error() -> None:
+    import pytest
+
+    from actors.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"models\.m\.devices_per_instance: 3 is more than"):
+        parse_config({"models": {"m": {"cmd": ["x", "{port}"], "devices": ["a", "b"],
+                                       "devices_per_instance": 3}}})
