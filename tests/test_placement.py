@@ -15,7 +15,12 @@ GPUS = ("gpu0", "gpu1")
 
 class GpuWorld(World):
     def __init__(self, sizes: dict[str, float], rules: dict[str, ModelRules] | None = None,
-                 models_max: int = 0) -> None:
+                 models_max: int = 0, gpus: tuple[str, ...] = GPUS) -> None:
+        self.gpus = gpus
+        self.overuse: dict[str, int] = {}
+        """Model -> bytes per device its child really uses beyond its measurement."""
+        self.external = 0
+        self.unreported = False
         super().__init__(models_max, "".join(sizes))
         self.p = type(self.p)(models_max, 3, 60.0, memory_margin=1 * GiB)
         for n in sizes:
@@ -35,6 +40,7 @@ class GpuWorld(World):
                 self.placed[e.model] = e.devices
                 devices = e.devices or ["gpu0"]
                 share = int(self.sizes[e.model] * GiB) // len(devices)
+                share += self.overuse.get(e.model, 0)
                 self.actual[e.model] = {d: share for d in devices}
             elif isinstance(e, Track):
                 (self.tracked.add if e.event != "exited" else self.tracked.discard)(e.model)
@@ -46,12 +52,15 @@ class GpuWorld(World):
         self.actual.pop(model, None)
         super().exited(model, rc)
 
+    def used(self, device: str) -> int:
+        return sum(u.get(device, 0) for u in self.actual.values()) + self.external
+
     def report(self) -> None:
-        samples = [DeviceSample(d, "device", 10 * GiB,
-                                10 * GiB - sum(u.get(d, 0) for u in self.actual.values()),
-                                "simulated") for d in GPUS]
+        self.unreported = False
+        samples = [DeviceSample(d, "device", 10 * GiB, max(0, 10 * GiB - self.used(d)),
+                                "simulated") for d in self.gpus]
         usage = {m: dict(self.actual.get(m, {})) for m in self.tracked}
-        managed = {d: sum(u.get(d, 0) for u in usage.values()) for d in GPUS}
+        managed = {d: sum(u.get(d, 0) for u in usage.values()) for d in self.gpus}
         self.run(self.p.devices_reported(DeviceReport(
             devices=samples, managed=managed, usage=usage, tracked=sorted(self.tracked),
             backends=["simulated"]), self.tick()))
@@ -138,3 +147,48 @@ def test_more_devices_per_instance_than_allowed_devices_is_a_config_error() -> N
     with pytest.raises(ConfigError, match=r"models\.m\.devices_per_instance: 3 is more than"):
         parse_config({"models": {"m": {"cmd": ["x", "{port}"], "devices": ["a", "b"],
                                        "devices_per_instance": 3}}})
+
+
+# ---------------------------------------------------------------- found by a review
+
+
+def test_a_model_too_big_for_any_gpu_evicts_and_loads_rather_than_wait_forever() -> None:
+    w = GpuWorld({"a": 6, "big": 12})
+    w.load_idle("a")
+    w.acquire(1, "big")
+    for _ in range(3):
+        w.report()
+        w.run(w.p.repump(w.tick()))
+    assert w.state("big") == "loading"  # alone on an empty GPU, with a warning
+
+
+def test_an_idle_model_on_another_gpu_is_evicted_rather_than_wait_for_a_busy_one() -> None:
+    w = GpuWorld({"a": 6, "b": 6, "c": 6})
+    w.load_idle("a", "b")
+    w.acquire("busy", "a")
+    w.acquire(1, "c")
+    assert w.stops == [("b", "memory")]
+
+
+def test_a_pinned_model_on_another_gpu_does_not_get_a_model_refused() -> None:
+    w = GpuWorld({"a": 6, "big": 12}, rules={"a": ModelRules(pinned=True)})
+    w.load_idle("a")
+    w.acquire(1, "big")
+    assert w.state("big") == "loading" and w.placed["big"] == ["gpu1"]
+
+
+def test_a_model_whose_gpus_are_not_there_is_refused_not_run_anywhere() -> None:
+    from actors.messages import Refusal
+
+    for rules in (ModelRules(devices=["gpu7"]), ModelRules(devices_per_instance=3)):
+        w = GpuWorld({"a": 2}, rules={"a": rules})
+        answer = w.acquire(1, "a")
+        assert isinstance(answer, Refusal) and "cannot be placed" in answer.message
+        assert w.spawns == []
+
+
+def test_loads_placed_on_different_gpus_run_in_parallel() -> None:
+    w = GpuWorld({"a": 6, "b": 6})
+    w.acquire(1, "a")
+    w.acquire(2, "b")
+    assert w.placed == {"a": ["gpu0"], "b": ["gpu1"]}

@@ -344,3 +344,12 @@ def test_loads_on_other_devices_may_run_together() -> None:
     w.acquire(1, "a")
     w.acquire(2, "b")
     assert sorted(s[0] for s in w.spawns) == ["a", "b"]
+
+
+def test_a_load_without_figures_has_its_device_to_itself() -> None:
+    w = MemWorld({"f": 6, "b": 6}, measured=False)
+    w.run(w.p.measured("f", False, None, None, w.tick(), error="x"))
+    w.run(w.p.measured("b", True, need(6), need(6), w.tick()))
+    w.acquire(1, "f")
+    w.acquire(2, "b")
+    assert [s[0] for s in w.spawns] == ["f"]

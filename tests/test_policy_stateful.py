@@ -32,6 +32,7 @@ from actors.config import ModelRules
 from actors.lifecycle import ModelState
 from actors.messages import Grant
 from actors.records import Answer, Effect, Spawn
+from tests.test_placement import GpuWorld
 from tests.test_policy_memory import GiB, MemWorld, need
 
 S = ModelState
@@ -239,3 +240,107 @@ PolicyMachine.TestCase.settings = settings(
     stateful_step_count=100, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_policy_state_machine = PolicyMachine.TestCase
+
+
+# ---------------------------------------------------------------- placement on 1-3 GPUs
+
+
+class PlacedWorld(GpuWorld):
+    """A GpuWorld whose every spawn is checked: on each GPU the model was placed on, what
+    the other children really use plus the new one's measured need stays within
+    total - margin, unless no other model holds memory (alone) or a growth is not
+    reported yet. Children may use more than measured (`overuse`): only the rule of one
+    load per device at a time keeps the next grant from counting on memory they take."""
+
+    def run(self, effects: list[Effect]) -> list[Effect]:
+        super().run(effects)
+        for e in effects:
+            if isinstance(e, Spawn) and not self.unreported:
+                rec = self.p.models[e.model]
+                others = [n for n in self.p.ledger.held if n != e.model]
+                if rec.memory != "measured" or not others:
+                    continue
+                for device in e.devices or ["gpu0"]:
+                    # the new child at what it was measured to need (its overuse is not
+                    # knowable yet), the others at what they really use
+                    used = self.used(device) - self.overuse.get(e.model, 0)
+                    assert used <= 9 * GiB, (
+                        f"{e.model} placed on {e.devices}: {used / GiB:.2f} GiB in use "
+                        f"on {device}; held {self.p.ledger.held}")
+        return effects
+
+
+class PlacementMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w: PlacedWorld
+        self.next_ticket = 0
+        self.open: list[int] = []
+
+    @initialize(n_gpus=st.integers(1, 3),
+                sizes=st.lists(st.sampled_from([1, 2, 4, 6, 8]), min_size=4, max_size=4),
+                per=st.lists(st.sampled_from([1, 1, 1, 2]), min_size=4, max_size=4),
+                allowed=st.lists(st.sampled_from([None, None, ["gpu0"], ["gpu1", "gpu2"]]),
+                                 min_size=4, max_size=4),
+                overuse=st.lists(st.sampled_from([0, 0, 1, 2]), min_size=4, max_size=4))
+    def setup(self, n_gpus: int, sizes: list[int], per: list[int],
+              allowed: list[list[str] | None], overuse: list[int]) -> None:
+        gpus = tuple(f"gpu{i}" for i in range(n_gpus))
+        rules = {}
+        for name, k, devs in zip(NAMES, per, allowed, strict=True):
+            devs = [d for d in devs if d in gpus] if devs else None
+            k = min(k, len(devs) if devs else n_gpus)
+            rules[name] = ModelRules(devices=devs or None, devices_per_instance=k)
+        self.w = PlacedWorld(dict(zip(NAMES, sizes, strict=True)), rules=rules, gpus=gpus)
+        # children that use more than measured: only what is seen protects the margin
+        self.w.overuse = {m: g * GiB for m, g in zip(NAMES, overuse, strict=True)}
+
+    @rule(model=st.sampled_from(NAMES))
+    def acquire(self, model: str) -> None:
+        self.next_ticket += 1
+        self.open.append(self.next_ticket)
+        self.w.run(self.w.p.acquire(self.next_ticket, model, self.w.now))
+
+    @rule(i=st.integers(0, 50), cancel=st.booleans())
+    def finish(self, i: int, cancel: bool) -> None:
+        if self.open:
+            t = self.open.pop(i % len(self.open))
+            call = self.w.p.cancel if cancel else self.w.p.release
+            self.w.run(call(t, self.w.now))
+
+    @rule(i=st.integers(0, 3))
+    def ready(self, i: int) -> None:
+        loading = [m for m, r in self.w.p.models.items() if r.state is S.LOADING]
+        if loading:
+            self.w.ready(loading[i % len(loading)])
+
+    @rule(i=st.integers(0, 3), rc=st.sampled_from([0, -9]))
+    def exit(self, i: int, rc: int) -> None:
+        running = [m for m, r in self.w.p.models.items() if r.state.is_running]
+        if running:
+            self.w.exited(running[i % len(running)], rc)
+
+    @rule(i=st.integers(0, 3))
+    def grow(self, i: int) -> None:
+        running = sorted(self.w.actual)
+        if running:
+            use = self.w.actual[running[i % len(running)]]
+            for d in use:
+                use[d] += GiB // 2
+            self.w.unreported = True
+
+    @rule(external=st.sampled_from([0, 0, 1]))
+    def report(self, external: int) -> None:
+        self.w.external = external * GiB
+        self.w.report()
+
+    @rule(dt=st.sampled_from([0.5, 5.0]))
+    def time_passes(self, dt: float) -> None:
+        self.w.now += dt
+        self.w.fire_timers()
+
+
+PlacementMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("CORRAL_STATEFUL_EXAMPLES", "150")) // 3,
+    stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+test_placement_state_machine = PlacementMachine.TestCase

@@ -123,7 +123,8 @@ class Memory:
         if rec.placement:
             return set(rec.placement)
         gpus = {n for n, d in self.ledger.devices.items() if d.kind == "device"}
-        if self.candidates(rec) or (rec.memory == "at_load" and not rec.mem_effective):
+        unknown = rec.memory in ("at_load", "failed") and not rec.mem_effective
+        if self.candidates(rec) or unknown:
             return set(rec.rules.devices or gpus) & gpus if rec.rules.devices else gpus
         need = rec.mem_max or rec.mem_min or rec.mem_effective
         return {row.name for row in need.devices if row.kind == "device"} if need else set()
@@ -162,7 +163,7 @@ class Memory:
     # ------------------------------------------------------------ the rule
 
     def plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
-             victims: list[ModelRecord]) -> Plan:
+             victims: list[ModelRecord], busy: set[str] | None = None) -> Plan:
         """R-5.7: may `rec` spawn now, and where? `victims`: idle models, least recently
         used first. With several places it may go, the cheapest wins: one where it fits
         as things are, then one where the idle models to evict were used least recently,
@@ -171,14 +172,26 @@ class Memory:
             return Plan("wait", measure=not rec.measure_front)  # the measurement decides
         places = self.candidates(rec)
         if not places:
+            if rec.rules.placeable and (rec.rules.devices or rec.rules.devices_per_instance > 1):
+                if not self.ledger.devices:
+                    return Plan("wait")  # the first device report re-pumps
+                gpus = sorted(n for n, d in self.ledger.devices.items() if d.kind == "device")
+                return Plan("refuse", refusal=(
+                    f"model '{rec.name}' cannot be placed: it needs "
+                    f"{rec.rules.devices_per_instance} of {rec.rules.devices or 'any GPU'} "
+                    f"(devices, devices_per_instance), and the GPUs seen are {gpus}"))
             return self._fit(rec, self.need(rec), models, victims)
+        free_places = [p for p in places if not set(p) & (busy or set())]
+        if not free_places:
+            return Plan("wait")  # each place has a load in flight: one per device at a time
         best: tuple[tuple[float, ...], Plan] | None = None
-        for devices in places:
+        for devices in free_places:
             on = set(devices)
             useful = [v for v in victims if on & self.ledger.held.get(v.name, {}).keys()]
-            plan = self._fit(rec, self.placed_need(rec, devices), models, useful)
+            plan = self._fit(rec, self.placed_need(rec, devices), models, useful, on)
             plan.devices = devices
-            rank = {"go": 1 if plan.evict else 0, "wait": 2, "refuse": 3}[plan.verdict]
+            rank = (0 if plan.verdict == "go" and not plan.evict else 1 if plan.evict
+                    else 2 if plan.verdict != "refuse" else 3)
             recency = max((v.last_used for v, _ in plan.evict), default=0.0)
             free = sum(self.ledger.available(d) or 0 for d in devices)
             key = (rank, recency, -free)
@@ -188,7 +201,9 @@ class Memory:
         return best[1]
 
     def _fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
-             victims: list[ModelRecord]) -> Plan:
+             victims: list[ModelRecord], on: set[str] | None = None) -> Plan:
+        """Whether `need` fits, after evicting which of `victims`; `on`: the devices it is
+        being placed on (then only models holding memory there count as "others")."""
         going = [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
         plan = Plan("wait")
         short = self.ledger.deficit(need, self.ledger.holds_of(going))
@@ -205,7 +220,8 @@ class Memory:
             plan.verdict = "go" if not self.ledger.deficit(need) else "wait"
             return plan
         others = [r for r in models.values()
-                  if r is not rec and (r.state.is_running or r.releasing)]
+                  if r is not rec and (r.state.is_running or r.releasing)
+                  and (on is None or on & self.ledger.held.get(r.name, {}).keys())]
         missing = ", ".join(f"{b / MiB:.0f} MiB on {d}" for d, b in short.items())
         if not others:
             log.warning("model %s is projected to be short by %s with nothing else loaded; "

@@ -215,11 +215,13 @@ class Rules:
                 rec = self.models[entry.model]
                 if rec.state is S.STOPPING or not self._has_capacity():
                     return  # the head waits, and nobody overtakes it
-                if self.memory_on and self._load_in_flight(rec):
+                busy = self._loading_devices(rec) if self.memory_on else set()
+                if busy and not self.memory.candidates(rec) \
+                        and not busy.isdisjoint(self.memory.devices_of(rec)):
                     return  # one load per device at a time, as in the reference
                 if self.memory_on:
                     victims = self.victims.ranked(self.models, now, self._resident_until)
-                    plan = self.memory.plan(rec, self.models, victims)
+                    plan = self.memory.plan(rec, self.models, victims, busy)
                     for victim, shortfalls in plan.evict:
                         self._stop(victim, "memory", rec.name, now, shortfalls)
                     if plan.measure:
@@ -236,15 +238,15 @@ class Rules:
                 entry.claimed = True
                 self._spawn(rec, len(entry.waiters), now)
 
-    def _load_in_flight(self, rec: ModelRecord) -> bool:
-        """Is another load on one of `rec`'s devices not yet charged its real use (still
-        loading, or ready but not yet in a device report)? Judging the next load before
-        that would judge it against figures that do not hold the last one yet."""
-        mine = self.memory.devices_of(rec)
-        return bool(mine) and any(
-            other is not rec and (other.state is S.LOADING or other.awaiting_usage)
-            and not mine.isdisjoint(self.memory.devices_of(other))
-            for other in self.models.values())
+    def _loading_devices(self, rec: ModelRecord) -> set[str]:
+        """The devices of the loads not yet charged their real use (still loading, or
+        ready but not yet in a device report): judging another load on them before that
+        would judge it against figures that do not hold the last one yet."""
+        busy: set[str] = set()
+        for other in self.models.values():
+            if other is not rec and (other.state is S.LOADING or other.awaiting_usage):
+                busy |= self.memory.devices_of(other)
+        return busy
 
     def _spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
         rec.generation += 1
