@@ -193,7 +193,7 @@ def test_probe_declared_and_malformed_measurements(corral, tmp_path) -> None:
 def test_the_demo_accounts_memory_and_the_cli_shows_it(corral) -> None:
     c = corral(None, "--memory-margin-mib", "256")
     assert chat(c.port, "demo-small")[0] == 200
-    wait_until(lambda: devices(c.port)["demo-gpu"]["held"] == {"demo-small": GiB}, 10,
+    wait_until(lambda: devices(c.port)["demo-gpu0"]["held"] == {"demo-small": GiB}, 10,
                "demo-small to hold its 1 GiB")
 
     def cli(*args: str) -> str:
@@ -205,7 +205,8 @@ def test_the_demo_accounts_memory_and_the_cli_shows_it(corral) -> None:
 
     out = cli("devices")
     assert "memory accounting on, margin 256 MiB; backends: simulated" in out
-    assert "demo-gpu     total 6144 MiB  external 0  available 5120  held: demo-small 1024" in out
+    assert "demo-gpu0    total 3584 MiB  external 0  available 2560  held: demo-small 1024" in out
+    assert "demo-gpu1    total 3584 MiB  external 0  available 3584" in out
     assert "demo-small               loaded    in_flight=0 waiting=0 memory=measured" in cli(
         "models")
 

@@ -192,3 +192,16 @@ def test_loads_placed_on_different_gpus_run_in_parallel() -> None:
     w.acquire(1, "a")
     w.acquire(2, "b")
     assert w.placed == {"a": ["gpu0"], "b": ["gpu1"]}
+
+
+def test_memory_on_its_way_back_is_waited_for_rather_than_evicting_more() -> None:
+    """Seen in the demo: with small stopping on gpu0 for large, the next pump evicted
+    medium on gpu1 as well."""
+    w = GpuWorld({"a": 6, "b": 6, "c": 6})
+    w.load_idle("a", "b")
+    w.acquire(1, "c")
+    assert w.stops == [("a", "memory")]
+    w.exited("a")  # reaped; its memory still shows until the next report
+    assert w.stops == [("a", "memory")]
+    w.report()
+    assert w.placed["c"] == ["gpu0"]

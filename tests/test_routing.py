@@ -21,7 +21,7 @@ def three_models(models_max: int = 2, **knobs: list[str]) -> str:
 
 
 def test_demo_serves_on_demand_and_evicts_lru(corral) -> None:
-    c = corral(None)  # no config: the built-in demo, a 6 GiB simulated device
+    c = corral(None)  # no config: the built-in demo, two simulated 3.5 GiB GPUs
     _, props, _ = request(c.port, "GET", "/props")
     assert props["role"] == "router" and props["max_instances"] == 3
     for model in ("demo-small", "demo-medium", "demo-large"):
@@ -33,6 +33,8 @@ def test_demo_serves_on_demand_and_evicts_lru(corral) -> None:
     assert models["demo-small"]["last_eviction"]["reason"] == "memory"
     assert models["demo-small"]["last_eviction"]["for_model"] == "demo-large"
     assert {models[m]["status"]["value"] for m in ("demo-medium", "demo-large")} == {"loaded"}
+    assert models["demo-medium"]["devices"] == ["demo-gpu1"]
+    assert models["demo-large"]["devices"] == ["demo-gpu0"]  # where small was
 
 
 def test_lru_order_at_models_max(corral) -> None:

@@ -31,6 +31,8 @@ class Plan:
     refusal: str | None = None
     devices: list[str] | None = None
     """Where it goes, when corral places it (R-5.9)."""
+    fits_once_freed: bool = False
+    """It fits once the children already stopping have given their memory back."""
 
 
 class Memory:
@@ -166,8 +168,9 @@ class Memory:
              victims: list[ModelRecord], busy: set[str] | None = None) -> Plan:
         """R-5.7: may `rec` spawn now, and where? `victims`: idle models, least recently
         used first. With several places it may go, the cheapest wins: one where it fits
-        as things are, then one where the idle models to evict were used least recently,
-        then one where it waits; ties go to the most free memory (R-5.9)."""
+        as things are, then one where it fits once the children already stopping are
+        gone, then one where the idle models to evict were used least recently, then one
+        where it waits; ties go to the most free memory (R-5.9)."""
         if not rec.memory_settled:
             return Plan("wait", measure=not rec.measure_front)  # the measurement decides
         places = self.candidates(rec)
@@ -190,8 +193,9 @@ class Memory:
             useful = [v for v in victims if on & self.ledger.held.get(v.name, {}).keys()]
             plan = self._fit(rec, self.placed_need(rec, devices), models, useful, on)
             plan.devices = devices
-            rank = (0 if plan.verdict == "go" and not plan.evict else 1 if plan.evict
-                    else 2 if plan.verdict != "refuse" else 3)
+            rank = (0 if plan.verdict == "go" and not plan.evict
+                    else 1 if plan.fits_once_freed and not plan.evict
+                    else 2 if plan.evict else 3 if plan.verdict != "refuse" else 4)
             recency = max((v.last_used for v, _ in plan.evict), default=0.0)
             free = sum(self.ledger.available(d) or 0 for d in devices)
             key = (rank, recency, -free)
@@ -218,6 +222,7 @@ class Memory:
         if not short:
             # It fits once what is being stopped has come back.
             plan.verdict = "go" if not self.ledger.deficit(need) else "wait"
+            plan.fits_once_freed = plan.verdict == "wait"
             return plan
         others = [r for r in models.values()
                   if r is not rec and (r.state.is_running or r.releasing)
