@@ -23,6 +23,7 @@ import msgspec
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
 from .config import ModelConfig
+from .edge import is_llama
 from .lifecycle import describe_exit
 from .messages import (
     ChildExited,
@@ -104,6 +105,16 @@ def placement_env(devices: list[str] | None) -> dict[str, str]:
     if cuda and len(cuda) == len(devices):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda)
     return env
+
+
+def split_args(argv: list[str], devices: list[str] | None, llama: bool) -> list[str]:
+    """A llama-server child placed on several GPUs gets `--tensor-split` as corral
+    accounted it (evenly), unless its command says how to split."""
+    if not llama or not devices or len(devices) < 2:
+        return []
+    if any(a in ("--tensor-split", "-ts") or a.startswith("--tensor-split=") for a in argv):
+        return []
+    return ["--tensor-split", ",".join("1" for _ in devices)]
 
 
 def probe_health(port: int, path: str, timeout_s: float, deliver: Any) -> None:
@@ -228,6 +239,7 @@ class ModelInstance(BaseActor):
         self.port = pick_port(CHILD_HOST)
         self.cause = None
         argv = self.config.argv(self.model, CHILD_HOST, self.port, devices=self.devices)
+        argv += split_args(argv, self.devices, is_llama(self.config.cmd, self.config.health))
         env = {**os.environ, **self.extra_env, **placement_env(self.devices), **self.config.env}
         if self.llama:  # llama-server acts as a router's child when this is set
             env["LLAMA_SERVER_ROUTER_PORT"] = str(self.router_port)

@@ -205,3 +205,13 @@ def test_memory_on_its_way_back_is_waited_for_rather_than_evicting_more() -> Non
     assert w.stops == [("a", "memory")]
     w.report()
     assert w.placed["c"] == ["gpu0"]
+
+
+def test_a_llama_server_child_on_two_gpus_is_split_as_accounted() -> None:
+    from actors.instance import split_args
+
+    argv = ["llama-server", "-m", "x.gguf"]
+    assert split_args(argv, ["CUDA0", "CUDA1"], llama=True) == ["--tensor-split", "1,1"]
+    assert split_args(argv, ["CUDA0"], llama=True) == []
+    assert split_args(argv, ["CUDA0", "CUDA1"], llama=False) == []
+    assert split_args([*argv, "-ts", "3,1"], ["CUDA0", "CUDA1"], llama=True) == []
