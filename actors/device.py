@@ -209,6 +209,8 @@ class DeviceMonitor(BaseActor):
         """Model -> pid of its ready child."""
         self.baseline: dict[str, dict[str, int]] = {}
         """Model -> device -> free bytes when its child was spawned."""
+        self.ready: set[str] = set()
+        """Tracked models whose child is ready."""
         self.charged: dict[str, dict[str, int]] = {}
         """Model -> device -> what its load took on a device with no per-process figures:
         the free memory lost between its spawn and its ready (loads on one device run
@@ -240,6 +242,7 @@ class DeviceMonitor(BaseActor):
             self.tracked[model] = pid
         elif event == "ready" and pid is not None:
             self.tracked[model] = pid
+            self.ready.add(model)
             devices, _ = self.sample(set())
             before = self.baseline.pop(model, {})
             self.charged[model] = {d.name: max(0, before[d.name] - d.free) for d in devices
@@ -248,6 +251,7 @@ class DeviceMonitor(BaseActor):
             self.tracked.pop(model, None)
             self.baseline.pop(model, None)
             self.charged.pop(model, None)
+            self.ready.discard(model)
         self.report()
 
     def sample(self, pids: set[int]) -> tuple[list[DeviceSample], ProcessTable]:
@@ -288,4 +292,4 @@ class DeviceMonitor(BaseActor):
         managed = {device: sum(u.get(device, 0) for u in usage.values()) for device in table}
         self.scheduler.tell(DevicesReported(DeviceReport(
             devices=devices, managed=managed, usage=usage, tracked=sorted(self.tracked),
-            backends=[b.name for b in self.backends])))
+            backends=[b.name for b in self.backends], ready=sorted(self.ready))))

@@ -406,6 +406,10 @@ class DeviceReport(msgspec.Struct, frozen=True):
     tracked: list[str]
     """The models the monitor tracked when it took the sample."""
     backends: list[str]
+    ready: list[str] | None = None
+    """The tracked models whose child the monitor knew to be ready when it sampled: a
+    sample taken before that (a poll that crossed the ready) shows a load half done.
+    None: not said (every tracked model counts)."""
 
 
 class DevicesReported(Message, frozen=True):

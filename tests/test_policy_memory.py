@@ -353,3 +353,22 @@ def test_a_load_without_figures_has_its_device_to_itself() -> None:
     w.acquire(1, "f")
     w.acquire(2, "b")
     assert [s[0] for s in w.spawns] == ["f"]
+
+
+def test_a_report_sampled_before_ready_does_not_charge_a_half_done_load() -> None:
+    """Found by a review: a poll that sampled the child mid-load but arrived after its
+    ready replaced the reservation with the partial figure."""
+    from tests.test_policy import World
+
+    w = MemWorld({"a": 8, "b": 6})
+    w.acquire(1, "a")
+    World.ready(w, "a")  # ready, without the report the monitor takes at ready
+    w.actual["a"] = 2 * GiB  # the poll sampled it half loaded ...
+    w.run(w.p.devices_reported(DeviceReport(
+        devices=[DeviceSample("gpu0", "device", w.total, w.total - 2 * GiB, "simulated")],
+        managed={"gpu0": 2 * GiB}, usage={"a": {"gpu0": 2 * GiB}}, tracked=["a"],
+        backends=["simulated"], ready=[]), w.tick()))  # ... before the monitor knew
+    assert w.p.models["a"].awaiting_usage  # not charged yet
+    w.actual["a"] = 8 * GiB
+    w.acquire(2, "b")
+    assert [s[0] for s in w.spawns] == ["a"]  # b waits for the report at a's ready

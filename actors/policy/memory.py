@@ -86,7 +86,8 @@ class Memory:
             user = models.get(name)
             if user is None or not user.state.is_running:
                 continue
-            if user.awaiting_usage and user.state.is_serving:
+            seen_ready = report.ready is None or name in report.ready
+            if user.awaiting_usage and user.state.is_serving and seen_ready:
                 # The first report since it got ready: its load is charged now (the
                 # next load on its devices may go), at what it really uses.
                 user.awaiting_usage = False
