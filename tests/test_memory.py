@@ -303,3 +303,20 @@ def test_placement_across_two_simulated_gpus(corral, tmp_path) -> None:
     assert models_now["c"]["devices"] == ["gpu0"]
     assert chat(c.port, "pinned_env")[0] == 200
     assert c.models()["pinned_env"]["devices"] is None
+
+
+def test_a_probe_is_a_load_and_evicts_nobody(corral, tmp_path) -> None:
+    """Issue 12: a probe child was booked as external use and evicted an idle model
+    although the probed one fitted."""
+    c = corral(mem_config(tmp_path, {"y": sized(4096),
+                                     "p": {**sized(4096), "measure": "probe"}}))
+    measured(c, "y")
+    assert chat(c.port, "y")[0] == 200
+    assert chat(c.port, "p")[0] == 200  # 4 + 4 GiB fit in 10 - 1: nobody goes
+    measured(c, "p")
+    models = c.models()
+    assert models["y"]["status"]["value"] == "loaded" and models["y"]["last_eviction"] is None
+    gpu = wait_until(lambda: (d := devices(c.port)["gpu0"])["held"].keys() == {"y", "p"}
+                     and d, 5, "both to hold")
+    assert gpu["held"] == {"y": 4 * GiB, "p": 4 * GiB} and gpu["external"] == 0
+    assert "measuring p" not in c.log()  # no probe child: its load was the measurement
