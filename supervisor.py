@@ -31,20 +31,44 @@ log = logging.getLogger("corral")
 EXIT_CONFIG = 2
 
 
+CLIENT_COMMANDS = {
+    "models": ("list models and their state", "corral models"),
+    "status": ("models, devices and the queue at a glance, as tables",
+               "corral status --url http://gpu-box:8080 --api-key $KEY"),
+    "devices": ("device memory: total, outside use, held per model", "corral devices"),
+    "load": ("load a model now (POST /models/load)", "corral load llama-8b"),
+    "unload": ("stop a model's child now (POST /models/unload)", "corral unload llama-8b"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="corral", description="Supervisor for model servers.")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="corral", description="Supervisor for model servers.",
+                                formatter_class=raw, epilog=(
+                                    "examples:\n  corral serve                  # the demo\n"
+                                    "  corral serve --config corral.toml\n"
+                                    "  corral status"))
     sub = p.add_subparsers(dest="command")
-    serve = sub.add_parser("serve", help="run the supervisor (default)")
+    serve = sub.add_parser(
+        "serve", help="run the supervisor (default)", formatter_class=raw,
+        description="Run corral: one child per model, started on demand, behind one port.",
+        epilog="examples:\n  corral serve                                # the built-in demo"
+               "\n  corral serve --config corral.toml --port 8080"
+               "\n  corral serve --models-preset models.ini --llama-server ./llama-server")
     add_serve_args(serve)
-    check = sub.add_parser("check-config", help="check a config file; exit 2 if it is wrong")
+    check = sub.add_parser(
+        "check-config", help="check a config file; exit 2 if it is wrong", formatter_class=raw,
+        description="Decode and check a config file without starting anything; exit 0, "
+                    "or 2 naming the file, the key and the problem.",
+        epilog="example:\n  corral check-config corral.toml")
     check.add_argument("file")
-    for name, helptext in [("models", "list models and their state"),
-                           ("status", "is corral up, and what runs"),
-                           ("devices", "device memory: total, outside use, held per model"),
-                           ("load", "load a model"), ("unload", "unload a model")]:
-        cmd = sub.add_parser(name, help=helptext)
-        cmd.add_argument("--url", default="http://127.0.0.1:8080")
-        cmd.add_argument("--api-key", default=None)
+    for name, (helptext, example) in CLIENT_COMMANDS.items():
+        cmd = sub.add_parser(name, help=helptext, formatter_class=raw,
+                             description=helptext[0].upper() + helptext[1:] +
+                             ", from a running corral.", epilog=f"example:\n  {example}")
+        cmd.add_argument("--url", default="http://127.0.0.1:8080",
+                         help="the corral to ask (default: %(default)s)")
+        cmd.add_argument("--api-key", default=None, help="its api_key, if it has one")
         if name in ("load", "unload"):
             cmd.add_argument("name")
     return p
@@ -214,11 +238,37 @@ def client(args: argparse.Namespace) -> int:
     if args.command == "devices":
         print_devices(data)
         return 0
+    if args.command == "status":
+        return print_status(base, headers, data)
     for model in data["data"]:
         status = model["status"]
         extra = f"  ({status.get('exit')})" if status.get("failed") else ""
         print(f"{model['id']:<24} {status['value']:<9} in_flight={model['in_flight']} "
               f"waiting={model['waiting']} memory={model['memory']['status']}{extra}")
+    return 0
+
+
+def print_status(base: str, headers: dict[str, str], models: dict[str, Any]) -> int:
+    """`corral status`: the dashboard's essentials for a terminal."""
+    rows = [("MODEL", "STATE", "IN FLIGHT", "WAITING", "DEVICES", "MEMORY", "LAST EVICTION")]
+    for m in models["data"]:
+        status = m["status"]
+        state = status["value"] + (" (failed)" if status.get("failed") else "")
+        if status.get("retry_after_s"):
+            state += f" retry in {status['retry_after_s']:.0f}s"
+        eviction = m.get("last_eviction") or {}
+        rows.append((m["id"], state, str(m["in_flight"]), str(m["waiting"]),
+                     ",".join(m.get("devices") or []) or "-", m["memory"]["status"],
+                     eviction.get("reason", "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    waiting = sum(m["waiting"] for m in models["data"])
+    print(f"\nqueue: {waiting} request(s) waiting")
+    req = urllib.request.Request(base + "/devices", headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        print()
+        print_devices(json.load(resp))
     return 0
 
 

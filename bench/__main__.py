@@ -1,4 +1,4 @@
-"""python -m bench {load,overhead,swap,scheduler,tokenize,chaos} [options]; --help on each."""
+"""python -m bench NAME [options]: corral's benches; `python -m bench NAME --help` on each."""
 
 from __future__ import annotations
 
@@ -8,11 +8,30 @@ from bench import chaos, load, overhead, scheduler, swap, tokenize_rate
 
 COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main}
+SUMMARY = {
+    "load": "concurrent requests against a running corral (or any router with its API)",
+    "overhead": "the proxy's cost: the same requests straight to a child and through corral",
+    "swap": "corral's share of a cold start, and swap latency at models_max 1",
+    "scheduler": "pure scheduler decisions per second by size, and actor round trips",
+    "tokenize": "the proxy's ceiling on a real llama-server child, against its own router",
+    "chaos": "children SIGKILLed under load: corral and llama-server's router in turn",
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m bench NAME [options]   (python -m bench NAME --help for its "
+             "options)", "", "benches:"]
+    lines += [f"  {name:<10} {SUMMARY[name]}" for name in COMMANDS]
+    lines += ["", "Figures and the commands that produced them: bench/README.md"]
+    return "\n".join(lines)
 
 
 def main() -> int:
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if sys.argv[1] not in COMMANDS:
+        print(f"python -m bench: no bench {sys.argv[1]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     return COMMANDS[sys.argv[1]](sys.argv[2:])
 

@@ -77,3 +77,17 @@ def test_load_bench_runs_against_a_corral(corral, tmp_path) -> None:
     assert data["ok"] == 6 and data["models"] == ["a", "b"]
     assert data["corral"]["loads"] >= 2 and data["corral"]["evictions"] >= 1
     assert "6/6 ok" in out.stdout
+
+
+def test_bench_help_lists_every_bench() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos"):
+        assert f"\n  {name} " in out.stdout
+    bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert bare.returncode == 0 and bare.stdout == out.stdout
+    wrong = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT)
+    assert wrong.returncode == 2 and "no bench 'nope'" in wrong.stderr

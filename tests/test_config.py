@@ -72,3 +72,16 @@ def test_api_key_file(tmp_path: Path) -> None:
     key.write_text("k123\n")
     cfg = load_config(write(tmp_path, f'api_key_file = "{key}"\n'))
     assert cfg.api_key == "k123"
+
+
+def test_every_corral_subcommand_says_what_it_does_with_an_example() -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    for command in ("serve", "check-config", "models", "status", "devices", "load", "unload"):
+        out = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), command, "--help"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "example" in out.stdout and f"corral {command}" in out.stdout, out.stdout

@@ -209,6 +209,12 @@ def test_the_demo_accounts_memory_and_the_cli_shows_it(corral) -> None:
     assert "demo-gpu1    total 3584 MiB  external 0  available 3584" in out
     assert "demo-small               loaded    in_flight=0 waiting=0 memory=measured" in cli(
         "models")
+    status = cli("status").splitlines()
+    assert status[0].split() == ["MODEL", "STATE", "IN", "FLIGHT", "WAITING", "DEVICES",
+                                 "MEMORY", "LAST", "EVICTION"]
+    assert status[1].split() == ["demo-small", "loaded", "0", "0", "demo-gpu0", "measured",
+                                 "-"]
+    assert "queue: 0 request(s) waiting" in status
 
 
 def test_stopping_corral_mid_measurement_leaves_no_measure_child(corral, tmp_path) -> None:
