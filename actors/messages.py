@@ -54,6 +54,19 @@ class Done(Message, frozen=True):
     """Scheduler -> caller: a management command was accepted."""
 
 
+BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+             120.0, 300.0, 600.0)
+"""Histogram bucket bounds in seconds (queue waits, loads)."""
+
+
+class HistogramView(msgspec.Struct, frozen=True):
+    """A histogram as counted so far: `counts[i]` observations in bucket i (the last one
+    is +Inf), not cumulative; `sum` of every observation."""
+
+    counts: list[int]
+    sum: float
+
+
 class ModelView(msgspec.Struct, frozen=True):
     """One model as shown by GET /models (a snapshot, not live state)."""
 
@@ -85,6 +98,10 @@ class ModelView(msgspec.Struct, frozen=True):
     """Its place among the models requests wait for (0: the head of the queue)."""
     devices: list[str] | None = None
     """Where its running child was placed."""
+    queue_wait: HistogramView | None = None
+    load_time: HistogramView | None = None
+    refusals: dict[str, int] = {}
+    """Reason -> requests for it corral answered with an error of its own."""
 
 
 class ModelsSnapshot(Message, frozen=True):

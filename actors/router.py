@@ -45,6 +45,7 @@ from .messages import (
     ReloadSummary,
     UnloadModel,
 )
+from .metrics import render
 from .shares import Shares
 from .system import Supervisor
 
@@ -212,50 +213,18 @@ class Router:
         return view.in_flight + self._shares().extra.get(view.name, 0)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
-        """Prometheus text (R-6.3); with ?model= the front proxies the child's own."""
+        """Prometheus exposition (R-6.3, actors/metrics.py); with ?model= the front
+        proxies the child's own."""
         snap = await self._ask(GetModels)
         assert isinstance(snap, ModelsSnapshot)
-        out = [
-            "# TYPE corral_models_running gauge",
-            f"corral_models_running {snap.running}",
-            "# TYPE corral_queue_depth gauge", f"corral_queue_depth {snap.queue_depth}",
-            "# TYPE corral_requests_granted_total counter",
-            f"corral_requests_granted_total {snap.granted + self._shares().joined_total}",
-            "# TYPE corral_requests_joined_total counter",
-            f"corral_requests_joined_total {self._shares().joined_total}",
-            "# TYPE corral_queue_wait_seconds summary",
-            f"corral_queue_wait_seconds_sum {snap.queue_wait_s:.6f}",
-            f"corral_queue_wait_seconds_count {snap.queue_waits}",
-            "# TYPE corral_model_state gauge",
-            "# TYPE corral_model_in_flight gauge",
-            "# TYPE corral_model_loads_total counter",
-            "# TYPE corral_model_load_seconds summary",
-            "# TYPE corral_evictions_total counter",
-        ]
-        for v in snap.models:
-            m = f'model="{v.name}"'
-            out += [f'corral_model_state{{{m},state="{v.state}"}} 1',
-                    f"corral_model_in_flight{{{m}}} {self._in_flight(v)}",
-                    f"corral_model_loads_total{{{m}}} {v.loads}",
-                    f"corral_model_load_seconds_sum{{{m}}} {v.load_s_total:.6f}",
-                    f"corral_model_load_seconds_count{{{m}}} {v.loads_ok}"]
-            out += [f'corral_evictions_total{{{m},reason="{reason}"}} {n}'
-                    for reason, n in sorted(v.evictions.items())]
         devices = await self._ask(GetDevices)
         assert isinstance(devices, DevicesSnapshot)
-        out += ["# TYPE corral_device_total_bytes gauge",
-                "# TYPE corral_device_external_bytes gauge",
-                "# TYPE corral_device_available_bytes gauge",
-                "# TYPE corral_device_held_bytes gauge"]
-        for d in devices.devices:
-            dev = f'device="{d.name}"'
-            out += [f"corral_device_total_bytes{{{dev}}} {d.total}",
-                    f"corral_device_external_bytes{{{dev}}} {d.external}",
-                    f"corral_device_available_bytes{{{dev}}} {d.available}"]
-            out += [f'corral_device_held_bytes{{{dev},model="{m}"}} {b}'
-                    for m, b in d.held.items()]
-        return web.Response(text="\n".join(out) + "\n",
-                            content_type="text/plain", charset="utf-8")
+        shares = self._shares()
+        # ~0.3 s of CPU at 1,000 models (bench scheduler): off the event loop's thread
+        body, content_type = await asyncio.to_thread(
+            render, snap, devices, shares.joined_total, dict(shares.extra),
+            request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def reload(self) -> ReloadSummary:
         """Re-read the config and make its model table the live one; raises ConfigError

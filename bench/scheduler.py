@@ -105,6 +105,32 @@ async def round_trips(n: int, concurrency: int) -> dict[str, Any]:
             "replies_per_s": per_s}
 
 
+def scrape_cost(n_models: int, scrapes: int = 20) -> float:
+    """CPU ms to render GET /metrics from a snapshot of `n_models` models, each loaded,
+    with queue-wait and load-time histograms, evictions and refusals."""
+    from actors.messages import DevicesSnapshot, DeviceView
+    from actors.metrics import render
+    from actors.records import Histogram
+
+    p, _, _, _ = build(n_models, 0)
+    rng = random.Random(3)
+    for name in p.models:
+        for table in (p.stats.queue_wait, p.stats.load_time):
+            for _ in range(5):
+                p.stats.observe(table, name, rng.uniform(0.001, 30))
+        p.stats.refusals[(name, "queue_full")] = 1
+        p.stats.evictions[(name, "lru")] = 2
+    assert isinstance(p.stats.queue_wait[next(iter(p.models))], Histogram)
+    snap = p.snapshot(10.0)
+    devices = DevicesSnapshot(True, 1 << 30, False, ["simulated"], [
+        DeviceView(f"gpu{i}", "device", 80 << 30, 40 << 30, 0,
+                   {m: 1 << 30 for m in list(p.models)[i::8]}, 40 << 30) for i in range(8)])
+    start = time.process_time()
+    for _ in range(scrapes):
+        render(snap, devices, 0, {}, None)
+    return (time.process_time() - start) / scrapes * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench scheduler", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(f"{m}x{w}" for m, w in SIZES),
                     help="MODELSxWAITERS,... (default: %(default)s)")
     ap.add_argument("--round-trips", type=int, default=2_000)
+    ap.add_argument("--scrape-models", type=int, default=1_000,
+                    help="models in the /metrics scrape timed (default: %(default)s)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
@@ -132,8 +160,12 @@ def main(argv: list[str] | None = None) -> int:
           f"p99 {seq['p99'] * 1e3:.0f} us, CPU {rt['sequential_cpu_us']:.0f} us each; "
           f"{rt['replies_per_s']:,.0f} replies/s at 64 "
           "concurrent")
+    scrape_ms = scrape_cost(args.scrape_models)
+    print(f"/metrics at {args.scrape_models:,} models (each with histograms): "
+          f"{scrape_ms:.1f} ms of CPU per scrape")
     write_json(args.json, {"bench": "scheduler", "machine": machine(),
                            "params": {"ops": args.ops, "sizes": sizes,
-                                      "round_trips": args.round_trips},
-                           "decisions": curve, "round_trip": rt})
+                                      "round_trips": args.round_trips,
+                                      "scrape_models": args.scrape_models},
+                           "decisions": curve, "round_trip": rt, "scrape_ms": scrape_ms})
     return 0

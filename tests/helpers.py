@@ -43,7 +43,7 @@ def toml_config(models: dict[str, dict[str, Any]],
         lines.append("\n[[devices]]")
         lines += [f"{k} = {toml_value(v)}" for k, v in device.items()]
     for name, keys in models.items():
-        lines.append(f'\n[models."{name}"]')
+        lines.append(f"\n[models.{toml_value(name)}]")
         lines += [f"{k} = {toml_value(v)}" for k, v in keys.items()]
     return "\n".join(lines) + "\n"
 

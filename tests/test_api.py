@@ -123,19 +123,52 @@ def test_logs_of_a_child_are_kept(corral) -> None:
     assert status == 200 and "fake_model a: ready" in text
 
 
-def test_metrics_count_loads_waits_and_evictions(corral) -> None:
-    c = corral(one_model(models_max=1))
+def test_metrics_are_valid_prometheus_exposition(corral) -> None:
+    """Parsed by prometheus_client's own parser: every family typed once, every sample in
+    its family, label values escaped (a model name with a quote and a backslash)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    odd = 'we"ird\\name'
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}, odd: {"cmd": fake_cmd()}},
+                           models_max=1))
     assert chat(c.port, "a")[0] == 200
-    assert chat(c.port, "b")[0] == 200  # evicts a
-    status, text, _ = request(c.port, "GET", "/metrics")
-    assert status == 200
-    lines = set(text.splitlines())
-    assert 'corral_evictions_total{model="a",reason="lru"} 1' in lines
-    assert 'corral_model_loads_total{model="b"} 1' in lines
-    assert 'corral_model_state{model="b",state="loaded"} 1' in lines
-    assert "corral_requests_granted_total 2" in lines
-    assert "corral_queue_wait_seconds_count 2" in lines
-    assert "corral_models_running 1" in lines
+    assert chat(c.port, odd)[0] == 200  # evicts a
+    status, text, headers = request(c.port, "GET", "/metrics")
+    assert status == 200 and "version=0.0.4" in headers["content-type"]
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    kinds = {name: f.type for name, f in families.items()}
+    assert kinds == {
+        "corral_models_running": "gauge", "corral_queue_depth": "gauge",
+        "corral_requests_granted": "counter", "corral_requests_joined": "counter",
+        "corral_model_state": "gauge", "corral_model_failed": "gauge",
+        "corral_model_in_flight": "gauge", "corral_model_waiting": "gauge",
+        "corral_model_loads": "counter", "corral_evictions": "counter",
+        "corral_refusals": "counter", "corral_queue_wait_seconds": "histogram",
+        "corral_model_load_seconds": "histogram", "corral_device_total_bytes": "gauge",
+        "corral_device_external_bytes": "gauge", "corral_device_available_bytes": "gauge",
+        "corral_device_held_bytes": "gauge"}
+    assert all(f.documentation for f in families.values())  # HELP on every family
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        found = [s.value for s in families[family].samples
+                 if s.name == sample and s.labels == labels]
+        assert len(found) == 1, (family, sample, labels, families[family].samples)
+        return found[0]
+
+    assert value("corral_evictions", "corral_evictions_total", model="a", reason="lru") == 1
+    assert value("corral_model_loads", "corral_model_loads_total", model=odd) == 1
+    assert value("corral_model_state", "corral_model_state", model=odd, state="loaded") == 1
+    assert value("corral_model_state", "corral_model_state", model="a", state="loaded") == 0
+    assert value("corral_requests_granted", "corral_requests_granted_total") == 2
+    assert value("corral_models_running", "corral_models_running") == 1
+    assert value("corral_queue_wait_seconds", "corral_queue_wait_seconds_count",
+                 model=odd) == 1
+    assert value("corral_model_load_seconds", "corral_model_load_seconds_bucket",
+                 model="a", le="+Inf") == 1
+    _, openmetrics, headers = request(c.port, "GET", "/metrics",
+                                      headers={"Accept": "application/openmetrics-text"})
+    assert headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.rstrip().endswith("# EOF")
 
 
 def test_cli_management_commands(corral) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import ROOT, SSE, chat, fake_cmd, request, toml_config, wait_until
 
@@ -70,9 +71,11 @@ def test_two_4gib_models_coexist_and_a_third_evicts_the_lru(corral, tmp_path) ->
     gpu = devices(c.port)["gpu0"]
     assert gpu["held"] == {"b": 4 * GiB, "c": 4 * GiB} and gpu["external"] == 0
     _, metrics, _ = request(c.port, "GET", "/metrics")
-    assert f'corral_device_available_bytes{{device="gpu0"}} {2 * GiB}' in metrics
-    assert f'corral_device_held_bytes{{device="gpu0",model="c"}} {4 * GiB}' in metrics
-    assert 'corral_evictions_total{model="a",reason="memory"} 1' in metrics
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert samples[("corral_device_available_bytes", (("device", "gpu0"),))] == 2 * GiB
+    assert samples[("corral_device_held_bytes", (("device", "gpu0"), ("model", "c")))] == 4 * GiB
+    assert samples[("corral_evictions_total", (("model", "a"), ("reason", "memory")))] == 1
     sse.close()
 
 

@@ -59,6 +59,7 @@ class Children(Rules):
         rec.base_url = base_url
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
+        self.stats.observe(self.stats.load_time, model, now - rec.state_since)
         rec.info, rec.progress = info, None
         rec.failed = False
         rec.ready_at = rec.last_used = now
@@ -161,10 +162,12 @@ class Children(Rules):
             message = f"model '{rec.name}' failed to load (attempt {attempt}): {description}"
             if killed:
                 for ticket, _ in self.queue.keep_for_one_retry(rec.name):
-                    self._refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0))
+                    self._refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0),
+                                 model=rec.name, reason="load_failed")
                 self._idle(rec)
             else:
-                self._refuse_entry(rec.name, 503, message, retry_after_s=max(backoff, 1.0))
+                self._refuse_entry(rec.name, 503, message, retry_after_s=max(backoff, 1.0),
+                                   reason="load_failed")
         if rec.rules.permanent:
             self.queue.open(rec.name).explicit = True  # back at once (or after it)
 
@@ -225,7 +228,8 @@ class Children(Rules):
         for name in removed:
             rec = self.models[name]
             rec.removed = True
-            self._refuse_entry(name, 400, f"model '{name}' was removed by a reload")
+            self._refuse_entry(name, 400, f"model '{name}' was removed by a reload",
+                               reason="removed")
             if rec.state.is_running:
                 self._retire(rec, now)
             else:

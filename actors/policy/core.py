@@ -56,7 +56,8 @@ class Policy(Children):
         rec = self._find(model)
         # 1. Nothing is served while shutting down, nor for a model that is not there.
         if self.shutting_down:
-            self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
+            self._refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0,
+                         model=model, reason="shutdown")
             return self._flush()
         if rec is None:
             self._refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
@@ -75,12 +76,12 @@ class Policy(Children):
         elif (breaker.is_open(now) and rules.queue_timeout_s
               and now + rules.queue_timeout_s < breaker.retry_at):
             self._refuse(ticket, 503, self._backoff_message(rec, now),
-                         retry_after_s=breaker.retry_at - now)
+                         retry_after_s=breaker.retry_at - now, model=model, reason="backoff")
         # 5. A full queue refuses at once.
         elif rules.queue_max and entry is not None and len(entry.waiters) >= rules.queue_max:
             self._refuse(ticket, 503, f"model '{model}' has {len(entry.waiters)} requests "
                          f"waiting already (queue_max {rules.queue_max}); try again later",
-                         retry_after_s=1.0)
+                         retry_after_s=1.0, model=model, reason="queue_full")
         # 6. Otherwise it waits, at most queue_timeout_s.
         else:
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
@@ -138,7 +139,8 @@ class Policy(Children):
         left = self.cancel(ticket, now)  # (not `_out.extend(self.cancel())`: that extends
         self._out.extend(left)           # the list the cancel's flush hands over)
         self._refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "
-                     f"'{waiter.model}' (queue_timeout_s){why}", retry_after_s=1.0)
+                     f"'{waiter.model}' (queue_timeout_s){why}", retry_after_s=1.0,
+                     model=waiter.model, reason="queue_timeout")
         return self._flush()
 
     # ------------------------------------------------------------ management

@@ -174,7 +174,8 @@ class Rules:
         for model in models:
             self._refuse_entry(model, 503, (
                 f"model '{model}' cannot be loaded: all {self.models_max} slots (models_max) "
-                f"are held by pinned models ({names}); unload one or raise models_max"))
+                f"are held by pinned models ({names}); unload one or raise models_max"),
+                reason="pinned")
 
     def _evictable(self, rec: ModelRecord) -> bool:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
@@ -229,7 +230,7 @@ class Rules:
                         self._out.append(Measure(rec.name, front=True))
                     if plan.verdict == "refuse":
                         assert plan.refusal is not None
-                        self._refuse_entry(rec.name, 503, plan.refusal)
+                        self._refuse_entry(rec.name, 503, plan.refusal, reason="memory")
                         rescan = True
                         break
                     if plan.verdict == "wait":
@@ -274,6 +275,7 @@ class Rules:
             waiter = self.queue.take(ticket)
             self.stats.queue_waits += 1
             self.stats.queue_wait_s += now - waiter.queued_at
+            self.stats.observe(self.stats.queue_wait, rec.name, now - waiter.queued_at)
             self._grant(ticket, rec, now)
         self.queue.close_if_empty(rec.name)
 
@@ -304,16 +306,23 @@ class Rules:
                                               shareable=not rec.rules.max_concurrency)))
 
     def _refuse(self, ticket: Hashable, status: int, message: str,
-                type_: str = "server_error", retry_after_s: float | None = None) -> None:
+                type_: str = "server_error", retry_after_s: float | None = None,
+                model: str | None = None, reason: str | None = None) -> None:
+        """Answer with corral's own error; a request for a model counts under `reason`
+        (queue_full, queue_timeout, backoff, load_failed, pinned, memory, ...)."""
+        if model is not None and reason is not None:
+            key = (model, reason)
+            self.stats.refusals[key] = self.stats.refusals.get(key, 0) + 1
         self._out.append(Answer(ticket, Refusal(status, message, type_, retry_after_s)))
 
     def _refuse_entry(self, model: str, status: int, message: str,
-                      retry_after_s: float | None = None) -> None:
+                      retry_after_s: float | None = None, reason: str = "other") -> None:
         waiters = self.queue.drop(model)
         rec = self.models[model]
         self._idle(rec)
         for ticket, _ in waiters:
-            self._refuse(ticket, status, message, retry_after_s=retry_after_s)
+            self._refuse(ticket, status, message, retry_after_s=retry_after_s, model=model,
+                         reason=reason)
 
     def _backoff_message(self, rec: ModelRecord, now: float) -> str:
         return (f"model '{rec.name}' failed {len(rec.breaker.failures)} times in "

@@ -37,6 +37,9 @@ def snapshot(p: Policy, now: float) -> ModelsSnapshot:
             retry_after_s=rec.breaker.retry_at - now if rec.breaker.is_open(now) else None,
             expires_in_s=max(expires, 0.0) if expires is not None else None,
             devices=rec.placement, queue_oldest_s=oldest,
+            queue_wait=(h.view() if (h := p.stats.queue_wait.get(rec.name)) else None),
+            load_time=(h.view() if (h := p.stats.load_time.get(rec.name)) else None),
+            refusals={r: n for (m, r), n in p.stats.refusals.items() if m == rec.name},
             queue_position=places.get(rec.name) if oldest is not None else None))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,

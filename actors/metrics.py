@@ -1,0 +1,116 @@
+"""GET /metrics (R-6.3): Prometheus exposition through prometheus_client.
+
+Every scrape builds a private `CollectorRegistry` around one collector that turns one
+Scheduler snapshot (and the front's counts) into metric families, so nothing global or
+per request lives between scrapes, families are never interleaved, label values are
+escaped by the library, and the format follows what the scraper asks for (the text
+format 0.0.4, or OpenMetrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from .messages import BUCKETS_S, DevicesSnapshot, HistogramView, ModelsSnapshot
+
+STATES = ("unloaded", "loading", "loaded", "sleeping", "stopping")
+
+
+def buckets(view: HistogramView) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs, +Inf last, as the Prometheus format wants them."""
+    out, running = [], 0
+    for bound, count in zip((*BUCKETS_S, float("inf")), view.counts, strict=True):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+    return out
+
+
+class Snapshot(Collector):
+    def __init__(self, models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
+                 extra: dict[str, int]) -> None:
+        self.models, self.devices, self.joined, self.extra = models, devices, joined, extra
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.models
+        yield GaugeMetricFamily("corral_models_running", "Children running (loading, loaded, "
+                                "sleeping or stopping); models_max bounds it.",
+                                value=snap.running)
+        yield GaugeMetricFamily("corral_queue_depth", "Requests waiting for a model.",
+                                value=snap.queue_depth)
+        yield CounterMetricFamily("corral_requests_granted", "Requests let through to a "
+                                  "child (those that joined a running grant included).",
+                                  value=snap.granted + self.joined)
+        yield CounterMetricFamily("corral_requests_joined", "Requests that joined a running "
+                                  "grant without a Scheduler round trip.", value=self.joined)
+        state = GaugeMetricFamily("corral_model_state", "1 for the state a model is in.",
+                                  labels=["model", "state"])
+        failed = GaugeMetricFamily("corral_model_failed", "1 when a model's last child "
+                                   "crashed or failed to load.", labels=["model"])
+        in_flight = GaugeMetricFamily("corral_model_in_flight", "Requests a model's child "
+                                      "is answering.", labels=["model"])
+        waiting = GaugeMetricFamily("corral_model_waiting", "Requests waiting for a model.",
+                                    labels=["model"])
+        loads = CounterMetricFamily("corral_model_loads", "Children spawned for a model, "
+                                    "failed loads included.", labels=["model"])
+        evictions = CounterMetricFamily("corral_evictions", "Children stopped, by reason "
+                                        "(lru, memory, ttl, manual, reload, unhealthy, "
+                                        "shutdown).", labels=["model", "reason"])
+        refusals = CounterMetricFamily("corral_refusals", "Requests corral answered with an "
+                                       "error of its own, by reason (queue_full, "
+                                       "queue_timeout, backoff, load_failed, pinned, memory, "
+                                       "removed, shutdown).", labels=["model", "reason"])
+        wait = HistogramMetricFamily("corral_queue_wait_seconds", "How long granted "
+                                     "requests waited in the queue.", labels=["model"])
+        load = HistogramMetricFamily("corral_model_load_seconds", "Spawn to ready, for the "
+                                     "loads that succeeded.", labels=["model"])
+        for v in snap.models:
+            for s in STATES:
+                state.add_metric([v.name, s], float(v.state == s))
+            failed.add_metric([v.name], float(v.failed))
+            in_flight.add_metric([v.name], v.in_flight + self.extra.get(v.name, 0))
+            waiting.add_metric([v.name], v.waiting)
+            loads.add_metric([v.name], v.loads)
+            for reason, n in sorted(v.evictions.items()):
+                evictions.add_metric([v.name, reason], n)
+            for reason, n in sorted(v.refusals.items()):
+                refusals.add_metric([v.name, reason], n)
+            for family, view in ((wait, v.queue_wait), (load, v.load_time)):
+                if view is not None:
+                    family.add_metric([v.name], buckets(view), view.sum)
+        yield from (state, failed, in_flight, waiting, loads, evictions, refusals, wait, load)
+        dev = self.devices
+        total = GaugeMetricFamily("corral_device_total_bytes", "A device's memory.",
+                                  labels=["device"])
+        external = GaugeMetricFamily("corral_device_external_bytes", "Memory used on a "
+                                     "device by processes corral does not manage.",
+                                     labels=["device"])
+        available = GaugeMetricFamily("corral_device_available_bytes", "Memory nobody uses "
+                                      "or holds (the margin not taken off).", labels=["device"])
+        held = GaugeMetricFamily("corral_device_held_bytes", "Memory a model holds on a "
+                                 "device.", labels=["device", "model"])
+        for d in dev.devices:
+            total.add_metric([d.name], d.total)
+            external.add_metric([d.name], d.external)
+            available.add_metric([d.name], d.available)
+            for model, size in sorted(d.held.items()):
+                held.add_metric([d.name, model], size)
+        yield from (total, external, available, held)
+
+
+def render(models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
+           extra: dict[str, int], accept: str | None) -> tuple[bytes, str]:
+    """The exposition and its content type, in the format `accept` asks for."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Snapshot(models, devices, joined, extra))
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
