@@ -72,8 +72,8 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("broke", "chunked", "conn", "done", "head_only", "keep_alive", "late", "out",
-                 "phase", "req", "sse", "task", "upstream", "what")
+    __slots__ = ("broke", "chunked", "conn", "done", "first_at", "head_only", "keep_alive",
+                 "late", "out", "phase", "req", "sse", "status", "task", "upstream", "what")
 
     def __init__(self, conn: Connection, req: Request) -> None:
         self.conn = conn
@@ -91,6 +91,10 @@ class Exchange:
         self.out: list[bytes] = []
         """Bytes for the client, written once per upstream read (`flush`)."""
         self.done: asyncio.Future[None] | None = None
+        self.status = 0
+        """The status of the answer the client got (0: none yet)."""
+        self.first_at: float | None = None
+        """When the answer's head went to the client (loop time)."""
         self.late = False
         """The child sent no answer head within first_byte_timeout_s."""
         self.broke: str | None = None
@@ -149,6 +153,18 @@ class Exchange:
             self.answer(autoload)
             return
         self.what = f"model '{model}'"
+        started = asyncio.get_running_loop().time()
+        try:
+            await self._to_model(model, autoload)
+        finally:  # an answer begun or given: how long it took, for /metrics
+            if self.status:
+                end = asyncio.get_running_loop().time()
+                front.times.observe(model, self.status, (self.first_at or end) - started,
+                                    end - started)
+
+    async def _to_model(self, model: str, autoload: bool) -> None:
+        front = self.conn.front
+        routes = front.routes
         scheduler = front.scheduler()
         gone: int | None = None  # the generation that went away before answering
         for attempt in (1, 2):
@@ -241,6 +257,7 @@ class Exchange:
 
     def answer(self, answer: Answer) -> None:
         """corral's own answer, in place of a child's."""
+        self._head(answer.status)
         self.keep_alive = self.keep_alive and not self.conn.front.draining
         self.conn.write(answer.encode(self.keep_alive))
         self._to(Phase.DONE)
@@ -258,7 +275,13 @@ class Exchange:
         out += [n + b": " + v for n, v in headers if n.lower() not in HOP_BY_HOP]
         self.out.append(b"\r\n".join(out) + b"\r\n\r\n")
 
+    def _head(self, status: int) -> None:
+        self.status = status
+        if self.first_at is None:
+            self.first_at = asyncio.get_running_loop().time()
+
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._head(status)
         self._to(Phase.STREAMING)
         length = None
         out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]

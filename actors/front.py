@@ -26,6 +26,7 @@ from typing import Any
 from .config import HttpConfig
 from .connection import Connection
 from .edge import Answer, Routes
+from .records import RequestTimes
 from .shares import Shares
 from .upstream import Pool, Pools
 
@@ -71,6 +72,8 @@ class Front:
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
         self.shares = Shares()
+        self.times = RequestTimes()
+        """Time to first byte and duration of the proxied requests (GET /metrics)."""
         self.api_key = api_key.encode() if api_key is not None else None
         self.http = http
         self.limits = Limits(http, max_body_mib)

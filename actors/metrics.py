@@ -35,10 +35,15 @@ def buckets(view: HistogramView) -> list[tuple[str, float]]:
     return out
 
 
+Times = dict[str, dict[tuple[str, str], HistogramView]]
+"""The front's request times: "first_byte" / "duration" -> (model, status class) -> view."""
+
+
 class Snapshot(Collector):
     def __init__(self, models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
-                 extra: dict[str, int]) -> None:
+                 extra: dict[str, int], times: Times) -> None:
         self.models, self.devices, self.joined, self.extra = models, devices, joined, extra
+        self.times = times
 
     def collect(self) -> Iterator[Metric]:
         snap = self.models
@@ -88,6 +93,15 @@ class Snapshot(Collector):
                 if view is not None:
                     family.add_metric([v.name], buckets(view), view.sum)
         yield from (state, failed, in_flight, waiting, loads, evictions, refusals, wait, load)
+        for key, name, what in (
+                ("first_byte", "corral_request_first_byte_seconds", "to the answer's head"),
+                ("duration", "corral_request_duration_seconds", "to the answer's end")):
+            family = HistogramMetricFamily(name, f"Proxied requests, from arrival {what} "
+                                           "(queue wait and load included), by model and "
+                                           "status class.", labels=["model", "status"])
+            for (model, status), view in sorted(self.times.get(key, {}).items()):
+                family.add_metric([model, status], buckets(view), view.sum)
+            yield family
         dev = self.devices
         total = GaugeMetricFamily("corral_device_total_bytes", "A device's memory.",
                                   labels=["device"])
@@ -108,9 +122,10 @@ class Snapshot(Collector):
 
 
 def render(models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
-           extra: dict[str, int], accept: str | None) -> tuple[bytes, str]:
+           extra: dict[str, int], accept: str | None,
+           times: Times | None = None) -> tuple[bytes, str]:
     """The exposition and its content type, in the format `accept` asks for."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Snapshot(models, devices, joined, extra))
+    registry.register(Snapshot(models, devices, joined, extra, times or {}))
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type

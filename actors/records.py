@@ -175,6 +175,23 @@ class Histogram:
 
 
 @dataclass
+class RequestTimes:
+    """The front's clock on the requests it proxied, per (model, status class like
+    "2xx"): time to the answer's head, and to its end."""
+
+    first_byte: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    duration: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+
+    def observe(self, model: str, status: int, first_byte_s: float, duration_s: float) -> None:
+        key = (model, f"{status // 100}xx")
+        for table, value in ((self.first_byte, first_byte_s), (self.duration, duration_s)):
+            hist = table.get(key)
+            if hist is None:
+                hist = table[key] = Histogram()
+            hist.observe(value)
+
+
+@dataclass
 class Stats:
     """Counters since start, for GET /metrics."""
 

@@ -145,6 +145,8 @@ def test_metrics_are_valid_prometheus_exposition(corral) -> None:
         "corral_model_loads": "counter", "corral_evictions": "counter",
         "corral_refusals": "counter", "corral_queue_wait_seconds": "histogram",
         "corral_model_load_seconds": "histogram", "corral_device_total_bytes": "gauge",
+        "corral_request_first_byte_seconds": "histogram",
+        "corral_request_duration_seconds": "histogram",
         "corral_device_external_bytes": "gauge", "corral_device_available_bytes": "gauge",
         "corral_device_held_bytes": "gauge"}
     assert all(f.documentation for f in families.values())  # HELP on every family
@@ -165,6 +167,11 @@ def test_metrics_are_valid_prometheus_exposition(corral) -> None:
                  model=odd) == 1
     assert value("corral_model_load_seconds", "corral_model_load_seconds_bucket",
                  model="a", le="+Inf") == 1
+    assert value("corral_request_duration_seconds", "corral_request_duration_seconds_count",
+                 model=odd, status="2xx") == 1
+    assert value("corral_request_first_byte_seconds",
+                 "corral_request_first_byte_seconds_bucket", model="a", status="2xx",
+                 le="+Inf") == 1
     _, openmetrics, headers = request(c.port, "GET", "/metrics",
                                       headers={"Accept": "application/openmetrics-text"})
     assert headers["content-type"].startswith("application/openmetrics-text")
