@@ -26,7 +26,7 @@ from typing import Any
 from .config import HttpConfig
 from .connection import Connection
 from .edge import Answer, Routes
-from .records import RequestTimes
+from .metrics import RequestTimes
 from .shares import Shares
 from .upstream import Pool, Pools
 

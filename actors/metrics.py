@@ -10,6 +10,7 @@ format 0.0.4, or OpenMetrics).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -22,6 +23,25 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from .messages import BUCKETS_S, DevicesSnapshot, HistogramView, ModelsSnapshot
+from .records import Histogram
+
+
+@dataclass
+class RequestTimes:
+    """The front's clock on the requests it proxied, per (model, status class like
+    "2xx"): time to the answer's head, and to its end."""
+
+    first_byte: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+    duration: dict[tuple[str, str], Histogram] = field(default_factory=dict)
+
+    def observe(self, model: str, status: int, first_byte_s: float, duration_s: float) -> None:
+        key = (model, f"{status // 100}xx")
+        for table, value in ((self.first_byte, first_byte_s), (self.duration, duration_s)):
+            hist = table.get(key)
+            if hist is None:
+                hist = table[key] = Histogram()
+            hist.observe(value)
+
 
 STATES = ("unloaded", "loading", "loaded", "sleeping", "stopping")
 

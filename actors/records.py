@@ -138,7 +138,6 @@ class ModelRecord:
     mem_effective: Breakdown | None = None
     """What the running child really uses, from the first device report after ready."""
     mem_error: str | None = None
-    measure_attempts: int = 0
     measure_front: bool = False
     """A front-of-queue measure was asked for since the last result."""
     awaiting_usage: bool = False
@@ -172,23 +171,6 @@ class Histogram:
 
     def view(self) -> HistogramView:
         return HistogramView(list(self.counts), self.total)
-
-
-@dataclass
-class RequestTimes:
-    """The front's clock on the requests it proxied, per (model, status class like
-    "2xx"): time to the answer's head, and to its end."""
-
-    first_byte: dict[tuple[str, str], Histogram] = field(default_factory=dict)
-    duration: dict[tuple[str, str], Histogram] = field(default_factory=dict)
-
-    def observe(self, model: str, status: int, first_byte_s: float, duration_s: float) -> None:
-        key = (model, f"{status // 100}xx")
-        for table, value in ((self.first_byte, first_byte_s), (self.duration, duration_s)):
-            hist = table.get(key)
-            if hist is None:
-                hist = table[key] = Histogram()
-            hist.observe(value)
 
 
 @dataclass

@@ -26,6 +26,18 @@ def fake_cmd(*knobs: str) -> list[str]:
             "--model", "{model}", *knobs]
 
 
+def fails_first(starts: int, counter: Path) -> list[str]:
+    """argv of a child whose first `starts` starts exit with status 7 (no shell: python
+    counts them in `counter`); after that it is the fake model server."""
+    return ["python3", "-c",
+            "import os, sys; p = sys.argv[1]\n"
+            "n = int(open(p).read()) if os.path.exists(p) else 0\n"
+            "open(p, 'w').write(str(n + 1))\n"
+            f"if n < {starts}: sys.exit(7)\n"
+            "os.execvp(sys.executable, [sys.executable, *sys.argv[2:]])",
+            str(counter), *fake_cmd()[1:]]
+
+
 def toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}"

@@ -7,7 +7,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import SSE, chat, fake_cmd, pid_alive, request, toml_config, wait_until
+from tests.helpers import (
+    SSE,
+    chat,
+    fails_first,
+    fake_cmd,
+    pid_alive,
+    request,
+    toml_config,
+    wait_until,
+)
 
 
 def post(port: int, model: str, max_tokens: int = 4) -> tuple[int, Any, dict[str, str]]:
@@ -24,16 +33,9 @@ def in_background(fn: Any, *args: Any) -> tuple[threading.Thread, list[Any]]:
 
 def test_a_crash_loop_backs_off_then_heals_without_anyone_loading_it(
         corral, tmp_path: Path) -> None:
-    counter = tmp_path / "starts"
     # The first 3 starts fail; then it is a working fake model.
-    flaky = ["python3", "-c",
-             "import os, sys; p = sys.argv[1]\n"
-             "n = int(open(p).read()) if os.path.exists(p) else 0\n"
-             "open(p, 'w').write(str(n + 1))\n"
-             "if n < 3: sys.exit(7)\n"
-             "os.execvp(sys.executable, [sys.executable, *sys.argv[2:]])",
-             str(counter), *fake_cmd()[1:]]
-    c = corral(toml_config({"a": {"cmd": flaky}}, restart_intensity=1))
+    c = corral(toml_config({"a": {"cmd": fails_first(3, tmp_path / "starts")}},
+                           restart_intensity=1))
     sse = SSE(c.port)
     for attempt in (1, 2):  # each failed load answers its waiter once
         status, body, headers = post(c.port, "a")

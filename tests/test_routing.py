@@ -12,7 +12,16 @@ from pathlib import Path
 
 import psutil
 
-from tests.helpers import SSE, chat, fake_cmd, pid_alive, request, toml_config, wait_until
+from tests.helpers import (
+    SSE,
+    chat,
+    fails_first,
+    fake_cmd,
+    pid_alive,
+    request,
+    toml_config,
+    wait_until,
+)
 
 
 def three_models(models_max: int = 2, **knobs: list[str]) -> str:
@@ -194,14 +203,7 @@ def test_sigkill_of_corral_leaves_no_child_alive(corral) -> None:
 
 def test_a_load_that_fails_answers_its_waiter_and_the_next_request_retries(
         corral, tmp_path: Path) -> None:
-    marker = tmp_path / "failed-once"
-    # fails the first time (no shell: python decides), then becomes a fake model
-    flaky = ["python3", "-c",
-             "import os, sys; m = sys.argv[1]\n"
-             "if not os.path.exists(m): open(m, 'w').close(); sys.exit(7)\n"
-             "os.execvp(sys.executable, [sys.executable, *sys.argv[2:]])",
-             str(marker), *fake_cmd()[1:]]
-    c = corral(toml_config({"a": {"cmd": flaky}}))
+    c = corral(toml_config({"a": {"cmd": fails_first(1, tmp_path / "starts")}}))
     sse = SSE(c.port)
     status, body, headers = request(c.port, "POST", "/v1/chat/completions",
                                     {"model": "a", "messages": []})

@@ -181,7 +181,6 @@ class Children(Rules):
         rec = self.models.get(model)
         if rec is not None:
             rec.memory = "measuring"
-            rec.measure_attempts += 1
         return []
 
     def measured(self, model: str, ok: bool, min_: Breakdown | None,

@@ -37,6 +37,7 @@ from ..records import (
     Later,
 )
 from .children import Children
+from .queue import Waiter
 
 log = logging.getLogger("corral.scheduler")
 
@@ -117,16 +118,22 @@ class Policy(Children):
 
     def cancel(self, ticket: Hashable, now: float) -> list[Effect]:
         """The client of `ticket` left; a cancel that crossed its grant is a release (R-4.7)."""
+        if self._leave_queue(ticket) is None:
+            return self.release(ticket, now) if ticket in self.leases else []
+        self._pump(now)
+        return self._flush()
+
+    def _leave_queue(self, ticket: Hashable) -> Waiter | None:
+        """Take a waiter out of the queue; None if it was not queued."""
         removed = self.queue.remove(ticket)
         if removed is None:
-            return self.release(ticket, now) if ticket in self.leases else []
+            return None
         waiter, gone = removed
         if gone:
             # Its claim (if any) goes with it: the load goes on, and the model then
             # sits idle, evictable; nothing is evicted on its behalf any more.
             self._idle(self.models[waiter.model])
-        self._pump(now)
-        return self._flush()
+        return waiter
 
     def wait_due(self, ticket: Hashable, now: float) -> list[Effect]:
         """A queued request's queue_timeout_s ran out: 503, and it leaves like a cancel."""
@@ -136,8 +143,8 @@ class Policy(Children):
         rec = self.models[waiter.model]
         why = (f"; {self._backoff_message(rec, now)}" if rec.breaker.is_open(now) else
                f" (state {self._state_word(rec)})")
-        left = self.cancel(ticket, now)  # (not `_out.extend(self.cancel())`: that extends
-        self._out.extend(left)           # the list the cancel's flush hands over)
+        self._leave_queue(ticket)
+        self._pump(now)
         self._refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "
                      f"'{waiter.model}' (queue_timeout_s){why}", retry_after_s=1.0,
                      model=waiter.model, reason="queue_timeout")
