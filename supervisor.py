@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ CLIENT_COMMANDS = {
     "devices": ("device memory: total, outside use, held per model", "corral devices"),
     "load": ("load a model now (POST /models/load)", "corral load llama-8b"),
     "unload": ("stop a model's child now (POST /models/unload)", "corral unload llama-8b"),
+    "logs": ("a model's recent output; with -f, follow it live", "corral logs llama-8b -f"),
 }
 
 
@@ -69,8 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--url", default="http://127.0.0.1:8080",
                          help="the corral to ask (default: %(default)s)")
         cmd.add_argument("--api-key", default=None, help="its api_key, if it has one")
-        if name in ("load", "unload"):
+        if name in ("load", "unload", "logs"):
             cmd.add_argument("name")
+        if name == "logs":
+            cmd.add_argument("-f", "--follow", action="store_true",
+                             help="keep printing new lines (across restarts of the model)")
     return p
 
 
@@ -216,6 +221,11 @@ def client(args: argparse.Namespace) -> int:
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
+    if args.command == "logs":
+        query = urllib.parse.urlencode({"model": args.name, "follow": int(args.follow)})
+        req = urllib.request.Request(f"{base}/models/logs?{query}", headers=headers)
+        return ask(base, req, print_event_lines if args.follow else print_text,
+                   None if args.follow else 10.0)
     if args.command in ("load", "unload"):
         req = urllib.request.Request(f"{base}/models/{args.command}", method="POST",
                                      data=json.dumps({"model": args.name}).encode(),
@@ -223,15 +233,25 @@ def client(args: argparse.Namespace) -> int:
     else:
         path = "/devices" if args.command == "devices" else "/models"
         req = urllib.request.Request(base + path, headers=headers)
+    return ask(base, req, lambda resp: show(args, base, headers, json.load(resp)))
+
+
+def ask(base: str, req: urllib.request.Request, read: Callable[[Any], int],
+        timeout_s: float | None = 10.0) -> int:
+    """Send `req` and hand the answer to `read`; an error answer or an unreachable corral
+    is one line on stderr and status 1."""
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            data = json.load(resp)
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return read(resp)
     except urllib.error.HTTPError as e:
         print(f"corral: {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
         return 1
     except urllib.error.URLError as e:
         print(f"corral: cannot reach {base}: {e.reason}", file=sys.stderr)
         return 1
+
+
+def show(args: argparse.Namespace, base: str, headers: dict[str, str], data: Any) -> int:
     if args.command in ("load", "unload"):
         print(f"{args.command}: {args.name}: ok")
         return 0
@@ -245,6 +265,34 @@ def client(args: argparse.Namespace) -> int:
         extra = f"  ({status.get('exit')})" if status.get("failed") else ""
         print(f"{model['id']:<24} {status['value']:<9} in_flight={model['in_flight']} "
               f"waiting={model['waiting']} memory={model['memory']['status']}{extra}")
+    return 0
+
+
+def print_text(resp: Any) -> int:
+    sys.stdout.write(resp.read().decode(errors="replace"))
+    return 0
+
+
+def print_event_lines(resp: Any) -> int:
+    """`corral logs -f`: each `data: {"line": ...}` event as a line, until the stream ends
+    (corral stopped: 0) or drops this reader (it fell behind: 1)."""
+    event = "message"
+    try:
+        for raw in resp:
+            line = raw.decode(errors="replace").rstrip("\n")
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if event == "dropped":
+                    print(f"corral: dropped: {data['reason']} ({data['lost']} lines lost)",
+                          file=sys.stderr)
+                    return 1
+                print(data["line"], flush=True)
+            elif not line:
+                event = "message"
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import os
 import shutil
 import signal
@@ -47,16 +48,50 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
 
 
 class LogRing:
-    """The last `capacity` lines a child printed; appended by its reader thread."""
+    """The last `capacity` lines a child printed; appended by its reader thread.
+
+    Lines are numbered from 0 as they come, so a follower keeps only a number (the lines
+    it has seen) and reads on from there (`since`): the ring is every follower's buffer,
+    and one that falls more than `capacity` lines behind learns how many it lost. The
+    reader thread never waits for a follower: it only wakes those that asked (`wake`).
+    """
 
     def __init__(self, capacity: int = 1000) -> None:
+        self.capacity = capacity
         self._lines: collections.deque[str] = collections.deque(maxlen=capacity)
+        self._count = 0
+        self._lock = threading.Lock()
+        self._wakers: list[Callable[[], None]] = []
 
     def append(self, line: str) -> None:
-        self._lines.append(line)  # deque.append is atomic; readers take a copy
+        with self._lock:
+            self._lines.append(line)
+            self._count += 1
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
 
     def lines(self) -> list[str]:
-        return list(self._lines)
+        with self._lock:
+            return list(self._lines)
+
+    def since(self, seen: int) -> tuple[list[str], int, int]:
+        """(the lines after the first `seen`, the count now, how many of them have
+        already left the ring)."""
+        with self._lock:
+            first = self._count - len(self._lines)
+            lost = max(0, first - seen)
+            lines = list(itertools.islice(self._lines, max(0, seen - first), None))
+            return lines, self._count, lost
+
+    def wake(self, seen: int, waker: Callable[[], None]) -> bool:
+        """Call `waker` once (on the appending thread) when a line after the first
+        `seen` arrives; False, and no call, if one already has."""
+        with self._lock:
+            if self._count > seen:
+                return False
+            self._wakers.append(waker)
+            return True
 
 
 def pick_port(host: str = CHILD_HOST) -> int:

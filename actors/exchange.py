@@ -69,6 +69,10 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 
 
+API = "corral's API"
+"""What an exchange forwards to until it is given to a model."""
+
+
 class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
@@ -85,7 +89,7 @@ class Exchange:
         self.chunked = False
         """The answer is re-framed as chunks for the client (the child gave no length)."""
         self.sse = False
-        self.what = "corral's API"
+        self.what = API
         self.upstream: Upstream | None = None
         """The leased connection, while the answer is being read from it."""
         self.out: list[bytes] = []
@@ -100,6 +104,10 @@ class Exchange:
         self.broke: str | None = None
         """Why the child went away before answering, when a retry may follow."""
         self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def is_event_stream(self) -> bool:
+        """An event stream of corral's own API (/models/sse, followed logs): endless."""
+        return self.sse and self.what == API
 
     def _to(self, phase: Phase) -> None:
         assert phase in TRANSITIONS[self.phase], f"exchange: {self.phase} -> {phase}"

@@ -336,12 +336,21 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"fake_model {args.model}: ready", flush=True)
         if args.llama_protocol:
             llama_state("ready", {"model": args.model, "n_ctx": 4096, "fake": True})
+        chatter(args.log_lines, args.log_line_bytes)
         if args.sleep_idle_s is not None:
             fake.sleeper = asyncio.create_task(fake.sleep_when_idle(args.sleep_idle_s))
     await stop.wait()
     print(f"fake_model {args.model}: shutting down", flush=True)
     await runner.cleanup()
     return 0
+
+
+def chatter(n_lines: int, line_bytes: int) -> None:
+    """--log-lines: print numbered lines at once (a verbose server, for log followers)."""
+    for i in range(n_lines):
+        head = f"fake_model: line {i} "
+        sys.stdout.write(head + "x" * max(0, line_bytes - len(head)) + "\n")
+    sys.stdout.flush()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -372,6 +381,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --llama-protocol: do not leave on the exit command")
     p.add_argument("--sleep-idle-s", type=float, default=None, metavar="S",
                    help="with --llama-protocol: report sleeping after S idle seconds")
+    p.add_argument("--log-lines", type=int, default=0, metavar="N",
+                   help="once ready, print N numbered lines at once (a chatty server)")
+    p.add_argument("--log-line-bytes", type=int, default=40, metavar="B",
+                   help="... each B bytes long")
     p.add_argument("--device-mib", type=float, default=0.0, metavar="N",
                    help="MiB this model uses on every simulated device (CORRAL_DEVICES)")
     p.add_argument("--grow-to-mib", type=float, default=None, metavar="N",

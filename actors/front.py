@@ -40,6 +40,10 @@ POOL_IDLE_S = 4.0
 (cpp-httplib) and uvicorn (vLLM), so corral never sends into a connection being closed."""
 FD_LOW = 8
 """Within this many of the open-file limit, corral says it has run out."""
+EVENT_STREAM_END_S = 1.0
+"""At shutdown, an event stream of corral's own API whose reader has not taken its end
+within this is cut: it has no answer to finish, and a stalled reader must not hold the
+drain."""
 FD_RESERVE = 64
 """File descriptors kept back from clients for children's pipes, logs and the API."""
 
@@ -159,8 +163,17 @@ class Front:
         for conn in list(self.connections):
             conn.drain()
         self.exchange_finished()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
-            await asyncio.wait_for(self.drained.wait(), timeout_s)
+            await asyncio.wait_for(self.drained.wait(), min(timeout_s, EVENT_STREAM_END_S))
+        except TimeoutError:
+            for conn in list(self.connections):
+                if (conn.exchange is not None and conn.exchange.is_event_stream()
+                        and conn.transport is not None):
+                    conn.transport.abort()
+        try:
+            await asyncio.wait_for(self.drained.wait(), max(0.0, deadline - loop.time()))
         except TimeoutError:
             busy = sum(c.exchange is not None for c in self.connections)
             log.warning("drain: %d answers still running after %g s (http.drain_timeout_s); "

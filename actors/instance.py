@@ -244,6 +244,8 @@ class ModelInstance(BaseActor):
         if self.llama:  # llama-server acts as a router's child when this is set
             env["LLAMA_SERVER_ROUTER_PORT"] = str(self.router_port)
         ref = self.actor_ref
+        self.log_ring.append(f"corral: {self.model}#{self.generation} starting on port "
+                             f"{self.port}")  # marks each generation for log followers
 
         def on_line(line: str) -> None:  # on the output reader thread: filter, pass on
             if line.startswith(LLAMA_STATE):
@@ -399,5 +401,7 @@ class ModelInstance(BaseActor):
             return
         self.log.info("%s#%d pid %d %s", self.model, self.generation, self.child.pid,
                       description)
+        self.log_ring.append(f"corral: {self.model}#{self.generation} pid "
+                             f"{self.child.pid} {description}")
         self.scheduler.tell(InstanceExited(self.model, self.generation, returncode,
                                            description))

@@ -19,6 +19,7 @@ import pykka
 from aiohttp import web
 
 from .bridge import LoopReply
+from .childproc import LogRing
 from .config import Config, ConfigError
 from .edge import (
     JSON_DEPTH_LIMIT,
@@ -51,6 +52,7 @@ from .system import Supervisor
 
 log = logging.getLogger("corral.router")
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_BACKLOG = 10_000
 """Events kept for a slow /models/sse client before new ones are dropped for it."""
 ASK_TIMEOUT_S = 5.0
@@ -85,6 +87,8 @@ class Router:
         self.reloader = reloader
         self.front: Front | None = None
         self.sse_clients: set[asyncio.Queue[bytes | None]] = set()
+        self.log_followers: set[asyncio.Event] = set()
+        self.stopping = False
         self.runner: web.AppRunner | None = None
         self.started = time.time()
 
@@ -125,12 +129,16 @@ class Router:
         return await self.front.listen(host, port)
 
     async def stop(self) -> None:
-        """Drain (R-6.7): stop accepting, end event streams, let running answers finish
-        within http.drain_timeout_s, then close the rest."""
+        """Drain (R-6.7): stop accepting, end event streams (the front cuts those whose
+        reader does not take the end), let running answers finish within
+        http.drain_timeout_s, then close the rest."""
+        self.stopping = True
         for queue in self.sse_clients:
             while queue.full():
                 queue.get_nowait()
             queue.put_nowait(None)
+        for woken in self.log_followers:
+            woken.set()
         if self.front is not None:
             await self.front.drain(self.config.http.drain_timeout_s)
         if self.runner is not None:
@@ -324,24 +332,75 @@ class Router:
         return web.json_response({"success": True})
 
     async def sse(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(SSE_BACKLOG)
         self.sse_clients.add(queue)
         try:
             await resp.write(b": connected\n\n")
-            while (data := await queue.get()) is not None:
+            while not self.stopping and (data := await queue.get()) is not None:
                 await resp.write(data)
         finally:
             self.sse_clients.discard(queue)
         return resp
 
-    async def logs(self, request: web.Request) -> web.Response:
+    async def logs(self, request: web.Request) -> web.StreamResponse:
+        """GET /models/logs?model=NAME: the child's recent output as text; with
+        `&follow=1`, as an event stream: those lines, then each new one as it comes,
+        across restarts of the model (a `corral: NAME#GEN starting` line marks each)."""
         given = request.query.get("model", "")
         if not given:
             return error(400, "name a configured model with ?model=")
         name = self.names.get(given)
         if name is None:
             return error(404, f"model '{given}' not found", "not_found_error")
-        return web.Response(text="\n".join(self.sup.logs[name].lines()) + "\n")
+        ring = self.sup.logs[name]
+        follow = request.query.get("follow", "0")
+        if follow not in ("0", "1", "true", "false"):
+            return error(400, f"follow={follow!r}: say follow=1 or follow=0")
+        if follow in ("0", "false"):
+            return web.Response(text="\n".join(ring.lines()) + "\n")
+        return await self.follow_logs(request, ring)
+
+    async def follow_logs(self, request: web.Request, ring: LogRing) -> web.StreamResponse:
+        """One `data: {"line": ...}` event per line, written in batches. The ring is the
+        follower's buffer: one that falls more than its capacity behind (a slow or stalled
+        reader) gets a last `event: dropped` saying how many lines it lost, and is ended;
+        the child and the other readers never wait for it."""
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+
+        def wake() -> None:  # on the child's reader thread
+            try:
+                loop.call_soon_threadsafe(woken.set)
+            except RuntimeError:
+                pass  # the loop has closed: corral is exiting
+
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        self.log_followers.add(woken)
+        try:
+            lines, seen, _ = ring.since(0)
+            await resp.write(b": following\n\n" + _line_events(lines))
+            while not self.stopping:
+                lines, count, lost = ring.since(seen)
+                if lost:
+                    await resp.write(b"event: dropped\ndata: " + msgspec.json.encode(
+                        {"lost": lost, "reason": f"this reader fell more than {ring.capacity}"
+                                                 " lines behind"}) + b"\n\n")
+                    break
+                seen = count
+                if lines:
+                    await resp.write(_line_events(lines))
+                    continue
+                woken.clear()
+                if ring.wake(seen, wake):
+                    await woken.wait()
+        finally:
+            self.log_followers.discard(woken)
+        return resp
+
+
+def _line_events(lines: list[str]) -> bytes:
+    return b"".join(b"data: " + msgspec.json.encode({"line": line}) + b"\n\n"
+                    for line in lines)

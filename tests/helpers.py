@@ -172,27 +172,41 @@ class Corral:
 
 
 class SSE:
-    """Follows GET /models/sse on a thread; `wait_for` blocks until a matching event."""
+    """Follows an event stream (GET /models/sse unless told) on a thread; `wait_for`
+    blocks until a matching event. A named event's data gets its name as "event"."""
 
-    def __init__(self, port: int, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, port: int, headers: dict[str, str] | None = None,
+                 path: str = "/models/sse", greeting: bytes = b": connected") -> None:
         self.events: list[dict[str, Any]] = []
+        self.ended = threading.Event()
+        """Set when the server ended the stream (or it was closed)."""
         self._cv = threading.Condition()
         self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        self._conn.request("GET", "/models/sse", headers=headers or {})
+        self._conn.request("GET", path, headers=headers or {})
         self._resp = self._conn.getresponse()
         assert self._resp.status == 200
-        assert self._resp.readline().startswith(b": connected")
+        assert self._resp.readline().startswith(greeting)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        name = None
         try:
             while line := self._resp.readline():
-                if line.startswith(b"data: "):
+                if line.startswith(b"event: "):
+                    name = line[7:].strip().decode()
+                elif line.startswith(b"data: "):
+                    event = json.loads(line[6:])
+                    if name is not None:
+                        event["event"], name = name, None
                     with self._cv:
-                        self.events.append(json.loads(line[6:]))
+                        self.events.append(event)
                         self._cv.notify_all()
         except (OSError, ValueError, AttributeError):
             pass  # closed under the reader (http.client drops its file: AttributeError)
+        finally:
+            self.ended.set()
+            with self._cv:
+                self._cv.notify_all()
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
                  timeout_s: float = 15.0) -> dict[str, Any]:
