@@ -41,11 +41,12 @@ PROXIED_POST = frozenset({
 })
 """POST paths whose body names the model (R-6.1)."""
 OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/sse",
-                     "/models/logs", "/devices"})
+                     "/models/logs", "/devices", "/", "/ui"})
 """corral's own GET paths: served by the management API even with ?model= (all other
 GETs that name a model, /props and /metrics included, go to the model, as in llama.cpp)."""
-OPEN_PATHS = frozenset({"/health", "/v1/health"})
-"""The only paths served without the key (R-6.6)."""
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/ui"})
+"""The only paths served without the key (R-6.6): health, and the dashboard page, which
+holds no data (it fetches everything with the key)."""
 
 JSON_DEPTH_LIMIT = 997
 """msgspec's nesting limit; deeper bodies are a 400 naming it, not a RecursionError."""

@@ -18,6 +18,7 @@ import msgspec
 import pykka
 from aiohttp import web
 
+from . import dashboard
 from .bridge import LoopReply
 from .childproc import LogRing
 from .config import Config, ConfigError
@@ -98,6 +99,8 @@ class Router:
         app = web.Application(client_max_size=int(self.config.max_body_mib * 1024 * 1024),
                               middlewares=[self._errors, self._auth])
         r = app.router
+        r.add_get("/", self.root)
+        r.add_get("/ui", self.ui)
         r.add_get("/health", self.health)
         r.add_get("/v1/health", self.health)
         r.add_get("/models", self.list_models)
@@ -194,6 +197,16 @@ class Router:
                 log.warning("an SSE client is %d events behind; dropping one", SSE_BACKLOG)
 
     # ------------------------------------------------------------ router endpoints
+
+    async def root(self, request: web.Request) -> web.Response:
+        """A browser asking for / is sent to the dashboard."""
+        if "text/html" in request.headers.get("Accept", ""):
+            raise web.HTTPFound("/ui")
+        return error(404, "corral: the dashboard is at /ui; the API is /v1/*, /models, "
+                     "/devices, /metrics", "not_found_error")
+
+    async def ui(self, request: web.Request) -> web.Response:
+        return web.Response(body=dashboard.PAGE, headers=dashboard.HEADERS)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.sup.crashed.is_set():

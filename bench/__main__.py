@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from bench import chaos, load, overhead, scheduler, swap, tokenize_rate
+from bench import chaos, dashboard, load, overhead, scheduler, swap, tokenize_rate
 
 COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
-            "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main}
+            "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main,
+            "dashboard": dashboard.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -15,6 +16,7 @@ SUMMARY = {
     "scheduler": "pure scheduler decisions per second by size, and actor round trips",
     "tokenize": "the proxy's ceiling on a real llama-server child, against its own router",
     "chaos": "children SIGKILLed under load: corral and llama-server's router in turn",
+    "dashboard": "corral's CPU per event and while idle with /ui pages open in Chromium",
 }
 
 

@@ -96,10 +96,12 @@ def request(port: int, method: str, path: str, body: Any = None,
         conn.close()
 
 
-def chat(port: int, model: str, max_tokens: int = 4, **extra: Any) -> tuple[int, Any]:
+def chat(port: int, model: str, max_tokens: int = 4, headers: dict[str, str] | None = None,
+         **extra: Any) -> tuple[int, Any]:
     status, body, _ = request(port, "POST", "/v1/chat/completions",
                               {"model": model, "max_tokens": max_tokens,
-                               "messages": [{"role": "user", "content": "hi"}], **extra})
+                               "messages": [{"role": "user", "content": "hi"}], **extra},
+                              headers=headers)
     return status, body
 
 

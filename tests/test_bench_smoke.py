@@ -83,7 +83,7 @@ def test_bench_help_lists_every_bench() -> None:
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos"):
+    for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard"):
         assert f"\n  {name} " in out.stdout
     bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)

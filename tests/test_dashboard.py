@@ -1,0 +1,190 @@
+"""The dashboard (GET /ui) in a real headless Chromium, driven by Playwright.
+
+Skipped, saying why, where Chromium or Playwright is missing (`.ci/run` installs both
+where it can: scripts/chromium.sh).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:
+    sync_playwright = None
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (Debian: apt-get install "
+                       "chromium, or bash scripts/chromium.sh)"),
+    pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed "
+                       "(pip install -e '.[test]')"),
+]
+# As the machine's notes say: without the background-networking flags Chromium keeps
+# trying to reach Google's hosts from a machine that has no way out.
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+KEY = "s3cret-key"
+TIMEOUT_MS = 15_000
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    assert sync_playwright is not None
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    context.set_default_timeout(TIMEOUT_MS)
+    pg = context.new_page()
+    pg.problems = []  # what the page's console said went wrong, CSP refusals included
+
+    def console(message: Any) -> None:  # the 401s that make the page ask for the key are
+        if message.type == "error" and "status of 401" not in message.text:  # expected
+            pg.problems.append(message.text)
+
+    pg.on("pageerror", lambda e: pg.problems.append(f"page error: {e}"))
+    pg.on("console", console)
+    yield pg
+    context.close()
+
+
+def card(pg: Any, model: str) -> Any:
+    return pg.locator(f'.model[data-model="{model}"]')
+
+
+def wait_text(locator: Any, text: str) -> None:
+    locator.filter(has_text=text).first.wait_for()
+
+
+def no_sideways_scroll(pg: Any, width: int) -> None:
+    pg.set_viewport_size({"width": width, "height": 800})
+    scroll = pg.evaluate("document.documentElement.scrollWidth")
+    assert scroll <= width, f"at {width} px wide the page is {scroll} px: it scrolls sideways"
+
+
+def test_the_demo_live_with_a_key(corral, page, tmp_path: Path) -> None:
+    """The README's demo behind an api_key: the page asks for the key once, then shows a
+    request loading a model, the device bar changing, a memory eviction arriving in the
+    feed without a reload, the chosen model's log, and its unload button working."""
+    c = corral(None, "--api-key", KEY)
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    page.goto(f"http://127.0.0.1:{c.port}/")
+    assert page.url.endswith("/ui")  # a browser asking for / is sent there
+    page.locator("#key").fill(KEY)
+    page.locator("#key-form button").click()
+    wait_text(page.locator("#link"), "live")
+    wait_text(card(page, "demo-small").locator('[data-field="state"]'), "unloaded")
+
+    assert chat(c.port, "demo-small", headers=bearer)[0] == 200
+    wait_text(card(page, "demo-small").locator('[data-field="state"]'), "loaded")
+    small_bar = page.locator('.device rect[data-model="demo-small"]')
+    small_bar.wait_for()
+    width = float(small_bar.get_attribute("width"))
+    assert abs(width - 1000 * 1 / 3.5) < 1, width  # 1 GiB of 3.5, to scale
+
+    assert chat(c.port, "demo-medium", headers=bearer)[0] == 200
+    assert chat(c.port, "demo-large", headers=bearer)[0] == 200  # evicts small for memory
+    eviction = page.locator('#feed li[data-type="eviction"]').filter(has_text="demo-small")
+    eviction.wait_for()
+    assert "memory for demo-large" in eviction.inner_text()
+    page.locator('.device rect[data-model="demo-large"]').wait_for()
+    small_bar.wait_for(state="detached")
+    wait_text(card(page, "demo-small").locator('[data-field="last eviction"]'),
+              "memory for demo-large")
+
+    card(page, "demo-medium").locator('[data-action="logs"]').click()
+    wait_text(page.locator("#log"), "fake_model demo-medium: ready")
+
+    card(page, "demo-large").locator('[data-action="unload"]').click()
+    wait_text(card(page, "demo-large").locator('[data-field="state"]'), "unloaded")
+    status, body, _ = request(c.port, "GET", "/models", headers=bearer)
+    assert status == 200
+    assert {m["id"]: m["status"]["value"] for m in body["data"]}["demo-large"] == "unloaded"
+
+    page.screenshot(path=str(tmp_path / "dashboard-1280.png"), full_page=True)
+    no_sideways_scroll(page, 1280)
+    no_sideways_scroll(page, 400)
+    page.screenshot(path=str(tmp_path / "dashboard-400.png"), full_page=True)
+    assert page.problems == []
+    assert KEY not in "".join(page.evaluate("performance.getEntries().map(e => e.name)"))
+
+
+def test_every_string_is_shown_as_text(corral, page) -> None:
+    """Model names, aliases and log lines that look like markup stay text: nothing they
+    say is parsed, and the page's CSP would refuse an injected script anyway."""
+    evil = '<img src=x onerror="window.pwned=1">'
+    c = corral(toml_config({evil: {"cmd": fake_cmd(), "aliases": ["<b>bold</b>"]}}))
+    assert chat(c.port, evil)[0] == 200
+    page.goto(f"http://127.0.0.1:{c.port}/ui")
+    wait_text(page.locator(".model h3"), evil)
+    wait_text(page.locator(".model .aliases"), "<b>bold</b>")
+    page.locator("#log-model").select_option(evil)
+    wait_text(page.locator("#log"), f"fake_model {evil}: ready")
+    assert page.locator("#models img, #models b, #log img").count() == 0
+    assert page.evaluate("window.pwned") is None
+    assert page.problems == []
+
+
+def test_the_page_reconnects_across_a_restart(corral, page, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = toml_config({"a": {"cmd": fake_cmd()}})
+    first = corral(config, "--port", str(port))
+    page.goto(f"http://127.0.0.1:{port}/ui")
+    wait_text(page.locator("#link"), "live")
+    assert first.stop() == 0
+    wait_text(page.locator("#link"), "reconnecting")
+    second = corral(config, "--port", str(port))
+    wait_text(page.locator("#link"), "live")
+    assert chat(second.port, "a")[0] == 200
+    wait_text(card(page, "a").locator('[data-field="state"]'), "loaded")
+    wait_until(lambda: page.locator('#feed li[data-type="status_change"]').count() > 0, 10,
+               "events from the new corral")
+
+
+def test_the_page_needs_no_key_and_the_data_does(corral) -> None:
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}}, api_key=KEY))
+    status, page, headers = request(c.port, "GET", "/ui")
+    assert status == 200 and "<title>corral</title>" in page
+    assert "script-src 'sha256-" in headers["content-security-policy"]
+    for path in ("/models", "/devices", "/models/sse", "/models/logs?model=a&follow=1",
+                 "/ui?model=a", "/?model=a"):
+        status, _, _ = request(c.port, "GET", path, headers={"Accept": "text/html"},
+                               timeout_s=5)
+        # the page and / are open but never a way to a model: ?model= is ignored there
+        assert status in ((200, 302) if path.startswith(("/ui", "/?")) else (401,)), path
+    status, body, _ = request(c.port, "GET", "/", headers={"Accept": "application/json"})
+    assert status == 404 and "/ui" in body["error"]["message"]
+
+
+def test_bench_dashboard_runs(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = tmp_path / "dashboard.json"
+    run = subprocess.run([sys.executable, "-m", "bench", "dashboard", "--pages", "2",
+                          "--swaps", "2", "--idle-s", "0.5", "--rounds", "1", "--json",
+                          str(out)], capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["events_per_swap"] >= 4  # a stop, an eviction, a start, and the queue
+    assert data["cpu_per_event_us"]["2_pages"] > 0
