@@ -288,7 +288,10 @@ def print_event_lines(resp: Any) -> int:
                     print(f"corral: dropped: {data['reason']} ({data['lost']} lines lost)",
                           file=sys.stderr)
                     return 1
-                print(data["line"], flush=True)
+                if "error" in data:  # the stream broke off (corral's own error event)
+                    print(f"corral: {data['error'].get('message')}", file=sys.stderr)
+                    return 1
+                print(data.get("line", ""), flush=True)
             elif not line:
                 event = "message"
     except KeyboardInterrupt:

@@ -47,18 +47,28 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return setup
 
 
+LINE_COST = 64
+"""Bytes a kept line costs beyond its text (the str and its deque slot), for the budget."""
+
+
 class LogRing:
-    """The last `capacity` lines a child printed; appended by its reader thread.
+    """What a child printed, appended line by line by its reader thread: the last
+    `capacity` lines for GET /models/logs, and up to `backlog_bytes` of lines (never fewer
+    than `capacity`) for the readers that follow it.
 
     Lines are numbered from 0 as they come, so a follower keeps only a number (the lines
     it has seen) and reads on from there (`since`): the ring is every follower's buffer,
-    and one that falls more than `capacity` lines behind learns how many it lost. The
-    reader thread never waits for a follower: it only wakes those that asked (`wake`).
+    and one that falls behind everything kept learns how many lines it lost. A burst of
+    short lines fits in the byte budget, so a reader that keeps up on the whole is not
+    dropped by one. The reader thread never waits for a follower: it only wakes those
+    that asked (`wake`).
     """
 
-    def __init__(self, capacity: int = 1000) -> None:
+    def __init__(self, capacity: int = 1000, backlog_bytes: int = 4 << 20) -> None:
         self.capacity = capacity
-        self._lines: collections.deque[str] = collections.deque(maxlen=capacity)
+        self.backlog_bytes = backlog_bytes
+        self._lines: collections.deque[str] = collections.deque()
+        self._bytes = 0
         self._count = 0
         self._lock = threading.Lock()
         self._wakers: list[Callable[[], None]] = []
@@ -66,18 +76,26 @@ class LogRing:
     def append(self, line: str) -> None:
         with self._lock:
             self._lines.append(line)
+            self._bytes += len(line) + LINE_COST
             self._count += 1
+            while len(self._lines) > self.capacity and self._bytes > self.backlog_bytes:
+                self._bytes -= len(self._lines.popleft()) + LINE_COST
             wakers, self._wakers = self._wakers, []
         for wake in wakers:
             wake()
 
     def lines(self) -> list[str]:
+        """The last `capacity` lines."""
+        return self.since(self.recent())[0]
+
+    def recent(self) -> int:
+        """The number of lines before the last `capacity`: where a new follower starts."""
         with self._lock:
-            return list(self._lines)
+            return self._count - min(len(self._lines), self.capacity)
 
     def since(self, seen: int) -> tuple[list[str], int, int]:
-        """(the lines after the first `seen`, the count now, how many of them have
-        already left the ring)."""
+        """(the lines after the first `seen`, the count now, how many of those lines are
+        no longer kept)."""
         with self._lock:
             first = self._count - len(self._lines)
             lost = max(0, first - seen)

@@ -149,6 +149,8 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     half of what the open-file limit leaves (each client may hold a child connection)."""
     drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
     """On SIGTERM, how long running answers may take to finish before they are cut."""
+    event_ping_s: PositiveSeconds = 15.0
+    """An event stream of corral's API silent this long writes a `: ping` comment."""
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -124,6 +124,8 @@ class Connection(asyncio.Protocol):
         self.eof = True
         if not self.busy:
             return False  # nothing to answer (a half-sent request can never complete)
+        if self.exchange is not None and self.exchange.is_event_stream():
+            return False  # an endless stream for a client that is done: it has left
         self._probe(PROBE_FIRST_S)
         return True
 

@@ -61,9 +61,9 @@ Times = dict[str, dict[tuple[str, str], HistogramView]]
 
 class Snapshot(Collector):
     def __init__(self, models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
-                 extra: dict[str, int], times: Times) -> None:
+                 extra: dict[str, int], times: Times, streams: dict[str, int]) -> None:
         self.models, self.devices, self.joined, self.extra = models, devices, joined, extra
-        self.times = times
+        self.times, self.streams = times, streams
 
     def collect(self) -> Iterator[Metric]:
         snap = self.models
@@ -77,6 +77,12 @@ class Snapshot(Collector):
                                   value=snap.granted + self.joined)
         yield CounterMetricFamily("corral_requests_joined", "Requests that joined a running "
                                   "grant without a Scheduler round trip.", value=self.joined)
+        streams = GaugeMetricFamily("corral_event_streams", "Open event streams of corral's "
+                                    "API: events (/models/sse, a dashboard each) and logs "
+                                    "(followed child output).", labels=["kind"])
+        for kind, n in sorted(self.streams.items()):
+            streams.add_metric([kind], n)
+        yield streams
         state = GaugeMetricFamily("corral_model_state", "1 for the state a model is in.",
                                   labels=["model", "state"])
         failed = GaugeMetricFamily("corral_model_failed", "1 when a model's last child "
@@ -143,9 +149,10 @@ class Snapshot(Collector):
 
 def render(models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
            extra: dict[str, int], accept: str | None,
-           times: Times | None = None) -> tuple[bytes, str]:
+           times: Times | None = None, streams: dict[str, int] | None = None,
+           ) -> tuple[bytes, str]:
     """The exposition and its content type, in the format `accept` asks for."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Snapshot(models, devices, joined, extra, times or {}))
+    registry.register(Snapshot(models, devices, joined, extra, times or {}, streams or {}))
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type

@@ -53,6 +53,9 @@ from .system import Supervisor
 
 log = logging.getLogger("corral.router")
 
+PING = b": ping\n\n"
+"""What an event stream with nothing to say for http.event_ping_s writes: proxies keep
+it open, and a reader that vanished without a word is found by the write."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_BACKLOG = 10_000
 """Events kept for a slow /models/sse client before new ones are dropped for it."""
@@ -247,7 +250,8 @@ class Router:
         # ~0.3 s of CPU at 1,000 models (bench scheduler): off the event loop's thread
         body, content_type = await asyncio.to_thread(
             render, snap, devices, shares.joined_total, dict(shares.extra),
-            request.headers.get("Accept"), views)
+            request.headers.get("Accept"), views,
+            {"events": len(self.sse_clients), "logs": len(self.log_followers)})
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def reload(self) -> ReloadSummary:
@@ -351,7 +355,13 @@ class Router:
         self.sse_clients.add(queue)
         try:
             await resp.write(b": connected\n\n")
-            while not self.stopping and (data := await queue.get()) is not None:
+            while not self.stopping:
+                try:
+                    data = await asyncio.wait_for(queue.get(), self.config.http.event_ping_s)
+                except TimeoutError:
+                    data = PING
+                if data is None:
+                    break
                 await resp.write(data)
         finally:
             self.sse_clients.discard(queue)
@@ -377,9 +387,9 @@ class Router:
 
     async def follow_logs(self, request: web.Request, ring: LogRing) -> web.StreamResponse:
         """One `data: {"line": ...}` event per line, written in batches. The ring is the
-        follower's buffer: one that falls more than its capacity behind (a slow or stalled
-        reader) gets a last `event: dropped` saying how many lines it lost, and is ended;
-        the child and the other readers never wait for it."""
+        follower's buffer: one that falls behind all it keeps (a slow or stalled reader)
+        gets a last `event: dropped` saying how many lines it lost, and is ended; the
+        child and the other readers never wait for it."""
         loop = asyncio.get_running_loop()
         woken = asyncio.Event()
 
@@ -393,14 +403,15 @@ class Router:
         await resp.prepare(request)
         self.log_followers.add(woken)
         try:
-            lines, seen, _ = ring.since(0)
+            lines, seen, _ = ring.since(ring.recent())
             await resp.write(b": following\n\n" + _line_events(lines))
             while not self.stopping:
                 lines, count, lost = ring.since(seen)
                 if lost:
                     await resp.write(b"event: dropped\ndata: " + msgspec.json.encode(
-                        {"lost": lost, "reason": f"this reader fell more than {ring.capacity}"
-                                                 " lines behind"}) + b"\n\n")
+                        {"lost": lost, "reason": "this reader fell behind all the output "
+                         f"corral keeps ({ring.capacity:,} lines, or "
+                         f"{ring.backlog_bytes >> 20} MiB of short ones)"}) + b"\n\n")
                     break
                 seen = count
                 if lines:
@@ -408,7 +419,10 @@ class Router:
                     continue
                 woken.clear()
                 if ring.wake(seen, wake):
-                    await woken.wait()
+                    try:
+                        await asyncio.wait_for(woken.wait(), self.config.http.event_ping_s)
+                    except TimeoutError:
+                        await resp.write(PING)
         finally:
             self.log_followers.discard(woken)
         return resp

@@ -139,6 +139,7 @@ def test_metrics_are_valid_prometheus_exposition(corral) -> None:
     kinds = {name: f.type for name, f in families.items()}
     assert kinds == {
         "corral_models_running": "gauge", "corral_queue_depth": "gauge",
+        "corral_event_streams": "gauge",
         "corral_requests_granted": "counter", "corral_requests_joined": "counter",
         "corral_model_state": "gauge", "corral_model_failed": "gauge",
         "corral_model_in_flight": "gauge", "corral_model_waiting": "gauge",

@@ -50,6 +50,49 @@ def test_a_follower_sees_recent_lines_then_live_ones_across_restarts(corral) -> 
         stream.close()
 
 
+def test_a_burst_of_short_lines_drops_no_reader(corral) -> None:
+    """20,000 lines at once, far more than the 1,000 the snapshot shows: a reader that
+    keeps up on the whole gets them all (they fit in the followers' byte budget)."""
+    n = 20_000
+    c = corral(toml_config({"chatty": {"cmd": fake_cmd("--log-lines", str(n))}}))
+    reader = follow(c.port, "chatty")
+    try:
+        assert chat(c.port, "chatty")[0] == 200
+        wait_until(lambda: f"fake_model: line {n - 1} " in " ".join(lines_of(reader)[-3:]),
+                   30, "the reader to get the last line")
+        assert numbered(lines_of(reader)) == list(range(n))
+        assert not any("event" in e for e in reader.events)
+        _, text, _ = request(c.port, "GET", "/models/logs?model=chatty")
+        assert len(text.splitlines()) == 1000  # the snapshot: the last 1,000 lines
+    finally:
+        reader.close()
+
+
+def test_readers_that_leave_are_let_go(corral) -> None:
+    """Followers of a silent model that close their connection are gone at once (not at
+    the model's next line): the count of open log streams in /metrics goes back to 0."""
+    c = corral(toml_config({"quiet": {"cmd": fake_cmd()}}))
+
+    def streams() -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+        text = request(c.port, "GET", "/metrics")[1]
+        family = next(f for f in text_string_to_metric_families(text)
+                      if f.name == "corral_event_streams")
+        return {s.labels["kind"]: s.value for s in family.samples}
+
+    for _ in range(30):
+        with socket.create_connection(("127.0.0.1", c.port)) as s:
+            s.sendall(f"GET {FOLLOW.format('quiet')} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert b": following" in s.recv(4096)
+    kept = follow(c.port, "quiet")
+    try:
+        wait_until(lambda: streams() == {"events": 0, "logs": 1}, 10,
+                   "the 30 closed followers to be let go")
+    finally:
+        kept.close()
+    wait_until(lambda: streams()["logs"] == 0, 10, "the last one to be let go")
+
+
 def test_a_stalled_follower_is_dropped_and_holds_up_nobody(corral) -> None:
     """One reader stops reading while the child prints far more than the ring and every
     socket buffer on the way hold; another reads on. The child is never held up (all its
@@ -87,7 +130,8 @@ def test_a_stalled_follower_is_dropped_and_holds_up_nobody(corral) -> None:
         seen = [int(i) for i in re.findall(r"fake_model: line (\d+) ", text)]
         assert seen == list(range(len(seen))) and len(seen) < n
         assert re.search(r'event: dropped\ndata: \{"lost":\d+,"reason":"this reader fell '
-                         r'more than 1000 lines behind"\}', text), text[-300:]
+                         r'behind all the output corral keeps \(1,000 lines, or 4 MiB of '
+                         r'short ones\)"\}', text), text[-300:]
     finally:
         stalled.close()
         reader.close()
@@ -147,3 +191,15 @@ def test_corral_logs_prints_and_follows(corral) -> None:
     missing = subprocess.run([*cli[:3], "nope", *cli[4:]], capture_output=True, text=True,
                              timeout=30)
     assert missing.returncode == 1 and "404" in missing.stderr
+
+
+def test_silent_streams_ping(corral) -> None:
+    c = corral(toml_config({"quiet": {"cmd": fake_cmd()}}) + "\n[http]\nevent_ping_s = 0.2\n")
+    for path in (FOLLOW.format("quiet"), "/models/sse"):
+        with socket.create_connection(("127.0.0.1", c.port), timeout=10) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            got = b""
+            while got.count(b": ping\n\n") < 2:
+                chunk = s.recv(4096)
+                assert chunk, got
+                got += chunk
