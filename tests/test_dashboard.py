@@ -78,7 +78,8 @@ def no_sideways_scroll(pg: Any, width: int) -> None:
 def test_the_demo_live_with_a_key(corral, page, tmp_path: Path) -> None:
     """The README's demo behind an api_key: the page asks for the key once, then shows a
     request loading a model, the device bar changing, a memory eviction arriving in the
-    feed without a reload, the chosen model's log, and its unload button working."""
+    feed without a reload, the chosen model's log, and its unload and load buttons
+    working."""
     c = corral(None, "--api-key", KEY)
     bearer = {"Authorization": f"Bearer {KEY}"}
     page.goto(f"http://127.0.0.1:{c.port}/")
@@ -113,6 +114,8 @@ def test_the_demo_live_with_a_key(corral, page, tmp_path: Path) -> None:
     status, body, _ = request(c.port, "GET", "/models", headers=bearer)
     assert status == 200
     assert {m["id"]: m["status"]["value"] for m in body["data"]}["demo-large"] == "unloaded"
+    card(page, "demo-small").locator('[data-action="load"]').click()
+    wait_text(card(page, "demo-small").locator('[data-field="state"]'), "loaded")
 
     page.screenshot(path=str(tmp_path / "dashboard-1280.png"), full_page=True)
     no_sideways_scroll(page, 1280)
