@@ -95,6 +95,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: llama-server on PATH)")
     p.add_argument("--memory-margin-mib", type=float, metavar="MIB",
                    help="keep this much free on every device; 0 turns memory accounting off")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run models on the nodes of this Ray cluster ([cluster] ray_address; "
+                        "needs pip install 'corral[ray]')")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -136,6 +139,8 @@ def effective_config(args: argparse.Namespace) -> Config:
         overrides["api_key"] = args.api_key
     if args.memory_margin_mib is not None:
         overrides["memory_margin_mib"] = args.memory_margin_mib
+    if args.ray is not None:
+        overrides["cluster"] = {**msgspec.to_builtins(config.cluster), "ray_address": args.ray}
     if not overrides:
         return config
     data = msgspec.to_builtins(config)
@@ -165,6 +170,8 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
     except ConfigError as e:
         print(f"corral: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    for sig in (signal.SIGINT, signal.SIGTERM):  # again: joining Ray installs its own
+        loop.add_signal_handler(sig, stop.set)
     router = Router(sup, config, reload)
     async def reload_on_sighup() -> None:
         try:

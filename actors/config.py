@@ -98,6 +98,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """The devices corral may place it on (R-5.9); default: every GPU the monitor sees."""
     devices_per_instance: Annotated[int, Meta(ge=1)] = 1
     """How many of them one child uses at once."""
+    nodes: Annotated[list[str], Meta(min_length=1)] | None = None
+    """With a `[cluster]`: the nodes it may run on, in order of preference (default: the
+    machine corral runs on)."""
 
     @property
     def placed_by_env(self) -> bool:
@@ -153,6 +156,24 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     """An event stream of corral's API silent this long writes a `: ping` comment."""
 
 
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The `[cluster]` table: corral across machines, on a Ray cluster (actors/cluster.py)."""
+
+    ray_address: str | None = None
+    """The Ray cluster to join as a driver (`corral serve --ray ADDRESS`); None: none."""
+    namespace: str = "corral"
+    """The Ray namespace of corral's node agents (one corral per namespace)."""
+    nodes: list[str] = []
+    """Ray nodes to run agents on, each named by a custom resource or a label value it
+    has; that name is the corral node's name."""
+    advertise: dict[str, str] = {}
+    """Per node, the address its children bind and the front dials (default: the Ray
+    node's address)."""
+    agent_retry_s: PositiveSeconds = 5.0
+    """After a node's agent is lost, how long before the head tries to start it again
+    (its models are placed elsewhere meanwhile)."""
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The whole file."""
 
@@ -196,6 +217,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     simulated_ledger_dir: str | None = None
     """Default: STATE_DIR/sim-ledger."""
     http: HttpConfig = HttpConfig()
+    cluster: ClusterConfig = ClusterConfig()
     models: dict[str, ModelConfig] = {}
 
     def rules_of(self, model: ModelConfig) -> ModelRules:
@@ -289,6 +311,10 @@ def _validate(config: Config, source: str) -> Config:
             raise ConfigError(f"{source}: models.{name}.devices_per_instance: "
                               f"{model.devices_per_instance} is more than the "
                               f"{len(model.devices)} device(s) in models.{name}.devices")
+        for node in model.nodes or []:
+            if node not in config.cluster.nodes:
+                raise ConfigError(f"{source}: models.{name}.nodes: {node!r} is not one of "
+                                  f"cluster.nodes {config.cluster.nodes}")
         if not model.health_path.startswith("/"):
             raise ConfigError(f"{source}: models.{name}.health_path: must start with '/', "
                               f"got {model.health_path!r}")

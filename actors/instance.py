@@ -69,7 +69,7 @@ class Phase(enum.Enum):
     STOPPING = "stopping"
 
 
-def wait_ready_http(port: int, path: str, abandon: threading.Event,
+def wait_ready_http(host: str, port: int, path: str, abandon: threading.Event,
                     deliver: Any) -> None:
     """Poll `path` until it answers 200, then call `deliver()` once (R-3.3 `http` mode).
 
@@ -80,7 +80,7 @@ def wait_ready_http(port: int, path: str, abandon: threading.Event,
     delay_s = 0.01
     start = time.monotonic()
     while not abandon.is_set():
-        conn = http.client.HTTPConnection(CHILD_HOST, port, timeout=2.0)
+        conn = http.client.HTTPConnection(host, port, timeout=2.0)
         try:
             conn.request("GET", path)
             if conn.getresponse().status == 200:
@@ -117,9 +117,9 @@ def split_args(argv: list[str], devices: list[str] | None, llama: bool) -> list[
     return ["--tensor-split", ",".join("1" for _ in devices)]
 
 
-def probe_health(port: int, path: str, timeout_s: float, deliver: Any) -> None:
+def probe_health(host: str, port: int, path: str, timeout_s: float, deliver: Any) -> None:
     """One liveness check: GET `path`, then `deliver(ok, detail)` once."""
-    conn = http.client.HTTPConnection(CHILD_HOST, port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -148,7 +148,8 @@ class ModelInstance(BaseActor):
     def __init__(self, model: str, config: ModelConfig, scheduler: Any, timers: Timers,
                  log_ring: LogRing, on_crash: CrashHandler,
                  extra_env: dict[str, str] | None = None, router_port: int = 0,
-                 liveness: Callable[[ModelConfig], Liveness] | None = None) -> None:
+                 liveness: Callable[[ModelConfig], Liveness] | None = None,
+                 host: str = CHILD_HOST) -> None:
         super().__init__(f"instance-{model}", on_crash)
         self.liveness_of = liveness or (lambda _: Liveness())
         """The liveness rule of a config (top-level defaults filled in)."""
@@ -158,6 +159,8 @@ class ModelInstance(BaseActor):
         self.missed = 0
         """Liveness checks failed in a row."""
         self.model = model
+        self.host = host
+        """Where its children listen: loopback, or this node's address on a Ray node."""
         self.config = config
         self.extra_env = extra_env or {}
         """corral's own variables for the child (CORRAL_SIM_LEDGER, CORRAL_DEVICES)."""
@@ -236,9 +239,9 @@ class ModelInstance(BaseActor):
     def spawn_child(self) -> None:
         self.spawn_id += 1
         spawn_id = self.spawn_id
-        self.port = pick_port(CHILD_HOST)
+        self.port = pick_port(self.host)
         self.cause = None
-        argv = self.config.argv(self.model, CHILD_HOST, self.port, devices=self.devices)
+        argv = self.config.argv(self.model, self.host, self.port, devices=self.devices)
         argv += split_args(argv, self.devices, is_llama(self.config.cmd, self.config.health))
         env = {**os.environ, **self.extra_env, **placement_env(self.devices), **self.config.env}
         if self.llama:  # llama-server acts as a router's child when this is set
@@ -269,7 +272,7 @@ class ModelInstance(BaseActor):
         if not self.llama:  # a llama child says `ready` itself (R-3.3)
             threading.Thread(
                 target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
-                args=(self.port, self.config.health_path, self.abandon_probe,
+                args=(self.host, self.port, self.config.health_path, self.abandon_probe,
                       lambda: tell_or_drop(ref, ChildReady(spawn_id)))).start()
         self.timers.after(self.config.load_timeout_s, ref, LoadDeadline(spawn_id))
 
@@ -280,7 +283,7 @@ class ModelInstance(BaseActor):
         self.log.info("%s#%d ready on port %d after %.3f s", self.model, self.generation,
                       self.port, took)
         self.scheduler.tell(InstanceReady(self.model, self.generation, self.child.pid,
-                                          self.port, info))
+                                          self.port, info, self.host))
         self.missed = 0
         if self.liveness.interval_s and not self.llama:
             self.timers.after(self.liveness.interval_s, self.actor_ref,
@@ -340,7 +343,7 @@ class ModelInstance(BaseActor):
         ref, port, path = self.actor_ref, self.port, self.config.health_path
         threading.Thread(
             target=probe_health, daemon=True, name=f"{self.model}-liveness",
-            args=(port, path, min(self.liveness.interval_s, 5.0),
+            args=(self.host, port, path, min(self.liveness.interval_s, 5.0),
                   lambda ok, detail: tell_or_drop(ref, LivenessResult(spawn_id, ok, detail)))
         ).start()
 
@@ -392,7 +395,7 @@ class ModelInstance(BaseActor):
         self.phase = Phase.IDLE
         description = self.cause or describe_exit(returncode)
         if (was is Phase.STARTING and self.cause is None
-                and self.bind_retries < BIND_RETRIES and port_in_use(self.port, CHILD_HOST)):
+                and self.bind_retries < BIND_RETRIES and port_in_use(self.port, self.host)):
             # Someone took the port between pick_port and the child's bind.
             self.bind_retries += 1
             self.log.warning("%s#%d %s while port %d is taken; retrying on a new port",

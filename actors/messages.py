@@ -346,6 +346,8 @@ class InstanceReady(Message, frozen=True):
     port: int
     info: dict[str, Any] | None = None
     """The model info a llama child sent with `ready`."""
+    host: str = "127.0.0.1"
+    """The address the child listens on (another node's, for a child on a Ray node)."""
 
 
 class InstanceReported(Message, frozen=True):

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any, assert_never
 
 from .base import BaseActor, CrashHandler
-from .childproc import CHILD_HOST
 from .config import Config, ModelConfig
 from .ledger import MiB
 from .messages import (
@@ -125,8 +124,9 @@ class Scheduler(BaseActor):
                     self._run(p.load(None, name, now))
             case InstanceStarted(model=model, generation=gen, pid=pid):
                 self._run(p.instance_started(model, gen, pid))
-            case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info):
-                url = f"http://{CHILD_HOST}:{port}"
+            case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
+                               host=host):
+                url = f"http://{host}:{port}"
                 self._run(p.instance_ready(model, gen, pid, url, now, info))
             case InstanceReported(model=model, generation=gen, state=state, payload=payload):
                 self._run(p.instance_reported(model, gen, state, payload, now))

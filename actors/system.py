@@ -13,7 +13,7 @@ import msgspec
 
 from .bridge import Fanout, ThreadReply, acquire
 from .childproc import LogRing
-from .config import Config, ModelConfig
+from .config import Config, ConfigError, ModelConfig
 from .device import DeviceMonitor, discover
 from .instance import Liveness, ModelInstance
 from .measure import MeasureWorker
@@ -82,6 +82,8 @@ class Supervisor:
         self.monitor: Any = None
         self.measurer: Any = None
         self.instances: dict[str, Any] = {}
+        self.cluster: Any = None
+        """With [cluster] ray_address: the links to the Ray nodes (actors/cluster.py)."""
 
     def _crash(self, actor: str, error: BaseException) -> None:
         if self.crashed.is_set():
@@ -99,6 +101,15 @@ class Supervisor:
         ModelInstance per model. Raises ConfigError if a device cannot be used."""
         config = self.config
         backends = discover(config)  # raises ConfigError before anything has started
+        remote = sorted(name for name, m in config.models.items() if m.nodes)
+        if remote and config.cluster.ray_address is None:
+            raise ConfigError(f"models {', '.join(remote)} name nodes; join a Ray cluster "
+                              "with [cluster] ray_address or --ray ADDRESS")
+        if config.cluster.ray_address is not None:
+            from .cluster import Cluster  # Ray only when asked for
+
+            self.cluster = Cluster(config, self.logs)
+            self.cluster.connect()
         self.timers = Timers()
         self.scheduler = Scheduler.start(config, self._crash, self.timers)
         if self._on_event is not None:
@@ -110,6 +121,8 @@ class Supervisor:
                                             self._crash)
         for name, model in config.models.items():
             self.instances[name] = self._start_instance(name, model)
+        if self.cluster is not None:
+            self.cluster.start(self.scheduler)
         self.scheduler.tell(InstancesAttached(self.instances, self.monitor, self.measurer))
         memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
                   f"{', '.join(device_names) or 'no device'}"
@@ -120,6 +133,8 @@ class Supervisor:
     def _start_instance(self, name: str, model: ModelConfig) -> Any:
         self.logs.setdefault(name, LogRing())
         config = self.config
+        if model.nodes and self.cluster is not None:
+            return self.cluster.instance(name, model)
         return ModelInstance.start(
             name, model, self.scheduler, self.timers, self.logs[name], self._crash,
             extra_env=config.child_env(), router_port=config.port,
@@ -177,6 +192,8 @@ class Supervisor:
         for ref in [*self.instances.values(), self.measurer, self.monitor]:
             ref.stop(block=True, timeout=5.0)
         self.scheduler.stop(block=True, timeout=5.0)
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.timers is not None:
             self.timers.stop()
         self.scheduler = None

@@ -13,7 +13,9 @@ import pytest
 from tests.helpers import Corral
 
 MARK = "CORRAL_TEST_RUN"
-os.environ[MARK] = uuid.uuid4().hex  # inherited by every process the tests start
+# Inherited by every process the tests start (and by a pytest run inside a network
+# namespace for the cluster tests, whose processes the outer run then checks too).
+os.environ.setdefault(MARK, uuid.uuid4().hex)
 
 
 def our_processes() -> list[psutil.Process]:

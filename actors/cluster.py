@@ -1,0 +1,392 @@
+"""corral across machines, on a Ray cluster: the head's links and the node agents.
+
+    head: corral serve --ray ADDR                       Ray node B
+      front, API, Scheduler, policy
+      RemoteInstance (one per model) --tell(bytes)-->   NodeAgent (detached actor, pinned)
+      AgentLink (one per node) <--poll(): a Batch--       ModelInstance per model -> child
+      front ---------------- HTTP, as to a local child ---------------> child on B's address
+
+Ray is the control plane only: it carries the same msgspec messages as the local actors
+exchange (encoded as msgpack), and no request or token. A model with `nodes` gets a
+RemoteInstance in place of a ModelInstance; the Scheduler cannot tell them apart. The
+agent runs the unchanged ModelInstance, whose `scheduler` is an Outbox that the head
+drains with a long poll. An agent that dies (or whose node does) is a message too: every
+model that ran there gets `InstanceExited(..., "node lost ...")`, and the node is avoided
+until its agent is back.
+
+Imported only when `[cluster] ray_address` is set: single-machine corral never imports Ray.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any, cast
+
+import msgspec
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .childproc import LogRing
+from .config import Config, ConfigError, ModelConfig
+from .instance import Liveness, ModelInstance
+from .messages import (
+    InstanceExited,
+    InstanceReady,
+    InstanceReported,
+    InstanceStarted,
+    LivenessMiss,
+    StartInstance,
+    StopInstance,
+    Unhealthy,
+)
+
+log = logging.getLogger("corral.cluster")
+
+POLL_S = 2.0
+"""How long an agent holds the head's poll when it has nothing to say."""
+OUTBOX_LINES = 20_000
+"""Child output an agent keeps for the head between two polls; older lines are dropped."""
+AGENT_PREFIX = "corral-agent-"
+
+
+class ToAgent(msgspec.Struct, frozen=True):
+    """Head -> agent: one message for one model's ModelInstance."""
+
+    model: str
+    message: StartInstance | StopInstance | LivenessMiss
+
+
+FromInstance = InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
+
+
+class Batch(msgspec.Struct, frozen=True):
+    """Agent -> head: what happened since the last poll."""
+
+    messages: list[FromInstance] = []
+    lines: list[tuple[str, str]] = []
+    """(model, line) of child output, in order."""
+    dropped_lines: int = 0
+
+
+# ------------------------------------------------------------------ the agent's side
+
+
+class Outbox:
+    """What an agent's ModelInstances say (it is their `scheduler`), kept for the head."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._messages: list[FromInstance] = []
+        self._lines: collections.deque[tuple[str, str]] = collections.deque()
+        self._dropped = 0
+
+    def tell(self, message: FromInstance) -> None:
+        with self._cv:
+            self._messages.append(message)
+            self._cv.notify_all()
+
+    def line(self, model: str, line: str) -> None:
+        with self._cv:
+            if len(self._lines) >= OUTBOX_LINES:
+                self._lines.popleft()
+                self._dropped += 1
+            self._lines.append((model, line))
+            self._cv.notify_all()
+
+    def take(self, timeout_s: float) -> Batch:
+        with self._cv:
+            self._cv.wait_for(lambda: self._messages or self._lines, timeout_s)
+            batch = Batch(self._messages, list(self._lines), self._dropped)
+            self._messages, self._dropped = [], 0
+            self._lines.clear()
+            return batch
+
+
+class ForwardedRing(LogRing):
+    """A child's output on its node: kept a little, and passed on to the head."""
+
+    def __init__(self, model: str, outbox: Outbox) -> None:
+        super().__init__(capacity=200, backlog_bytes=0)
+        self.model = model
+        self.outbox = outbox
+
+    def append(self, line: str) -> None:
+        super().append(line)
+        self.outbox.line(self.model, line)
+
+
+class NodeAgent:
+    """corral's side of one node: a ModelInstance per model placed here, their children,
+    and the Outbox the head polls. Runs as a detached, named Ray actor pinned to its node
+    (threaded, so `poll` can wait while `tell` runs). Children are forked by the
+    ModelInstances' own threads, which live as long as this process: they die with it
+    (PR_SET_PDEATHSIG), as on one machine."""
+
+    def __init__(self, node: str, host: str, config: bytes) -> None:
+        from .timers import Timers  # in the agent's process
+
+        logging.basicConfig(level=logging.INFO,
+                            format=f"%(asctime)s %(levelname)s {node} %(name)s: %(message)s")
+        self.node = node
+        self.host = host
+        self.config = msgspec.msgpack.decode(config, type=Config)
+        self.outbox = Outbox()
+        self.timers = Timers()
+        self.instances: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def _instance(self, model: str, config: ModelConfig) -> Any:
+        with self.lock:
+            ref = self.instances.get(model)
+            if ref is None:
+                top = self.config
+                ref = self.instances[model] = ModelInstance.start(
+                    model, config, self.outbox, self.timers, ForwardedRing(model, self.outbox),
+                    self._crashed, extra_env=top.child_env(),
+                    liveness=lambda m: Liveness(top.liveness_of(m), top.liveness_failures),
+                    host=self.host)
+            return ref
+
+    def _crashed(self, actor: str, error: BaseException) -> None:
+        log.critical("%s: actor %s died (%s)", self.node, actor, error)
+
+    def hello(self) -> dict[str, Any]:
+        return {"node": self.node, "host": self.host, "pid": os.getpid()}
+
+    def reset(self) -> int:
+        """A new head took over: stop every child (adopting them is for later); returns
+        how many were running."""
+        with self.lock:
+            refs, self.instances = list(self.instances.values()), {}
+        running = 0
+        for ref in refs:
+            child = ref.proxy().child.get(timeout=5)
+            running += child is not None and child.returncode is None
+            ref.stop(block=True, timeout=10)  # on_stop kills a child still running
+        return running
+
+    def tell(self, data: bytes) -> None:
+        envelope = msgspec.msgpack.decode(data, type=ToAgent)
+        message = envelope.message
+        if isinstance(message, StartInstance):
+            self._instance(envelope.model, message.config).tell(message)
+        elif (ref := self.instances.get(envelope.model)) is not None:
+            ref.tell(message)
+
+    def poll(self, timeout_s: float) -> bytes:
+        return msgspec.msgpack.encode(self.outbox.take(timeout_s))
+
+    def child_pids(self) -> dict[str, int]:
+        """The running children's pids by model (for tests and GET /nodes)."""
+        pids = {}
+        for model, ref in list(self.instances.items()):
+            child = ref.proxy().child.get(timeout=5)
+            if child is not None and child.returncode is None:
+                pids[model] = child.pid
+        return pids
+
+
+# ------------------------------------------------------------------ the head's side
+
+
+class RemoteInstance:
+    """The head's stand-in for a ModelInstance on another node: the Scheduler tells it
+    what it would tell a local one, and it passes that on to the node the model runs on."""
+
+    def __init__(self, name: str, model: ModelConfig, cluster: Cluster) -> None:
+        self.name = name
+        self.model = model
+        self.cluster = cluster
+        self.generation = 0
+        self.node: str | None = None
+        """Where the current generation runs (None: nowhere)."""
+        self.lock = threading.Lock()
+        """tell() runs on the Scheduler's thread, node_lost() on a link's."""
+
+    def tell(self, message: Any) -> None:
+        with self.lock:
+            self._tell(message)
+
+    def _tell(self, message: Any) -> None:
+        match message:
+            case StartInstance(generation=generation, config=config):
+                self.generation, self.model = generation, config
+                self.node = self.cluster.pick(config.nodes or [])
+                if self.node is None:
+                    self.cluster.scheduler.tell(InstanceExited(
+                        self.name, generation, -1,
+                        f"could not be started: no agent is up on its nodes {config.nodes}"))
+                    return
+                log.info("%s#%d goes to node %s", self.name, generation, self.node)
+                self.cluster.send(self.node, ToAgent(self.name, message))
+            case StopInstance(generation=generation) | LivenessMiss(generation=generation):
+                if generation == self.generation and self.node is not None:
+                    self.cluster.send(self.node, ToAgent(self.name, message))
+
+    def node_lost(self, node: str, why: str) -> None:
+        with self.lock:
+            if self.node != node:
+                return
+            self.node = None
+            self.cluster.scheduler.tell(InstanceExited(self.name, self.generation, -1,
+                                                       f"node lost: {why}"))
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """The Supervisor stops its actors at the end; there is no local one here."""
+
+
+class AgentLink:
+    """The head's link to one node's agent: creates (or finds) it, long-polls it on its own
+    thread, and turns its death into `node_lost` for every model that ran there."""
+
+    def __init__(self, cluster: Cluster, node: str) -> None:
+        self.cluster = cluster
+        self.node = node
+        self.handle: Any = None
+        self.host: str | None = None
+        self.state = "connecting"
+        """connecting, up, or lost (retried every cluster.agent_retry_s)."""
+        self.since = time.time()
+        self.tried = threading.Event()
+        """Set once the first attempt to reach the agent is over, either way."""
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"agent-link-{node}")
+
+    def _connect(self) -> bool:
+        cluster = self.cluster
+        found = cluster.find_node(self.node)
+        if found is None:
+            log.warning("node %s: no live Ray node has a resource or label %r", self.node,
+                        self.node)
+            return False
+        host = cluster.config.cluster.advertise.get(self.node) or found["NodeManagerAddress"]
+        actor = ray.remote(NodeAgent).options(
+            name=AGENT_PREFIX + self.node, namespace=cluster.config.cluster.namespace,
+            lifetime="detached", get_if_exists=True, num_cpus=0, num_gpus=0,
+            max_concurrency=8, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(found["NodeID"], soft=False))
+        self.handle = actor.remote(self.node, host, msgspec.msgpack.encode(cluster.config))
+        hello = ray.get(self.handle.hello.remote(), timeout=60)
+        stopped = ray.get(self.handle.reset.remote(), timeout=60)
+        self.host = hello["host"]
+        log.info("node %s: agent up (pid %d on %s)%s", self.node, hello["pid"], self.host,
+                 f"; it ran {stopped} children of an earlier head, stopped" if stopped else "")
+        return True
+
+    def _run(self) -> None:
+        retry_s = self.cluster.config.cluster.agent_retry_s
+        while not self.stopping.is_set():
+            if self.state != "up":
+                try:
+                    up = self._connect()
+                except (ray.exceptions.RayError, TimeoutError) as e:
+                    log.warning("node %s: cannot start its agent: %s", self.node, e)
+                    up = False
+                self.tried.set()
+                if not up:
+                    self.stopping.wait(retry_s)
+                    continue
+                self.state, self.since = "up", time.time()
+            try:
+                data = ray.get(self.handle.poll.remote(POLL_S))
+            except ray.exceptions.RayError as e:
+                if self.stopping.is_set():
+                    return
+                self._lost(f"the agent on node {self.node} died ({type(e).__name__})")
+                self.stopping.wait(retry_s)
+                continue
+            self.cluster.deliver(msgspec.msgpack.decode(data, type=Batch))
+
+    def _lost(self, why: str) -> None:
+        log.error("node %s lost: %s; its models fail, and it is avoided for %g s",
+                  self.node, why, self.cluster.config.cluster.agent_retry_s)
+        self.state, self.since, self.handle = "lost", time.time(), None
+        self.cluster.node_lost(self.node, why)
+
+
+class Cluster:
+    """The head's view of the Ray cluster: one AgentLink per configured node."""
+
+    def __init__(self, config: Config, logs: dict[str, LogRing]) -> None:
+        self.config = config
+        self.logs = logs
+        self.scheduler: Any = None
+        self.links = {node: AgentLink(self, node) for node in config.cluster.nodes}
+        self.instances: dict[str, RemoteInstance] = {}
+
+    def connect(self) -> None:
+        """Join the Ray cluster as a driver (raises ConfigError if it cannot)."""
+        address = self.config.cluster.ray_address
+        try:
+            ray.init(address=address, namespace=self.config.cluster.namespace,
+                     log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"cluster.ray_address: cannot join the Ray cluster at "
+                              f"{address}: {e}") from None
+        log.info("joined the Ray cluster at %s (namespace %s); nodes %s", address,
+                 self.config.cluster.namespace, ", ".join(self.links))
+
+    def start(self, scheduler: Any, timeout_s: float = 60.0) -> None:
+        """Reach every node's agent (starting those not there); return once each is up or
+        has failed once (then it is retried every agent_retry_s)."""
+        self.scheduler = scheduler
+        for link in self.links.values():
+            link.thread.start()
+        deadline = time.monotonic() + timeout_s
+        for link in self.links.values():
+            link.tried.wait(max(0.0, deadline - time.monotonic()))
+        down = [n for n, link in self.links.items() if link.state != "up"]
+        if down:
+            log.warning("nodes without an agent yet: %s; their models go elsewhere",
+                        ", ".join(down))
+
+    def stop(self) -> None:
+        for link in self.links.values():
+            link.stopping.set()
+        for link in self.links.values():
+            if link.thread.is_alive():
+                link.thread.join(POLL_S + 1.0)
+        ray.shutdown()
+
+    def instance(self, name: str, model: ModelConfig) -> RemoteInstance:
+        remote = self.instances[name] = RemoteInstance(name, model, self)
+        return remote
+
+    def find_node(self, selector: str) -> dict[str, Any] | None:
+        """The live Ray node with a custom resource or a label named `selector`."""
+        nodes: list[dict[str, Any]] = cast(Any, ray).nodes()  # untyped in ray
+        for node in nodes:
+            if node.get("Alive") and (selector in node.get("Resources", {})
+                                      or selector in (node.get("Labels") or {}).values()):
+                return dict(node)
+        return None
+
+    def pick(self, nodes: list[str]) -> str | None:
+        """The first of `nodes` whose agent is up."""
+        return next((n for n in nodes if n in self.links and self.links[n].state == "up"),
+                    None)
+
+    def send(self, node: str, envelope: ToAgent) -> None:
+        handle = self.links[node].handle
+        if handle is not None:  # a lost agent: its models' exits are already reported
+            handle.tell.remote(msgspec.msgpack.encode(envelope))
+
+    def deliver(self, batch: Batch) -> None:
+        for message in batch.messages:
+            self.scheduler.tell(message)
+        for model, line in batch.lines:
+            ring = self.logs.get(model)
+            if ring is not None:
+                ring.append(line)
+        if batch.dropped_lines:
+            log.warning("%d lines of child output were dropped before they reached the head",
+                        batch.dropped_lines)
+
+    def node_lost(self, node: str, why: str) -> None:
+        for remote in self.instances.values():
+            remote.node_lost(node, why)

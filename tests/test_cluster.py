@@ -1,0 +1,138 @@
+"""corral on a Ray cluster of two logical nodes on this machine (actors/cluster.py).
+
+Ray is only ever started inside a private network namespace whose only interface is
+loopback (../shared/reference/ray-on-one-machine.md): outside one, Ray sends traffic off
+the machine. So, run normally, this module has one test that re-runs the module inside
+`unshare --net` and passes if everything there passed; inside, the real tests run on one
+Ray cluster per module.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.helpers import ROOT, chat, fake_cmd, pid_alive, toml_config, wait_until
+
+INSIDE = os.environ.get("CORRAL_NETNS") == "1"
+NETNS_ENV = {
+    "CORRAL_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
+    # a lost node is noticed in ~1.5 s instead of 13-14 s (the reference's figures)
+    "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_timeout_ms": "500",
+}
+
+try:
+    import ray
+except ImportError:
+    ray = None
+
+
+def _why_not() -> str | None:
+    if ray is None:
+        return "Ray is not installed (pip install -e '.[ray]')"
+    try:
+        subprocess.run(["unshare", "--net", "true"], check=True, capture_output=True,
+                       timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot make a private network namespace (unshare --net: {e}); Ray is " \
+               "never started outside one"
+    return None
+
+
+@pytest.mark.skipif(INSIDE, reason="the tests themselves run in here")
+@pytest.mark.timeout(900)
+def test_the_cluster_tests_inside_a_private_network_namespace() -> None:
+    why = _why_not()
+    if why is not None:
+        pytest.skip(why)
+    env = " ".join(f"{k}={v}" for k, v in NETNS_ENV.items())
+    inner = (f"ip link set lo up && exec env {env} {sys.executable} -m pytest -q "
+             f"-p no:cacheprovider {__file__}")
+    run = subprocess.run(["unshare", "--net", "sh", "-c", inner], cwd=ROOT,
+                         capture_output=True, text=True, timeout=880)
+    assert run.returncode == 0, run.stdout[-20_000:] + run.stderr[-5_000:]
+
+
+inside = pytest.mark.skipif(not INSIDE, reason="runs inside the network namespace only")
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    from ray.cluster_utils import Cluster
+
+    common: dict[str, Any] = dict(num_cpus=2, num_gpus=0, object_store_memory=100 * 2**20)
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        resources={"node_a": 1}, include_dashboard=False, **common))
+    cluster.add_node(resources={"node_b": 1}, **common)
+    try:
+        yield cluster.address
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def cluster_config(models: dict[str, dict[str, Any]], namespace: str, **top: Any) -> str:
+    return toml_config(models, **top) + (
+        f'\n[cluster]\nnamespace = "{namespace}"\nnodes = ["node_a", "node_b"]\n'
+        f"agent_retry_s = {top.pop('retry', 30)}\n")
+
+
+class Agents:
+    """The test's own view of corral's node agents, through Ray."""
+
+    def __init__(self, address: str, namespace: str) -> None:
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+        self.namespace = namespace
+
+    def actor(self, node: str) -> Any:
+        return ray.get_actor(f"corral-agent-{node}", namespace=self.namespace)
+
+    def pid(self, node: str) -> int:
+        return int(ray.get(self.actor(node).hello.remote(), timeout=30)["pid"])
+
+    def children(self, node: str) -> dict[str, int]:
+        return dict(ray.get(self.actor(node).child_pids.remote(), timeout=30))
+
+
+@inside
+def test_a_model_runs_on_its_node_and_requests_reach_it(corral, ray_address: str) -> None:
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"b": {"cmd": fake_cmd(), "nodes": ["node_b"]},
+                               "here": {"cmd": fake_cmd()}}, ns), "--ray", ray_address)
+    status, body = chat(c.port, "b")
+    assert status == 200 and body["model"] == "b", body
+    agents = Agents(ray_address, ns)
+    pid = agents.children("node_b")["b"]
+    import psutil
+    assert psutil.Process(pid).ppid() == agents.pid("node_b")  # the agent's child
+    assert agents.children("node_a") == {}
+    assert chat(c.port, "here")[0] == 200  # a model without nodes runs beside the head
+    assert "here" not in agents.children("node_a")
+
+
+@inside
+def test_a_lost_agent_fails_its_models_and_they_move(corral, ray_address: str) -> None:
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"m": {"cmd": fake_cmd(), "nodes": ["node_b", "node_a"]}}, ns),
+               "--ray", ray_address)
+    assert chat(c.port, "m")[0] == 200
+    agents = Agents(ray_address, ns)
+    child = agents.children("node_b")["m"]
+    os.kill(agents.pid("node_b"), signal.SIGKILL)
+    m = c.wait_state("m", "failed", 15)
+    assert "node lost" in m["status"]["exit"], m["status"]
+    wait_until(lambda: not pid_alive(child), 10, "the lost agent's child to be gone")
+    status, body = chat(c.port, "m")
+    assert status == 200, body
+    assert "m" in agents.children("node_a")  # placed on the node still up
+    assert "node node_b lost" in c.log()
