@@ -33,7 +33,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .childproc import LogRing
 from .config import Config, ConfigError, ModelConfig
 from .instance import Liveness, ModelInstance
+from .ledger import DeviceSample
 from .messages import (
+    DeviceReport,
+    DevicesReported,
     InstanceExited,
     InstanceReady,
     InstanceReported,
@@ -41,8 +44,10 @@ from .messages import (
     LivenessMiss,
     StartInstance,
     StopInstance,
+    TrackModel,
     Unhealthy,
 )
+from .policy.memory import node_of
 
 log = logging.getLogger("corral.cluster")
 
@@ -57,10 +62,11 @@ class ToAgent(msgspec.Struct, frozen=True):
     """Head -> agent: one message for one model's ModelInstance."""
 
     model: str
-    message: StartInstance | StopInstance | LivenessMiss
+    message: StartInstance | StopInstance | LivenessMiss | TrackModel
 
 
-FromInstance = InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
+FromInstance = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
+                | DevicesReported)
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -127,17 +133,30 @@ class NodeAgent:
     (PR_SET_PDEATHSIG), as on one machine."""
 
     def __init__(self, node: str, host: str, config: bytes) -> None:
-        from .timers import Timers  # in the agent's process
+        from .device import DeviceMonitor, discover
+        from .timers import Timers
 
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s %(levelname)s {node} %(name)s: %(message)s")
         self.node = node
         self.host = host
-        self.config = msgspec.msgpack.decode(config, type=Config)
+        top = msgspec.msgpack.decode(config, type=Config)
+        # Simulated devices are this node's own: their ledger must not be another's.
+        self.config = msgspec.structs.replace(
+            top, simulated_ledger_dir=str(top.sim_ledger_path() / node))
         self.outbox = Outbox()
         self.timers = Timers()
         self.instances: dict[str, Any] = {}
         self.lock = threading.Lock()
+        self.monitor: Any = None
+        if self.config.memory_accounting:
+            try:
+                backends = discover(self.config)
+            except ConfigError as e:
+                log.error("%s: no device monitor: %s", node, e)
+                backends = []
+            self.monitor = DeviceMonitor.start(backends, self.outbox, self.timers,
+                                               self.config.device_poll_s, self._crashed)
 
     def _instance(self, model: str, config: ModelConfig) -> Any:
         with self.lock:
@@ -172,7 +191,10 @@ class NodeAgent:
     def tell(self, data: bytes) -> None:
         envelope = msgspec.msgpack.decode(data, type=ToAgent)
         message = envelope.message
-        if isinstance(message, StartInstance):
+        if isinstance(message, TrackModel):
+            if self.monitor is not None:
+                self.monitor.tell(message)
+        elif isinstance(message, StartInstance):
             self._instance(envelope.model, message.config).tell(message)
         elif (ref := self.instances.get(envelope.model)) is not None:
             ref.tell(message)
@@ -213,13 +235,19 @@ class RemoteInstance:
 
     def _tell(self, message: Any) -> None:
         match message:
-            case StartInstance(generation=generation, config=config):
+            case StartInstance(generation=generation, config=config, devices=devices):
                 self.generation, self.model = generation, config
-                self.node = self.cluster.pick(config.nodes or [])
+                if devices:  # placed by fit: the devices say the node
+                    node = node_of(devices[0])
+                    self.node = self.cluster.pick([node] if node else [])
+                    message = StartInstance(generation, config,
+                                            [d.rpartition("/")[2] for d in devices])
+                else:
+                    self.node = self.cluster.pick(config.nodes or [])
                 if self.node is None:
                     self.cluster.scheduler.tell(InstanceExited(
-                        self.name, generation, -1,
-                        f"could not be started: no agent is up on its nodes {config.nodes}"))
+                        self.name, generation, -1, "could not be started: no agent is up "
+                        f"on {devices or config.nodes}"))
                     return
                 log.info("%s#%d goes to node %s", self.name, generation, self.node)
                 self.cluster.send(self.node, ToAgent(self.name, message))
@@ -300,7 +328,7 @@ class AgentLink:
                 self._lost(f"the agent on node {self.node} died ({type(e).__name__})")
                 self.stopping.wait(retry_s)
                 continue
-            self.cluster.deliver(msgspec.msgpack.decode(data, type=Batch))
+            self.cluster.deliver(self.node, msgspec.msgpack.decode(data, type=Batch))
 
     def _lost(self, why: str) -> None:
         log.error("node %s lost: %s; its models fail, and it is avoided for %g s",
@@ -318,6 +346,7 @@ class Cluster:
         self.scheduler: Any = None
         self.links = {node: AgentLink(self, node) for node in config.cluster.nodes}
         self.instances: dict[str, RemoteInstance] = {}
+        self.hub = DeviceHub(self)
 
     def connect(self) -> None:
         """Join the Ray cluster as a driver (raises ConfigError if it cannot)."""
@@ -357,6 +386,17 @@ class Cluster:
         remote = self.instances[name] = RemoteInstance(name, model, self)
         return remote
 
+    def describe(self) -> list[dict[str, Any]]:
+        """GET /nodes: each node's agent, its address, since when it is in its state, its
+        last device report and the models running there."""
+        return [{"node": node, "state": link.state, "address": link.host,
+                 "since": round(link.since, 3),
+                 "last_report": (round(self.hub.reported_at[node], 3)
+                                 if node in self.hub.reported_at else None),
+                 "models": sorted(name for name, r in self.instances.items()
+                                  if r.node == node)}
+                for node, link in self.links.items()]
+
     def find_node(self, selector: str) -> dict[str, Any] | None:
         """The live Ray node with a custom resource or a label named `selector`."""
         nodes: list[dict[str, Any]] = cast(Any, ray).nodes()  # untyped in ray
@@ -376,9 +416,12 @@ class Cluster:
         if handle is not None:  # a lost agent: its models' exits are already reported
             handle.tell.remote(msgspec.msgpack.encode(envelope))
 
-    def deliver(self, batch: Batch) -> None:
+    def deliver(self, node: str, batch: Batch) -> None:
         for message in batch.messages:
-            self.scheduler.tell(message)
+            if isinstance(message, DevicesReported):
+                self.hub.reported(node, message.report)
+            else:
+                self.scheduler.tell(message)
         for model, line in batch.lines:
             ring = self.logs.get(model)
             if ring is not None:
@@ -390,3 +433,77 @@ class Cluster:
     def node_lost(self, node: str, why: str) -> None:
         for remote in self.instances.values():
             remote.node_lost(node, why)
+        self.hub.lost(node)
+
+
+def on_node(node: str, report: DeviceReport) -> DeviceReport:
+    """A node's report with its devices named `node/device`."""
+    def named(device: str) -> str:
+        return f"{node}/{device}"
+    return DeviceReport(
+        devices=[msgspec.structs.replace(d, name=named(d.name)) for d in report.devices],
+        managed={named(d): n for d, n in report.managed.items()},
+        usage={m: {named(d): n for d, n in use.items()} for m, use in report.usage.items()},
+        tracked=report.tracked, backends=[f"{node}:{b}" for b in report.backends],
+        ready=report.ready)
+
+
+def merged(reports: list[DeviceReport]) -> DeviceReport:
+    usage: dict[str, dict[str, int]] = {}
+    for r in reports:
+        for model, use in r.usage.items():
+            usage.setdefault(model, {}).update(use)
+    return DeviceReport(
+        devices=[d for r in reports for d in r.devices],
+        managed={d: n for r in reports for d, n in r.managed.items()},
+        usage=usage, tracked=sorted({m for r in reports for m in r.tracked}),
+        backends=sorted({b for r in reports for b in r.backends}),
+        ready=sorted({m for r in reports for m in r.ready or []}))
+
+
+class DeviceHub:
+    """Between the device monitors and the Scheduler: the head's own monitor and every
+    node's report here, and the Scheduler gets one report of all devices (a node's named
+    `node/device`), as from a single monitor. The Scheduler's TrackModel goes to the
+    monitor of the node the model runs on. A lost node's devices are reported empty until
+    it is back, so nothing is placed there."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.local: Any = None
+        """The head's own DeviceMonitor."""
+        self.reports: dict[str | None, DeviceReport] = {}
+        self.reported_at: dict[str, float] = {}
+        """When each node last reported its devices (wall clock)."""
+        self.lock = threading.Lock()
+
+    def tell(self, message: Any) -> None:
+        match message:
+            case DevicesReported(report=report):  # from the head's own monitor
+                self._update(None, report)
+            case TrackModel(model=model):
+                remote = self.cluster.instances.get(model)
+                if remote is None:
+                    if self.local is not None:
+                        self.local.tell(message)
+                elif remote.node is not None:
+                    self.cluster.send(remote.node, ToAgent(model, message))
+
+    def reported(self, node: str, report: DeviceReport) -> None:
+        self.reported_at[node] = time.time()
+        self._update(node, on_node(node, report))
+
+    def lost(self, node: str) -> None:
+        with self.lock:
+            last = self.reports.get(node)
+        if last is not None:
+            self._update(node, DeviceReport(
+                devices=[DeviceSample(d.name, d.kind, 0, 0, d.backend) for d in last.devices],
+                managed={}, usage={}, tracked=[], backends=last.backends, ready=[]))
+
+    def _update(self, source: str | None, report: DeviceReport) -> None:
+        with self.lock:
+            self.reports[source] = report
+            whole = merged(list(self.reports.values()))
+        if self.cluster.scheduler is not None:
+            self.cluster.scheduler.tell(DevicesReported(whole))

@@ -50,6 +50,9 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     devices_per_instance: int = 1
     placeable: bool = True
     """False when its env pins CUDA_VISIBLE_DEVICES: it runs where that says."""
+    nodes: list[str] | None = None
+    """The cluster nodes it may run on (their devices are `NODE/DEVICE`); None: only the
+    devices of corral's own machine."""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -233,7 +236,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
                             else model.min_resident_s),
             permanent=model.restart == "permanent", devices=model.devices,
             devices_per_instance=model.devices_per_instance,
-            placeable=not model.placed_by_env)
+            placeable=not model.placed_by_env, nodes=model.nodes)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""

@@ -48,6 +48,7 @@ from .messages import (
     UnloadModel,
 )
 from .metrics import render
+from .policy.memory import node_of
 from .shares import Shares
 from .system import Supervisor
 
@@ -115,6 +116,7 @@ class Router:
         r.add_get("/props", self.props)
         r.add_get("/metrics", self.metrics)
         r.add_get("/devices", self.devices)
+        r.add_get("/nodes", self.nodes)
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -301,6 +303,7 @@ class Router:
                 "queue_position": view.queue_position,
                 "loads": view.loads,
                 "pid": view.pid, "port": view.port, "devices": view.devices,
+                "node": self._node_of(view.name),
                 "last_eviction": msgspec.to_builtins(view.last_eviction),
                 "memory": msgspec.to_builtins(view.memory),
             }
@@ -310,13 +313,27 @@ class Router:
             data.append(entry)
         return web.json_response({"object": "list", "data": data})
 
+    def _node_of(self, model: str) -> str | None:
+        """The Ray node a model's child runs on (None: corral's own machine, or none)."""
+        cluster = self.sup.cluster
+        remote = cluster.instances.get(model) if cluster is not None else None
+        return remote.node if remote is not None else None
+
     async def devices(self, request: web.Request) -> web.Response:
         """GET /devices: per device total, external, held per model, available (bytes)."""
         snap = await self._ask(GetDevices)
         assert isinstance(snap, DevicesSnapshot)
         body = msgspec.to_builtins(snap)
         body.pop("type", None)
+        for device in body["devices"]:  # a Ray node's devices are NODE/DEVICE
+            device["node"] = node_of(device["name"])
         return web.json_response(body)
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        """GET /nodes: the Ray nodes' agents (an empty list without a [cluster])."""
+        cluster = self.sup.cluster
+        data = cluster.describe() if cluster is not None else []
+        return web.json_response({"object": "list", "data": data})
 
     async def _model_from_body(self, request: web.Request) -> str | web.Response:
         try:

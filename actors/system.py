@@ -115,15 +115,20 @@ class Supervisor:
         if self._on_event is not None:
             self.scheduler.tell(Subscribe(self._on_event))
         device_names = sorted(d.name for b in backends for d in b.sample())
-        self.monitor = DeviceMonitor.start(backends, self.scheduler, self.timers,
+        # In a cluster the hub merges this machine's report with the nodes' ones.
+        reports_to = self.scheduler if self.cluster is None else self.cluster.hub
+        self.monitor = DeviceMonitor.start(backends, reports_to, self.timers,
                                            config.device_poll_s, self._crash)
         self.measurer = MeasureWorker.start(config, self.scheduler, self.timers, device_names,
                                             self._crash)
         for name, model in config.models.items():
             self.instances[name] = self._start_instance(name, model)
+        monitor = self.monitor
         if self.cluster is not None:
+            self.cluster.hub.local = monitor
             self.cluster.start(self.scheduler)
-        self.scheduler.tell(InstancesAttached(self.instances, self.monitor, self.measurer))
+            monitor = self.cluster.hub  # TrackModel goes to the model's node
+        self.scheduler.tell(InstancesAttached(self.instances, monitor, self.measurer))
         memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
                   f"{', '.join(device_names) or 'no device'}"
                   if config.memory_accounting else "memory accounting off")

@@ -19,7 +19,15 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, chat, fake_cmd, pid_alive, toml_config, wait_until
+from tests.helpers import (
+    ROOT,
+    chat,
+    fake_cmd,
+    pid_alive,
+    request,
+    toml_config,
+    wait_until,
+)
 
 INSIDE = os.environ.get("CORRAL_NETNS") == "1"
 NETNS_ENV = {
@@ -131,8 +139,50 @@ def test_a_lost_agent_fails_its_models_and_they_move(corral, ray_address: str) -
     os.kill(agents.pid("node_b"), signal.SIGKILL)
     m = c.wait_state("m", "failed", 15)
     assert "node lost" in m["status"]["exit"], m["status"]
+    listed = {n["node"]: n for n in request(c.port, "GET", "/nodes")[1]["data"]}
+    assert listed["node_b"]["state"] == "lost" and listed["node_a"]["state"] == "up"
     wait_until(lambda: not pid_alive(child), 10, "the lost agent's child to be gone")
     status, body = chat(c.port, "m")
     assert status == 200, body
     assert "m" in agents.children("node_a")  # placed on the node still up
     assert "node node_b lost" in c.log()
+
+
+def memory_config(namespace: str) -> str:
+    """Two nodes with one simulated 3.5 GiB GPU each, a 512 MiB margin, and two 3 GiB
+    models that may run on either node: only one fits per GPU."""
+    big = {"cmd": fake_cmd("--device-mib", "3072"), "measure": "declared",
+           "memory_mib": {"gpu0": 3072}, "nodes": ["node_a", "node_b"]}
+    return cluster_config({"big1": big, "big2": big}, namespace, memory_margin_mib=512,
+                          device_poll_s=0.5,
+                          devices=[{"name": "gpu0", "kind": "simulated", "total_mib": 3584}])
+
+
+@inside
+def test_models_are_placed_by_fit_across_nodes(corral, ray_address: str) -> None:
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(memory_config(ns), "--ray", ray_address)
+
+    def nodes() -> dict[str, dict[str, Any]]:
+        return {n["node"]: n for n in request(c.port, "GET", "/nodes")[1]["data"]}
+
+    wait_until(lambda: all(n["state"] == "up" and n["last_report"] for n in nodes().values()),
+               20, "both agents up and reporting")
+    assert chat(c.port, "big1")[0] == 200
+    assert chat(c.port, "big2")[0] == 200
+    models = c.models()
+    placed = {m: models[m]["node"] for m in ("big1", "big2")}
+    assert sorted(placed.values()) == ["node_a", "node_b"], placed  # one on each, no eviction
+    assert all(models[m]["last_eviction"] is None for m in placed)
+    assert {m: models[m]["devices"] for m in placed} == {
+        m: [f"{node}/gpu0"] for m, node in placed.items()}
+    def devices() -> dict[str, dict[str, Any]]:
+        return {d["name"]: d for d in request(c.port, "GET", "/devices")[1]["devices"]}
+
+    for model, node in placed.items():
+        assert devices()[f"{node}/gpu0"]["node"] == node
+        wait_until(lambda d=f"{node}/gpu0", m=model: devices()[d]["held"] == {m: 3 * 2**30},
+                   10, f"{model}'s 3 GiB held on {node}/gpu0")
+    listed = nodes()
+    assert {n: listed[n]["models"] for n in listed} == {
+        node: [model] for model, node in placed.items()}

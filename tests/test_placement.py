@@ -215,3 +215,24 @@ def test_a_llama_server_child_on_two_gpus_is_split_as_accounted() -> None:
     assert split_args(argv, ["CUDA0"], llama=True) == []
     assert split_args(argv, ["CUDA0", "CUDA1"], llama=False) == []
     assert split_args([*argv, "-ts", "3,1"], ["CUDA0", "CUDA1"], llama=True) == []
+
+
+NODE_GPUS = ("node_a/gpu0", "node_a/gpu1", "node_b/gpu0", "node_b/gpu1")
+
+
+def test_a_cluster_model_goes_only_to_its_nodes_and_never_spans_two() -> None:
+    """Devices of Ray nodes are NODE/DEVICE: a model with `nodes` is placed on those nodes'
+    GPUs only, one spread over two GPUs stays on one node, and a model without `nodes`
+    never lands on a node."""
+    w = GpuWorld({"a": 6, "b": 6, "wide": 12, "here": 1},
+                 rules={"a": ModelRules(nodes=["node_b"]), "b": ModelRules(nodes=["node_b"]),
+                        "wide": ModelRules(nodes=["node_a", "node_b"], devices_per_instance=2),
+                        "here": ModelRules()},
+                 gpus=(*NODE_GPUS, "gpu9"))
+    w.load_idle("a", "b")
+    assert {w.placed["a"][0], w.placed["b"][0]} == {"node_b/gpu0", "node_b/gpu1"}
+    w.acquire(1, "wide")
+    assert w.placed["wide"] == ["node_a/gpu0", "node_a/gpu1"]  # node_b is full: no eviction
+    assert w.stops == []
+    w.load_idle("here")
+    assert w.placed.get("here") in (None, ["gpu9"])

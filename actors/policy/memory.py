@@ -35,6 +35,13 @@ class Plan:
     """It fits once the children already stopping have given their memory back."""
 
 
+def node_of(device: str) -> str | None:
+    """The node a device is on: `node_b/CUDA0` is on node_b; a name with no node is on
+    corral's own machine (None)."""
+    node, sep, _ = device.rpartition("/")
+    return node if sep else None
+
+
 class Memory:
     def __init__(self, margin: int, account_host: bool) -> None:
         self.on = margin > 0
@@ -146,11 +153,15 @@ class Memory:
         rules = rec.rules
         if not rules.placeable:
             return []
-        gpus = sorted(n for n, d in self.ledger.devices.items() if d.kind == "device")
-        if rules.devices is None and len(gpus) <= 1:
+        gpus = sorted(n for n, d in self.ledger.devices.items() if d.kind == "device"
+                      and (node_of(n) in rules.nodes if rules.nodes is not None
+                           else node_of(n) is None))
+        if rules.devices is None and len(gpus) <= 1 and rules.nodes is None:
             return []
-        allowed = [d for d in (rules.devices or gpus) if d in gpus]
-        return [list(c) for c in itertools.combinations(allowed, rules.devices_per_instance)]
+        allowed = sorted((d for d in (rules.devices or gpus) if d in gpus),
+                         key=lambda d: node_of(d) or "")  # one child, one node
+        return [list(c) for _, on_node in itertools.groupby(allowed, node_of)
+                for c in itertools.combinations(on_node, rules.devices_per_instance)]
 
     def placed_need(self, rec: ModelRecord, devices: list[str] | None) -> Breakdown | None:
         """`rec`'s need moved onto `devices`: what it measured on GPUs, split evenly over
@@ -175,6 +186,9 @@ class Memory:
         if not rec.memory_settled:
             return Plan("wait", measure=not rec.measure_front)  # the measurement decides
         places = self.candidates(rec)
+        nodes = rec.rules.nodes
+        if nodes is not None and not any(node_of(d) in nodes for d in self.ledger.devices):
+            return Plan("wait")  # none of its nodes has reported its devices yet
         if not places:
             if rec.rules.placeable and (rec.rules.devices or rec.rules.devices_per_instance > 1):
                 if not self.ledger.devices:
