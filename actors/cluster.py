@@ -20,6 +20,7 @@ Imported only when `[cluster] ray_address` is set: single-machine corral never i
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
 import threading
@@ -32,11 +33,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .childproc import LogRing
 from .config import Config, ConfigError, ModelConfig
-from .instance import Liveness, ModelInstance
+from .instance import Liveness, ModelInstance, Phase
 from .ledger import DeviceSample
 from .messages import (
     DeviceReport,
     DevicesReported,
+    InstanceAdopted,
     InstanceExited,
     InstanceReady,
     InstanceReported,
@@ -67,6 +69,23 @@ class ToAgent(msgspec.Struct, frozen=True):
 
 FromInstance = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
                 | DevicesReported)
+
+
+class Running(msgspec.Struct, frozen=True):
+    """Agent -> a new head: a child running on the node, for adoption."""
+
+    model: str
+    generation: int
+    pid: int
+    port: int
+    ready: bool
+    digest: str
+    """Of the model config it was started with (`digest`)."""
+    devices: list[str] | None = None
+
+
+def digest(config: ModelConfig) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(config)).hexdigest()[:16]
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -176,17 +195,19 @@ class NodeAgent:
     def hello(self) -> dict[str, Any]:
         return {"node": self.node, "host": self.host, "pid": os.getpid()}
 
-    def reset(self) -> int:
-        """A new head took over: stop every child (adopting them is for later); returns
-        how many were running."""
-        with self.lock:
-            refs, self.instances = list(self.instances.values()), {}
-        running = 0
-        for ref in refs:
-            child = ref.proxy().child.get(timeout=5)
-            running += child is not None and child.returncode is None
-            ref.stop(block=True, timeout=10)  # on_stop kills a child still running
-        return running
+    def running(self) -> bytes:
+        """The children running here, for a new head to adopt or stop (msgpack)."""
+        found = []
+        for model, ref in list(self.instances.items()):
+            instance = ref.proxy()
+            child = instance.child.get(timeout=5)
+            if child is None or child.returncode is not None:
+                continue
+            found.append(Running(
+                model, instance.generation.get(timeout=5), child.pid,
+                instance.port.get(timeout=5), instance.phase.get(timeout=5) is Phase.READY,
+                digest(instance.config.get(timeout=5)), instance.devices.get(timeout=5)))
+        return msgspec.msgpack.encode(found)
 
     def tell(self, data: bytes) -> None:
         envelope = msgspec.msgpack.decode(data, type=ToAgent)
@@ -251,9 +272,24 @@ class RemoteInstance:
                     return
                 log.info("%s#%d goes to node %s", self.name, generation, self.node)
                 self.cluster.send(self.node, ToAgent(self.name, message))
+            case StopInstance(generation=generation, reason="shutdown") if (
+                    self.cluster.config.cluster.keep_on_exit and self.node is not None
+                    and generation == self.generation):
+                # The head is stopping: the child stays for the next head to adopt.
+                node, self.node = self.node, None
+                self.cluster.scheduler.tell(InstanceExited(
+                    self.name, generation, 0, f"left running on node {node} for the next "
+                    "corral (cluster.keep_on_exit)"))
             case StopInstance(generation=generation) | LivenessMiss(generation=generation):
                 if generation == self.generation and self.node is not None:
                     self.cluster.send(self.node, ToAgent(self.name, message))
+
+    def adopt(self, generation: int, node: str) -> bool:
+        with self.lock:
+            if self.node is not None:
+                return False
+            self.generation, self.node = generation, node
+            return True
 
     def node_lost(self, node: str, why: str) -> None:
         with self.lock:
@@ -300,10 +336,12 @@ class AgentLink:
             scheduling_strategy=NodeAffinitySchedulingStrategy(found["NodeID"], soft=False))
         self.handle = actor.remote(self.node, host, msgspec.msgpack.encode(cluster.config))
         hello = ray.get(self.handle.hello.remote(), timeout=60)
-        stopped = ray.get(self.handle.reset.remote(), timeout=60)
         self.host = hello["host"]
-        log.info("node %s: agent up (pid %d on %s)%s", self.node, hello["pid"], self.host,
-                 f"; it ran {stopped} children of an earlier head, stopped" if stopped else "")
+        running = msgspec.msgpack.decode(ray.get(self.handle.running.remote(), timeout=60),
+                                         type=list[Running])
+        log.info("node %s: agent up (pid %d on %s), %d children running", self.node,
+                 hello["pid"], self.host, len(running))
+        cluster.take_over(self.node, hello["host"], running)
         return True
 
     def _run(self) -> None:
@@ -385,6 +423,27 @@ class Cluster:
     def instance(self, name: str, model: ModelConfig) -> RemoteInstance:
         remote = self.instances[name] = RemoteInstance(name, model, self)
         return remote
+
+    def take_over(self, node: str, host: str, running: list[Running]) -> None:
+        """What an agent runs when the head (re)connects: a ready child of a model that may
+        run there, with the config it has now, is adopted; any other is stopped."""
+        for r in running:
+            remote = self.instances.get(r.model)
+            why = ("it is not a model of this corral's on this node"
+                   if remote is None or node not in (remote.model.nodes or [])
+                   else "its config changed" if digest(remote.model) != r.digest
+                   else "it was still loading" if not r.ready
+                   else None)
+            if why is None and remote is not None and remote.adopt(r.generation, node):
+                log.info("node %s: adopting %s#%d (pid %d, port %d)", node, r.model,
+                         r.generation, r.pid, r.port)
+                devices = [f"{node}/{d}" for d in r.devices] if r.devices else None
+                self.scheduler.tell(InstanceAdopted(r.model, r.generation, r.pid, host, r.port,
+                                                    devices))
+                continue
+            log.info("node %s: stopping %s#%d (pid %d), not adopted: %s", node, r.model,
+                     r.generation, r.pid, why or "the model runs elsewhere")
+            self.send(node, ToAgent(r.model, StopInstance(r.generation, "not adopted")))
 
     def describe(self) -> list[dict[str, Any]]:
         """GET /nodes: each node's agent, its address, since when it is in its state, its

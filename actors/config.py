@@ -175,6 +175,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     agent_retry_s: PositiveSeconds = 5.0
     """After a node's agent is lost, how long before the head tries to start it again
     (its models are placed elsewhere meanwhile)."""
+    keep_on_exit: bool = True
+    """When the head stops, leave the nodes' children running for the next head to adopt
+    (those whose config is unchanged); false: stop them, as on one machine."""
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

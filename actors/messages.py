@@ -350,6 +350,19 @@ class InstanceReady(Message, frozen=True):
     """The address the child listens on (another node's, for a child on a Ray node)."""
 
 
+class InstanceAdopted(Message, frozen=True):
+    """Cluster -> Scheduler: a ready child that an earlier corral started on a Ray node and
+    left running (its head restarted) serves `model` as generation `generation` now."""
+
+    model: str
+    generation: int
+    pid: int
+    host: str
+    port: int
+    devices: list[str] | None = None
+    """Where it was placed (NODE/DEVICE names)."""
+
+
 class InstanceReported(Message, frozen=True):
     """ModelInstance -> Scheduler: a llama child's state line: loading progress, or that it
     went to sleep, or woke up (R-3.6)."""
@@ -446,7 +459,8 @@ class Shutdown(Message, frozen=True):
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
     | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | AnswerLate | InstancesAttached
-    | InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Reconfigure
+    | InstanceStarted | InstanceReady | InstanceAdopted | InstanceReported | InstanceExited
+    | Reconfigure
     | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
 

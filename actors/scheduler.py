@@ -23,6 +23,7 @@ from .messages import (
     Event,
     GetDevices,
     GetModels,
+    InstanceAdopted,
     InstanceExited,
     InstanceReady,
     InstanceReported,
@@ -128,6 +129,10 @@ class Scheduler(BaseActor):
                                host=host):
                 url = f"http://{host}:{port}"
                 self._run(p.instance_ready(model, gen, pid, url, now, info))
+            case InstanceAdopted(model=model, generation=gen, pid=pid, host=host, port=port,
+                                 devices=devices):
+                self._run(p.instance_adopted(model, gen, pid, f"http://{host}:{port}",
+                                             devices, now))
             case InstanceReported(model=model, generation=gen, state=state, payload=payload):
                 self._run(p.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):

@@ -186,3 +186,36 @@ def test_models_are_placed_by_fit_across_nodes(corral, ray_address: str) -> None
     listed = nodes()
     assert {n: listed[n]["models"] for n in listed} == {
         node: [model] for model, node in placed.items()}
+
+
+@inside
+def test_a_restarted_head_adopts_the_running_children(corral, ray_address: str) -> None:
+    """The head stops, its nodes' children keep serving; a new head with the same config
+    adopts them (same pids, no load) and serves at once; a head whose config for a model
+    changed stops that child instead."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    models = {"m": {"cmd": fake_cmd(), "nodes": ["node_b"]},
+              "n": {"cmd": fake_cmd(), "nodes": ["node_a"]}}
+    first = corral(cluster_config(models, ns), "--ray", ray_address)
+    assert chat(first.port, "m")[0] == 200 and chat(first.port, "n")[0] == 200
+    pids = {name: first.models()[name]["pid"] for name in models}
+    assert first.stop() == 0
+    assert all(pid_alive(pid) for pid in pids.values())  # left running for the next head
+
+    second = corral(cluster_config(models, ns), "--ray", ray_address)
+    adopted = {name: second.models()[name] for name in models}
+    assert {n: (m["status"]["value"], m["pid"], m["loads"]) for n, m in adopted.items()} == {
+        n: ("loaded", pids[n], 0) for n in models}
+    status, body = chat(second.port, "m")
+    assert status == 200 and body["model"] == "m"
+    assert "adopting m#1" in second.log()
+    assert second.stop() == 0
+
+    changed = {**models, "m": {"cmd": fake_cmd("--tokens-per-s", "500"), "nodes": ["node_b"]}}
+    third = corral(cluster_config(changed, ns), "--ray", ray_address)
+    assert third.models()["n"]["pid"] == pids["n"]  # unchanged: adopted again
+    assert third.state("m") == "unloaded"
+    wait_until(lambda: not pid_alive(pids["m"]), 10, "the changed model's old child to stop")
+    assert "stopping m#1" in third.log() and "its config changed" in third.log()
+    assert chat(third.port, "m")[0] == 200
+    assert third.models()["m"]["pid"] != pids["m"]

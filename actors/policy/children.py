@@ -76,6 +76,29 @@ class Children(Rules):
         self._pump(now)
         return self._flush()
 
+    def instance_adopted(self, model: str, generation: int, pid: int, base_url: str,
+                         devices: list[str] | None, now: float) -> list[Effect]:
+        """A ready child an earlier corral left running on a Ray node (its head restarted)
+        is this model's, as generation `generation`: loaded, with no load (R-3, issue 14)."""
+        rec = self.models.get(model)
+        if rec is None or rec.state is not S.UNLOADED:
+            return []
+        rec.generation = generation
+        rec.placement = devices
+        self._transition(rec, S.LOADING, f"adopting pid {pid}", now)
+        if self.memory_on:
+            self.memory.spawning(rec)
+        rec.pid, rec.base_url = pid, base_url
+        rec.failed = False
+        rec.ready_at = rec.last_used = now
+        self._transition(rec, S.LOADED, f"adopted, pid {pid}", now)
+        if self.memory_on:
+            rec.awaiting_usage = True
+            self._out.append(Track(model, "ready", pid))
+        self._idle(rec)
+        self._pump(now)
+        return self._flush()
+
     def instance_reported(self, model: str, generation: int, state: str,
                           payload: dict[str, Any], now: float) -> list[Effect]:
         """A llama child's progress, or that it went to sleep or woke up (R-3.6)."""
