@@ -94,12 +94,22 @@ class Ledger:
     first observed use once ready."""
     observed: dict[str, dict[str, int]] = field(default_factory=dict)
     """Model -> device -> bytes its child was last seen using (DeviceMonitor reports)."""
+    _per_device: dict[str, int] | None = None
+    """Device -> bytes held by all models: summed when asked, dropped when `held`
+    changes (a plan asks once per place it weighs; there can be thousands)."""
 
     def _counts(self, kind: str) -> bool:
         return kind == "device" or self.account_host
 
     def _held_by_others(self, device: str, model: str | None) -> int:
-        return sum(devs.get(device, 0) for m, devs in self.held.items() if m != model)
+        if self._per_device is None:
+            totals: dict[str, int] = {}
+            for devs in self.held.values():
+                for d, size in devs.items():
+                    totals[d] = totals.get(d, 0) + size
+            self._per_device = totals
+        mine = self.held.get(model, {}).get(device, 0) if model is not None else 0
+        return self._per_device.get(device, 0) - mine
 
     def calibrate(self, mem: Breakdown, reporter: str | None,
                   unknown_only: bool = False) -> None:
@@ -160,6 +170,7 @@ class Ledger:
 
     def release(self, model: str) -> None:
         """The child is gone and no report shows it any more: it holds nothing."""
+        self._per_device = None
         self.held.pop(model, None)
         self.reserved.pop(model, None)
         self.observed.pop(model, None)
@@ -167,6 +178,7 @@ class Ledger:
     def _hold(self, model: str) -> None:
         res, seen = self.reserved.get(model, {}), self.observed.get(model, {})
         hold = {d: max(res.get(d, 0), seen.get(d, 0)) for d in res.keys() | seen.keys()}
+        self._per_device = None
         if hold or model in self.reserved:
             self.held[model] = hold
         else:

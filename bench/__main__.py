@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import sys
 
-from bench import chaos, dashboard, load, overhead, scheduler, swap, tokenize_rate
+from bench import (
+    chaos,
+    cluster,
+    cluster_sim,
+    dashboard,
+    load,
+    overhead,
+    scheduler,
+    swap,
+    tokenize_rate,
+)
 
 COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main,
-            "dashboard": dashboard.main}
+            "dashboard": dashboard.main, "cluster": cluster.main,
+            "cluster-sim": cluster_sim.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -17,6 +28,10 @@ SUMMARY = {
     "tokenize": "the proxy's ceiling on a real llama-server child, against its own router",
     "chaos": "children SIGKILLed under load: corral and llama-server's router in turn",
     "dashboard": "corral's CPU per event and while idle with /ui pages open in Chromium",
+    "cluster": "a two-node Ray cluster (in a private netns): agent cold start, proxy, "
+               "node loss, head restart",
+    "cluster-sim": "the real policy on a simulated 100-node cluster, beside random "
+                   "placement with per-node LRU",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.helpers import ROOT
 
@@ -83,7 +84,8 @@ def test_bench_help_lists_every_bench() -> None:
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard"):
+    for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard",
+                 "cluster", "cluster-sim"):
         assert f"\n  {name} " in out.stdout
     bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -91,3 +93,17 @@ def test_bench_help_lists_every_bench() -> None:
     wrong = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True,
                            text=True, timeout=60, cwd=ROOT)
     assert wrong.returncode == 2 and "no bench 'nope'" in wrong.stderr
+
+
+def test_bench_cluster_sim_runs_both_sides(tmp_path: Path) -> None:
+    path = tmp_path / "sim.json"
+    out = subprocess.run([sys.executable, "-m", "bench", "cluster-sim", "--nodes", "3",
+                          "--gpus", "2", "--models", "30", "--rates", "4", "--minutes", "1",
+                          "--json", str(path)], capture_output=True, text=True, timeout=110,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads(path.read_text())["rows"][0]
+    for side in ("corral", "baseline"):
+        assert row[side]["requests"] > 100 and 0 < row[side]["hit_ratio"] <= 1
+        assert row[side]["loads_per_min"] > 0
+    assert row["corral"]["decisions_per_s"] > 0

@@ -203,10 +203,17 @@ class Memory:
         if not free_places:
             return Plan("wait")  # each place has a load in flight: one per device at a time
         best: tuple[tuple[float, ...], Plan] | None = None
+        going = self._going(models)
+        rank_of = {v.name: i for i, v in enumerate(victims)}
+        on_device: dict[str, list[ModelRecord]] = {}  # the victims holding memory there
+        for v in victims:
+            for d in self.ledger.held.get(v.name, {}):
+                on_device.setdefault(d, []).append(v)
         for devices in free_places:
             on = set(devices)
-            useful = [v for v in victims if on & self.ledger.held.get(v.name, {}).keys()]
-            plan = self._fit(rec, self.placed_need(rec, devices), models, useful, on)
+            useful = sorted({v.name: v for d in devices for v in on_device.get(d, [])}
+                            .values(), key=lambda v: rank_of[v.name])
+            plan = self._fit(rec, self.placed_need(rec, devices), models, useful, on, going)
             plan.devices = devices
             rank = (0 if plan.verdict == "go" and not plan.evict
                     else 1 if plan.fits_once_freed and not plan.evict
@@ -219,11 +226,17 @@ class Memory:
         assert best is not None
         return best[1]
 
+    @staticmethod
+    def _going(models: dict[str, ModelRecord]) -> list[str]:
+        """The models whose memory is on its way back (stopping, or not yet seen gone)."""
+        return [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
+
     def _fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
-             victims: list[ModelRecord], on: set[str] | None = None) -> Plan:
+             victims: list[ModelRecord], on: set[str] | None = None,
+             going: list[str] | None = None) -> Plan:
         """Whether `need` fits, after evicting which of `victims`; `on`: the devices it is
         being placed on (then only models holding memory there count as "others")."""
-        going = [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
+        going = list(self._going(models) if going is None else going)
         plan = Plan("wait")
         short = self.ledger.deficit(need, self.ledger.holds_of(going))
         for victim in victims:
