@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -28,6 +29,7 @@ import time
 from typing import Any, cast
 
 import msgspec
+import pykka
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -42,6 +44,7 @@ from .messages import (
     InstanceExited,
     InstanceReady,
     InstanceReported,
+    InstanceSeen,
     InstanceStarted,
     LivenessMiss,
     StartInstance,
@@ -61,8 +64,11 @@ AGENT_PREFIX = "corral-agent-"
 
 
 class ToAgent(msgspec.Struct, frozen=True):
-    """Head -> agent: one message for one model's ModelInstance."""
+    """Head -> agent: one message for one model's ModelInstance (or the node's monitor).
+    `seq` counts from 0 per head: a threaded Ray actor may run calls out of order, so the
+    agent puts them back in order before handing them on."""
 
+    seq: int
     model: str
     message: StartInstance | StopInstance | LivenessMiss | TrackModel
 
@@ -85,7 +91,9 @@ class Running(msgspec.Struct, frozen=True):
 
 
 def digest(config: ModelConfig) -> str:
-    return hashlib.sha256(msgspec.msgpack.encode(config)).hexdigest()[:16]
+    """Equal for equal configs, whatever the order of their tables' keys."""
+    canonical = json.dumps(msgspec.to_builtins(config), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -111,8 +119,17 @@ class Outbox:
 
     def tell(self, message: FromInstance) -> None:
         with self._cv:
+            if isinstance(message, DevicesReported):  # only the latest one matters
+                self._messages = [m for m in self._messages
+                                  if not isinstance(m, DevicesReported)]
             self._messages.append(message)
             self._cv.notify_all()
+
+    def clear(self) -> None:
+        """A new head: what was kept for the last one is no news to it."""
+        with self._cv:
+            self._messages, self._dropped = [], 0
+            self._lines.clear()
 
     def line(self, model: str, line: str) -> None:
         with self._cv:
@@ -146,54 +163,86 @@ class ForwardedRing(LogRing):
 
 class NodeAgent:
     """corral's side of one node: a ModelInstance per model placed here, their children,
-    and the Outbox the head polls. Runs as a detached, named Ray actor pinned to its node
-    (threaded, so `poll` can wait while `tell` runs). Children are forked by the
-    ModelInstances' own threads, which live as long as this process: they die with it
-    (PR_SET_PDEATHSIG), as on one machine."""
+    the node's DeviceMonitor, and the Outbox the head polls. Runs as a detached, named Ray
+    actor pinned to its node (threaded, so `poll` can wait while `tell` runs). Children
+    are forked by the ModelInstances' own threads, which live as long as this process:
+    they die with it (PR_SET_PDEATHSIG), as on one machine. It outlives its head: the
+    next head `attach`es, with its own config."""
 
     def __init__(self, node: str, host: str, config: bytes) -> None:
-        from .device import DeviceMonitor, discover
         from .timers import Timers
 
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s %(levelname)s {node} %(name)s: %(message)s")
         self.node = node
         self.host = host
-        top = msgspec.msgpack.decode(config, type=Config)
-        # Simulated devices are this node's own: their ledger must not be another's.
-        self.config = msgspec.structs.replace(
-            top, simulated_ledger_dir=str(top.sim_ledger_path() / node))
         self.outbox = Outbox()
         self.timers = Timers()
         self.instances: dict[str, Any] = {}
+        self.retired: list[Any] = []
+        """Instances replaced while their child still stopped (a new head's start)."""
         self.lock = threading.Lock()
+        self.next_seq = 0
+        self.pending: dict[int, ToAgent] = {}
         self.monitor: Any = None
-        if self.config.memory_accounting:
+        self.config = Config()
+        self._configure(config)
+
+    def _configure(self, data: bytes) -> None:
+        from .device import DeviceMonitor, discover
+
+        top = msgspec.msgpack.decode(data, type=Config)
+        # Simulated devices are this node's own: their ledger must not be another's.
+        config = msgspec.structs.replace(
+            top, simulated_ledger_dir=str(top.sim_ledger_path() / self.node))
+        changed = (config.memory_accounting, config.devices, config.device_poll_s) != (
+            self.config.memory_accounting, self.config.devices, self.config.device_poll_s)
+        if self.monitor is not None and changed:
+            self.monitor.stop()
+            self.monitor = None
+        self.config = config
+        if config.memory_accounting and self.monitor is None:
             try:
-                backends = discover(self.config)
+                backends = discover(config)
             except ConfigError as e:
-                log.error("%s: no device monitor: %s", node, e)
+                log.error("%s: no device monitor: %s", self.node, e)
                 backends = []
             self.monitor = DeviceMonitor.start(backends, self.outbox, self.timers,
-                                               self.config.device_poll_s, self._crashed)
+                                               config.device_poll_s, self._crashed)
 
     def _instance(self, model: str, config: ModelConfig) -> Any:
-        with self.lock:
-            ref = self.instances.get(model)
-            if ref is None:
-                top = self.config
-                ref = self.instances[model] = ModelInstance.start(
-                    model, config, self.outbox, self.timers, ForwardedRing(model, self.outbox),
-                    self._crashed, extra_env=top.child_env(),
-                    liveness=lambda m: Liveness(top.liveness_of(m), top.liveness_failures),
-                    host=self.host)
-            return ref
+        """The model's ModelInstance, a new one if the last is still busy with a child
+        that an earlier head left (it finishes stopping on its own)."""
+        ref = self.instances.get(model)
+        if ref is not None and ref.proxy().phase.get(timeout=5) is not Phase.IDLE:
+            self.retired.append(ref)
+            ref = None
+        if ref is None:
+            top = self.config
+            ref = self.instances[model] = ModelInstance.start(
+                model, config, self.outbox, self.timers, ForwardedRing(model, self.outbox),
+                self._crashed, extra_env=top.child_env(),
+                liveness=lambda m: Liveness(top.liveness_of(m), top.liveness_failures),
+                host=self.host)
+        for old in [r for r in self.retired if r.proxy().phase.get(timeout=5) is Phase.IDLE]:
+            self.retired.remove(old)
+            old.stop()
+        return ref
 
     def _crashed(self, actor: str, error: BaseException) -> None:
         log.critical("%s: actor %s died (%s)", self.node, actor, error)
 
     def hello(self) -> dict[str, Any]:
         return {"node": self.node, "host": self.host, "pid": os.getpid()}
+
+    def attach(self, config: bytes) -> dict[str, Any]:
+        """A head (re)connects: its config from now on, its messages counted from 0, and
+        nothing kept for the last head."""
+        with self.lock:
+            self._configure(config)
+            self.next_seq, self.pending = 0, {}
+            self.outbox.clear()
+        return self.hello()
 
     def running(self) -> bytes:
         """The children running here, for a new head to adopt or stop (msgpack)."""
@@ -211,6 +260,13 @@ class NodeAgent:
 
     def tell(self, data: bytes) -> None:
         envelope = msgspec.msgpack.decode(data, type=ToAgent)
+        with self.lock:  # in the head's order, whatever order Ray ran the calls in
+            self.pending[envelope.seq] = envelope
+            while (next_one := self.pending.pop(self.next_seq, None)) is not None:
+                self.next_seq += 1
+                self._hand_on(next_one)
+
+    def _hand_on(self, envelope: ToAgent) -> None:
         message = envelope.message
         if isinstance(message, TrackModel):
             if self.monitor is not None:
@@ -224,7 +280,7 @@ class NodeAgent:
         return msgspec.msgpack.encode(self.outbox.take(timeout_s))
 
     def child_pids(self) -> dict[str, int]:
-        """The running children's pids by model (for tests and GET /nodes)."""
+        """The running children's pids by model (for tests)."""
         pids = {}
         for model, ref in list(self.instances.items()):
             child = ref.proxy().child.get(timeout=5)
@@ -271,7 +327,7 @@ class RemoteInstance:
                         f"on {devices or config.nodes}"))
                     return
                 log.info("%s#%d goes to node %s", self.name, generation, self.node)
-                self.cluster.send(self.node, ToAgent(self.name, message))
+                self.cluster.send(self.node, self.name, message)
             case StopInstance(generation=generation, reason="shutdown") if (
                     self.cluster.config.cluster.keep_on_exit and self.node is not None
                     and generation == self.generation):
@@ -282,7 +338,12 @@ class RemoteInstance:
                     "corral (cluster.keep_on_exit)"))
             case StopInstance(generation=generation) | LivenessMiss(generation=generation):
                 if generation == self.generation and self.node is not None:
-                    self.cluster.send(self.node, ToAgent(self.name, message))
+                    self.cluster.send(self.node, self.name, message)
+
+    def exited(self, node: str, generation: int) -> None:
+        with self.lock:
+            if self.node == node and self.generation == generation:
+                self.node = None
 
     def adopt(self, generation: int, node: str) -> bool:
         with self.lock:
@@ -312,6 +373,9 @@ class AgentLink:
         self.node = node
         self.handle: Any = None
         self.host: str | None = None
+        self.seq = 0
+        """The next message's number (ToAgent.seq), counted from 0 at each attach."""
+        self.send_lock = threading.Lock()
         self.state = "connecting"
         """connecting, up, or lost (retried every cluster.agent_retry_s)."""
         self.since = time.time()
@@ -334,10 +398,13 @@ class AgentLink:
             lifetime="detached", get_if_exists=True, num_cpus=0, num_gpus=0,
             max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(found["NodeID"], soft=False))
-        self.handle = actor.remote(self.node, host, msgspec.msgpack.encode(cluster.config))
-        hello = ray.get(self.handle.hello.remote(), timeout=60)
+        config = msgspec.msgpack.encode(cluster.config)
+        handle: Any = actor.remote(self.node, host, config)
+        hello = ray.get(handle.attach.remote(config), timeout=60)
+        with self.send_lock:
+            self.handle, self.seq = handle, 0
         self.host = hello["host"]
-        running = msgspec.msgpack.decode(ray.get(self.handle.running.remote(), timeout=60),
+        running = msgspec.msgpack.decode(ray.get(handle.running.remote(), timeout=60),
                                          type=list[Running])
         log.info("node %s: agent up (pid %d on %s), %d children running", self.node,
                  hello["pid"], self.host, len(running))
@@ -353,11 +420,14 @@ class AgentLink:
                 except (ray.exceptions.RayError, TimeoutError) as e:
                     log.warning("node %s: cannot start its agent: %s", self.node, e)
                     up = False
+                if up:
+                    self.state, self.since = "up", time.time()
+                else:
+                    self.cluster.hub.absent(self.node)
                 self.tried.set()
                 if not up:
                     self.stopping.wait(retry_s)
                     continue
-                self.state, self.since = "up", time.time()
             try:
                 data = ray.get(self.handle.poll.remote(POLL_S))
             except ray.exceptions.RayError as e:
@@ -371,8 +441,16 @@ class AgentLink:
     def _lost(self, why: str) -> None:
         log.error("node %s lost: %s; its models fail, and it is avoided for %g s",
                   self.node, why, self.cluster.config.cluster.agent_retry_s)
-        self.state, self.since, self.handle = "lost", time.time(), None
+        with self.send_lock:
+            self.state, self.since, self.handle = "lost", time.time(), None
         self.cluster.node_lost(self.node, why)
+
+    def send(self, model: str, message: Any) -> None:
+        with self.send_lock:
+            if self.handle is None:
+                return  # lost: its models' exits are reported already
+            self.handle.tell.remote(msgspec.msgpack.encode(ToAgent(self.seq, model, message)))
+            self.seq += 1
 
 
 class Cluster:
@@ -443,7 +521,9 @@ class Cluster:
                 continue
             log.info("node %s: stopping %s#%d (pid %d), not adopted: %s", node, r.model,
                      r.generation, r.pid, why or "the model runs elsewhere")
-            self.send(node, ToAgent(r.model, StopInstance(r.generation, "not adopted")))
+            if remote is not None:  # its next generation is a later one than this child's
+                self.scheduler.tell(InstanceSeen(r.model, r.generation))
+            self.send(node, r.model, StopInstance(r.generation, "not adopted"))
 
     def describe(self) -> list[dict[str, Any]]:
         """GET /nodes: each node's agent, its address, since when it is in its state, its
@@ -470,17 +550,20 @@ class Cluster:
         return next((n for n in nodes if n in self.links and self.links[n].state == "up"),
                     None)
 
-    def send(self, node: str, envelope: ToAgent) -> None:
-        handle = self.links[node].handle
-        if handle is not None:  # a lost agent: its models' exits are already reported
-            handle.tell.remote(msgspec.msgpack.encode(envelope))
+    def send(self, node: str, model: str, message: Any) -> None:
+        self.links[node].send(model, message)
 
     def deliver(self, node: str, batch: Batch) -> None:
         for message in batch.messages:
             if isinstance(message, DevicesReported):
                 self.hub.reported(node, message.report)
-            else:
+                continue
+            if isinstance(message, InstanceExited) and message.model in self.instances:
+                self.instances[message.model].exited(node, message.generation)
+            try:
                 self.scheduler.tell(message)
+            except pykka.ActorDeadError:
+                return  # the head is stopping
         for model, line in batch.lines:
             ring = self.logs.get(model)
             if ring is not None:
@@ -490,9 +573,9 @@ class Cluster:
                         batch.dropped_lines)
 
     def node_lost(self, node: str, why: str) -> None:
+        self.hub.lost(node)  # first: nothing may be placed there once its models fail
         for remote in self.instances.values():
             remote.node_lost(node, why)
-        self.hub.lost(node)
 
 
 def on_node(node: str, report: DeviceReport) -> DeviceReport:
@@ -546,7 +629,17 @@ class DeviceHub:
                     if self.local is not None:
                         self.local.tell(message)
                 elif remote.node is not None:
-                    self.cluster.send(remote.node, ToAgent(model, message))
+                    self.cluster.send(remote.node, model, message)
+
+    def absent(self, node: str) -> None:
+        """A node whose agent could not be reached yet: a device with no memory stands for
+        it, so its models are told it cannot be placed rather than left waiting."""
+        with self.lock:
+            if node in self.reports:
+                return
+        self._update(node, DeviceReport(
+            devices=[DeviceSample(f"{node}/unreachable", "device", 0, 0, "cluster")],
+            managed={}, usage={}, tracked=[], backends=[], ready=[]))
 
     def reported(self, node: str, report: DeviceReport) -> None:
         self.reported_at[node] = time.time()

@@ -139,7 +139,11 @@ class Ledger:
         None when the backend cannot attribute memory to processes, and then whatever
         the models hold is assumed to be in use (the reference's rule).
         """
-        if sample.total <= 0 or not self._counts(sample.kind):
+        if not self._counts(sample.kind):
+            return
+        if sample.total <= 0:  # gone (a lost node's device): nothing is placed on it
+            dev = self.devices.setdefault(sample.name, DeviceMemory(0, sample.kind))
+            dev.total = dev.free = 0
             return
         ours = self._held_by_others(sample.name, None) if managed is None else managed
         dev = self.devices.setdefault(sample.name, DeviceMemory(sample.total, sample.kind))

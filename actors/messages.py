@@ -363,6 +363,15 @@ class InstanceAdopted(Message, frozen=True):
     """Where it was placed (NODE/DEVICE names)."""
 
 
+class InstanceSeen(Message, frozen=True):
+    """Cluster -> Scheduler: a child of `model` as generation `generation` runs on a node
+    (left by an earlier corral, and being stopped): new generations count on from there,
+    so none is taken for it."""
+
+    model: str
+    generation: int
+
+
 class InstanceReported(Message, frozen=True):
     """ModelInstance -> Scheduler: a llama child's state line: loading progress, or that it
     went to sleep, or woke up (R-3.6)."""
@@ -459,7 +468,8 @@ class Shutdown(Message, frozen=True):
 SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
     | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | AnswerLate | InstancesAttached
-    | InstanceStarted | InstanceReady | InstanceAdopted | InstanceReported | InstanceExited
+    | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
+    | InstanceExited
     | Reconfigure
     | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )

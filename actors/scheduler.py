@@ -28,6 +28,7 @@ from .messages import (
     InstanceReady,
     InstanceReported,
     InstancesAttached,
+    InstanceSeen,
     InstanceStarted,
     LivenessMiss,
     LoadModel,
@@ -79,6 +80,8 @@ class Scheduler(BaseActor):
         self.instances: dict[str, Any] = {}
         """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
         self.monitor: Any = None
+        self.early_tracks: list[TrackModel] = []
+        """Tracks before the monitor is attached (children adopted at a cluster start)."""
         self.measurer: Any = None
         self.subscribers: list[Callable[[Event], None]] = []
         self.grant_watchers: list[Callable[[Withdraw], None]] = []
@@ -120,6 +123,9 @@ class Scheduler(BaseActor):
             case InstancesAttached(instances=instances, monitor=monitor, measurer=measurer):
                 self.instances = dict(instances)
                 self.monitor, self.measurer = monitor, measurer
+                for track in self.early_tracks:
+                    monitor.tell(track)
+                self.early_tracks.clear()
                 self._run(p.start_measuring())
                 for name in self.startup_loads:
                     self._run(p.load(None, name, now))
@@ -133,6 +139,8 @@ class Scheduler(BaseActor):
                                  devices=devices):
                 self._run(p.instance_adopted(model, gen, pid, f"http://{host}:{port}",
                                              devices, now))
+            case InstanceSeen(model=model, generation=gen):
+                p.instance_seen(model, gen)
             case InstanceReported(model=model, generation=gen, state=state, payload=payload):
                 self._run(p.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
@@ -214,5 +222,7 @@ class Scheduler(BaseActor):
                 case Track(model=model, event=event, pid=pid):
                     if self.monitor is not None:
                         self.monitor.tell(TrackModel(model, event, pid))
+                    else:
+                        self.early_tracks.append(TrackModel(model, event, pid))
                 case _:
                     assert_never(effect)

@@ -155,6 +155,14 @@ class Supervisor:
             log.warning("reload: %s changed; that takes effect when corral restarts",
                         ", ".join(fixed))
         for name, model in config.models.items():
+            old = self.config.models.get(name)
+            if old is not None and (old.nodes is None) != (model.nodes is None):
+                raise ConfigError(f"models.{name}.nodes: whether a model runs on cluster "
+                                  "nodes changes only with a restart")
+            if model.nodes and self.cluster is None:
+                raise ConfigError(f"models.{name}.nodes: this corral has joined no Ray "
+                                  "cluster ([cluster] ray_address, or --ray)")
+        for name, model in config.models.items():
             if name not in self.instances:
                 self.instances[name] = self._start_instance(name, model)
         done = ThreadReply()
@@ -194,11 +202,11 @@ class Supervisor:
             clean = done.wait(timeout_s) is True
         if not clean:
             log.error("children did not all exit within %.1f s of shutdown", timeout_s)
+        if self.cluster is not None:  # its links deliver to the Scheduler: first
+            self.cluster.stop()
         for ref in [*self.instances.values(), self.measurer, self.monitor]:
             ref.stop(block=True, timeout=5.0)
         self.scheduler.stop(block=True, timeout=5.0)
-        if self.cluster is not None:
-            self.cluster.stop()
         if self.timers is not None:
             self.timers.stop()
         self.scheduler = None

@@ -88,10 +88,11 @@ def ray_address() -> Iterator[str]:
         cluster.shutdown()
 
 
-def cluster_config(models: dict[str, dict[str, Any]], namespace: str, **top: Any) -> str:
+def cluster_config(models: dict[str, dict[str, Any]], namespace: str, retry_s: float = 30,
+                   **top: Any) -> str:
     return toml_config(models, **top) + (
         f'\n[cluster]\nnamespace = "{namespace}"\nnodes = ["node_a", "node_b"]\n'
-        f"agent_retry_s = {top.pop('retry', 30)}\n")
+        f"agent_retry_s = {retry_s}\n")
 
 
 class Agents:
@@ -148,11 +149,11 @@ def test_a_lost_agent_fails_its_models_and_they_move(corral, ray_address: str) -
     assert "node node_b lost" in c.log()
 
 
-def memory_config(namespace: str) -> str:
+def memory_config(namespace: str, nodes: tuple[str, ...] = ("node_a", "node_b")) -> str:
     """Two nodes with one simulated 3.5 GiB GPU each, a 512 MiB margin, and two 3 GiB
-    models that may run on either node: only one fits per GPU."""
+    models that may run on `nodes`: only one fits per GPU."""
     big = {"cmd": fake_cmd("--device-mib", "3072"), "measure": "declared",
-           "memory_mib": {"gpu0": 3072}, "nodes": ["node_a", "node_b"]}
+           "memory_mib": {"gpu0": 3072}, "nodes": list(nodes)}
     return cluster_config({"big1": big, "big2": big}, namespace, memory_margin_mib=512,
                           device_poll_s=0.5,
                           devices=[{"name": "gpu0", "kind": "simulated", "total_mib": 3584}])
@@ -219,3 +220,65 @@ def test_a_restarted_head_adopts_the_running_children(corral, ray_address: str) 
     assert "stopping m#1" in third.log() and "its config changed" in third.log()
     assert chat(third.port, "m")[0] == 200
     assert third.models()["m"]["pid"] != pids["m"]
+
+
+@inside
+def test_an_agent_hands_on_messages_in_the_heads_order(tmp_path) -> None:
+    """Ray may run a threaded actor's calls out of order: the agent restores the head's
+    (a Stop that overtook its Start still stops that child). Driven in-process."""
+    import msgspec
+
+    from actors.cluster import Batch, NodeAgent, ToAgent
+    from actors.config import Config, ModelConfig
+    from actors.messages import InstanceExited, InstanceStarted, StartInstance, StopInstance
+
+    agent = NodeAgent("n", "127.0.0.1", msgspec.msgpack.encode(
+        Config(state_dir=str(tmp_path))))
+    model = ModelConfig(cmd=fake_cmd())
+    for seq, message in ((1, StopInstance(1, "unload")), (0, StartInstance(1, model))):
+        agent.tell(msgspec.msgpack.encode(ToAgent(seq, "m", message)))
+    seen: list[Any] = []
+
+    def exited() -> bool:
+        seen.extend(msgspec.msgpack.decode(agent.poll(0.5), type=Batch).messages)
+        return any(isinstance(m, InstanceExited) for m in seen)
+
+    wait_until(exited, 15, "the child to be started and stopped")
+    assert [type(m) for m in seen] == [InstanceStarted, InstanceExited]
+    assert agent.child_pids() == {}
+    for ref in agent.instances.values():
+        ref.stop()
+    agent.timers.stop()
+
+
+@inside
+def test_a_model_whose_only_node_is_lost_is_refused_clearly(corral, ray_address: str) -> None:
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(memory_config(ns, nodes=("node_b",)), "--ray", ray_address)
+    wait_until(lambda: chat(c.port, "big1")[0] == 200, 20, "big1 to load on node_b")
+    agents = Agents(ray_address, ns)
+    os.kill(agents.pid("node_b"), signal.SIGKILL)
+    c.wait_state("big1", "failed", 15)
+    status, body = chat(c.port, "big1")
+    assert status == 503 and "none of its nodes (node_b) has a GPU up" in str(body), body
+
+
+@inside
+def test_a_new_head_starts_a_model_whose_old_child_is_still_stopping(corral,
+                                                                     ray_address: str) -> None:
+    """The old child ignores SIGTERM and its config changed: the new head stops it (slowly)
+    and, meanwhile, starts the model again as a later generation beside it."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    stubborn = {"cmd": fake_cmd("--ignore-sigterm"), "nodes": ["node_b"], "stop_timeout_s": 5}
+    first = corral(cluster_config({"m": stubborn}, ns), "--ray", ray_address)
+    assert chat(first.port, "m")[0] == 200
+    old = first.models()["m"]["pid"]
+    assert first.stop() == 0
+    changed = {**stubborn, "cmd": fake_cmd("--ignore-sigterm", "--tokens-per-s", "500")}
+    second = corral(cluster_config({"m": changed}, ns), "--ray", ray_address)
+    status, body = chat(second.port, "m")
+    assert status == 200, body
+    m = second.models()["m"]
+    assert m["pid"] != old and m["status"]["value"] == "loaded"
+    assert "#2" in second.log()  # a later generation than the old child's
+    wait_until(lambda: not pid_alive(old), 15, "the old child to be killed after 5 s")

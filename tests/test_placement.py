@@ -236,3 +236,18 @@ def test_a_cluster_model_goes_only_to_its_nodes_and_never_spans_two() -> None:
     assert w.stops == []
     w.load_idle("here")
     assert w.placed.get("here") in (None, ["gpu9"])
+
+
+def test_a_device_that_reports_no_memory_takes_nothing() -> None:
+    """A lost node's devices are reported with no memory: nothing is placed there, and a
+    model that may only run there is refused, saying why (not left waiting)."""
+    w = GpuWorld({"a": 6, "b": 6}, rules={"a": ModelRules(nodes=["node_a", "node_b"]),
+                                          "b": ModelRules(nodes=["node_b"])},
+                 gpus=NODE_GPUS)
+    w.p.devices_reported(DeviceReport(
+        devices=[DeviceSample(d, "device", 0, 0, "cluster") for d in NODE_GPUS[2:]],
+        managed={}, usage={}, tracked=[], backends=["cluster"]), w.tick())
+    w.acquire(1, "a")
+    assert w.placed["a"][0].startswith("node_a/")
+    refusal = w.acquire(2, "b")
+    assert "none of its nodes (node_b) has a GPU up" in refusal.message

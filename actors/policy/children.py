@@ -99,6 +99,13 @@ class Children(Rules):
         self._pump(now)
         return self._flush()
 
+    def instance_seen(self, model: str, generation: int) -> None:
+        """Another corral's child of `model` runs as `generation` (being stopped): this
+        model's next generation is a later one."""
+        rec = self.models.get(model)
+        if rec is not None and rec.state is S.UNLOADED:
+            rec.generation = max(rec.generation, generation)
+
     def instance_reported(self, model: str, generation: int, state: str,
                           payload: dict[str, Any], now: float) -> list[Effect]:
         """A llama child's progress, or that it went to sleep or woke up (R-3.6)."""

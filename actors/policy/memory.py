@@ -153,7 +153,8 @@ class Memory:
         rules = rec.rules
         if not rules.placeable:
             return []
-        gpus = sorted(n for n, d in self.ledger.devices.items() if d.kind == "device"
+        gpus = sorted(n for n, d in self.ledger.devices.items()
+                      if d.kind == "device" and d.total > 0  # 0: a lost node's
                       and (node_of(n) in rules.nodes if rules.nodes is not None
                            else node_of(n) is None))
         if rules.devices is None and len(gpus) <= 1 and rules.nodes is None:
@@ -189,6 +190,10 @@ class Memory:
         nodes = rec.rules.nodes
         if nodes is not None and not any(node_of(d) in nodes for d in self.ledger.devices):
             return Plan("wait")  # none of its nodes has reported its devices yet
+        if nodes is not None and not places:
+            return Plan("refuse", refusal=(
+                f"model '{rec.name}' cannot be placed: none of its nodes ({', '.join(nodes)}) "
+                "has a GPU up (GET /nodes)"))
         if not places:
             if rec.rules.placeable and (rec.rules.devices or rec.rules.devices_per_instance > 1):
                 if not self.ledger.devices:
