@@ -42,6 +42,15 @@ def node_of(device: str) -> str | None:
     return node if sep else None
 
 
+@dataclass
+class Around:
+    """What a plan's places share: the memory of the models on their way out, and per
+    device the models holding some of it."""
+
+    coming_back: dict[str, int]
+    holders: dict[str, list[ModelRecord]]
+
+
 class Memory:
     def __init__(self, margin: int, account_host: bool) -> None:
         self.on = margin > 0
@@ -207,18 +216,25 @@ class Memory:
         free_places = [p for p in places if not set(p) & (busy or set())]
         if not free_places:
             return Plan("wait")  # each place has a load in flight: one per device at a time
+        needs = [self.placed_need(rec, devices) for devices in free_places]
+        fits = [(sum(self.ledger.available(d) or 0 for d in devices), -i)
+                for i, devices in enumerate(free_places) if not self.ledger.deficit(needs[i])]
+        if fits:  # the cheapest there is: the most free memory of those, the first of equals
+            plan = Plan("go")
+            plan.devices = free_places[-max(fits)[1]]
+            return plan
         best: tuple[tuple[float, ...], Plan] | None = None
-        going = self._going(models)
+        around = self._around(models)
         rank_of = {v.name: i for i, v in enumerate(victims)}
         on_device: dict[str, list[ModelRecord]] = {}  # the victims holding memory there
         for v in victims:
             for d in self.ledger.held.get(v.name, {}):
                 on_device.setdefault(d, []).append(v)
-        for devices in free_places:
+        for devices, need in zip(free_places, needs, strict=True):
             on = set(devices)
             useful = sorted({v.name: v for d in devices for v in on_device.get(d, [])}
                             .values(), key=lambda v: rank_of[v.name])
-            plan = self._fit(rec, self.placed_need(rec, devices), models, useful, on, going)
+            plan = self._fit(rec, need, models, useful, on, around)
             plan.devices = devices
             rank = (0 if plan.verdict == "go" and not plan.evict
                     else 1 if plan.fits_once_freed and not plan.evict
@@ -231,35 +247,46 @@ class Memory:
         assert best is not None
         return best[1]
 
-    @staticmethod
-    def _going(models: dict[str, ModelRecord]) -> list[str]:
-        """The models whose memory is on its way back (stopping, or not yet seen gone)."""
-        return [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
+    def _around(self, models: dict[str, ModelRecord]) -> Around:
+        """What every place a plan weighs shares, computed once for all of them."""
+        going = [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
+        holders: dict[str, list[ModelRecord]] = {}
+        for name, devices in self.ledger.held.items():
+            holder = models.get(name)
+            if holder is not None and (holder.state.is_running or holder.releasing):
+                for d in devices:
+                    holders.setdefault(d, []).append(holder)
+        return Around(self.ledger.holds_of(going), holders)
 
     def _fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
              victims: list[ModelRecord], on: set[str] | None = None,
-             going: list[str] | None = None) -> Plan:
+             around: Around | None = None) -> Plan:
         """Whether `need` fits, after evicting which of `victims`; `on`: the devices it is
         being placed on (then only models holding memory there count as "others")."""
-        going = list(self._going(models) if going is None else going)
+        around = around or self._around(models)
         plan = Plan("wait")
-        short = self.ledger.deficit(need, self.ledger.holds_of(going))
+        coming_back = dict(around.coming_back)
+        short = self.ledger.deficit(need, coming_back)
         for victim in victims:
             if not short:
                 break
             plan.evict.append((victim, [
                 Shortfall(d, row.self_bytes, self.ledger.available(d) or 0)
                 for row in (need.devices if need else []) if (d := row.name) in short]))
-            going.append(victim.name)
-            short = self.ledger.deficit(need, self.ledger.holds_of(going))
+            for d, size in self.ledger.held.get(victim.name, {}).items():
+                coming_back[d] = coming_back.get(d, 0) + size
+            short = self.ledger.deficit(need, coming_back)
         if not short:
             # It fits once what is being stopped has come back.
             plan.verdict = "go" if not self.ledger.deficit(need) else "wait"
             plan.fits_once_freed = plan.verdict == "wait"
             return plan
-        others = [r for r in models.values()
-                  if r is not rec and (r.state.is_running or r.releasing)
-                  and (on is None or on & self.ledger.held.get(r.name, {}).keys())]
+        if on is None:
+            others = [r for r in models.values()
+                      if r is not rec and (r.state.is_running or r.releasing)]
+        else:
+            others = list({r.name: r for d in on for r in around.holders.get(d, [])
+                           if r is not rec}.values())
         missing = ", ".join(f"{b / MiB:.0f} MiB on {d}" for d, b in short.items())
         if not others:
             log.warning("model %s is projected to be short by %s with nothing else loaded; "
