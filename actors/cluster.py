@@ -316,15 +316,16 @@ class RemoteInstance:
                 self.generation, self.model = generation, config
                 if devices:  # placed by fit: the devices say the node
                     node = node_of(devices[0])
-                    self.node = self.cluster.pick([node] if node else [])
+                    self.node = self.cluster.pick([node] if node else [], self.name)
                     message = StartInstance(generation, config,
                                             [d.rpartition("/")[2] for d in devices])
                 else:
-                    self.node = self.cluster.pick(config.nodes or [])
+                    self.node = self.cluster.pick(config.nodes or [], self.name)
                 if self.node is None:
                     self.cluster.scheduler.tell(InstanceExited(
                         self.name, generation, -1, "could not be started: no agent is up "
-                        f"on {devices or config.nodes}"))
+                        f"on {devices or config.nodes} with a free slot "
+                        "(models_max_per_node)"))
                     return
                 log.info("%s#%d goes to node %s", self.name, generation, self.node)
                 self.cluster.send(self.node, self.name, message)
@@ -545,10 +546,16 @@ class Cluster:
                 return dict(node)
         return None
 
-    def pick(self, nodes: list[str]) -> str | None:
-        """The first of `nodes` whose agent is up."""
-        return next((n for n in nodes if n in self.links and self.links[n].state == "up"),
-                    None)
+    def pick(self, nodes: list[str], model: str) -> str | None:
+        """The first of `nodes` whose agent is up and that runs fewer than
+        models_max_per_node children (what the policy checks itself when it places)."""
+        cap = self.config.models_max_per_node
+
+        def room(node: str) -> bool:
+            return not cap or sum(r.node == node for name, r in self.instances.items()
+                                  if name != model) < cap
+        return next((n for n in nodes if n in self.links and self.links[n].state == "up"
+                     and room(n)), None)
 
     def send(self, node: str, model: str, message: Any) -> None:
         self.links[node].send(model, message)

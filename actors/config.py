@@ -187,6 +187,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     models_max: Annotated[int, Meta(ge=0)] = 4
     """Most children running at once; 0 means no limit."""
+    models_max_per_node: Annotated[int, Meta(ge=0)] = 0
+    """With a [cluster]: most children running at once on one node (0: no limit)."""
     autoload: bool = True
     api_key: str | None = None
     api_key_file: str | None = None

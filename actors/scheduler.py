@@ -71,7 +71,7 @@ class Scheduler(BaseActor):
         self.policy = Policy(config.models_max, config.restart_intensity,
                              config.restart_period_s, int(config.memory_margin_mib * MiB),
                              config.account_host, config.restart_backoff_max_s,
-                             config.restart_healthy_s)
+                             config.restart_healthy_s, config.models_max_per_node)
         for name, model in config.models.items():
             self.policy.add_model(name, clock(), rules=config.rules_of(model))
         self.configs = dict(config.models)

@@ -297,3 +297,14 @@ def test_chaos_over_two_nodes_answers_every_request(corral, ray_address: str) ->
     # Loads through an agent take longer on this machine (0.4-0.9 s against 0.3 s), so
     # more kills land on a load, whose waiters get a 503 by design.
     chaos(c, seconds=8, min_ok=0.75)
+
+
+@inside
+def test_models_max_per_node_spreads_children(corral, ray_address: str) -> None:
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    both = {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}
+    c = corral(cluster_config({"p": both, "q": both}, ns, models_max_per_node=1),
+               "--ray", ray_address)
+    assert chat(c.port, "p")[0] == 200 and chat(c.port, "q")[0] == 200
+    models = c.models()
+    assert {models["p"]["node"], models["q"]["node"]} == {"node_a", "node_b"}

@@ -251,3 +251,25 @@ def test_a_device_that_reports_no_memory_takes_nothing() -> None:
     assert w.placed["a"][0].startswith("node_a/")
     refusal = w.acquire(2, "b")
     assert "none of its nodes (node_b) has a GPU up" in refusal.message
+
+
+def test_models_max_per_node_fills_other_nodes_then_frees_a_slot_on_one() -> None:
+    """At one model per node: b goes to the other node though a's node has a free GPU;
+    c then needs a slot and takes it from the least recently used idle model's node."""
+    w = GpuWorld({"a": 2, "b": 2, "c": 2},
+                 rules={m: ModelRules(nodes=["node_a", "node_b"]) for m in "abc"},
+                 gpus=NODE_GPUS)
+    w.p = type(w.p)(0, 3, 60.0, memory_margin=1 * GiB, models_max_per_node=1)
+    for n in "abc":
+        w.p.add_model(n, 0.0, rules=ModelRules(nodes=["node_a", "node_b"]))
+    w.report()
+    for n in "abc":
+        w.run(w.p.measured(n, True, need(2), need(2), 0.0))
+    w.load_idle("a", "b")
+    assert {w.placed["a"][0].split("/")[0], w.placed["b"][0].split("/")[0]} == {
+        "node_a", "node_b"}
+    w.acquire(1, "c")
+    assert w.stops == [("a", "lru")]  # a was used least recently: its node's slot
+    w.exited("a")
+    w.report()
+    assert w.placed["c"][0].split("/")[0] == w.placed["a"][0].split("/")[0]

@@ -50,12 +50,21 @@ class Around:
     coming_back: dict[str, int]
     holders: dict[str, list[ModelRecord]]
 
+    def but(self, leaving: ModelRecord, ledger: Ledger) -> Around:
+        """The same, with `leaving`'s memory coming back too."""
+        coming_back = dict(self.coming_back)
+        for d, size in ledger.held.get(leaving.name, {}).items():
+            coming_back[d] = coming_back.get(d, 0) + size
+        return Around(coming_back, self.holders)
+
 
 class Memory:
-    def __init__(self, margin: int, account_host: bool) -> None:
+    def __init__(self, margin: int, account_host: bool, per_node_max: int = 0) -> None:
         self.on = margin > 0
         """Memory accounting decides loads; off at margin 0, as in the reference."""
         self.ledger = Ledger(margin, account_host)
+        self.per_node_max = per_node_max
+        """models_max_per_node: most children running on one cluster node (0: any)."""
         self.backends: list[str] = []
 
     # ------------------------------------------------------------ facts
@@ -216,9 +225,11 @@ class Memory:
         free_places = [p for p in places if not set(p) & (busy or set())]
         if not free_places:
             return Plan("wait")  # each place has a load in flight: one per device at a time
+        full = self._full_nodes(rec, models, victims)
         needs = [self.placed_need(rec, devices) for devices in free_places]
         fits = [(sum(self.ledger.available(d) or 0 for d in devices), -i)
-                for i, devices in enumerate(free_places) if not self.ledger.deficit(needs[i])]
+                for i, devices in enumerate(free_places)
+                if node_of(devices[0]) not in full and not self.ledger.deficit(needs[i])]
         if fits:  # the cheapest there is: the most free memory of those, the first of equals
             plan = Plan("go")
             plan.devices = free_places[-max(fits)[1]]
@@ -234,7 +245,18 @@ class Memory:
             on = set(devices)
             useful = sorted({v.name: v for d in devices for v in on_device.get(d, [])}
                             .values(), key=lambda v: rank_of[v.name])
-            plan = self._fit(rec, need, models, useful, on, around)
+            node = node_of(devices[0])
+            slot = full.get(node) if node in full else None
+            if node in full and slot is None:
+                continue  # the node has models_max_per_node running, none of them idle
+            if slot is None:
+                plan = self._fit(rec, need, models, useful, on, around)
+            else:  # a slot on its node first: its least recently used idle model goes
+                useful = [v for v in useful if v is not slot]
+                plan = self._fit(rec, need, models, useful, on, around.but(slot, self.ledger))
+                plan.evict.insert(0, (slot, []))
+                if plan.verdict == "go":
+                    plan.verdict = "wait"  # for the slot: its exit re-pumps
             plan.devices = devices
             rank = (0 if plan.verdict == "go" and not plan.evict
                     else 1 if plan.fits_once_freed and not plan.evict
@@ -244,8 +266,27 @@ class Memory:
             key = (rank, recency, -free)
             if best is None or key < best[0]:
                 best = (key, plan)
-        assert best is not None
-        return best[1]
+        return best[1] if best is not None else Plan("wait")
+
+    def _full_nodes(self, rec: ModelRecord, models: dict[str, ModelRecord],
+                    victims: list[ModelRecord]) -> dict[str | None, ModelRecord | None]:
+        """The nodes at models_max_per_node, each with its least recently used idle model
+        (None: every child there is busy)."""
+        if not self.per_node_max:
+            return {}
+        running: dict[str | None, int] = {}
+        for r in models.values():
+            if r is not rec and r.state.is_running and r.placement:
+                node = node_of(r.placement[0])
+                running[node] = running.get(node, 0) + 1
+        full: dict[str | None, ModelRecord | None] = {
+            node: None for node, n in running.items() if node is not None
+            and n >= self.per_node_max}
+        for v in victims:  # least recently used first
+            node = node_of(v.placement[0]) if v.placement else None
+            if node in full and full[node] is None:
+                full[node] = v
+        return full
 
     def _around(self, models: dict[str, ModelRecord]) -> Around:
         """What every place a plan weighs shares, computed once for all of them."""

@@ -54,7 +54,7 @@ class Rules:
     def __init__(self, models_max: int, restart_intensity: int = 3,
                  restart_period_s: float = 60.0, memory_margin: int = 0,
                  account_host: bool = False, restart_backoff_max_s: float = 60.0,
-                 restart_healthy_s: float = 30.0) -> None:
+                 restart_healthy_s: float = 30.0, models_max_per_node: int = 0) -> None:
         self.models_max = models_max
         self.breaker_args = (restart_intensity, restart_period_s, restart_backoff_max_s,
                              restart_healthy_s)
@@ -62,7 +62,7 @@ class Rules:
         self.queue = RequestQueue()
         self.leases: dict[Hashable, tuple[str, int]] = {}
         """Ticket -> (model, generation), for every granted request not yet released."""
-        self.memory = Memory(memory_margin, account_host)
+        self.memory = Memory(memory_margin, account_host, models_max_per_node)
         self.victims = Victims(self._evictable)
         self.stats = Stats()
         self.shutting_down = False
@@ -223,8 +223,9 @@ class Rules:
                 if self.memory_on:
                     victims = self.victims.ranked(self.models, now, self._resident_until)
                     plan = self.memory.plan(rec, self.models, victims, busy)
-                    for victim, shortfalls in plan.evict:
-                        self._stop(victim, "memory", rec.name, now, shortfalls)
+                    for victim, shortfalls in plan.evict:  # none: a node's slot
+                        self._stop(victim, "memory" if shortfalls else "lru", rec.name, now,
+                                   shortfalls)
                     if plan.measure:
                         rec.measure_front = True
                         self._out.append(Measure(rec.name, front=True))
