@@ -228,7 +228,8 @@ def test_an_agent_hands_on_messages_in_the_heads_order(tmp_path) -> None:
     (a Stop that overtook its Start still stops that child). Driven in-process."""
     import msgspec
 
-    from actors.cluster import Batch, NodeAgent, ToAgent
+    from actors.cluster.agent import NodeAgent
+    from actors.cluster.wire import Batch, ToAgent
     from actors.config import Config, ModelConfig
     from actors.messages import InstanceExited, InstanceStarted, StartInstance, StopInstance
 

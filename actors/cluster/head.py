@@ -1,0 +1,326 @@
+"""The head's side: a RemoteInstance per model, an AgentLink per node, the Cluster."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, cast
+
+import msgspec
+import pykka
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..childproc import LogRing
+from ..config import Config, ConfigError, ModelConfig
+from ..messages import (
+    DevicesReported,
+    InstanceAdopted,
+    InstanceExited,
+    InstanceSeen,
+    LivenessMiss,
+    StartInstance,
+    StopInstance,
+)
+from ..policy.memory import node_of
+from .agent import NodeAgent
+from .devices import DeviceHub
+from .wire import AGENT_PREFIX, POLL_S, Batch, Running, ToAgent, digest
+
+log = logging.getLogger("corral.cluster")
+
+
+class RemoteInstance:
+    """The head's stand-in for a ModelInstance on another node: the Scheduler tells it
+    what it would tell a local one, and it passes that on to the node the model runs on."""
+
+    def __init__(self, name: str, model: ModelConfig, cluster: Cluster) -> None:
+        self.name = name
+        self.model = model
+        self.cluster = cluster
+        self.generation = 0
+        self.node: str | None = None
+        """Where the current generation runs (None: nowhere)."""
+        self.lock = threading.Lock()
+        """tell() runs on the Scheduler's thread, node_lost() on a link's."""
+
+    def tell(self, message: Any) -> None:
+        with self.lock:
+            self._tell(message)
+
+    def _tell(self, message: Any) -> None:
+        match message:
+            case StartInstance(generation=generation, config=config, devices=devices):
+                self.generation, self.model = generation, config
+                if devices:  # placed by fit: the devices say the node
+                    node = node_of(devices[0])
+                    self.node = self.cluster.pick([node] if node else [], self.name)
+                    message = StartInstance(generation, config,
+                                            [d.rpartition("/")[2] for d in devices])
+                else:
+                    self.node = self.cluster.pick(config.nodes or [], self.name)
+                if self.node is None:
+                    self.cluster.scheduler.tell(InstanceExited(
+                        self.name, generation, -1, "could not be started: no agent is up "
+                        f"on {devices or config.nodes} with a free slot "
+                        "(models_max_per_node)"))
+                    return
+                log.info("%s#%d goes to node %s", self.name, generation, self.node)
+                self.cluster.send(self.node, self.name, message)
+            case StopInstance(generation=generation, reason="shutdown") if (
+                    self.cluster.config.cluster.keep_on_exit and self.node is not None
+                    and generation == self.generation):
+                # The head is stopping: the child stays for the next head to adopt.
+                node, self.node = self.node, None
+                self.cluster.scheduler.tell(InstanceExited(
+                    self.name, generation, 0, f"left running on node {node} for the next "
+                    "corral (cluster.keep_on_exit)"))
+            case StopInstance(generation=generation) | LivenessMiss(generation=generation):
+                if generation == self.generation and self.node is not None:
+                    self.cluster.send(self.node, self.name, message)
+
+    def exited(self, node: str, generation: int) -> None:
+        with self.lock:
+            if self.node == node and self.generation == generation:
+                self.node = None
+
+    def adopt(self, generation: int, node: str) -> bool:
+        with self.lock:
+            if self.node is not None:
+                return False
+            self.generation, self.node = generation, node
+            return True
+
+    def node_lost(self, node: str, why: str) -> None:
+        with self.lock:
+            if self.node != node:
+                return
+            self.node = None
+            self.cluster.scheduler.tell(InstanceExited(self.name, self.generation, -1,
+                                                       f"node lost: {why}"))
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """The Supervisor stops its actors at the end; there is no local one here."""
+
+
+class AgentLink:
+    """The head's link to one node's agent: creates (or finds) it, long-polls it on its own
+    thread, and turns its death into `node_lost` for every model that ran there."""
+
+    def __init__(self, cluster: Cluster, node: str) -> None:
+        self.cluster = cluster
+        self.node = node
+        self.handle: Any = None
+        self.host: str | None = None
+        self.seq = 0
+        """The next message's number (ToAgent.seq), counted from 0 at each attach."""
+        self.send_lock = threading.Lock()
+        self.state = "connecting"
+        """connecting, up, or lost (retried every cluster.agent_retry_s)."""
+        self.since = time.time()
+        self.tried = threading.Event()
+        """Set once the first attempt to reach the agent is over, either way."""
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"agent-link-{node}")
+
+    def _connect(self) -> bool:
+        cluster = self.cluster
+        found = cluster.find_node(self.node)
+        if found is None:
+            log.warning("node %s: no live Ray node has a resource or label %r", self.node,
+                        self.node)
+            return False
+        host = cluster.config.cluster.advertise.get(self.node) or found["NodeManagerAddress"]
+        actor = ray.remote(NodeAgent).options(
+            name=AGENT_PREFIX + self.node, namespace=cluster.config.cluster.namespace,
+            lifetime="detached", get_if_exists=True, num_cpus=0, num_gpus=0,
+            max_concurrency=8, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(found["NodeID"], soft=False))
+        config = msgspec.msgpack.encode(cluster.config)
+        handle: Any = actor.remote(self.node, host, config)
+        hello = ray.get(handle.attach.remote(config), timeout=60)
+        with self.send_lock:
+            self.handle, self.seq = handle, 0
+        self.host = hello["host"]
+        running = msgspec.msgpack.decode(ray.get(handle.running.remote(), timeout=60),
+                                         type=list[Running])
+        log.info("node %s: agent up (pid %d on %s), %d children running", self.node,
+                 hello["pid"], self.host, len(running))
+        cluster.take_over(self.node, hello["host"], running)
+        return True
+
+    def _run(self) -> None:
+        retry_s = self.cluster.config.cluster.agent_retry_s
+        while not self.stopping.is_set():
+            if self.state != "up":
+                try:
+                    up = self._connect()
+                except (ray.exceptions.RayError, TimeoutError) as e:
+                    log.warning("node %s: cannot start its agent: %s", self.node, e)
+                    up = False
+                if up:
+                    self.state, self.since = "up", time.time()
+                else:
+                    self.cluster.hub.absent(self.node)
+                self.tried.set()
+                if not up:
+                    self.stopping.wait(retry_s)
+                    continue
+            try:
+                data = ray.get(self.handle.poll.remote(POLL_S))
+            except ray.exceptions.RayError as e:
+                if self.stopping.is_set():
+                    return
+                self._lost(f"the agent on node {self.node} died ({type(e).__name__})")
+                self.stopping.wait(retry_s)
+                continue
+            self.cluster.deliver(self.node, msgspec.msgpack.decode(data, type=Batch))
+
+    def _lost(self, why: str) -> None:
+        log.error("node %s lost: %s; its models fail, and it is avoided for %g s",
+                  self.node, why, self.cluster.config.cluster.agent_retry_s)
+        with self.send_lock:
+            self.state, self.since, self.handle = "lost", time.time(), None
+        self.cluster.node_lost(self.node, why)
+
+    def send(self, model: str, message: Any) -> None:
+        with self.send_lock:
+            if self.handle is None:
+                return  # lost: its models' exits are reported already
+            self.handle.tell.remote(msgspec.msgpack.encode(ToAgent(self.seq, model, message)))
+            self.seq += 1
+
+
+class Cluster:
+    """The head's view of the Ray cluster: one AgentLink per configured node."""
+
+    def __init__(self, config: Config, logs: dict[str, LogRing]) -> None:
+        self.config = config
+        self.logs = logs
+        self.scheduler: Any = None
+        self.links = {node: AgentLink(self, node) for node in config.cluster.nodes}
+        self.instances: dict[str, RemoteInstance] = {}
+        self.hub = DeviceHub(self)
+
+    def connect(self) -> None:
+        """Join the Ray cluster as a driver (raises ConfigError if it cannot)."""
+        address = self.config.cluster.ray_address
+        try:
+            ray.init(address=address, namespace=self.config.cluster.namespace,
+                     log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"cluster.ray_address: cannot join the Ray cluster at "
+                              f"{address}: {e}") from None
+        log.info("joined the Ray cluster at %s (namespace %s); nodes %s", address,
+                 self.config.cluster.namespace, ", ".join(self.links))
+
+    def start(self, scheduler: Any, timeout_s: float = 60.0) -> None:
+        """Reach every node's agent (starting those not there); return once each is up or
+        has failed once (then it is retried every agent_retry_s)."""
+        self.scheduler = scheduler
+        for link in self.links.values():
+            link.thread.start()
+        deadline = time.monotonic() + timeout_s
+        for link in self.links.values():
+            link.tried.wait(max(0.0, deadline - time.monotonic()))
+        down = [n for n, link in self.links.items() if link.state != "up"]
+        if down:
+            log.warning("nodes without an agent yet: %s; their models go elsewhere",
+                        ", ".join(down))
+
+    def stop(self) -> None:
+        for link in self.links.values():
+            link.stopping.set()
+        for link in self.links.values():
+            if link.thread.is_alive():
+                link.thread.join(POLL_S + 1.0)
+        ray.shutdown()
+
+    def instance(self, name: str, model: ModelConfig) -> RemoteInstance:
+        remote = self.instances[name] = RemoteInstance(name, model, self)
+        return remote
+
+    def take_over(self, node: str, host: str, running: list[Running]) -> None:
+        """What an agent runs when the head (re)connects: a ready child of a model that may
+        run there, with the config it has now, is adopted; any other is stopped."""
+        for r in running:
+            remote = self.instances.get(r.model)
+            why = ("it is not a model of this corral's on this node"
+                   if remote is None or node not in (remote.model.nodes or [])
+                   else "its config changed" if digest(remote.model) != r.digest
+                   else "it was still loading" if not r.ready
+                   else None)
+            if why is None and remote is not None and remote.adopt(r.generation, node):
+                log.info("node %s: adopting %s#%d (pid %d, port %d)", node, r.model,
+                         r.generation, r.pid, r.port)
+                devices = [f"{node}/{d}" for d in r.devices] if r.devices else None
+                self.scheduler.tell(InstanceAdopted(r.model, r.generation, r.pid, host, r.port,
+                                                    devices))
+                continue
+            log.info("node %s: stopping %s#%d (pid %d), not adopted: %s", node, r.model,
+                     r.generation, r.pid, why or "the model runs elsewhere")
+            if remote is not None:  # its next generation is a later one than this child's
+                self.scheduler.tell(InstanceSeen(r.model, r.generation))
+            self.send(node, r.model, StopInstance(r.generation, "not adopted"))
+
+    def describe(self) -> list[dict[str, Any]]:
+        """GET /nodes: each node's agent, its address, since when it is in its state, its
+        last device report and the models running there."""
+        return [{"node": node, "state": link.state, "address": link.host,
+                 "since": round(link.since, 3),
+                 "last_report": (round(self.hub.reported_at[node], 3)
+                                 if node in self.hub.reported_at else None),
+                 "models": sorted(name for name, r in self.instances.items()
+                                  if r.node == node)}
+                for node, link in self.links.items()]
+
+    def find_node(self, selector: str) -> dict[str, Any] | None:
+        """The live Ray node with a custom resource or a label named `selector`."""
+        nodes: list[dict[str, Any]] = cast(Any, ray).nodes()  # untyped in ray
+        for node in nodes:
+            if node.get("Alive") and (selector in node.get("Resources", {})
+                                      or selector in (node.get("Labels") or {}).values()):
+                return dict(node)
+        return None
+
+    def pick(self, nodes: list[str], model: str) -> str | None:
+        """The first of `nodes` whose agent is up and that runs fewer than
+        models_max_per_node children (what the policy checks itself when it places)."""
+        cap = self.config.models_max_per_node
+
+        def room(node: str) -> bool:
+            return not cap or sum(r.node == node for name, r in self.instances.items()
+                                  if name != model) < cap
+        return next((n for n in nodes if n in self.links and self.links[n].state == "up"
+                     and room(n)), None)
+
+    def send(self, node: str, model: str, message: Any) -> None:
+        self.links[node].send(model, message)
+
+    def deliver(self, node: str, batch: Batch) -> None:
+        for message in batch.messages:
+            if isinstance(message, DevicesReported):
+                self.hub.reported(node, message.report)
+                continue
+            if isinstance(message, InstanceExited) and message.model in self.instances:
+                self.instances[message.model].exited(node, message.generation)
+            try:
+                self.scheduler.tell(message)
+            except pykka.ActorDeadError:
+                return  # the head is stopping
+        for model, line in batch.lines:
+            ring = self.logs.get(model)
+            if ring is not None:
+                ring.append(line)
+        if batch.dropped_lines:
+            log.warning("%d lines of child output were dropped before they reached the head",
+                        batch.dropped_lines)
+
+    def node_lost(self, node: str, why: str) -> None:
+        self.hub.lost(node)  # first: nothing may be placed there once its models fail
+        for remote in self.instances.values():
+            remote.node_lost(node, why)
+
+
