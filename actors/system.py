@@ -123,12 +123,15 @@ class Supervisor:
                                             self._crash)
         for name, model in config.models.items():
             self.instances[name] = self._start_instance(name, model)
-        monitor = self.monitor
+        monitor, measurer = self.monitor, self.measurer
         if self.cluster is not None:
+            from .cluster.head import MeasureRouter
+
             self.cluster.hub.local = monitor
             self.cluster.start(self.scheduler)
             monitor = self.cluster.hub  # TrackModel goes to the model's node
-        self.scheduler.tell(InstancesAttached(self.instances, monitor, self.measurer))
+            measurer = MeasureRouter(self.cluster, measurer)  # and so does measuring
+        self.scheduler.tell(InstancesAttached(self.instances, monitor, measurer))
         memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
                   f"{', '.join(device_names) or 'no device'}"
                   if config.memory_accounting else "memory accounting off")

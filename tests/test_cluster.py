@@ -309,3 +309,24 @@ def test_models_max_per_node_spreads_children(corral, ray_address: str) -> None:
     assert chat(c.port, "p")[0] == 200 and chat(c.port, "q")[0] == 200
     models = c.models()
     assert {models["p"]["node"], models["q"]["node"]} == {"node_a", "node_b"}
+
+
+@inside
+def test_a_model_is_measured_on_one_of_its_nodes(corral, ray_address: str) -> None:
+    """The `command` method runs on the agent of the model's first node that is up, on
+    that node's devices (named NODE/DEVICE at the head), and placement uses the figures."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    big = {"cmd": fake_cmd("--device-mib", "3072"), "nodes": ["node_b", "node_a"]}
+    c = corral(cluster_config({"big1": big, "big2": big}, ns, memory_margin_mib=512,
+                              device_poll_s=0.5, devices=[
+                                  {"name": "gpu0", "kind": "simulated", "total_mib": 3584}]),
+               "--ray", ray_address)
+    measured = wait_until(lambda: all(m["memory"]["status"] == "measured"
+                                      for m in c.models().values()) and c.models(), 30,
+                          "both models measured")
+    for m in measured.values():
+        rows = m["memory"]["max"]["devices"]
+        assert [(r["name"], r["model"]) for r in rows] == [("node_b/gpu0", 3 * 2**30)], rows
+    assert chat(c.port, "big1")[0] == 200 and chat(c.port, "big2")[0] == 200
+    models = c.models()
+    assert {models["big1"]["node"], models["big2"]["node"]} == {"node_a", "node_b"}

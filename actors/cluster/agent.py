@@ -15,6 +15,8 @@ from ..config import Config, ConfigError, ModelConfig
 from ..instance import Liveness, ModelInstance, Phase
 from ..messages import (
     DevicesReported,
+    MeasureModel,
+    Remember,
     StartInstance,
     TrackModel,
 )
@@ -76,6 +78,14 @@ class ForwardedRing(LogRing):
         self.outbox.line(self.model, line)
 
 
+def discover_quietly(config: Config) -> list[Any]:
+    from ..device import discover
+    try:
+        return discover(config)
+    except ConfigError:
+        return []  # said when the monitor was started
+
+
 class NodeAgent:
     """corral's side of one node: a ModelInstance per model placed here, their children,
     the node's DeviceMonitor, and the Outbox the head polls. Runs as a detached, named Ray
@@ -100,11 +110,14 @@ class NodeAgent:
         self.next_seq = 0
         self.pending: dict[int, ToAgent] = {}
         self.monitor: Any = None
+        self.measurer: Any = None
+        """Measures the models placed here, on this node's devices (R-5.3)."""
         self.config = Config()
         self._configure(config)
 
     def _configure(self, data: bytes) -> None:
         from ..device import DeviceMonitor, discover
+        from ..measure import MeasureWorker
 
         top = msgspec.msgpack.decode(data, type=Config)
         # Simulated devices are this node's own: their ledger must not be another's.
@@ -115,6 +128,9 @@ class NodeAgent:
         if self.monitor is not None and changed:
             self.monitor.stop()
             self.monitor = None
+        if self.measurer is not None:  # a new head's config: measure as it says
+            self.measurer.stop()
+            self.measurer = None
         self.config = config
         if config.memory_accounting and self.monitor is None:
             try:
@@ -124,6 +140,10 @@ class NodeAgent:
                 backends = []
             self.monitor = DeviceMonitor.start(backends, self.outbox, self.timers,
                                                config.device_poll_s, self._crashed)
+        if config.memory_accounting:
+            names = sorted({d.name for b in discover_quietly(config) for d in b.sample()})
+            self.measurer = MeasureWorker.start(config, self.outbox, self.timers, names,
+                                                self._crashed)
 
     def _instance(self, model: str, config: ModelConfig) -> Any:
         """The model's ModelInstance, a new one if the last is still busy with a child
@@ -186,6 +206,9 @@ class NodeAgent:
         if isinstance(message, TrackModel):
             if self.monitor is not None:
                 self.monitor.tell(message)
+        elif isinstance(message, MeasureModel | Remember):
+            if self.measurer is not None:
+                self.measurer.tell(message)
         elif isinstance(message, StartInstance):
             self._instance(envelope.model, message.config).tell(message)
         elif (ref := self.instances.get(envelope.model)) is not None:

@@ -14,12 +14,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..childproc import LogRing
 from ..config import Config, ConfigError, ModelConfig
+from ..ledger import Breakdown
 from ..messages import (
     DevicesReported,
     InstanceAdopted,
     InstanceExited,
     InstanceSeen,
     LivenessMiss,
+    Measured,
+    MeasureModel,
+    Remember,
     StartInstance,
     StopInstance,
 )
@@ -102,6 +106,44 @@ class RemoteInstance:
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """The Supervisor stops its actors at the end; there is no local one here."""
+
+
+def renamed(figures: Breakdown | None, prefix: str, strip: bool = False) -> Breakdown | None:
+    """`figures` with each row's device named `prefix + name` (or with `prefix` taken off)."""
+    if figures is None:
+        return None
+    return Breakdown(figures.n_ctx, [
+        msgspec.structs.replace(row, name=row.name.removeprefix(prefix) if strip
+                                else prefix + row.name) for row in figures.devices])
+
+
+class MeasureRouter:
+    """The Scheduler's measurer in a cluster: a model with `nodes` is measured by the agent
+    of the first of them that is up, on that node's devices; any other by the head's own
+    MeasureWorker."""
+
+    def __init__(self, cluster: Cluster, local: Any) -> None:
+        self.cluster = cluster
+        self.local = local
+
+    def tell(self, message: MeasureModel | Remember) -> None:
+        remote = self.cluster.instances.get(message.model)
+        if remote is None:
+            self.local.tell(message)
+            return
+        if isinstance(message, Remember):  # figures of the node it runs on
+            node = remote.node
+            if node is not None:
+                self.cluster.send(node, message.model, msgspec.structs.replace(
+                    message, figures=renamed(message.figures, f"{node}/", strip=True)))
+            return
+        up = [n for n in message.config.nodes or [] if self.cluster.links[n].state == "up"]
+        if up:
+            self.cluster.send(up[0], message.model, message)
+        else:
+            self.cluster.scheduler.tell(Measured(
+                message.model, "failed", error=f"no agent is up on {message.config.nodes} "
+                "to measure it"))
 
 
 class AgentLink:
@@ -306,6 +348,10 @@ class Cluster:
                 continue
             if isinstance(message, InstanceExited) and message.model in self.instances:
                 self.instances[message.model].exited(node, message.generation)
+            if isinstance(message, Measured):  # the node's devices, by their cluster names
+                message = msgspec.structs.replace(
+                    message, min=renamed(message.min, f"{node}/"),
+                    max=renamed(message.max, f"{node}/"))
             try:
                 self.scheduler.tell(message)
             except pykka.ActorDeadError:

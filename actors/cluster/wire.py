@@ -15,6 +15,10 @@ from ..messages import (
     InstanceReported,
     InstanceStarted,
     LivenessMiss,
+    Measured,
+    MeasureModel,
+    MeasureStarted,
+    Remember,
     StartInstance,
     StopInstance,
     TrackModel,
@@ -35,10 +39,11 @@ class ToAgent(msgspec.Struct, frozen=True):
 
     seq: int
     model: str
-    message: StartInstance | StopInstance | LivenessMiss | TrackModel
+    message: StartInstance | StopInstance | LivenessMiss | TrackModel | MeasureModel | Remember
 
 
 FromInstance = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
+                | MeasureStarted | Measured
                 | DevicesReported)
 
 
