@@ -325,8 +325,11 @@ class Router:
         assert isinstance(snap, DevicesSnapshot)
         body = msgspec.to_builtins(snap)
         body.pop("type", None)
+        by_node: dict[str, list[str]] = {}
         for device in body["devices"]:  # a Ray node's devices are NODE/DEVICE
             device["node"] = node_of(device["name"])
+            by_node.setdefault(device["node"] or "", []).append(device["name"])
+        body["by_node"] = by_node  # "": corral's own machine
         return web.json_response(body)
 
     async def nodes(self, request: web.Request) -> web.Response:

@@ -180,6 +180,8 @@ def test_models_are_placed_by_fit_across_nodes(corral, ray_address: str) -> None
     def devices() -> dict[str, dict[str, Any]]:
         return {d["name"]: d for d in request(c.port, "GET", "/devices")[1]["devices"]}
 
+    grouped = request(c.port, "GET", "/devices")[1]["by_node"]
+    assert grouped["node_a"] == ["node_a/gpu0"] and grouped["node_b"] == ["node_b/gpu0"]
     for model, node in placed.items():
         assert devices()[f"{node}/gpu0"]["node"] == node
         wait_until(lambda d=f"{node}/gpu0", m=model: devices()[d]["held"] == {m: 3 * 2**30},
@@ -330,3 +332,27 @@ def test_a_model_is_measured_on_one_of_its_nodes(corral, ray_address: str) -> No
     assert chat(c.port, "big1")[0] == 200 and chat(c.port, "big2")[0] == 200
     models = c.models()
     assert {models["big1"]["node"], models["big2"]["node"]} == {"node_a", "node_b"}
+
+
+@inside
+def test_a_stream_cut_by_a_lost_node_ends_with_an_error(corral, ray_address: str) -> None:
+    """An answer streaming from a node whose agent dies ends with an error event naming
+    the broken child, not a stream that merely stops."""
+    import http.client
+    import json
+
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"slow": {"cmd": fake_cmd("--tokens-per-s", "20"),
+                                        "nodes": ["node_b"]}}, ns), "--ray", ray_address)
+    assert chat(c.port, "slow")[0] == 200
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": "slow", "max_tokens": 400, "stream": True, "messages": []}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # streaming from node_b
+    os.kill(Agents(ray_address, ns).pid("node_b"), signal.SIGKILL)
+    rest = resp.read().decode()
+    conn.close()
+    assert "stopped mid-response" in rest and "[DONE]" not in rest, rest[-500:]
