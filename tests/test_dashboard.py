@@ -191,3 +191,34 @@ def test_bench_dashboard_runs(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["events_per_swap"] >= 4  # a stop, an eviction, a start, and the queue
     assert data["cpu_per_event_us"]["2_pages"] > 0
+
+
+def test_many_tabs_of_one_browser_all_stay_live(corral, browser) -> None:
+    """One browser keeps six connections to a host: eight tabs each holding an event
+    stream would starve. One tab reads the stream and hands the events to the others."""
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}}))
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    context.set_default_timeout(TIMEOUT_MS)
+    try:
+        pages = [context.new_page() for _ in range(8)]
+        for pg in pages:
+            pg.goto(f"http://127.0.0.1:{c.port}/ui")
+        for pg in pages:
+            wait_text(pg.locator("#link"), "live")
+        assert chat(c.port, "a")[0] == 200
+        for pg in pages:
+            pg.locator('#feed li[data-type="status_change"]').filter(
+                has_text="loaded").first.wait_for()
+            wait_text(card(pg, "a").locator('[data-field="state"]'), "loaded")
+        readers = [pg for pg in pages if pg.locator('body[data-reading="events"]').count()]
+        assert len(readers) == 1  # one stream for all eight
+        readers[0].close()  # another tab takes over
+        pages.remove(readers[0])
+        wait_until(lambda: sum(pg.locator('body[data-reading="events"]').count()
+                               for pg in pages) == 1, 10, "another tab to read the events")
+        status, _, _ = request(c.port, "POST", "/models/unload", {"model": "a"})
+        assert status == 200
+        for pg in pages:
+            pg.locator('#feed li[data-type="eviction"]').first.wait_for()
+    finally:
+        context.close()
