@@ -86,7 +86,9 @@ class LogRing:
 
     def lines(self) -> list[str]:
         """The last `capacity` lines."""
-        return self.since(self.recent())[0]
+        with self._lock:
+            skip = max(0, len(self._lines) - self.capacity)
+            return list(itertools.islice(self._lines, skip, None))
 
     def recent(self) -> int:
         """The number of lines before the last `capacity`: where a new follower starts."""

@@ -33,14 +33,18 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import FAKE, Corral, cpu_seconds, get_json, machine, send, session, write_json
-
-NETNS_ENV = {
-    "CORRAL_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
-    "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
-    "RAY_health_check_timeout_ms": "500",
-}
+from bench.common import (
+    FAKE,
+    Corral,
+    cpu_seconds,
+    get_json,
+    in_private_netns,
+    machine,
+    send,
+    session,
+    two_ray_nodes,
+    write_json,
+)
 
 
 def config(namespace: str) -> str:
@@ -154,21 +158,6 @@ async def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
     return out
 
 
-def run_inside(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    common: dict[str, Any] = dict(num_cpus=2, num_gpus=0, object_store_memory=100 * 2**20)
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        resources={"node_a": 1}, include_dashboard=False, **common))
-    cluster.add_node(resources={"node_b": 1}, **common)
-    try:
-        return asyncio.run(measure(args, cluster.address))
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench cluster", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,12 +167,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if os.environ.get("CORRAL_NETNS") != "1":
-        env = " ".join(f"{k}={v}" for k, v in NETNS_ENV.items())
-        inner = (f"ip link set lo up && exec env {env} {sys.executable} -m bench cluster "
-                 + " ".join(argv))
-        return subprocess.run(["unshare", "--net", "sh", "-c", inner]).returncode
-    result = {"bench": "cluster", "machine": machine(), "runs": args.runs,
-              **run_inside(args)}
+        return subprocess.run(in_private_netns(
+            [sys.executable, "-m", "bench", "cluster", *argv])).returncode
+    with two_ray_nodes() as address:
+        figures = asyncio.run(measure(args, address))
+    result = {"bench": "cluster", "machine": machine(), "runs": args.runs, **figures}
     write_json(args.json, result)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import sys
 import time
@@ -26,10 +25,17 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import FAKE, Corral, cpu_seconds, machine, session, toml_models, write_json
-
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+from bench.common import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    FAKE,
+    Corral,
+    cpu_seconds,
+    machine,
+    session,
+    toml_models,
+    write_json,
+)
 
 
 async def count_events(url: str, seen: list[int], ready: asyncio.Event) -> None:
@@ -51,8 +57,7 @@ async def swap(s: aiohttp.ClientSession, url: str, n: int) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from playwright.async_api import async_playwright
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
+    if CHROMIUM is None:
         raise SystemExit("bench dashboard: needs Chromium (bash scripts/chromium.sh)")
     toml = toml_models({"a": FAKE, "b": FAKE}, models_max=1)
     rows: list[dict[str, Any]] = []
@@ -62,7 +67,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         counter = asyncio.create_task(count_events(corral.url, seen, ready))
         await ready.wait()
         async with async_playwright() as p, session() as s:
-            browser = await p.chromium.launch(executable_path=chromium, args=ARGS)
+            browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             await swap(s, corral.url, 2)  # both models started once before measuring
 
             async def measure(pages: int, requests: int, idle_s: float) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from bench.common import in_private_netns, two_ray_nodes
 from tests.helpers import (
     ROOT,
     chat,
@@ -30,13 +31,6 @@ from tests.helpers import (
 )
 
 INSIDE = os.environ.get("CORRAL_NETNS") == "1"
-NETNS_ENV = {
-    "CORRAL_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
-    # a lost node is noticed in ~1.5 s instead of 13-14 s (the reference's figures)
-    "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
-    "RAY_health_check_timeout_ms": "500",
-}
 
 try:
     import ray
@@ -62,11 +56,9 @@ def test_the_cluster_tests_inside_a_private_network_namespace() -> None:
     why = _why_not()
     if why is not None:
         pytest.skip(why)
-    env = " ".join(f"{k}={v}" for k, v in NETNS_ENV.items())
-    inner = (f"ip link set lo up && exec env {env} {sys.executable} -m pytest -q "
-             f"-p no:cacheprovider {__file__}")
-    run = subprocess.run(["unshare", "--net", "sh", "-c", inner], cwd=ROOT,
-                         capture_output=True, text=True, timeout=880)
+    run = subprocess.run(in_private_netns([sys.executable, "-m", "pytest", "-q",
+                                           "-p", "no:cacheprovider", __file__]),
+                         cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert run.returncode == 0, run.stdout[-20_000:] + run.stderr[-5_000:]
 
 
@@ -75,17 +67,8 @@ inside = pytest.mark.skipif(not INSIDE, reason="runs inside the network namespac
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    from ray.cluster_utils import Cluster
-
-    common: dict[str, Any] = dict(num_cpus=2, num_gpus=0, object_store_memory=100 * 2**20)
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        resources={"node_a": 1}, include_dashboard=False, **common))
-    cluster.add_node(resources={"node_b": 1}, **common)
-    try:
-        yield cluster.address
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with two_ray_nodes() as address:
+        yield address
 
 
 def cluster_config(models: dict[str, dict[str, Any]], namespace: str, retry_s: float = 30,
@@ -238,20 +221,22 @@ def test_an_agent_hands_on_messages_in_the_heads_order(tmp_path) -> None:
     agent = NodeAgent("n", "127.0.0.1", msgspec.msgpack.encode(
         Config(state_dir=str(tmp_path))))
     model = ModelConfig(cmd=fake_cmd())
-    for seq, message in ((1, StopInstance(1, "unload")), (0, StartInstance(1, model))):
-        agent.tell(msgspec.msgpack.encode(ToAgent(seq, "m", message)))
     seen: list[Any] = []
 
     def exited() -> bool:
         seen.extend(msgspec.msgpack.decode(agent.poll(0.5), type=Batch).messages)
         return any(isinstance(m, InstanceExited) for m in seen)
 
-    wait_until(exited, 15, "the child to be started and stopped")
-    assert [type(m) for m in seen] == [InstanceStarted, InstanceExited]
-    assert agent.child_pids() == {}
-    for ref in agent.instances.values():
-        ref.stop()
-    agent.timers.stop()
+    try:
+        for seq, message in ((1, StopInstance(1, "unload")), (0, StartInstance(1, model))):
+            agent.tell(msgspec.msgpack.encode(ToAgent(seq, "m", message)))
+        wait_until(exited, 15, "the child to be started and stopped")
+        assert [type(m) for m in seen] == [InstanceStarted, InstanceExited]
+        assert agent.child_pids() == {}
+    finally:  # an instance's stop kills a child still there
+        for ref in agent.instances.values():
+            ref.stop()
+        agent.timers.stop()
 
 
 @inside

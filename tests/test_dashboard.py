@@ -6,16 +6,15 @@ where it can: scripts/chromium.sh).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.common import CHROMIUM, CHROMIUM_ARGS
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 try:
     from playwright.sync_api import sync_playwright
 except ImportError:
@@ -27,10 +26,6 @@ pytestmark = [
     pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed "
                        "(pip install -e '.[test]')"),
 ]
-# As the machine's notes say: without the background-networking flags Chromium keeps
-# trying to reach Google's hosts from a machine that has no way out.
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 KEY = "s3cret-key"
 TIMEOUT_MS = 15_000
 
@@ -39,7 +34,7 @@ TIMEOUT_MS = 15_000
 def browser() -> Iterator[Any]:
     assert sync_playwright is not None
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield b
         b.close()
 

@@ -78,14 +78,6 @@ class ForwardedRing(LogRing):
         self.outbox.line(self.model, line)
 
 
-def discover_quietly(config: Config) -> list[Any]:
-    from ..device import discover
-    try:
-        return discover(config)
-    except ConfigError:
-        return []  # said when the monitor was started
-
-
 class NodeAgent:
     """corral's side of one node: a ModelInstance per model placed here, their children,
     the node's DeviceMonitor, and the Outbox the head polls. Runs as a detached, named Ray
@@ -112,6 +104,8 @@ class NodeAgent:
         self.monitor: Any = None
         self.measurer: Any = None
         """Measures the models placed here, on this node's devices (R-5.3)."""
+        self.device_names: list[str] = []
+        """The devices the monitor watches (what a measurement names)."""
         self.config = Config()
         self._configure(config)
 
@@ -132,18 +126,19 @@ class NodeAgent:
             self.measurer.stop()
             self.measurer = None
         self.config = config
-        if config.memory_accounting and self.monitor is None:
+        if not config.memory_accounting:
+            return
+        if self.monitor is None:
             try:
                 backends = discover(config)
             except ConfigError as e:
                 log.error("%s: no device monitor: %s", self.node, e)
                 backends = []
+            self.device_names = sorted(d.name for b in backends for d in b.sample())
             self.monitor = DeviceMonitor.start(backends, self.outbox, self.timers,
                                                config.device_poll_s, self._crashed)
-        if config.memory_accounting:
-            names = sorted({d.name for b in discover_quietly(config) for d in b.sample()})
-            self.measurer = MeasureWorker.start(config, self.outbox, self.timers, names,
-                                                self._crashed)
+        self.measurer = MeasureWorker.start(config, self.outbox, self.timers,
+                                            self.device_names, self._crashed)
 
     def _instance(self, model: str, config: ModelConfig) -> Any:
         """The model's ModelInstance, a new one if the last is still busy with a child
