@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 CHILD_HOST = "127.0.0.1"
 """Children bind loopback only; the Router is the one door in (R-3.2)."""
@@ -47,14 +47,74 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return setup
 
 
-LINE_COST = 64
-"""Bytes a kept line costs beyond its text (the str and its deque slot), for the budget."""
+MAX_LINE_BYTES = 16 << 10
+"""The longest line of a child's output corral keeps, in UTF-8 bytes (issue 19, R4: a
+child that logs prompts puts client-controlled text in its lines). Longer lines are cut
+to this, marked with CUT_MARK; the rest of such a line is read and thrown away."""
+CUT_MARK = " [corral: line cut at 16 KiB]"
+_CUT_MARK_BYTES = len(CUT_MARK.encode())
+READ_CHUNK = 64 << 10
+"""What one read of a child's pipe takes at most (the size of a Linux pipe's buffer)."""
+
+
+def cut_line(raw: bytes) -> str:
+    """The first MAX_LINE_BYTES of `raw` (marker included), cut at a character boundary."""
+    end = MAX_LINE_BYTES - _CUT_MARK_BYTES
+    floor = end - 3  # a UTF-8 character has at most 3 continuation bytes
+    while end > floor and raw[end] & 0xC0 == 0x80:
+        end -= 1
+    return raw[:end].decode("utf-8", "replace") + CUT_MARK
+
+
+def clip_line(line: str) -> str:
+    """`line` as a ring keeps it: unchanged if it has at most MAX_LINE_BYTES in UTF-8,
+    else cut and marked. The work is bounded whatever the line's length."""
+    if len(line) <= MAX_LINE_BYTES // 4:  # no character takes more than 4 bytes
+        return line
+    raw = line[:MAX_LINE_BYTES + 1].encode("utf-8", "replace")
+    return line if len(raw) <= MAX_LINE_BYTES else cut_line(raw)
+
+
+def line_cost(line: str) -> int:
+    """The bytes a kept line holds: the str object and its slot in the deque."""
+    return sys.getsizeof(line) + 8
+
+
+def bounded_lines(read: Callable[[], bytes]) -> Iterator[str]:
+    """The lines of a byte stream that `read` returns in pieces (b"" at its end), each
+    decoded and cut at MAX_LINE_BYTES. A line too long is given out cut as soon as
+    MAX_LINE_BYTES of it have come, and the rest of it is skipped as it is read, so at
+    most MAX_LINE_BYTES plus one piece are held however long a line is (issue 19, R4)."""
+    partial = b""  # Invariant: the start of the current line, at most MAX_LINE_BYTES
+    skipping = False  # the current line was given out cut: drop the rest of it
+    while piece := read():
+        start = 0
+        while (end := piece.find(b"\n", start)) != -1:
+            if not skipping:
+                yield _decode(partial + piece[start:end])
+            partial, skipping, start = b"", False, end + 1
+        if not skipping:
+            partial += piece[start:]
+            if len(partial) > MAX_LINE_BYTES:
+                yield cut_line(partial)
+                partial, skipping = b"", True
+    if partial:
+        yield _decode(partial)
+
+
+def _decode(raw: bytes) -> str:
+    if len(raw) > MAX_LINE_BYTES:
+        return cut_line(raw)
+    return raw.decode("utf-8", "replace").rstrip("\r")
 
 
 class LogRing:
     """What a child printed, appended line by line by its reader thread: the last
-    `capacity` lines for GET /models/logs, and up to `backlog_bytes` of lines (never fewer
-    than `capacity`) for the readers that follow it.
+    `capacity` lines for GET /models/logs, and more for the readers that follow it.
+
+    Bounded twice (issue 19, R4): every line is clipped to MAX_LINE_BYTES, and the lines
+    kept cost at most `max_bytes` (a ceiling, counted with `line_cost`); beyond the last
+    `capacity` lines, older ones stay only while all kept cost at most `backlog_bytes`.
 
     Lines are numbered from 0 as they come, so a follower keeps only a number (the lines
     it has seen) and reads on from there (`since`): the ring is every follower's buffer,
@@ -64,22 +124,29 @@ class LogRing:
     that asked (`wake`).
     """
 
-    def __init__(self, capacity: int = 1000, backlog_bytes: int = 4 << 20) -> None:
+    def __init__(self, capacity: int = 1000, backlog_bytes: int = 4 << 20,
+                 max_bytes: int = 4 << 20) -> None:
+        # the worst clipped line (4 bytes a character) must fit, or it would not be kept
+        assert max_bytes >= 5 * MAX_LINE_BYTES, "max_bytes must hold the longest line"
         self.capacity = capacity
         self.backlog_bytes = backlog_bytes
+        self.max_bytes = max_bytes
         self._lines: collections.deque[str] = collections.deque()
         self._bytes = 0
+        """Invariant: the sum of `line_cost` over `_lines`, at most `max_bytes`."""
         self._count = 0
         self._lock = threading.Lock()
         self._wakers: list[Callable[[], None]] = []
 
     def append(self, line: str) -> None:
+        line = clip_line(line)
         with self._lock:
             self._lines.append(line)
-            self._bytes += len(line) + LINE_COST
+            self._bytes += line_cost(line)
             self._count += 1
-            while len(self._lines) > self.capacity and self._bytes > self.backlog_bytes:
-                self._bytes -= len(self._lines.popleft()) + LINE_COST
+            while self._bytes > self.max_bytes or (len(self._lines) > self.capacity
+                                                   and self._bytes > self.backlog_bytes):
+                self._bytes -= line_cost(self._lines.popleft())
             wakers, self._wakers = self._wakers, []
         for wake in wakers:
             wake()
@@ -168,8 +235,8 @@ class ChildProcess:
 
     def _read_lines(self, log: LogRing, on_line: Callable[[str], None] | None) -> None:
         assert self._popen.stdout is not None
-        for raw in self._popen.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        fd = self._popen.stdout.fileno()  # read raw: a buffered readline holds a whole line
+        for line in bounded_lines(lambda: os.read(fd, READ_CHUNK)):
             log.append(line)
             if on_line is not None:
                 on_line(line)

@@ -401,8 +401,9 @@ class Router:
         follow = request.query.get("follow", "0")
         if follow not in ("0", "1", "true", "false"):
             return error(400, f"follow={follow!r}: say follow=1 or follow=0")
-        if follow in ("0", "false"):
-            return web.Response(text="\n".join(ring.lines()) + "\n")
+        if follow in ("0", "false"):  # up to max_bytes of text: built off the loop
+            return web.Response(body=await asyncio.to_thread(_snapshot, ring),
+                                content_type="text/plain", charset="utf-8")
         return await self.follow_logs(request, ring)
 
     async def follow_logs(self, request: web.Request, ring: LogRing) -> web.StreamResponse:
@@ -430,8 +431,8 @@ class Router:
                 if lost:
                     await resp.write(b"event: dropped\ndata: " + msgspec.json.encode(
                         {"lost": lost, "reason": "this reader fell behind all the output "
-                         f"corral keeps ({ring.capacity:,} lines, or "
-                         f"{ring.backlog_bytes >> 20} MiB of short ones)"}) + b"\n\n")
+                         f"corral keeps (its last {ring.backlog_bytes >> 20} MiB)"})
+                        + b"\n\n")
                     break
                 seen = count
                 if lines:
@@ -451,3 +452,7 @@ class Router:
 def _line_events(lines: list[str]) -> bytes:
     return b"".join(b"data: " + msgspec.json.encode({"line": line}) + b"\n\n"
                     for line in lines)
+
+
+def _snapshot(ring: LogRing) -> bytes:
+    return ("\n".join(ring.lines()) + "\n").encode("utf-8", "replace")
