@@ -59,7 +59,7 @@ PING = b": ping\n\n"
 it open, and a reader that vanished without a word is found by the write."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_BACKLOG = 10_000
-"""Events kept for a slow /models/sse client before new ones are dropped for it."""
+"""Events kept for a slow /models/sse client; one more and its stream is ended."""
 ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
 
@@ -109,6 +109,7 @@ class Router:
         r.add_get("/v1/health", self.health)
         r.add_get("/models", self.list_models)
         r.add_get("/v1/models", self.list_models)
+        r.add_get("/v1/models/{id:.+}", self.retrieve_model)  # a name may hold a "/"
         r.add_post("/models/load", self.load)
         r.add_post("/models/unload", self.unload)
         r.add_get("/models/sse", self.sse)
@@ -195,11 +196,28 @@ class Router:
 
     def _publish(self, event: Event) -> None:
         data = b"data: " + msgspec.json.encode(event) + b"\n\n"
-        for queue in self.sse_clients:
+        for queue in tuple(self.sse_clients):
             try:
                 queue.put_nowait(data)
             except asyncio.QueueFull:
-                log.warning("an SSE client is %d events behind; dropping one", SSE_BACKLOG)
+                self._drop_subscriber(queue)
+
+    def _drop_subscriber(self, queue: asyncio.Queue[bytes | None]) -> None:
+        """End the stream of a client that fell SSE_BACKLOG events behind: its backlog
+        goes, `event: dropped` and the end take its place, and it gets no more events.
+        One warning per client, not one per event (issue 19, R13: stalled clients
+        flooded the log)."""
+        self.sse_clients.discard(queue)
+        lost = queue.qsize() + 1
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(b"event: dropped\ndata: " + msgspec.json.encode(
+            {"lost": lost, "reason": f"this reader fell {SSE_BACKLOG:,} events behind; "
+             "reconnect, and read GET /models for the state now"}) + b"\n\n")
+        queue.put_nowait(None)
+        log.warning("an SSE client fell %d events behind (it reads too slowly or not at "
+                    "all); its stream ends with `event: dropped` (a dashboard reconnects "
+                    "by itself)", SSE_BACKLOG)
 
     # ------------------------------------------------------------ router endpoints
 
@@ -277,41 +295,57 @@ class Router:
                 return error(400, f"reload refused, nothing changed: {e}")
         snap = await self._ask(GetModels)
         assert isinstance(snap, ModelsSnapshot)
-        data = []
-        models = self.sup.config.models
-        for view in snap.models:
-            model = models.get(view.name)
-            if model is None:
-                continue  # added or removed by a reload between the two reads
-            status: dict[str, Any] = {"value": view.state, "args": model.cmd}
-            if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
-                status["failed"] = True
-                status["exit_code"] = view.exit_code
-                status["exit"] = view.last_exit
-            if view.retry_after_s is not None:
-                status["retry_after_s"] = round(view.retry_after_s, 3)
-            if view.expires_in_s is not None:
-                status["expires_in_s"] = round(view.expires_in_s, 3)
-            if view.progress is not None:
-                status["progress"] = view.progress
-            entry: dict[str, Any] = {
-                "id": view.name, "object": "model", "owned_by": "corral",
-                "created": int(self.started), "aliases": model.aliases, "status": status,
-                "in_flight": self._in_flight(view), "waiting": view.waiting,
-                "oldest_wait_s": (round(view.queue_oldest_s, 3)
-                                  if view.queue_oldest_s is not None else None),
-                "queue_position": view.queue_position,
-                "loads": view.loads,
-                "pid": view.pid, "port": view.port, "devices": view.devices,
-                "node": self._node_of(view.name),
-                "last_eviction": msgspec.to_builtins(view.last_eviction),
-                "memory": msgspec.to_builtins(view.memory),
-            }
-            # as llama.cpp does: what a running child said about its model, beside ours
-            for key, value in (view.info or {}).items():
-                entry.setdefault(key, value)
-            data.append(entry)
-        return web.json_response({"object": "list", "data": data})
+        entries = (self._entry(view) for view in snap.models)
+        return web.json_response({"object": "list", "data": [e for e in entries if e]})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of
+        GET /v1/models; an alias answers its model's entry."""
+        given = request.match_info["id"]
+        name = self.names.get(given)
+        snap = await self._ask(GetModels) if name is not None else None
+        assert snap is None or isinstance(snap, ModelsSnapshot)
+        view = next((v for v in snap.models if v.name == name), None) if snap else None
+        entry = self._entry(view) if view is not None else None
+        if entry is None:
+            return error(404, f"model '{given}' not found; GET /v1/models lists the models "
+                         "and their aliases", "not_found_error")
+        return web.json_response(entry)
+
+    def _entry(self, view: ModelView) -> dict[str, Any] | None:
+        """A model's entry in GET /v1/models (None: added or removed by a reload between
+        the Scheduler's snapshot and this read of the config)."""
+        model = self.sup.config.models.get(view.name)
+        if model is None:
+            return None
+        status: dict[str, Any] = {"value": view.state, "args": model.cmd}
+        if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
+            status["failed"] = True
+            status["exit_code"] = view.exit_code
+            status["exit"] = view.last_exit
+        if view.retry_after_s is not None:
+            status["retry_after_s"] = round(view.retry_after_s, 3)
+        if view.expires_in_s is not None:
+            status["expires_in_s"] = round(view.expires_in_s, 3)
+        if view.progress is not None:
+            status["progress"] = view.progress
+        entry: dict[str, Any] = {
+            "id": view.name, "object": "model", "owned_by": "corral",
+            "created": int(self.started), "aliases": model.aliases, "status": status,
+            "in_flight": self._in_flight(view), "waiting": view.waiting,
+            "oldest_wait_s": (round(view.queue_oldest_s, 3)
+                              if view.queue_oldest_s is not None else None),
+            "queue_position": view.queue_position,
+            "loads": view.loads,
+            "pid": view.pid, "port": view.port, "devices": view.devices,
+            "node": self._node_of(view.name),
+            "last_eviction": msgspec.to_builtins(view.last_eviction),
+            "memory": msgspec.to_builtins(view.memory),
+        }
+        # as llama.cpp does: what a running child said about its model, beside ours
+        for key, value in (view.info or {}).items():
+            entry.setdefault(key, value)
+        return entry
 
     def _node_of(self, model: str) -> str | None:
         """The Ray node a model's child runs on (None: corral's own machine, or none)."""

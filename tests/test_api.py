@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import re
+import socket
+import time
+from collections.abc import Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from actors import router as router_module
+from actors.config import Config
+from actors.router import Router
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config
 
 
@@ -70,6 +85,56 @@ def test_models_list_has_the_llama_cpp_shape(corral) -> None:
         assert "failed" not in entry["status"]
 
 
+def keyed_models(key: str) -> str:
+    return toml_config({"a": {"cmd": fake_cmd(), "aliases": ["alpha"]},
+                        "org/model": {"cmd": fake_cmd(), "aliases": ["org/alias"]}},
+                       api_key=key)
+
+
+def test_one_model_by_id_is_its_entry_of_the_list(corral) -> None:
+    """GET /v1/models/{id}, the OpenAI route: the entry GET /v1/models has for it, through
+    an alias too, a name with a "/" written plain or as %2F; a 404 for other names."""
+    c = corral(keyed_models("k"))
+    key = {"Authorization": "Bearer k"}
+    assert request(c.port, "GET", "/v1/models/a")[0] == 401
+    assert chat(c.port, "a", headers=key)[0] == 200
+    listed = {m["id"]: m for m in request(c.port, "GET", "/v1/models", headers=key)[1]["data"]}
+    for path, name in [("a", "a"), ("alpha", "a"), ("org/model", "org/model"),
+                       ("org%2Fmodel", "org/model"), ("org/alias", "org/model")]:
+        status, body, _ = request(c.port, "GET", f"/v1/models/{path}", headers=key)
+        assert status == 200, (path, body)
+        assert body == listed[name], path  # nothing moved: a is loaded and idle
+    for path in ("nope", "org", "a/b", "org/model/x"):
+        status, body, headers = request(c.port, "GET", f"/v1/models/{path}", headers=key)
+        assert status == 404 and headers["content-type"].startswith("application/json")
+        name = path.replace("%2F", "/")
+        assert body == {"error": {"code": 404, "type": "not_found_error", "message":
+                                  f"model '{name}' not found; GET /v1/models lists the "
+                                  "models and their aliases"}}
+
+
+def test_the_openai_sdk_lists_and_retrieves_models(corral) -> None:
+    openai = pytest.importorskip("openai")
+    c = corral(keyed_models("k"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{c.port}/v1", api_key="k",
+                           max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == ["a", "org/model"]
+    for name, canonical in [("a", "a"), ("alpha", "a"), ("org/model", "org/model"),
+                            ("org/alias", "org/model")]:
+        model = client.models.retrieve(name)
+        assert (model.id, model.object, model.owned_by) == (canonical, "model", "corral")
+        assert model.model_extra is not None and model.model_extra["status"]["value"] == \
+            "unloaded"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("nope")
+    assert missing.value.status_code == 404 and "model 'nope' not found" in \
+        missing.value.message
+    wrong = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.retrieve("a")
+    client.close()
+    wrong.close()
+
 def test_autoload_off_refuses_until_loaded(corral) -> None:
     c = corral(one_model(), "--no-models-autoload")
     status, body = chat(c.port, "a")
@@ -85,7 +150,7 @@ def test_autoload_off_refuses_until_loaded(corral) -> None:
 
 
 def test_api_key_guards_everything_but_health(corral) -> None:
-    c = corral(one_model(), "--api-key", "s3cret")
+    c = corral(one_model(api_key="s3cret"))
     assert request(c.port, "GET", "/health")[0] == 200
     status, body, _ = request(c.port, "GET", "/models")
     assert status == 401 and body["error"]["type"] == "authentication_error"
@@ -217,8 +282,8 @@ def test_head_and_pipelined_requests_through_the_front(corral) -> None:
 
     c = corral(one_model())
     with socket.create_connection(("127.0.0.1", c.port), timeout=10) as sock:
-        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n"
-                     b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                     b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         data = b""
         while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"}"):
             chunk = sock.recv(65536)
@@ -227,3 +292,66 @@ def test_head_and_pipelined_requests_through_the_front(corral) -> None:
     first, second = data.split(b"HTTP/1.1 200")[1:]
     assert b'"status"' not in first  # HEAD: headers only
     assert b'"status"' in second
+
+
+# ---------------------------------------------------------------- a stalled event reader
+
+def test_a_stalled_event_reader_is_dropped_with_one_warning(caplog, monkeypatch) -> None:
+    """Issue 19, R13: a /models/sse reader that stops reading used to cost one warning per
+    event it missed. Now, once it is SSE_BACKLOG events behind, its stream ends with
+    `event: dropped` and one warning; a reader that keeps up gets every event."""
+    monkeypatch.setattr(router_module, "SSE_BACKLOG", 20)
+    caplog.set_level(logging.WARNING, logger="corral.router")
+    pad = "p" * (64 << 10)  # 64 KiB an event: the socket buffers fill after a few
+
+    async def main() -> bytes:
+        api = Router(None, Config())  # type: ignore[arg-type]  # events need no supervisor
+        runner = web.AppRunner(api.app(), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        stalled = socket.socket()  # default buffers: a small window reads back slowly
+        stalled.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(stalled, ("127.0.0.1", port))
+        await loop.sock_sendall(stalled, b"GET /models/sse HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        got = 0
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://127.0.0.1:{port}/models/sse") as reading:
+            await reading.content.readline()  # ": connected"
+            await wait_for_async(lambda: len(api.sse_clients) == 2)
+            i = -1
+            while len(api.sse_clients) == 2:  # until the stalled one's buffers are full
+                i += 1
+                assert i < 2000, "128 MiB published, and the stalled reader still on"
+                api._publish({"type": "test", "i": i, "pad": pad})  # type: ignore[arg-type]
+                while got <= i:  # the reading one keeps up
+                    line = await reading.content.readline()
+                    if line.startswith(b"data: "):
+                        assert json.loads(line[6:])["i"] == got
+                        got += 1
+            assert len(api.sse_clients) == 1  # the stalled one left when it was dropped
+        tail = bytearray()
+        while not tail.endswith(b"\r\n0\r\n\r\n"):  # the end of the chunked answer
+            chunk = await asyncio.wait_for(loop.sock_recv(stalled, 1 << 20), 10)
+            assert chunk, tail[-300:]
+            tail += chunk
+        stalled.close()
+        await runner.cleanup()
+        return bytes(tail)
+
+    tail = asyncio.run(main())
+    assert re.search(rb'event: dropped\ndata: \{"lost":21,"reason":"this reader fell 20 '
+                     rb'events behind; reconnect, and read GET /models for the state now"\}'
+                     rb'\n\n\r\n0\r\n\r\n$', tail), tail[-300:]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "corral.router"]
+    assert warnings == ["an SSE client fell 20 events behind (it reads too slowly or not at "
+                        "all); its stream ends with `event: dropped` (a dashboard "
+                        "reconnects by itself)"]
+
+
+async def wait_for_async(predicate: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
