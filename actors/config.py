@@ -157,6 +157,19 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     """On SIGTERM, how long running answers may take to finish before they are cut."""
     event_ping_s: PositiveSeconds = 15.0
     """An event stream of corral's API silent this long writes a `: ping` comment."""
+    write_timeout_s: PositiveSeconds = 30.0
+    """A client that takes none of its answer for this long (corral's buffer to it stays
+    full) is cut, and its connection slot, grant and child connection are freed."""
+    upstream_idle_timeout_s: Annotated[float, Meta(ge=0)] = 300.0
+    """A child silent this long in the middle of an answer (after its head) ends that
+    answer (an SSE error event, or a cut connection) and counts one failed liveness check;
+    0 waits for ever."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Without an api_key, the Host names served besides IP literals, `localhost` and
+    `host` (a guard against DNS rebinding); `"*"` allows any."""
+    allowed_origins: tuple[str, ...] = ()
+    """Without an api_key, browser origins (`https://app.example:8443`) allowed besides
+    corral's own; `"*"` allows any. A web page of any other origin gets 403 (CSRF)."""
 
 
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

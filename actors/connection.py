@@ -7,6 +7,11 @@ header block and a body must keep arriving, an idle connection is closed. One re
 is served at a time; while it runs, reading stops as soon as the next one begins, so at
 most one read's worth of pipelined bytes waits behind it, and nothing for the next
 request (an interim answer, an error) is written until the running answer is complete.
+
+What corral writes is bounded the same way (R1, R2): while the client takes none of it
+(the transport is paused for writing), no further request is read or started, so one
+connection holds at most one answer's unsent bytes; and a client that takes nothing for
+`http.write_timeout_s` is cut, freeing its slot, its grant and its child connection.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("corral.front")
 
 _OPEN = frozenset(p.encode() for p in OPEN_PATHS)
+_HEALTH = frozenset({b"/health", b"/v1/health"})
+_BEFORE_ANSWER = frozenset({Phase.WAITING, Phase.FORWARDING})
 PROBE_FIRST_S = 0.05
 PROBE_EVERY_S = 1.0
 """How soon, then how often, a queued request whose client sent EOF is probed."""
@@ -89,6 +96,11 @@ class Connection(asyncio.Protocol):
         """An early answer closes the connection: what arrives now is dropped."""
         self.deferred: Answer | None = None
         """An error for bytes behind the running exchange, written when it is done."""
+        self.write_paused = False
+        """The client is not taking what corral writes (its buffer is over the high-water
+        mark): nothing new is read or started until it is (R1)."""
+        self.stall_deadline = math.inf
+        """When a client that takes nothing is cut (loop time; R2)."""
 
     # ------------------------------------------------------------ asyncio callbacks
 
@@ -107,6 +119,7 @@ class Connection(asyncio.Protocol):
         self.front.connections.discard(self)
         self.transport = None
         self._disarm()
+        self.stall_deadline = math.inf
         if self.exchange is not None:
             self.exchange.client_gone()
         elif self.front.draining:
@@ -124,14 +137,19 @@ class Connection(asyncio.Protocol):
         self.eof = True
         if not self.busy:
             return False  # nothing to answer (a half-sent request can never complete)
-        if self.exchange is not None and self.exchange.is_event_stream():
+        ex = self.exchange
+        if ex is not None and ex.is_event_stream():
             return False  # an endless stream for a client that is done: it has left
+        if ex is not None and ex.req.http10 and ex.phase in _BEFORE_ANSWER:
+            return False  # no interim answer can probe an HTTP/1.0 client: it has left
         self._probe(PROBE_FIRST_S)
         return True
 
     def _probe(self, next_s: float) -> None:
+        """Until the answer's head is written: an interim answer, which draws a reset from
+        a client that has left (R3: the child's work is then cancelled, its grant freed)."""
         ex = self.exchange
-        if self.transport is None or ex is None or ex.phase is not Phase.WAITING:
+        if self.transport is None or ex is None or ex.phase not in _BEFORE_ANSWER:
             return
         if not ex.req.http10:
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -158,12 +176,22 @@ class Connection(asyncio.Protocol):
             self.fail(self.front.header_too_big())
 
     def pause_writing(self) -> None:
+        self.write_paused = True
+        self.stall_deadline = self.loop.time() + self.front.http.write_timeout_s
+        self.pause_reading()
         if self.exchange is not None:
             self.exchange.pause_upstream()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
+        self.stall_deadline = math.inf
         if self.exchange is not None:
             self.exchange.resume_upstream()
+            if self.pending or self.req is not None:
+                return  # reading resumes when the next request may start
+            self.resume_reading()
+        elif not self.lingering:
+            self.next_request()
 
     # ------------------------------------------------------------ httptools callbacks
 
@@ -246,12 +274,16 @@ class Connection(asyncio.Protocol):
                           "(http.max_url_kib)")
         if self.parser.should_upgrade():
             return Answer(400, "upgrades are not supported")
-        host = expect = None
+        host = expect = origin = None
         length = 0
         for name, value in req.headers:
             lname = name.lower()
             if lname == b"host":
+                if host is not None:
+                    return Answer(400, "more than one Host header (RFC 9112 3.2); send one")
                 host = value
+            elif lname == b"origin":
+                origin = value
             elif lname == b"expect":
                 expect = value
             elif lname == b"content-length" and value.strip().isdigit():
@@ -259,6 +291,11 @@ class Connection(asyncio.Protocol):
         if host is None and not req.http10:
             return Answer(400, "HTTP/1.1 request without a Host header")
         path = req.url.partition(b"?")[0]
+        origins = self.front.origins
+        if origins is not None and path not in _HEALTH:
+            refused = origins.check(host or b"", origin)
+            if refused is not None:
+                return refused
         refused = check_key(req.headers, None if path in _OPEN else self.front.api_key)
         if refused is not None:
             return refused
@@ -281,7 +318,7 @@ class Connection(asyncio.Protocol):
         req.answer = answer
         req.keep_alive = False
         if not self.busy:
-            self.answer_early(answer)
+            self.answer_early(answer, req.method == b"HEAD")
 
     def send_continue(self, req: Request) -> None:
         if not req.continue_sent and not req.complete:
@@ -293,6 +330,8 @@ class Connection(asyncio.Protocol):
     def next_request(self) -> None:
         """Serve the next whole request, or wait for one."""
         while self.exchange is None and self.transport is not None:
+            if self.write_paused:
+                return  # the last answer is not taken yet: `resume_writing` goes on (R1)
             if self.front.draining and (self.pending or self.req is not None):
                 self.pending.clear()
                 self.answer_early(Answer(503, "corral is shutting down; retry elsewhere "
@@ -303,7 +342,7 @@ class Connection(asyncio.Protocol):
                 return
             req = self.pending.popleft()
             if req.answer is not None:
-                self.write(req.answer.encode(False))
+                self.write(req.answer.encode(False, req.method == b"HEAD"))
                 self.close()
                 return
             self.exchange = Exchange(self, req)
@@ -333,7 +372,7 @@ class Connection(asyncio.Protocol):
             self._arm(self.front.http.keep_alive_timeout_s, self._idle_late)
         elif req.headers_done:
             if req.answer is not None:
-                self.answer_early(req.answer)
+                self.answer_early(req.answer, req.method == b"HEAD")
                 return
             if req.wants_continue:
                 self.send_continue(req)
@@ -350,9 +389,9 @@ class Connection(asyncio.Protocol):
         else:
             self.answer_early(answer)
 
-    def answer_early(self, answer: Answer) -> None:
+    def answer_early(self, answer: Answer, head_only: bool = False) -> None:
         """Answer now and close; drop what the client still sends meanwhile."""
-        self.write(answer.encode(False))
+        self.write(answer.encode(False, head_only))
         self.lingering = True
         self.pending.clear()
         if self.transport is not None:
@@ -366,8 +405,12 @@ class Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def close(self) -> None:
+        """Close once what was written is sent; cut after http.write_timeout_s if the
+        client does not take it (a graceful close alone waits for it for ever: R2)."""
         self._disarm()
         if self.transport is not None:
+            if self.transport.get_write_buffer_size() and self.stall_deadline == math.inf:
+                self.stall_deadline = self.loop.time() + self.front.http.write_timeout_s
             self.transport.close()
 
     def pause_reading(self) -> None:
@@ -376,7 +419,8 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if not self.reading and self.transport is not None and not self.eof:
+        if (not self.reading and self.transport is not None and not self.eof
+                and not self.write_paused):
             self.reading = True
             self.transport.resume_reading()
 
@@ -402,6 +446,13 @@ class Connection(asyncio.Protocol):
 
     def check_deadline(self, now: float) -> None:
         """Called by the Front once a second."""
+        if now >= self.stall_deadline:
+            self.stall_deadline = math.inf
+            self.front.warn("stalled", "cut a client that took nothing of its answer for "
+                            f"{self.front.http.write_timeout_s:g} s (http.write_timeout_s)")
+            if self.transport is not None:
+                self.transport.abort()
+            return
         if now >= self.deadline:
             self.deadline = math.inf
             self.on_deadline()

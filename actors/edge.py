@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import http
+import ipaddress
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -81,21 +82,23 @@ class Answer(msgspec.Struct, frozen=True):
     type: str = ""
     headers: tuple[tuple[str, str], ...] = ()
 
-    def encode(self, keep_alive: bool) -> bytes:
+    def encode(self, keep_alive: bool, head_only: bool = False) -> bytes:
+        """The whole answer; to a HEAD (`head_only`) without its body (R9: body bytes on a
+        kept-alive connection would be read as the start of the next answer)."""
         return json_response(self.status, error_body(self.status, self.message,
                                                      self.type or error_type(self.status)),
-                             keep_alive, self.headers)
+                             keep_alive, self.headers, head_only)
 
 
 def json_response(status: int, body: dict[str, Any], keep_alive: bool,
-                  extra: Iterable[tuple[str, str]] = ()) -> bytes:
+                  extra: Iterable[tuple[str, str]] = (), head_only: bool = False) -> bytes:
     """A whole HTTP/1.1 response with a JSON body and a Content-Length (fine for 1.0 too)."""
     data = msgspec.json.encode(body)
     head = [f"HTTP/1.1 {status} {reason(status)}", "Content-Type: application/json",
             f"Content-Length: {len(data)}",
             f"Connection: {'keep-alive' if keep_alive else 'close'}",
             *(f"{k}: {v}" for k, v in extra)]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else data)
 
 
 def refusal_answer(refusal: Refusal) -> Answer:
@@ -140,6 +143,65 @@ def check_key(headers: Headers, key: bytes | None) -> Answer | None:
     if given and hmac.compare_digest(given, key):
         return None
     return Answer(401, "invalid or missing API key (send Authorization: Bearer KEY)")
+
+
+class Origins:
+    """Who may call corral without a key (R5): without an api_key, anything that can make
+    a browser send a request to corral could use it. Two guards, as local servers with a
+    history of such CVEs now have:
+
+    - Host must be an IP literal, `localhost` (or a name under it), the bound host, or an
+      allowed name, so a page whose own name was rebound to 127.0.0.1 (DNS rebinding) is
+      refused instead of reading /models/logs as same-origin;
+    - a browser's Origin must be corral's own (the same authority as Host) or allowed, so
+      a page elsewhere cannot load, unload or run models with a "simple" POST (CSRF).
+    """
+
+    __slots__ = ("any_host", "any_origin", "hosts", "origins")
+
+    def __init__(self, bound_host: str, allowed_hosts: Iterable[str],
+                 allowed_origins: Iterable[str]) -> None:
+        hosts = {h.lower() for h in allowed_hosts}
+        self.any_host = "*" in hosts
+        self.hosts = frozenset(hosts | {bound_host.lower(), "localhost"})
+        origins = {o.lower().rstrip("/") for o in allowed_origins}
+        self.any_origin = "*" in origins
+        self.origins = frozenset(origins)
+
+    def check(self, host: bytes, origin: bytes | None) -> Answer | None:
+        """None if a request with this Host (and Origin, if any) may pass; else a 403."""
+        text = host.decode("latin-1").strip().lower()
+        if not self.any_host and not self._host_ok(_hostname(text)):
+            return Answer(403, f"Host {text!r} is not one corral serves without a key: use "
+                          "an IP address or localhost, or add it to http.allowed_hosts "
+                          "(a guard against DNS rebinding)", "permission_error")
+        if origin is None or self.any_origin:
+            return None
+        given = origin.decode("latin-1").strip().lower().rstrip("/")
+        scheme, sep, authority = given.partition("://")
+        if sep and scheme in ("http", "https") and authority == text:
+            return None  # corral's own page (the dashboard)
+        if given in self.origins:
+            return None
+        return Answer(403, f"requests from web pages of origin {given!r} are refused "
+                      "without an api_key; set an api_key, or add the origin to "
+                      "http.allowed_origins", "permission_error")
+
+    def _host_ok(self, name: str) -> bool:
+        if name in self.hosts or name.endswith(".localhost"):
+            return True
+        try:
+            ipaddress.ip_address(name.strip("[]"))
+        except ValueError:
+            return False
+        return True
+
+
+def _hostname(host: str) -> str:
+    """The name part of a Host value (`[::1]:8080` -> `[::1]`, `a.b:80` -> `a.b`)."""
+    if host.startswith("["):
+        return host.partition("]")[0] + "]"
+    return host.rpartition(":")[0] if ":" in host else host
 
 
 def parse_query(query: str) -> dict[str, str]:

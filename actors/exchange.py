@@ -10,6 +10,13 @@ leak into the next on the same client connection (issue 10). Its phases:
 waiting: for the Scheduler's grant and a pooled connection; forwarding: the request is
 sent, no answer head yet (a 502/504 can still be given); streaming: the child's head has
 gone to the client (from here a failure can only end the stream); done.
+
+A request is sent again only where that cannot run it twice on one child (issue 19): on a
+fresh connection to the same child when a reused one broke before a byte of the answer
+came back (`Broke.UNSENT`), and to the model's next instance when its child went away
+before the client got a byte of the final answer (`Broke.GONE`, at most `MAX_REPLAYS`
+times, once per instance). A child that answered badly, or that is still there after its
+connection broke, gets a 502 instead.
 """
 
 from __future__ import annotations
@@ -38,16 +45,22 @@ from .edge import (
 )
 from .messages import AnswerLate, Refusal
 from .shares import SharedGrant
-from .upstream import Pool, Upstream
+from .upstream import Broke, Pool, Upstream
 
 if TYPE_CHECKING:
     from .connection import Connection, Request
 
 log = logging.getLogger("corral.front")
 
-RETRY_POLLS = 40
-RETRY_POLL_S = 0.05
-"""A request whose child went away waits up to 2 s for the Scheduler to see the exit."""
+MAX_REPLAYS = 2
+"""How many next instances a request whose child went away may be sent to."""
+RETRY_POLLS = 200
+RETRY_POLL_S = 0.01
+"""A request whose child went away waits up to 2 s for the Scheduler to see the exit (it
+does within a few ms of the child's end: the exit watcher's wait returns at once)."""
+CHILD_HEADERS = (b"Content-Security-Policy: sandbox", b"X-Content-Type-Options: nosniff")
+"""Added to every answer relayed from a child: a child's page (a web UI, or an injection
+into one) is served from corral's origin, where the dashboard keeps its key (R13)."""
 
 _PROXIED = frozenset(p.encode() for p in PROXIED_POST)
 _OWN_GET = frozenset(p.encode() for p in OWN_GET)
@@ -76,8 +89,9 @@ API = "corral's API"
 class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("broke", "chunked", "conn", "done", "first_at", "head_only", "keep_alive",
-                 "late", "out", "phase", "req", "sse", "status", "task", "upstream", "what")
+    __slots__ = ("broke", "broke_kind", "chunked", "conn", "done", "first_at", "head_only",
+                 "keep_alive", "late", "may_replay", "out", "phase", "req", "sse", "status",
+                 "task", "upstream", "what")
 
     def __init__(self, conn: Connection, req: Request) -> None:
         self.conn = conn
@@ -99,10 +113,16 @@ class Exchange:
         """The status of the answer the client got (0: none yet)."""
         self.first_at: float | None = None
         """When the answer's head went to the client (loop time)."""
-        self.late = False
-        """The child sent no answer head within first_byte_timeout_s."""
+        self.late: str | None = None
+        """The child was late (no head within first_byte_timeout_s, or silent mid-answer):
+        why, for the liveness check it fails."""
         self.broke: str | None = None
-        """Why the child went away before answering, when a retry may follow."""
+        """Why the child's connection broke before the final answer's head, when the
+        request may be sent again (`broke_kind` says where)."""
+        self.broke_kind: Broke | None = None
+        self.may_replay = False
+        """Whether a child that goes away before answering hands the request on to the
+        model's next instance instead of answering 502."""
         self.task = asyncio.get_running_loop().create_task(self.run())
 
     def is_event_stream(self) -> bool:
@@ -175,7 +195,7 @@ class Exchange:
         routes = front.routes
         scheduler = front.scheduler()
         gone: int | None = None  # the generation that went away before answering
-        for attempt in (1, 2):
+        for replays in range(MAX_REPLAYS + 1):
             share = await front.shares.acquire(scheduler, model, autoload)
             if gone is not None:
                 share = await self._next_instance(share, gone)
@@ -183,31 +203,36 @@ class Exchange:
                 self.answer(refusal_answer(share))
                 return
             grant = share.grant
+            if grant.generation == gone:  # its child is still there: it may have the request
+                front.shares.release(scheduler, share)
+                self.answer(Answer(502, f"{self.what} is unreachable: {self.broke}"))
+                return
             try:
                 route = routes.models.get(grant.model)
                 host, _, port = grant.base_url.rpartition("/")[2].partition(":")
                 pool = front.pools.get((host, int(port), f"{grant.model}#{grant.generation}"),
                                        route.pool_cap if route else None)
                 late = route.first_byte_timeout_s if route else None
-                broke = await self.forward(pool, NOT_FORWARDED, late, may_retry=attempt == 1)
+                self.may_replay = replays < MAX_REPLAYS
+                await self.forward(pool, NOT_FORWARDED, late)
             finally:
                 front.shares.release(scheduler, share)
-            if self.late:
-                scheduler.tell(AnswerLate(grant.model, grant.generation, (
-                    f"a request had no answer within {late:g} s (first_byte_timeout_s)")))
-            if broke is None:
+            if self.late is not None:
+                scheduler.tell(AnswerLate(grant.model, grant.generation, self.late))
+            if self.phase is Phase.DONE:
                 return
-            # Nothing of an answer was sent: the next instance gets the request, once.
+            # Nothing of the final answer was sent: the next instance gets the request.
             log.warning("%s#%d went away before answering (%s); sending the request to "
-                        "its next instance", self.what, grant.generation, broke)
+                        "its next instance", self.what, grant.generation, self.broke)
             gone = grant.generation
-            if self.phase is not Phase.WAITING:  # it failed as it connected: still waiting
+            if self.phase is Phase.FORWARDING:  # not when it failed as it connected
                 self._to(Phase.WAITING)
 
     async def _next_instance(self, share: SharedGrant | Refusal,
                              gone: int) -> SharedGrant | Refusal:
         """A grant that is not for generation `gone`: until the Scheduler has seen that
-        child's exit (a few ms behind the connection's end), it may still grant it."""
+        child's exit (a few ms behind the connection's end), it may still grant it. After
+        `RETRY_POLLS`, the grant for `gone` itself (its child is alive)."""
         front = self.conn.front
         for _ in range(RETRY_POLLS):
             if isinstance(share, Refusal) or share.grant.generation != gone:
@@ -218,44 +243,58 @@ class Exchange:
         return share
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
-                      first_byte_timeout_s: float | None, may_retry: bool = False) -> str | None:
-        """Send the request on a pooled connection and stream the answer back. With
-        `may_retry`, a child that goes away before any of its answer returns why,
-        instead of the client getting a 502."""
+                      first_byte_timeout_s: float | None) -> None:
+        """Send the request on a pooled connection and stream the answer back. Returns in
+        phase DONE, or in FORWARDING when the child went away before answering and
+        `may_replay` (then `broke` says why)."""
         req = self.req
-        self.broke = None
-        try:
-            up = await pool.lease()
-        except OSError as e:
-            if may_retry:
-                return str(e)
-            self.answer(Answer(502, f"{self.what} is unreachable: {e}"))
-            return None
-        self.upstream = up
-        host = pool.key[0].encode()
-        head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + host]
+        head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
         head.append(b"Content-Length: %d" % len(req.body))
+        data = b"\r\n".join(head) + b"\r\n\r\n" + req.body
         loop = asyncio.get_running_loop()
-        self.done = loop.create_future()
-        self._to(Phase.FORWARDING)
-        self.broke = "" if may_retry else None
-        up.send(self, b"\r\n".join(head) + b"\r\n\r\n" + req.body, self.head_only)
-        timer = (loop.call_later(first_byte_timeout_s, self._first_byte_late,
-                                 first_byte_timeout_s) if first_byte_timeout_s else None)
-        try:
-            await self.done
-        finally:
-            if timer is not None:
-                timer.cancel()
-        return self.broke or None
+        fresh = False
+        while True:
+            self.broke = self.broke_kind = None
+            try:
+                up = await pool.lease(fresh)
+            except OSError as e:
+                self._unreachable(str(e), Broke.GONE)
+                return
+            self.upstream = up
+            self.done = loop.create_future()
+            if self.phase is Phase.WAITING:
+                self._to(Phase.FORWARDING)
+            up.send(self, data, self.head_only)
+            timer = (loop.call_later(first_byte_timeout_s, self._first_byte_late,
+                                     first_byte_timeout_s) if first_byte_timeout_s else None)
+            try:
+                await self.done
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if self.broke_kind is not Broke.UNSENT or fresh:
+                return
+            # The child closed a kept-alive connection as the request went in: it never
+            # had it. Once more, on a connection of its own (R10: at once, not after 2 s).
+            log.info("%s closed a kept-alive connection as a request went in (%s); sending "
+                     "it again on a fresh connection", self.what, self.broke)
+            fresh = True
+
+    def _unreachable(self, why: str, kind: Broke) -> None:
+        """The request's connection broke before the final answer's head: send it again
+        (`forward` and `_to_model` see `broke_kind`), or answer 502."""
+        self.broke, self.broke_kind = why, kind
+        if kind is Broke.UNSENT or (kind is Broke.GONE and self.may_replay):
+            return
+        self.answer(Answer(502, f"{self.what} is unreachable: {why}"))
 
     def _first_byte_late(self, timeout_s: float) -> None:
         if self.phase is not Phase.FORWARDING:
             return
         log.warning("%s sent no answer within %g s (first_byte_timeout_s): 504", self.what,
                     timeout_s)
-        self.late = True
+        self.late = f"a request had no answer within {timeout_s:g} s (first_byte_timeout_s)"
         if self.upstream is not None:
             self.upstream.detach()
             self.upstream = None
@@ -267,7 +306,7 @@ class Exchange:
         """corral's own answer, in place of a child's."""
         self._head(answer.status)
         self.keep_alive = self.keep_alive and not self.conn.front.draining
-        self.conn.write(answer.encode(self.keep_alive))
+        self.conn.write(answer.encode(self.keep_alive, self.head_only))
         self._to(Phase.DONE)
 
     def _resolve(self) -> None:
@@ -301,10 +340,14 @@ class Exchange:
                 self.sse = True
             if lname not in HOP_BY_HOP:
                 out.append(name + b": " + value)
+        if self.what != API:
+            out += CHILD_HEADERS
         keep = self.keep_alive and not self.conn.front.draining
-        if length is not None:
+        if status in (204, 304):
+            pass  # no body, so no length either (RFC 9110 8.6: a 204 must not say one)
+        elif length is not None:
             out.append(b"Content-Length: " + length)
-        elif self.head_only or status in (204, 304):
+        elif self.head_only:
             pass
         elif not self.req.http10:
             self.chunked = True
@@ -334,16 +377,15 @@ class Exchange:
         self._to(Phase.DONE)
         self._resolve()
 
-    def upstream_broke(self, why: str) -> None:
+    def upstream_broke(self, why: str, kind: Broke) -> None:
         self.upstream = None
         if self.phase is Phase.FORWARDING:
             self.out.clear()  # interim answers only; the final one is ours
-            if self.broke is not None:  # a retry may follow: nothing was sent yet
-                self.broke = why
-            else:
-                self.answer(Answer(502, f"{self.what} is unreachable: {why}"))
+            self._unreachable(why, kind)
         elif self.phase is Phase.STREAMING:
             log.warning("%s broke off a response: %s", self.what, why)
+            if kind is Broke.SILENT:
+                self.late = why
             if self.sse and self.chunked:
                 self.response_body(sse_error_event(self.what, why))
                 self.out.append(b"0\r\n\r\n")

@@ -104,7 +104,11 @@ class FakeModel:
         chat = "chat" in request.path
         if body.get("stream"):
             return await self._stream(request, n_tokens, chat)
-        await self._pace(n_tokens)
+        try:
+            await self._pace(n_tokens)
+        except asyncio.CancelledError:  # its client (corral) closed the connection
+            self.stats["cancelled"] += 1
+            raise
         text = "".join(f"tok{i} " for i in range(n_tokens))
         self.stats["completed"] += 1
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}

@@ -25,10 +25,11 @@ from typing import Any
 
 from .config import HttpConfig
 from .connection import Connection
-from .edge import Answer, Routes
+from .edge import Answer, Origins, Routes
+from .messages import Withdraw
 from .metrics import RequestTimes
 from .shares import Shares
-from .upstream import Pool, Pools
+from .upstream import API_TAG, Pool, Pools
 
 log = logging.getLogger("corral.front")
 
@@ -82,8 +83,10 @@ class Front:
         self.http = http
         self.limits = Limits(http, max_body_mib)
         self.max_connections = http.max_connections or default_max_connections()
-        self.pools = Pools(POOL_IDLE_S)
-        self.api_address = ("127.0.0.1", api_port, "api")
+        self.pools = Pools(POOL_IDLE_S, self.limits.max_header, http.upstream_idle_timeout_s)
+        self.api_address = ("127.0.0.1", api_port, API_TAG)
+        self.origins: Origins | None = None
+        """Without a key: the Host and Origin a request may carry (R5); set by `listen`."""
         self.connections: set[Connection] = set()
         self.draining = False
         self.drained = asyncio.Event()
@@ -95,10 +98,19 @@ class Front:
     async def listen(self, host: str, port: int) -> int:
         """Start accepting on host:port (0 picks one); return the port."""
         loop = asyncio.get_running_loop()
+        if self.api_key is None:
+            self.origins = Origins(host, self.http.allowed_hosts, self.http.allowed_origins)
         self.server = await loop.create_server(lambda: Connection(self), host, port,
                                                backlog=BACKLOG)
         self._sweeper = loop.call_later(1.0, self._sweep)
         return int(self.server.sockets[0].getsockname()[1])
+
+    def withdraw(self, message: Withdraw) -> None:
+        """The Scheduler: no request may join grants of this child any more; and if it is
+        gone, its connections end now (a lost node's never close by themselves)."""
+        self.shares.withdraw(message)
+        if message.gone:
+            self.pools.abort(f"{message.model}#{message.generation}", "the child is gone")
 
     def api_pool(self) -> Pool:
         return self.pools.get(self.api_address, None)

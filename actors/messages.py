@@ -319,6 +319,9 @@ class Withdraw(Message, frozen=True):
 
     model: str
     generation: int
+    gone: bool = False
+    """The child is gone (exited, or its node lost): the front ends its connections to it
+    at once, as a node that vanished never closes them (R7)."""
 
 
 class InstancesAttached(Message, frozen=True):

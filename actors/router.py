@@ -134,7 +134,7 @@ class Router:
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler, api_port,
                            self.config.api_key, self.config.http, self.config.max_body_mib)
-        self.sup.watch_grants(loop, self.front.shares.withdraw)
+        self.sup.watch_grants(loop, self.front.withdraw)
         return await self.front.listen(host, port)
 
     async def stop(self) -> None:

@@ -9,7 +9,16 @@ so no answer can ever reach a request it does not belong to through a reused con
 
 Answers are parsed strictly: 100 Continue is consumed, other 1xx answers (103 Early
 Hints) are passed on as interim answers and never end the exchange, 101 is an error, and
-an answer without a length that ends when the child closes (HTTP/1.0) is complete.
+an answer without a length that ends when the child closes (HTTP/1.0) is complete. An
+answer head is bounded like a request's (R6), and a child silent in the middle of an
+answer is cut after `upstream_idle_timeout_s` (R7).
+
+Keep-alive is believed only where it holds: a child that closes a connection right after a
+streamed (chunked) answer although it said keep-alive (llama-server does, issue 19) is
+seen doing it once, and from then on its connections are not reused after a stream. A
+request on a reused connection that breaks before a byte of its answer came back is
+`Broke.UNSENT`: the child closed that connection as the request went in (the keep-alive
+race), and the request is sent again at once on a fresh connection to the same child.
 """
 
 from __future__ import annotations
@@ -17,17 +26,43 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import logging
 import os
 from typing import Protocol
 
 import httptools
 
+log = logging.getLogger("corral.front")
+
 CHECK = os.environ.get("CORRAL_CHECK_INVARIANTS") == "1"
 """Assert the pool invariant after every change (the edge's fuzz test sets it)."""
 
+API_TAG = "api"
+"""The tag of the management API's pool (its event streams may be silent for long)."""
 PoolKey = tuple[str, int, str]
 """(host, port, tag): the tag names the process behind the port (`model#generation`), so a
 new child that gets a dead one's port never receives the dead one's connections."""
+
+
+CLOSE_AFTER_STREAM_S = 1.0
+"""A connection the child closes within this of a streamed answer ending was closed
+because of that answer: the child does it after every stream."""
+
+
+class Broke(enum.Enum):
+    """How an answer failed, which says whether the request may be sent again."""
+
+    UNSENT = "unsent"
+    """A reused connection ended before a byte of the answer came back: the child had
+    closed it (the keep-alive race). Sent again at once, on a fresh connection."""
+    GONE = "gone"
+    """A fresh connection failed before a byte of the answer came back (refused, reset):
+    the child may have exited. Sent again to its next instance, if there is one."""
+    ANSWERED = "answered"
+    """Bytes of an answer came (or a malformed one): the child has the request; never
+    sent again."""
+    SILENT = "silent"
+    """The child sent nothing for upstream_idle_timeout_s in the middle of its answer."""
 
 
 class Sink(Protocol):
@@ -38,7 +73,7 @@ class Sink(Protocol):
     def response_body(self, body: bytes) -> None: ...
     def flush(self) -> None: ...
     def response_done(self) -> None: ...
-    def upstream_broke(self, reason: str) -> None: ...
+    def upstream_broke(self, reason: str, kind: Broke) -> None: ...
 
 
 class UpState(enum.Enum):
@@ -71,6 +106,17 @@ class Upstream(asyncio.Protocol):
         self.keep_alive = False
         """The child will keep the connection open after this answer."""
         self.idle_since = 0.0
+        self.answers = 0
+        """Answers read whole on this connection: a request sent after one is on a reused
+        connection."""
+        self.received = False
+        """A byte of the current answer has come back (the child has the request)."""
+        self.head_bytes = 0
+        """Bytes read before the answer's head was whole (bounded: R6)."""
+        self.streamed = False
+        """The answer is chunked (a stream): some children close after those."""
+        self.last_read = 0.0
+        """When the child last sent something (loop time), for the silence timeout."""
 
     # ------------------------------------------------------------ exchange side
 
@@ -81,9 +127,15 @@ class Upstream(asyncio.Protocol):
         self.head_only = head_only
         self.headers = []
         self.head_seen = self.finished = self.extra = self.close_delimited = False
-        self.keep_alive = False
+        self.keep_alive = self.received = self.streamed = False
+        self.head_bytes = 0
+        self.last_read = asyncio.get_running_loop().time()
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
+
+    @property
+    def reused(self) -> bool:
+        return self.answers > 0
 
     def detach(self) -> None:
         """The exchange is over before the answer was: the connection cannot be reused."""
@@ -98,7 +150,27 @@ class Upstream(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self.transport is not None and self.paused:
             self.paused = False
+            self.last_read = asyncio.get_running_loop().time()  # silence counts from here
             self.transport.resume_reading()
+
+    def abort(self, reason: str) -> None:
+        """The child is gone (its node lost, or it was stopped): end what runs on this
+        connection now instead of waiting for a close that may never come."""
+        sink, self.sink = self.sink, None
+        self._forget()
+        if self.transport is not None:
+            self.transport.abort()
+        if sink is not None:
+            sink.upstream_broke(reason, Broke.ANSWERED if self.received else Broke.GONE)
+
+    def check_silence(self, now: float, timeout_s: float) -> None:
+        """Cut an answer whose child has sent nothing for `timeout_s` since its head (a
+        child paused for a slow client is not silent)."""
+        sink = self.sink
+        if (sink is not None and self.head_seen and not self.finished and not self.paused
+                and now - self.last_read >= timeout_s):
+            self._broke(sink, f"the child sent nothing for {timeout_s:g} s in the middle of "
+                        "its answer (http.upstream_idle_timeout_s)", Broke.SILENT)
 
     def close(self) -> None:
         self._forget()
@@ -117,20 +189,36 @@ class Upstream(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        was_idle = self.state is UpState.IDLE
         self._forget()
         sink, self.sink = self.sink, None
         if sink is None:
+            if (was_idle and self.streamed and asyncio.get_running_loop().time()
+                    - self.idle_since < CLOSE_AFTER_STREAM_S):
+                self.pool.closes_after_streams()
             return
         if self.head_seen and self.close_delimited and not self.finished:
             sink.response_done()  # the close is how this answer ends
+            return
+        why = str(exc) if exc else "the child closed the connection"
+        if self.received:
+            sink.upstream_broke(why, Broke.ANSWERED)
+        elif self.reused:
+            if self.streamed:  # what the last answer on it was
+                self.pool.closes_after_streams()
+            sink.upstream_broke(why, Broke.UNSENT)
         else:
-            sink.upstream_broke(str(exc) if exc else "the child closed the connection")
+            sink.upstream_broke(why, Broke.GONE)
 
     def data_received(self, data: bytes) -> None:
         sink = self.sink
         if sink is None:  # bytes nobody asked for (an idle connection): never reuse it
             self.close()
             return
+        self.received = True
+        self.last_read = asyncio.get_running_loop().time()
+        if not self.head_seen:
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -144,19 +232,28 @@ class Upstream(asyncio.Protocol):
             self.extra = True  # garbage after a whole answer
         if self.finished:
             self.sink = None
-            if self.extra or not self.keep_alive:
+            self.answers += 1
+            if self.extra or not self.keep_alive or (
+                    self.streamed and self.pool.no_reuse_after_stream):
                 self.close()
             else:
                 self.resume_reading()  # paused for a slow client: not for the next one
                 self.pool.give_back(self)
             sink.response_done()
         elif self.sink is not None:
+            if not self.head_seen and self.head_bytes > self.pool.pools.max_head:
+                # Bounded before httptools gathers more (it appends a header arriving in
+                # pieces one piece at a time, quadratically): one read past the limit.
+                self._broke(sink, f"its answer head is over the "
+                            f"{self.pool.pools.max_head // 1024} KiB limit "
+                            "(http.max_header_kib)")
+                return
             sink.flush()  # what this read produced goes out in one write
 
-    def _broke(self, sink: Sink, reason: str) -> None:
+    def _broke(self, sink: Sink, reason: str, kind: Broke = Broke.ANSWERED) -> None:
         self.sink = None
         self.close()
-        sink.upstream_broke(reason)
+        sink.upstream_broke(reason, kind)
 
     # ------------------------------------------------------------ httptools callbacks
 
@@ -179,6 +276,7 @@ class Upstream(asyncio.Protocol):
                 self.sink.response_interim(status, headers)
             return
         self.head_seen = True
+        self.streamed = any(n.lower() == b"transfer-encoding" for n, _ in headers)
         self.close_delimited = (status not in (204, 304) and not self.head_only and not any(
             n.lower() in (b"content-length", b"transfer-encoding") for n, _ in headers))
         self.sink.response_head(status, headers)
@@ -208,6 +306,9 @@ class Pool:
         self.pools = pools
         self.key = key
         self.cap = cap
+        self.no_reuse_after_stream = False
+        """The child was seen closing a connection after a streamed answer that said
+        keep-alive: such connections are closed by corral first, never reused."""
         self.idle: list[Upstream] = []
         """Most recently used last; the stalest first."""
         self.leased: set[Upstream] = set()
@@ -218,13 +319,21 @@ class Pool:
     def empty(self) -> bool:
         return not (self.idle or self.leased or self.opening or self.waiters)
 
-    async def lease(self) -> Upstream:
-        """A connection for one exchange: an idle one, a new one, or (at the cap) the
-        next one given back. Raises OSError if the child cannot be reached."""
+    def closes_after_streams(self) -> None:
+        if not self.no_reuse_after_stream:
+            self.no_reuse_after_stream = True
+            log.info("%s closes its connection after a streamed answer although it says "
+                     "keep-alive; corral no longer reuses a connection after a stream",
+                     self.key[2])
+
+    async def lease(self, fresh: bool = False) -> Upstream:
+        """A connection for one exchange: an idle one (unless `fresh`), a new one, or (at
+        the cap) the next one given back. Raises OSError if the child cannot be reached."""
         deadline = asyncio.get_running_loop().time() - self.pools.idle_s
-        while self.idle:
+        while self.idle and not fresh:
             up = self.idle.pop()
-            if up.idle_since < deadline or up.transport is None:
+            if (up.idle_since < deadline or up.transport is None
+                    or up.transport.is_closing()):
                 up.close()  # about to be closed by the child: do not send into it
                 continue
             up.state = UpState.LEASED
@@ -234,8 +343,12 @@ class Pool:
             return up
         if self.cap is not None and len(self.leased) + self.opening >= self.cap:
             handed = await self._wait_turn()
-            if handed is not None:
+            if handed is not None and not fresh:
                 return handed
+            if handed is not None:  # a fresh one was asked for: this one goes on
+                self.give_back(handed)
+                if len(self.leased) + self.opening >= self.cap:
+                    return await self.lease(fresh)
         return await self._open()
 
     async def _wait_turn(self) -> Upstream | None:
@@ -308,9 +421,18 @@ class Pool:
                 return
 
     def sweep(self, now: float) -> None:
-        """Close the connections idle longer than idle_s (the stalest are first)."""
+        """Close the connections idle longer than idle_s (the stalest are first), and cut
+        answers whose child has gone silent."""
         while self.idle and self.idle[0].idle_since < now - self.pools.idle_s:
             self.idle[0].close()
+        silence_s = self.pools.silence_s
+        if silence_s and self.key[2] != API_TAG:
+            for up in list(self.leased):
+                up.check_silence(now, silence_s)
+
+    def abort(self, reason: str) -> None:
+        for up in [*self.idle, *self.leased]:
+            up.abort(reason)
 
     def check(self) -> None:
         """Assert the invariant (tests call it after every step)."""
@@ -327,8 +449,13 @@ class Pool:
 class Pools:
     """Every pool of the front, by child."""
 
-    def __init__(self, idle_s: float) -> None:
+    def __init__(self, idle_s: float, max_head: int = 32 * 1024,
+                 silence_s: float = 0.0) -> None:
         self.idle_s = idle_s
+        self.max_head = max_head
+        """Most bytes of an answer head a child may send (its request limit's twin)."""
+        self.silence_s = silence_s
+        """A child silent this long in the middle of an answer is cut (0: never)."""
         self.pools: dict[PoolKey, Pool] = {}
 
     def get(self, key: PoolKey, cap: int | None) -> Pool:
@@ -344,6 +471,12 @@ class Pools:
     def sweep(self, now: float) -> None:
         for pool in list(self.pools.values()):
             pool.sweep(now)
+
+    def abort(self, tag: str, reason: str) -> None:
+        """The process behind `tag` (`model#generation`) is gone: end its connections."""
+        for key, pool in list(self.pools.items()):
+            if key[2] == tag:
+                pool.abort(reason)
 
     def close(self) -> None:
         for pool in list(self.pools.values()):

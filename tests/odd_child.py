@@ -15,6 +15,16 @@ whose answer a client got. The `x-odd` request header picks a behaviour:
     silent        never answers
     big           a chunked answer of `x-size` bytes (default 8 MiB)
     slow          `x-events` SSE events (default 5), 50 ms apart
+    stream-close  a chunked SSE stream that says keep-alive, then closes (llama-server does)
+    close-next    the answer; the next request on this connection is met by a close
+    garbage       bytes that are not HTTP, then a close
+    huge-head     an answer head of `x-size` bytes (default 64 MiB) in one header
+    stall         an SSE head and one event, then silence with the socket open
+    no-content    204 with a Content-Length (which a 204 must not have)
+    html          a text/html page
+
+Each request is printed (`request RID on connection N`) before it is answered, so a test
+can count how often the child received it.
 """
 
 from __future__ import annotations
@@ -25,13 +35,19 @@ import json
 
 import httptools
 
+CONNECTIONS = 0
+
 
 class Child(asyncio.Protocol):
     def __init__(self) -> None:
+        global CONNECTIONS
+        CONNECTIONS += 1
+        self.number = CONNECTIONS
         self.parser = httptools.HttpRequestParser(self)
         self.headers: dict[str, str] = {}
         self.url = b""
         self.transport: asyncio.Transport | None = None
+        self.close_next = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -61,6 +77,10 @@ class Child(asyncio.Protocol):
         assert t is not None
         rid = headers.get("x-request-id", "")
         odd = headers.get("x-odd", "")
+        if self.close_next:  # as a child whose keep-alive ran out: never read it
+            t.close()
+            return
+        print(f"request {rid} on connection {self.number}", flush=True)
         body = json.dumps({"id": rid, "url": url.decode(), "headers": headers}).encode()
         plain = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-request-id: "
                  + rid.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
@@ -91,6 +111,41 @@ class Child(asyncio.Protocol):
                     b"\r\n\r\nnot http any more")
         elif odd == "silent":
             return
+        elif odd == "stream-close":
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n")
+            for i in range(int(headers.get("x-events", "3"))):
+                event = b'data: {"n": %d, "id": "%s"}\n\n' % (i, rid.encode())
+                t.write(b"%x\r\n%s\r\n" % (len(event), event))
+            t.write(b"0\r\n\r\n")
+            await asyncio.sleep(0.005)
+            t.close()
+        elif odd == "close-next":
+            t.write(plain)
+            self.close_next = True
+        elif odd == "garbage":
+            t.write(b"NOT HTTP\r\n\r\n")
+            t.close()
+        elif odd == "huge-head":
+            size = int(headers.get("x-size", str(64 * 2**20)))
+            t.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+            block = b"a" * 65536
+            for _ in range(size // len(block)):
+                t.write(block)
+                await asyncio.sleep(0)
+            t.write(b"\r\nContent-Length: 2\r\n\r\nok")
+        elif odd == "stall":
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n")
+            event = b'data: {"n": 0, "id": "%s"}\n\n' % rid.encode()
+            t.write(b"%x\r\n%s\r\n" % (len(event), event))
+        elif odd == "no-content":
+            t.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 10\r\nx-request-id: "
+                    + rid.encode() + b"\r\n\r\n")
+        elif odd == "html":
+            page = b"<html><script>alert(1)</script></html>"
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d"
+                    b"\r\n\r\n" % len(page) + page)
         elif odd == "big":
             size = int(headers.get("x-size", str(8 * 2**20)))
             t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"

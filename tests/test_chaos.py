@@ -1,14 +1,17 @@
 """Chaos, bounded: random SIGKILLs of children under concurrent load, default settings.
 
 Every request is answered exactly once (a 200, or a JSON error in the OpenAI shape), at
-least 90% succeed, no model is left refusing after the chaos (the first request after it
-succeeds within 5 s), and no process is left behind (the fixture checks at teardown).
-CORRAL_CHAOS_S sets how long the kills go on (default 12 s).
+least 99% succeed (a request whose child died before it had a byte of the answer is sent
+on to the next instance: issue 19), no model is left refusing after the chaos (the first
+request after it succeeds within 5 s), and no process is left behind (the fixture checks
+at teardown). CORRAL_CHAOS_S sets how long the kills go on (default 12 s).
 
-A kill comes every 0.5-1.5 s: a fake child (Python and aiohttp) takes about 0.3 s to
-start, three times a tiny llama-server, so at the 0.2-0.6 s of issue 11's run against
-llama-server most kills here would land on a load. The run at that rate, with real
-llama-server children, is `python -m bench chaos` (bench/README.md).
+A kill comes every 0.5-1.5 s and lands on a serving child (one whose model is loaded). A
+fake child (Python and aiohttp) takes 0.3 s to start on a quiet machine and over a second
+on a busy one, so kills of any child would mostly land on loads there, and three in a row
+fail a load's waiters (tests/test_policy_rules.py covers that rule): such a run would
+measure the machine. The run that kills any child every 0.2-0.6 s, with real llama-server
+children beside llama.cpp's own router, is `python -m bench chaos` (bench/README.md).
 """
 
 from __future__ import annotations
@@ -53,11 +56,27 @@ def client(port: int, stop: threading.Event, rng: random.Random,
 
 def test_random_kills_under_load_leave_every_request_answered_and_corral_healthy(
         corral) -> None:
-    chaos(corral(toml_config({m: {"cmd": fake_cmd()} for m in MODELS}, models_max=2)))
+    chaos(corral(toml_config({m: {"cmd": fake_cmd()} for m in MODELS}, models_max=2)),
+          min_ok=0.99, serving_only=True)
 
 
-def chaos(c: Corral, seconds: float = CHAOS_S, min_ok: float = 0.9) -> None:
-    """16 clients on MODELS while their children are SIGKILLed at random; then check."""
+def victims(c: Corral, serving_only: bool) -> list[int]:
+    """The pids of running children; `serving_only`: of loaded models, the first seen
+    within a second (with three models on two slots, each is loaded for short spells)."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        models = c.models().values()
+        pids = [m["pid"] for m in models
+                if m["pid"] and (m["status"]["value"] == "loaded" or not serving_only)]
+        if pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.01)
+
+
+def chaos(c: Corral, seconds: float = CHAOS_S, min_ok: float = 0.9,
+          serving_only: bool = False) -> None:
+    """16 clients on MODELS while their children are SIGKILLed at random (with
+    `serving_only`, those of loaded models only); then check."""
     rng = random.Random(7)
     stop = threading.Event()
     results: list[tuple[int, bool]] = []
@@ -70,7 +89,7 @@ def chaos(c: Corral, seconds: float = CHAOS_S, min_ok: float = 0.9) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             stop.wait(rng.uniform(0.5, 1.5))
-            pids = [m["pid"] for m in c.models().values() if m["pid"]]
+            pids = victims(c, serving_only)
             if pids:
                 try:
                     os.kill(rng.choice(pids), signal.SIGKILL)

@@ -25,7 +25,8 @@ from tests.helpers import Corral, wait_until
 from tests.rawhttp import Raw
 from tests.test_edge_hostile import KEY, edge_config
 
-ODDS = ["", "", "early-hints", "extra", "http10", "http10-sse", "slow"]
+ODDS = ["", "", "early-hints", "extra", "http10", "http10-sse", "slow", "stream-close",
+        "close-next", "garbage", "no-content"]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,8 @@ def check_answers(ids: list[str], answers: list[Any]) -> None:
             for event in events:
                 got = json.loads(event[6:]).get("id")
                 assert got in (rid, None), (rid, answer)
+        elif answer.status == 204:
+            assert answer.headers["x-request-id"] == rid and not answer.body, (rid, answer)
         elif answer.status >= 400:
             assert "error" in answer.json(), answer  # corral's own error, OpenAI-shaped
         else:

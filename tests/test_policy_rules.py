@@ -235,16 +235,18 @@ def test_a_raising_event_subscriber_does_not_take_the_scheduler_down(caplog) -> 
     assert "an event subscriber raised" in caplog.text and "the app's bug" in caplog.text
 
 
-def test_a_load_killed_by_a_signal_gets_its_waiters_one_more_try() -> None:
+def test_a_load_killed_by_a_signal_gets_its_waiters_two_more_tries() -> None:
     w = World(intensity=10)
     w.acquire(1, "a")
     w.exited("a", rc=-9)  # the OOM killer, or an operator: perhaps not the model's fault
     assert 1 not in w.answers and w.state("a") == "loading" and w.gen("a") == 2
     w.acquire(2, "a")  # joins the second load
     w.exited("a", rc=-9)
-    refusal = w.answers[1]  # its second killed load: answered
-    assert isinstance(refusal, Refusal) and "failed to load (attempt 2)" in refusal.message
-    assert 2 not in w.answers  # its first: one more try
+    assert 1 not in w.answers and 2 not in w.answers and w.gen("a") == 3
+    w.exited("a", rc=-9)
+    refusal = w.answers[1]  # its third killed load: answered
+    assert isinstance(refusal, Refusal) and "failed to load (attempt 3)" in refusal.message
+    assert 2 not in w.answers  # its second: one more try
     w.ready("a")
     assert isinstance(w.answers[2], Grant)
 

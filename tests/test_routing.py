@@ -270,9 +270,9 @@ def test_a_request_whose_child_dies_before_answering_goes_to_the_next_instance(
     assert status == 200, body
     assert c.models()["a"]["pid"] != pid and c.models()["a"]["loads"] == 2
     assert "went away before answering" in c.log()
-    status, body = chat(c.port, "b")  # b dies on every request: one retry, then a 502
+    status, body = chat(c.port, "b")  # b dies on every request: two replays, then a 502
     assert status == 502 and "unreachable" in body["error"]["message"]
-    assert c.models()["b"]["loads"] == 2
+    assert c.models()["b"]["loads"] == 3
     c.wait_state("b", "failed")
 
 

@@ -188,10 +188,11 @@ class Children(Rules):
         if was is S.LOADING:
             # the requests that waited on this load get one error each. A load
             # killed by a signal (the OOM killer, an operator) may have been no fault of
-            # the model's: its waiters get one more try, and the next failure answers them.
+            # the model's: its waiters get two more tries, and the next failure answers
+            # them (as the front sends a request whose child died on, twice: issue 19).
             message = f"model '{rec.name}' failed to load (attempt {attempt}): {description}"
             if killed:
-                for ticket, _ in self.queue.keep_for_one_retry(rec.name):
+                for ticket, _ in self.queue.keep_for_retries(rec.name):
                     self._refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0),
                                  model=rec.name, reason="load_failed")
                 self._idle(rec)

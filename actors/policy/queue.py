@@ -10,6 +10,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
+KILLS_OUTLIVED_MAX = 2
+"""A queued request outlives this many loads killed by a signal (the OOM killer, an
+operator, chaos) before one answers it: as many as a request whose child died under it
+is sent on to next instances (the front's MAX_REPLAYS)."""
+
 
 @dataclass(eq=False, slots=True)
 class Waiter:
@@ -19,8 +24,9 @@ class Waiter:
     queued_at: float
     deadline: float | None = None
     """When it gives up (queue_timeout_s), or None to wait as long as it takes."""
-    outlived_a_kill: bool = False
-    """A load it waited on was killed by a signal; the next failure answers it."""
+    kills_outlived: int = 0
+    """Loads it waited on that were killed by a signal; past `KILLS_OUTLIVED_MAX` the next
+    failure answers it."""
 
 
 @dataclass(eq=False)
@@ -102,19 +108,21 @@ class RequestQueue:
             self.changed.add(model)
         return [(t, self.waiters.pop(t)) for t in entry.waiters]
 
-    def keep_for_one_retry(self, model: str) -> list[tuple[Hashable, Waiter]]:
+    def keep_for_retries(self, model: str) -> list[tuple[Hashable, Waiter]]:
         """A load the entry waited on was killed by a signal: keep the waiters that have
-        not outlived a kill yet (marked now); remove and return the others."""
+        outlived fewer than `KILLS_OUTLIVED_MAX` kills (counted now); remove and return
+        the others."""
         entry = self.entries.get(model)
         if entry is None:
             return []
-        done = [(t, self.waiters[t]) for t in entry.waiters if self.waiters[t].outlived_a_kill]
+        done = [(t, self.waiters[t]) for t in entry.waiters
+                if self.waiters[t].kills_outlived >= KILLS_OUTLIVED_MAX]
         for t, _ in done:
             del self.waiters[t]
             del entry.waiters[t]
             self.changed.add(model)
         for t in entry.waiters:
-            self.waiters[t].outlived_a_kill = True
+            self.waiters[t].kills_outlived += 1
         self.close_if_empty(model)
         return done
 

@@ -343,8 +343,9 @@ class Rules:
         took = now - rec.state_since
         log.info("model %s#%d: %s -> %s (%s, after %.2f s)", rec.name, rec.generation,
                  rec.state.value, new.value, cause, took)
-        if rec.state.is_serving and not new.is_serving:
-            self._out.append(Withdraw(rec.name, rec.generation))
+        if (rec.state.is_serving and not new.is_serving) or (
+                rec.state is S.STOPPING and new is S.UNLOADED):
+            self._out.append(Withdraw(rec.name, rec.generation, gone=new is S.UNLOADED))
         rec.state = new
         rec.state_since = now
         self._publish_state(rec, cause, now, exit_code, info)

@@ -1,0 +1,293 @@
+"""The edge's faults of issue 19 (R1-R10, R13 of the robustness review), on raw sockets.
+
+The invariants behind them: every answer a client gets belongs to the request it sent; what
+corral holds for one connection is bounded whatever the client sends or does not read; a
+child is sent a request a second time only where it never had it (a kept-alive connection
+it had closed), and never after it answered, even badly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import Corral, fake_cmd, request, toml_config, wait_until
+from tests.rawhttp import Raw
+from tests.test_edge_hostile import HTTP, KEY, ODD, ask, in_flight_zero, mine
+
+FAULTS_HTTP = {**HTTP, "write_timeout_s": 2, "upstream_idle_timeout_s": 2}
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
+    c = Corral(tmp_path_factory.mktemp("faults"), toml_config(
+        {"odd": {"cmd": ODD}, "fake": {"cmd": fake_cmd("--tokens-per-s", "50")}},
+        api_key=KEY, http=FAULTS_HTTP))
+    c.key = KEY
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def child_log(c: Corral, model: str = "odd") -> str:
+    status, text, _ = request(c.port, "GET", f"/models/logs?model={model}",
+                              headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200
+    return str(text)
+
+
+def times_received(c: Corral, rid: str) -> int:
+    return child_log(c).count(f"request {rid} on connection")
+
+
+def stalled_client(port: int, requests: int, patience_s: float = 0.2) -> socket.socket:
+    """A client that pipelines `requests` GET /ui and reads nothing (a 1 KiB buffer); it
+    sends until corral has taken nothing for `patience_s`."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    s.connect(("127.0.0.1", port))
+    s.setblocking(False)
+    data = memoryview(b"GET /ui HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
+    last_taken = time.monotonic()
+    while data and time.monotonic() - last_taken < patience_s:
+        try:
+            data = data[s.send(data):]
+            last_taken = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)
+    return s
+
+
+# ---------------------------------------------------------------- what corral writes
+
+def test_a_pipelining_client_that_never_reads_holds_one_answer(edge) -> None:
+    """R1: 600 KB of pipelined GET /ui (open, no key) took corral from 47 to 510 MiB."""
+    proc = psutil.Process(edge.proc.pid)
+    before = proc.memory_info().rss
+    # Each sends until corral takes nothing more for a second: with the fault, corral read
+    # all 600 KB and answered them into its memory (23 KB each) as fast as it could.
+    held = [stalled_client(edge.port, 20_000, patience_s=1.0) for _ in range(3)]
+    try:
+        grown = 0
+        for _ in range(30):  # the most it holds while it would still be answering them
+            grown = max(grown, proc.memory_info().rss - before)
+            time.sleep(0.1)
+        assert grown < 16 * 2**20, f"corral grew by {grown >> 20} MiB"
+    finally:
+        for s in held:
+            s.close()
+    health = request(edge.port, "GET", "/health")
+    assert health[0] == 200
+
+
+def test_a_client_that_takes_nothing_is_cut_and_frees_its_slot(edge) -> None:
+    """R2: 60 connections that stop reading held every slot of max_connections for good."""
+    held = [stalled_client(edge.port, 400) for _ in range(60)]
+    try:
+        def served() -> bool:
+            try:
+                return request(edge.port, "GET", "/health", timeout_s=2)[0] == 200
+            except OSError:
+                return False
+
+        # write_timeout_s = 2, checked once a second: all cut within a few seconds
+        wait_until(served, 15, "a slot freed by the write timeout")
+        wait_until(lambda: "took nothing of its answer for 2 s" in edge.log(), 5,
+                   "the cut logged")
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_stalled_stream_client_frees_its_grant_and_child(edge) -> None:
+    """R2: a stream whose client stops reading kept its grant (in flight) for ever."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    s.connect(("127.0.0.1", edge.port))
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                  b"sekrit\r\nx-odd: big\r\nx-size: 67108864\r\nContent-Length: 15\r\n\r\n"
+                  b'{"model":"odd"}')
+        wait_until(lambda: edge.models()["odd"]["in_flight"] == 1, 5, "the answer running")
+        in_flight_zero(edge)  # cut after write_timeout_s
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------- clients that leave
+
+def test_a_client_that_leaves_while_its_child_works_is_noticed(edge) -> None:
+    """R3: a client's FIN while the child worked went unnoticed: a silent child stayed in
+    flight for ever, and a fake child computed the whole answer for nobody."""
+    raw = ask(edge.port, "left", "silent")
+    wait_until(lambda: edge.models()["odd"]["in_flight"] == 1, 5, "forwarded")
+    raw.close()  # a plain close: FIN, not RST
+    in_flight_zero(edge)
+    raw = Raw(edge.port).request("POST", "/v1/chat/completions",
+                                 {"model": "fake", "max_tokens": 150})  # 3 s of tokens
+    wait_until(lambda: edge.models()["fake"]["in_flight"] == 1, 20, "forwarded")
+    raw.close()
+    in_flight_zero(edge)
+
+    def stats() -> dict[str, int]:
+        status, body, _ = request(edge.port, "GET", "/debug/stats?model=fake",
+                                  headers={"Authorization": f"Bearer {KEY}"})
+        assert status == 200
+        return dict(body)
+
+    wait_until(lambda: stats()["cancelled"] == 1, 10, "the child's work cancelled")
+    assert stats()["completed"] == 0
+
+
+# ---------------------------------------------------------------- what children send
+
+def test_a_childs_huge_answer_head_is_cut_at_the_limit_without_stalling_others(edge) -> None:
+    """R6: a 64 MiB header from a child stalled every client, /health too, for 6 s."""
+    worst: list[float] = []
+    stop = threading.Event()
+
+    def health() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            assert request(edge.port, "GET", "/health")[0] == 200
+            worst.append(time.monotonic() - t)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=health)
+    watcher.start()
+    try:
+        t = time.monotonic()
+        with ask(edge.port, "huge", "huge-head") as raw:
+            answer = raw.one()
+        assert answer.status == 502 and "32 KiB" in answer.json()["error"]["message"]
+        assert time.monotonic() - t < 5
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(worst) < 1.0, max(worst)
+    assert times_received(edge, "huge") == 1
+
+
+def test_a_child_silent_mid_answer_ends_the_stream_with_an_error(edge) -> None:
+    """R7: a child silent after its head hung its client for as long as it lived."""
+    t = time.monotonic()
+    with ask(edge.port, "stalled", "stall") as raw:
+        answer = raw.one()
+        assert raw.closed(3)
+    took = time.monotonic() - t
+    assert answer.status == 200 and b'"n": 0' in answer.body
+    assert b"upstream_idle_timeout_s" in answer.body and b'"code":502' in answer.body
+    assert 1.5 < took < 6, took  # upstream_idle_timeout_s = 2, checked once a second
+    wait_until(lambda: "liveness check 1 of" in edge.log(), 5, "a liveness failure counted")
+    in_flight_zero(edge)
+
+
+def test_a_reused_connection_the_child_closed_is_retried_at_once_and_only_then(edge) -> None:
+    """R10: the keep-alive race cost 2 s; a malformed answer cost 2 s and ran twice."""
+    with ask(edge.port, "first", "close-next") as raw:  # leaves a connection pooled
+        mine(raw, "first")
+    t = time.monotonic()
+    with ask(edge.port, "second") as raw:  # on that connection: the child closes it
+        mine(raw, "second")
+    assert time.monotonic() - t < 0.5
+    assert times_received(edge, "second") == 1
+    t = time.monotonic()
+    with ask(edge.port, "bad", "garbage") as raw:
+        answer = raw.one()
+    assert answer.status == 502 and "malformed" in answer.json()["error"]["message"]
+    assert time.monotonic() - t < 0.5
+    assert times_received(edge, "bad") == 1
+
+
+def test_streams_from_a_child_that_closes_after_each_are_all_whole(edge) -> None:
+    """Issue 19, 1: llama-server closes after every stream without saying so; the pool
+    handed that connection on, and the next stream waited 2 s or got a 502."""
+    def one(i: int) -> tuple[int, float, bool]:
+        t = time.monotonic()
+        with ask(edge.port, f"sc{i}", "stream-close") as raw:
+            answer = raw.one()
+        whole = answer.body.count(b"data:") == 3 and b"error" not in answer.body
+        return answer.status, time.monotonic() - t, whole
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for _ in range(5):
+            results = list(pool.map(one, range(16)))
+            assert all(status == 200 and whole for status, _, whole in results), results
+            assert max(took for _, took, _ in results) < 1.5, results
+    assert "closes its connection after a streamed answer" in edge.log()
+    assert "went away before answering" not in edge.log()
+
+
+def test_smaller_answers_are_framed_right(edge) -> None:
+    """R9: corral's own answers to HEAD carried a body; R13: a child's 204 kept its
+    Content-Length, two Host headers passed, a child's HTML ran on corral's origin."""
+    with Raw(edge.port) as raw:
+        raw.send(b"HEAD /props?model=nope HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                 b"sekrit\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadline = time.monotonic() + 5
+        while raw.raw.count(b"HTTP/1.1 ") < 2 and time.monotonic() < deadline:
+            raw.raw += raw.sock.recv(4096)
+        head, _, rest = raw.raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"Content-Length: " in head
+        assert rest.startswith(b"HTTP/1.1 200 OK"), raw.raw  # no body between the two
+    with ask(edge.port, "nc", "no-content") as raw:
+        answer = raw.one()
+        assert answer.status == 204 and answer.headers["x-request-id"] == "nc"
+        assert "content-length" not in answer.headers
+        mine(raw.request("POST", "/v1/completions", {"model": "odd"},
+                         headers={"x-request-id": "after-nc"}), "after-nc")
+    with Raw(edge.port) as raw:
+        raw.send(b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+        answer = raw.one()
+        assert answer.status == 400 and "Host" in answer.json()["error"]["message"]
+    with ask(edge.port, "page", "html") as raw:
+        answer = raw.one()
+        assert answer.headers["content-security-policy"] == "sandbox"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+
+
+# ---------------------------------------------------------------- without a key
+
+def test_without_a_key_web_pages_cannot_drive_or_read_corral(tmp_path: Path) -> None:
+    """R5: with no key (the default) any web page could load and unload models (CSRF)
+    and, its name rebound to 127.0.0.1, read /models/logs (DNS rebinding)."""
+    c = Corral(tmp_path, toml_config({"odd": {"cmd": ODD}},
+                                     http={"allowed_hosts": ["corral.lan"],
+                                           "allowed_origins": ["https://app.example"]}))
+    try:
+        def send(method: str, path: str, host: str, origin: str | None = None) -> int:
+            headers = {"Content-Type": "text/plain"}
+            if origin is not None:
+                headers["Origin"] = origin
+            with Raw(c.port) as raw:
+                body = b'{"model": "odd"}' if method == "POST" else None
+                lines = [f"{method} {path} HTTP/1.1", f"Host: {host}",
+                         *(f"{k}: {v}" for k, v in headers.items())]
+                if body:
+                    lines.append(f"Content-Length: {len(body)}")
+                raw.send(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
+                return raw.one().status
+
+        own = f"127.0.0.1:{c.port}"
+        assert send("POST", "/models/load", own, "http://evil.example") == 403
+        assert send("POST", "/v1/completions", own, "http://evil.example") == 403
+        assert send("POST", "/models/load", own, "null") == 403
+        assert send("GET", "/models/logs?model=odd", f"rebound.evil.example:{c.port}") == 403
+        assert send("GET", "/models", f"rebound.evil.example:{c.port}") == 403
+        assert send("GET", "/health", "anything.example") == 200  # probes from anywhere
+        assert send("POST", "/models/load", own, f"http://{own}") == 200  # the dashboard
+        assert send("GET", "/models", f"localhost:{c.port}") == 200
+        assert send("GET", "/models", f"[::1]:{c.port}") == 200
+        assert send("GET", "/models", "corral.lan") == 200  # allowed_hosts
+        assert send("POST", "/v1/completions", own, "https://app.example") == 200
+        assert send("GET", "/models", own) == 200  # curl, the SDKs: no Origin
+    finally:
+        c.stop()
