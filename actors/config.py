@@ -348,17 +348,36 @@ def _validate(config: Config, source: str) -> Config:
     if config.api_key is not None and not config.api_key.strip():
         raise ConfigError(f"{source}: api_key: empty; an empty key would turn "
                           "authentication off. Remove the key, or set a real one")
+    if config.api_key is not None:
+        check_key(config.api_key, f"{source}: api_key")
     if config.api_key is not None and config.api_key_file is not None:
         raise ConfigError(f"{source}: api_key and api_key_file: set one, not both")
     if config.api_key_file is not None:
-        try:
-            key = Path(config.api_key_file).read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"{source}: api_key_file: cannot read it: {e}") from None
-        if not key:
-            raise ConfigError(f"{source}: api_key_file: {config.api_key_file} is empty")
+        key = read_key_file(config.api_key_file, f"{source}: api_key_file")
         config = msgspec.structs.replace(config, api_key=key, api_key_file=None)
     return config
+
+
+def check_key(key: str, where: str) -> None:
+    """Raise ConfigError unless `key` is usable as it is: a key with spaces in it can
+    never match what a client sends, which corral takes without surrounding spaces
+    (issue 19, R13)."""
+    if any(c.isspace() for c in key):
+        raise ConfigError(f"{where}: the key contains spaces, tabs or line breaks; a "
+                          "client's key would never match it. Remove them")
+
+
+def read_key_file(path: str, where: str) -> str:
+    """The key in the file at `path`: its text without the trailing line break an
+    editor adds; anything else that is not part of a key is an error."""
+    try:
+        key = Path(path).expanduser().read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read {path}: {e}") from None
+    if not key.strip():
+        raise ConfigError(f"{where}: {path} is empty")
+    check_key(key, f"{where}: {path}")
+    return key
 
 
 def _describe(error: msgspec.ValidationError, prefix: str = "") -> str:

@@ -85,3 +85,29 @@ def test_every_corral_subcommand_says_what_it_does_with_an_example() -> None:
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "example" in out.stdout and f"corral {command}" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('api_key = " k "\n', "api_key: the key contains spaces"),
+    ('api_key = "k\\t"\n', "api_key: the key contains spaces"),
+])
+def test_a_key_with_spaces_is_a_config_error(tmp_path: Path, text: str, expected: str) -> None:
+    """R13: such a key passed check-config and then never matched any client's."""
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("content, error", [
+    ("k123\n", None), ("k123\r\n", None), ("k123", None),
+    (" k123\n", "contains spaces"), ("k 123\n", "contains spaces"), ("\n", "is empty"),
+])
+def test_a_key_files_line_break_is_dropped_and_spaces_refused(
+        tmp_path: Path, content: str, error: str | None) -> None:
+    key = tmp_path / "key"
+    key.write_text(content)
+    text = f'api_key_file = "{key}"\n'
+    if error is None:
+        assert load_config(write(tmp_path, text)).api_key == "k123"
+    else:
+        with pytest.raises(ConfigError, match=f"api_key_file: {key}.*{error}|{error}"):
+            load_config(write(tmp_path, text))
