@@ -11,9 +11,11 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -24,18 +26,26 @@ from typing import Any
 import msgspec
 
 from actors import Config, ConfigError, Supervisor, demo_config, load_config
-from actors.config import parse_config
+from actors.config import check_key, parse_config, read_key_file
 from actors.presets import llama_models
 from actors.router import Router
 
 log = logging.getLogger("corral")
 EXIT_CONFIG = 2
+ABANDON_WAIT_S = 10.0
+"""After a SIGTERM during the startup, how long its thread may take to notice."""
+KEY_ENV = "CORRAL_API_KEY"
+"""The environment variable that gives the key to `corral serve` and to the client
+commands (a key in argv is readable by every local user: issue 19, R13)."""
+KEY_IN_ARGV = ("--api-key on the command line is refused: every local user can read a "
+               "process's arguments (ps, /proc/PID/cmdline). Put the key in a file and pass "
+               f"--api-key-file FILE, or set the {KEY_ENV} environment variable")
 
 
 CLIENT_COMMANDS = {
     "models": ("list models and their state", "corral models"),
     "status": ("models, devices and the queue at a glance, as tables",
-               "corral status --url http://gpu-box:8080 --api-key $KEY"),
+               "corral status --url http://gpu-box:8080 --api-key-file ~/.corral-key"),
     "devices": ("device memory: total, outside use, held per model", "corral devices"),
     "load": ("load a model now (POST /models/load)", "corral load llama-8b"),
     "unload": ("stop a model's child now (POST /models/unload)", "corral unload llama-8b"),
@@ -70,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                              ", from a running corral.", epilog=f"example:\n  {example}")
         cmd.add_argument("--url", default="http://127.0.0.1:8080",
                          help="the corral to ask (default: %(default)s)")
-        cmd.add_argument("--api-key", default=None, help="its api_key, if it has one")
+        add_key_args(cmd, "its api_key, if it has one")
         if name in ("load", "unload", "logs"):
             cmd.add_argument("name")
         if name == "logs":
@@ -85,7 +95,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--models-max", type=int, metavar="N")
     p.add_argument("--no-models-autoload", action="store_true")
-    p.add_argument("--api-key")
+    add_key_args(p, "require this key on every request but GET /health")
     p.add_argument("--models-preset", metavar="FILE.ini",
                    help="llama.cpp router presets: one llama-server child per section")
     p.add_argument("--models-dir", metavar="DIR",
@@ -99,6 +109,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="run models on the nodes of this Ray cluster ([cluster] ray_address; "
                         "needs pip install 'corral[ray]')")
     p.add_argument("--log-level", default="INFO")
+
+
+def add_key_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help=f"{what}: the file holding the key (or set {KEY_ENV})")
+    p.add_argument("--api-key", help=argparse.SUPPRESS)  # refused, with a pointer
+
+
+def key_given(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file or CORRAL_API_KEY (the file wins); None: neither.
+    Raises ConfigError if it is unusable."""
+    if args.api_key_file is not None:
+        return read_key_file(args.api_key_file, "--api-key-file")
+    key = os.environ.get(KEY_ENV)
+    if key is None:
+        return None
+    if not key.strip():
+        raise ConfigError(f"{KEY_ENV}: empty; an empty key would turn authentication off. "
+                          "Unset it, or set a real key")
+    check_key(key, KEY_ENV)
+    return key
 
 
 def effective_config(args: argparse.Namespace) -> Config:
@@ -135,8 +166,9 @@ def effective_config(args: argparse.Namespace) -> Config:
         overrides["models_max"] = args.models_max
     if args.no_models_autoload:
         overrides["autoload"] = False
-    if args.api_key is not None:
-        overrides["api_key"] = args.api_key
+    key = key_given(args)
+    if key is not None:
+        overrides["api_key"], overrides["api_key_file"] = key, None
     if args.memory_margin_mib is not None:
         overrides["memory_margin_mib"] = args.memory_margin_mib
     if args.ray is not None:
@@ -165,12 +197,17 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     sup = Supervisor(config, on_crash=on_crash)
-    try:
-        sup.start()
-    except ConfigError as e:
-        print(f"corral: {e}", file=sys.stderr)
+    started = await start_or_stop(sup, stop)
+    if isinstance(started, ConfigError):
+        print(f"corral: {started}", file=sys.stderr)
         return EXIT_CONFIG
-    for sig in (signal.SIGINT, signal.SIGTERM):  # again: joining Ray installs its own
+    if started is not None:
+        raise started
+    if stop.is_set():
+        log.info("stopped during startup")
+        await asyncio.to_thread(sup.stop)
+        return 0
+    for sig in (signal.SIGINT, signal.SIGTERM):  # again, should Ray have set its own
         loop.add_signal_handler(sig, stop.set)
     router = Router(sup, config, reload)
     async def reload_on_sighup() -> None:
@@ -207,6 +244,44 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
     return 1 if crashed else 0
 
 
+async def start_or_stop(sup: Supervisor, stop: asyncio.Event) -> BaseException | None:
+    """Start `sup` on a thread of its own while the loop keeps taking signals: a SIGTERM
+    during the startup (joining a Ray cluster may take connect_timeout_s) abandons its
+    waits and returns at once (issue 19). Returns what start() raised, or None; `stop`
+    is set if corral was told to stop meanwhile (and what start() raised is moot)."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def settle(value: BaseException | None) -> None:
+        if not outcome.done():
+            outcome.set_result(value)
+
+    def start() -> None:
+        try:
+            sup.start()
+        except BaseException as e:  # handed to the loop
+            loop.call_soon_threadsafe(settle, e)
+        else:
+            loop.call_soon_threadsafe(settle, None)
+
+    # A daemon thread: a ray.init that never returns must not keep the process alive.
+    threading.Thread(target=start, daemon=True, name="corral-start").start()
+    stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([outcome, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if outcome.done():
+            return outcome.result()
+        log.warning("told to stop during startup: abandoning it")
+        if sup.cluster is not None:
+            sup.cluster.abandon()
+        # Its waits end at once (raising); what start() was doing otherwise takes
+        # moments. Whatever it raised is moot: corral is stopping.
+        await asyncio.wait([outcome], timeout=ABANDON_WAIT_S)
+        return None
+    finally:
+        stopping.cancel()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -226,8 +301,13 @@ def client(args: argparse.Namespace) -> int:
     """The management commands: talk to a running corral over HTTP."""
     base = args.url.rstrip("/")
     headers = {"Content-Type": "application/json"}
-    if args.api_key:
-        headers["Authorization"] = f"Bearer {args.api_key}"
+    try:
+        key = key_given(args)
+    except ConfigError as e:
+        print(f"corral: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
     if args.command == "logs":
         query = urllib.parse.urlencode({"model": args.name, "follow": int(args.follow)})
         req = urllib.request.Request(f"{base}/models/logs?{query}", headers=headers)
@@ -346,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["serve", *argv]
     args = build_parser().parse_args(argv)
+    if getattr(args, "api_key", None) is not None:
+        print(f"corral: {KEY_IN_ARGV}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.command == "serve":
         return run_serve(args)
     if args.command == "check-config":

@@ -104,6 +104,23 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     nodes: Annotated[list[str], Meta(min_length=1)] | None = None
     """With a `[cluster]`: the nodes it may run on, in order of preference (default: the
     machine corral runs on)."""
+    key_flag: str | None = None
+    """The flag its server takes an API key with: on a cluster node the child listens on
+    the network, so corral starts it with `KEY_FLAG <a key only the head knows>` and the
+    front sends that key (issue 19, R8). Default: `--api-key` for llama-server, vLLM and
+    corral's fake model; "" runs it on nodes with no key (anyone who reaches the node can
+    use it)."""
+
+    @property
+    def key_argument(self) -> str | None:
+        """The flag a child on a node gets its key with (None: it takes none)."""
+        if self.key_flag is not None:
+            return self.key_flag or None
+        names = [Path(arg).name for arg in self.cmd]
+        llama = self.health == "llama" or names[0] == "llama-server"
+        vllm = any(n == "vllm" or n.startswith("vllm.") for n in names)
+        fake = "actors.fake_model" in self.cmd
+        return "--api-key" if llama or vllm or fake else None
 
     @property
     def placed_by_env(self) -> bool:
@@ -191,6 +208,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     keep_on_exit: bool = True
     """When the head stops, leave the nodes' children running for the next head to adopt
     (those whose config is unchanged); false: stop them, as on one machine."""
+    connect_timeout_s: PositiveSeconds = 30.0
+    """How long `corral serve` tries to join the Ray cluster at ray_address before it
+    gives up, saying so, with exit status 2."""
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -336,6 +356,13 @@ def _validate(config: Config, source: str) -> Config:
             if node not in config.cluster.nodes:
                 raise ConfigError(f"{source}: models.{name}.nodes: {node!r} is not one of "
                                   f"cluster.nodes {config.cluster.nodes}")
+        if model.nodes and model.key_flag is None and model.key_argument is None:
+            raise ConfigError(
+                f"{source}: models.{name}.key_flag: on a cluster node its child listens on "
+                "the network, and corral cannot tell how to give it a key; set key_flag "
+                "to the flag its server takes an API key with (e.g. \"--api-key\"), or "
+                "key_flag = \"\" to run it there with none (anyone who can reach the "
+                "node can use it)")
         if not model.health_path.startswith("/"):
             raise ConfigError(f"{source}: models.{name}.health_path: must start with '/', "
                               f"got {model.health_path!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import os
 import signal
@@ -199,8 +200,21 @@ class FakeModel:
         return web.json_response({"object": "echo", "path": request.path,
                                   "model": self.args.model, "received_model": body.get("model")})
 
+    @web.middleware
+    async def check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """--api-key: as llama-server does, every path but the health checks needs it."""
+        key = self.args.api_key
+        if key is None or request.path in ("/health", "/v1/health"):
+            return await handler(request)  # type: ignore[no-any-return]
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        given = given or request.headers.get("x-api-key", "").strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            return web.json_response({"error": {"code": 401, "message": "Invalid API Key",
+                                                "type": "authentication_error"}}, status=401)
+        return await handler(request)  # type: ignore[no-any-return]
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.check_key])
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/health", self.health)
@@ -363,6 +377,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="fake")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY) on all but /health, "
+                        "as llama-server's --api-key")
     p.add_argument("--load-delay", type=float, default=0.0, metavar="S",
                    help="seconds before /health turns 200")
     p.add_argument("--tokens-per-s", type=float, default=0.0, metavar="R",

@@ -156,6 +156,8 @@ class ModelInstance(BaseActor):
         self.liveness = Liveness()
         self.devices: list[str] | None = None
         """Where the Scheduler placed the current child (None: where its config says)."""
+        self.key: str | None = None
+        """The key the current child requires (a child on a cluster node: issue 19, R8)."""
         self.missed = 0
         """Liveness checks failed in a row."""
         self.model = model
@@ -187,8 +189,9 @@ class ModelInstance(BaseActor):
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
-            case StartInstance(generation=generation, config=config, devices=devices):
-                self.handle_start(generation, config, devices)
+            case StartInstance(generation=generation, config=config, devices=devices,
+                               key=key):
+                self.handle_start(generation, config, devices, key)
             case StopInstance(generation=generation, reason=reason):
                 self.handle_stop(generation, reason)
             case ChildReady(spawn_id=spawn_id):
@@ -224,7 +227,7 @@ class ModelInstance(BaseActor):
     # ------------------------------------------------------------ handlers
 
     def handle_start(self, generation: int, config: ModelConfig,
-                     devices: list[str] | None = None) -> None:
+                     devices: list[str] | None = None, key: str | None = None) -> None:
         if self.phase is not Phase.IDLE:
             raise RuntimeError(f"{self.model}: StartInstance#{generation} while "
                                f"{self.phase.value} (#{self.generation})")
@@ -233,6 +236,7 @@ class ModelInstance(BaseActor):
         self.llama = config.health == "llama"
         self.liveness = self.liveness_of(config)
         self.devices = devices
+        self.key = key if config.key_argument is not None else None
         self.bind_retries = 0
         self.spawn_child()
 
@@ -243,6 +247,10 @@ class ModelInstance(BaseActor):
         self.cause = None
         argv = self.config.argv(self.model, self.host, self.port, devices=self.devices)
         argv += split_args(argv, self.devices, is_llama(self.config.cmd, self.config.health))
+        shown = list(argv)
+        if self.key is not None and (flag := self.config.key_argument) is not None:
+            argv += [flag, self.key]
+            shown += [flag, "<the head's key>"]
         env = {**os.environ, **self.extra_env, **placement_env(self.devices), **self.config.env}
         if self.llama:  # llama-server acts as a router's child when this is set
             env["LLAMA_SERVER_ROUTER_PORT"] = str(self.router_port)
@@ -259,14 +267,14 @@ class ModelInstance(BaseActor):
                                       on_exit=lambda: tell_or_drop(ref, ChildExited(spawn_id)),
                                       on_line=on_line if self.llama else None)
         except (OSError, subprocess.SubprocessError) as e:
-            self.log.error("cannot start %s: %s", argv[0], e)
+            self.log.error("cannot start %s: %s", shown[0], e)
             self.scheduler.tell(InstanceExited(self.model, self.generation, 127,
                                                f"could not be started: {e}"))
             return
         self.phase = Phase.STARTING
         self.scheduler.tell(InstanceStarted(self.model, self.generation, self.child.pid))
         self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
-                      self.child.pid, self.port, " ".join(argv))
+                      self.child.pid, self.port, " ".join(shown))
         self.abandon_probe = threading.Event()
         self.asleep = False
         if not self.llama:  # a llama child says `ready` itself (R-3.3)
@@ -283,7 +291,7 @@ class ModelInstance(BaseActor):
         self.log.info("%s#%d ready on port %d after %.3f s", self.model, self.generation,
                       self.port, took)
         self.scheduler.tell(InstanceReady(self.model, self.generation, self.child.pid,
-                                          self.port, info, self.host))
+                                          self.port, info, self.host, self.key))
         self.missed = 0
         if self.liveness.interval_s and not self.llama:
             self.timers.after(self.liveness.interval_s, self.actor_ref,

@@ -39,6 +39,9 @@ class Grant(Message, frozen=True):
     shareable: bool = True
     """Other requests may join it (actors/shares.py); not with a max_concurrency, where
     the Scheduler must count each request."""
+    upstream_key: str | None = None
+    """The key the child requires (a child on a cluster node: issue 19, R8): sent to it as
+    `Authorization: Bearer KEY`; None: send none."""
 
 
 class Refusal(Message, frozen=True):
@@ -351,6 +354,8 @@ class InstanceReady(Message, frozen=True):
     """The model info a llama child sent with `ready`."""
     host: str = "127.0.0.1"
     """The address the child listens on (another node's, for a child on a Ray node)."""
+    upstream_key: str | None = None
+    """The key it requires (StartInstance.key), for the grants."""
 
 
 class InstanceAdopted(Message, frozen=True):
@@ -364,6 +369,19 @@ class InstanceAdopted(Message, frozen=True):
     port: int
     devices: list[str] | None = None
     """Where it was placed (NODE/DEVICE names)."""
+    node: str | None = None
+    """The node it runs on."""
+    upstream_key: str | None = None
+    """The key it was started with (StartInstance.key), for the grants."""
+
+
+class NodeChanged(Message, frozen=True):
+    """Cluster -> Scheduler: `node`'s agent is up, or lost or unreachable (`why`): where
+    models with `nodes` may be started (issue 19)."""
+
+    node: str
+    up: bool
+    why: str = ""
 
 
 class InstanceSeen(Message, frozen=True):
@@ -472,7 +490,7 @@ SchedulerMessage = (
     Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
     | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | AnswerLate | InstancesAttached
     | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
-    | InstanceExited
+    | InstanceExited | NodeChanged
     | Reconfigure
     | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
@@ -489,6 +507,11 @@ class StartInstance(Message, frozen=True):
     config: ModelConfig
     devices: list[str] | None = None
     """Where corral placed it: `{devices}`, `CUDA_VISIBLE_DEVICES`, CORRAL_DEVICES."""
+    node: str | None = None
+    """The cluster node the policy chose (read by the head's RemoteInstance)."""
+    key: str | None = None
+    """A key the child must require, passed with its engine's own flag (a child on a
+    cluster node: issue 19, R8); None: none."""
 
 
 class StopInstance(Message, frozen=True):

@@ -26,11 +26,13 @@ S = ModelState
 
 class Spawn(msgspec.Struct, frozen=True):
     """Start generation `generation` of `model`'s child, on `devices` (None: where its
-    config says)."""
+    config says), on cluster node `node` (None: on corral's own machine, or where
+    `devices` say)."""
 
     model: str
     generation: int
     devices: list[str] | None = None
+    node: str | None = None
 
 
 class Stop(msgspec.Struct, frozen=True):
@@ -116,6 +118,15 @@ class ModelRecord:
     """When the current child got ready (None: it has not)."""
     placement: list[str] | None = None
     """The devices corral put its current child on (R-5.9)."""
+    node: str | None = None
+    """The cluster node its current child runs on (None: corral's own machine, or no
+    child); what models_max_per_node counts."""
+    upstream_key: str | None = None
+    """The key its current child requires (a child on a cluster node), sent with each
+    grant; None: the child takes requests without one."""
+    waiting_for: str | None = None
+    """Why its queue head cannot spawn yet, when that is not the plain lack of a slot
+    (said to a request whose queue_timeout_s runs out)."""
     ttl_armed: bool = False
     """An idle-TTL timer is pending for this generation (one at a time)."""
     last_eviction: Evicted | None = None

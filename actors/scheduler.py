@@ -35,6 +35,7 @@ from .messages import (
     Measured,
     MeasureModel,
     MeasureStarted,
+    NodeChanged,
     Ping,
     Reconfigure,
     Release,
@@ -132,13 +133,15 @@ class Scheduler(BaseActor):
             case InstanceStarted(model=model, generation=gen, pid=pid):
                 self._run(p.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
-                               host=host):
+                               host=host, upstream_key=key):
                 url = f"http://{host}:{port}"
-                self._run(p.instance_ready(model, gen, pid, url, now, info))
+                self._run(p.instance_ready(model, gen, pid, url, now, info, key))
             case InstanceAdopted(model=model, generation=gen, pid=pid, host=host, port=port,
-                                 devices=devices):
+                                 devices=devices, node=node, upstream_key=key):
                 self._run(p.instance_adopted(model, gen, pid, f"http://{host}:{port}",
-                                             devices, now))
+                                             devices, now, node, key))
+            case NodeChanged(node=node, up=up, why=why):
+                self._run(p.node_changed(node, up, why, now))
             case InstanceSeen(model=model, generation=gen):
                 p.instance_seen(model, gen)
             case InstanceReported(model=model, generation=gen, state=state, payload=payload):
@@ -199,9 +202,9 @@ class Scheduler(BaseActor):
                 case Answer(ticket=ticket, value=value):
                     if ticket is not None:  # None: a load nobody waits on (load_on_startup)
                         ticket.send(value)
-                case Spawn(model=model, generation=gen, devices=devices):
+                case Spawn(model=model, generation=gen, devices=devices, node=node):
                     self.instances[model].tell(StartInstance(gen, self.configs[model],
-                                                             devices))
+                                                             devices, node))
                 case Stop(model=model, generation=gen, reason=reason):
                     self.instances[model].tell(StopInstance(gen, reason))
                 case Publish(event=event):

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from bench.common import in_private_netns, two_ray_nodes
@@ -218,8 +219,9 @@ def test_an_agent_hands_on_messages_in_the_heads_order(tmp_path) -> None:
     from actors.config import Config, ModelConfig
     from actors.messages import InstanceExited, InstanceStarted, StartInstance, StopInstance
 
-    agent = NodeAgent("n", "127.0.0.1", msgspec.msgpack.encode(
-        Config(state_dir=str(tmp_path))))
+    config = msgspec.msgpack.encode(Config(state_dir=str(tmp_path)))
+    agent = NodeAgent("n", "127.0.0.1", config)
+    epoch = agent.attach(config)["epoch"]
     model = ModelConfig(cmd=fake_cmd())
     seen: list[Any] = []
 
@@ -229,7 +231,7 @@ def test_an_agent_hands_on_messages_in_the_heads_order(tmp_path) -> None:
 
     try:
         for seq, message in ((1, StopInstance(1, "unload")), (0, StartInstance(1, model))):
-            agent.tell(msgspec.msgpack.encode(ToAgent(seq, "m", message)))
+            agent.tell(msgspec.msgpack.encode(ToAgent(epoch, seq, "m", message)))
         wait_until(exited, 15, "the child to be started and stopped")
         assert [type(m) for m in seen] == [InstanceStarted, InstanceExited]
         assert agent.child_pids() == {}
@@ -248,7 +250,8 @@ def test_a_model_whose_only_node_is_lost_is_refused_clearly(corral, ray_address:
     os.kill(agents.pid("node_b"), signal.SIGKILL)
     c.wait_state("big1", "failed", 15)
     status, body = chat(c.port, "big1")
-    assert status == 503 and "none of its nodes (node_b) has a GPU up" in str(body), body
+    assert status == 503 and "node lost: none of its nodes (node_b) has a GPU up" in str(
+        body), body
 
 
 @inside
@@ -341,3 +344,137 @@ def test_a_stream_cut_by_a_lost_node_ends_with_an_error(corral, ray_address: str
     rest = resp.read().decode()
     conn.close()
     assert "stopped mid-response" in rest and "[DONE]" not in rest, rest[-500:]
+
+
+@inside
+def test_models_max_per_node_evicts_on_the_node_without_memory_accounting(
+        corral, ray_address: str) -> None:
+    """Issue 19: two models allowed only on node_a, one per node, no memory accounting.
+    The second used to get 503 "no agent is up ... (models_max_per_node)" on every
+    request, each counted as failed loads; now it evicts the first, as models_max does."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    only_a = {"cmd": fake_cmd(), "nodes": ["node_a"]}
+    c = corral(cluster_config({"p": only_a, "q": only_a}, ns, models_max_per_node=1),
+               "--ray", ray_address)
+    assert chat(c.port, "p")[0] == 200
+    status, body = chat(c.port, "q")
+    assert status == 200, body
+    models = c.models()
+    assert models["q"]["node"] == "node_a" and models["p"]["status"]["value"] == "unloaded"
+    assert models["p"]["last_eviction"]["reason"] == "lru"
+    assert not any(models[m]["status"].get("failed") for m in "pq"), models
+    assert chat(c.port, "p")[0] == 200  # and back: q goes the same way
+    assert c.models()["q"]["last_eviction"]["reason"] == "lru"
+
+
+@inside
+def test_a_child_on_a_node_requires_the_heads_key(corral, ray_address: str) -> None:
+    """R8: a child on a node listens on the network, so it requires the head's key: a
+    request straight to it gets 401, through corral 200; no agent holds the client key."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"b": {"cmd": fake_cmd(), "nodes": ["node_b"]}}, ns,
+                              api_key="client-key-123"), "--ray", ray_address)
+    bearer = {"Authorization": "Bearer client-key-123"}
+    status, body = chat(c.port, "b", headers=bearer)
+    assert status == 200, body
+    agents = Agents(ray_address, ns)
+    from actors.cluster.wire import Running
+
+    [running] = msgspec.msgpack.decode(ray.get(agents.actor("node_b").running.remote(),
+                                               timeout=30), type=list[Running])
+    assert running.key and running.key != "client-key-123"
+    host = {n["node"]: n for n in request(c.port, "GET", "/nodes",
+                                          headers=bearer)[1]["data"]}["node_b"]["address"]
+    child = f"http://{host}:{running.port}"
+    payload = {"model": "b", "max_tokens": 1, "messages": []}
+    assert post_json(child + "/v1/chat/completions", payload)[0] == 401
+    assert post_json(child + "/v1/chat/completions", payload,
+                     {"Authorization": "Bearer client-key-123"})[0] == 401
+    assert post_json(child + "/v1/chat/completions", payload,
+                     {"Authorization": f"Bearer {running.key}"})[0] == 200
+    assert post_json(child + "/health", None)[0] == 200  # the health checks need none
+    config = ray.get(agents.actor("node_b").hello.remote(), timeout=30)
+    assert "client-key-123" not in repr(config)
+
+
+def post_json(url: str, payload: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_argv(tmp_path: Any, address: str, timeout_s: float, *flags: str) -> list[str]:
+    config = tmp_path / "corral.toml"
+    config.write_text(toml_config({}, port=0, state_dir=str(tmp_path / "state"))
+                      + f"\n[cluster]\nnamespace = \"t\"\nconnect_timeout_s = {timeout_s}\n")
+    return [sys.executable, str(ROOT / "supervisor.py"), "serve", "--config", str(config),
+            "--ray", address, *flags]
+
+
+@inside
+def test_a_ray_address_where_nothing_listens_fails_within_connect_timeout(tmp_path) -> None:
+    """Issue 19: corral used to print only Ray's own warnings, every ~40 s, and never
+    open its port; now one line naming the address, within cluster.connect_timeout_s."""
+    import time
+
+    address = f"127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    run = subprocess.run(serve_argv(tmp_path, address, 2), capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    took = time.monotonic() - began
+    assert run.returncode == 2, run.stderr[-3000:]
+    said = [line for line in run.stderr.splitlines() if line.startswith("corral: ")]
+    assert len(said) == 1 and address in said[0] and "ray status" in said[0], run.stderr
+    assert "Failed to connect to GCS" not in run.stderr
+    assert took < 2 + 15, took  # the deadline, plus starting Python and importing Ray
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["nothing there", "not Ray"])
+@inside
+def test_sigterm_is_honoured_while_joining_a_ray_cluster(tmp_path, listening: bool) -> None:
+    """Told to stop while it waits for the address (or while ray.init waits on something
+    that accepts connections but is no Ray head), corral stops at once."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    if listening:
+        listener.listen(8)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    proc = subprocess.Popen(serve_argv(tmp_path, address, 120), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stage = "starting Ray's driver" if listening else "joining the Ray cluster"
+        lines: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if stage in line:
+                break
+        assert stage in "".join(lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, "".join(lines)
+        rest = proc.stdout.read()
+        assert "stopped during startup" in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        listener.close()

@@ -75,7 +75,9 @@ def test_the_demo_live_with_a_key(corral, page, tmp_path: Path) -> None:
     request loading a model, the device bar changing, a memory eviction arriving in the
     feed without a reload, the chosen model's log, and its unload and load buttons
     working."""
-    c = corral(None, "--api-key", KEY)
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    c = corral(None, "--api-key-file", str(key_file))
     bearer = {"Authorization": f"Bearer {KEY}"}
     page.goto(f"http://127.0.0.1:{c.port}/")
     assert page.url.endswith("/ui")  # a browser asking for / is sent there

@@ -6,11 +6,12 @@ import collections
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import msgspec
 
-from ..childproc import LogRing
+from ..childproc import LogRing, clip_line, line_cost
 from ..config import Config, ConfigError, ModelConfig
 from ..instance import Liveness, ModelInstance, Phase
 from ..messages import (
@@ -20,19 +21,36 @@ from ..messages import (
     StartInstance,
     TrackModel,
 )
-from .wire import OUTBOX_LINES, Batch, FromInstance, Running, ToAgent, digest
+from .wire import (
+    FORWARDED_BYTES,
+    GAP_S,
+    OUTBOX_BYTES,
+    OUTBOX_LINES,
+    Batch,
+    FromInstance,
+    Running,
+    ToAgent,
+    digest,
+)
 
 log = logging.getLogger("corral.cluster")
 
 
 class Outbox:
-    """What an agent's ModelInstances say (it is their `scheduler`), kept for the head."""
+    """What an agent's ModelInstances say (it is their `scheduler`), kept for the head.
+    Child output is bounded in lines (`max_lines`) and in bytes (`max_bytes`): the oldest
+    lines go first, counted as dropped (issue 19, R4)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_lines: int = OUTBOX_LINES, max_bytes: int = OUTBOX_BYTES) -> None:
+        self.max_lines = max_lines
+        self.max_bytes = max_bytes
         self._cv = threading.Condition()
         self._messages: list[FromInstance] = []
         self._lines: collections.deque[tuple[str, str]] = collections.deque()
+        self._bytes = 0
+        """Invariant: the `line_cost` of the lines kept, at most `max_bytes`."""
         self._dropped = 0
+        self._skipped: list[int] = []
 
     def tell(self, message: FromInstance) -> None:
         with self._cv:
@@ -45,35 +63,50 @@ class Outbox:
     def clear(self) -> None:
         """A new head: what was kept for the last one is no news to it."""
         with self._cv:
-            self._messages, self._dropped = [], 0
+            self._messages, self._dropped, self._skipped = [], 0, []
             self._lines.clear()
+            self._bytes = 0
 
     def line(self, model: str, line: str) -> None:
+        line = clip_line(line)
+        cost = line_cost(line) + line_cost(model)
         with self._cv:
-            if len(self._lines) >= OUTBOX_LINES:
-                self._lines.popleft()
-                self._dropped += 1
             self._lines.append((model, line))
+            self._bytes += cost
+            while len(self._lines) > self.max_lines or self._bytes > self.max_bytes:
+                gone_model, gone = self._lines.popleft()
+                self._bytes -= line_cost(gone) + line_cost(gone_model)
+                self._dropped += 1
+            self._cv.notify_all()
+
+    def skipped(self, seqs: list[int]) -> None:
+        """Messages from the head that never arrived (R11): the head is told."""
+        with self._cv:
+            self._skipped += seqs
             self._cv.notify_all()
 
     def take(self, timeout_s: float) -> Batch:
         with self._cv:
-            self._cv.wait_for(lambda: self._messages or self._lines, timeout_s)
-            batch = Batch(self._messages, list(self._lines), self._dropped)
-            self._messages, self._dropped = [], 0
+            self._cv.wait_for(lambda: self._messages or self._lines or self._skipped,
+                              timeout_s)
+            batch = Batch(self._messages, list(self._lines), self._dropped, self._skipped)
+            self._messages, self._dropped, self._skipped = [], 0, []
             self._lines.clear()
+            self._bytes = 0
             return batch
 
 
 class ForwardedRing(LogRing):
-    """A child's output on its node: kept a little, and passed on to the head."""
+    """A child's output on its node: kept a little, and passed on to the head; each line
+    clipped as the head's ring would clip it, so the Outbox holds no more."""
 
     def __init__(self, model: str, outbox: Outbox) -> None:
-        super().__init__(capacity=200, backlog_bytes=0)
+        super().__init__(capacity=200, backlog_bytes=0, max_bytes=FORWARDED_BYTES)
         self.model = model
         self.outbox = outbox
 
     def append(self, line: str) -> None:
+        line = clip_line(line)
         super().append(line)
         self.outbox.line(self.model, line)
 
@@ -99,8 +132,14 @@ class NodeAgent:
         self.retired: list[Any] = []
         """Instances replaced while their child still stopped (a new head's start)."""
         self.lock = threading.Lock()
+        self.epoch = 0
+        """Counted up at each `attach`: only the messages of the latest head are taken."""
         self.next_seq = 0
         self.pending: dict[int, ToAgent] = {}
+        """Messages that came before one with a lower number (Ray ran them early)."""
+        self.gap_since: float | None = None
+        """Since when `next_seq` is missing while later ones wait (None: no gap)."""
+        self.gap_s = GAP_S
         self.monitor: Any = None
         self.measurer: Any = None
         """Measures the models placed here, on this node's devices (R-5.3)."""
@@ -166,13 +205,16 @@ class NodeAgent:
         return {"node": self.node, "host": self.host, "pid": os.getpid()}
 
     def attach(self, config: bytes) -> dict[str, Any]:
-        """A head (re)connects: its config from now on, its messages counted from 0, and
-        nothing kept for the last head."""
+        """A head (re)connects: its config from now on, and nothing kept for the last
+        head. Returns `hello()` with the new `epoch`, which every message of this head
+        carries; its messages are counted from 0 in that epoch (R11)."""
         with self.lock:
             self._configure(config)
-            self.next_seq, self.pending = 0, {}
+            self.epoch += 1
+            self.next_seq, self.pending, self.gap_since = 0, {}, None
             self.outbox.clear()
-        return self.hello()
+            epoch = self.epoch
+        return {**self.hello(), "epoch": epoch}
 
     def running(self) -> bytes:
         """The children running here, for a new head to adopt or stop (msgpack)."""
@@ -185,16 +227,48 @@ class NodeAgent:
             found.append(Running(
                 model, instance.generation.get(timeout=5), child.pid,
                 instance.port.get(timeout=5), instance.phase.get(timeout=5) is Phase.READY,
-                digest(instance.config.get(timeout=5)), instance.devices.get(timeout=5)))
+                digest(instance.config.get(timeout=5)), instance.devices.get(timeout=5),
+                instance.key.get(timeout=5)))
         return msgspec.msgpack.encode(found)
 
     def tell(self, data: bytes) -> None:
         envelope = msgspec.msgpack.decode(data, type=ToAgent)
         with self.lock:  # in the head's order, whatever order Ray ran the calls in
+            if envelope.epoch != self.epoch:
+                log.warning("%s: dropped a message of epoch %d (now %d): a head that has "
+                            "gone, or that has reconnected since", self.node, envelope.epoch,
+                            self.epoch)
+                return
+            if envelope.seq < self.next_seq or envelope.seq in self.pending:
+                log.warning("%s: dropped message %d of epoch %d: seen already", self.node,
+                            envelope.seq, envelope.epoch)
+                return
             self.pending[envelope.seq] = envelope
-            while (next_one := self.pending.pop(self.next_seq, None)) is not None:
-                self.next_seq += 1
-                self._hand_on(next_one)
+            self._hand_on_in_order()
+
+    def _hand_on_in_order(self) -> None:
+        """Hand on every message next in sequence; note when a gap opens. Holds `lock`."""
+        while (next_one := self.pending.pop(self.next_seq, None)) is not None:
+            self.next_seq += 1
+            self._hand_on(next_one)
+        if not self.pending:
+            self.gap_since = None
+        elif self.gap_since is None:
+            self.gap_since = time.monotonic()
+
+    def _close_gap(self) -> None:
+        """A message missing for gap_s is taken as lost: the later ones are handed on
+        without it, and the head is told which numbers it never got (R11)."""
+        with self.lock:
+            if self.gap_since is None or time.monotonic() - self.gap_since < self.gap_s:
+                return
+            first = min(self.pending)
+            lost = list(range(self.next_seq, first))
+            log.error("%s: messages %s of epoch %d never arrived within %g s; going on "
+                      "without them", self.node, lost, self.epoch, self.gap_s)
+            self.outbox.skipped(lost)
+            self.next_seq, self.gap_since = first, None
+            self._hand_on_in_order()
 
     def _hand_on(self, envelope: ToAgent) -> None:
         message = envelope.message
@@ -209,8 +283,16 @@ class NodeAgent:
         elif (ref := self.instances.get(envelope.model)) is not None:
             ref.tell(message)
 
-    def poll(self, timeout_s: float) -> bytes:
-        return msgspec.msgpack.encode(self.outbox.take(timeout_s))
+    def poll(self, timeout_s: float, epoch: int | None = None) -> bytes:
+        """What happened since the last poll (a Batch), waiting at most `timeout_s` for
+        something; a poll of an earlier epoch is told it has been superseded."""
+        if epoch is not None and epoch != self.epoch:
+            return msgspec.msgpack.encode(Batch(superseded=True))
+        self._close_gap()
+        wait_s = timeout_s if self.gap_since is None else min(timeout_s, self.gap_s)
+        batch = self.outbox.take(wait_s)
+        self._close_gap()
+        return msgspec.msgpack.encode(batch)
 
     def child_pids(self) -> dict[str, int]:
         """The running children's pids by model (for tests)."""

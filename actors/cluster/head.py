@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Any, cast
@@ -13,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..childproc import LogRing
-from ..config import Config, ConfigError, ModelConfig
+from ..config import Config, ModelConfig
 from ..ledger import Breakdown
 from ..messages import (
     DevicesReported,
@@ -23,6 +24,7 @@ from ..messages import (
     LivenessMiss,
     Measured,
     MeasureModel,
+    NodeChanged,
     Remember,
     StartInstance,
     StopInstance,
@@ -30,6 +32,7 @@ from ..messages import (
 from ..policy.memory import node_of
 from .agent import NodeAgent
 from .devices import DeviceHub
+from .join import Waker, join
 from .wire import AGENT_PREFIX, POLL_S, Batch, Running, ToAgent, digest
 
 log = logging.getLogger("corral.cluster")
@@ -55,23 +58,25 @@ class RemoteInstance:
 
     def _tell(self, message: Any) -> None:
         match message:
-            case StartInstance(generation=generation, config=config, devices=devices):
+            case StartInstance(generation=generation, config=config, devices=devices,
+                               node=node):
+                # The policy chose the node (models_max_per_node is its rule alone); by
+                # fit, the devices say it.
                 self.generation, self.model = generation, config
-                if devices:  # placed by fit: the devices say the node
-                    node = node_of(devices[0])
-                    self.node = self.cluster.pick([node] if node else [], self.name)
-                    message = StartInstance(generation, config,
-                                            [d.rpartition("/")[2] for d in devices])
-                else:
-                    self.node = self.cluster.pick(config.nodes or [], self.name)
-                if self.node is None:
+                chosen = node_of(devices[0]) if devices else node
+                self.node = chosen if chosen is not None and self.cluster.is_up(chosen) \
+                    else None
+                if self.node is None:  # lost since the policy chose it: its exit follows
                     self.cluster.scheduler.tell(InstanceExited(
-                        self.name, generation, -1, "could not be started: no agent is up "
-                        f"on {devices or config.nodes} with a free slot "
-                        "(models_max_per_node)"))
+                        self.name, generation, -1, f"could not be started: node lost: "
+                        f"the agent on node {chosen} is not up (GET /nodes)"))
                     return
                 log.info("%s#%d goes to node %s", self.name, generation, self.node)
-                self.cluster.send(self.node, self.name, message)
+                # The child requires the head's key; its InstanceReady brings it back
+                # to the Scheduler, which puts it in each grant (R8).
+                self.cluster.send(self.node, self.name, StartInstance(
+                    generation, config, [d.rpartition("/")[2] for d in devices]
+                    if devices else None, key=self.cluster.key))
             case StopInstance(generation=generation, reason="shutdown") if (
                     self.cluster.config.cluster.keep_on_exit and self.node is not None
                     and generation == self.generation):
@@ -155,6 +160,8 @@ class AgentLink:
         self.node = node
         self.handle: Any = None
         self.host: str | None = None
+        self.epoch = 0
+        """What the agent's attach returned: every message carries it (R11)."""
         self.seq = 0
         """The next message's number (ToAgent.seq), counted from 0 at each attach."""
         self.send_lock = threading.Lock()
@@ -180,11 +187,16 @@ class AgentLink:
             lifetime="detached", get_if_exists=True, num_cpus=0, num_gpus=0,
             max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(found["NodeID"], soft=False))
-        config = msgspec.msgpack.encode(cluster.config)
+        config = msgspec.msgpack.encode(cluster.agent_config)
         handle: Any = actor.remote(self.node, host, config)
         hello = ray.get(handle.attach.remote(config), timeout=60)
+        if "epoch" not in hello:  # an agent of a corral from before epochs (issue 19)
+            log.warning("node %s: its agent runs an older corral; stopping it and its "
+                        "children to start this corral's", self.node)
+            ray.kill(handle)
+            return False
         with self.send_lock:
-            self.handle, self.seq = handle, 0
+            self.handle, self.seq, self.epoch = handle, 0, int(hello["epoch"])
         self.host = hello["host"]
         running = msgspec.msgpack.decode(ray.get(handle.running.remote(), timeout=60),
                                          type=list[Running])
@@ -204,34 +216,47 @@ class AgentLink:
                     up = False
                 if up:
                     self.state, self.since = "up", time.time()
+                    self.cluster.tell(NodeChanged(self.node, True))
                 else:
                     self.cluster.hub.absent(self.node)
+                    self.cluster.tell(NodeChanged(self.node, False,
+                                                  "its agent could not be started"))
                 self.tried.set()
+                self.cluster.wake()
                 if not up:
                     self.stopping.wait(retry_s)
                     continue
             try:
-                data = ray.get(self.handle.poll.remote(POLL_S))
+                data = ray.get(self.handle.poll.remote(POLL_S, self.epoch))
             except ray.exceptions.RayError as e:
                 if self.stopping.is_set():
                     return
                 self._lost(f"the agent on node {self.node} died ({type(e).__name__})")
                 self.stopping.wait(retry_s)
                 continue
-            self.cluster.deliver(self.node, msgspec.msgpack.decode(data, type=Batch))
+            batch = msgspec.msgpack.decode(data, type=Batch)
+            if batch.superseded:
+                self._lost(f"another corral attached to the agent on node {self.node} "
+                           f"(Ray namespace {self.cluster.config.cluster.namespace}); "
+                           "run one corral per namespace")
+                self.stopping.wait(retry_s)
+                continue
+            self.cluster.deliver(self.node, batch)
 
     def _lost(self, why: str) -> None:
         log.error("node %s lost: %s; its models fail, and it is avoided for %g s",
                   self.node, why, self.cluster.config.cluster.agent_retry_s)
         with self.send_lock:
             self.state, self.since, self.handle = "lost", time.time(), None
+        self.cluster.tell(NodeChanged(self.node, False, why))  # first: nothing goes there
         self.cluster.node_lost(self.node, why)
 
     def send(self, model: str, message: Any) -> None:
         with self.send_lock:
             if self.handle is None:
                 return  # lost: its models' exits are reported already
-            self.handle.tell.remote(msgspec.msgpack.encode(ToAgent(self.seq, model, message)))
+            self.handle.tell.remote(msgspec.msgpack.encode(
+                ToAgent(self.epoch, self.seq, model, message)))
             self.seq += 1
 
 
@@ -240,33 +265,46 @@ class Cluster:
 
     def __init__(self, config: Config, logs: dict[str, LogRing]) -> None:
         self.config = config
+        self.agent_config = msgspec.structs.replace(config, api_key=None, api_key_file=None)
+        """What the agents get: the head's config without its clients' key (R8: Ray keeps
+        an actor's arguments in its GCS, and sends them in clear)."""
+        self.key = secrets.token_urlsafe(32)
+        """This head's key for the children it starts on nodes: each requires it (passed
+        with its server's own key flag), and the front sends it (Grant.upstream_key)."""
         self.logs = logs
         self.scheduler: Any = None
         self.links = {node: AgentLink(self, node) for node in config.cluster.nodes}
         self.instances: dict[str, RemoteInstance] = {}
         self.hub = DeviceHub(self)
+        self.waker = Waker()
+        """Ends the startup's waits (joining, reaching the agents) when corral must stop."""
 
     def connect(self) -> None:
-        """Join the Ray cluster as a driver (raises ConfigError if it cannot)."""
+        """Join the Ray cluster as a driver within cluster.connect_timeout_s: raises
+        ConfigError if it cannot, saying what to check; Abandoned if `abandon` is called
+        meanwhile."""
         address = self.config.cluster.ray_address
-        try:
-            ray.init(address=address, namespace=self.config.cluster.namespace,
-                     log_to_driver=False, logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ConfigError(f"cluster.ray_address: cannot join the Ray cluster at "
-                              f"{address}: {e}") from None
+        join(self.config.cluster, self.waker)
         log.info("joined the Ray cluster at %s (namespace %s); nodes %s", address,
                  self.config.cluster.namespace, ", ".join(self.links))
 
+    def abandon(self) -> None:
+        """corral stops during its startup: `connect` and `start` return at once, raising
+        Abandoned (call from any thread but a signal handler)."""
+        self.waker.abandon()
+
+    def wake(self) -> None:
+        self.waker.wake()
+
     def start(self, scheduler: Any, timeout_s: float = 60.0) -> None:
         """Reach every node's agent (starting those not there); return once each is up or
-        has failed once (then it is retried every agent_retry_s)."""
+        has failed once (then it is retried every agent_retry_s). Raises Abandoned."""
         self.scheduler = scheduler
         for link in self.links.values():
             link.thread.start()
         deadline = time.monotonic() + timeout_s
-        for link in self.links.values():
-            link.tried.wait(max(0.0, deadline - time.monotonic()))
+        self.waker.wait_for(lambda: all(link.tried.is_set() for link in self.links.values()),
+                            deadline)
         down = [n for n, link in self.links.items() if link.state != "up"]
         if down:
             log.warning("nodes without an agent yet: %s; their models go elsewhere",
@@ -299,7 +337,7 @@ class Cluster:
                          r.generation, r.pid, r.port)
                 devices = [f"{node}/{d}" for d in r.devices] if r.devices else None
                 self.scheduler.tell(InstanceAdopted(r.model, r.generation, r.pid, host, r.port,
-                                                    devices))
+                                                    devices, node, r.key))
                 continue
             log.info("node %s: stopping %s#%d (pid %d), not adopted: %s", node, r.model,
                      r.generation, r.pid, why or "the model runs elsewhere")
@@ -327,16 +365,17 @@ class Cluster:
                 return dict(node)
         return None
 
-    def pick(self, nodes: list[str], model: str) -> str | None:
-        """The first of `nodes` whose agent is up and that runs fewer than
-        models_max_per_node children (what the policy checks itself when it places)."""
-        cap = self.config.models_max_per_node
+    def is_up(self, node: str) -> bool:
+        """Whether `node`'s agent is up now (where to place is the policy's choice)."""
+        link = self.links.get(node)
+        return link is not None and link.state == "up"
 
-        def room(node: str) -> bool:
-            return not cap or sum(r.node == node for name, r in self.instances.items()
-                                  if name != model) < cap
-        return next((n for n in nodes if n in self.links and self.links[n].state == "up"
-                     and room(n)), None)
+    def tell(self, message: NodeChanged) -> None:
+        """Tell the Scheduler a node fact (dropped once it has stopped)."""
+        try:
+            self.scheduler.tell(message)
+        except pykka.ActorDeadError:
+            pass
 
     def send(self, node: str, model: str, message: Any) -> None:
         self.links[node].send(model, message)
@@ -363,6 +402,9 @@ class Cluster:
         if batch.dropped_lines:
             log.warning("%d lines of child output were dropped before they reached the head",
                         batch.dropped_lines)
+        if batch.skipped:
+            log.error("node %s: messages %s from this head never reached its agent (it "
+                      "went on without them after a wait)", node, batch.skipped)
 
     def node_lost(self, node: str, why: str) -> None:
         self.hub.lost(node)  # first: nothing may be placed there once its models fail

@@ -28,15 +28,26 @@ from ..messages import (
 POLL_S = 2.0
 """How long an agent holds the head's poll when it has nothing to say."""
 OUTBOX_LINES = 20_000
-"""Child output an agent keeps for the head between two polls; older lines are dropped."""
+"""Child output an agent keeps for the head between two polls; older lines are dropped..."""
+OUTBOX_BYTES = 16 << 20
+"""... as they are once the lines kept cost more than this (issue 19, R4), so a Batch is
+bounded in bytes too."""
+FORWARDED_BYTES = 1 << 20
+"""What a child's output ring on its node keeps at most (beside its 200 lines)."""
+GAP_S = 10.0
+"""How long an agent waits for a message missing from the head's sequence before it
+hands on the later ones without it, and says so (issue 19, R11)."""
 AGENT_PREFIX = "corral-agent-"
 
 
 class ToAgent(msgspec.Struct, frozen=True):
     """Head -> agent: one message for one model's ModelInstance (or the node's monitor).
-    `seq` counts from 0 per head: a threaded Ray actor may run calls out of order, so the
-    agent puts them back in order before handing them on."""
+    `epoch` is what the agent's `attach` returned to this head: a message of any other
+    epoch (a head that has gone, or this head before it reconnected) is dropped. `seq`
+    counts from 0 per (epoch, agent): a threaded Ray actor may run calls out of order, so
+    the agent puts them back in order before handing them on (issue 19, R11)."""
 
+    epoch: int
     seq: int
     model: str
     message: StartInstance | StopInstance | LivenessMiss | TrackModel | MeasureModel | Remember
@@ -58,6 +69,8 @@ class Running(msgspec.Struct, frozen=True):
     digest: str
     """Of the model config it was started with (`digest`)."""
     devices: list[str] | None = None
+    key: str | None = None
+    """The key the child requires (StartInstance.key): a new head sends it on."""
 
 
 def digest(config: ModelConfig) -> str:
@@ -71,7 +84,12 @@ class Batch(msgspec.Struct, frozen=True):
 
     messages: list[FromInstance] = []
     lines: list[tuple[str, str]] = []
-    """(model, line) of child output, in order."""
+    """(model, line) of child output, in order; each line at most MAX_LINE_BYTES, all of
+    them at most OUTBOX_BYTES."""
     dropped_lines: int = 0
+    skipped: list[int] = []
+    """Sequence numbers the agent gave up waiting for (GAP_S): those messages were lost."""
+    superseded: bool = False
+    """The poll came from an earlier epoch: another head has attached since."""
 
 

@@ -24,8 +24,10 @@ from ..records import (
     Measure,
     ModelRecord,
     Publish,
+    Stop,
     Track,
 )
+from .memory import node_of
 from .rules import Rules
 
 log = logging.getLogger("corral.scheduler")
@@ -50,13 +52,16 @@ class Children(Rules):
         return self._flush()
 
     def instance_ready(self, model: str, generation: int, pid: int, base_url: str,
-                       now: float, info: dict[str, Any] | None = None) -> list[Effect]:
-        """The child of `generation` answers: grant everyone queued for it, atomically (R-4.6)."""
+                       now: float, info: dict[str, Any] | None = None,
+                       upstream_key: str | None = None) -> list[Effect]:
+        """The child of `generation` answers: grant everyone queued for it, atomically
+        (R-4.6); `upstream_key`: the key it requires (a child on a cluster node)."""
         rec = self.models.get(model)
         if rec is None or rec.generation != generation or rec.state is not S.LOADING:
             return []  # stale, or already being stopped: never proxy into a stopping child
         rec.pid = pid
         rec.base_url = base_url
+        rec.upstream_key = upstream_key
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
         self.stats.observe(self.stats.load_time, model, now - rec.state_since)
@@ -77,14 +82,27 @@ class Children(Rules):
         return self._flush()
 
     def instance_adopted(self, model: str, generation: int, pid: int, base_url: str,
-                         devices: list[str] | None, now: float) -> list[Effect]:
+                         devices: list[str] | None, now: float, node: str | None = None,
+                         upstream_key: str | None = None) -> list[Effect]:
         """A ready child an earlier corral left running on a Ray node (its head restarted)
-        is this model's, as generation `generation`: loaded, with no load (R-3, issue 14)."""
+        is this model's, as generation `generation`: loaded, with no load (R-3, issue 14).
+        A model that runs, or whose generations have gone past the child's, stops the
+        child instead: a generation is never given out twice (issue 19, R12)."""
         rec = self.models.get(model)
-        if rec is None or rec.state is not S.UNLOADED:
-            return []
+        if rec is None or (rec.state.is_running and generation == rec.generation):
+            return []  # its own child (never stop that one)
+        if rec.state is not S.UNLOADED or generation < rec.generation:
+            why = ("it runs already" if rec.state is not S.UNLOADED
+                   else f"its generation {generation} is older than the model's "
+                        f"{rec.generation}")
+            log.info("model %s: not adopting pid %d (#%d): %s; stopping it", model, pid,
+                     generation, why)
+            self._out.append(Stop(model, generation, f"not adopted: {why}"))
+            return self._flush()
         rec.generation = generation
         rec.placement = devices
+        rec.node = node or (node_of(devices[0]) if devices else None)
+        rec.upstream_key = upstream_key
         self._transition(rec, S.LOADING, f"adopting pid {pid}", now)
         if self.memory_on:
             self.memory.spawning(rec)
@@ -96,6 +114,13 @@ class Children(Rules):
             rec.awaiting_usage = True
             self._out.append(Track(model, "ready", pid))
         self._idle(rec)
+        self._pump(now)
+        return self._flush()
+
+    def node_changed(self, node: str, up: bool, why: str, now: float) -> list[Effect]:
+        """A cluster node's agent came up, or was lost (or could not be reached): models
+        that may run only on lost nodes are refused, saying so, and not failed."""
+        self.nodes.changed(node, up, why)
         self._pump(now)
         return self._flush()
 
@@ -150,7 +175,8 @@ class Children(Rules):
             return []
         was, up_since = rec.state, rec.ready_at
         rec.in_flight = 0
-        rec.pid = rec.base_url = rec.ready_at = rec.placement = None
+        rec.pid = rec.base_url = rec.ready_at = rec.placement = rec.node = None
+        rec.upstream_key = None
         rec.exit_code = returncode
         rec.last_exit = description
         rec.mem_effective = None

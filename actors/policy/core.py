@@ -142,7 +142,8 @@ class Policy(Children):
             return []  # granted, refused or gone meanwhile
         rec = self.models[waiter.model]
         why = (f"; {self._backoff_message(rec, now)}" if rec.breaker.is_open(now) else
-               f" (state {self._state_word(rec)})")
+               f" (state {self._state_word(rec)}"
+               + (f"; {rec.waiting_for})" if rec.waiting_for else ")"))
         self._leave_queue(ticket)
         self._pump(now)
         self._refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "

@@ -15,6 +15,7 @@ from ..ledger import Breakdown, DeviceUse, Ledger, MiB
 from ..lifecycle import ModelState
 from ..messages import DeviceReport, DevicesSnapshot, DeviceView, ModelMemory, Shortfall
 from ..records import Effect, Learned, Measure, ModelRecord, Publish
+from .nodes import NodeSlots
 
 log = logging.getLogger("corral.scheduler")
 
@@ -59,12 +60,12 @@ class Around:
 
 
 class Memory:
-    def __init__(self, margin: int, account_host: bool, per_node_max: int = 0) -> None:
+    def __init__(self, margin: int, account_host: bool, nodes: NodeSlots | None = None) -> None:
         self.on = margin > 0
         """Memory accounting decides loads; off at margin 0, as in the reference."""
         self.ledger = Ledger(margin, account_host)
-        self.per_node_max = per_node_max
-        """models_max_per_node: most children running on one cluster node (0: any)."""
+        self.nodes = nodes or NodeSlots()
+        """The cluster's nodes and models_max_per_node (shared with the core)."""
         self.backends: list[str] = []
 
     # ------------------------------------------------------------ facts
@@ -209,9 +210,10 @@ class Memory:
         if nodes is not None and not any(node_of(d) in nodes for d in self.ledger.devices):
             return Plan("wait")  # none of its nodes has reported its devices yet
         if nodes is not None and not places:
+            lost = all(n in self.nodes.down for n in nodes)
             return Plan("refuse", refusal=(
-                f"model '{rec.name}' cannot be placed: none of its nodes ({', '.join(nodes)}) "
-                "has a GPU up (GET /nodes)"))
+                f"model '{rec.name}' cannot be placed: {'node lost: ' if lost else ''}none "
+                f"of its nodes ({', '.join(nodes)}) has a GPU up (GET /nodes)"))
         if not places:
             if rec.rules.placeable and (rec.rules.devices or rec.rules.devices_per_instance > 1):
                 if not self.ledger.devices:
@@ -225,7 +227,9 @@ class Memory:
         free_places = [p for p in places if not set(p) & (busy or set())]
         if not free_places:
             return Plan("wait")  # each place has a load in flight: one per device at a time
-        full = self._full_nodes(rec, models, victims)
+        rooms = {node: self.nodes.room(node, rec, models, victims)
+                 for node in {node_of(p[0]) for p in free_places} if node is not None}
+        full = {node: room for node, room in rooms.items() if room.kind != "free"}
         needs = [self.placed_need(rec, devices) for devices in free_places]
         fits = [(sum(self.ledger.available(d) or 0 for d in devices), -i)
                 for i, devices in enumerate(free_places)
@@ -245,13 +249,17 @@ class Memory:
             on = set(devices)
             useful = sorted({v.name: v for d in devices for v in on_device.get(d, [])}
                             .values(), key=lambda v: rank_of[v.name])
-            node = node_of(devices[0])
-            slot = full.get(node) if node in full else None
-            if node in full and slot is None:
+            room = full.get(node_of(devices[0]) or "")
+            if room is not None and room.kind == "busy":
                 continue  # the node has models_max_per_node running, none of them idle
-            if slot is None:
+            if room is None:
                 plan = self._fit(rec, need, models, useful, on, around)
+            elif room.victim is None:  # "freeing": a child stopping there frees the slot
+                plan = self._fit(rec, need, models, useful, on, around)
+                if plan.verdict == "go":
+                    plan.verdict, plan.fits_once_freed = "wait", True
             else:  # a slot on its node first: its least recently used idle model goes
+                slot = room.victim
                 useful = [v for v in useful if v is not slot]
                 plan = self._fit(rec, need, models, useful, on, around.but(slot, self.ledger))
                 plan.evict.insert(0, (slot, []))
@@ -267,26 +275,6 @@ class Memory:
             if best is None or key < best[0]:
                 best = (key, plan)
         return best[1] if best is not None else Plan("wait")
-
-    def _full_nodes(self, rec: ModelRecord, models: dict[str, ModelRecord],
-                    victims: list[ModelRecord]) -> dict[str | None, ModelRecord | None]:
-        """The nodes at models_max_per_node, each with its least recently used idle model
-        (None: every child there is busy)."""
-        if not self.per_node_max:
-            return {}
-        running: dict[str | None, int] = {}
-        for r in models.values():
-            if r is not rec and r.state.is_running and r.placement:
-                node = node_of(r.placement[0])
-                running[node] = running.get(node, 0) + 1
-        full: dict[str | None, ModelRecord | None] = {
-            node: None for node, n in running.items() if node is not None
-            and n >= self.per_node_max}
-        for v in victims:  # least recently used first
-            node = node_of(v.placement[0]) if v.placement else None
-            if node in full and full[node] is None:
-                full[node] = v
-        return full
 
     def _around(self, models: dict[str, ModelRecord]) -> Around:
         """What every place a plan weighs shares, computed once for all of them."""

@@ -39,7 +39,8 @@ from ..records import (
 )
 from . import views
 from .breaker import Breaker
-from .memory import Memory
+from .memory import Memory, node_of
+from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
 from .victims import Victims
 
@@ -62,7 +63,9 @@ class Rules:
         self.queue = RequestQueue()
         self.leases: dict[Hashable, tuple[str, int]] = {}
         """Ticket -> (model, generation), for every granted request not yet released."""
-        self.memory = Memory(memory_margin, account_host, models_max_per_node)
+        self.nodes = NodeSlots(models_max_per_node)
+        """The cluster's nodes that are up, and the models_max_per_node rule."""
+        self.memory = Memory(memory_margin, account_host, self.nodes)
         self.victims = Victims(self._evictable)
         self.stats = Stats()
         self.shutting_down = False
@@ -216,6 +219,12 @@ class Rules:
                 rec = self.models[entry.model]
                 if rec.state is S.STOPPING or not self._has_capacity():
                     return  # the head waits, and nobody overtakes it
+                if rec.rules.nodes is not None and not self.memory_on:
+                    if self._claim_node(rec, now):
+                        rescan = True
+                        break
+                    if rec.node is None:
+                        return  # it waits for a node, and nobody overtakes it
                 busy = self._loading_devices(rec) if self.memory_on else set()
                 if busy and not self.memory.candidates(rec) \
                         and not busy.isdisjoint(self.memory.devices_of(rec)):
@@ -237,8 +246,27 @@ class Rules:
                     if plan.verdict == "wait":
                         return
                     rec.placement = plan.devices
+                    rec.node = node_of(plan.devices[0]) if plan.devices else None
                 entry.claimed = True
                 self._spawn(rec, len(entry.waiters), now)
+
+    def _claim_node(self, rec: ModelRecord, now: float) -> bool:
+        """Choose the node of `rec` (a model with `nodes`, no memory accounting): sets
+        `rec.node` when it may spawn now; else it waits, after stopping the LRU idle model
+        of a node at its cap, or its requests are refused (then True: the queue changed)."""
+        victims = self.victims.ranked(self.models, now, self._resident_until)
+        choice = self.nodes.choose(rec, self.models, victims)
+        rec.node = choice.node if choice.verdict == "go" else None
+        rec.waiting_for = choice.why if choice.verdict == "wait" else None
+        if choice.victim is not None:
+            self._stop(choice.victim, "lru", rec.name, now)
+        if choice.verdict != "refuse":
+            return False
+        self._refuse_entry(rec.name, 503, f"model '{rec.name}' cannot be started: "
+                           f"{choice.why}", retry_after_s=1.0,
+                           reason="node_lost" if (choice.why or "").startswith("node lost")
+                           else "node_cap")
+        return True
 
     def _loading_devices(self, rec: ModelRecord) -> set[str]:
         """The devices of the loads not yet charged their real use (still loading, or
@@ -255,16 +283,19 @@ class Rules:
         rec.loads += 1
         rec.last_used = now
         rec.stale = rec.ttl_armed = False
+        rec.waiting_for = None
         attempt = rec.breaker.loading()
         cause = f"spawn for {n_waiting} waiting request(s)"
         if attempt > 1:
             cause += f", attempt {attempt}"
         if rec.placement:
             cause += f", on {', '.join(rec.placement)}"
+        elif rec.node is not None:
+            cause += f", on node {rec.node}"
         self._transition(rec, S.LOADING, cause, now)
         if self.memory_on:
             self.memory.spawning(rec)
-        self._out.append(Spawn(rec.name, rec.generation, rec.placement))
+        self._out.append(Spawn(rec.name, rec.generation, rec.placement, rec.node))
 
     def _serve_waiters(self, rec: ModelRecord, now: float) -> None:
         """Grant the requests queued for a serving model, oldest first, while it has room."""
@@ -304,7 +335,8 @@ class Rules:
         self.stats.granted += 1
         self.leases[ticket] = (rec.name, rec.generation)
         self._out.append(Answer(ticket, Grant(rec.name, rec.generation, rec.base_url,
-                                              shareable=not rec.rules.max_concurrency)))
+                                              shareable=not rec.rules.max_concurrency,
+                                              upstream_key=rec.upstream_key)))
 
     def _refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,

@@ -63,6 +63,7 @@ def check(p: Policy) -> None:
             assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
         else:
             assert rec.in_flight == 0
+            assert rec.node is None and rec.upstream_key is None, f"{rec.name}: no child"
     recs = list(p.models.values())
     assert p.n_running == sum(r.state.is_running for r in recs), "n_running"
     assert p.n_stopping == sum(r.state is S.STOPPING for r in recs), "n_stopping"

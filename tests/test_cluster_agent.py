@@ -1,0 +1,167 @@
+"""The cluster's head and agent driven in-process, without a Ray cluster (issue 19): what
+crosses to an agent carries the head's epoch and no client key, a gap in the sequence is
+bounded, child output is bounded in bytes, and a child on a node requires the head's key.
+Ray is imported (only so the package imports) and never started here."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+try:
+    import ray  # noqa: F401  (imported only: nothing here starts it)
+except ImportError:  # the package imports it at the top; a stub is enough here
+    stub = types.ModuleType("ray")
+    stub.util = types.ModuleType("ray.util")  # type: ignore[attr-defined]
+    stub.util.scheduling_strategies = types.ModuleType(  # type: ignore[attr-defined]
+        "ray.util.scheduling_strategies")
+    stub.util.scheduling_strategies.NodeAffinitySchedulingStrategy = object  # type: ignore[attr-defined]
+    sys.modules.update({"ray": stub, "ray.util": stub.util,  # type: ignore[attr-defined]
+                        "ray.util.scheduling_strategies": stub.util.scheduling_strategies})
+
+from actors.childproc import MAX_LINE_BYTES
+from actors.cluster.agent import ForwardedRing, NodeAgent, Outbox
+from actors.cluster.head import Cluster
+from actors.cluster.wire import Batch, ToAgent
+from actors.config import Config, ModelConfig, parse_config
+from actors.messages import InstanceExited, StartInstance, StopInstance
+from tests.helpers import fake_cmd
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Any:
+    a = NodeAgent("node_a", "127.0.0.1", msgspec.msgpack.encode(
+        Config(state_dir=str(tmp_path))))
+    handed: list[tuple[int, str]] = []
+    a._hand_on = lambda env: handed.append((env.seq, env.message.reason))
+    a.handed = handed
+    yield a
+    a.timers.stop()
+
+
+def stop(epoch: int, seq: int, reason: str) -> bytes:
+    return msgspec.msgpack.encode(ToAgent(epoch, seq, "m", StopInstance(1, reason)))
+
+
+def test_the_reviews_late_message_from_an_earlier_epoch_is_dropped(agent: Any,
+                                                                    tmp_path: Path) -> None:
+    """R11's reproducer: head 1's late call runs after head 2 attached. It used to be
+    handed on in place of head 2's message 3, which then waited forever."""
+    config = msgspec.msgpack.encode(Config(state_dir=str(tmp_path)))
+    first = agent.attach(config)["epoch"]
+    for i in range(3):
+        agent.tell(stop(first, i, f"head1 #{i}"))
+    late = stop(first, 3, "head1 #3 (late)")
+    second = agent.attach(config)["epoch"]
+    assert second != first
+    agent.tell(late)
+    for i in range(5):
+        agent.tell(stop(second, i, f"head2 #{i}"))
+    assert agent.handed[3:] == [(i, f"head2 #{i}") for i in range(5)]
+    assert agent.pending == {}
+
+
+def test_a_poll_of_an_earlier_epoch_is_told_it_was_superseded(agent: Any,
+                                                             tmp_path: Path) -> None:
+    config = msgspec.msgpack.encode(Config(state_dir=str(tmp_path)))
+    first = agent.attach(config)["epoch"]
+    second = agent.attach(config)["epoch"]
+    assert msgspec.msgpack.decode(agent.poll(0, first), type=Batch).superseded
+    assert not msgspec.msgpack.decode(agent.poll(0, second), type=Batch).superseded
+
+
+def test_a_gap_in_the_sequence_is_bounded_and_reported(agent: Any, tmp_path: Path) -> None:
+    """A message that never comes holds the later ones back at most gap_s; then they go
+    on, and the head learns which number it lost."""
+    epoch = agent.attach(msgspec.msgpack.encode(Config(state_dir=str(tmp_path))))["epoch"]
+    agent.tell(stop(epoch, 0, "#0"))
+    agent.tell(stop(epoch, 2, "#2"))
+    agent.tell(stop(epoch, 3, "#3"))
+    assert agent.handed == [(0, "#0")]
+    agent.gap_s = 0.0
+    batch = msgspec.msgpack.decode(agent.poll(1.0, epoch), type=Batch)
+    assert agent.handed == [(0, "#0"), (2, "#2"), (3, "#3")]
+    assert batch.skipped == [1]
+    agent.tell(stop(epoch, 1, "#1 (too late)"))  # seen as lost: never handed on after #3
+    agent.tell(stop(epoch, 4, "#4"))
+    assert agent.handed[-1] == (4, "#4") and len(agent.handed) == 4
+
+
+def test_the_outbox_is_bounded_in_bytes_and_cuts_long_lines() -> None:
+    box = Outbox(max_lines=1000, max_bytes=256 << 10)
+    for _ in range(50):
+        box.line("m", "x" * (4 << 20))  # a 4 MiB line, 50 times
+    batch = box.take(0)
+    assert batch.dropped_lines > 0
+    assert sum(len(line) for _, line in batch.lines) <= 256 << 10
+    assert all(len(line.encode()) <= MAX_LINE_BYTES for _, line in batch.lines)
+    assert all("cut" in line for _, line in batch.lines)
+    box.line("m", "short")
+    assert box.take(0).lines == [("m", "short")]
+
+
+def test_a_forwarded_ring_passes_on_lines_cut_as_it_keeps_them() -> None:
+    box = Outbox()
+    ring = ForwardedRing("m", box)
+    for _ in range(100):
+        ring.append("y" * (1 << 20))
+    kept = ring.lines()
+    assert sum(len(line) for line in kept) <= 1 << 20
+    forwarded = box.take(0).lines
+    assert len(forwarded) == 100
+    assert all(len(line.encode()) <= MAX_LINE_BYTES for _, line in forwarded)
+
+
+def test_the_head_never_sends_its_client_key_to_the_agents(tmp_path: Path) -> None:
+    """R8's reproducer: the whole config, api_key included, went to every agent."""
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-client-key\n")
+    for top in ({"api_key": "s3cret-client-key"}, {"api_key_file": str(key_file)}):
+        config = parse_config({**top, "cluster": {"nodes": ["node_a"]},
+                               "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a"]}}})
+        cluster = Cluster(config, {})
+        sent = msgspec.msgpack.encode(cluster.agent_config)
+        assert b"s3cret-client-key" not in sent and b"api_key_file" in sent
+        assert cluster.key and cluster.key.encode() not in sent
+
+
+class Link:
+    state = "up"
+
+
+def test_a_start_on_a_node_carries_the_heads_key_and_a_lost_node_is_said() -> None:
+    config = parse_config({"cluster": {"nodes": ["node_a", "node_b"]},
+                           "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}}})
+    cluster = Cluster(config, {})
+    sent: list[tuple[str, Any]] = []
+    told: list[Any] = []
+    cluster.send = lambda node, model, message: sent.append((node, message))  # type: ignore[method-assign]
+    cluster.scheduler = types.SimpleNamespace(tell=told.append)
+    cluster.links = {"node_a": Link(), "node_b": Link()}  # type: ignore[dict-item]
+    remote = cluster.instance("m", config.models["m"])
+    remote.tell(StartInstance(1, config.models["m"], node="node_b"))
+    [(node, start)] = sent
+    assert node == "node_b" and start.key == cluster.key and start.node is None
+    cluster.links["node_a"].state = "lost"  # type: ignore[misc]
+    remote.tell(StartInstance(2, config.models["m"], node="node_a"))
+    [exited] = told
+    assert isinstance(exited, InstanceExited) and "node lost" in exited.description
+
+
+@pytest.mark.parametrize("cmd, flag", [
+    (["llama-server", "-m", "x.gguf", "--port", "{port}"], "--api-key"),
+    (["/opt/bin/llama-server", "--port", "{port}"], "--api-key"),
+    (["vllm", "serve", "m", "--port", "{port}"], "--api-key"),
+    (["python", "-m", "vllm.entrypoints.openai.api_server"], "--api-key"),
+    (fake_cmd(), "--api-key"),
+    (["./my-server", "{port}"], None),
+])
+def test_the_key_flag_is_the_engines_own(cmd: list[str], flag: str | None) -> None:
+    assert ModelConfig(cmd=cmd).key_argument == flag
+    assert ModelConfig(cmd=cmd, key_flag="--token").key_argument == "--token"
+    assert ModelConfig(cmd=cmd, key_flag="").key_argument is None

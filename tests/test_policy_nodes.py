@@ -1,0 +1,217 @@
+"""Cluster nodes in the pure policy (issue 19): models_max_per_node without memory
+accounting evicts as models_max does, a lost node is a refusal that says so (never a
+failed load), and a model's generation never moves backwards, adoption included."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.config import ModelRules
+from actors.messages import Grant, Refusal
+from actors.policy import Policy
+from actors.records import Effect, Spawn, Stop
+from tests.test_policy import World
+
+BOTH = ["node_a", "node_b"]
+
+
+class NodeWorld(World):
+    """A cluster without memory accounting: the Scheduler's node facts, by hand."""
+
+    def __init__(self, per_node: int, nodes: dict[str, list[str]], models_max: int = 0,
+                 up: tuple[str, ...] = ("node_a", "node_b"), **rules: ModelRules) -> None:
+        super().__init__(models_max, "")
+        self.p = Policy(models_max, 3, 60.0, models_max_per_node=per_node)
+        for name, on in nodes.items():
+            self.p.add_model(name, 0.0, rules=rules.get(name, ModelRules(nodes=on)))
+        self.placed: dict[str, str | None] = {}
+        for node in up:
+            self.run(self.p.node_changed(node, True, "", self.tick()))
+
+    def run(self, effects: list[Effect]) -> list[Effect]:
+        for e in effects:
+            if isinstance(e, Spawn):
+                self.placed[e.model] = e.node
+        return super().run(effects)
+
+
+def test_the_per_node_cap_evicts_the_nodes_least_recently_used_idle_model() -> None:
+    """The issue's case: two models allowed only on node_a, one per node. The second
+    evicts the first, loads there, and no refusal or failed load is counted."""
+    w = NodeWorld(1, {"p": ["node_a"], "q": ["node_a"]})
+    w.load_idle("p")
+    assert w.placed["p"] == "node_a"
+    assert w.acquire(1, "q") is None
+    assert w.stops == [("p", "lru")]
+    assert w.p.models["p"].last_eviction is not None
+    assert w.p.models["p"].last_eviction.for_model == "q"
+    assert ("q", 1) not in w.spawns  # not before p's child is reaped
+    w.exited("p")
+    assert w.spawns[-1] == ("q", 1) and w.placed["q"] == "node_a"
+    w.ready("q")
+    assert isinstance(w.answers[1], Grant)
+    for name in "pq":
+        rec = w.p.models[name]
+        assert not rec.failed and rec.breaker.attempt <= 1 and not rec.breaker.failures
+    assert w.p.stats.refusals == {}
+
+
+def test_the_cap_takes_the_lru_model_of_the_nodes_and_a_free_node_first() -> None:
+    w = NodeWorld(1, {"a": BOTH, "b": BOTH, "c": BOTH})
+    w.load_idle("a", "b")
+    assert {w.placed["a"], w.placed["b"]} == set(BOTH)  # a free node before an eviction
+    w.load_idle("a")  # b is now the least recently used
+    w.acquire(1, "c")
+    assert w.stops == [("b", "lru")]
+    w.exited("b")
+    assert w.placed["c"] == w.placed["b"]
+
+
+def test_a_stopping_child_frees_its_node_and_nothing_more_is_evicted() -> None:
+    """While the victim stops, more pumps (a release, another request) stop no one else."""
+    w = NodeWorld(2, {"a": ["node_a"], "b": ["node_a"], "c": ["node_a"]})
+    w.load_idle("a", "b")
+    w.acquire(1, "c")
+    assert w.stops == [("a", "lru")]
+    w.load_idle("b")
+    w.acquire(2, "c")
+    assert w.stops == [("a", "lru")]
+    w.exited("a")
+    assert w.placed["c"] == "node_a"
+
+
+def test_a_node_at_its_cap_with_busy_models_makes_requests_wait_and_says_why() -> None:
+    rules = ModelRules(nodes=["node_a"], queue_timeout_s=5.0)
+    w = NodeWorld(1, {"p": ["node_a"], "q": ["node_a"]}, q=rules)
+    w.load_idle("p")
+    assert isinstance(w.acquire(1, "p"), Grant)  # p is busy
+    assert w.acquire(2, "q") is None
+    assert w.stops == []
+    w.now += 10
+    w.fire_timers()
+    refusal = w.answers[2]
+    assert isinstance(refusal, Refusal) and refusal.status == 503
+    assert "node at its cap (models_max_per_node 1)" in refusal.message, refusal.message
+    assert not w.p.models["q"].failed and not w.p.models["q"].breaker.failures
+
+
+def test_a_node_at_its_cap_with_pinned_models_is_refused_saying_so() -> None:
+    w = NodeWorld(1, {"p": ["node_a"], "q": ["node_a"]},
+                  p=ModelRules(nodes=["node_a"], pinned=True))
+    w.load_idle("p")
+    refusal = w.acquire(1, "q")
+    assert isinstance(refusal, Refusal) and refusal.status == 503
+    assert "node at its cap (models_max_per_node 1)" in refusal.message
+    assert "pinned" in refusal.message and w.stops == []
+
+
+def test_a_lost_node_is_a_refusal_that_says_node_lost_not_a_failed_load() -> None:
+    """The old message blamed models_max_per_node for a lost node with no cap set, and
+    each refusal counted as failed loads until the breaker opened."""
+    w = NodeWorld(0, {"m": ["node_a"]}, up=())
+    assert w.acquire(1, "m") is None  # not heard of yet: it waits for the first word
+    w.run(w.p.node_changed("node_a", False, "the agent on node node_a died", w.tick()))
+    for ticket in range(1, 6):
+        refusal = w.answers.get(ticket) or w.acquire(ticket, "m")
+        assert isinstance(refusal, Refusal) and refusal.status == 503
+        assert "node lost" in refusal.message and "node_a: the agent on node node_a died" \
+            in refusal.message, refusal.message
+        assert "models_max_per_node" not in refusal.message
+    rec = w.p.models["m"]
+    assert w.spawns == [] and not rec.failed and not rec.breaker.failures
+    assert not rec.breaker.is_open(w.now)
+    w.run(w.p.node_changed("node_a", True, "", w.tick()))
+    w.acquire(9, "m")
+    assert w.spawns == [("m", 1)] and w.placed["m"] == "node_a"
+
+
+def test_a_model_goes_to_a_node_still_up() -> None:
+    w = NodeWorld(0, {"m": BOTH})
+    w.run(w.p.node_changed("node_a", False, "lost", w.tick()))
+    w.acquire(1, "m")
+    assert w.placed["m"] == "node_b"
+
+
+def test_a_model_without_nodes_is_not_placed_on_one() -> None:
+    w = NodeWorld(1, {"here": []}, here=ModelRules())
+    w.acquire(1, "here")
+    assert w.placed["here"] is None
+
+
+# ---------------------------------------------------------------- generations (R12)
+
+
+def test_the_reviews_adoption_below_the_record_stops_the_child() -> None:
+    """R12's reproducer: the node comes back with child #1 after #2 was given out."""
+    p = Policy(2, 3, 60.0)
+    p.add_model("m", 0.0)
+    p.load("t1", "m", 0.0)
+    p.instance_ready("m", 1, 100, "http://nodeA:1", 0.1)
+    p.instance_exited("m", 1, -1, "node lost: poll failed", 1.0)
+    p.load("t2", "m", 1.1)
+    p.instance_exited("m", 2, 1, "exited with status 1", 1.5)
+    effects = p.instance_adopted("m", 1, 100, "http://nodeA:1", None, 2.0)
+    assert [e for e in effects if isinstance(e, Stop)] == [
+        Stop("m", 1, "not adopted: its generation 1 is older than the model's 2")]
+    assert p.models["m"].generation == 2 and p.models["m"].state.value == "unloaded"
+    spawned = [e.generation for e in p.load("t4", "m", 4.0) if isinstance(e, Spawn)]
+    assert spawned == [3]
+
+
+Step = st.one_of(
+    st.tuples(st.just("load")),
+    st.tuples(st.just("ready")),
+    st.tuples(st.just("exit"), st.integers(-9, 1)),
+    st.tuples(st.just("unload")),
+    st.tuples(st.just("adopt"), st.integers(0, 12)),
+    st.tuples(st.just("seen"), st.integers(0, 12)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(Step, max_size=40))
+def test_a_generation_never_moves_backwards_nor_is_given_out_twice(steps: list[tuple]) -> None:
+    """Over any history of spawns, exits, unloads, adoptions (of a child numbered from
+    0 to 12, as a node may report) and children seen: the record's generation never
+    decreases, every spawn takes a number never seen before, and a running record is
+    never taken over by an adopted child."""
+    p = Policy(2, 100, 60.0)
+    p.add_model("m", 0.0)
+    rec = p.models["m"]
+    given_out: set[int] = set()
+    now = 0.0
+    for step in steps:
+        now += 1.0
+        before, state = rec.generation, rec.state
+        effects: list[Effect] = []
+        match step:
+            case ("load",):
+                effects = p.load(("load", now), "m", now)
+            case ("ready",):
+                effects = p.instance_ready("m", rec.generation, 1, "http://n:1", now)
+            case ("exit", rc):
+                effects = p.instance_exited("m", rec.generation, rc, "exit", now)
+            case ("unload",):
+                effects = p.unload(("unload", now), "m", now)
+            case ("adopt", generation):
+                effects = p.instance_adopted("m", generation, 7, "http://n:2", None, now,
+                                             node="node_a")
+                adopted = rec.generation == generation and rec.state.value == "loaded" \
+                    and state.value == "unloaded"
+                stopped = [e for e in effects if isinstance(e, Stop)]
+                own = state.is_running and generation == before  # its own child: left be
+                assert adopted + bool(stopped) + own == 1, (step, effects)
+                if adopted:
+                    given_out.add(generation)
+            case ("seen", generation):
+                p.instance_seen("m", generation)
+                if state.value == "unloaded":
+                    given_out.add(generation)
+        p.check_invariants()
+        assert rec.generation >= before, (step, before, rec.generation)
+        for e in effects:
+            if isinstance(e, Spawn):
+                assert e.generation not in given_out, (step, e.generation, given_out)
+                assert e.generation > max(given_out, default=0)
+                given_out.add(e.generation)
