@@ -137,6 +137,11 @@ class Upstream(asyncio.Protocol):
     def reused(self) -> bool:
         return self.answers > 0
 
+    @property
+    def usable(self) -> bool:
+        """Open, and not seen closing: a request may be sent on it."""
+        return self.transport is not None and not self.transport.is_closing()
+
     def detach(self) -> None:
         """The exchange is over before the answer was: the connection cannot be reused."""
         self.sink = None
@@ -329,27 +334,31 @@ class Pool:
     async def lease(self, fresh: bool = False) -> Upstream:
         """A connection for one exchange: an idle one (unless `fresh`), a new one, or (at
         the cap) the next one given back. Raises OSError if the child cannot be reached."""
-        deadline = asyncio.get_running_loop().time() - self.pools.idle_s
-        while self.idle and not fresh:
-            up = self.idle.pop()
-            if (up.idle_since < deadline or up.transport is None
-                    or up.transport.is_closing()):
-                up.close()  # about to be closed by the child: do not send into it
-                continue
-            up.state = UpState.LEASED
-            self.leased.add(up)
-            if CHECK:
-                self.check()
-            return up
-        if self.cap is not None and len(self.leased) + self.opening >= self.cap:
+        while True:
+            deadline = asyncio.get_running_loop().time() - self.pools.idle_s
+            while self.idle and not fresh:
+                up = self.idle.pop()
+                if up.idle_since < deadline or not up.usable:
+                    up.close()  # about to be closed by the child: do not send into it
+                    continue
+                up.state = UpState.LEASED
+                self.leased.add(up)
+                if CHECK:
+                    self.check()
+                return up
+            if self.cap is None or len(self.leased) + self.opening < self.cap:
+                return await self._open()
             handed = await self._wait_turn()
-            if handed is not None and not fresh:
+            if handed is None:
+                return await self._open()  # room to open one
+            if handed.state is not UpState.LEASED:
+                continue  # the child closed it on its way here
+            if not handed.usable:
+                handed.close()
+            elif not fresh:
                 return handed
-            if handed is not None:  # a fresh one was asked for: this one goes on
+            else:  # a fresh one was asked for: this one goes to the next in line
                 self.give_back(handed)
-                if len(self.leased) + self.opening >= self.cap:
-                    return await self.lease(fresh)
-        return await self._open()
 
     async def _wait_turn(self) -> Upstream | None:
         """Wait at the cap: a connection handed over, or None (room to open one)."""
