@@ -214,7 +214,7 @@ class Exchange:
                                        route.pool_cap if route else None)
                 late = route.first_byte_timeout_s if route else None
                 self.may_replay = replays < MAX_REPLAYS
-                await self.forward(pool, NOT_FORWARDED, late)
+                await self.forward(pool, NOT_FORWARDED, late, grant.upstream_key)
             finally:
                 front.shares.release(scheduler, share)
             if self.late is not None:
@@ -243,13 +243,15 @@ class Exchange:
         return share
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
-                      first_byte_timeout_s: float | None) -> None:
-        """Send the request on a pooled connection and stream the answer back. Returns in
-        phase DONE, or in FORWARDING when the child went away before answering and
-        `may_replay` (then `broke` says why)."""
+                      first_byte_timeout_s: float | None, key: str | None = None) -> None:
+        """Send the request on a pooled connection and stream the answer back (with `key`,
+        the child's own: R8). Returns in phase DONE, or in WAITING or FORWARDING when the
+        child went away before answering and `may_replay` (then `broke` says why)."""
         req = self.req
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
+        if key is not None:  # the client's own key is in `drop`: it never reaches a child
+            head.append(b"Authorization: Bearer " + key.encode())
         head.append(b"Content-Length: %d" % len(req.body))
         data = b"\r\n".join(head) + b"\r\n\r\n" + req.body
         loop = asyncio.get_running_loop()
