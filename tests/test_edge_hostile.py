@@ -7,6 +7,7 @@ client gets belongs to the request it sent on that connection, or is corral's ow
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import shutil
 import socket
 import subprocess
@@ -239,9 +240,10 @@ def test_an_empty_api_key_is_a_config_error(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "check-config",
                           str(cfg)], capture_output=True, text=True, timeout=30)
     assert run.returncode == 2 and "api_key: empty" in run.stderr
-    run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "serve", "--port", "0",
-                          "--api-key", ""], capture_output=True, text=True, timeout=30)
-    assert run.returncode == 2 and "command line: api_key: empty" in run.stderr
+    run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "serve", "--port", "0"],
+                         capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "CORRAL_API_KEY": ""})
+    assert run.returncode == 2 and "CORRAL_API_KEY: empty" in run.stderr
 
 
 def test_keys_in_trailers_and_duplicate_keys_are_refused(edge) -> None:
