@@ -81,6 +81,17 @@ def test_a_stopping_child_frees_its_node_and_nothing_more_is_evicted() -> None:
     assert w.placed["c"] == "node_a"
 
 
+def test_a_model_too_young_to_go_is_evicted_once_it_has_been_resident_long_enough() -> None:
+    w = NodeWorld(1, {"p": ["node_a"], "q": ["node_a"]},
+                  p=ModelRules(nodes=["node_a"], min_resident_s=10.0))
+    w.load_idle("p")
+    w.acquire(1, "q")
+    assert w.stops == []  # p is younger than its min_resident_s
+    w.now += 10
+    w.fire_timers()
+    assert w.stops == [("p", "lru")]
+
+
 def test_a_node_at_its_cap_with_busy_models_makes_requests_wait_and_says_why() -> None:
     rules = ModelRules(nodes=["node_a"], queue_timeout_s=5.0)
     w = NodeWorld(1, {"p": ["node_a"], "q": ["node_a"]}, q=rules)

@@ -260,6 +260,13 @@ class Rules:
         rec.waiting_for = choice.why if choice.verdict == "wait" else None
         if choice.victim is not None:
             self._stop(choice.victim, "lru", rec.name, now)
+        elif choice.verdict == "wait":  # an idle model too young to go: wake when it is not
+            young = [until for r in self.models.values()
+                     if r.node in (rec.rules.nodes or []) and self._evictable(r)
+                     and (until := self._resident_until(r)) > now]
+            if young and (self.wake_at is None or min(young) < self.wake_at):
+                self.wake_at = min(young)
+                self._out.append(Later(self.wake_at - now, Repump()))
         if choice.verdict != "refuse":
             return False
         self._refuse_entry(rec.name, 503, f"model '{rec.name}' cannot be started: "
