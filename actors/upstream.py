@@ -56,11 +56,12 @@ class Broke(enum.Enum):
     """A reused connection ended before a byte of the answer came back: the child had
     closed it (the keep-alive race). Sent again at once, on a fresh connection."""
     GONE = "gone"
-    """A fresh connection failed before a byte of the answer came back (refused, reset):
-    the child may have exited. Sent again to its next instance, if there is one."""
+    """The connection was refused or ended before the final answer's head (on a fresh
+    connection, or after bytes of an interim answer): the child may have exited. Sent
+    again to its next instance, if there is one, never to this child."""
     ANSWERED = "answered"
-    """Bytes of an answer came (or a malformed one): the child has the request; never
-    sent again."""
+    """The child answered, badly (malformed, 101, a head over the limit): never sent
+    again."""
     SILENT = "silent"
     """The child sent nothing for upstream_idle_timeout_s in the middle of its answer."""
 
@@ -115,6 +116,8 @@ class Upstream(asyncio.Protocol):
         """Bytes read before the answer's head was whole (bounded: R6)."""
         self.streamed = False
         """The answer is chunked (a stream): some children close after those."""
+        self.after_stream = False
+        """The answer before the current one on this connection was a stream."""
         self.last_read = 0.0
         """When the child last sent something (loop time), for the silence timeout."""
 
@@ -127,6 +130,7 @@ class Upstream(asyncio.Protocol):
         self.head_only = head_only
         self.headers = []
         self.head_seen = self.finished = self.extra = self.close_delimited = False
+        self.after_stream = self.streamed  # what the answer before this one was
         self.keep_alive = self.received = self.streamed = False
         self.head_bytes = 0
         self.last_read = asyncio.get_running_loop().time()
@@ -166,7 +170,7 @@ class Upstream(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
         if sink is not None:
-            sink.upstream_broke(reason, Broke.ANSWERED if self.received else Broke.GONE)
+            sink.upstream_broke(reason, Broke.GONE)
 
     def check_silence(self, now: float, timeout_s: float) -> None:
         """Cut an answer whose child has sent nothing for `timeout_s` since its head (a
@@ -206,10 +210,8 @@ class Upstream(asyncio.Protocol):
             sink.response_done()  # the close is how this answer ends
             return
         why = str(exc) if exc else "the child closed the connection"
-        if self.received:
-            sink.upstream_broke(why, Broke.ANSWERED)
-        elif self.reused:
-            if self.streamed:  # what the last answer on it was
+        if self.reused and not self.received:
+            if self.after_stream:
                 self.pool.closes_after_streams()
             sink.upstream_broke(why, Broke.UNSENT)
         else:

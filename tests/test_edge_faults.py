@@ -131,6 +131,11 @@ def test_a_client_that_leaves_while_its_child_works_is_noticed(edge) -> None:
     wait_until(lambda: edge.models()["odd"]["in_flight"] == 1, 5, "forwarded")
     raw.close()  # a plain close: FIN, not RST
     in_flight_zero(edge)
+    raw = Raw(edge.port).request("POST", "/v1/completions", {"model": "odd"}, version="1.0",
+                                 headers={"x-odd": "silent", "x-request-id": "left10"})
+    wait_until(lambda: edge.models()["odd"]["in_flight"] == 1, 5, "forwarded")
+    raw.close()  # HTTP/1.0 knows no interim answer to probe it with: its EOF is its leave
+    in_flight_zero(edge)
     raw = Raw(edge.port).request("POST", "/v1/chat/completions",
                                  {"model": "fake", "max_tokens": 150})  # 3 s of tokens
     wait_until(lambda: edge.models()["fake"]["in_flight"] == 1, 20, "forwarded")
