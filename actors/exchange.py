@@ -53,7 +53,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("corral.front")
 
 MAX_REPLAYS = 2
-"""How many next instances a request whose child went away may be sent to."""
+"""How many next instances a request whose child went away with it may be sent to."""
+MAX_INSTANCES = 6
+"""How many instances a request may try in all: those that could not be reached (they
+never had it) do not count as replays, but a limit there must be."""
 RETRY_POLLS = 200
 RETRY_POLL_S = 0.01
 """A request whose child went away waits up to 2 s for the Scheduler to see the exit (it
@@ -90,8 +93,8 @@ class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
     __slots__ = ("broke", "broke_kind", "chunked", "conn", "done", "first_at", "head_only",
-                 "keep_alive", "late", "may_replay", "out", "phase", "req", "sse", "status",
-                 "task", "upstream", "what")
+                 "keep_alive", "late", "may_replay", "may_retry", "out", "phase", "req", "sse",
+                 "status", "task", "upstream", "what")
 
     def __init__(self, conn: Connection, req: Request) -> None:
         self.conn = conn
@@ -121,8 +124,10 @@ class Exchange:
         request may be sent again (`broke_kind` says where)."""
         self.broke_kind: Broke | None = None
         self.may_replay = False
-        """Whether a child that goes away before answering hands the request on to the
-        model's next instance instead of answering 502."""
+        """Whether a child that goes away with the request before answering hands it on to
+        the model's next instance instead of answering 502."""
+        self.may_retry = False
+        """Whether a child that cannot be reached hands the request on (`Broke.REFUSED`)."""
         self.task = asyncio.get_running_loop().create_task(self.run())
 
     def is_event_stream(self) -> bool:
@@ -195,7 +200,8 @@ class Exchange:
         routes = front.routes
         scheduler = front.scheduler()
         gone: int | None = None  # the generation that went away before answering
-        for replays in range(MAX_REPLAYS + 1):
+        replays = 0  # instances that went away with the request sent to them
+        for tries in range(MAX_INSTANCES):
             share = await front.shares.acquire(scheduler, model, autoload)
             if gone is not None:
                 share = await self._next_instance(share, gone)
@@ -205,7 +211,9 @@ class Exchange:
             grant = share.grant
             if grant.generation == gone:  # its child is still there: it may have the request
                 front.shares.release(scheduler, share)
-                self.answer(Answer(502, f"{self.what} is unreachable: {self.broke}"))
+                self.answer(Answer(502, f"{self.what} is unreachable: {self.broke} (its "
+                                   "child is still running, so the request is not sent "
+                                   "again)"))
                 return
             try:
                 route = routes.models.get(grant.model)
@@ -213,7 +221,8 @@ class Exchange:
                 pool = front.pools.get((host, int(port), f"{grant.model}#{grant.generation}"),
                                        route.pool_cap if route else None)
                 late = route.first_byte_timeout_s if route else None
-                self.may_replay = replays < MAX_REPLAYS
+                self.may_retry = tries < MAX_INSTANCES - 1
+                self.may_replay = self.may_retry and replays < MAX_REPLAYS
                 await self.forward(pool, NOT_FORWARDED, late, grant.upstream_key)
             finally:
                 front.shares.release(scheduler, share)
@@ -222,6 +231,7 @@ class Exchange:
             if self.phase is Phase.DONE:
                 return
             # Nothing of the final answer was sent: the next instance gets the request.
+            replays += self.broke_kind is Broke.GONE
             log.warning("%s#%d went away before answering (%s); sending the request to "
                         "its next instance", self.what, grant.generation, self.broke)
             gone = grant.generation
@@ -261,7 +271,7 @@ class Exchange:
             try:
                 up = await pool.lease(fresh)
             except OSError as e:
-                self._unreachable(str(e), Broke.GONE)
+                self._unreachable(str(e), Broke.REFUSED)
                 return
             self.upstream = up
             self.done = loop.create_future()
@@ -287,7 +297,8 @@ class Exchange:
         """The request's connection broke before the final answer's head: send it again
         (`forward` and `_to_model` see `broke_kind`), or answer 502."""
         self.broke, self.broke_kind = why, kind
-        if kind is Broke.UNSENT or (kind is Broke.GONE and self.may_replay):
+        if (kind is Broke.UNSENT or (kind is Broke.GONE and self.may_replay)
+                or (kind is Broke.REFUSED and self.may_retry)):
             return
         self.answer(Answer(502, f"{self.what} is unreachable: {why}"))
 

@@ -59,6 +59,9 @@ class Broke(enum.Enum):
     """The connection was refused or ended before the final answer's head (on a fresh
     connection, or after bytes of an interim answer): the child may have exited. Sent
     again to its next instance, if there is one, never to this child."""
+    REFUSED = "refused"
+    """No connection could be made (refused, or closed as it opened): the child never had
+    the request. Sent to its next instance, not counted as a replay (the exchange's)."""
     ANSWERED = "answered"
     """The child answered, badly (malformed, 101, a head over the limit): never sent
     again."""

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import signal
 import time
 from collections import Counter
@@ -45,11 +46,17 @@ def kill_random_child(pid: int, rng: random.Random) -> bool:
     return True
 
 
+def kind_of(error: str | None) -> str:
+    """An error message with its numbers, names and ports blanked, to count alike ones."""
+    return re.sub(r"'[^']*'|\d+", "_", error or "no HTTP answer")[:100]
+
+
 async def chaos(url: str, pid: int, models: list[str], args: argparse.Namespace,
                 ) -> dict[str, Any]:
     rng = random.Random(args.seed)
     left = args.requests
     statuses: Counter[int] = Counter()
+    errors: Counter[str] = Counter()
     wedged = 0
     kills = 0
     done = asyncio.Event()
@@ -62,6 +69,8 @@ async def chaos(url: str, pid: int, models: list[str], args: argparse.Namespace,
                 r = await asyncio.wait_for(send(s, url, crng.choice(models), max_tokens=4),
                                            ANSWER_TIMEOUT_S)
                 statuses[r.status] += 1
+                if r.status != 200:
+                    errors[f"{r.status} {kind_of(r.error)}"] += 1
             except TimeoutError:
                 wedged += 1
 
@@ -90,6 +99,7 @@ async def chaos(url: str, pid: int, models: list[str], args: argparse.Namespace,
     return {"requests": args.requests, "ok": ok, "ok_share": ok / args.requests,
             "statuses": dict(sorted(statuses.items())), "no_http_answer": statuses.get(0, 0),
             "wedged": wedged, "kills": kills, "seconds": round(took, 1),
+            "errors": dict(errors.most_common()),
             "first_after_chaos": after}
 
 
@@ -106,6 +116,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name:<13} {r['ok']:>5}/{r['requests']} ok ({r['ok_share']:.1%})  "
                   f"statuses {r['statuses']}  wedged {r['wedged']}  kills {r['kills']}  "
                   f"{r['seconds']} s; after: {firsts}", flush=True)
+            for error, n in list(r["errors"].items())[:6]:
+                print(f"{'':<13} {n:>5} x {error}", flush=True)
     return out
 
 

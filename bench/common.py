@@ -71,6 +71,14 @@ class Result:
     error: str | None = None
 
 
+def error_message(data: bytes) -> str:
+    """An error answer's message, or the start of its body."""
+    try:
+        return str(json.loads(data)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return data[:120].decode(errors="replace")
+
+
 async def send(session: aiohttp.ClientSession, url: str, model: str, *, stream: bool = False,
                max_tokens: int = 1, extra: dict[str, Any] | None = None) -> Result:
     """POST one chat completion and read the whole answer; never raises."""
@@ -92,6 +100,9 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, *, stream: 
                 ttfb = time.perf_counter() - start
                 if resp.status == 200:
                     tokens = json.loads(data).get("usage", {}).get("completion_tokens", 0)
+                else:
+                    return Result(resp.status, time.perf_counter() - start, ttfb, 0,
+                                  error_message(data))
             return Result(resp.status, time.perf_counter() - start, ttfb or 0.0, tokens)
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         return Result(0, time.perf_counter() - start, ttfb, tokens, type(e).__name__)
