@@ -44,8 +44,9 @@ from .edge import (
     sse_error_event,
 )
 from .messages import AnswerLate, Refusal
+from .pool import Pool
 from .shares import SharedGrant
-from .upstream import Broke, Pool, Upstream
+from .upstream import Broke, Upstream
 
 if TYPE_CHECKING:
     from .connection import Connection, Request

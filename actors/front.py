@@ -28,8 +28,8 @@ from .connection import Connection
 from .edge import Answer, Origins, Routes
 from .messages import Withdraw
 from .metrics import RequestTimes
+from .pool import API_TAG, Pool, Pools
 from .shares import Shares
-from .upstream import API_TAG, Pool, Pools
 
 log = logging.getLogger("corral.front")
 

@@ -1,11 +1,12 @@
-"""Connections from the front to children (and to the management API), and their pools.
+"""One connection from the front to a child (or to the management API), and its answers.
 
 Invariant: an `Upstream` is in exactly one place — its pool's idle list (IDLE), leased to
-one exchange (LEASED), or CLOSED — and `Pool.check()` asserts it. A connection goes back
-to the idle list only when its answer ended cleanly: the whole message read, the child
-willing to keep it open, no byte after it, reading not paused. Anything else closes it,
-so no answer can ever reach a request it does not belong to through a reused connection
-(issue 10: a doubled pool entry handed one client's answer to another).
+one exchange (LEASED), or CLOSED — and `Pool.check()` (actors/pool.py) asserts it. A
+connection goes back to the idle list only when its answer ended cleanly: the whole
+message read, the child willing to keep it open, no byte after it, reading not paused.
+Anything else closes it, so no answer can ever reach a request it does not belong to
+through a reused connection (issue 10: a doubled pool entry handed one client's answer to
+another).
 
 Answers are parsed strictly: 100 Continue is consumed, other 1xx answers (103 Early
 Hints) are passed on as interim answers and never end the exchange, 101 is an error, and
@@ -24,25 +25,10 @@ race), and the request is sent again at once on a fresh connection to the same c
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
-import logging
-import os
 from typing import Protocol
 
 import httptools
-
-log = logging.getLogger("corral.front")
-
-CHECK = os.environ.get("CORRAL_CHECK_INVARIANTS") == "1"
-"""Assert the pool invariant after every change (the edge's fuzz test sets it)."""
-
-API_TAG = "api"
-"""The tag of the management API's pool (its event streams may be silent for long)."""
-PoolKey = tuple[str, int, str]
-"""(host, port, tag): the tag names the process behind the port (`model#generation`), so a
-new child that gets a dead one's port never receives the dead one's connections."""
-
 
 CLOSE_AFTER_STREAM_S = 1.0
 """A connection the child closes within this of a streamed answer ending was closed
@@ -80,6 +66,19 @@ class Sink(Protocol):
     def upstream_broke(self, reason: str, kind: Broke) -> None: ...
 
 
+class Home(Protocol):
+    """What a connection tells the pool it lives in (actors/pool.py's `Pool`)."""
+
+    max_head: int
+    """Most bytes of an answer head the child may send."""
+    no_reuse_after_stream: bool
+    """The child closes after streams: a connection is not reused after one."""
+
+    def give_back(self, up: Upstream) -> None: ...
+    def remove(self, up: Upstream) -> None: ...
+    def closes_after_streams(self) -> None: ...
+
+
 class UpState(enum.Enum):
     IDLE = "idle"
     LEASED = "leased"
@@ -89,7 +88,7 @@ class UpState(enum.Enum):
 class Upstream(asyncio.Protocol):
     """One HTTP/1.1 connection to a child; parses its answers for the exchange that holds it."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Home) -> None:
         self.pool = pool
         self.state = UpState.LEASED
         """Invariant: LEASED iff in pool.leased, IDLE iff in pool.idle."""
@@ -251,11 +250,11 @@ class Upstream(asyncio.Protocol):
                 self.pool.give_back(self)
             sink.response_done()
         elif self.sink is not None:
-            if not self.head_seen and self.head_bytes > self.pool.pools.max_head:
+            if not self.head_seen and self.head_bytes > self.pool.max_head:
                 # Bounded before httptools gathers more (it appends a header arriving in
                 # pieces one piece at a time, quadratically): one read past the limit.
                 self._broke(sink, f"its answer head is over the "
-                            f"{self.pool.pools.max_head // 1024} KiB limit "
+                            f"{self.pool.max_head // 1024} KiB limit "
                             "(http.max_header_kib)")
                 return
             sink.flush()  # what this read produced goes out in one write
@@ -302,201 +301,3 @@ class Upstream(asyncio.Protocol):
         if self.head_seen and not self.finished:
             self.finished = True
             self.keep_alive = self.parser.should_keep_alive()  # only valid here
-
-
-class Pool:
-    """Connections to one child process, at most `cap` at once (None: no cap).
-
-    Beyond the cap a lease waits for a connection to come back; a connection idle for
-    `idle_s` is closed (before the child's own keep-alive timeout closes it under a
-    request that is just being sent).
-    """
-
-    def __init__(self, pools: Pools, key: PoolKey, cap: int | None) -> None:
-        self.pools = pools
-        self.key = key
-        self.cap = cap
-        self.no_reuse_after_stream = False
-        """The child was seen closing a connection after a streamed answer that said
-        keep-alive: such connections are closed by corral first, never reused."""
-        self.idle: list[Upstream] = []
-        """Most recently used last; the stalest first."""
-        self.leased: set[Upstream] = set()
-        self.opening = 0
-        self.waiters: collections.deque[asyncio.Future[Upstream | None]] = collections.deque()
-
-    @property
-    def empty(self) -> bool:
-        return not (self.idle or self.leased or self.opening or self.waiters)
-
-    def closes_after_streams(self) -> None:
-        if not self.no_reuse_after_stream:
-            self.no_reuse_after_stream = True
-            log.info("%s closes its connection after a streamed answer although it says "
-                     "keep-alive; corral no longer reuses a connection after a stream",
-                     self.key[2])
-
-    async def lease(self, fresh: bool = False) -> Upstream:
-        """A connection for one exchange: an idle one (unless `fresh`), a new one, or (at
-        the cap) the next one given back. Raises OSError if the child cannot be reached."""
-        while True:
-            deadline = asyncio.get_running_loop().time() - self.pools.idle_s
-            while self.idle and not fresh:
-                up = self.idle.pop()
-                if up.idle_since < deadline or not up.usable:
-                    up.close()  # about to be closed by the child: do not send into it
-                    continue
-                up.state = UpState.LEASED
-                self.leased.add(up)
-                if CHECK:
-                    self.check()
-                return up
-            if self.cap is None or len(self.leased) + self.opening < self.cap:
-                return await self._open()
-            handed = await self._wait_turn()
-            if handed is None:
-                return await self._open()  # room to open one
-            if handed.state is not UpState.LEASED:
-                continue  # the child closed it on its way here
-            if not handed.usable:
-                handed.close()
-            elif not fresh:
-                return handed
-            else:  # a fresh one was asked for: this one goes to the next in line
-                self.give_back(handed)
-
-    async def _wait_turn(self) -> Upstream | None:
-        """Wait at the cap: a connection handed over, or None (room to open one)."""
-        turn: asyncio.Future[Upstream | None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(turn)
-        try:
-            return await turn
-        except asyncio.CancelledError:
-            if turn in self.waiters:
-                self.waiters.remove(turn)
-            elif turn.done() and not turn.cancelled():  # handed over as we were cancelled
-                up = turn.result()
-                if up is not None:
-                    self.give_back(up)
-                else:
-                    self._wake()
-            raise
-        finally:
-            self.pools.forget_if_empty(self)
-
-    async def _open(self) -> Upstream:
-        loop = asyncio.get_running_loop()
-        host, port, _ = self.key
-        self.opening += 1
-        try:
-            _, up = await loop.create_connection(lambda: Upstream(self), host, port)
-        except BaseException:
-            self._wake()  # its place at the cap is free again: the next one tries
-            raise
-        finally:
-            self.opening -= 1
-        if up.transport is None or up.transport.is_closing():
-            raise ConnectionResetError("the connection closed as it opened")
-        self.leased.add(up)
-        return up
-
-    def give_back(self, up: Upstream) -> None:
-        """An answer ended cleanly: to the next waiter, or to the idle list."""
-        assert up.state is UpState.LEASED and up in self.leased, up.state
-        assert up.sink is None and not up.paused
-        while self.waiters:
-            turn = self.waiters.popleft()
-            if not turn.done():
-                turn.set_result(up)  # stays leased, to its new holder
-                return
-        self.leased.remove(up)
-        up.state = UpState.IDLE
-        up.idle_since = asyncio.get_running_loop().time()
-        self.idle.append(up)
-        if CHECK:
-            self.check()
-
-    def remove(self, up: Upstream) -> None:
-        """`up` is closing: forget it, and let a waiter open a connection in its place."""
-        if up.state is UpState.LEASED:
-            self.leased.discard(up)
-        elif up.state is UpState.IDLE and up in self.idle:
-            self.idle.remove(up)
-        self._wake()
-        self.pools.forget_if_empty(self)
-        if CHECK:
-            self.check()
-
-    def _wake(self) -> None:
-        while self.waiters:
-            turn = self.waiters.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
-
-    def sweep(self, now: float) -> None:
-        """Close the connections idle longer than idle_s (the stalest are first), and cut
-        answers whose child has gone silent."""
-        while self.idle and self.idle[0].idle_since < now - self.pools.idle_s:
-            self.idle[0].close()
-        silence_s = self.pools.silence_s
-        if silence_s and self.key[2] != API_TAG:
-            for up in list(self.leased):
-                up.check_silence(now, silence_s)
-
-    def abort(self, reason: str) -> None:
-        for up in [*self.idle, *self.leased]:
-            up.abort(reason)
-
-    def check(self) -> None:
-        """Assert the invariant (tests call it after every step)."""
-        assert len(set(map(id, self.idle))) == len(self.idle), "a connection is idle twice"
-        assert not (set(self.idle) & self.leased), "a connection is idle and leased"
-        for up in self.idle:
-            assert up.state is UpState.IDLE and up.sink is None
-        for up in self.leased:
-            assert up.state is UpState.LEASED
-        if self.cap is not None:
-            assert len(self.leased) <= self.cap, (len(self.leased), self.cap)
-
-
-class Pools:
-    """Every pool of the front, by child."""
-
-    def __init__(self, idle_s: float, max_head: int = 32 * 1024,
-                 silence_s: float = 0.0) -> None:
-        self.idle_s = idle_s
-        self.max_head = max_head
-        """Most bytes of an answer head a child may send (its request limit's twin)."""
-        self.silence_s = silence_s
-        """A child silent this long in the middle of an answer is cut (0: never)."""
-        self.pools: dict[PoolKey, Pool] = {}
-
-    def get(self, key: PoolKey, cap: int | None) -> Pool:
-        pool = self.pools.get(key)
-        if pool is None:
-            pool = self.pools[key] = Pool(self, key, cap)
-        return pool
-
-    def forget_if_empty(self, pool: Pool) -> None:
-        if pool.empty and self.pools.get(pool.key) is pool:
-            del self.pools[pool.key]  # the child may be gone: so is its key
-
-    def sweep(self, now: float) -> None:
-        for pool in list(self.pools.values()):
-            pool.sweep(now)
-
-    def abort(self, tag: str, reason: str) -> None:
-        """The process behind `tag` (`model#generation`) is gone: end its connections."""
-        for key, pool in list(self.pools.items()):
-            if key[2] == tag:
-                pool.abort(reason)
-
-    def close(self) -> None:
-        for pool in list(self.pools.values()):
-            for up in [*pool.idle, *pool.leased]:
-                up.close()
-
-    def check(self) -> None:
-        for pool in self.pools.values():
-            pool.check()
