@@ -112,16 +112,18 @@ class Upstream(asyncio.Protocol):
         self.answers = 0
         """Answers read whole on this connection: a request sent after one is on a reused
         connection."""
-        self.received = False
-        """A byte of the current answer has come back (the child has the request)."""
+        self.reads = 0
+        """Reads of the current answer so far (0: nothing came back yet)."""
         self.head_bytes = 0
         """Bytes read before the answer's head was whole (bounded: R6)."""
         self.streamed = False
         """The answer is chunked (a stream): some children close after those."""
         self.after_stream = False
         """The answer before the current one on this connection was a stream."""
-        self.last_read = 0.0
-        """When the child last sent something (loop time), for the silence timeout."""
+        self.reads_seen = 0
+        self.quiet_since = 0.0
+        """Since when `reads` has not moved (loop time), as the once-a-second sweep saw it:
+        a counter per read is cheaper than a clock per read."""
 
     # ------------------------------------------------------------ exchange side
 
@@ -133,9 +135,9 @@ class Upstream(asyncio.Protocol):
         self.headers = []
         self.head_seen = self.finished = self.extra = self.close_delimited = False
         self.after_stream = self.streamed  # what the answer before this one was
-        self.keep_alive = self.received = self.streamed = False
-        self.head_bytes = 0
-        self.last_read = asyncio.get_running_loop().time()
+        self.keep_alive = self.streamed = False
+        self.head_bytes = self.reads = self.reads_seen = 0
+        self.quiet_since = asyncio.get_running_loop().time()
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
 
@@ -161,7 +163,7 @@ class Upstream(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self.transport is not None and self.paused:
             self.paused = False
-            self.last_read = asyncio.get_running_loop().time()  # silence counts from here
+            self.quiet_since = asyncio.get_running_loop().time()  # silence counts from here
             self.transport.resume_reading()
 
     def abort(self, reason: str) -> None:
@@ -179,9 +181,16 @@ class Upstream(asyncio.Protocol):
         child paused for a slow client is not silent)."""
         sink = self.sink
         if (sink is not None and self.head_seen and not self.finished and not self.paused
-                and now - self.last_read >= timeout_s):
+                and self._quiet_for(now) >= timeout_s):
             self._broke(sink, f"the child sent nothing for {timeout_s:g} s in the middle of "
                         "its answer (http.upstream_idle_timeout_s)", Broke.SILENT)
+
+    def _quiet_for(self, now: float) -> float:
+        """How long no read has come (as seen by the sweeps)."""
+        if self.reads != self.reads_seen:
+            self.reads_seen = self.reads
+            self.quiet_since = now
+        return now - self.quiet_since
 
     def close(self) -> None:
         self._forget()
@@ -212,7 +221,7 @@ class Upstream(asyncio.Protocol):
             sink.response_done()  # the close is how this answer ends
             return
         why = str(exc) if exc else "the child closed the connection"
-        if self.reused and not self.received:
+        if self.reused and not self.reads:
             if self.after_stream:
                 self.pool.closes_after_streams()
             sink.upstream_broke(why, Broke.UNSENT)
@@ -224,8 +233,7 @@ class Upstream(asyncio.Protocol):
         if sink is None:  # bytes nobody asked for (an idle connection): never reuse it
             self.close()
             return
-        self.received = True
-        self.last_read = asyncio.get_running_loop().time()
+        self.reads += 1
         if not self.head_seen:
             self.head_bytes += len(data)
         try:
