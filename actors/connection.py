@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
+import socket
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -101,6 +104,12 @@ class Connection(asyncio.Protocol):
         mark): nothing new is read or started until it is (R1)."""
         self.stall_deadline = math.inf
         """When a client that takes nothing is cut (loop time; R2)."""
+        self.stall_buffer = 0
+        """Bytes waiting for the client when the stall deadline was set: fewer at the
+        deadline is progress, and the deadline starts again."""
+        self.closing = False
+        """close() was called: nothing more is started (a pipelined request behind an
+        answer that ends the connection is never run for a client that cannot get it)."""
 
     # ------------------------------------------------------------ asyncio callbacks
 
@@ -140,8 +149,6 @@ class Connection(asyncio.Protocol):
         ex = self.exchange
         if ex is not None and ex.is_event_stream():
             return False  # an endless stream for a client that is done: it has left
-        if ex is not None and ex.req.http10 and ex.phase in _BEFORE_ANSWER:
-            return False  # no interim answer can probe an HTTP/1.0 client: it has left
         self._probe(PROBE_FIRST_S)
         return True
 
@@ -177,7 +184,7 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
-        self.stall_deadline = self.loop.time() + self.front.http.write_timeout_s
+        self._stall_watch()
         self.pause_reading()
         if self.exchange is not None:
             self.exchange.pause_upstream()
@@ -274,7 +281,7 @@ class Connection(asyncio.Protocol):
                           "(http.max_url_kib)")
         if self.parser.should_upgrade():
             return Answer(400, "upgrades are not supported")
-        host = expect = origin = None
+        host = expect = origin = fetch_site = None
         length = 0
         for name, value in req.headers:
             lname = name.lower()
@@ -284,6 +291,8 @@ class Connection(asyncio.Protocol):
                 host = value
             elif lname == b"origin":
                 origin = value
+            elif lname == b"sec-fetch-site":
+                fetch_site = value
             elif lname == b"expect":
                 expect = value
             elif lname == b"content-length" and value.strip().isdigit():
@@ -293,7 +302,7 @@ class Connection(asyncio.Protocol):
         path = req.url.partition(b"?")[0]
         origins = self.front.origins
         if origins is not None and path not in _HEALTH:
-            refused = origins.check(host or b"", origin)
+            refused = origins.check(host, origin, fetch_site)
             if refused is not None:
                 return refused
         refused = check_key(req.headers, None if path in _OPEN else self.front.api_key)
@@ -329,7 +338,7 @@ class Connection(asyncio.Protocol):
 
     def next_request(self) -> None:
         """Serve the next whole request, or wait for one."""
-        while self.exchange is None and self.transport is not None:
+        while self.exchange is None and self.transport is not None and not self.closing:
             if self.write_paused:
                 return  # the last answer is not taken yet: `resume_writing` goes on (R1)
             if self.front.draining and (self.pending or self.req is not None):
@@ -408,10 +417,23 @@ class Connection(asyncio.Protocol):
         """Close once what was written is sent; cut after http.write_timeout_s if the
         client does not take it (a graceful close alone waits for it for ever: R2)."""
         self._disarm()
+        self.closing = True
+        self.pending.clear()
         if self.transport is not None:
             if self.transport.get_write_buffer_size() and self.stall_deadline == math.inf:
-                self.stall_deadline = self.loop.time() + self.front.http.write_timeout_s
+                self._stall_watch()
             self.transport.close()
+
+    def cut(self) -> None:
+        """Close at once with a reset: what the client did not take is dropped, here and
+        in the kernel (a plain close keeps sending it, for as long as the client acks)."""
+        if self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def pause_reading(self) -> None:
         if self.reading and self.transport is not None:
@@ -444,14 +466,25 @@ class Connection(asyncio.Protocol):
     def _disarm(self) -> None:
         self.deadline = math.inf
 
+    def _stall_watch(self) -> None:
+        self.stall_deadline = self.loop.time() + self.front.http.write_timeout_s
+        self.stall_buffer = (self.transport.get_write_buffer_size()
+                             if self.transport is not None else 0)
+
     def check_deadline(self, now: float) -> None:
         """Called by the Front once a second."""
         if now >= self.stall_deadline:
+            if self.transport is None:
+                return
+            left = self.transport.get_write_buffer_size()
+            if left < self.stall_buffer:  # it took some: a slow reader, not a stalled one
+                self._stall_watch()
+                return
             self.stall_deadline = math.inf
-            self.front.warn("stalled", "cut a client that took nothing of its answer for "
+            self.front.warn("stalled", f"cut a client that took none of the {left} bytes "
+                            "waiting for it in "
                             f"{self.front.http.write_timeout_s:g} s (http.write_timeout_s)")
-            if self.transport is not None:
-                self.transport.abort()
+            self.cut()
             return
         if now >= self.deadline:
             self.deadline = math.inf

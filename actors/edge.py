@@ -31,7 +31,10 @@ HOP_BY_HOP = frozenset({
 """Headers that belong to one connection: never passed on, in either direction."""
 NOT_FORWARDED = HOP_BY_HOP | {b"authorization", b"x-api-key", b"host", b"expect"}
 """Not sent to a child: the key stays with corral (R-6.2), Host and Expect are ours."""
-TO_API_DROPPED = HOP_BY_HOP | {b"host", b"expect"}
+FRONT_HEADER = b"x-corral-front"
+"""Carries the front's secret to the management API, which serves no one else (its own
+port is on loopback, where a web page could find it: R5 applies there too)."""
+TO_API_DROPPED = HOP_BY_HOP | {b"host", b"expect", FRONT_HEADER}
 """Not sent to the management API (it checks the key again itself)."""
 
 PROXIED_POST = frozenset({
@@ -154,7 +157,12 @@ class Origins:
       allowed name, so a page whose own name was rebound to 127.0.0.1 (DNS rebinding) is
       refused instead of reading /models/logs as same-origin;
     - a browser's Origin must be corral's own (the same authority as Host) or allowed, so
-      a page elsewhere cannot load, unload or run models with a "simple" POST (CSRF).
+      a page elsewhere cannot load, unload or run models with a "simple" POST (CSRF);
+    - a request a browser marks as made for another site (`Sec-Fetch-Site: cross-site` or
+      `same-site`, which an <img> or a link sends without an Origin) is refused too, or a
+      page could load a model (and evict the user's) with a GET.
+
+    An HTTP/1.0 request without a Host is let through: no browser sends one.
     """
 
     __slots__ = ("any_host", "any_origin", "hosts", "origins")
@@ -168,14 +176,24 @@ class Origins:
         self.any_origin = "*" in origins
         self.origins = frozenset(origins)
 
-    def check(self, host: bytes, origin: bytes | None) -> Answer | None:
-        """None if a request with this Host (and Origin, if any) may pass; else a 403."""
-        text = host.decode("latin-1").strip().lower()
-        if not self.any_host and not self._host_ok(_hostname(text)):
+    def check(self, host: bytes | None, origin: bytes | None,
+              fetch_site: bytes | None = None) -> Answer | None:
+        """None if a request with this Host (and Origin, Sec-Fetch-Site, if any) may pass;
+        else a 403."""
+        text = host.decode("latin-1").strip().lower() if host is not None else ""
+        if host is not None and not self.any_host and not self._host_ok(_hostname(text)):
             return Answer(403, f"Host {text!r} is not one corral serves without a key: use "
                           "an IP address or localhost, or add it to http.allowed_hosts "
                           "(a guard against DNS rebinding)", "permission_error")
-        if origin is None or self.any_origin:
+        if self.any_origin:
+            return None
+        if origin is None:
+            if fetch_site is not None and fetch_site.strip().lower() in _OTHER_SITE:
+                return Answer(403, "a request a browser made for a page of another site is "
+                              "refused without an api_key (Sec-Fetch-Site: "
+                              f"{fetch_site.decode('latin-1').strip()}); set an api_key, or "
+                              "allow that page's origin in http.allowed_origins",
+                              "permission_error")
             return None
         given = origin.decode("latin-1").strip().lower().rstrip("/")
         scheme, sep, authority = given.partition("://")
@@ -197,11 +215,15 @@ class Origins:
         return True
 
 
+_OTHER_SITE = frozenset({b"cross-site", b"same-site"})
+
+
 def _hostname(host: str) -> str:
-    """The name part of a Host value (`[::1]:8080` -> `[::1]`, `a.b:80` -> `a.b`)."""
+    """The name part of a Host value (`[::1]:8080` -> `[::1]`, `a.b.:80` -> `a.b`)."""
     if host.startswith("["):
         return host.partition("]")[0] + "]"
-    return host.rpartition(":")[0] if ":" in host else host
+    name = host.rpartition(":")[0] if ":" in host else host
+    return name[:-1] if name.endswith(".") else name
 
 
 def parse_query(query: str) -> dict[str, str]:

@@ -62,6 +62,10 @@ RETRY_POLLS = 200
 RETRY_POLL_S = 0.01
 """A request whose child went away waits up to 2 s for the Scheduler to see the exit (it
 does within a few ms of the child's end: the exit watcher's wait returns at once)."""
+ALIVE_AFTER_S = 0.25
+PROBE_TIMEOUT_S = 1.0
+"""A child whose exit the Scheduler has not seen ALIVE_AFTER_S after it dropped a request
+it had is asked whether it is still there: a connect, which may take PROBE_TIMEOUT_S."""
 CHILD_HEADERS = (b"Content-Security-Policy: sandbox", b"X-Content-Type-Options: nosniff")
 """Added to every answer relayed from a child: a child's page (a web UI, or an injection
 into one) is served from corral's origin, where the dashboard keeps its key (R13)."""
@@ -168,7 +172,8 @@ class Exchange:
         elif req.method in (b"GET", b"HEAD") and "model" in fields and path not in _OWN_GET:
             name = fields["model"] or Answer(400, "?model= is empty; name a model")
         else:
-            await self.forward(self.conn.front.api_pool(), TO_API_DROPPED, None)
+            await self.forward(self.conn.front.api_pool(), TO_API_DROPPED, None,
+                               self.conn.front.to_api)
             return
         if isinstance(name, Answer):
             self.answer(name)
@@ -200,22 +205,26 @@ class Exchange:
         front = self.conn.front
         routes = front.routes
         scheduler = front.scheduler()
-        gone: int | None = None  # the generation that went away before answering
+        gone: tuple[int, Pool] | None = None  # the child that went away before answering
         replays = 0  # instances that went away with the request sent to them
         for tries in range(MAX_INSTANCES):
-            share = await front.shares.acquire(scheduler, model, autoload)
+            found: SharedGrant | Refusal | None = await front.shares.acquire(
+                scheduler, model, autoload)
             if gone is not None:
-                share = await self._next_instance(share, gone)
-            if isinstance(share, Refusal):
-                self.answer(refusal_answer(share))
-                return
-            grant = share.grant
-            if grant.generation == gone:  # its child is still there: it may have the request
-                front.shares.release(scheduler, share)
+                found = await self._next_instance(found, *gone, autoload)
+            if found is None or (isinstance(found, SharedGrant) and gone is not None
+                                 and found.grant.generation == gone[0]):
+                if found is not None:
+                    front.shares.release(scheduler, found)
                 self.answer(Answer(502, f"{self.what} is unreachable: {self.broke} (its "
-                                   "child is still running, so the request is not sent "
-                                   "again)"))
+                                   "child is still running and may have the request, so it "
+                                   "is not sent again)"))
                 return
+            if isinstance(found, Refusal):
+                self.answer(refusal_answer(found))
+                return
+            share = found
+            grant = share.grant
             try:
                 route = routes.models.get(grant.model)
                 host, _, port = grant.base_url.rpartition("/")[2].partition(":")
@@ -224,45 +233,66 @@ class Exchange:
                 late = route.first_byte_timeout_s if route else None
                 self.may_retry = tries < MAX_INSTANCES - 1
                 self.may_replay = self.may_retry and replays < MAX_REPLAYS
-                await self.forward(pool, NOT_FORWARDED, late, grant.upstream_key)
+                key = grant.upstream_key  # a node child's own (R8); the client's is dropped
+                await self.forward(pool, NOT_FORWARDED, late,
+                                   (b"Authorization: Bearer " + key.encode(),) if key else ())
             finally:
                 front.shares.release(scheduler, share)
             if self.late is not None:
                 scheduler.tell(AnswerLate(grant.model, grant.generation, self.late))
             if self.phase is Phase.DONE:
                 return
-            # Nothing of the final answer was sent: the next instance gets the request.
+            # Nothing of the final answer was sent: the next instance gets the request,
+            # unless its child was stopped on purpose (or is still there: _next_instance).
+            refused = self._not_again(grant.generation, front.stopped.get(model, 0))
+            if refused is not None:
+                self.answer(refused)
+                return
             replays += self.broke_kind is Broke.GONE
-            log.warning("%s#%d went away before answering (%s); sending the request to "
-                        "its next instance", self.what, grant.generation, self.broke)
-            gone = grant.generation
+            log.warning("%s#%d went away before answering (%s); the request goes to its next "
+                        "instance, unless that child is still there", self.what,
+                        grant.generation, self.broke)
+            gone = (grant.generation, pool)
             if self.phase is Phase.FORWARDING:  # not when it failed as it connected
                 self._to(Phase.WAITING)
 
-    async def _next_instance(self, share: SharedGrant | Refusal,
-                             gone: int) -> SharedGrant | Refusal:
+    def _not_again(self, generation: int, stopped: int) -> Answer | None:
+        """The answer for a request whose child was stopped on purpose (unloaded, found
+        unhealthy, corral stopping) while it had it: an operator's stop is not undone by
+        a request that comes back for the model."""
+        if generation > stopped:
+            return None
+        return Answer(503, f"{self.what} was stopped while it had this request ({self.broke})"
+                      "; not sent again", headers=(("Retry-After", "1"),))
+
+    async def _next_instance(self, share: SharedGrant | Refusal | None, gone: int, pool: Pool,
+                             autoload: bool) -> SharedGrant | Refusal | None:
         """A grant that is not for generation `gone`: until the Scheduler has seen that
-        child's exit (a few ms behind the connection's end), it may still grant it. After
-        `RETRY_POLLS`, the grant for `gone` itself (its child is alive)."""
+        child's exit (a few ms behind the connection's end), it may still grant it. None
+        if that child still takes connections after ALIVE_AFTER_S though it had the
+        request; after RETRY_POLLS, the grant for that child itself."""
         front = self.conn.front
-        for _ in range(RETRY_POLLS):
-            if isinstance(share, Refusal) or share.grant.generation != gone:
+        probe_at = round(ALIVE_AFTER_S / RETRY_POLL_S) if self.broke_kind is Broke.GONE else -1
+        for poll in range(RETRY_POLLS):
+            if not isinstance(share, SharedGrant) or share.grant.generation != gone:
                 return share
             front.shares.release(front.scheduler(), share)
+            if poll == probe_at and await pool.alive(PROBE_TIMEOUT_S):
+                return None
             await asyncio.sleep(RETRY_POLL_S)
-            share = await front.shares.acquire(front.scheduler(), share.grant.model, True)
+            share = await front.shares.acquire(front.scheduler(), share.grant.model, autoload)
         return share
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
-                      first_byte_timeout_s: float | None, key: str | None = None) -> None:
-        """Send the request on a pooled connection and stream the answer back (with `key`,
-        the child's own: R8). Returns in phase DONE, or in WAITING or FORWARDING when the
-        child went away before answering and `may_replay` (then `broke` says why)."""
+                      first_byte_timeout_s: float | None, extra: tuple[bytes, ...] = ()) -> None:
+        """Send the request on a pooled connection, without the headers in `drop` and with
+        the header lines in `extra`, and stream the answer back. Returns in phase DONE, or
+        in WAITING or FORWARDING when the child went away before answering and
+        `may_replay` (then `broke` says why)."""
         req = self.req
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
-        if key is not None:  # the client's own key is in `drop`: it never reaches a child
-            head.append(b"Authorization: Bearer " + key.encode())
+        head += extra
         head.append(b"Content-Length: %d" % len(req.body))
         data = b"\r\n".join(head) + b"\r\n\r\n" + req.body
         loop = asyncio.get_running_loop()

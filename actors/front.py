@@ -25,7 +25,7 @@ from typing import Any
 
 from .config import HttpConfig
 from .connection import Connection
-from .edge import Answer, Origins, Routes
+from .edge import FRONT_HEADER, Answer, Origins, Routes
 from .messages import Withdraw
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
@@ -72,7 +72,8 @@ class Front:
     """Everything the client connections share."""
 
     def __init__(self, routes: Routes, scheduler: Callable[[], Any], api_port: int,
-                 api_key: str | None, http: HttpConfig, max_body_mib: float) -> None:
+                 api_key: str | None, http: HttpConfig, max_body_mib: float,
+                 api_secret: str = "") -> None:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
@@ -85,6 +86,11 @@ class Front:
         self.max_connections = http.max_connections or default_max_connections()
         self.pools = Pools(POOL_IDLE_S, self.limits.max_header, http.upstream_idle_timeout_s)
         self.api_address = ("127.0.0.1", api_port, API_TAG)
+        self.to_api = (FRONT_HEADER + b": " + api_secret.encode(),)
+        """What the front adds to every request it passes to the management API."""
+        self.stopped: dict[str, int] = {}
+        """Model -> the newest generation withdrawn to stop on purpose: a request its child
+        dropped is not sent on to the next instance."""
         self.origins: Origins | None = None
         """Without a key: the Host and Origin a request may carry (R5); set by `listen`."""
         self.connections: set[Connection] = set()
@@ -109,6 +115,9 @@ class Front:
         """The Scheduler: no request may join grants of this child any more; and if it is
         gone, its connections end now (a lost node's never close by themselves)."""
         self.shares.withdraw(message)
+        if not message.gone:  # it is to stop (or restart once idle): on purpose
+            self.stopped[message.model] = max(self.stopped.get(message.model, 0),
+                                              message.generation)
         if message.gone:
             self.pools.abort(f"{message.model}#{message.generation}", "the child is gone")
 

@@ -52,6 +52,19 @@ class Pool:
     def empty(self) -> bool:
         return not (self.idle or self.leased or self.opening or self.waiters)
 
+    async def alive(self, timeout_s: float) -> bool:
+        """Whether the child still accepts connections (after one broke with a request on
+        it: a live child may have that request, so it is not sent anywhere again)."""
+        host, port, _ = self.key
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await asyncio.wait_for(
+                loop.create_connection(asyncio.Protocol, host, port), timeout_s)
+        except (OSError, TimeoutError):
+            return False
+        transport.close()
+        return True
+
     def closes_after_streams(self) -> None:
         if not self.no_reuse_after_stream:
             self.no_reuse_after_stream = True

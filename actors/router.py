@@ -9,7 +9,9 @@ It decides nothing about scheduling; it asks the Scheduler through the bridge.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -96,6 +98,8 @@ class Router:
         self.stopping = False
         self.runner: web.AppRunner | None = None
         self.started = time.time()
+        self.front_secret = secrets.token_hex(16)
+        """Shown by the front on every request it passes here (edge.FRONT_HEADER)."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -133,7 +137,8 @@ class Router:
         api_port = int(self.runner.addresses[0][1])
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler, api_port,
-                           self.config.api_key, self.config.http, self.config.max_body_mib)
+                           self.config.api_key, self.config.http, self.config.max_body_mib,
+                           self.front_secret)
         self.sup.watch_grants(loop, self.front.withdraw)
         return await self.front.listen(host, port)
 
@@ -179,6 +184,10 @@ class Router:
     async def _auth(self, request: web.Request,
                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
                     ) -> web.StreamResponse:
+        if not hmac.compare_digest(request.headers.get("x-corral-front", ""),
+                                   self.front_secret):
+            return error(403, "the management API is served on corral's own port only",
+                         "permission_error")
         key = self.config.api_key
         refused = check_key(request.raw_headers,
                             None if request.path in OPEN_PATHS or key is None else key.encode())

@@ -30,6 +30,10 @@ from typing import Protocol
 
 import httptools
 
+RACE_WINDOW_S = 0.1
+"""A reused connection that ends with nothing back within this of the request's write was
+closed by the child as the request went in (the keep-alive race); later, the child may
+have had it, and it is not sent to that child again."""
 CLOSE_AFTER_STREAM_S = 1.0
 """A connection the child closes within this of a streamed answer ending was closed
 because of that answer: the child does it after every stream."""
@@ -39,8 +43,8 @@ class Broke(enum.Enum):
     """How an answer failed, which says whether the request may be sent again."""
 
     UNSENT = "unsent"
-    """A reused connection ended before a byte of the answer came back: the child had
-    closed it (the keep-alive race). Sent again at once, on a fresh connection."""
+    """A reused connection ended with nothing back within RACE_WINDOW_S of the write: the
+    child had closed it (the keep-alive race). Sent again at once, on a fresh one."""
     GONE = "gone"
     """The connection was refused or ended before the final answer's head (on a fresh
     connection, or after bytes of an interim answer): the child may have exited. Sent
@@ -121,6 +125,8 @@ class Upstream(asyncio.Protocol):
         self.after_stream = False
         """The answer before the current one on this connection was a stream."""
         self.reads_seen = 0
+        self.sent_at = 0.0
+        """When the current request was written (loop time)."""
         self.quiet_since = 0.0
         """Since when `reads` has not moved (loop time), as the once-a-second sweep saw it:
         a counter per read is cheaper than a clock per read."""
@@ -137,7 +143,7 @@ class Upstream(asyncio.Protocol):
         self.after_stream = self.streamed  # what the answer before this one was
         self.keep_alive = self.streamed = False
         self.head_bytes = self.reads = self.reads_seen = 0
-        self.quiet_since = asyncio.get_running_loop().time()
+        self.quiet_since = self.sent_at = asyncio.get_running_loop().time()
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
 
@@ -221,7 +227,8 @@ class Upstream(asyncio.Protocol):
             sink.response_done()  # the close is how this answer ends
             return
         why = str(exc) if exc else "the child closed the connection"
-        if self.reused and not self.reads:
+        if (self.reused and not self.reads
+                and asyncio.get_running_loop().time() - self.sent_at < RACE_WINDOW_S):
             if self.after_stream:
                 self.pool.closes_after_streams()
             sink.upstream_broke(why, Broke.UNSENT)

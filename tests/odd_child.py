@@ -22,6 +22,8 @@ whose answer a client got. The `x-odd` request header picks a behaviour:
     stall         an SSE head and one event, then silence with the socket open
     no-content    204 with a Content-Length (which a 204 must not have)
     html          a text/html page
+    close-late    nothing for 0.3 s (it has the request), then a close without a byte
+    big-cut       `x-size` bytes promised (default 8 MiB), half of them sent, then a close
 
 Each request is printed (`request RID on connection N`) before it is answered, so a test
 can count how often the child received it.
@@ -142,6 +144,16 @@ class Child(asyncio.Protocol):
         elif odd == "no-content":
             t.write(b"HTTP/1.1 204 No Content\r\nContent-Length: 10\r\nx-request-id: "
                     + rid.encode() + b"\r\n\r\n")
+        elif odd == "close-late":
+            await asyncio.sleep(0.3)
+            t.close()
+        elif odd == "big-cut":
+            size = int(headers.get("x-size", str(8 * 2**20)))
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                    b"Content-Length: %d\r\n\r\n" % size)
+            t.write(b"x" * (size // 2))
+            await asyncio.sleep(0.05)
+            t.close()
         elif odd == "html":
             page = b"<html><script>alert(1)</script></html>"
             t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d"

@@ -314,10 +314,13 @@ def test_a_stalled_event_reader_is_dropped_with_one_warning(caplog, monkeypatch)
         stalled.setblocking(False)
         loop = asyncio.get_running_loop()
         await loop.sock_connect(stalled, ("127.0.0.1", port))
-        await loop.sock_sendall(stalled, b"GET /models/sse HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        front = f"x-corral-front: {api.front_secret}"  # as the front passes it on
+        await loop.sock_sendall(stalled, f"GET /models/sse HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                f"{front}\r\n\r\n".encode())
         got = 0
         async with aiohttp.ClientSession() as session, \
-                session.get(f"http://127.0.0.1:{port}/models/sse") as reading:
+                session.get(f"http://127.0.0.1:{port}/models/sse",
+                            headers={"x-corral-front": api.front_secret}) as reading:
             await reading.content.readline()  # ": connected"
             await wait_for_async(lambda: len(api.sse_clients) == 2)
             i = -1

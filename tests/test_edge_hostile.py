@@ -267,10 +267,11 @@ def test_keys_in_trailers_and_duplicate_keys_are_refused(edge) -> None:
                      "Content-Length: 2\r\n\r\n{}".encode())
             answer = raw.one()
             assert answer.status == 400 and "more than one" in answer.body.decode()
-    # the management API, reached directly, applies the same rule
+    # the management API, reached directly, serves no one but the front (issue 19)
     api = int(edge.log().split("management API on 127.0.0.1:")[1].split()[0])
-    status, _, _ = request(api, "GET", "/models", headers={"Authorization": "Bearer x"})
-    assert status == 401
+    for key in ("x", KEY):
+        status, body, _ = request(api, "GET", "/models", headers={"Authorization": f"Bearer {key}"})
+        assert status == 403 and "corral's own port" in body["error"]["message"]
 
 
 # ---------------------------------------------------------------- lost or corrupted answers
