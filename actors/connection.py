@@ -1,12 +1,12 @@
 """One client connection: parsing, limits, timers, flow control, and its exchanges in order.
 
-Everything a hostile client can send is bounded before it costs anything (R-6.7): the
-header block and the URL have limits, the key and the body cap are checked when the
-headers are complete (before the body is read, before `100 Continue` is sent), a
-header block and a body must keep arriving, an idle connection is closed. One request
-is served at a time; while it runs, reading stops as soon as the next one begins, so at
-most one read's worth of pipelined bytes waits behind it, and nothing for the next
-request (an interim answer, an error) is written until the running answer is complete.
+Everything a hostile client can send is bounded before it costs anything (R-6.7): each
+request is screened when its headers are complete (actors/request.py), a header block
+and a body must keep arriving, an idle connection is closed. One request is served at a
+time; while it runs, reading stops as soon as the next one begins, so at most one read's
+worth of pipelined bytes (and MAX_PIPELINED requests) waits behind it, and nothing for
+the next request (an interim answer, an error) is written until the running answer is
+complete.
 
 What corral writes is bounded the same way (R1, R2): while the client takes none of it
 (the transport is paused for writing), no further request is read or started, so one
@@ -28,48 +28,29 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 
-from .edge import OPEN_PATHS, Answer, check_key
+from .edge import Answer
 from .exchange import Exchange, Phase
+from .request import MAX_HEADERS, Request, screen
 
 if TYPE_CHECKING:
     from .front import Front
 
 log = logging.getLogger("corral.front")
 
-_OPEN = frozenset(p.encode() for p in OPEN_PATHS)
-_HEALTH = frozenset({b"/health", b"/v1/health"})
 _BEFORE_ANSWER = frozenset({Phase.WAITING, Phase.FORWARDING})
+MAX_PIPELINED = 32
+"""Whole requests that may wait behind the running one; more are refused (503, then the
+connection closes): one read of tiny pipelined requests made thousands of them."""
+
+
+class TooManyPipelined(Exception):
+    """Raised in a parser callback to stop parsing a read's further requests."""
 PROBE_FIRST_S = 0.05
 PROBE_EVERY_S = 1.0
 """How soon, then how often, a queued request whose client sent EOF is probed."""
 LINGER_S = 2.0
 """After an early answer that closes the connection, how long the rest of the request is
 read and dropped, so the client reads the answer instead of a reset."""
-
-
-class Request:
-    """One request as parsed; `answer` is set when corral refuses it itself."""
-
-    __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "continue_sent",
-                 "headers", "headers_done", "http10", "keep_alive", "method", "url",
-                 "url_parts", "url_size", "wants_continue")
-
-    def __init__(self) -> None:
-        self.url_parts: list[bytes] = []
-        self.url_size = 0
-        self.url = b""
-        self.method = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.body_parts: list[bytes] = []
-        self.body_size = 0
-        self.body = b""
-        self.http10 = False
-        self.keep_alive = True
-        self.complete = False
-        self.answer: Answer | None = None
-        self.wants_continue = False
-        self.continue_sent = False
 
 
 class Connection(asyncio.Protocol):
@@ -107,6 +88,8 @@ class Connection(asyncio.Protocol):
         self.stall_buffer = 0
         """Bytes waiting for the client when the stall deadline was set: fewer at the
         deadline is progress, and the deadline starts again."""
+        self.probing = False
+        """A chain of `_probe` calls is running."""
         self.closing = False
         """close() was called: nothing more is started (a pipelined request behind an
         answer that ends the connection is never run for a client that cannot get it)."""
@@ -149,18 +132,23 @@ class Connection(asyncio.Protocol):
         ex = self.exchange
         if ex is not None and ex.is_event_stream():
             return False  # an endless stream for a client that is done: it has left
-        self._probe(PROBE_FIRST_S)
+        if not self.probing:
+            self.probing = True
+            self._probe(PROBE_FIRST_S)
         return True
 
     def _probe(self, next_s: float) -> None:
         """Until the answer's head is written: an interim answer, which draws a reset from
-        a client that has left (R3: the child's work is then cancelled, its grant freed)."""
+        a client that has left (R3: the child's work is then cancelled, its grant freed).
+        Started by the client's EOF, or by a pipelined request (reading stops then, so an
+        EOF would not be seen)."""
         ex = self.exchange
-        if self.transport is None or ex is None or ex.phase not in _BEFORE_ANSWER:
+        if (self.transport is None or ex is None or ex.phase not in _BEFORE_ANSWER
+                or ex.req.http10):
+            self.probing = False
             return
-        if not ex.req.http10:
-            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self.loop.call_later(next_s, self._probe, PROBE_EVERY_S)
+        self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.loop.call_later(next_s, self._probe, PROBE_EVERY_S)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
@@ -175,6 +163,11 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self.reading_done()  # what follows is not HTTP: its 400 is queued already
         except httptools.HttpParserError as e:
+            if isinstance(e.__context__, TooManyPipelined):
+                self.fail(Answer(503, f"more than {MAX_PIPELINED} pipelined requests wait "
+                                 "behind a running one; send the rest again",
+                                 headers=(("Retry-After", "1"),)))
+                return
             self.fail(Answer(400, f"malformed HTTP request: {e}"))
             return
         req = self.req
@@ -203,12 +196,17 @@ class Connection(asyncio.Protocol):
     # ------------------------------------------------------------ httptools callbacks
 
     def on_message_begin(self) -> None:
+        if self.exchange is not None and len(self.pending) >= MAX_PIPELINED:
+            raise TooManyPipelined
         self.req = Request()
         self.head_bytes = 0
         if self.exchange is None:
             self._arm(self.front.http.header_timeout_s, self._header_late)
         else:
             self.pause_reading()  # pipelined: wait for the running answer
+            if not self.probing:  # a client that leaves now is not read: ask it (R3)
+                self.loop.call_later(PROBE_EVERY_S, self._probe, PROBE_EVERY_S)
+                self.probing = True
 
     def on_url(self, url: bytes) -> None:
         req = self.req
@@ -220,7 +218,9 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         req = self.req
         assert req is not None
-        if not req.headers_done:  # after it: chunked trailers, never forwarded (finding 8)
+        # after the head: chunked trailers, never forwarded (finding 8); past MAX_HEADERS
+        # the count is all that matters (a 431)
+        if not req.headers_done and len(req.headers) <= MAX_HEADERS:
             req.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -233,7 +233,7 @@ class Connection(asyncio.Protocol):
         req.method = self.parser.get_method()
         req.http10 = self.parser.get_http_version() == "1.0"
         req.keep_alive = self.parser.should_keep_alive()
-        refused = self.screen(req)
+        refused = screen(req, self.front, self.parser.should_upgrade())
         if refused is not None:
             self.refuse(req, refused)
             return
@@ -269,53 +269,6 @@ class Connection(asyncio.Protocol):
             self.next_request()
 
     # ------------------------------------------------------------ screening
-
-    def screen(self, req: Request) -> Answer | None:
-        """What must refuse this request before its body is read (R-6.7), or None."""
-        limits = self.front.limits
-        size = req.url_size + sum(len(n) + len(v) + 4 for n, v in req.headers)
-        if size > limits.max_header:
-            return self.front.header_too_big()
-        if req.url_size > limits.max_url:
-            return Answer(414, f"URL over the {limits.max_url // 1024} KiB limit "
-                          "(http.max_url_kib)")
-        if self.parser.should_upgrade():
-            return Answer(400, "upgrades are not supported")
-        host = expect = origin = fetch_site = None
-        length = 0
-        for name, value in req.headers:
-            lname = name.lower()
-            if lname == b"host":
-                if host is not None:
-                    return Answer(400, "more than one Host header (RFC 9112 3.2); send one")
-                host = value
-            elif lname == b"origin":
-                origin = value
-            elif lname == b"sec-fetch-site":
-                fetch_site = value
-            elif lname == b"expect":
-                expect = value
-            elif lname == b"content-length" and value.strip().isdigit():
-                length = int(value)
-        if host is None and not req.http10:
-            return Answer(400, "HTTP/1.1 request without a Host header")
-        path = req.url.partition(b"?")[0]
-        origins = self.front.origins
-        if origins is not None and path not in _HEALTH:
-            refused = origins.check(host, origin, fetch_site)
-            if refused is not None:
-                return refused
-        refused = check_key(req.headers, None if path in _OPEN else self.front.api_key)
-        if refused is not None:
-            return refused
-        if length > limits.max_body:
-            return self.front.too_big()
-        if expect is not None:
-            if expect.strip().lower() != b"100-continue":
-                return Answer(417, f"unsupported expectation {expect.decode('latin-1')!r} "
-                              "(only 100-continue is)")
-            req.wants_continue = not req.http10
-        return None
 
     @property
     def busy(self) -> bool:

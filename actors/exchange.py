@@ -49,7 +49,8 @@ from .shares import SharedGrant
 from .upstream import Broke, Upstream
 
 if TYPE_CHECKING:
-    from .connection import Connection, Request
+    from .connection import Connection
+    from .request import Request
 
 log = logging.getLogger("corral.front")
 

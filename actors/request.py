@@ -1,0 +1,98 @@
+"""One request as the front parses it, and the screening it passes before its body is read.
+
+Everything a hostile client can send is bounded before it costs anything (R-6.7): the
+header block, the URL and the number of header fields have limits; Host must be one, and
+without a key it must name this machine and a browser's Origin must be corral's own (R5);
+the key and the body cap are checked from the headers, before the body is read and before
+`100 Continue` is sent.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .edge import OPEN_PATHS, Answer, check_key
+
+if TYPE_CHECKING:
+    from .front import Front
+
+MAX_HEADERS = 100
+"""Header fields a request may have (Apache's default): 32 KiB of tiny ones held 750 KiB."""
+_OPEN = frozenset(p.encode() for p in OPEN_PATHS)
+_HEALTH = frozenset({b"/health", b"/v1/health"})
+
+
+class Request:
+    """One request as parsed; `answer` is set when corral refuses it itself."""
+
+    __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "continue_sent",
+                 "headers", "headers_done", "http10", "keep_alive", "method", "url",
+                 "url_parts", "url_size", "wants_continue")
+
+    def __init__(self) -> None:
+        self.url_parts: list[bytes] = []
+        self.url_size = 0
+        self.url = b""
+        self.method = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+        self.body = b""
+        self.http10 = False
+        self.keep_alive = True
+        self.complete = False
+        self.answer: Answer | None = None
+        self.wants_continue = False
+        self.continue_sent = False
+
+
+def screen(req: Request, front: Front, upgrade: bool) -> Answer | None:
+    """What must refuse this request before its body is read (R-6.7), or None: its size,
+    its framing, who may send it (R5) and its key, whether corral can meet its Expect."""
+    limits = front.limits
+    size = req.url_size + sum(len(n) + len(v) + 4 for n, v in req.headers)
+    if size > limits.max_header:
+        return front.header_too_big()
+    if len(req.headers) > MAX_HEADERS:
+        return Answer(431, f"more than {MAX_HEADERS} header fields")
+    if req.url_size > limits.max_url:
+        return Answer(414, f"URL over the {limits.max_url // 1024} KiB limit "
+                      "(http.max_url_kib)")
+    if upgrade:
+        return Answer(400, "upgrades are not supported")
+    host = expect = origin = fetch_site = None
+    length = 0
+    for name, value in req.headers:
+        lname = name.lower()
+        if lname == b"host":
+            if host is not None:
+                return Answer(400, "more than one Host header (RFC 9112 3.2); send one")
+            host = value
+        elif lname == b"origin":
+            origin = value
+        elif lname == b"sec-fetch-site":
+            fetch_site = value
+        elif lname == b"expect":
+            expect = value
+        elif lname == b"content-length" and value.strip().isdigit():
+            length = int(value)
+    if host is None and not req.http10:
+        return Answer(400, "HTTP/1.1 request without a Host header")
+    path = req.url.partition(b"?")[0]
+    origins = front.origins
+    if origins is not None and path not in _HEALTH:
+        refused = origins.check(host, origin, fetch_site)
+        if refused is not None:
+            return refused
+    refused = check_key(req.headers, None if path in _OPEN else front.api_key)
+    if refused is not None:
+        return refused
+    if length > limits.max_body:
+        return front.too_big()
+    if expect is not None:
+        if expect.strip().lower() != b"100-continue":
+            return Answer(417, f"unsupported expectation {expect.decode('latin-1')!r} "
+                          "(only 100-continue is)")
+        req.wants_continue = not req.http10
+    return None
