@@ -6,7 +6,9 @@ connection goes back to the idle list only when its answer ended cleanly: the wh
 message read, the child willing to keep it open, no byte after it, reading not paused.
 Anything else closes it, so no answer can ever reach a request it does not belong to
 through a reused connection (issue 10: a doubled pool entry handed one client's answer to
-another).
+another). The one limit is a faulty child: an answer nobody asked for that it sends while
+the connection is idle closes it, but one it sends just after the next request went out
+on it cannot be told from that request's answer.
 
 Answers are parsed strictly: 100 Continue is consumed, other 1xx answers (103 Early
 Hints) are passed on as interim answers and never end the exchange, 101 is an error, and
