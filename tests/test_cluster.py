@@ -285,9 +285,10 @@ def test_chaos_over_two_nodes_answers_every_request(corral, ray_address: str) ->
     assert set(nodes) == set(MODELS)
     c = corral(cluster_config({m: {"cmd": fake_cmd(), "nodes": nodes[m]} for m in MODELS}, ns,
                               models_max=2), "--ray", ray_address)
-    # Loads through an agent take longer on this machine (0.4-0.9 s against 0.3 s), so
-    # more kills land on a load, whose waiters get a 503 by design.
-    chaos(c, seconds=8, min_ok=0.75)
+    # Kills land on serving children, as in tests/test_chaos.py: loads through an agent
+    # take 0.4-0.9 s on a quiet machine and up to 3 s on a busy one, where kills of any
+    # child landed mostly on loads (16 of 31 requests answered 200 with both cores busy).
+    chaos(c, seconds=8, min_ok=0.95, serving_only=True)
 
 
 @inside
