@@ -213,10 +213,7 @@ class Exchange:
                 scheduler, model, autoload)
             if gone is not None:
                 found = await self._next_instance(found, *gone, autoload)
-            if found is None or (isinstance(found, SharedGrant) and gone is not None
-                                 and found.grant.generation == gone[0]):
-                if found is not None:
-                    front.shares.release(scheduler, found)
+            if found is None:
                 self.answer(Answer(502, f"{self.what} is unreachable: {self.broke} (its "
                                    "child is still running and may have the request, so it "
                                    "is not sent again)"))
@@ -271,7 +268,7 @@ class Exchange:
         """A grant that is not for generation `gone`: until the Scheduler has seen that
         child's exit (a few ms behind the connection's end), it may still grant it. None
         if that child still takes connections after ALIVE_AFTER_S though it had the
-        request; after RETRY_POLLS, the grant for that child itself."""
+        request, or is still granted after RETRY_POLLS."""
         front = self.conn.front
         probe_at = round(ALIVE_AFTER_S / RETRY_POLL_S) if self.broke_kind is Broke.GONE else -1
         for poll in range(RETRY_POLLS):
@@ -282,6 +279,9 @@ class Exchange:
                 return None
             await asyncio.sleep(RETRY_POLL_S)
             share = await front.shares.acquire(front.scheduler(), share.grant.model, autoload)
+        if isinstance(share, SharedGrant) and share.grant.generation == gone:
+            front.shares.release(front.scheduler(), share)
+            return None
         return share
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],

@@ -118,7 +118,7 @@ class Front:
         if not message.gone:  # it is to stop (or restart once idle): on purpose
             self.stopped[message.model] = max(self.stopped.get(message.model, 0),
                                               message.generation)
-        if message.gone:
+        else:
             self.pools.abort(f"{message.model}#{message.generation}", "the child is gone")
 
     def api_pool(self) -> Pool:

@@ -41,7 +41,6 @@ class Pool:
         self.no_reuse_after_stream = False
         """The child was seen closing a connection after a streamed answer that said
         keep-alive: such connections are closed by corral first, never reused."""
-        self.max_head = pools.max_head
         self.idle: list[Upstream] = []
         """Most recently used last; the stalest first."""
         self.leased: set[Upstream] = set()
@@ -64,6 +63,10 @@ class Pool:
             return False
         transport.close()
         return True
+
+    @property
+    def max_head(self) -> int:
+        return self.pools.max_head
 
     def closes_after_streams(self) -> None:
         if not self.no_reuse_after_stream:

@@ -75,8 +75,10 @@ class Sink(Protocol):
 class Home(Protocol):
     """What a connection tells the pool it lives in (actors/pool.py's `Pool`)."""
 
-    max_head: int
-    """Most bytes of an answer head the child may send."""
+    @property
+    def max_head(self) -> int:
+        """Most bytes of an answer head the child may send."""
+
     no_reuse_after_stream: bool
     """The child closes after streams: a connection is not reused after one."""
 

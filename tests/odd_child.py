@@ -114,12 +114,7 @@ class Child(asyncio.Protocol):
         elif odd == "silent":
             return
         elif odd == "stream-close":
-            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    b"Transfer-Encoding: chunked\r\n\r\n")
-            for i in range(int(headers.get("x-events", "3"))):
-                event = b'data: {"n": %d, "id": "%s"}\n\n' % (i, rid.encode())
-                t.write(b"%x\r\n%s\r\n" % (len(event), event))
-            t.write(b"0\r\n\r\n")
+            await stream(t, rid, int(headers.get("x-events", "3")), 0.0)
             await asyncio.sleep(0.005)
             t.close()
         elif odd == "close-next":
@@ -167,15 +162,21 @@ class Child(asyncio.Protocol):
                 t.write(block)
             t.write(b"x" * (size % len(block)))
         elif odd == "slow":
-            t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    b"Transfer-Encoding: chunked\r\n\r\n")
-            for i in range(int(headers.get("x-events", "5"))):
-                event = b'data: {"n": %d, "id": "%s"}\n\n' % (i, rid.encode())
-                t.write(b"%x\r\n%s\r\n" % (len(event), event))
-                await asyncio.sleep(0.05)
-            t.write(b"0\r\n\r\n")
+            await stream(t, rid, int(headers.get("x-events", "5")), 0.05)
         else:
             t.write(plain)
+
+
+async def stream(t: asyncio.Transport, rid: str, events: int, gap_s: float) -> None:
+    """A chunked SSE answer of `events` events carrying `rid`, `gap_s` apart."""
+    t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    for i in range(events):
+        event = b'data: {"n": %d, "id": "%s"}\n\n' % (i, rid.encode())
+        t.write(b"%x\r\n%s\r\n" % (len(event), event))
+        if gap_s:
+            await asyncio.sleep(gap_s)
+    t.write(b"0\r\n\r\n")
 
 
 async def main() -> None:
