@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import shutil
 import signal
 import sys
 import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from actors import Config, ConfigError, Supervisor, demo_config, load_config
+from actors import Config, ConfigError, Supervisor, demo_config, load_config, loop
 from actors.config import check_key, parse_config, read_key_file
+from actors.http import client as http_client
+from actors.http.api import ManagementApi
 from actors.presets import llama_models
-from actors.router import Router
 
 log = logging.getLogger("corral")
 EXIT_CONFIG = 2
@@ -42,15 +39,6 @@ KEY_IN_ARGV = ("--api-key on the command line is refused: every local user can r
                f"--api-key-file FILE, or set the {KEY_ENV} environment variable")
 
 
-CLIENT_COMMANDS = {
-    "models": ("list models and their state", "corral models"),
-    "status": ("models, devices and the queue at a glance, as tables",
-               "corral status --url http://gpu-box:8080 --api-key-file ~/.corral-key"),
-    "devices": ("device memory: total, outside use, held per model", "corral devices"),
-    "load": ("load a model now (POST /models/load)", "corral load llama-8b"),
-    "unload": ("stop a model's child now (POST /models/unload)", "corral unload llama-8b"),
-    "logs": ("a model's recent output; with -f, follow it live", "corral logs llama-8b -f"),
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "or 2 naming the file, the key and the problem.",
         epilog="example:\n  corral check-config corral.toml")
     check.add_argument("file")
-    for name, (helptext, example) in CLIENT_COMMANDS.items():
+    for name, (helptext, example) in http_client.COMMANDS.items():
         cmd = sub.add_parser(name, help=helptext, formatter_class=raw,
                              description=helptext[0].upper() + helptext[1:] +
                              ", from a running corral.", epilog=f"example:\n  {example}")
@@ -209,7 +197,7 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
         return 0
     for sig in (signal.SIGINT, signal.SIGTERM):  # again, should Ray have set its own
         loop.add_signal_handler(sig, stop.set)
-    router = Router(sup, config, reload)
+    router = ManagementApi(sup, config, reload)
     async def reload_on_sighup() -> None:
         try:
             summary = await router.reload()
@@ -290,135 +278,18 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"corral: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    try:
-        import uvloop
-        return uvloop.run(serve(config, lambda: effective_config(args)))
-    except ImportError:
-        return asyncio.run(serve(config, lambda: effective_config(args)))
+    return loop.run(serve(config, lambda: effective_config(args)))
 
 
 def client(args: argparse.Namespace) -> int:
     """The management commands: talk to a running corral over HTTP."""
-    base = args.url.rstrip("/")
-    headers = {"Content-Type": "application/json"}
     try:
         key = key_given(args)
     except ConfigError as e:
         print(f"corral: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    if args.command == "logs":
-        query = urllib.parse.urlencode({"model": args.name, "follow": int(args.follow)})
-        req = urllib.request.Request(f"{base}/models/logs?{query}", headers=headers)
-        return ask(base, req, print_event_lines if args.follow else print_text,
-                   None if args.follow else 10.0)
-    if args.command in ("load", "unload"):
-        req = urllib.request.Request(f"{base}/models/{args.command}", method="POST",
-                                     data=json.dumps({"model": args.name}).encode(),
-                                     headers=headers)
-    else:
-        path = "/devices" if args.command == "devices" else "/models"
-        req = urllib.request.Request(base + path, headers=headers)
-    return ask(base, req, lambda resp: show(args, base, headers, json.load(resp)))
-
-
-def ask(base: str, req: urllib.request.Request, read: Callable[[Any], int],
-        timeout_s: float | None = 10.0) -> int:
-    """Send `req` and hand the answer to `read`; an error answer or an unreachable corral
-    is one line on stderr and status 1."""
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return read(resp)
-    except urllib.error.HTTPError as e:
-        print(f"corral: {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
-        return 1
-    except urllib.error.URLError as e:
-        print(f"corral: cannot reach {base}: {e.reason}", file=sys.stderr)
-        return 1
-
-
-def show(args: argparse.Namespace, base: str, headers: dict[str, str], data: Any) -> int:
-    if args.command in ("load", "unload"):
-        print(f"{args.command}: {args.name}: ok")
-        return 0
-    if args.command == "devices":
-        print_devices(data)
-        return 0
-    if args.command == "status":
-        return print_status(base, headers, data)
-    for model in data["data"]:
-        status = model["status"]
-        extra = f"  ({status.get('exit')})" if status.get("failed") else ""
-        print(f"{model['id']:<24} {status['value']:<9} in_flight={model['in_flight']} "
-              f"waiting={model['waiting']} memory={model['memory']['status']}{extra}")
-    return 0
-
-
-def print_text(resp: Any) -> int:
-    sys.stdout.write(resp.read().decode(errors="replace"))
-    return 0
-
-
-def print_event_lines(resp: Any) -> int:
-    """`corral logs -f`: each `data: {"line": ...}` event as a line, until the stream ends
-    (corral stopped: 0) or drops this reader (it fell behind: 1)."""
-    event = "message"
-    try:
-        for raw in resp:
-            line = raw.decode(errors="replace").rstrip("\n")
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                if event == "dropped":
-                    print(f"corral: dropped: {data['reason']} ({data['lost']} lines lost)",
-                          file=sys.stderr)
-                    return 1
-                if "error" in data:  # the stream broke off (corral's own error event)
-                    print(f"corral: {data['error'].get('message')}", file=sys.stderr)
-                    return 1
-                print(data.get("line", ""), flush=True)
-            elif not line:
-                event = "message"
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def print_status(base: str, headers: dict[str, str], models: dict[str, Any]) -> int:
-    """`corral status`: the dashboard's essentials for a terminal."""
-    rows = [("MODEL", "STATE", "IN FLIGHT", "WAITING", "DEVICES", "MEMORY", "LAST EVICTION")]
-    for m in models["data"]:
-        status = m["status"]
-        state = status["value"] + (" (failed)" if status.get("failed") else "")
-        if status.get("retry_after_s"):
-            state += f" retry in {status['retry_after_s']:.0f}s"
-        eviction = m.get("last_eviction") or {}
-        rows.append((m["id"], state, str(m["in_flight"]), str(m["waiting"]),
-                     ",".join(m.get("devices") or []) or "-", m["memory"]["status"],
-                     eviction.get("reason", "-")))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    waiting = sum(m["waiting"] for m in models["data"])
-    print(f"\nqueue: {waiting} request(s) waiting")
-    req = urllib.request.Request(base + "/devices", headers=headers)
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        print()
-        print_devices(json.load(resp))
-    return 0
-
-
-def print_devices(data: dict[str, Any]) -> None:
-    mib = 1024 * 1024
-    state = (f"on, margin {data['margin'] // mib} MiB" if data["memory_accounting"]
-             else "off (memory_margin_mib = 0)")
-    print(f"memory accounting {state}; backends: {', '.join(data['backends']) or 'none'}")
-    for d in data["devices"]:
-        held = ", ".join(f"{m} {b // mib}" for m, b in d["held"].items()) or "-"
-        print(f"{d['name']:<12} total {d['total'] // mib} MiB  external {d['external'] // mib}"
-              f"  available {d['available'] // mib}  held: {held}")
+    return http_client.run(args.url, key, args.command, getattr(args, "name", None),
+                           getattr(args, "follow", False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ The embedding API (R-7.1): build a `Config` in code (or `load_config`), start a
 
 from .config import Config, ConfigError, ModelConfig, demo_config, load_config
 from .messages import Event, Evicted, StatusChanged
-from .system import LeaseError, Supervisor
+from .supervisor import LeaseError, Supervisor
 
 __all__ = [
     "Config",

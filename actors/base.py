@@ -6,9 +6,19 @@ import logging
 import queue
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pykka
+
+M = TypeVar("M", contravariant=True)
+
+
+class Inbox(Protocol[M]):
+    """Whatever takes messages of type `M`: an actor's ref (`ActorRef.tell`), or a
+    stand-in with the same `tell` (the cluster's). Every field that holds a recipient is
+    typed with the recipient's message union, so mypy checks what is sent where."""
+
+    def tell(self, message: M) -> None: ...
 
 CrashHandler = Callable[[str, BaseException], None]
 """Called from the crashing actor's thread with its name and the exception."""
@@ -45,7 +55,7 @@ class BaseActor(pykka.ThreadingActor):
         self._on_crash(self.name, exception_value or RuntimeError("unknown failure"))
 
 
-def tell_or_drop(ref: pykka.ActorRef[Any], message: object) -> None:
+def tell_or_drop(ref: Inbox[M], message: M) -> None:
     """Tell from a helper thread; a recipient that has stopped no longer cares."""
     try:
         ref.tell(message)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 
 CHILD_HOST = "127.0.0.1"
-"""Children bind loopback only; the Router is the one door in (R-3.2)."""
+"""Children bind loopback only; the front is the one door in (R-3.2)."""
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 _SETPRIV = shutil.which("setpriv") if sys.platform == "linux" else None

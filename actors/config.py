@@ -190,7 +190,7 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
 
 
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The `[cluster]` table: corral across machines, on a Ray cluster (actors/cluster.py)."""
+    """The `[cluster]` table: corral across machines, on a Ray cluster (actors/cluster/)."""
 
     ray_address: str | None = None
     """The Ray cluster to join as a driver (`corral serve --ray ADDRESS`); None: none."""

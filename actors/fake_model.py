@@ -235,6 +235,8 @@ class FakeModel:
         return app
 
 
+# The llama child protocol (actors/llama.py), written out: this child stands in for
+# llama-server and imports nothing of corral.
 LLAMA_STATE = "cmd_child_to_router:state:"
 LLAMA_EXIT = "cmd_router_to_child:exit"
 
@@ -430,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.environ.get("CORRAL_ROLE") == "measure":
         return measure(args)
-    try:
-        import uvloop
+    try:  # actors.loop.run, written out: this child imports nothing of corral's, as a
+        import uvloop  # foreign server would not (and starts without loading the package)
         return uvloop.run(serve(args))
     except ImportError:
         return asyncio.run(serve(args))

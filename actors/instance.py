@@ -23,8 +23,8 @@ import msgspec
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
 from .config import ModelConfig
-from .edge import is_llama
 from .lifecycle import describe_exit
+from .llama import LLAMA_EXIT, LLAMA_STATE, LlamaState, is_llama, split_args
 from .messages import (
     ChildExited,
     ChildReady,
@@ -47,19 +47,8 @@ from .timers import Timers
 
 BIND_RETRIES = 3
 """A child that exits while its port is taken by someone else is respawned on a new port."""
-LLAMA_STATE = "cmd_child_to_router:state:"
-"""llama-server's child protocol: a child reports its state on stdout after this prefix..."""
-LLAMA_EXIT = "cmd_router_to_child:exit"
-"""... and leaves when the router writes this line to its stdin."""
 KILL_GRACE_S = 2.0
 """After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
-
-
-class LlamaState(msgspec.Struct, frozen=True):
-    """The JSON of a `cmd_child_to_router:state:` line."""
-
-    state: str
-    payload: Any = None
 
 
 class Phase(enum.Enum):
@@ -105,16 +94,6 @@ def placement_env(devices: list[str] | None) -> dict[str, str]:
     if cuda and len(cuda) == len(devices):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda)
     return env
-
-
-def split_args(argv: list[str], devices: list[str] | None, llama: bool) -> list[str]:
-    """A llama-server child placed on several GPUs gets `--tensor-split` as corral
-    accounted it (evenly), unless its command says how to split."""
-    if not llama or not devices or len(devices) < 2:
-        return []
-    if any(a in ("--tensor-split", "-ts") or a.startswith("--tensor-split=") for a in argv):
-        return []
-    return ["--tensor-split", ",".join("1" for _ in devices)]
 
 
 def probe_health(host: str, port: int, path: str, timeout_s: float, deliver: Any) -> None:

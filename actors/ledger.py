@@ -16,6 +16,27 @@ import msgspec
 MiB = 1024 * 1024
 
 
+# Device names. A device on corral's own machine has its backend's name (`CUDA0`, `sim0`);
+# one on a cluster node is named `NODE/DEVICE` (`node_b/CUDA0`). These three functions are
+# the only place that builds or takes apart such a name.
+
+def on_node(node: str, device: str) -> str:
+    """`device` of cluster node `node`, as the head's ledger names it."""
+    return f"{node}/{device}"
+
+
+def node_of(device: str) -> str | None:
+    """The node a device is on: `node_b/CUDA0` is on node_b; a name with no node is on
+    corral's own machine (None)."""
+    node, sep, _ = device.rpartition("/")
+    return node if sep else None
+
+
+def local_name(device: str) -> str:
+    """The name a device has on its own machine: `node_b/CUDA0` -> `CUDA0`."""
+    return device.rpartition("/")[2]
+
+
 class DeviceUse(msgspec.Struct, frozen=True, kw_only=True):
     """One row of a measurement, in bytes."""
 

@@ -37,7 +37,7 @@ class Grant(Message, frozen=True):
     generation: int
     base_url: str
     shareable: bool = True
-    """Other requests may join it (actors/shares.py); not with a max_concurrency, where
+    """Other requests may join it (actors/http/shares.py); not with a max_concurrency, where
     the Scheduler must count each request."""
     upstream_key: str | None = None
     """The key the child requires (a child on a cluster node: issue 19, R8): sent to it as
@@ -57,14 +57,9 @@ class Done(Message, frozen=True):
     """Scheduler -> caller: a management command was accepted."""
 
 
-BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-             120.0, 300.0, 600.0)
-"""Histogram bucket bounds in seconds (queue waits, loads)."""
-
-
 class HistogramView(msgspec.Struct, frozen=True):
     """A histogram as counted so far: `counts[i]` observations in bucket i (the last one
-    is +Inf), not cumulative; `sum` of every observation."""
+    is +Inf; bounds in histogram.BUCKETS_S), not cumulative; `sum` of every observation."""
 
     counts: list[int]
     sum: float
@@ -214,7 +209,7 @@ class ModelMemory(Event, frozen=True, tag="model_memory"):
 
 
 class Acquire(Message, frozen=True):
-    """Router/lease -> Scheduler: serve one request for `model`; `ticket` gets the answer.
+    """Front/lease -> Scheduler: serve one request for `model`; `ticket` gets the answer.
 
     The ticket also names the request in the Release or Cancel that follows.
     """
@@ -225,9 +220,9 @@ class Acquire(Message, frozen=True):
 
 
 class Release(Message, frozen=True):
-    """Router/lease -> Scheduler: the request holding `ticket` has finished.
+    """Front/lease -> Scheduler: the request holding `ticket` has finished.
 
-    `shared`: other requests joined the grant (actors/shares.py), so the model was in use
+    `shared`: other requests joined the grant (actors/http/shares.py), so the model was in use
     until now, not only since the grant.
     """
 
@@ -236,33 +231,33 @@ class Release(Message, frozen=True):
 
 
 class Cancel(Message, frozen=True):
-    """Router/lease -> Scheduler: the client of `ticket` went away (a release if granted)."""
+    """Front/lease -> Scheduler: the client of `ticket` went away (a release if granted)."""
 
     ticket: Reply
 
 
 class LoadModel(Message, frozen=True):
-    """Router -> Scheduler: load `model` now (POST /models/load)."""
+    """API -> Scheduler: load `model` now (POST /models/load)."""
 
     model: str
     reply: Reply
 
 
 class UnloadModel(Message, frozen=True):
-    """Router -> Scheduler: stop `model` now (POST /models/unload)."""
+    """API -> Scheduler: stop `model` now (POST /models/unload)."""
 
     model: str
     reply: Reply
 
 
 class GetModels(Message, frozen=True):
-    """Router -> Scheduler: answer with a ModelsSnapshot."""
+    """API -> Scheduler: answer with a ModelsSnapshot."""
 
     reply: Reply
 
 
 class Ping(Message, frozen=True):
-    """Router -> Scheduler: answer Alive (GET /health)."""
+    """API -> Scheduler: answer Alive (GET /health)."""
 
     reply: Reply
 
@@ -432,7 +427,7 @@ class ReloadSummary(Message, frozen=True):
 
 
 class GetDevices(Message, frozen=True):
-    """Router -> Scheduler: answer with a DevicesSnapshot."""
+    """API -> Scheduler: answer with a DevicesSnapshot."""
 
     reply: Reply
 

@@ -56,7 +56,7 @@ from .messages import (
     Withdraw,
 )
 from .policy import Policy
-from .records import Answer, Effect, Later, Learned, Measure, Publish, Spawn, Stop, Track
+from .policy.records import Answer, Effect, Later, Learned, Measure, Publish, Spawn, Stop, Track
 from .timers import Timers
 
 

@@ -38,7 +38,7 @@ from actors.config import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.messages import DeviceReport, Grant, Refusal, Repump, TtlDue, WaitDue
 from actors.policy import Policy
-from actors.records import Answer, Later, Spawn, Stop
+from actors.policy.records import Answer, Later, Spawn, Stop
 from bench.common import machine, pct, write_json
 
 GiB = 1 << 30

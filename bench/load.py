@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from actors import loop
 from bench.common import Result, machine, send, session, summary_ms, write_json
 
 
@@ -150,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    try:
-        import uvloop
-        result = uvloop.run(run(args))
-    except ImportError:
-        result = asyncio.run(run(args))
+    result = loop.run(run(args))
     print_report(result)
     params = {k: v for k, v in vars(args).items() if k not in ("json", "api_key")}
     write_json(args.json, {"bench": "load", "machine": machine(), "params": params,

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from actors import loop
 from bench.common import (
     FAKE,
     Corral,
@@ -258,9 +259,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(coro: Any) -> Any:
-    try:
-        import uvloop
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
+_run = loop.run

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors import Config, Supervisor
+from actors import Config, Supervisor, loop
 from actors.bridge import LoopReply
 from actors.messages import Ping
 from actors.policy import Policy
@@ -108,16 +108,16 @@ async def round_trips(n: int, concurrency: int) -> dict[str, Any]:
 def scrape_cost(n_models: int, scrapes: int = 20) -> float:
     """CPU ms to render GET /metrics from a snapshot of `n_models` models, each loaded,
     with queue-wait and load-time histograms, evictions and refusals."""
+    from actors.histogram import Histogram, observe
+    from actors.http.metrics import render
     from actors.messages import DevicesSnapshot, DeviceView
-    from actors.metrics import render
-    from actors.records import Histogram
 
     p, _, _, _ = build(n_models, 0)
     rng = random.Random(3)
     for name in p.models:
         for table in (p.stats.queue_wait, p.stats.load_time):
             for _ in range(5):
-                p.stats.observe(table, name, rng.uniform(0.001, 30))
+                observe(table, name, rng.uniform(0.001, 30))
         p.stats.refusals[(name, "queue_full")] = 1
         p.stats.evictions[(name, "lru")] = 2
     assert isinstance(p.stats.queue_wait[next(iter(p.models))], Histogram)
@@ -150,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         curve.append({"models": n_models, "waiters": n_waiters, "decisions_per_s": rate,
                       "us_per_decision": 1e6 / rate})
         print(f"{n_models:>7} {n_waiters:>8} {rate:>12,.0f} {1e6 / rate:>12.1f}")
-    try:
-        import uvloop
-        rt = uvloop.run(round_trips(args.round_trips, 64))
-    except ImportError:
-        rt = asyncio.run(round_trips(args.round_trips, 64))
+    rt = loop.run(round_trips(args.round_trips, 64))
     seq = rt["sequential_ms"]
     print(f"actor round trip (Ping -> Scheduler -> LoopReply): p50 {seq['p50'] * 1e3:.0f} us, "
           f"p99 {seq['p99'] * 1e3:.0f} us, CPU {rt['sequential_cpu_us']:.0f} us each; "

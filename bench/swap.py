@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from actors import loop
 from actors.childproc import pick_port
 from bench.common import (
     FAKE,
@@ -154,14 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", metavar="BIN")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    try:
-        import uvloop
-        runner: Any = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    result = runner(fake_runs(args))
+    result = loop.run(fake_runs(args))
     if args.llama_server:
-        result.update(runner(llama_runs(args)))
+        result.update(loop.run(llama_runs(args)))
     write_json(args.json, {"bench": "swap", "machine": machine(),
                            "params": {"runs": args.runs, "llama_server": args.llama_server},
                            **result})

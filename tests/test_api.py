@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from actors import router as router_module
 from actors.config import Config
-from actors.router import Router
+from actors.http import api as api_module
+from actors.http.api import ManagementApi
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config
 
 
@@ -300,12 +300,12 @@ def test_a_stalled_event_reader_is_dropped_with_one_warning(caplog, monkeypatch)
     """Issue 19, R13: a /models/sse reader that stops reading used to cost one warning per
     event it missed. Now, once it is SSE_BACKLOG events behind, its stream ends with
     `event: dropped` and one warning; a reader that keeps up gets every event."""
-    monkeypatch.setattr(router_module, "SSE_BACKLOG", 20)
-    caplog.set_level(logging.WARNING, logger="corral.router")
+    monkeypatch.setattr(api_module, "SSE_BACKLOG", 20)
+    caplog.set_level(logging.WARNING, logger="corral.api")
     pad = "p" * (64 << 10)  # 64 KiB an event: the socket buffers fill after a few
 
     async def main() -> bytes:
-        api = Router(None, Config())  # type: ignore[arg-type]  # events need no supervisor
+        api = ManagementApi(None, Config())  # type: ignore[arg-type]  # events need no supervisor
         runner = web.AppRunner(api.app(), handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -347,7 +347,7 @@ def test_a_stalled_event_reader_is_dropped_with_one_warning(caplog, monkeypatch)
     assert re.search(rb'event: dropped\ndata: \{"lost":21,"reason":"this reader fell 20 '
                      rb'events behind; reconnect, and read GET /models for the state now"\}'
                      rb'\n\n\r\n0\r\n\r\n$', tail), tail[-300:]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "corral.router"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "corral.api"]
     assert warnings == ["an SSE client fell 20 events behind (it reads too slowly or not at "
                         "all); its stream ends with `event: dropped` (a dashboard "
                         "reconnects by itself)"]

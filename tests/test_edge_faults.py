@@ -395,7 +395,7 @@ def test_the_write_timeout_counts_progress_not_pauses() -> None:
     import asyncio
 
     from actors.config import HttpConfig
-    from actors.connection import Connection
+    from actors.http.connection import Connection
 
     class Transport:
         def __init__(self) -> None:

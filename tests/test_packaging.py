@@ -12,4 +12,4 @@ def test_every_package_and_the_dashboard_are_in_the_distribution() -> None:
     found = sorted(".".join(p.parent.relative_to(ROOT).parts)
                    for p in (ROOT / "actors").rglob("__init__.py"))
     assert sorted(project["packages"]) == found  # a subpackage left out breaks the install
-    assert "ui.html" in project["package-data"]["actors"]
+    assert "ui.html" in project["package-data"]["actors.http"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from actors.config import ModelRules
 from actors.ledger import DeviceSample
 from actors.messages import DeviceReport, Evicted, Grant
-from actors.records import Effect, Publish, Spawn, Track
+from actors.policy.records import Effect, Publish, Spawn, Track
 from tests.test_policy import World
 from tests.test_policy_memory import GiB, need
 
@@ -208,7 +208,7 @@ def test_memory_on_its_way_back_is_waited_for_rather_than_evicting_more() -> Non
 
 
 def test_a_llama_server_child_on_two_gpus_is_split_as_accounted() -> None:
-    from actors.instance import split_args
+    from actors.llama import split_args
 
     argv = ["llama-server", "-m", "x.gguf"]
     assert split_args(argv, ["CUDA0", "CUDA1"], llama=True) == ["--tensor-split", "1,1"]

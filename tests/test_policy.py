@@ -18,7 +18,7 @@ from actors.messages import (
     Withdraw,
 )
 from actors.policy import Policy
-from actors.records import Answer, Effect, Later, Publish, Spawn, Stop
+from actors.policy.records import Answer, Effect, Later, Publish, Spawn, Stop
 
 
 class World:

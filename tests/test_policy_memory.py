@@ -10,7 +10,7 @@ from actors.config import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.lifecycle import ModelState
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
-from actors.records import Effect, Learned, Measure, Publish, Spawn, Track
+from actors.policy.records import Effect, Learned, Measure, Publish, Spawn, Track
 from tests.test_policy import World
 
 GiB = 1024**3

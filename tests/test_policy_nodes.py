@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from actors.config import ModelRules
 from actors.messages import Grant, Refusal
 from actors.policy import Policy
-from actors.records import Effect, Spawn, Stop
+from actors.policy.records import Effect, Spawn, Stop
 from tests.test_policy import World
 
 BOTH = ["node_a", "node_b"]

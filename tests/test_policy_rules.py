@@ -10,7 +10,7 @@ import pytest
 from actors.config import ModelRules
 from actors.messages import Grant, Refusal, StatusChanged
 from actors.policy import Policy
-from actors.records import Publish
+from actors.policy.records import Publish
 from tests.test_policy import World
 
 
@@ -217,7 +217,7 @@ def test_status_events_carry_the_backoff() -> None:
 def test_a_raising_event_subscriber_does_not_take_the_scheduler_down(caplog) -> None:
     from actors.config import Config, ModelConfig
     from actors.messages import Event
-    from actors.records import Publish as Pub
+    from actors.policy.records import Publish as Pub
     from actors.scheduler import Scheduler
 
     config = Config(models={"a": ModelConfig(cmd=["true"])})

@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 from actors.config import ModelRules
 from actors.lifecycle import ModelState
 from actors.messages import Grant
-from actors.records import Answer, Effect, Spawn
+from actors.policy.records import Answer, Effect, Spawn
 from tests.test_placement import GpuWorld
 from tests.test_policy_memory import GiB, MemWorld, need
 

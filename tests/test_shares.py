@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from actors.bridge import Fanout
+from actors.http.shares import Shares
 from actors.messages import Acquire, Cancel, Release, Withdraw
 from actors.policy import Policy
-from actors.records import Answer
-from actors.shares import Shares
+from actors.policy.records import Answer
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
 

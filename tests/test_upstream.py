@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from actors.childproc import pick_port
-from actors.pool import Pools
-from actors.upstream import Broke
+from actors.http.pool import Pools
+from actors.http.upstream import Broke
 
 
 def test_at_the_cap_a_failed_open_wakes_the_next_lease() -> None:

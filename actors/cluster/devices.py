@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..ledger import DeviceSample
+from ..ledger import DeviceSample, on_node
 from ..messages import (
     DeviceReport,
     DevicesReported,
@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from .head import Cluster
 
 
-def on_node(node: str, report: DeviceReport) -> DeviceReport:
+def report_on_node(node: str, report: DeviceReport) -> DeviceReport:
     """A node's report with its devices named `node/device`."""
     def named(device: str) -> str:
-        return f"{node}/{device}"
+        return on_node(node, device)
     return DeviceReport(
         devices=[msgspec.structs.replace(d, name=named(d.name)) for d in report.devices],
         managed={named(d): n for d, n in report.managed.items()},
@@ -79,12 +79,12 @@ class DeviceHub:
             if node in self.reports:
                 return
         self._update(node, DeviceReport(
-            devices=[DeviceSample(f"{node}/unreachable", "device", 0, 0, "cluster")],
+            devices=[DeviceSample(on_node(node, "unreachable"), "device", 0, 0, "cluster")],
             managed={}, usage={}, tracked=[], backends=[], ready=[]))
 
     def reported(self, node: str, report: DeviceReport) -> None:
         self.reported_at[node] = time.time()
-        self._update(node, on_node(node, report))
+        self._update(node, report_on_node(node, report))
 
     def lost(self, node: str) -> None:
         with self.lock:

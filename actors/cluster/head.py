@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..childproc import LogRing
 from ..config import Config, ModelConfig
-from ..ledger import Breakdown
+from ..ledger import Breakdown, local_name, node_of, on_node
 from ..messages import (
     DevicesReported,
     InstanceAdopted,
@@ -29,7 +29,6 @@ from ..messages import (
     StartInstance,
     StopInstance,
 )
-from ..policy.memory import node_of
 from .agent import NodeAgent
 from .devices import DeviceHub
 from .join import Waker, join
@@ -75,7 +74,7 @@ class RemoteInstance:
                 # The child requires the head's key; its InstanceReady brings it back
                 # to the Scheduler, which puts it in each grant (R8).
                 self.cluster.send(self.node, self.name, StartInstance(
-                    generation, config, [d.rpartition("/")[2] for d in devices]
+                    generation, config, [local_name(d) for d in devices]
                     if devices else None, key=self.cluster.key))
             case StopInstance(generation=generation, reason="shutdown") if (
                     self.cluster.config.cluster.keep_on_exit and self.node is not None
@@ -113,13 +112,14 @@ class RemoteInstance:
         """The Supervisor stops its actors at the end; there is no local one here."""
 
 
-def renamed(figures: Breakdown | None, prefix: str, strip: bool = False) -> Breakdown | None:
-    """`figures` with each row's device named `prefix + name` (or with `prefix` taken off)."""
+def renamed(figures: Breakdown | None, node: str, local: bool = False) -> Breakdown | None:
+    """`figures` with each row's device named as on `node` in the head's ledger (or, with
+    `local`, as on the node itself)."""
     if figures is None:
         return None
     return Breakdown(figures.n_ctx, [
-        msgspec.structs.replace(row, name=row.name.removeprefix(prefix) if strip
-                                else prefix + row.name) for row in figures.devices])
+        msgspec.structs.replace(row, name=local_name(row.name) if local
+                                else on_node(node, row.name)) for row in figures.devices])
 
 
 class MeasureRouter:
@@ -140,7 +140,7 @@ class MeasureRouter:
             node = remote.node
             if node is not None:
                 self.cluster.send(node, message.model, msgspec.structs.replace(
-                    message, figures=renamed(message.figures, f"{node}/", strip=True)))
+                    message, figures=renamed(message.figures, node, local=True)))
             return
         up = [n for n in message.config.nodes or [] if self.cluster.links[n].state == "up"]
         if up:
@@ -335,7 +335,7 @@ class Cluster:
             if why is None and remote is not None and remote.adopt(r.generation, node):
                 log.info("node %s: adopting %s#%d (pid %d, port %d)", node, r.model,
                          r.generation, r.pid, r.port)
-                devices = [f"{node}/{d}" for d in r.devices] if r.devices else None
+                devices = [on_node(node, d) for d in r.devices] if r.devices else None
                 self.scheduler.tell(InstanceAdopted(r.model, r.generation, r.pid, host, r.port,
                                                     devices, node, r.key))
                 continue
@@ -389,8 +389,8 @@ class Cluster:
                 self.instances[message.model].exited(node, message.generation)
             if isinstance(message, Measured):  # the node's devices, by their cluster names
                 message = msgspec.structs.replace(
-                    message, min=renamed(message.min, f"{node}/"),
-                    max=renamed(message.max, f"{node}/"))
+                    message, min=renamed(message.min, node),
+                    max=renamed(message.max, node))
             try:
                 self.scheduler.tell(message)
             except pykka.ActorDeadError:

@@ -9,7 +9,8 @@ import logging
 from typing import Any
 
 from ..config import ModelRules
-from ..ledger import Breakdown
+from ..histogram import observe
+from ..ledger import Breakdown, node_of
 from ..lifecycle import ModelState
 from ..messages import (
     DeviceReport,
@@ -18,7 +19,7 @@ from ..messages import (
     StatusChanged,
     Withdraw,
 )
-from ..records import (
+from .records import (
     Effect,
     Later,
     Measure,
@@ -27,7 +28,6 @@ from ..records import (
     Stop,
     Track,
 )
-from .memory import node_of
 from .rules import Rules
 
 log = logging.getLogger("corral.scheduler")
@@ -64,7 +64,7 @@ class Children(Rules):
         rec.upstream_key = upstream_key
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
-        self.stats.observe(self.stats.load_time, model, now - rec.state_since)
+        observe(self.stats.load_time, model, now - rec.state_since)
         rec.info, rec.progress = info, None
         rec.failed = False
         rec.ready_at = rec.last_used = now

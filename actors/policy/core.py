@@ -6,7 +6,7 @@ methods one message at a time and executes the effects they return. Nothing here
 I/O, reads a clock or sleeps; the time comes in as an argument, and a timer is an effect
 (`Later`) whose message comes back as an event, so tests drive it all synchronously.
 
-Requests are named by their *ticket*, any hashable the caller chose (the Router uses the
+Requests are named by their *ticket*, any hashable the caller chose (the front uses the
 reply object itself); the policy never looks inside one. The parts it composes:
 
     queue.RequestQueue   who waits for which model, and since when
@@ -31,13 +31,13 @@ from ..messages import (
     TtlDue,
     WaitDue,
 )
-from ..records import (
+from .children import Children
+from .queue import Waiter
+from .records import (
     Answer,
     Effect,
     Later,
 )
-from .children import Children
-from .queue import Waiter
 
 log = logging.getLogger("corral.scheduler")
 

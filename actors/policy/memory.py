@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..ledger import Breakdown, DeviceUse, Ledger, MiB
+from ..ledger import Breakdown, DeviceUse, Ledger, MiB, node_of
 from ..lifecycle import ModelState
 from ..messages import DeviceReport, DevicesSnapshot, DeviceView, ModelMemory, Shortfall
-from ..records import Effect, Learned, Measure, ModelRecord, Publish
 from .nodes import NodeSlots
+from .records import Effect, Learned, Measure, ModelRecord, Publish
 
 log = logging.getLogger("corral.scheduler")
 
@@ -34,13 +34,6 @@ class Plan:
     """Where it goes, when corral places it (R-5.9)."""
     fits_once_freed: bool = False
     """It fits once the children already stopping have given their memory back."""
-
-
-def node_of(device: str) -> str | None:
-    """The node a device is on: `node_b/CUDA0` is on node_b; a name with no node is on
-    corral's own machine (None)."""
-    node, sep, _ = device.rpartition("/")
-    return node if sep else None
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..lifecycle import ModelState
-from ..records import ModelRecord
+from .records import ModelRecord
 
 S = ModelState
 

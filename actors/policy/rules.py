@@ -11,7 +11,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from ..config import ModelRules
-from ..ledger import MiB
+from ..histogram import observe
+from ..ledger import MiB, node_of
 from ..lifecycle import ModelState, check_transition
 from ..messages import (
     Evicted,
@@ -26,7 +27,12 @@ from ..messages import (
     TtlDue,
     Withdraw,
 )
-from ..records import (
+from . import views
+from .breaker import Breaker
+from .memory import Memory
+from .nodes import NodeSlots
+from .queue import QueueEntry, RequestQueue
+from .records import (
     Answer,
     Effect,
     Later,
@@ -37,11 +43,6 @@ from ..records import (
     Stats,
     Stop,
 )
-from . import views
-from .breaker import Breaker
-from .memory import Memory, node_of
-from .nodes import NodeSlots
-from .queue import QueueEntry, RequestQueue
 from .victims import Victims
 
 log = logging.getLogger("corral.scheduler")
@@ -314,7 +315,7 @@ class Rules:
             waiter = self.queue.take(ticket)
             self.stats.queue_waits += 1
             self.stats.queue_wait_s += now - waiter.queued_at
-            self.stats.observe(self.stats.queue_wait, rec.name, now - waiter.queued_at)
+            observe(self.stats.queue_wait, rec.name, now - waiter.queued_at)
             self._grant(ticket, rec, now)
         self.queue.close_if_empty(rec.name)
 

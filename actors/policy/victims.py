@@ -12,7 +12,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 
-from ..records import ModelRecord
+from .records import ModelRecord
 
 SLACK = 8
 """Offers tolerated beyond two per model before a rebuild."""

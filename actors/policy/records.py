@@ -4,19 +4,19 @@ the effects its policy returns. Plain data: the rules that change it live in pol
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from .config import ModelRules
-from .ledger import Breakdown, MemoryInfo, MemoryStatus
-from .lifecycle import ModelState
-from .messages import BUCKETS_S, Done, Event, Evicted, Grant, HistogramView, Refusal, Withdraw
+from ..config import ModelRules
+from ..histogram import Histogram
+from ..ledger import Breakdown, MemoryInfo, MemoryStatus
+from ..lifecycle import ModelState
+from ..messages import Done, Event, Evicted, Grant, Refusal, Withdraw
 
 if TYPE_CHECKING:
-    from .policy.breaker import Breaker
+    from .breaker import Breaker
 
 S = ModelState
 
@@ -170,21 +170,6 @@ class ModelRecord:
 
 
 @dataclass
-class Histogram:
-    """Observations in BUCKETS_S buckets (the last is +Inf)."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS_S, value)] += 1
-        self.total += value
-
-    def view(self) -> HistogramView:
-        return HistogramView(list(self.counts), self.total)
-
-
-@dataclass
 class Stats:
     """Counters since start, for GET /metrics."""
 
@@ -202,8 +187,4 @@ class Stats:
     load_time: dict[str, Histogram] = field(default_factory=dict)
     """Model -> spawn to ready, for the loads that succeeded."""
 
-    def observe(self, table: dict[str, Histogram], model: str, value: float) -> None:
-        hist = table.get(model)
-        if hist is None:
-            hist = table[model] = Histogram()
-        hist.observe(value)
+

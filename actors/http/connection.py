@@ -1,7 +1,7 @@
 """One client connection: parsing, limits, timers, flow control, and its exchanges in order.
 
 Everything a hostile client can send is bounded before it costs anything (R-6.7): each
-request is screened when its headers are complete (actors/request.py), a header block
+request is screened when its headers are complete (request.py), a header block
 and a body must keep arriving, an idle connection is closed. One request is served at a
 time; while it runs, reading stops as soon as the next one begins, so at most one read's
 worth of pipelined bytes (and MAX_PIPELINED requests) waits behind it, and nothing for

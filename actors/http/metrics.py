@@ -22,8 +22,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from .messages import BUCKETS_S, DevicesSnapshot, HistogramView, ModelsSnapshot
-from .records import Histogram
+from ..histogram import BUCKETS_S, Histogram, observe
+from ..messages import DevicesSnapshot, HistogramView, ModelsSnapshot
 
 
 @dataclass
@@ -36,11 +36,8 @@ class RequestTimes:
 
     def observe(self, model: str, status: int, first_byte_s: float, duration_s: float) -> None:
         key = (model, f"{status // 100}xx")
-        for table, value in ((self.first_byte, first_byte_s), (self.duration, duration_s)):
-            hist = table.get(key)
-            if hist is None:
-                hist = table[key] = Histogram()
-            hist.observe(value)
+        observe(self.first_byte, key, first_byte_s)
+        observe(self.duration, key, duration_s)
 
 
 STATES = ("unloaded", "loading", "loaded", "sleeping", "stopping")

@@ -1,6 +1,6 @@
-"""Router: corral's HTTP side — the front on the public port, the management API behind it.
+"""The management API: corral's own endpoints, behind the front.
 
-The front (actors/front.py) serves the port and proxies every request that names a model.
+The front (front.py) serves the port and proxies every request that names a model.
 This module is the management API (aiohttp, on an internal loopback port that only the
 front talks to): health, the model list, load and unload, events, logs, metrics, devices.
 It decides nothing about scheduling; it asks the Scheduler through the bridge.
@@ -20,21 +20,11 @@ import msgspec
 import pykka
 from aiohttp import web
 
-from . import dashboard
-from .bridge import LoopReply
-from .childproc import LogRing
-from .config import Config, ConfigError
-from .edge import (
-    JSON_DEPTH_LIMIT,
-    OPEN_PATHS,
-    Answer,
-    Routes,
-    check_key,
-    error_body,
-    refusal_answer,
-)
-from .front import Front
-from .messages import (
+from ..bridge import LoopReply
+from ..childproc import LogRing
+from ..config import Config, ConfigError
+from ..ledger import node_of
+from ..messages import (
     Alive,
     DevicesSnapshot,
     Done,
@@ -49,12 +39,22 @@ from .messages import (
     ReloadSummary,
     UnloadModel,
 )
+from ..supervisor import Supervisor
+from . import dashboard
+from .edge import (
+    JSON_DEPTH_LIMIT,
+    OPEN_PATHS,
+    Answer,
+    Routes,
+    check_key,
+    error_body,
+    refusal_answer,
+)
+from .front import Front
 from .metrics import render
-from .policy.memory import node_of
 from .shares import Shares
-from .system import Supervisor
 
-log = logging.getLogger("corral.router")
+log = logging.getLogger("corral.api")
 
 PING = b": ping\n\n"
 """What an event stream with nothing to say for http.event_ping_s writes: proxies keep
@@ -82,8 +82,8 @@ def answer_response(answer: Answer) -> web.Response:
                  dict(answer.headers) or None)
 
 
-class Router:
-    """The front and the management API of one Supervisor."""
+class ManagementApi:
+    """The management API of one Supervisor, and the front it starts on corral's port."""
 
     def __init__(self, supervisor: Supervisor, config: Config,
                  reloader: Callable[[], Config] | None = None) -> None:
@@ -266,7 +266,7 @@ class Router:
         return view.in_flight + self._shares().extra.get(view.name, 0)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
-        """Prometheus exposition (R-6.3, actors/metrics.py); with ?model= the front
+        """Prometheus exposition (R-6.3, metrics.py); with ?model= the front
         proxies the child's own."""
         snap = await self._ask(GetModels)
         assert isinstance(snap, ModelsSnapshot)

@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .config import HttpConfig
+from ..config import HttpConfig
+from ..messages import Withdraw
 from .connection import Connection
 from .edge import FRONT_HEADER, Answer, Origins, Routes
-from .messages import Withdraw
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .shares import Shares

@@ -11,16 +11,15 @@ import hmac
 import http
 import ipaddress
 import math
-import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
 import msgspec
 
-from .config import Config
-from .messages import Refusal
+from ..config import Config
+from ..llama import is_llama, llama_pool_cap
+from ..messages import Refusal
 
 Headers = Sequence[tuple[bytes, bytes]]
 
@@ -296,44 +295,3 @@ class Routes(msgspec.Struct, frozen=True):
                                    m.first_byte_timeout_s)
                   for name, m in config.models.items()}
         return cls(config.resolve_aliases(), models, config.autoload)
-
-
-def is_llama(cmd: Sequence[str], health: str) -> bool:
-    """A child that runs llama-server (its connections are capped: `llama_pool_cap`)."""
-    return health == "llama" or Path(cmd[0]).name == "llama-server"
-
-
-LLAMA_NP_AUTO = 4
-"""llama-server's `-np` when not given (server.cpp: auto means 4 slots)."""
-
-
-def llama_pool_cap(argv: Sequence[str], cpus: int | None = None) -> int:
-    """How many connections corral keeps open to one llama-server child at most.
-
-    llama-server (cpp-httplib) holds one HTTP thread per open connection until it has been
-    idle 5 s, and has `--threads-http` of them (default max(np + 4, cpus - 1)). A pool that
-    opened one more than that left requests waiting 5.4 s for a thread (issue 10); two
-    threads stay free for corral's health polls and other clients.
-    """
-    def flag(*names: str) -> int | None:
-        for i, arg in enumerate(argv):
-            for name in names:
-                if arg == name and i + 1 < len(argv):
-                    value = argv[i + 1]
-                elif arg.startswith(name + "="):
-                    value = arg.split("=", 1)[1]
-                else:
-                    continue
-                try:
-                    return int(value)
-                except ValueError:
-                    return None
-        return None
-
-    threads = flag("--threads-http")
-    if threads is None or threads < 1:
-        np = flag("-np", "--parallel")
-        if np is None or np < 1:
-            np = LLAMA_NP_AUTO
-        threads = max(np + 4, (cpus or os.cpu_count() or 1) - 1)
-    return max(1, threads - 2)

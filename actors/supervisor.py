@@ -39,7 +39,7 @@ log = logging.getLogger("corral")
 
 
 class LeaseError(Exception):
-    """A lease was refused; `status` is the HTTP status the Router would have answered."""
+    """A lease was refused; `status` is the HTTP status the front would have answered."""
 
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(refusal.message)
@@ -83,7 +83,7 @@ class Supervisor:
         self.measurer: Any = None
         self.instances: dict[str, Any] = {}
         self.cluster: Any = None
-        """With [cluster] ray_address: the links to the Ray nodes (actors/cluster.py)."""
+        """With [cluster] ray_address: the links to the Ray nodes (actors/cluster/)."""
 
     def _crash(self, actor: str, error: BaseException) -> None:
         if self.crashed.is_set():

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .bridge import LoopReply, acquire
-from .messages import Grant, Refusal, Release, Withdraw
+from ..bridge import LoopReply, acquire
+from ..messages import Grant, Refusal, Release, Withdraw
 
 
 class SharedGrant:

@@ -1,7 +1,7 @@
 """One connection from the front to a child (or to the management API), and its answers.
 
 Invariant: an `Upstream` is in exactly one place — its pool's idle list (IDLE), leased to
-one exchange (LEASED), or CLOSED — and `Pool.check()` (actors/pool.py) asserts it. A
+one exchange (LEASED), or CLOSED — and `Pool.check()` (pool.py) asserts it. A
 connection goes back to the idle list only when its answer ended cleanly: the whole
 message read, the child willing to keep it open, no byte after it, reading not paused.
 Anything else closes it, so no answer can ever reach a request it does not belong to
@@ -73,7 +73,7 @@ class Sink(Protocol):
 
 
 class Home(Protocol):
-    """What a connection tells the pool it lives in (actors/pool.py's `Pool`)."""
+    """What a connection tells the pool it lives in (pool.py's `Pool`)."""
 
     @property
     def max_head(self) -> int:

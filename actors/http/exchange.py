@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import pykka
 
+from ..messages import AnswerLate, Refusal
 from .edge import (
     HOP_BY_HOP,
     NOT_FORWARDED,
@@ -43,7 +44,6 @@ from .edge import (
     refusal_answer,
     sse_error_event,
 )
-from .messages import AnswerLate, Refusal
 from .pool import Pool
 from .shares import SharedGrant
 from .upstream import Broke, Upstream

@@ -1,0 +1,34 @@
+"""corral's HTTP side: the front on the public port, the management API behind it, and the
+`corral` command's client.
+
+One event loop (uvloop) runs all of it; nothing here decides scheduling. A request that
+names a model asks the Scheduler for a grant through the bridge (`actors/bridge.py`) and is
+then streamed to and from the child; everything else goes to the management API.
+
+| concern                                          | type                     | file          |
+|--------------------------------------------------|--------------------------|---------------|
+| the port: accept, limits, drain, what all share  | `Front`                  | front.py      |
+| one client connection: parse, screen, flow       | `Connection`             | connection.py |
+| screening a request before its body is read      | `Request`, `screen`      | request.py    |
+| one request and its answer, in phases            | `Exchange`               | exchange.py   |
+| what an exchange may use, what it writes to      | `Services`, `Client`     | exchange.py   |
+| joining a busy model's grant                     | `Shares`, `SharedGrant`  | shares.py     |
+| connections to one child; all pools              | `Pool`, `Pools`          | pool.py       |
+| one connection to a child and its answers        | `Upstream`, `Broke`      | upstream.py   |
+| the rules both servers share; the routing table  | `Routes`, `Answer`, ...  | edge.py       |
+| corral's own endpoints (aiohttp, loopback only)  | `ManagementApi`          | api.py        |
+| /metrics and the front's request times           | `render`, `RequestTimes` | metrics.py    |
+| the dashboard page                               | `page`, `ui.html`        | dashboard.py  |
+| the CLI's management commands                    | `run`, `COMMANDS`        | client.py     |
+
+Conventions that cross files:
+
+- Objects are handed what they use, never their parent: a `Connection` gets its `Front`'s
+  parts, an `Exchange` gets `Services` and a `Client` (uvicorn's `RequestResponseCycle`).
+- An answer to a request goes out once, through its exchange; a connection to a child is
+  in exactly one place (idle, leased, closed: upstream.py's invariant).
+- The management API is reached only through the front, which proves itself with
+  `edge.FRONT_HEADER` on every request it passes on.
+- Everything a client can send is bounded before it costs anything (R-6.7): request.py
+  for the head, connection.py for the body, pipelining and writes.
+"""

@@ -1,0 +1,77 @@
+"""llama-server as corral's child: its router protocol and its quirks, in one place.
+
+llama.cpp's router mode starts `llama-server` children that report their state on stdout
+and leave when told on stdin; corral speaks the same protocol (R-3.3), and keeps the
+connection cap and argument rules that llama-server needs here too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+LLAMA_STATE = "cmd_child_to_router:state:"
+"""llama-server's child protocol: a child reports its state on stdout after this prefix..."""
+LLAMA_EXIT = "cmd_router_to_child:exit"
+"""... and leaves when the router writes this line to its stdin."""
+
+class LlamaState(msgspec.Struct, frozen=True):
+    """The JSON of a `cmd_child_to_router:state:` line."""
+
+    state: str
+    payload: Any = None
+
+
+def is_llama(cmd: Sequence[str], health: str) -> bool:
+    """A child that runs llama-server (its connections are capped: `llama_pool_cap`)."""
+    return health == "llama" or Path(cmd[0]).name == "llama-server"
+
+
+LLAMA_NP_AUTO = 4
+"""llama-server's `-np` when not given (server.cpp: auto means 4 slots)."""
+
+
+def llama_pool_cap(argv: Sequence[str], cpus: int | None = None) -> int:
+    """How many connections corral keeps open to one llama-server child at most.
+
+    llama-server (cpp-httplib) holds one HTTP thread per open connection until it has been
+    idle 5 s, and has `--threads-http` of them (default max(np + 4, cpus - 1)). A pool that
+    opened one more than that left requests waiting 5.4 s for a thread (issue 10); two
+    threads stay free for corral's health polls and other clients.
+    """
+    def flag(*names: str) -> int | None:
+        for i, arg in enumerate(argv):
+            for name in names:
+                if arg == name and i + 1 < len(argv):
+                    value = argv[i + 1]
+                elif arg.startswith(name + "="):
+                    value = arg.split("=", 1)[1]
+                else:
+                    continue
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
+
+    threads = flag("--threads-http")
+    if threads is None or threads < 1:
+        np = flag("-np", "--parallel")
+        if np is None or np < 1:
+            np = LLAMA_NP_AUTO
+        threads = max(np + 4, (cpus or os.cpu_count() or 1) - 1)
+    return max(1, threads - 2)
+
+
+def split_args(argv: list[str], devices: list[str] | None, llama: bool) -> list[str]:
+    """A llama-server child placed on several GPUs gets `--tensor-split` as corral
+    accounted it (evenly), unless its command says how to split."""
+    if not llama or not devices or len(devices) < 2:
+        return []
+    if any(a in ("--tensor-split", "-ts") or a.startswith("--tensor-split=") for a in argv):
+        return []
+    return ["--tensor-split", ",".join("1" for _ in devices)]
