@@ -105,7 +105,7 @@ class Scheduler(BaseActor):
             case GetModels(reply=reply):
                 reply.send(p.snapshot(now))
             case Ping(reply=reply):
-                reply.send(Alive(running=p.running_count(), queue_depth=len(p.queue)))
+                reply.send(Alive(running=p.running_count(), queue_depth=len(p.state.queue)))
             case TtlDue(model=model, generation=gen):
                 self._run(p.ttl_due(model, gen, now))
             case WaitDue(ticket=ticket):
@@ -113,7 +113,7 @@ class Scheduler(BaseActor):
             case Repump():
                 self._run(p.repump(now))
             case Unhealthy(model=model, generation=gen, detail=detail):
-                self._run(p.instance_unhealthy(model, gen, detail, now))
+                self._run(p.children.instance_unhealthy(model, gen, detail, now))
             case AnswerLate(model=model, generation=gen, detail=detail):
                 if model in self.instances:
                     self.instances[model].tell(LivenessMiss(gen, detail))
@@ -127,38 +127,38 @@ class Scheduler(BaseActor):
                 for track in self.early_tracks:
                     monitor.tell(track)
                 self.early_tracks.clear()
-                self._run(p.start_measuring())
+                self._run(p.children.start_measuring())
                 for name in self.startup_loads:
                     self._run(p.load(None, name, now))
             case InstanceStarted(model=model, generation=gen, pid=pid):
-                self._run(p.instance_started(model, gen, pid))
+                self._run(p.children.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
                                host=host, upstream_key=key):
                 url = f"http://{host}:{port}"
-                self._run(p.instance_ready(model, gen, pid, url, now, info, key))
+                self._run(p.children.instance_ready(model, gen, pid, url, now, info, key))
             case InstanceAdopted(model=model, generation=gen, pid=pid, host=host, port=port,
                                  devices=devices, node=node, upstream_key=key):
-                self._run(p.instance_adopted(model, gen, pid, f"http://{host}:{port}",
+                self._run(p.children.instance_adopted(model, gen, pid, f"http://{host}:{port}",
                                              devices, now, node, key))
             case NodeChanged(node=node, up=up, why=why):
-                self._run(p.node_changed(node, up, why, now))
+                self._run(p.children.node_changed(node, up, why, now))
             case InstanceSeen(model=model, generation=gen):
-                p.instance_seen(model, gen)
+                p.children.instance_seen(model, gen)
             case InstanceReported(model=model, generation=gen, state=state, payload=payload):
-                self._run(p.instance_reported(model, gen, state, payload, now))
+                self._run(p.children.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
-                self._run(p.instance_exited(model, gen, rc, desc, now))
+                self._run(p.children.instance_exited(model, gen, rc, desc, now))
             case Reconfigure(models=models, instances=instances, reply=reply):
                 self.reconfigure(models, instances, reply, now)
             case GetDevices(reply=reply):
-                reply.send(p.devices_snapshot())
+                reply.send(p.children.devices_snapshot())
             case MeasureStarted(model=model):
-                self._run(p.measure_started(model))
+                self._run(p.children.measure_started(model))
             case Measured(model=model, result=result, min=min_, max=max_, error=error):
-                self._run(p.measured(model, result == "measured", min_, max_, now, error,
+                self._run(p.children.measured(model, result == "measured", min_, max_, now, error,
                                      at_load=result == "at_load"))
             case DevicesReported(report=report):
-                self._run(p.devices_reported(report, now))
+                self._run(p.children.devices_reported(report, now))
             case Shutdown(reply=reply):
                 self.shutdown_replies.append(reply)
                 self._run(p.shutdown(now))
@@ -177,7 +177,7 @@ class Scheduler(BaseActor):
         removed = [n for n in old if n not in models]
         changed = [n for n in models if n in old and models[n] != old[n]]
         rules = self.config.rules_of
-        effects, restarted = self.policy.reconfigure(
+        effects, restarted = self.policy.children.reconfigure(
             {n: rules(models[n]) for n in added}, removed,
             {n: rules(models[n]) for n in changed}, now)
         self._run(effects)

@@ -128,7 +128,7 @@ class PolicySim:
         self._report()
         for name, gib in world.sizes.items():
             need = Breakdown(4096, [DeviceUse(kind="device", name="n0/g0", model=int(gib * GiB))])
-            self._call(self.p.measured, name, True, need, need, 0.0)
+            self._call(self.p.children.measured, name, True, need, need, 0.0)
 
     def _at(self, t: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
@@ -170,7 +170,7 @@ class PolicySim:
         samples = [DeviceSample(d, "device", total, total - used.get(d, 0), "sim")
                    for d in self.world.devices()]
         tracked = sorted(self.used)
-        self._call(self.p.devices_reported, DeviceReport(
+        self._call(self.p.children.devices_reported, DeviceReport(
             devices=samples, managed=used, usage={m: dict(u) for m, u in self.used.items()},
             tracked=tracked, backends=["sim"], ready=sorted(self.ready)), self.now)
 
@@ -188,14 +188,15 @@ class PolicySim:
             elif kind == "ready":
                 model, generation = payload
                 self.ready.add(model)
-                self._call(self.p.instance_ready, model, generation, 1, "http://sim:1",
+                self._call(self.p.children.instance_ready, model, generation, 1, "http://sim:1",
                            self.now)
                 self._report()
             elif kind == "exited":
                 model, generation = payload
                 self.used.pop(model, None)
                 self.ready.discard(model)
-                self._call(self.p.instance_exited, model, generation, 0, "stopped", self.now)
+                self._call(self.p.children.instance_exited, model, generation, 0, "stopped",
+                           self.now)
                 self._report()
             elif kind == "timer":
                 match payload:

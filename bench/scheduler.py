@@ -41,14 +41,14 @@ def build(n_models: int, n_waiters: int, seed: int = 0) -> tuple[Policy, list[st
         p.add_model(name, 0.0)
     for i, name in enumerate(names[:running]):
         p.acquire(("hold", name), name, float(i))
-        p.instance_ready(name, 1, 1000 + i, f"http://127.0.0.1:{10000 + i}", float(i))
+        p.children.instance_ready(name, 1, 1000 + i, f"http://127.0.0.1:{10000 + i}", float(i))
     idle = names[running:]
     waiting: list[object] = []
     for i in range(n_waiters):
         ticket = ("w", i)
         p.acquire(ticket, rng.choice(idle), 1.0)
         waiting.append(ticket)
-    assert len(p.queue) == n_waiters, "every waiter must still be waiting"
+    assert len(p.state.queue) == n_waiters, "every waiter must still be waiting"
     return p, names[:running], idle, waiting
 
 
@@ -72,7 +72,7 @@ def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0) -> f
             p.release(ticket, now)
         done += 2
     took = time.perf_counter() - start
-    assert len(p.queue) == n_waiters
+    assert len(p.state.queue) == n_waiters
     return done / took
 
 
@@ -114,17 +114,17 @@ def scrape_cost(n_models: int, scrapes: int = 20) -> float:
 
     p, _, _, _ = build(n_models, 0)
     rng = random.Random(3)
-    for name in p.models:
-        for table in (p.stats.queue_wait, p.stats.load_time):
+    for name in p.state.models:
+        for table in (p.state.stats.queue_wait, p.state.stats.load_time):
             for _ in range(5):
                 observe(table, name, rng.uniform(0.001, 30))
-        p.stats.refusals[(name, "queue_full")] = 1
-        p.stats.evictions[(name, "lru")] = 2
-    assert isinstance(p.stats.queue_wait[next(iter(p.models))], Histogram)
+        p.state.stats.refusals[(name, "queue_full")] = 1
+        p.state.stats.evictions[(name, "lru")] = 2
+    assert isinstance(p.state.stats.queue_wait[next(iter(p.state.models))], Histogram)
     snap = p.snapshot(10.0)
     devices = DevicesSnapshot(True, 1 << 30, False, ["simulated"], [
         DeviceView(f"gpu{i}", "device", 80 << 30, 40 << 30, 0,
-                   {m: 1 << 30 for m in list(p.models)[i::8]}, 40 << 30) for i in range(8)])
+                   {m: 1 << 30 for m in list(p.state.models)[i::8]}, 40 << 30) for i in range(8)])
     start = time.process_time()
     for _ in range(scrapes):
         render(snap, devices, 0, {}, None)

@@ -32,7 +32,7 @@ class GpuWorld(World):
         self.evicted: list[Evicted] = []
         self.report()
         for n, gib in sizes.items():  # measured on gpu0, as a measure child happens to
-            self.run(self.p.measured(n, True, need(gib), need(gib), 0.0))
+            self.run(self.p.children.measured(n, True, need(gib), need(gib), 0.0))
 
     def run(self, effects: list[Effect]) -> list[Effect]:
         for e in effects:
@@ -61,7 +61,7 @@ class GpuWorld(World):
                                 "simulated") for d in self.gpus]
         usage = {m: dict(self.actual.get(m, {})) for m in self.tracked}
         managed = {d: sum(u.get(d, 0) for u in usage.values()) for d in self.gpus}
-        self.run(self.p.devices_reported(DeviceReport(
+        self.run(self.p.children.devices_reported(DeviceReport(
             devices=samples, managed=managed, usage=usage, tracked=sorted(self.tracked),
             backends=["simulated"]), self.tick()))
 
@@ -77,7 +77,7 @@ def test_a_model_goes_to_the_gpu_where_it_fits_without_evicting() -> None:
     assert w.placed == {"a": ["gpu0"], "b": ["gpu1"]} and w.stops == []
     view = {v.name: v for v in w.p.snapshot(w.now).models}
     assert view["a"].devices == ["gpu0"] and view["b"].devices == ["gpu1"]
-    assert w.p.ledger.held == {"a": {"gpu0": 6 * GiB}, "b": {"gpu1": 6 * GiB}}
+    assert w.p.state.ledger.held == {"a": {"gpu0": 6 * GiB}, "b": {"gpu1": 6 * GiB}}
 
 
 def test_when_every_gpu_is_full_it_evicts_where_the_idle_models_are_least_recent() -> None:
@@ -115,7 +115,7 @@ def test_a_model_over_two_gpus_is_split_over_both() -> None:
     w = GpuWorld({"a": 12}, rules={"a": ModelRules(devices_per_instance=2)})
     w.acquire(1, "a")
     assert w.placed == {"a": ["gpu0", "gpu1"]}
-    assert w.p.ledger.held["a"] == {"gpu0": 6 * GiB, "gpu1": 6 * GiB}
+    assert w.p.state.ledger.held["a"] == {"gpu0": 6 * GiB, "gpu1": 6 * GiB}
     w.ready("a")
     assert isinstance(w.answers[1], Grant)
 
@@ -244,7 +244,7 @@ def test_a_device_that_reports_no_memory_takes_nothing() -> None:
     w = GpuWorld({"a": 6, "b": 6}, rules={"a": ModelRules(nodes=["node_a", "node_b"]),
                                           "b": ModelRules(nodes=["node_b"])},
                  gpus=NODE_GPUS)
-    w.p.devices_reported(DeviceReport(
+    w.p.children.devices_reported(DeviceReport(
         devices=[DeviceSample(d, "device", 0, 0, "cluster") for d in NODE_GPUS[2:]],
         managed={}, usage={}, tracked=[], backends=["cluster"]), w.tick())
     w.acquire(1, "a")
@@ -264,7 +264,7 @@ def test_models_max_per_node_fills_other_nodes_then_frees_a_slot_on_one() -> Non
         w.p.add_model(n, 0.0, rules=ModelRules(nodes=["node_a", "node_b"]))
     w.report()
     for n in "abc":
-        w.run(w.p.measured(n, True, need(2), need(2), 0.0))
+        w.run(w.p.children.measured(n, True, need(2), need(2), 0.0))
     w.load_idle("a", "b")
     assert {w.placed["a"][0].split("/")[0], w.placed["b"][0].split("/")[0]} == {
         "node_a", "node_b"}

@@ -77,16 +77,18 @@ class World:
         self.run(self.p.cancel(ticket, self.tick()))
 
     def gen(self, model: str) -> int:
-        return self.p.models[model].generation
+        return self.p.state.models[model].generation
 
     def ready(self, model: str) -> None:
-        self.run(self.p.instance_ready(model, self.gen(model), 100, "http://x:1", self.tick()))
+        self.run(self.p.children.instance_ready(model, self.gen(model), 100, "http://x:1",
+                                                self.tick()))
 
     def exited(self, model: str, rc: int = 0) -> None:
-        self.run(self.p.instance_exited(model, self.gen(model), rc, f"rc {rc}", self.tick()))
+        self.run(self.p.children.instance_exited(model, self.gen(model), rc, f"rc {rc}",
+                                                 self.tick()))
 
     def state(self, model: str) -> str:
-        return self.p.models[model].state.value
+        return self.p.state.models[model].state.value
 
     def load_idle(self, *models: str) -> None:
         """Load each model with one request, and release it."""
@@ -107,16 +109,16 @@ def test_first_request_spawns_and_is_granted_when_ready() -> None:
     w.ready("a")
     grant = w.answers[1]
     assert isinstance(grant, Grant) and grant.model == "a" and grant.generation == 1
-    assert w.p.models["a"].in_flight == 1
+    assert w.p.state.models["a"].in_flight == 1
 
 
 def test_loaded_model_is_granted_at_once_and_counted_in_flight() -> None:
     w = World()
     w.load_idle("a")
     assert isinstance(w.acquire(2, "a"), Grant)
-    assert w.p.models["a"].in_flight == 1
+    assert w.p.state.models["a"].in_flight == 1
     w.release(2)
-    assert w.p.models["a"].in_flight == 0
+    assert w.p.state.models["a"].in_flight == 0
 
 
 def test_lru_victim_is_the_least_recently_used_idle_model() -> None:
@@ -125,8 +127,8 @@ def test_lru_victim_is_the_least_recently_used_idle_model() -> None:
     w.load_idle("a")  # a is now more recent than b
     w.acquire(10, "c")
     assert w.stops == [("b", "lru")]
-    assert w.p.models["b"].last_eviction is not None
-    assert w.p.models["b"].last_eviction.for_model == "c"
+    assert w.p.state.models["b"].last_eviction is not None
+    assert w.p.state.models["b"].last_eviction.for_model == "c"
     assert w.spawns[-1][0] != "c"  # not before b is reaped
     w.exited("b")
     assert w.spawns[-1] == ("c", 1)
@@ -151,12 +153,12 @@ def test_n_requests_for_one_missing_model_cause_one_eviction_and_one_load() -> N
     for t in (1, 2, 3):
         w.acquire(t, "c")
     assert len(w.stops) == 1
-    assert len(w.p.queue.entries) == 1 and len(w.p.queue.entries["c"].waiters) == 3
+    assert len(w.p.state.queue.entries) == 1 and len(w.p.state.queue.entries["c"].waiters) == 3
     w.exited(w.stops[0][0])
     assert [s for s in w.spawns if s[0] == "c"] == [("c", 1)]
     w.ready("c")
     assert all(isinstance(w.answers[t], Grant) for t in (1, 2, 3))
-    assert w.p.models["c"].in_flight == 3
+    assert w.p.state.models["c"].in_flight == 3
 
 
 def test_model_wanted_by_the_queue_is_not_a_victim() -> None:
@@ -192,7 +194,7 @@ def test_a_request_no_slot_will_ever_free_for_is_refused_not_left_waiting() -> N
     refusal = w.acquire(1, "b")
     assert isinstance(refusal, Refusal) and refusal.status == 503
     assert "held by pinned models (a)" in refusal.message
-    assert w.p.queue.entries == {} and w.stops == []
+    assert w.p.state.queue.entries == {} and w.stops == []
 
 
 def test_queue_heads_claim_in_fifo_order() -> None:
@@ -220,7 +222,7 @@ def test_cancel_while_queued_leaves_no_entry_and_evicts_nothing() -> None:
     w.acquire(1, "a")
     w.acquire(2, "b")
     w.cancel(2)
-    assert w.p.queue.entries == {} and w.p.queue.waiters == {}
+    assert w.p.state.queue.entries == {} and w.p.state.queue.waiters == {}
     w.release(1)
     assert w.stops == []
     assert w.state("a") == "loaded"
@@ -231,8 +233,8 @@ def test_cancel_that_crossed_its_grant_is_a_release() -> None:
     w.load_idle("a")
     w.acquire(1, "a")
     w.cancel(1)
-    assert w.p.models["a"].in_flight == 0
-    assert w.p.leases == {}
+    assert w.p.state.models["a"].in_flight == 0
+    assert w.p.state.leases == {}
 
 
 def test_a_failed_load_answers_its_waiters_once_each_and_the_next_request_retries() -> None:
@@ -240,16 +242,16 @@ def test_a_failed_load_answers_its_waiters_once_each_and_the_next_request_retrie
     w.acquire(1, "a")
     w.acquire(2, "a")
     w.exited("a", rc=1)
-    assert w.state("a") == "unloaded" and w.p.models["a"].failed
+    assert w.state("a") == "unloaded" and w.p.state.models["a"].failed
     for t in (1, 2):  # R-4.8: one error each, naming the model, the attempt and the exit
         refusal = w.answers[t]
         assert isinstance(refusal, Refusal) and refusal.status == 503
         assert refusal.message == "model 'a' failed to load (attempt 1): rc 1"
         assert refusal.retry_after_s == 1.0
-    assert w.p.queue.entries == {}
+    assert w.p.state.queue.entries == {}
     assert w.acquire(3, "a") is None and w.state("a") == "loading"  # no backoff yet
     w.ready("a")
-    assert isinstance(w.answers[3], Grant) and not w.p.models["a"].failed
+    assert isinstance(w.answers[3], Grant) and not w.p.state.models["a"].failed
 
 
 def test_repeated_failures_back_off_exponentially_then_one_load_heals_it() -> None:
@@ -259,21 +261,21 @@ def test_repeated_failures_back_off_exponentially_then_one_load_heals_it() -> No
         t = ("r", attempt)
         w.acquire(t, "a")
         if w.state("a") != "loading":  # in a backoff: the request waits for its end
-            assert t in w.p.queue.waiters and w.spawns[-1][1] == attempt - 1
-            w.now = w.p.models["a"].breaker.retry_at
+            assert t in w.p.state.queue.waiters and w.spawns[-1][1] == attempt - 1
+            w.now = w.p.state.models["a"].breaker.retry_at
             w.fire_timers()
         assert w.state("a") == "loading", attempt
         w.exited("a", rc=1)
-        delays.append(w.p.models["a"].breaker.backoff_s)
+        delays.append(w.p.state.models["a"].breaker.backoff_s)
     assert delays == [0, 0, 1, 2, 4, 8]  # more than 2 failures in 60 s: 1 s, 2 s, 4 s ...
     w.acquire("healed", "a")
-    w.now = w.p.models["a"].breaker.retry_at
+    w.now = w.p.state.models["a"].breaker.retry_at
     w.fire_timers()
     w.ready("a")  # the half-open try succeeds
     assert isinstance(w.answers["healed"], Grant)
     w.release("healed")
     w.exited("a", rc=-9)  # a crash right after: back to the first step, not 16 s
-    assert w.p.models["a"].breaker.backoff_s == 1
+    assert w.p.state.models["a"].breaker.backoff_s == 1
 
 
 def test_a_request_that_cannot_outwait_a_backoff_gets_503_with_retry_after() -> None:
@@ -292,7 +294,7 @@ def test_a_crash_after_healthy_service_reloads_at_once() -> None:
     w.load_idle("a")
     w.now += 31  # restart_healthy_s 30
     w.exited("a", rc=-9)
-    assert w.p.models["a"].breaker.backoff_s == 0
+    assert w.p.state.models["a"].breaker.backoff_s == 0
     w.acquire(1, "a")
     assert w.state("a") == "loading"
 
@@ -300,8 +302,8 @@ def test_a_crash_after_healthy_service_reloads_at_once() -> None:
 def test_crash_of_a_loaded_model_shows_unloaded_failed_and_the_next_request_reloads() -> None:
     w = World()
     w.load_idle("a")
-    effects = w.run(w.p.instance_exited("a", 1, -9, "killed by SIGKILL", w.tick()))
-    rec = w.p.models["a"]
+    effects = w.run(w.p.children.instance_exited("a", 1, -9, "killed by SIGKILL", w.tick()))
+    rec = w.p.state.models["a"]
     assert rec.state is ModelState.UNLOADED and rec.failed and rec.exit_code == -9
     event = next(e.event for e in effects if isinstance(e, Publish))
     assert isinstance(event, StatusChanged) and event.status == "unloaded" and event.failed
@@ -321,16 +323,16 @@ def test_release_of_a_lease_from_a_dead_generation_does_not_count() -> None:
     w.exited("a", rc=-9)  # crash with 1 in flight
     w.acquire(2, "a")
     w.ready("a")
-    assert w.p.models["a"].in_flight == 1
+    assert w.p.state.models["a"].in_flight == 1
     w.release(1)  # from generation 1
-    assert w.p.models["a"].in_flight == 1
+    assert w.p.state.models["a"].in_flight == 1
 
 
 def test_stale_events_are_dropped() -> None:
     w = World()
     w.load_idle("a")
-    assert w.p.instance_exited("a", 0, -9, "old", 99.0) == []
-    assert w.p.instance_ready("a", 0, 1, "http://x:1", 99.0) == []
+    assert w.p.children.instance_exited("a", 0, -9, "old", 99.0) == []
+    assert w.p.children.instance_ready("a", 0, 1, "http://x:1", 99.0) == []
     assert w.state("a") == "loaded"
 
 
@@ -402,7 +404,7 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
     live: dict[str, int] = {}  # model -> generation of a child that exists
     open_tickets: list[int] = []
     for step in range(300):
-        for m, rec in w.p.models.items():
+        for m, rec in w.p.state.models.items():
             if rec.state.is_running:
                 live[m] = rec.generation
         op = rng.random()
@@ -415,24 +417,24 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
         elif op < 0.62 and open_tickets:
             w.cancel(open_tickets.pop(rng.randrange(len(open_tickets))))
         elif op < 0.8:
-            loading = [m for m, r in w.p.models.items() if r.state is ModelState.LOADING]
+            loading = [m for m, r in w.p.state.models.items() if r.state is ModelState.LOADING]
             if loading:
                 w.ready(rng.choice(loading))
         elif op < 0.95:
-            running = [m for m, r in w.p.models.items() if r.state.is_running]
+            running = [m for m, r in w.p.state.models.items() if r.state.is_running]
             if running:
                 m = rng.choice(running)
-                if w.p.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
+                if w.p.state.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
                     w.exited(m, rc=rng.choice([0, 1, -9]))
         elif op < 0.97:
             w.run(w.p.unload(("u", step), rng.choice("abcd"), w.tick()))
         else:  # a reload that changes some models' config
             changed = {m: False for m in "abcd" if rng.random() < 0.5}
-            w.run(w.p.reconfigure({}, [], changed, w.tick())[0])
+            w.run(w.p.children.reconfigure({}, [], changed, w.tick())[0])
     # drain: children become ready or finish stopping, clients finish
     for _ in range(200):
         progressed = False
-        for m, rec in w.p.models.items():
+        for m, rec in w.p.state.models.items():
             if rec.state is ModelState.LOADING:
                 w.ready(m)
                 progressed = True
@@ -446,18 +448,19 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
             progressed = True
         if not progressed:
             break
-    assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
-    assert all(e.explicit and not e.waiters for e in w.p.queue.entries.values())
+    assert w.p.state.queue.waiters == {}, f"requests never answered: {w.p.state.queue.waiters}"
+    assert all(e.explicit and not e.waiters for e in w.p.state.queue.entries.values())
 
 
 def test_reload_restarts_a_changed_model_only_after_its_requests_finish() -> None:
     w = World(models_max=2)
     w.load_idle("a", "b")
     w.acquire("busy", "a")
-    effects, restarted = w.p.reconfigure({"e": False}, [], {"a": False, "c": True}, w.tick())
+    effects, restarted = w.p.children.reconfigure({"e": False}, [], {"a": False, "c": True},
+                                                  w.tick())
     w.run(effects)
-    assert restarted == ["a"] and w.stops == [] and "e" in w.p.models
-    assert w.p.models["c"].pinned
+    assert restarted == ["a"] and w.stops == [] and "e" in w.p.state.models
+    assert w.p.state.models["c"].pinned
     assert w.acquire("new", "a") is None, "no new request goes to the old child"
     w.release("busy")
     assert w.stops == [("a", "reload")]
@@ -473,14 +476,14 @@ def test_reload_removes_a_model_refusing_its_waiters_and_forgetting_it_once_stop
     w.load_idle("a")
     w.acquire("waits", "b")  # evicts a, waits for the slot
     w.acquire("uses-b-too", "b")
-    effects, _ = w.p.reconfigure({}, ["b", "a"], {}, w.tick())
+    effects, _ = w.p.children.reconfigure({}, ["b", "a"], {}, w.tick())
     w.run(effects)
     for t in ("waits", "uses-b-too"):
         answer = w.answers[t]
         assert isinstance(answer, Refusal) and "removed by a reload" in answer.message
-    assert "b" not in w.p.models and "a" in w.p.models  # a still has a child to reap
+    assert "b" not in w.p.state.models and "a" in w.p.state.models  # a still has a child to reap
     w.exited("a")
-    assert set(w.p.models) == {"c", "d"}
+    assert set(w.p.state.models) == {"c", "d"}
     refusal = w.acquire("late", "a")
     assert isinstance(refusal, Refusal) and refusal.status == 400
     assert [v.name for v in w.p.snapshot().models] == ["c", "d"]
@@ -492,13 +495,13 @@ def test_a_grant_is_withdrawn_when_its_model_stops_serving_or_is_retired() -> No
     w = World(models_max=3)
     w.load_idle("a", "b")
     w.acquire("busy", "a")
-    effects = w.run(w.p.reconfigure({}, [], {"a": False}, w.tick())[0])
+    effects = w.run(w.p.children.reconfigure({}, [], {"a": False}, w.tick())[0])
     assert Withdraw("a", w.gen("a")) in effects  # busy: stale, stops once released
     assert not any(isinstance(e, Stop) for e in effects)
     effects = w.run(w.p.unload("u", "b", w.tick()))
     assert Withdraw("b", w.gen("b")) in effects
     w.acquire("x", "c")
-    assert not any(isinstance(e, Withdraw) for e in w.run(w.p.instance_ready(
+    assert not any(isinstance(e, Withdraw) for e in w.run(w.p.children.instance_ready(
         "c", w.gen("c"), 100, "http://x:1", w.tick())))  # loading -> loaded withdraws none
 
 

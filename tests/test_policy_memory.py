@@ -43,7 +43,7 @@ class MemWorld(World):
         self.events: list[object] = []
         if measured:
             for n, gib in sizes.items():
-                self.run(self.p.measured(n, True, need(gib), need(gib), 0.0))
+                self.run(self.p.children.measured(n, True, need(gib), need(gib), 0.0))
         self.report()
 
     def run(self, effects: list[Effect]) -> list[Effect]:
@@ -65,7 +65,7 @@ class MemWorld(World):
                     self.tracked.add(e.model)
         super().run(effects)
         for e in started:  # the instance reports the child's pid
-            self.run(self.p.instance_started(e.model, e.generation, 100))
+            self.run(self.p.children.instance_started(e.model, e.generation, 100))
         return effects
 
     def exited(self, model: str, rc: int = 0) -> None:
@@ -75,7 +75,7 @@ class MemWorld(World):
     def report(self) -> None:
         used = sum(self.actual.values()) + self.external
         usage = {m: {"gpu0": self.actual.get(m, 0)} for m in self.tracked}
-        self.run(self.p.devices_reported(DeviceReport(
+        self.run(self.p.children.devices_reported(DeviceReport(
             devices=[DeviceSample("gpu0", "device", self.total, max(0, self.total - used),
                                   "simulated")],
             managed={"gpu0": sum(u["gpu0"] for u in usage.values())}, usage=usage,
@@ -103,20 +103,20 @@ def test_two_4gib_models_coexist_and_a_third_evicts_the_lru_for_memory() -> None
     assert w.state("c") == "loading"
     w.ready("c")
     assert isinstance(w.answers["t"], Grant)
-    assert w.p.ledger.held == {"b": {"gpu0": 4 * GiB}, "c": {"gpu0": 4 * GiB}}
+    assert w.p.state.ledger.held == {"b": {"gpu0": 4 * GiB}, "c": {"gpu0": 4 * GiB}}
 
 
 def test_outside_usage_found_by_calibration_changes_the_decision() -> None:
     w = MemWorld({"a": 4, "b": 4})
     w.external = 3 * GiB
     w.report()
-    assert w.p.ledger.devices["gpu0"].external == 3 * GiB
+    assert w.p.state.ledger.devices["gpu0"].external == 3 * GiB
     w.load_idle("a")
     w.acquire("t", "b")  # 10 - 3 - 4 = 3 available, 1 kept: 4 does not fit
     assert w.stops == [("a", "memory")]
     w.external = 0
     w.report()
-    assert w.p.ledger.devices["gpu0"].external == 0
+    assert w.p.state.ledger.devices["gpu0"].external == 0
 
 
 def test_a_model_too_big_alone_still_loads() -> None:
@@ -142,20 +142,20 @@ def test_pinned_holders_refuse_a_model_that_cannot_fit_instead_of_waiting() -> N
     answer = w.acquire("t", "c")
     assert isinstance(answer, Refusal) and answer.status == 503
     assert "pinned" in answer.message and "3072 MiB on gpu0" in answer.message
-    assert w.p.queue.entries == {}
+    assert w.p.state.queue.entries == {}
 
 
 def test_the_head_waits_for_its_measurement_and_asks_for_it_first() -> None:
     w = MemWorld({"a": 4, "b": 4}, measured=False)
-    w.run(w.p.start_measuring())
+    w.run(w.p.children.start_measuring())
     assert w.measures == [Measure("a", False), Measure("b", False)]
     w.acquire("t", "b")
     assert w.state("b") == "unloaded" and w.measures[-1] == Measure("b", True)
     w.acquire("t2", "b")
     assert w.measures.count(Measure("b", True)) == 1, "asked once, not on every pump"
-    w.run(w.p.measure_started("b"))
-    assert w.p.models["b"].memory == "measuring"
-    w.run(w.p.measured("b", True, need(4), need(4), w.tick()))
+    w.run(w.p.children.measure_started("b"))
+    assert w.p.state.models["b"].memory == "measuring"
+    w.run(w.p.children.measured("b", True, need(4), need(4), w.tick()))
     assert w.state("b") == "loading"
     assert any(isinstance(e, ModelMemory) and e.memory.status == "measured" for e in w.events)
 
@@ -164,12 +164,12 @@ def test_a_failed_measurement_lifts_the_limits_and_the_running_child_is_its_figu
     """Issue 12: the retry after a failed measurement started a second copy of a model
     already serving; now the running child is sampled instead."""
     w = MemWorld({"a": 6}, measured=False)
-    w.run(w.p.measure_started("a"))
-    w.run(w.p.measured("a", False, None, None, w.tick()))
-    assert w.p.models["a"].memory == "failed"
+    w.run(w.p.children.measure_started("a"))
+    w.run(w.p.children.measured("a", False, None, None, w.tick()))
+    assert w.p.state.models["a"].memory == "failed"
     w.load_idle("a")  # its ready brings a device report: 6 GiB
     assert w.measures == [], "no measure child for a model that runs"
-    rec = w.p.models["a"]
+    rec = w.p.state.models["a"]
     assert rec.memory == "measured" and rec.mem_max.devices[0].self_bytes == 6 * GiB
     assert any(isinstance(e, Learned) and e.model == "a" for e in w.learned)
 
@@ -179,22 +179,22 @@ def test_a_probe_is_a_load_measured_by_its_running_child() -> None:
     idle model although the probed one fitted."""
     w = MemWorld({"y": 4, "p": 4}, models_max=2)
     w.load_idle("y")
-    w.run(w.p.measured("p", False, None, None, w.tick(), at_load=True))
-    assert w.p.models["p"].memory == "at_load"
+    w.run(w.p.children.measured("p", False, None, None, w.tick(), at_load=True))
+    assert w.p.state.models["p"].memory == "at_load"
     w.acquire(1, "p")
     assert w.stops == [] and w.spawns[-1][0] == "p"  # a load like any other: fits, no eviction
     w.acquire(2, "y")
     assert isinstance(w.answers[2], Grant)
     w.ready("p")
-    rec = w.p.models["p"]
+    rec = w.p.state.models["p"]
     assert rec.memory == "measured" and rec.mem_max.devices[0].self_bytes == 4 * GiB
     assert w.stops == []
-    assert w.p.ledger.held == {"y": {"gpu0": 4 * GiB}, "p": {"gpu0": 4 * GiB}}
+    assert w.p.state.ledger.held == {"y": {"gpu0": 4 * GiB}, "p": {"gpu0": 4 * GiB}}
 
 
 def test_a_probe_load_is_alone_on_every_device() -> None:
     w = MemWorld({"a": 2, "p": 2})
-    w.run(w.p.measured("p", False, None, None, w.tick(), at_load=True))
+    w.run(w.p.children.measured("p", False, None, None, w.tick(), at_load=True))
     w.acquire(1, "p")
     w.acquire(2, "a")  # p's devices are not known until it is charged: a waits
     assert [s[0] for s in w.spawns] == ["p"]
@@ -206,8 +206,8 @@ def test_real_usage_replaces_the_reservation_once_ready() -> None:
     w = MemWorld({"a": 4, "b": 4, "c": 4})
     w.sizes["a"] = 1  # measured at 4 GiB, really uses 1
     w.load_idle("a")
-    assert w.p.ledger.held["a"] == {"gpu0": 1 * GiB}
-    assert w.p.models["a"].mem_effective is not None
+    assert w.p.state.ledger.held["a"] == {"gpu0": 1 * GiB}
+    assert w.p.state.models["a"].mem_effective is not None
     w.load_idle("b", "c")  # 1 + 4 + 4 = 9 = 10 - margin
     assert w.stops == [] and {w.state(m) for m in "abc"} == {"loaded"}
 
@@ -216,11 +216,12 @@ def test_a_crashed_model_stops_holding_once_a_report_no_longer_tracks_it() -> No
     w = MemWorld({"a": 6, "b": 6})
     w.load_idle("a")
     w.exited("a", rc=-9)
-    assert w.state("a") == "unloaded" and w.p.models["a"].failed and "a" in w.p.ledger.held
+    assert w.state("a") == "unloaded" and w.p.state.models["a"].failed
+    assert "a" in w.p.state.ledger.held
     w.acquire("t", "b")
     assert w.state("b") == "unloaded", "waits: a's memory may still be in use"
     w.report()
-    assert w.state("b") == "loading" and "a" not in w.p.ledger.held
+    assert w.state("b") == "loading" and "a" not in w.p.state.ledger.held
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -239,29 +240,29 @@ def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int)
         elif op < 0.5 and open_tickets:
             w.cancel(open_tickets.pop(rng.randrange(len(open_tickets))))
         elif op < 0.65:
-            loading = [m for m, r in w.p.models.items() if r.state is ModelState.LOADING]
+            loading = [m for m, r in w.p.state.models.items() if r.state is ModelState.LOADING]
             if loading:
                 w.ready(rng.choice(loading))
         elif op < 0.78:
-            running = [m for m, r in w.p.models.items() if r.state.is_running]
+            running = [m for m, r in w.p.state.models.items() if r.state.is_running]
             if running:
                 m = rng.choice(running)
-                if w.p.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
+                if w.p.state.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
                     w.exited(m, rc=rng.choice([0, -9]))
         elif op < 0.88:
             w.external = rng.choice([0, 0, 1, 3]) * GiB
             w.report()
         else:
             m = rng.choice("abcd")
-            if w.p.models[m].memory in ("unmeasured", "measuring"):
+            if w.p.state.models[m].memory in ("unmeasured", "measuring"):
                 ok = rng.random() < 0.8
-                w.run(w.p.measured(m, ok, need(sizes[m]) if ok else None,
+                w.run(w.p.children.measured(m, ok, need(sizes[m]) if ok else None,
                                    need(sizes[m]) if ok else None, w.tick()))
     for _ in range(300):  # drain: measures end, children answer or exit, clients finish
         progressed = False
-        for m, rec in w.p.models.items():
-            if rec.memory in ("unmeasured", "measuring") and m in w.p.queue.entries:
-                w.run(w.p.measured(m, True, need(sizes[m]), need(sizes[m]), w.tick()))
+        for m, rec in w.p.state.models.items():
+            if rec.memory in ("unmeasured", "measuring") and m in w.p.state.queue.entries:
+                w.run(w.p.children.measured(m, True, need(sizes[m]), need(sizes[m]), w.tick()))
                 progressed = True
             if rec.state is ModelState.LOADING:
                 w.ready(m)
@@ -277,20 +278,20 @@ def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int)
             progressed = True
         if not progressed:
             break
-    assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
+    assert w.p.state.queue.waiters == {}, f"requests never answered: {w.p.state.queue.waiters}"
 
 
 def test_a_sleeping_model_gives_its_memory_back_and_holds_again_when_woken() -> None:
     w = MemWorld({"a": 4, "b": 4, "c": 4})
     w.load_idle("a", "b")
-    w.run(w.p.instance_reported("a", w.gen("a"), "sleeping", {}, w.tick()))
+    w.run(w.p.children.instance_reported("a", w.gen("a"), "sleeping", {}, w.tick()))
     w.actual["a"] = GiB // 2  # what a sleeping llama-server keeps: its CUDA context
     w.report()
-    assert w.state("a") == "sleeping" and w.p.ledger.held["a"] == {"gpu0": GiB // 2}
+    assert w.state("a") == "sleeping" and w.p.state.ledger.held["a"] == {"gpu0": GiB // 2}
     w.load_idle("c")  # fits in what a gave back: nothing evicted
     assert w.stops == []
-    w.run(w.p.instance_reported("a", w.gen("a"), "awake", {}, w.tick()))
-    assert w.state("a") == "loaded" and w.p.ledger.held["a"] == {"gpu0": 4 * GiB}
+    w.run(w.p.children.instance_reported("a", w.gen("a"), "awake", {}, w.tick()))
+    assert w.state("a") == "loaded" and w.p.state.ledger.held["a"] == {"gpu0": 4 * GiB}
 
 
 def minmax(min_gib: float, max_gib: float) -> tuple[Breakdown, Breakdown]:
@@ -302,11 +303,11 @@ def test_two_loads_never_run_at_once_on_one_device_and_a_load_holds_its_max() ->
     together (really 36 GiB) while the ledger said 8 + 8 held, 8 GiB available."""
     w = MemWorld({"a": 18, "b": 18}, total_gib=24, measured=False)
     for m in "ab":
-        w.run(w.p.measured(m, True, *minmax(8, 18), 0.0))
+        w.run(w.p.children.measured(m, True, *minmax(8, 18), 0.0))
     w.acquire(1, "a")
     w.acquire(2, "b")
     assert [s[0] for s in w.spawns] == ["a"], "b must wait for a's load to be charged"
-    assert w.p.ledger.held["a"] == {"gpu0": 18 * GiB}  # loading: its max
+    assert w.p.state.ledger.held["a"] == {"gpu0": 18 * GiB}  # loading: its max
     w.ready("a")  # ready, and the report at ready charges its real use (18 GiB)
     assert [s[0] for s in w.spawns] == ["a"], "18 + 18 GiB do not fit in 24 - 1"
     w.release(1)  # a is idle now: it goes for b
@@ -317,8 +318,8 @@ def test_a_load_still_growing_is_not_judged_as_free_memory() -> None:
     """Issue 12: `a` loading and really using 18 GiB (6 free), the ledger said 16 GiB
     available and admitted `c` (8 GiB + margin)."""
     w = MemWorld({"a": 18, "c": 8}, total_gib=24, measured=False)
-    w.run(w.p.measured("a", True, *minmax(8, 18), 0.0))
-    w.run(w.p.measured("c", True, *minmax(8, 8), 0.0))
+    w.run(w.p.children.measured("a", True, *minmax(8, 18), 0.0))
+    w.run(w.p.children.measured("c", True, *minmax(8, 8), 0.0))
     w.acquire(1, "a")
     w.report()  # a's child is loading, at 18 GiB already
     w.acquire(2, "c")
@@ -330,17 +331,17 @@ def test_use_above_a_hold_is_held() -> None:
     w.load_idle("a")
     w.actual["a"] = 7 * GiB  # grew after its one effective sample
     w.report()
-    assert w.p.ledger.held["a"] == {"gpu0": 7 * GiB}
+    assert w.p.state.ledger.held["a"] == {"gpu0": 7 * GiB}
     w.acquire(1, "b")  # 7 + 4 > 10 - 1: a must go first
     assert w.stops == [("a", "memory")]
 
 
 def test_loads_on_other_devices_may_run_together() -> None:
     w = MemWorld({"a": 4, "b": 4}, total_gib=10, measured=False)
-    w.run(w.p.measured("a", True, need(4), need(4), 0.0))
+    w.run(w.p.children.measured("a", True, need(4), need(4), 0.0))
     other = Breakdown(n_ctx=512, devices=[DeviceUse(kind="device", name="gpu1",
                                                     model=4 * GiB)])
-    w.run(w.p.measured("b", True, other, other, 0.0))
+    w.run(w.p.children.measured("b", True, other, other, 0.0))
     w.acquire(1, "a")
     w.acquire(2, "b")
     assert sorted(s[0] for s in w.spawns) == ["a", "b"]
@@ -348,8 +349,8 @@ def test_loads_on_other_devices_may_run_together() -> None:
 
 def test_a_load_without_figures_has_its_device_to_itself() -> None:
     w = MemWorld({"f": 6, "b": 6}, measured=False)
-    w.run(w.p.measured("f", False, None, None, w.tick(), error="x"))
-    w.run(w.p.measured("b", True, need(6), need(6), w.tick()))
+    w.run(w.p.children.measured("f", False, None, None, w.tick(), error="x"))
+    w.run(w.p.children.measured("b", True, need(6), need(6), w.tick()))
     w.acquire(1, "f")
     w.acquire(2, "b")
     assert [s[0] for s in w.spawns] == ["f"]
@@ -364,11 +365,11 @@ def test_a_report_sampled_before_ready_does_not_charge_a_half_done_load() -> Non
     w.acquire(1, "a")
     World.ready(w, "a")  # ready, without the report the monitor takes at ready
     w.actual["a"] = 2 * GiB  # the poll sampled it half loaded ...
-    w.run(w.p.devices_reported(DeviceReport(
+    w.run(w.p.children.devices_reported(DeviceReport(
         devices=[DeviceSample("gpu0", "device", w.total, w.total - 2 * GiB, "simulated")],
         managed={"gpu0": 2 * GiB}, usage={"a": {"gpu0": 2 * GiB}}, tracked=["a"],
         backends=["simulated"], ready=[]), w.tick()))  # ... before the monitor knew
-    assert w.p.models["a"].awaiting_usage  # not charged yet
+    assert w.p.state.models["a"].awaiting_usage  # not charged yet
     w.actual["a"] = 8 * GiB
     w.acquire(2, "b")
     assert [s[0] for s in w.spawns] == ["a"]  # b waits for the report at a's ready

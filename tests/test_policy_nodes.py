@@ -27,7 +27,7 @@ class NodeWorld(World):
             self.p.add_model(name, 0.0, rules=rules.get(name, ModelRules(nodes=on)))
         self.placed: dict[str, str | None] = {}
         for node in up:
-            self.run(self.p.node_changed(node, True, "", self.tick()))
+            self.run(self.p.children.node_changed(node, True, "", self.tick()))
 
     def run(self, effects: list[Effect]) -> list[Effect]:
         for e in effects:
@@ -44,17 +44,17 @@ def test_the_per_node_cap_evicts_the_nodes_least_recently_used_idle_model() -> N
     assert w.placed["p"] == "node_a"
     assert w.acquire(1, "q") is None
     assert w.stops == [("p", "lru")]
-    assert w.p.models["p"].last_eviction is not None
-    assert w.p.models["p"].last_eviction.for_model == "q"
+    assert w.p.state.models["p"].last_eviction is not None
+    assert w.p.state.models["p"].last_eviction.for_model == "q"
     assert ("q", 1) not in w.spawns  # not before p's child is reaped
     w.exited("p")
     assert w.spawns[-1] == ("q", 1) and w.placed["q"] == "node_a"
     w.ready("q")
     assert isinstance(w.answers[1], Grant)
     for name in "pq":
-        rec = w.p.models[name]
+        rec = w.p.state.models[name]
         assert not rec.failed and rec.breaker.attempt <= 1 and not rec.breaker.failures
-    assert w.p.stats.refusals == {}
+    assert w.p.state.stats.refusals == {}
 
 
 def test_the_cap_takes_the_lru_model_of_the_nodes_and_a_free_node_first() -> None:
@@ -104,7 +104,7 @@ def test_a_node_at_its_cap_with_busy_models_makes_requests_wait_and_says_why() -
     refusal = w.answers[2]
     assert isinstance(refusal, Refusal) and refusal.status == 503
     assert "node at its cap (models_max_per_node 1)" in refusal.message, refusal.message
-    assert not w.p.models["q"].failed and not w.p.models["q"].breaker.failures
+    assert not w.p.state.models["q"].failed and not w.p.state.models["q"].breaker.failures
 
 
 def test_a_node_at_its_cap_with_pinned_models_is_refused_saying_so() -> None:
@@ -122,24 +122,24 @@ def test_a_lost_node_is_a_refusal_that_says_node_lost_not_a_failed_load() -> Non
     each refusal counted as failed loads until the breaker opened."""
     w = NodeWorld(0, {"m": ["node_a"]}, up=())
     assert w.acquire(1, "m") is None  # not heard of yet: it waits for the first word
-    w.run(w.p.node_changed("node_a", False, "the agent on node node_a died", w.tick()))
+    w.run(w.p.children.node_changed("node_a", False, "the agent on node node_a died", w.tick()))
     for ticket in range(1, 6):
         refusal = w.answers.get(ticket) or w.acquire(ticket, "m")
         assert isinstance(refusal, Refusal) and refusal.status == 503
         assert "node lost" in refusal.message and "node_a: the agent on node node_a died" \
             in refusal.message, refusal.message
         assert "models_max_per_node" not in refusal.message
-    rec = w.p.models["m"]
+    rec = w.p.state.models["m"]
     assert w.spawns == [] and not rec.failed and not rec.breaker.failures
     assert not rec.breaker.is_open(w.now)
-    w.run(w.p.node_changed("node_a", True, "", w.tick()))
+    w.run(w.p.children.node_changed("node_a", True, "", w.tick()))
     w.acquire(9, "m")
     assert w.spawns == [("m", 1)] and w.placed["m"] == "node_a"
 
 
 def test_a_model_goes_to_a_node_still_up() -> None:
     w = NodeWorld(0, {"m": BOTH})
-    w.run(w.p.node_changed("node_a", False, "lost", w.tick()))
+    w.run(w.p.children.node_changed("node_a", False, "lost", w.tick()))
     w.acquire(1, "m")
     assert w.placed["m"] == "node_b"
 
@@ -158,14 +158,14 @@ def test_the_reviews_adoption_below_the_record_stops_the_child() -> None:
     p = Policy(2, 3, 60.0)
     p.add_model("m", 0.0)
     p.load("t1", "m", 0.0)
-    p.instance_ready("m", 1, 100, "http://nodeA:1", 0.1)
-    p.instance_exited("m", 1, -1, "node lost: poll failed", 1.0)
+    p.children.instance_ready("m", 1, 100, "http://nodeA:1", 0.1)
+    p.children.instance_exited("m", 1, -1, "node lost: poll failed", 1.0)
     p.load("t2", "m", 1.1)
-    p.instance_exited("m", 2, 1, "exited with status 1", 1.5)
-    effects = p.instance_adopted("m", 1, 100, "http://nodeA:1", None, 2.0)
+    p.children.instance_exited("m", 2, 1, "exited with status 1", 1.5)
+    effects = p.children.instance_adopted("m", 1, 100, "http://nodeA:1", None, 2.0)
     assert [e for e in effects if isinstance(e, Stop)] == [
         Stop("m", 1, "not adopted: its generation 1 is older than the model's 2")]
-    assert p.models["m"].generation == 2 and p.models["m"].state.value == "unloaded"
+    assert p.state.models["m"].generation == 2 and p.state.models["m"].state.value == "unloaded"
     spawned = [e.generation for e in p.load("t4", "m", 4.0) if isinstance(e, Spawn)]
     assert spawned == [3]
 
@@ -189,7 +189,7 @@ def test_a_generation_never_moves_backwards_nor_is_given_out_twice(steps: list[t
     never taken over by an adopted child."""
     p = Policy(2, 100, 60.0)
     p.add_model("m", 0.0)
-    rec = p.models["m"]
+    rec = p.state.models["m"]
     given_out: set[int] = set()
     now = 0.0
     for step in steps:
@@ -200,13 +200,13 @@ def test_a_generation_never_moves_backwards_nor_is_given_out_twice(steps: list[t
             case ("load",):
                 effects = p.load(("load", now), "m", now)
             case ("ready",):
-                effects = p.instance_ready("m", rec.generation, 1, "http://n:1", now)
+                effects = p.children.instance_ready("m", rec.generation, 1, "http://n:1", now)
             case ("exit", rc):
-                effects = p.instance_exited("m", rec.generation, rc, "exit", now)
+                effects = p.children.instance_exited("m", rec.generation, rc, "exit", now)
             case ("unload",):
                 effects = p.unload(("unload", now), "m", now)
             case ("adopt", generation):
-                effects = p.instance_adopted("m", generation, 7, "http://n:2", None, now,
+                effects = p.children.instance_adopted("m", generation, 7, "http://n:2", None, now,
                                              node="node_a")
                 adopted = rec.generation == generation and rec.state.value == "loaded" \
                     and state.value == "unloaded"
@@ -216,7 +216,7 @@ def test_a_generation_never_moves_backwards_nor_is_given_out_twice(steps: list[t
                 if adopted:
                     given_out.add(generation)
             case ("seen", generation):
-                p.instance_seen("m", generation)
+                p.children.instance_seen("m", generation)
                 if state.value == "unloaded":
                     given_out.add(generation)
         p.check_invariants()

@@ -37,7 +37,7 @@ def test_an_idle_model_is_stopped_after_its_ttl_and_a_used_one_is_not() -> None:
     w.now = last + 30
     w.fire_timers()
     assert w.stops == [("a", "ttl")]
-    assert w.p.models["a"].last_eviction.reason == "ttl"
+    assert w.p.state.models["a"].last_eviction.reason == "ttl"
 
 
 def test_ttl_keeps_one_timer_per_model_however_many_requests() -> None:
@@ -76,14 +76,14 @@ def test_a_timed_out_waiter_gets_503_and_nothing_is_evicted_for_it() -> None:
     w.load_idle("a")
     w.acquire("busy", "a")  # a is busy: b's request waits for a slot
     w.acquire("b1", "b")
-    assert w.stops == [] and "b1" in w.p.queue.waiters
+    assert w.stops == [] and "b1" in w.p.state.queue.waiters
     w.now += 5
     w.fire_timers()
     refusal = w.answers["b1"]
     assert isinstance(refusal, Refusal) and refusal.status == 503
     assert refusal.retry_after_s == 1.0 and "waited 5.0 s for model 'b'" in refusal.message
     w.release("busy")  # a is idle now, and nobody wants b any more
-    assert w.stops == [] and w.p.queue.entries == {}
+    assert w.stops == [] and w.p.state.queue.entries == {}
 
 
 def test_a_waiter_granted_before_its_deadline_is_not_refused() -> None:
@@ -140,7 +140,7 @@ def test_a_young_model_is_no_victim_while_an_older_one_is() -> None:
 def test_when_only_young_models_could_go_the_need_waits_until_one_comes_of_age() -> None:
     w = World(models_max=1, rules={m: ModelRules(min_resident_s=30) for m in "ab"})
     w.load_idle("a")
-    ready_at = w.p.models["a"].ready_at
+    ready_at = w.p.state.models["a"].ready_at
     w.acquire(1, "b")
     assert w.stops == []
     w.now = ready_at + 30
@@ -155,7 +155,7 @@ def test_alternating_models_at_models_max_1_swap_at_most_once_per_min_resident()
         t = ("req", i)
         w.acquire(t, model)
         for _ in range(3):
-            for m, rec in w.p.models.items():
+            for m, rec in w.p.state.models.items():
                 if rec.state.value == "loading":
                     w.ready(m)
                 elif rec.state.value == "stopping":
@@ -187,28 +187,28 @@ def test_the_victim_heap_stays_bounded_while_slots_are_free() -> None:
         w.run(w.p.acquire(t, "ab"[t % 2], w.now))
         w.run(w.p.release(t, w.now + 0.5))
         w.now += 1
-    assert len(w.p.victims.heap) <= 2 * len(w.p.models) + 8
+    assert len(w.p.state.victims.heap) <= 2 * len(w.p.state.models) + 8
 
 
 def test_a_model_re_added_while_its_old_child_stops_keeps_one_record_and_its_slot() -> None:
     w = World(models_max=1, names="a")
     w.load_idle("a")
-    w.run(w.p.reconfigure({}, ["a"], {}, w.tick())[0])
+    w.run(w.p.children.reconfigure({}, ["a"], {}, w.tick())[0])
     assert w.state("a") == "stopping"
-    w.run(w.p.reconfigure({"a": False}, [], {}, w.tick())[0])
+    w.run(w.p.children.reconfigure({"a": False}, [], {}, w.tick())[0])
     w.acquire(1, "a")  # waits for the old child: one slot, and it is still taken
     assert w.spawns == [("a", 1)]
     w.exited("a")  # the old exit is not dropped: the slot comes back
     assert w.state("a") == "loading"
     w.ready("a")
-    assert isinstance(w.answers[1], Grant) and w.p.n_running == 1
+    assert isinstance(w.answers[1], Grant) and w.p.state.n_running == 1
 
 
 def test_status_events_carry_the_backoff() -> None:
     p = Policy(1, restart_intensity=0)
     p.add_model("a", 0.0)
     p.acquire(1, "a", 0.0)
-    effects = p.instance_exited("a", 1, 1, "exited with status 1", 0.5)
+    effects = p.children.instance_exited("a", 1, 1, "exited with status 1", 0.5)
     event = next(e.event for e in effects if isinstance(e, Publish)
                  and isinstance(e.event, StatusChanged))
     assert event.status == "unloaded" and event.failed and event.retry_after_s == 1.0
@@ -255,10 +255,10 @@ def test_loads_killed_by_signals_keep_the_backoff_at_its_first_step() -> None:
     w = World(intensity=0)
     for i in range(5):
         w.acquire(("r", i), "a")
-        w.now = max(w.now, w.p.models["a"].breaker.retry_at)
+        w.now = max(w.now, w.p.state.models["a"].breaker.retry_at)
         w.fire_timers()
         w.exited("a", rc=-9)
-        assert w.p.models["a"].breaker.backoff_s == 1
+        assert w.p.state.models["a"].breaker.backoff_s == 1
 
 
 def test_a_model_removed_and_added_back_never_reuses_a_generation() -> None:
@@ -267,15 +267,15 @@ def test_a_model_removed_and_added_back_never_reuses_a_generation() -> None:
     w = World(models_max=2, names="ab")
     w.load_idle("a")
     w.acquire("old", "a")  # still running when a reload removes a
-    w.run(w.p.reconfigure({}, ["a"], {}, w.tick())[0])
+    w.run(w.p.children.reconfigure({}, ["a"], {}, w.tick())[0])
     w.exited("a")
-    assert "a" not in w.p.models
-    w.run(w.p.reconfigure({"a": False}, [], {}, w.tick())[0])
+    assert "a" not in w.p.state.models
+    w.run(w.p.children.reconfigure({"a": False}, [], {}, w.tick())[0])
     w.acquire("new", "a")
     w.ready("a")
     assert w.gen("a") == 2 and isinstance(w.answers["new"], Grant)
     w.release("old")  # the old lease: counts for nothing now
-    assert w.p.models["a"].in_flight == 1
+    assert w.p.state.models["a"].in_flight == 1
 
 
 def test_queue_events_say_how_many_wait_and_for_how_long() -> None:
@@ -286,7 +286,7 @@ def test_queue_events_say_how_many_wait_and_for_how_long() -> None:
     assert Publish(QueueChanged("a", 1, 0.0)) in effects
     effects = w.run(w.p.acquire(2, "a", 12.5))
     assert Publish(QueueChanged("a", 2, 2.5)) in effects
-    effects = w.run(w.p.instance_ready("a", 1, 100, "http://x:1", 13.0))
+    effects = w.run(w.p.children.instance_ready("a", 1, 100, "http://x:1", 13.0))
     assert Publish(QueueChanged("a", 0, None)) in effects
     effects = w.run(w.p.acquire(3, "a", 14.0))  # granted at once: nothing queued
     assert not any(isinstance(e, Publish) and isinstance(e.event, QueueChanged)

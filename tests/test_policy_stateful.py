@@ -70,20 +70,20 @@ class StrictWorld(MemWorld):
         super().run(effects)
         for e in effects:
             if isinstance(e, Spawn):
-                rec = self.p.models[e.model]
+                rec = self.p.state.models[e.model]
                 # Alone: no other model holds memory (one whose measurement failed is
                 # outside the limits, R-5.2, and holds none).
-                others = [r for r in self.p.models.values()
-                          if r is not rec and r.name in self.p.ledger.held]
+                others = [r for r in self.p.state.models.values()
+                          if r is not rec and r.name in self.p.state.ledger.held]
                 if rec.memory == "measured" and others and not self.unreported:
                     # What the children really use (a new one runs at its max), against
                     # what must stay free: the grant must have been right.
                     used = sum(self.actual.values()) + self.external
-                    assert used <= self.total - self.p.ledger.margin, (
+                    assert used <= self.total - self.p.state.ledger.margin, (
                         f"{e.model} spawned: {used / GiB:.2f} GiB really in use on a "
                         f"{self.total / GiB:.0f} GiB device with a "
-                        f"{self.p.ledger.margin / GiB:.0f} GiB margin; "
-                        f"held {self.p.ledger.held}")
+                        f"{self.p.state.ledger.margin / GiB:.0f} GiB margin; "
+                        f"held {self.p.state.ledger.held}")
         return effects
 
 
@@ -109,10 +109,10 @@ class PolicyMachine(RuleBasedStateMachine):
                              rules=dict(zip(NAMES, rules, strict=True)), intensity=intensity)
         if measured:  # a model runs at its max; its min is at the smallest context
             for m, size in self.sizes.items():
-                self.w.run(self.w.p.measured(m, True, need(size / 2), need(size), 0.0))
+                self.w.run(self.w.p.children.measured(m, True, need(size / 2), need(size), 0.0))
 
     def _models(self, state: ModelState) -> list[str]:
-        return [m for m, r in self.w.p.models.items() if r.state is state]
+        return [m for m, r in self.w.p.state.models.items() if r.state is state]
 
     @rule(target=tickets, model=st.sampled_from(NAMES), autoload=st.booleans())
     def acquire(self, model: str, autoload: bool) -> int:
@@ -141,15 +141,16 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 3), rc=st.sampled_from([0, 1, -9]))
     def exit(self, i: int, rc: int) -> None:
-        running = [m for m, r in self.w.p.models.items() if r.state.is_running]
+        running = [m for m, r in self.w.p.state.models.items() if r.state.is_running]
         if running:
             self.w.exited(running[i % len(running)], rc)
 
     @rule(model=st.sampled_from(NAMES), what=st.sampled_from(["sleeping", "awake"]))
     def llama_report(self, model: str, what: str) -> None:
-        rec = self.w.p.models.get(model)
+        rec = self.w.p.state.models.get(model)
         if rec is not None:
-            self.w.run(self.w.p.instance_reported(model, rec.generation, what, {}, self.w.now))
+            self.w.run(self.w.p.children.instance_reported(model, rec.generation, what, {},
+                                                           self.w.now))
 
     @rule(model=st.sampled_from(NAMES), unload=st.booleans())
     def manage(self, model: str, unload: bool) -> None:
@@ -161,13 +162,13 @@ class PolicyMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from(NAMES), rules=model_rules, remove=st.booleans())
     def reload(self, model: str, rules: ModelRules, remove: bool) -> None:
         p = self.w.p
-        rec = p.models.get(model)
+        rec = p.state.models.get(model)
         if rec is None or rec.removed:
-            effects, _ = p.reconfigure({model: rules}, [], {}, self.w.now)
+            effects, _ = p.children.reconfigure({model: rules}, [], {}, self.w.now)
         elif remove:
-            effects, _ = p.reconfigure({}, [model], {}, self.w.now)
+            effects, _ = p.children.reconfigure({}, [model], {}, self.w.now)
         else:
-            effects, _ = p.reconfigure({}, [], {model: rules}, self.w.now)
+            effects, _ = p.children.reconfigure({}, [], {model: rules}, self.w.now)
         self.w.run(effects)
 
     @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0, 12.0]))
@@ -178,7 +179,7 @@ class PolicyMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3))
     def grow(self, i: int) -> None:
         """A running child uses 1 GiB more than it did (a context filling up)."""
-        running = [m for m in self.w.actual if self.w.p.models[m].state.is_running]
+        running = [m for m in self.w.actual if self.w.p.state.models[m].state.is_running]
         if running:
             self.w.actual[running[i % len(running)]] += GiB
             self.w.unreported = True
@@ -190,10 +191,10 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(model=st.sampled_from(NAMES), outcome=st.sampled_from(["ok", "failed", "at_load"]))
     def measured(self, model: str, outcome: str) -> None:
-        rec = self.w.p.models.get(model)
+        rec = self.w.p.state.models.get(model)
         if rec is not None and rec.memory in ("unmeasured", "measuring"):
             size, ok = self.sizes[model], outcome == "ok"
-            self.w.run(self.w.p.measured(model, ok, need(size / 2) if ok else None,
+            self.w.run(self.w.p.children.measured(model, ok, need(size / 2) if ok else None,
                                          need(size) if ok else None, self.w.now,
                                          at_load=outcome == "at_load"))
 
@@ -208,10 +209,10 @@ class PolicyMachine(RuleBasedStateMachine):
         w = self.w
         for _ in range(500):  # measures end, children answer or exit, clients finish
             progressed = False
-            for m, rec in list(w.p.models.items()):
-                if rec.memory in ("unmeasured", "measuring") and m in w.p.queue.entries:
+            for m, rec in list(w.p.state.models.items()):
+                if rec.memory in ("unmeasured", "measuring") and m in w.p.state.queue.entries:
                     size = need(self.sizes[m])
-                    w.run(w.p.measured(m, True, size, size, w.now))
+                    w.run(w.p.children.measured(m, True, size, size, w.now))
                     progressed = True
                 if rec.state is S.LOADING:
                     w.ready(m)
@@ -221,16 +222,16 @@ class PolicyMachine(RuleBasedStateMachine):
                     progressed = True
             w.report()
             for t in self.requests:
-                if isinstance(w.answers.get(t), Grant) and t in w.p.leases:
+                if isinstance(w.answers.get(t), Grant) and t in w.p.state.leases:
                     w.run(w.p.release(t, w.now))
                     progressed = True
-            if w.p.queue.waiters or w.timers:
+            if w.p.state.queue.waiters or w.timers:
                 w.now += 5
                 w.fire_timers()
                 progressed = True
             if not progressed:
                 break
-        assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
+        assert w.p.state.queue.waiters == {}, f"requests never answered: {w.p.state.queue.waiters}"
         unanswered = [t for t in self.requests if t not in w.answered and t not in self.cancelled]
         assert not unanswered, f"requests never answered: {unanswered}"
 
@@ -256,8 +257,8 @@ class PlacedWorld(GpuWorld):
         super().run(effects)
         for e in effects:
             if isinstance(e, Spawn) and not self.unreported:
-                rec = self.p.models[e.model]
-                others = [n for n in self.p.ledger.held if n != e.model]
+                rec = self.p.state.models[e.model]
+                others = [n for n in self.p.state.ledger.held if n != e.model]
                 if rec.memory != "measured" or not others:
                     continue
                 for device in e.devices or ["gpu0"]:
@@ -266,7 +267,7 @@ class PlacedWorld(GpuWorld):
                     used = self.used(device) - self.overuse.get(e.model, 0)
                     assert used <= 9 * GiB, (
                         f"{e.model} placed on {e.devices}: {used / GiB:.2f} GiB in use "
-                        f"on {device}; held {self.p.ledger.held}")
+                        f"on {device}; held {self.p.state.ledger.held}")
         return effects
 
 
@@ -310,13 +311,13 @@ class PlacementMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 3))
     def ready(self, i: int) -> None:
-        loading = [m for m, r in self.w.p.models.items() if r.state is S.LOADING]
+        loading = [m for m, r in self.w.p.state.models.items() if r.state is S.LOADING]
         if loading:
             self.w.ready(loading[i % len(loading)])
 
     @rule(i=st.integers(0, 3), rc=st.sampled_from([0, -9]))
     def exit(self, i: int, rc: int) -> None:
-        running = [m for m, r in self.w.p.models.items() if r.state.is_running]
+        running = [m for m, r in self.w.p.state.models.items() if r.state.is_running]
         if running:
             self.w.exited(running[i % len(running)], rc)
 

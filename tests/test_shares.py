@@ -147,8 +147,8 @@ class Sched:
                 self.run(self.p.cancel(tk, self.t()))
 
     def ready(self) -> None:
-        g = self.p.models["a"].generation
-        self.run(self.p.instance_ready("a", g, 1, "http://127.0.0.1:1", self.t()))
+        g = self.p.state.models["a"].generation
+        self.run(self.p.children.instance_ready("a", g, 1, "http://127.0.0.1:1", self.t()))
 
 
 async def _try_acquire(shares: Shares, s) -> object:
@@ -178,7 +178,7 @@ def test_unload_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
     async def main() -> None:
         shares, s, share1 = await _first_grant_then(
             lambda s: s.run(s.p.unload("u", "a", s.t())))
-        assert s.p.models["a"].state.value == "stopping"
+        assert s.p.state.models["a"].state.value == "stopping"
         late = await _try_acquire(shares, s)  # arrives after the unload was answered
         assert late is not share1, (
             f"joined withdrawn grant a#{late.grant.generation}: proxied into a stopping "
@@ -189,8 +189,8 @@ def test_unload_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
 def test_crash_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
     async def main() -> None:
         shares, s, share1 = await _first_grant_then(
-            lambda s: s.run(s.p.instance_exited("a", 1, -9, "killed", s.t())))
-        assert s.p.models["a"].state.value in ("unloaded", "loading")
+            lambda s: s.run(s.p.children.instance_exited("a", 1, -9, "killed", s.t())))
+        assert s.p.state.models["a"].state.value in ("unloaded", "loading")
         late = await _try_acquire(shares, s)
         assert late is not share1, "joined the grant of a dead child"
     asyncio.run(main())
@@ -199,9 +199,9 @@ def test_crash_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
 def test_reload_right_after_ready_never_drains_under_overlapping_load() -> None:
     async def main() -> None:
         shares, s, share1 = await _first_grant_then(
-            lambda s: s.run(s.p.reconfigure({}, [], {"a": False}, s.t())[0]))
-        rec = s.p.models["a"]
-        assert rec.stale
+            lambda s: s.run(s.p.children.reconfigure({}, [], {"a": False}, s.t())[0]))
+        rec = s.p.state.models["a"]
+        assert rec.retiring
         # Overlapping requests: each new one arrives before the previous one ends.
         running = [share1]
         for _ in range(50):
@@ -211,7 +211,7 @@ def test_reload_right_after_ready_never_drains_under_overlapping_load() -> None:
                 break  # queued for the next instance: correct
             running.append(nxt)
             await asyncio.sleep(0)
-        assert rec.state.value != "loaded" or not rec.stale, (
+        assert rec.state.value != "loaded" or not rec.retiring, (
             f"a#{rec.generation} still stale and serving after 50 overlapping requests "
             f"(in_flight {rec.in_flight}); the reload never restarts it")
     asyncio.run(main())

@@ -1,4 +1,31 @@
-"""Pure scheduling: the rules of the Scheduler, as composed parts (see core.py)."""
+"""The Scheduler's rules, pure: no I/O, no clock, no sleep (llama.cpp's router rules with
+its mutex replaced by one owner). The Scheduler actor calls one event method per message
+and carries out the effects it returns; tests drive the same methods synchronously.
+
+| concern                                               | type                  | file        |
+|-------------------------------------------------------|-----------------------|-------------|
+| requests, management, timers: what each event means   | `Policy`              | core.py     |
+| what children, measurements and reloads report        | `Children`            | children.py |
+| the decisions events end in: tick, claim, spawn, stop | `Rules`               | rules.py    |
+| what the policy knows, and the queries on it          | `State`               | state.py    |
+| model records, effects, counters                      | `ModelRecord`, `Spawn`| records.py  |
+| who waits for which model, and since when             | `RequestQueue`        | queue.py    |
+| the least recently used model that may go             | `Victims`             | victims.py  |
+| the ledger, and a plan for each load                  | `Memory`, `Plan`      | memory.py   |
+| cluster nodes that are up; models_max_per_node        | `NodeSlots`           | nodes.py    |
+| restart intensity, backoff, half-open, per model      | `Breaker`             | breaker.py  |
+| GET /models and the invariants                        | `snapshot`, `check`   | views.py    |
+
+`Policy` holds one `State`, one `Rules` on it and one `Children` (`policy.children`); each
+event method reads top-down and calls named steps on `self.rules`, so go-to-definition
+finds every one. Conventions that cross files:
+
+- An event returns its effects (`Rules.flush`): nothing here tells an actor anything.
+- A decision is logged once, where it is carried out: a memory `Plan` is weighed for places
+  that may not be chosen, so it carries its reason (`Plan.note`) and logs nothing.
+- Every event stamped with a generation is dropped if it is not the record's current one.
+- `views.check` states the invariants; the tests run it after every step.
+"""
 
 from .core import Policy
 

@@ -29,6 +29,7 @@ from .records import (
     Track,
 )
 from .rules import Rules
+from .state import State
 
 log = logging.getLogger("corral.scheduler")
 
@@ -36,27 +37,31 @@ S = ModelState
 
 
 
-class Children(Rules):
+class Children:
     """The events that come from children, the memory actors and a reload."""
+
+    def __init__(self, state: State, rules: Rules) -> None:
+        self.state = state
+        self.rules = rules
 
     # ------------------------------------------------------------ instance facts
 
     def instance_started(self, model: str, generation: int, pid: int) -> list[Effect]:
         """The child of `generation` runs as `pid`: from now on its memory is corral's."""
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is None or rec.generation != generation or rec.state is not S.LOADING:
             return []
         rec.pid = pid
-        if self.memory_on:
-            self._out.append(Track(model, "spawned", pid))
-        return self._flush()
+        if self.state.memory_on:
+            self.state.out.append(Track(model, "spawned", pid))
+        return self.rules.flush()
 
     def instance_ready(self, model: str, generation: int, pid: int, base_url: str,
                        now: float, info: dict[str, Any] | None = None,
                        upstream_key: str | None = None) -> list[Effect]:
         """The child of `generation` answers: grant everyone queued for it, atomically
         (R-4.6); `upstream_key`: the key it requires (a child on a cluster node)."""
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is None or rec.generation != generation or rec.state is not S.LOADING:
             return []  # stale, or already being stopped: never proxy into a stopping child
         rec.pid = pid
@@ -64,22 +69,22 @@ class Children(Rules):
         rec.upstream_key = upstream_key
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
-        observe(self.stats.load_time, model, now - rec.state_since)
+        observe(self.state.stats.load_time, model, now - rec.state_since)
         rec.info, rec.progress = info, None
         rec.failed = False
         rec.ready_at = rec.last_used = now
         rec.breaker.ready()
-        self._transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
-        if self.memory_on:
+        self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
+        if self.state.memory_on:
             rec.awaiting_usage = True
-            self._out.append(Track(model, "ready", pid))
-        entry = self.queue.entry(model)
+            self.state.out.append(Track(model, "ready", pid))
+        entry = self.state.queue.entry(model)
         if entry is not None:
             entry.claimed = entry.explicit = False
-            self._serve_waiters(rec, now)
-        self._idle(rec)
-        self._pump(now)
-        return self._flush()
+            self.rules.serve_waiters(rec, now)
+        self.rules.idle(rec)
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def instance_adopted(self, model: str, generation: int, pid: int, base_url: str,
                          devices: list[str] | None, now: float, node: str | None = None,
@@ -88,7 +93,7 @@ class Children(Rules):
         is this model's, as generation `generation`: loaded, with no load (R-3, issue 14).
         A model that runs, or whose generations have gone past the child's, stops the
         child instead: a generation is never given out twice (issue 19, R12)."""
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is None or (rec.state.is_running and generation == rec.generation):
             return []  # its own child (never stop that one)
         if rec.state is not S.UNLOADED or generation < rec.generation:
@@ -97,80 +102,80 @@ class Children(Rules):
                         f"{rec.generation}")
             log.info("model %s: not adopting pid %d (#%d): %s; stopping it", model, pid,
                      generation, why)
-            self._out.append(Stop(model, generation, f"not adopted: {why}"))
-            return self._flush()
+            self.state.out.append(Stop(model, generation, f"not adopted: {why}"))
+            return self.rules.flush()
         rec.generation = generation
         rec.placement = devices
         rec.node = node or (node_of(devices[0]) if devices else None)
         rec.upstream_key = upstream_key
-        self._transition(rec, S.LOADING, f"adopting pid {pid}", now)
-        if self.memory_on:
-            self.memory.spawning(rec)
+        self.rules.transition(rec, S.LOADING, f"adopting pid {pid}", now)
+        if self.state.memory_on:
+            self.state.memory.spawning(rec)
         rec.pid, rec.base_url = pid, base_url
         rec.failed = False
         rec.ready_at = rec.last_used = now
-        self._transition(rec, S.LOADED, f"adopted, pid {pid}", now)
-        if self.memory_on:
+        self.rules.transition(rec, S.LOADED, f"adopted, pid {pid}", now)
+        if self.state.memory_on:
             rec.awaiting_usage = True
-            self._out.append(Track(model, "ready", pid))
-        self._idle(rec)
-        self._pump(now)
-        return self._flush()
+            self.state.out.append(Track(model, "ready", pid))
+        self.rules.idle(rec)
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def node_changed(self, node: str, up: bool, why: str, now: float) -> list[Effect]:
         """A cluster node's agent came up, or was lost (or could not be reached): models
         that may run only on lost nodes are refused, saying so, and not failed."""
-        self.nodes.changed(node, up, why)
-        self._pump(now)
-        return self._flush()
+        self.state.nodes.changed(node, up, why)
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def instance_seen(self, model: str, generation: int) -> None:
         """Another corral's child of `model` runs as `generation` (being stopped): this
         model's next generation is a later one."""
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is not None and rec.state is S.UNLOADED:
             rec.generation = max(rec.generation, generation)
 
     def instance_reported(self, model: str, generation: int, state: str,
                           payload: dict[str, Any], now: float) -> list[Effect]:
         """A llama child's progress, or that it went to sleep or woke up (R-3.6)."""
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is None or rec.generation != generation:
             return []
         if state == "loading" and rec.state is S.LOADING:
             rec.progress = payload
-            self._out.append(Publish(StatusChanged(model, "loading", "loading progress",
+            self.state.out.append(Publish(StatusChanged(model, "loading", "loading progress",
                                                    progress=payload)))
         elif state == "sleeping" and rec.state is S.LOADED:
             # It keeps its slot (and stays an eviction candidate) but gives its memory
             # back; a request wakes it, and then it holds again.
-            self._transition(rec, S.SLEEPING, "idle, the child sleeps", now)
-            self.ledger.unreserve(model)  # what the device still shows for it stays held
+            self.rules.transition(rec, S.SLEEPING, "idle, the child sleeps", now)
+            self.state.ledger.unreserve(model)  # what the device still shows for it stays held
         elif state == "awake" and rec.state is S.SLEEPING:
-            self._transition(rec, S.LOADED, "woken by a request", now)
-            if self.memory_on:
-                self.ledger.reserve(model, rec.mem_effective or self.memory.need(rec))
-        self._idle(rec)
-        self._pump(now)
-        return self._flush()
+            self.rules.transition(rec, S.LOADED, "woken by a request", now)
+            if self.state.memory_on:
+                self.state.ledger.reserve(model, rec.mem_effective or self.state.memory.need(rec))
+        self.rules.idle(rec)
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def instance_unhealthy(self, model: str, generation: int, detail: str,
                            now: float) -> list[Effect]:
         """A loaded child failed its liveness checks: stop it; the next request reloads."""
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is None or rec.generation != generation or not rec.state.is_serving:
             return []
         log.warning("model %s#%d is unhealthy (%s); stopping it", model, generation, detail)
         rec.failed = True
-        self._stop(rec, "unhealthy", None, now)
-        self._pump(now)
-        return self._flush()
+        self.rules.stop(rec, "unhealthy", None, now)
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def instance_exited(self, model: str, generation: int, returncode: int,
                         description: str, now: float) -> list[Effect]:
         """The child of `generation` is gone and reaped: free its slot; a crash or failed
         load answers its waiters and may open the breaker (R-3.7, R-4.8)."""
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is None or rec.generation != generation or not rec.state.is_running:
             return []
         was, up_since = rec.state, rec.ready_at
@@ -182,21 +187,21 @@ class Children(Rules):
         rec.mem_effective = None
         rec.info = rec.progress = None
         rec.awaiting_usage = False
-        if self.memory_on:
-            rec.releasing = model in self.ledger.held
-            self._out.append(Track(model, "exited"))
-        entry = self.queue.entry(model)
+        if self.state.memory_on:
+            rec.releasing = model in self.state.ledger.held
+            self.state.out.append(Track(model, "exited"))
+        entry = self.state.queue.entry(model)
         if entry is not None:
             entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
         if rec.removed:
-            self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
-            self._drop(model)
+            self.rules.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+            self.state.drop(model)
         elif was is S.STOPPING:
-            self._transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+            self.rules.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
         else:
             self._failed(rec, was, up_since, description, returncode, now)
-        self._pump(now)
-        return self._flush()
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def _failed(self, rec: ModelRecord, was: ModelState, up_since: float | None,
                 description: str, returncode: int, now: float) -> None:
@@ -209,8 +214,8 @@ class Children(Rules):
         if backoff:
             cause += (f"; {len(rec.breaker.failures)} failures in "
                       f"{rec.breaker.period_s:g} s, no load for {backoff:g} s")
-            self._out.append(Later(backoff, Repump()))
-        self._transition(rec, S.UNLOADED, cause, now, returncode)
+            self.state.out.append(Later(backoff, Repump()))
+        self.rules.transition(rec, S.UNLOADED, cause, now, returncode)
         if was is S.LOADING:
             # R-4.8: the requests that waited on this load get one error each. A load
             # killed by a signal (the OOM killer, an operator) may have been no fault of
@@ -218,24 +223,24 @@ class Children(Rules):
             # them (as the front sends a request whose child died on, twice: issue 19).
             message = f"model '{rec.name}' failed to load (attempt {attempt}): {description}"
             if killed:
-                for ticket, _ in self.queue.keep_for_retries(rec.name):
-                    self._refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0),
+                for ticket, _ in self.state.queue.keep_for_retries(rec.name):
+                    self.rules.refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0),
                                  model=rec.name, reason="load_failed")
-                self._idle(rec)
+                self.rules.idle(rec)
             else:
-                self._refuse_entry(rec.name, 503, message, retry_after_s=max(backoff, 1.0),
+                self.rules.refuse_entry(rec.name, 503, message, retry_after_s=max(backoff, 1.0),
                                    reason="load_failed")
         if rec.rules.permanent:
-            self.queue.open(rec.name).explicit = True  # R-3.7: back at once (or after it)
+            self.state.queue.open(rec.name).explicit = True  # R-3.7: back at once (or after it)
 
     # ------------------------------------------------------------ memory facts
 
     def start_measuring(self) -> list[Effect]:
-        self._out.extend(self.memory.unmeasured(self.models.values()))
-        return self._flush()
+        self.state.out.extend(self.state.memory.unmeasured(self.state.models.values()))
+        return self.rules.flush()
 
     def measure_started(self, model: str) -> list[Effect]:
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is not None:
             rec.memory = "measuring"
         return []
@@ -243,22 +248,22 @@ class Children(Rules):
     def measured(self, model: str, ok: bool, min_: Breakdown | None,
                  max_: Breakdown | None, now: float, error: str | None = None,
                  at_load: bool = False) -> list[Effect]:
-        rec = self.models.get(model)
+        rec = self.state.models.get(model)
         if rec is None:
             return []
         if at_load and rec.state.is_serving:
             return []  # it runs already: the running child is sampled instead
-        self._out.extend(self.memory.measured(rec, ok, min_, max_, error, at_load))
-        self._pump(now)
-        return self._flush()
+        self.state.out.extend(self.state.memory.measured(rec, ok, min_, max_, error, at_load))
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
-        self._out.extend(self.memory.reported(report, self.models))
-        self._pump(now)
-        return self._flush()
+        self.state.out.extend(self.state.memory.reported(report, self.state.models))
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def devices_snapshot(self) -> DevicesSnapshot:
-        return self.memory.snapshot()
+        return self.state.memory.snapshot()
 
     # ------------------------------------------------------------ reload
 
@@ -271,52 +276,52 @@ class Children(Rules):
         Returns the effects and the models that restart."""
         for name, given in added.items():
             rules = given if isinstance(given, ModelRules) else ModelRules(pinned=given)
-            old = self.models.get(name)
+            old = self.state.models.get(name)
             if old is not None and old.removed:
                 # Back before its old child was reaped: one record, which counts that
                 # child until it exits.
                 old.removed = False
                 self._set_rules(old, rules)
             else:
-                self.add_model(name, now, rules=rules)
-            if self.memory_on:
-                self._out.append(Measure(name, front=False))
+                self.state.add_model(name, now, rules=rules)
+            if self.state.memory_on:
+                self.state.out.append(Measure(name, front=False))
         for name in removed:
-            rec = self.models[name]
+            rec = self.state.models[name]
             rec.removed = True
-            self._refuse_entry(name, 400, f"model '{name}' was removed by a reload",
+            self.rules.refuse_entry(name, 400, f"model '{name}' was removed by a reload",
                                reason="removed")
             if rec.state.is_running:
                 self._retire(rec, now)
             else:
-                self._drop(name)  # a child still releasing: external from now on
+                self.state.drop(name)  # a child still releasing: external from now on
         restarted = []
         for name, given in changed.items():
-            rec = self.models[name]
+            rec = self.state.models[name]
             self._set_rules(rec, given if isinstance(given, ModelRules)
                             else ModelRules(pinned=given))
             rec.breaker.reset()
-            if self.memory_on:  # new arguments, new figures
+            if self.state.memory_on:  # new arguments, new figures
                 rec.memory, rec.mem_min, rec.mem_max = "unmeasured", None, None
-                self._out.append(Measure(name, front=False))
+                self.state.out.append(Measure(name, front=False))
             if rec.state.is_running and rec.state is not S.STOPPING:
                 restarted.append(name)
                 self._retire(rec, now)
-        self._pump(now)
-        return self._flush(), restarted
+        self.rules.pump(now)
+        return self.rules.flush(), restarted
 
     def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
         if rec.state.is_running:
-            self.n_running_pinned += int(rules.pinned) - int(rec.pinned)
+            self.state.n_running_pinned += int(rules.pinned) - int(rec.pinned)
         rec.rules = rules
-        self._idle(rec)
+        self.rules.idle(rec)
 
     def _retire(self, rec: ModelRecord, now: float) -> None:
         """Stop `rec` for a reload now if idle, else once its last request is released."""
         if rec.state is S.STOPPING:
             return
         if rec.in_flight == 0:
-            self._stop(rec, "reload", None, now)
+            self.rules.stop(rec, "reload", None, now)
         else:
-            rec.stale = True
-            self._out.append(Withdraw(rec.name, rec.generation))
+            rec.retiring = True
+            self.state.out.append(Withdraw(rec.name, rec.generation))

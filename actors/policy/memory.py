@@ -34,6 +34,9 @@ class Plan:
     """Where it goes, when corral places it (R-5.9)."""
     fits_once_freed: bool = False
     """It fits once the children already stopping have given their memory back."""
+    note: str | None = None
+    """What to log if this plan is carried out: a plan is a pure decision, weighed for
+    places that may not be chosen, and logs nothing itself."""
 
 
 @dataclass
@@ -74,7 +77,7 @@ class Memory:
                  at_load: bool = False) -> list[Effect]:
         """A measurement ended; a failed one leaves the model outside the limits (R-5.2);
         `at_load`: its first load will be its measurement (a `probe` model)."""
-        rec.measure_front = False
+        rec.measure_requested_first = False
         rec.mem_error = error
         if at_load:
             rec.memory, rec.mem_min, rec.mem_max = "at_load", None, None
@@ -197,7 +200,7 @@ class Memory:
         gone, then one where the idle models to evict were used least recently, then one
         where it waits; ties go to the most free memory (R-5.9)."""
         if not rec.memory_settled:
-            return Plan("wait", measure=not rec.measure_front)  # the measurement decides
+            return Plan("wait", measure=not rec.measure_requested_first)  # the measurement decides
         places = self.candidates(rec)
         nodes = rec.rules.nodes
         if nodes is not None and not any(node_of(d) in nodes for d in self.ledger.devices):
@@ -311,9 +314,8 @@ class Memory:
                            if r is not rec}.values())
         missing = ", ".join(f"{b / MiB:.0f} MiB on {d}" for d, b in short.items())
         if not others:
-            log.warning("model %s is projected to be short by %s with nothing else loaded; "
-                        "loading anyway (the minimum is pessimistic)", rec.name, missing)
-            return Plan("go")
+            return Plan("go", note=f"model {rec.name} is projected to be short by {missing} "
+                        "with nothing else loaded; loading anyway (the minimum is pessimistic)")
         if all(r.pinned and r.state is not S.STOPPING and not r.releasing for r in others):
             return Plan("refuse", refusal=(
                 f"model '{rec.name}' does not fit: short by {missing} beyond "

@@ -135,7 +135,7 @@ class ModelRecord:
     loads_ok: int = 0
     load_s_total: float = 0.0
     """Seconds from spawn to ready, summed over the successful loads."""
-    stale: bool = False
+    retiring: bool = False
     """A reload changed or removed it while busy: no new grants; it stops once idle."""
     removed: bool = False
     """A reload removed it; the record goes once its child is reaped."""
@@ -149,7 +149,7 @@ class ModelRecord:
     mem_effective: Breakdown | None = None
     """What the running child really uses, from the first device report after ready."""
     mem_error: str | None = None
-    measure_front: bool = False
+    measure_requested_first: bool = False
     """A front-of-queue measure was asked for since the last result."""
     awaiting_usage: bool = False
     """Ready, and the next device report tells its real usage (R-5.6)."""

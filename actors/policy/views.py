@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..lifecycle import ModelState
 from ..messages import ModelsSnapshot, ModelView
-
-if TYPE_CHECKING:
-    from .rules import Rules as Policy
+from .state import State
 
 S = ModelState
 
 
-def snapshot(p: Policy, now: float) -> ModelsSnapshot:
+def snapshot(p: State, now: float) -> ModelsSnapshot:
     views = []
     places = {name: i for i, name in enumerate(p.queue.entries)}
     for rec in p.models.values():
@@ -23,7 +19,7 @@ def snapshot(p: Policy, now: float) -> ModelsSnapshot:
         oldest = (now - p.queue.waiters[next(iter(entry.waiters))].queued_at
                   if entry is not None and entry.waiters else None)
         expires = (rec.last_used + rec.rules.ttl_s - now
-                   if rec.rules.ttl_s and p._evictable(rec) else None)
+                   if rec.rules.ttl_s and p.evictable(rec) else None)
         port = int(rec.base_url.rsplit(":", 1)[1]) if rec.base_url else None
         views.append(ModelView(
             name=rec.name, state=rec.state.value, generation=rec.generation,
@@ -46,14 +42,14 @@ def snapshot(p: Policy, now: float) -> ModelsSnapshot:
                           queue_wait_s=p.stats.queue_wait_s)
 
 
-def check(p: Policy) -> None:
+def check(p: State) -> None:
     """Raise AssertionError if the state is inconsistent (tests run it after every step)."""
     p.queue.check()
     for name, entry in p.queue.entries.items():
         rec = p.models[name]
         if rec.state.is_serving:
             limit = rec.rules.max_concurrency
-            assert rec.stale or (limit and rec.in_flight >= limit), \
+            assert rec.retiring or (limit and rec.in_flight >= limit), \
                 f"{name}: queued while it could serve"
         if entry.claimed:
             assert rec.state in (S.LOADING, S.STOPPING), f"{name}: claim without child"

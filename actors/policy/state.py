@@ -1,0 +1,110 @@
+"""The policy's state: model records, the queue, leases, the composed parts and the counts
+kept beside them, with the queries every rule asks (R-4). Plain data and reads; the
+decisions that change it are in rules.py, the events in core.py and children.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from ..config import ModelRules
+from ..ledger import Ledger
+from ..lifecycle import ModelState
+from .breaker import Breaker
+from .memory import Memory
+from .nodes import NodeSlots
+from .queue import QueueEntry, RequestQueue
+from .records import Effect, ModelRecord, Stats
+from .victims import Victims
+
+S = ModelState
+
+
+class State:
+    """Everything the policy knows: the model records, the queue, the leases and the
+    composed parts, the counts that keep decisions O(1), and the effects decided so far
+    (`out`, handed to the Scheduler by `Rules.flush`). The queries here read it; they
+    change nothing."""
+
+    def __init__(self, models_max: int, restart_intensity: int = 3,
+                 restart_period_s: float = 60.0, memory_margin: int = 0,
+                 account_host: bool = False, restart_backoff_max_s: float = 60.0,
+                 restart_healthy_s: float = 30.0, models_max_per_node: int = 0) -> None:
+        self.models_max = models_max
+        self.breaker_args = (restart_intensity, restart_period_s, restart_backoff_max_s,
+                             restart_healthy_s)
+        self.models: dict[str, ModelRecord] = {}
+        self.queue = RequestQueue()
+        self.leases: dict[Hashable, tuple[str, int]] = {}
+        """Ticket -> (model, generation), for every granted request not yet released."""
+        self.nodes = NodeSlots(models_max_per_node)
+        """The cluster's nodes that are up, and the models_max_per_node rule."""
+        self.memory = Memory(memory_margin, account_host, self.nodes)
+        self.victims = Victims(self.evictable)
+        self.stats = Stats()
+        self.shutting_down = False
+        self.n_running = 0
+        self.n_stopping = 0
+        self.n_running_pinned = 0
+        """Counts kept by `Rules.transition` (and a pin change), so a decision is O(1)."""
+        self.last_generation: dict[str, int] = {}
+        """Model -> the generation of its record when a reload dropped it: a model added
+        back goes on counting from there, so a late lease or event of its old record is
+        never taken for one of its new."""
+        self.now = 0.0
+        """The time of the latest event (what a `queue` event's waits are measured at)."""
+        self.wake_at: float | None = None
+        """A Repump is due then (a young victim comes of age)."""
+        self.out: list[Effect] = []
+        """Effects decided since the last event, in order."""
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.memory.ledger
+
+    @property
+    def memory_on(self) -> bool:
+        return self.memory.on
+
+    def add_model(self, name: str, now: float, *, pinned: bool = False,
+                  rules: ModelRules | None = None) -> None:
+        self.models[name] = ModelRecord(name=name, rules=rules or ModelRules(pinned=pinned),
+                                        breaker=Breaker(*self.breaker_args), state_since=now,
+                                        generation=self.last_generation.pop(name, 0))
+
+    def drop(self, name: str) -> None:
+        """Forget a model a reload removed (its child, if any, is reaped)."""
+        rec = self.models.pop(name)
+        self.last_generation[name] = rec.generation
+        self.victims.forget(name)
+        self.ledger.release(name)
+
+    def find(self, model: str) -> ModelRecord | None:
+        rec = self.models.get(model)
+        return None if rec is None or rec.removed else rec
+
+    def running_count(self) -> int:
+        return self.n_running
+
+    # ------------------------------------------------------------ queries
+
+    def needs_slot(self, entry: QueueEntry, now: float) -> bool:
+        rec = self.models[entry.model]
+        return (not entry.claimed and rec.state in (S.UNLOADED, S.STOPPING)
+                and not rec.breaker.is_open(now))
+
+    def has_capacity(self) -> bool:
+        return self.models_max <= 0 or self.n_running < self.models_max
+
+    def has_room(self, rec: ModelRecord) -> bool:
+        """May a request be proxied into `rec` now?"""
+        limit = rec.rules.max_concurrency
+        return (rec.state.is_serving and not rec.retiring
+                and (not limit or rec.in_flight < limit))
+
+    def evictable(self, rec: ModelRecord) -> bool:
+        return (rec.state.is_serving and not rec.in_flight and not rec.pinned
+                and rec.name not in self.queue.entries and not rec.removed)
+
+    def resident_until(self, rec: ModelRecord) -> float:
+        return (rec.ready_at or rec.state_since) + rec.rules.min_resident_s
