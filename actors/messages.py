@@ -31,17 +31,24 @@ class Message(msgspec.Struct, frozen=True, tag=True):
 
 
 class Grant(Message, frozen=True):
-    """Scheduler -> caller: proxy to `base_url`; the request is counted in flight already."""
+    """Scheduler -> caller: proxy to the child at `host`:`port`; the request is counted in
+    flight already."""
 
     model: str
     generation: int
-    base_url: str
+    host: str
+    port: int
     shareable: bool = True
     """Other requests may join it (actors/http/shares.py); not with a max_concurrency, where
     the Scheduler must count each request."""
     upstream_key: str | None = None
     """The key the child requires (a child on a cluster node: issue 19, R8): sent to it as
     `Authorization: Bearer KEY`; None: send none."""
+
+    @property
+    def base_url(self) -> str:
+        """The child's URL, for the embedding API's `lease()`."""
+        return f"http://{self.host}:{self.port}"
 
 
 class Refusal(Message, frozen=True):

@@ -134,12 +134,12 @@ class Scheduler(BaseActor):
                 self._run(p.children.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
                                host=host, upstream_key=key):
-                url = f"http://{host}:{port}"
-                self._run(p.children.instance_ready(model, gen, pid, url, now, info, key))
+                self._run(p.children.instance_ready(model, gen, pid, host, port, now, info,
+                                                    key))
             case InstanceAdopted(model=model, generation=gen, pid=pid, host=host, port=port,
                                  devices=devices, node=node, upstream_key=key):
-                self._run(p.children.instance_adopted(model, gen, pid, f"http://{host}:{port}",
-                                             devices, now, node, key))
+                self._run(p.children.instance_adopted(model, gen, pid, host, port, devices,
+                                                      now, node, key))
             case NodeChanged(node=node, up=up, why=why):
                 self._run(p.children.node_changed(node, up, why, now))
             case InstanceSeen(model=model, generation=gen):

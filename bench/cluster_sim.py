@@ -188,7 +188,7 @@ class PolicySim:
             elif kind == "ready":
                 model, generation = payload
                 self.ready.add(model)
-                self._call(self.p.children.instance_ready, model, generation, 1, "http://sim:1",
+                self._call(self.p.children.instance_ready, model, generation, 1, "sim", 1,
                            self.now)
                 self._report()
             elif kind == "exited":

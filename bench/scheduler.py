@@ -41,7 +41,7 @@ def build(n_models: int, n_waiters: int, seed: int = 0) -> tuple[Policy, list[st
         p.add_model(name, 0.0)
     for i, name in enumerate(names[:running]):
         p.acquire(("hold", name), name, float(i))
-        p.children.instance_ready(name, 1, 1000 + i, f"http://127.0.0.1:{10000 + i}", float(i))
+        p.children.instance_ready(name, 1, 1000 + i, "127.0.0.1", 10000 + i, float(i))
     idle = names[running:]
     waiting: list[object] = []
     for i in range(n_waiters):

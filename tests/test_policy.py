@@ -80,7 +80,7 @@ class World:
         return self.p.state.models[model].generation
 
     def ready(self, model: str) -> None:
-        self.run(self.p.children.instance_ready(model, self.gen(model), 100, "http://x:1",
+        self.run(self.p.children.instance_ready(model, self.gen(model), 100, "x", 1,
                                                 self.tick()))
 
     def exited(self, model: str, rc: int = 0) -> None:
@@ -332,7 +332,7 @@ def test_stale_events_are_dropped() -> None:
     w = World()
     w.load_idle("a")
     assert w.p.children.instance_exited("a", 0, -9, "old", 99.0) == []
-    assert w.p.children.instance_ready("a", 0, 1, "http://x:1", 99.0) == []
+    assert w.p.children.instance_ready("a", 0, 1, "x", 1, 99.0) == []
     assert w.state("a") == "loaded"
 
 
@@ -502,7 +502,7 @@ def test_a_grant_is_withdrawn_when_its_model_stops_serving_or_is_retired() -> No
     assert Withdraw("b", w.gen("b")) in effects
     w.acquire("x", "c")
     assert not any(isinstance(e, Withdraw) for e in w.run(w.p.children.instance_ready(
-        "c", w.gen("c"), 100, "http://x:1", w.tick())))  # loading -> loaded withdraws none
+        "c", w.gen("c"), 100, "x", 1, w.tick())))  # loading -> loaded withdraws none
 
 
 def test_releasing_a_shared_grant_counts_the_model_used_until_then() -> None:

@@ -158,11 +158,11 @@ def test_the_reviews_adoption_below_the_record_stops_the_child() -> None:
     p = Policy(2, 3, 60.0)
     p.add_model("m", 0.0)
     p.load("t1", "m", 0.0)
-    p.children.instance_ready("m", 1, 100, "http://nodeA:1", 0.1)
+    p.children.instance_ready("m", 1, 100, "nodeA", 1, 0.1)
     p.children.instance_exited("m", 1, -1, "node lost: poll failed", 1.0)
     p.load("t2", "m", 1.1)
     p.children.instance_exited("m", 2, 1, "exited with status 1", 1.5)
-    effects = p.children.instance_adopted("m", 1, 100, "http://nodeA:1", None, 2.0)
+    effects = p.children.instance_adopted("m", 1, 100, "nodeA", 1, None, 2.0)
     assert [e for e in effects if isinstance(e, Stop)] == [
         Stop("m", 1, "not adopted: its generation 1 is older than the model's 2")]
     assert p.state.models["m"].generation == 2 and p.state.models["m"].state.value == "unloaded"
@@ -200,13 +200,13 @@ def test_a_generation_never_moves_backwards_nor_is_given_out_twice(steps: list[t
             case ("load",):
                 effects = p.load(("load", now), "m", now)
             case ("ready",):
-                effects = p.children.instance_ready("m", rec.generation, 1, "http://n:1", now)
+                effects = p.children.instance_ready("m", rec.generation, 1, "n", 1, now)
             case ("exit", rc):
                 effects = p.children.instance_exited("m", rec.generation, rc, "exit", now)
             case ("unload",):
                 effects = p.unload(("unload", now), "m", now)
             case ("adopt", generation):
-                effects = p.children.instance_adopted("m", generation, 7, "http://n:2", None, now,
+                effects = p.children.instance_adopted("m", generation, 7, "n", 2, None, now,
                                              node="node_a")
                 adopted = rec.generation == generation and rec.state.value == "loaded" \
                     and state.value == "unloaded"

@@ -286,7 +286,7 @@ def test_queue_events_say_how_many_wait_and_for_how_long() -> None:
     assert Publish(QueueChanged("a", 1, 0.0)) in effects
     effects = w.run(w.p.acquire(2, "a", 12.5))
     assert Publish(QueueChanged("a", 2, 2.5)) in effects
-    effects = w.run(w.p.children.instance_ready("a", 1, 100, "http://x:1", 13.0))
+    effects = w.run(w.p.children.instance_ready("a", 1, 100, "x", 1, 13.0))
     assert Publish(QueueChanged("a", 0, None)) in effects
     effects = w.run(w.p.acquire(3, "a", 14.0))  # granted at once: nothing queued
     assert not any(isinstance(e, Publish) and isinstance(e.event, QueueChanged)

@@ -148,7 +148,7 @@ class Sched:
 
     def ready(self) -> None:
         g = self.p.state.models["a"].generation
-        self.run(self.p.children.instance_ready("a", g, 1, "http://127.0.0.1:1", self.t()))
+        self.run(self.p.children.instance_ready("a", g, 1, "127.0.0.1", 1, self.t()))
 
 
 async def _try_acquire(shares: Shares, s) -> object:

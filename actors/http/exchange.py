@@ -225,8 +225,8 @@ class Exchange:
             grant = share.grant
             try:
                 route = routes.models.get(grant.model)
-                host, _, port = grant.base_url.rpartition("/")[2].partition(":")
-                pool = front.pools.get((host, int(port), f"{grant.model}#{grant.generation}"),
+                pool = front.pools.get((grant.host, grant.port,
+                                        f"{grant.model}#{grant.generation}"),
                                        route.pool_cap if route else None)
                 late = route.first_byte_timeout_s if route else None
                 self.may_retry = tries < MAX_INSTANCES - 1

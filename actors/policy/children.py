@@ -56,7 +56,7 @@ class Children:
             self.state.out.append(Track(model, "spawned", pid))
         return self.rules.flush()
 
-    def instance_ready(self, model: str, generation: int, pid: int, base_url: str,
+    def instance_ready(self, model: str, generation: int, pid: int, host: str, port: int,
                        now: float, info: dict[str, Any] | None = None,
                        upstream_key: str | None = None) -> list[Effect]:
         """The child of `generation` answers: grant everyone queued for it, atomically
@@ -65,7 +65,7 @@ class Children:
         if rec is None or rec.generation != generation or rec.state is not S.LOADING:
             return []  # stale, or already being stopped: never proxy into a stopping child
         rec.pid = pid
-        rec.base_url = base_url
+        rec.host, rec.port = host, port
         rec.upstream_key = upstream_key
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
@@ -86,7 +86,7 @@ class Children:
         self.rules.pump(now)
         return self.rules.flush()
 
-    def instance_adopted(self, model: str, generation: int, pid: int, base_url: str,
+    def instance_adopted(self, model: str, generation: int, pid: int, host: str, port: int,
                          devices: list[str] | None, now: float, node: str | None = None,
                          upstream_key: str | None = None) -> list[Effect]:
         """A ready child an earlier corral left running on a Ray node (its head restarted)
@@ -111,7 +111,7 @@ class Children:
         self.rules.transition(rec, S.LOADING, f"adopting pid {pid}", now)
         if self.state.memory_on:
             self.state.memory.spawning(rec)
-        rec.pid, rec.base_url = pid, base_url
+        rec.pid, rec.host, rec.port = pid, host, port
         rec.failed = False
         rec.ready_at = rec.last_used = now
         self.rules.transition(rec, S.LOADED, f"adopted, pid {pid}", now)
@@ -180,7 +180,7 @@ class Children:
             return []
         was, up_since = rec.state, rec.ready_at
         rec.in_flight = 0
-        rec.pid = rec.base_url = rec.ready_at = rec.placement = rec.node = None
+        rec.pid = rec.host = rec.port = rec.ready_at = rec.placement = rec.node = None
         rec.upstream_key = None
         rec.exit_code = returncode
         rec.last_exit = description

@@ -108,7 +108,9 @@ class ModelRecord:
     """Start of the latest granted request, or the spawn (R-4.4)."""
     state_since: float = 0.0
     pid: int | None = None
-    base_url: str | None = None
+    host: str | None = None
+    port: int | None = None
+    """Where its child answers (while it serves)."""
     exit_code: int | None = None
     last_exit: str | None = None
     failed: bool = False

@@ -263,14 +263,14 @@ class Rules:
     def grant(self, ticket: Hashable, rec: ModelRecord, now: float) -> None:
         # The grant and the in-flight count happen in one step, so no tick can pick
         # this model as a victim between "ready" and "proxied" (llama.cpp #28698).
-        assert rec.base_url is not None
+        assert rec.host is not None and rec.port is not None
         rec.in_flight += 1
         rec.last_used = now
         self.state.stats.granted += 1
         self.state.leases[ticket] = (rec.name, rec.generation)
-        self.state.out.append(Answer(ticket, Grant(rec.name, rec.generation, rec.base_url,
-                                              shareable=not rec.rules.max_concurrency,
-                                              upstream_key=rec.upstream_key)))
+        self.state.out.append(Answer(ticket, Grant(
+            model=rec.name, generation=rec.generation, host=rec.host, port=rec.port,
+            shareable=not rec.rules.max_concurrency, upstream_key=rec.upstream_key)))
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,

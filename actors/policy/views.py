@@ -20,11 +20,10 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
                   if entry is not None and entry.waiters else None)
         expires = (rec.last_used + rec.rules.ttl_s - now
                    if rec.rules.ttl_s and p.evictable(rec) else None)
-        port = int(rec.base_url.rsplit(":", 1)[1]) if rec.base_url else None
         views.append(ModelView(
             name=rec.name, state=rec.state.value, generation=rec.generation,
             in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,
-            pid=rec.pid, port=port, exit_code=rec.exit_code, last_exit=rec.last_exit,
+            pid=rec.pid, port=rec.port, exit_code=rec.exit_code, last_exit=rec.last_exit,
             last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
             load_s_total=rec.load_s_total,
             evictions={r: n for (m, r), n in p.stats.evictions.items() if m == rec.name},
