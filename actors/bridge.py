@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
 
-from .messages import Acquire, Cancel, Grant, Refusal
+from .base import Inbox
+from .messages import Acquire, Cancel, Grant, Refusal, SchedulerMessage
+
+SchedulerInbox = Inbox[SchedulerMessage]
+"""The Scheduler's ref, as the loop side holds it."""
 
 
 def _resolve(future: asyncio.Future[object], value: object) -> None:
@@ -75,7 +78,7 @@ class Fanout:
             pass
 
 
-async def acquire(scheduler: Any, model: str, autoload: bool = True,
+async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
                   ) -> tuple[LoopReply, Grant | Refusal]:
     """Ask the Scheduler for `model` and wait for the answer, without blocking the loop.
 

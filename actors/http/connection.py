@@ -24,16 +24,14 @@ import math
 import socket
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import httptools
 
-from .edge import Answer
-from .exchange import Exchange, Phase
-from .request import MAX_HEADERS, Request, screen
-
-if TYPE_CHECKING:
-    from .front import Front
+from ..config import HttpConfig
+from .edge import Answer, Origins
+from .exchange import Exchange, Phase, Services
+from .request import MAX_HEADERS, Limits, Request, screen
 
 log = logging.getLogger("corral.front")
 
@@ -41,6 +39,26 @@ _BEFORE_ANSWER = frozenset({Phase.WAITING, Phase.FORWARDING})
 MAX_PIPELINED = 32
 """Whole requests that may wait behind the running one; more are refused (503, then the
 connection closes): one read of tiny pipelined requests made thousands of them."""
+
+
+class Hub(Services, Protocol):
+    """What a connection uses of the front that accepted it (front.Front), besides what
+    it hands on to its exchanges."""
+
+    http: HttpConfig
+    limits: Limits
+    origins: Origins | None
+    api_key: bytes | None
+
+    def admit(self, conn: Connection) -> bool: ...
+
+    def forget(self, conn: Connection) -> None: ...
+
+    def exchange_finished(self) -> None: ...
+
+    def warn(self, what: str, message: str) -> None: ...
+
+    def note_timeout(self, phase: str) -> None: ...
 
 
 class TooManyPipelined(Exception):
@@ -56,7 +74,7 @@ read and dropped, so the client reads the answer instead of a reset."""
 class Connection(asyncio.Protocol):
     """One client connection (uvicorn's shape: the protocol parses, exchanges answer)."""
 
-    def __init__(self, front: Front) -> None:
+    def __init__(self, front: Hub) -> None:
         self.front = front
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -108,7 +126,7 @@ class Connection(asyncio.Protocol):
         self._arm(self.front.http.header_timeout_s, self._header_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.front.connections.discard(self)
+        self.front.forget(self)
         self.transport = None
         self._disarm()
         self.stall_deadline = math.inf
@@ -173,7 +191,7 @@ class Connection(asyncio.Protocol):
         req = self.req
         if (req is not None and not req.headers_done and not self.lingering
                 and self.head_bytes > self.front.limits.max_header):
-            self.fail(self.front.header_too_big())
+            self.fail(self.front.limits.header_too_big())
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -233,7 +251,8 @@ class Connection(asyncio.Protocol):
         req.method = self.parser.get_method()
         req.http10 = self.parser.get_http_version() == "1.0"
         req.keep_alive = self.parser.should_keep_alive()
-        refused = screen(req, self.front, self.parser.should_upgrade())
+        refused = screen(req, self.front.limits, self.front.origins, self.front.api_key,
+                         self.parser.should_upgrade())
         if refused is not None:
             self.refuse(req, refused)
             return
@@ -250,7 +269,7 @@ class Connection(asyncio.Protocol):
         req.body_size += len(body)
         if req.body_size > self.front.limits.max_body:  # chunked: no length to check first
             req.body_parts.clear()
-            self.refuse(req, self.front.too_big())
+            self.refuse(req, self.front.limits.too_big())
             return
         req.body_parts.append(body)
 
@@ -307,7 +326,7 @@ class Connection(asyncio.Protocol):
                 self.write(req.answer.encode(False, req.method == b"HEAD"))
                 self.close()
                 return
-            self.exchange = Exchange(self, req)
+            self.exchange = Exchange(self.front, self, req)
 
     def exchange_done(self, exchange: Exchange) -> None:
         assert exchange is self.exchange

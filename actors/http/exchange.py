@@ -24,10 +24,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import pykka
 
+from ..bridge import SchedulerInbox
+from ..lifecycle import IllegalTransition
 from ..messages import AnswerLate, Refusal
 from .edge import (
     HOP_BY_HOP,
@@ -37,6 +40,7 @@ from .edge import (
     SSE_PREFIX,
     TO_API_DROPPED,
     Answer,
+    Routes,
     model_of_body,
     parse_autoload,
     parse_query,
@@ -44,13 +48,11 @@ from .edge import (
     refusal_answer,
     sse_error_event,
 )
-from .pool import Pool
-from .shares import SharedGrant
+from .metrics import RequestTimes
+from .pool import Pool, Pools
+from .request import Request
+from .shares import SharedGrant, Shares
 from .upstream import Broke, Upstream
-
-if TYPE_CHECKING:
-    from .connection import Connection
-    from .request import Request
 
 log = logging.getLogger("corral.front")
 
@@ -95,15 +97,41 @@ API = "corral's API"
 """What an exchange forwards to until it is given to a model."""
 
 
+class Services(Protocol):
+    """What an exchange uses of the front that runs it (front.Front): handed to it, so that
+    it never reaches through its connection to the connection's parent (uvicorn's
+    `RequestResponseCycle` habit)."""
+
+    routes: Routes
+    shares: Shares
+    pools: Pools
+    times: RequestTimes
+    stopped: dict[str, int]
+    draining: bool
+    to_api: tuple[bytes, ...]
+    scheduler: Callable[[], SchedulerInbox]
+
+    def api_pool(self) -> Pool: ...
+
+
+class Client(Protocol):
+    """What an exchange writes its answer to: its client connection."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def exchange_done(self, exchange: Exchange) -> None: ...
+
+
 class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("broke", "broke_kind", "chunked", "conn", "done", "first_at", "head_only",
-                 "keep_alive", "late", "may_replay", "may_retry", "out", "phase", "req", "sse",
-                 "status", "task", "upstream", "what")
+    __slots__ = ("broke", "broke_kind", "chunked", "client", "done", "first_at", "head_only",
+                 "keep_alive", "late", "may_replay", "may_retry", "out", "phase", "req",
+                 "services", "sse", "status", "task", "upstream", "what")
 
-    def __init__(self, conn: Connection, req: Request) -> None:
-        self.conn = conn
+    def __init__(self, services: Services, client: Client, req: Request) -> None:
+        self.services = services
+        self.client = client
         self.req = req
         self.phase = Phase.WAITING
         self.keep_alive = req.keep_alive
@@ -141,7 +169,8 @@ class Exchange:
         return self.sse and self.what == API
 
     def _to(self, phase: Phase) -> None:
-        assert phase in TRANSITIONS[self.phase], f"exchange: {self.phase} -> {phase}"
+        if phase not in TRANSITIONS[self.phase]:
+            raise IllegalTransition(f"exchange: {self.phase.value} -> {phase.value}")
         self.phase = phase
 
     # ------------------------------------------------------------ the request
@@ -162,7 +191,7 @@ class Exchange:
                 self.upstream.detach()
                 self.upstream = None
             self.phase = Phase.DONE
-            self.conn.exchange_done(self)
+            self.client.exchange_done(self)
 
     async def _serve(self) -> None:
         req = self.req
@@ -173,8 +202,8 @@ class Exchange:
         elif req.method in (b"GET", b"HEAD") and "model" in fields and path not in _OWN_GET:
             name = fields["model"] or Answer(400, "?model= is empty; name a model")
         else:
-            await self.forward(self.conn.front.api_pool(), TO_API_DROPPED, None,
-                               self.conn.front.to_api)
+            await self.forward(self.services.api_pool(), TO_API_DROPPED, None,
+                               self.services.to_api)
             return
         if isinstance(name, Answer):
             self.answer(name)
@@ -182,7 +211,7 @@ class Exchange:
         await self.to_model(name, fields)
 
     async def to_model(self, name: str, fields: dict[str, str]) -> None:
-        front = self.conn.front
+        front = self.services
         routes = front.routes
         model = routes.names.get(name)
         if model is None:
@@ -203,7 +232,7 @@ class Exchange:
                                     end - started)
 
     async def _to_model(self, model: str, autoload: bool) -> None:
-        front = self.conn.front
+        front = self.services
         routes = front.routes
         scheduler = front.scheduler()
         gone: tuple[int, Pool] | None = None  # the child that went away before answering
@@ -269,7 +298,7 @@ class Exchange:
         child's exit (a few ms behind the connection's end), it may still grant it. None
         if that child still takes connections after ALIVE_AFTER_S though it had the
         request, or is still granted after RETRY_POLLS."""
-        front = self.conn.front
+        front = self.services
         probe_at = round(ALIVE_AFTER_S / RETRY_POLL_S) if self.broke_kind is Broke.GONE else -1
         for poll in range(RETRY_POLLS):
             if not isinstance(share, SharedGrant) or share.grant.generation != gone:
@@ -350,8 +379,8 @@ class Exchange:
     def answer(self, answer: Answer) -> None:
         """corral's own answer, in place of a child's."""
         self._head(answer.status)
-        self.keep_alive = self.keep_alive and not self.conn.front.draining
-        self.conn.write(answer.encode(self.keep_alive, self.head_only))
+        self.keep_alive = self.keep_alive and not self.services.draining
+        self.client.write(answer.encode(self.keep_alive, self.head_only))
         self._to(Phase.DONE)
 
     def _resolve(self) -> None:
@@ -387,7 +416,7 @@ class Exchange:
                 out.append(name + b": " + value)
         if self.what != API:
             out += CHILD_HEADERS
-        keep = self.keep_alive and not self.conn.front.draining
+        keep = self.keep_alive and not self.services.draining
         if status in (204, 304):
             pass  # no body, so no length either (RFC 9110 8.6: a 204 must not say one)
         elif length is not None:
@@ -411,7 +440,7 @@ class Exchange:
 
     def flush(self) -> None:
         if self.out:
-            self.conn.write(b"".join(self.out))
+            self.client.write(b"".join(self.out))
             self.out.clear()
 
     def response_done(self) -> None:

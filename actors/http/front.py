@@ -21,14 +21,15 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from typing import Any
 
+from ..bridge import SchedulerInbox
 from ..config import HttpConfig
 from ..messages import Withdraw
 from .connection import Connection
-from .edge import FRONT_HEADER, Answer, Origins, Routes
+from .edge import FRONT_HEADER, Origins, Routes
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
+from .request import Limits
 from .shares import Shares
 
 log = logging.getLogger("corral.front")
@@ -49,17 +50,6 @@ FD_RESERVE = 64
 """File descriptors kept back from clients for children's pipes, logs and the API."""
 
 
-class Limits:
-    """The edge's size limits in bytes (from `[http]` and max_body_mib)."""
-
-    __slots__ = ("max_body", "max_header", "max_url")
-
-    def __init__(self, http: HttpConfig, max_body_mib: float) -> None:
-        self.max_header = int(http.max_header_kib * 1024)
-        self.max_url = int(http.max_url_kib * 1024)
-        self.max_body = int(max_body_mib * 1024 * 1024)
-
-
 def default_max_connections() -> int:
     """Half of what the open-file limit leaves: each client may hold a child connection."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -71,7 +61,7 @@ def default_max_connections() -> int:
 class Front:
     """Everything the client connections share."""
 
-    def __init__(self, routes: Routes, scheduler: Callable[[], Any], api_port: int,
+    def __init__(self, routes: Routes, scheduler: Callable[[], SchedulerInbox], api_port: int,
                  api_key: str | None, http: HttpConfig, max_body_mib: float,
                  api_secret: str = "") -> None:
         self.routes = routes
@@ -86,7 +76,7 @@ class Front:
         self.max_connections = http.max_connections or default_max_connections()
         self.pools = Pools(POOL_IDLE_S, self.limits.max_header, http.upstream_idle_timeout_s)
         self.api_address = ("127.0.0.1", api_port, API_TAG)
-        self.to_api = (FRONT_HEADER + b": " + api_secret.encode(),)
+        self.to_api: tuple[bytes, ...] = (FRONT_HEADER + b": " + api_secret.encode(),)
         """What the front adds to every request it passes to the management API."""
         self.stopped: dict[str, int] = {}
         """Model -> the newest generation withdrawn to stop on purpose: a request its child
@@ -133,6 +123,9 @@ class Front:
         self.connections.add(conn)
         return True
 
+    def forget(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+
     def warn(self, what: str, message: str) -> None:
         """Log `message` at most once a second per kind (a flood must not flood the log)."""
         now = time.monotonic()
@@ -143,14 +136,6 @@ class Front:
     def note_timeout(self, phase: str) -> None:
         self.warn(f"timeout-{phase}", f"a client was too slow sending its request {phase}s "
                   f"(http.{phase}_timeout_s); answered 408")
-
-    def too_big(self) -> Answer:
-        return Answer(413, f"request body over the {self.limits.max_body / 2**20:g} MiB "
-                      "limit (max_body_mib)")
-
-    def header_too_big(self) -> Answer:
-        return Answer(431, f"request header block over the {self.limits.max_header // 1024}"
-                      " KiB limit (http.max_header_kib)")
 
     def _sweep(self) -> None:
         """Once a second: run the connections' timeouts (so they fire up to a second late),

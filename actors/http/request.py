@@ -9,17 +9,32 @@ the key and the body cap are checked from the headers, before the body is read a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .edge import OPEN_PATHS, Answer, check_key
-
-if TYPE_CHECKING:
-    from .front import Front
+from ..config import HttpConfig
+from .edge import OPEN_PATHS, Answer, Origins, check_key
 
 MAX_HEADERS = 100
 """Header fields a request may have (Apache's default): 32 KiB of tiny ones held 750 KiB."""
 _OPEN = frozenset(p.encode() for p in OPEN_PATHS)
 _HEALTH = frozenset({b"/health", b"/v1/health"})
+
+
+class Limits:
+    """The edge's size limits in bytes (from `[http]` and max_body_mib)."""
+
+    __slots__ = ("max_body", "max_header", "max_url")
+
+    def __init__(self, http: HttpConfig, max_body_mib: float) -> None:
+        self.max_header = int(http.max_header_kib * 1024)
+        self.max_url = int(http.max_url_kib * 1024)
+        self.max_body = int(max_body_mib * 1024 * 1024)
+
+    def too_big(self) -> Answer:
+        return Answer(413, f"request body over the {self.max_body / 2**20:g} MiB "
+                      "limit (max_body_mib)")
+
+    def header_too_big(self) -> Answer:
+        return Answer(431, f"request header block over the {self.max_header // 1024}"
+                      " KiB limit (http.max_header_kib)")
 
 
 class Request:
@@ -47,13 +62,14 @@ class Request:
         self.continue_sent = False
 
 
-def screen(req: Request, front: Front, upgrade: bool) -> Answer | None:
+def screen(req: Request, limits: Limits, origins: Origins | None, key: bytes | None,
+           upgrade: bool) -> Answer | None:
     """What must refuse this request before its body is read (R-6.7), or None: its size,
-    its framing, who may send it (R5) and its key, whether corral can meet its Expect."""
-    limits = front.limits
+    its framing, who may send it (R5: `origins`, None without a check) and its `key`,
+    whether corral can meet its Expect."""
     size = req.url_size + sum(len(n) + len(v) + 4 for n, v in req.headers)
     if size > limits.max_header:
-        return front.header_too_big()
+        return limits.header_too_big()
     if len(req.headers) > MAX_HEADERS:
         return Answer(431, f"more than {MAX_HEADERS} header fields")
     if req.url_size > limits.max_url:
@@ -80,16 +96,15 @@ def screen(req: Request, front: Front, upgrade: bool) -> Answer | None:
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
     path = req.url.partition(b"?")[0]
-    origins = front.origins
     if origins is not None and path not in _HEALTH:
         refused = origins.check(host, origin, fetch_site)
         if refused is not None:
             return refused
-    refused = check_key(req.headers, None if path in _OPEN else front.api_key)
+    refused = check_key(req.headers, None if path in _OPEN else key)
     if refused is not None:
         return refused
     if length > limits.max_body:
-        return front.too_big()
+        return limits.too_big()
     if expect is not None:
         if expect.strip().lower() != b"100-continue":
             return Answer(417, f"unsupported expectation {expect.decode('latin-1')!r} "

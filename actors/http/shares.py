@@ -15,9 +15,7 @@ already running on that child (a manual unload or a crash ends them all).
 
 from __future__ import annotations
 
-from typing import Any
-
-from ..bridge import LoopReply, acquire
+from ..bridge import LoopReply, SchedulerInbox, acquire
 from ..messages import Grant, Refusal, Release, Withdraw
 
 
@@ -47,7 +45,7 @@ class Shares:
         self.extra: dict[str, int] = {}
         """Model -> requests running beyond the one each grant counts (for GET /models)."""
 
-    async def acquire(self, scheduler: Any, model: str,
+    async def acquire(self, scheduler: SchedulerInbox, model: str,
                       autoload: bool) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one."""
         share = self.open.get(model)
@@ -65,7 +63,7 @@ class Shares:
             self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
 
-    def release(self, scheduler: Any, share: SharedGrant) -> None:
+    def release(self, scheduler: SchedulerInbox, share: SharedGrant) -> None:
         share.count -= 1
         model = share.grant.model
         if share.count:
