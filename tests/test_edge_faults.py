@@ -396,6 +396,7 @@ def test_the_write_timeout_counts_progress_not_pauses() -> None:
 
     from actors.config import HttpConfig
     from actors.http.connection import Connection
+    from actors.http.request import Limits
 
     class Transport:
         def __init__(self) -> None:
@@ -416,6 +417,8 @@ def test_the_write_timeout_counts_progress_not_pauses() -> None:
 
     class Front:
         http = HttpConfig(write_timeout_s=2)
+        limits = Limits(http, 1.0)
+        origins = api_key = None
         warnings: list[str] = []
 
         def warn(self, what: str, message: str) -> None:

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
-import socket
-import struct
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -31,7 +28,8 @@ import httptools
 from ..config import HttpConfig
 from .edge import Answer, Origins
 from .exchange import Exchange, Phase, Services
-from .request import MAX_HEADERS, Limits, Request, screen
+from .flow import WriteStall, cut
+from .request import Limits, Reader, Request
 
 log = logging.getLogger("corral.front")
 
@@ -51,13 +49,9 @@ class Hub(Services, Protocol):
     api_key: bytes | None
 
     def admit(self, conn: Connection) -> bool: ...
-
     def forget(self, conn: Connection) -> None: ...
-
     def exchange_finished(self) -> None: ...
-
     def warn(self, what: str, message: str) -> None: ...
-
     def note_timeout(self, phase: str) -> None: ...
 
 
@@ -78,14 +72,10 @@ class Connection(asyncio.Protocol):
         self.front = front
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.req: Request | None = None
-        """The request being parsed."""
+        self.reader = Reader(self, front.limits, front.origins, front.api_key)
         self.pending: collections.deque[Request] = collections.deque()
         """Whole requests behind the running exchange (bounded by one read: see module)."""
         self.exchange: Exchange | None = None
-        self.head_bytes = 0
-        """Bytes fed since the current header block began (the limit's count)."""
         self.deadline = math.inf
         """When `on_deadline` runs (loop time): the Front checks every connection once a
         second (a timer per request cost more than the rest of the front's bookkeeping)."""
@@ -101,11 +91,8 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         """The client is not taking what corral writes (its buffer is over the high-water
         mark): nothing new is read or started until it is (R1)."""
-        self.stall_deadline = math.inf
-        """When a client that takes nothing is cut (loop time; R2)."""
-        self.stall_buffer = 0
-        """Bytes waiting for the client when the stall deadline was set: fewer at the
-        deadline is progress, and the deadline starts again."""
+        self.stall = WriteStall(front.http.write_timeout_s)
+        """When a client that takes nothing is cut (R2)."""
         self.probing = False
         """A chain of `_probe` calls is running."""
         self.closing = False
@@ -129,7 +116,7 @@ class Connection(asyncio.Protocol):
         self.front.forget(self)
         self.transport = None
         self._disarm()
-        self.stall_deadline = math.inf
+        self.stall.stop()
         if self.exchange is not None:
             self.exchange.client_gone()
         elif self.front.draining:
@@ -172,12 +159,8 @@ class Connection(asyncio.Protocol):
         if self.lingering:
             return
         self.last_read = self.loop.time()
-        req = self.req
-        in_head = req is None or not req.headers_done
-        if in_head:
-            self.head_bytes += len(data)
         try:
-            self.parser.feed_data(data)
+            self.reader.feed(data)
         except httptools.HttpParserUpgrade:
             self.reading_done()  # what follows is not HTTP: its 400 is queued already
         except httptools.HttpParserError as e:
@@ -188,9 +171,7 @@ class Connection(asyncio.Protocol):
                 return
             self.fail(Answer(400, f"malformed HTTP request: {e}"))
             return
-        req = self.req
-        if (req is not None and not req.headers_done and not self.lingering
-                and self.head_bytes > self.front.limits.max_header):
+        if self.reader.head_too_big() and not self.lingering:
             self.fail(self.front.limits.header_too_big())
 
     def pause_writing(self) -> None:
@@ -202,22 +183,20 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
-        self.stall_deadline = math.inf
+        self.stall.stop()
         if self.exchange is not None:
             self.exchange.resume_upstream()
-            if self.pending or self.req is not None:
+            if self.pending or self.reader.req is not None:
                 return  # reading resumes when the next request may start
             self.resume_reading()
         elif not self.lingering:
             self.next_request()
 
-    # ------------------------------------------------------------ httptools callbacks
+    # ------------------------------------------------------------ what the reader finds
 
-    def on_message_begin(self) -> None:
+    def request_begins(self) -> None:
         if self.exchange is not None and len(self.pending) >= MAX_PIPELINED:
             raise TooManyPipelined
-        self.req = Request()
-        self.head_bytes = 0
         if self.exchange is None:
             self._arm(self.front.http.header_timeout_s, self._header_late)
         else:
@@ -226,62 +205,15 @@ class Connection(asyncio.Protocol):
                 self.loop.call_later(PROBE_EVERY_S, self._probe, PROBE_EVERY_S)
                 self.probing = True
 
-    def on_url(self, url: bytes) -> None:
-        req = self.req
-        assert req is not None
-        req.url_size += len(url)
-        if req.url_size <= self.front.limits.max_url:
-            req.url_parts.append(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        req = self.req
-        assert req is not None
-        # after the head: chunked trailers, never forwarded (finding 8); past MAX_HEADERS
-        # the count is all that matters (a 431)
-        if not req.headers_done and len(req.headers) <= MAX_HEADERS:
-            req.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        req = self.req
-        assert req is not None
-        req.headers_done = True
-        if self.lingering:
-            return
-        req.url = b"".join(req.url_parts)
-        req.method = self.parser.get_method()
-        req.http10 = self.parser.get_http_version() == "1.0"
-        req.keep_alive = self.parser.should_keep_alive()
-        refused = screen(req, self.front.limits, self.front.origins, self.front.api_key,
-                         self.parser.should_upgrade())
+    def request_head(self, req: Request, refused: Answer | None) -> None:
         if refused is not None:
             self.refuse(req, refused)
-            return
-        if not self.busy:
+        elif not self.busy:
             if req.wants_continue:
                 self.send_continue(req)
             self._arm(self.front.http.body_timeout_s, self._body_late)
 
-    def on_body(self, body: bytes) -> None:
-        req = self.req
-        assert req is not None
-        if req.answer is not None or self.lingering:
-            return  # refused already: the body is dropped, not kept
-        req.body_size += len(body)
-        if req.body_size > self.front.limits.max_body:  # chunked: no length to check first
-            req.body_parts.clear()
-            self.refuse(req, self.front.limits.too_big())
-            return
-        req.body_parts.append(body)
-
-    def on_message_complete(self) -> None:
-        req = self.req
-        assert req is not None
-        self.req = None
-        if self.lingering:
-            return
-        req.complete = True
-        req.body = b"".join(req.body_parts)
-        req.body_parts = []
+    def request_done(self, req: Request) -> None:
         self.pending.append(req)
         if self.exchange is None:
             self._disarm()
@@ -313,7 +245,7 @@ class Connection(asyncio.Protocol):
         while self.exchange is None and self.transport is not None and not self.closing:
             if self.write_paused:
                 return  # the last answer is not taken yet: `resume_writing` goes on (R1)
-            if self.front.draining and (self.pending or self.req is not None):
+            if self.front.draining and (self.pending or self.reader.req is not None):
                 self.pending.clear()
                 self.answer_early(Answer(503, "corral is shutting down; retry elsewhere "
                                          "or after its restart"))
@@ -348,7 +280,7 @@ class Connection(asyncio.Protocol):
         if self.eof or self.front.draining:
             self.close()
             return
-        req = self.req
+        req = self.reader.req
         if req is None:
             self._arm(self.front.http.keep_alive_timeout_s, self._idle_late)
         elif req.headers_done:
@@ -392,20 +324,9 @@ class Connection(asyncio.Protocol):
         self.closing = True
         self.pending.clear()
         if self.transport is not None:
-            if self.transport.get_write_buffer_size() and self.stall_deadline == math.inf:
+            if self.transport.get_write_buffer_size() and not self.stall.watching:
                 self._stall_watch()
             self.transport.close()
-
-    def cut(self) -> None:
-        """Close at once with a reset: what the client did not take is dropped, here and
-        in the kernel (a plain close keeps sending it, for as long as the client acks)."""
-        if self.transport is None:
-            return
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.transport.abort()
 
     def pause_reading(self) -> None:
         if self.reading and self.transport is not None:
@@ -421,8 +342,7 @@ class Connection(asyncio.Protocol):
     def reading_done(self) -> None:
         """Nothing more will be parsed on this connection."""
         self.pause_reading()
-        self.parser = httptools.HttpRequestParser(self)  # a fresh one that is never fed
-        self.req = None
+        self.reader.stop()
 
     def drain(self) -> None:
         """Shutdown: let the running answer finish, answer nothing new."""
@@ -439,24 +359,17 @@ class Connection(asyncio.Protocol):
         self.deadline = math.inf
 
     def _stall_watch(self) -> None:
-        self.stall_deadline = self.loop.time() + self.front.http.write_timeout_s
-        self.stall_buffer = (self.transport.get_write_buffer_size()
-                             if self.transport is not None else 0)
+        if self.transport is not None:
+            self.stall.watch(self.loop.time(), self.transport.get_write_buffer_size())
 
     def check_deadline(self, now: float) -> None:
         """Called by the Front once a second."""
-        if now >= self.stall_deadline:
-            if self.transport is None:
-                return
-            left = self.transport.get_write_buffer_size()
-            if left < self.stall_buffer:  # it took some: a slow reader, not a stalled one
-                self._stall_watch()
-                return
-            self.stall_deadline = math.inf
+        if self.transport is not None and self.stall.stalled(
+                now, left := self.transport.get_write_buffer_size()):
             self.front.warn("stalled", f"cut a client that took none of the {left} bytes "
                             "waiting for it in "
                             f"{self.front.http.write_timeout_s:g} s (http.write_timeout_s)")
-            self.cut()
+            cut(self.transport)
             return
         if now >= self.deadline:
             self.deadline = math.inf
@@ -466,7 +379,7 @@ class Connection(asyncio.Protocol):
         self.close()
 
     def _header_late(self) -> None:
-        if self.req is None and not self.head_bytes:
+        if self.reader.req is None and not self.reader.head_bytes:
             self.close()  # connected and sent nothing: nobody to answer
             return
         self.front.note_timeout("header")

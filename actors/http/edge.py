@@ -12,7 +12,7 @@ import http
 import ipaddress
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -270,6 +270,85 @@ def model_of_body(body: bytes) -> str | Answer:
     if not head.model:
         return Answer(400, 'model name is missing from the request (set "model")')
     return head.model
+
+
+_PROXIED = frozenset(p.encode() for p in PROXIED_POST)
+_OWN_GET = frozenset(p.encode() for p in OWN_GET)
+
+
+def target(method: bytes, url: bytes, body: bytes,
+           routes: Routes) -> tuple[str, bool] | Answer | None:
+    """Where a request goes: to a model, as (its canonical name, autoload); to the
+    management API (None); or nowhere, with the 400 that says why. A model is named by a
+    proxied POST's JSON body, or by `?model=` on a GET of a path that is not corral's own."""
+    path, _, query = url.partition(b"?")
+    fields = parse_query(query.decode("latin-1")) if query else {}
+    if method == b"POST" and path in _PROXIED:
+        name = model_of_body(body)
+    elif method in (b"GET", b"HEAD") and "model" in fields and path not in _OWN_GET:
+        name = fields["model"] or Answer(400, "?model= is empty; name a model")
+    else:
+        return None
+    if isinstance(name, Answer):
+        return name
+    model = routes.names.get(name)
+    if model is None:
+        return Answer(400, f"model '{name}' not found")
+    autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload
+    return autoload if isinstance(autoload, Answer) else (model, autoload)
+
+
+CHILD_HEADERS = (b"Content-Security-Policy: sandbox", b"X-Content-Type-Options: nosniff")
+"""Added to every answer relayed from a child: a child's page (a web UI, or an injection
+into one) is served from corral's origin, where the dashboard keeps its key (R13)."""
+
+
+class RelayHead(NamedTuple):
+    data: bytes
+    keep_alive: bool
+    chunked: bool
+    """The answer is re-framed as chunks (the child gave no length)."""
+    sse: bool
+
+
+def interim_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """A child's 1xx answer as the client gets it."""
+    out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
+    out += [n + b": " + v for n, v in headers if n.lower() not in HOP_BY_HOP]
+    return b"\r\n".join(out) + b"\r\n\r\n"
+
+
+def relay_head(status: int, headers: list[tuple[bytes, bytes]], *, from_child: bool,
+               keep_alive: bool, head_only: bool, http10: bool) -> RelayHead:
+    """The head of an answer relayed to the client: hop-by-hop headers dropped, the
+    child headers added (`from_child`), and its framing: the child's length, chunks, or
+    (HTTP/1.0) the close."""
+    length = None
+    sse = chunked = False
+    out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"content-length":
+            length = value
+        elif lname == b"content-type" and value.startswith(SSE_PREFIX):
+            sse = True
+        if lname not in HOP_BY_HOP:
+            out.append(name + b": " + value)
+    if from_child:
+        out += CHILD_HEADERS
+    if status in (204, 304):
+        pass  # no body, so no length either (RFC 9110 8.6: a 204 must not say one)
+    elif length is not None:
+        out.append(b"Content-Length: " + length)
+    elif head_only:
+        pass
+    elif not http10:
+        chunked = True
+        out.append(b"Transfer-Encoding: chunked")
+    else:
+        keep_alive = False  # an HTTP/1.0 client reads to the close
+    out.append(b"Connection: keep-alive" if keep_alive else b"Connection: close")
+    return RelayHead(b"\r\n".join(out) + b"\r\n\r\n", keep_alive, chunked, sse)
 
 
 class ModelRoute(msgspec.Struct, frozen=True):

@@ -33,20 +33,15 @@ from ..bridge import SchedulerInbox
 from ..lifecycle import IllegalTransition
 from ..messages import AnswerLate, Refusal
 from .edge import (
-    HOP_BY_HOP,
     NOT_FORWARDED,
-    OWN_GET,
-    PROXIED_POST,
-    SSE_PREFIX,
     TO_API_DROPPED,
     Answer,
     Routes,
-    model_of_body,
-    parse_autoload,
-    parse_query,
-    reason,
+    interim_head,
     refusal_answer,
+    relay_head,
     sse_error_event,
+    target,
 )
 from .metrics import RequestTimes
 from .pool import Pool, Pools
@@ -61,20 +56,6 @@ MAX_REPLAYS = 2
 MAX_INSTANCES = 6
 """How many instances a request may try in all: those that could not be reached (they
 never had it) do not count as replays, but a limit there must be."""
-RETRY_POLLS = 200
-RETRY_POLL_S = 0.01
-"""A request whose child went away waits up to 2 s for the Scheduler to see the exit (it
-does within a few ms of the child's end: the exit watcher's wait returns at once)."""
-ALIVE_AFTER_S = 0.25
-PROBE_TIMEOUT_S = 1.0
-"""A child whose exit the Scheduler has not seen ALIVE_AFTER_S after it dropped a request
-it had is asked whether it is still there: a connect, which may take PROBE_TIMEOUT_S."""
-CHILD_HEADERS = (b"Content-Security-Policy: sandbox", b"X-Content-Type-Options: nosniff")
-"""Added to every answer relayed from a child: a child's page (a web UI, or an injection
-into one) is served from corral's origin, where the dashboard keeps its key (R13)."""
-
-_PROXIED = frozenset(p.encode() for p in PROXIED_POST)
-_OWN_GET = frozenset(p.encode() for p in OWN_GET)
 
 
 class Phase(enum.Enum):
@@ -84,15 +65,12 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
-P = Phase
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    P.WAITING: frozenset({P.FORWARDING, P.DONE}),
-    P.FORWARDING: frozenset({P.STREAMING, P.DONE, P.WAITING}),  # waiting: a retry
-    P.STREAMING: frozenset({P.DONE}),
-    P.DONE: frozenset(),
+    Phase.WAITING: frozenset({Phase.FORWARDING, Phase.DONE}),
+    Phase.FORWARDING: frozenset({Phase.STREAMING, Phase.DONE, Phase.WAITING}),  # a retry
+    Phase.STREAMING: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
 }
-
-
 API = "corral's API"
 """What an exchange forwards to until it is given to a model."""
 
@@ -194,33 +172,15 @@ class Exchange:
             self.client.exchange_done(self)
 
     async def _serve(self) -> None:
-        req = self.req
-        path, _, query = req.url.partition(b"?")
-        fields = parse_query(query.decode("latin-1")) if query else {}
-        if req.method == b"POST" and path in _PROXIED:
-            name = model_of_body(req.body)
-        elif req.method in (b"GET", b"HEAD") and "model" in fields and path not in _OWN_GET:
-            name = fields["model"] or Answer(400, "?model= is empty; name a model")
-        else:
-            await self.forward(self.services.api_pool(), TO_API_DROPPED, None,
-                               self.services.to_api)
-            return
-        if isinstance(name, Answer):
-            self.answer(name)
-            return
-        await self.to_model(name, fields)
-
-    async def to_model(self, name: str, fields: dict[str, str]) -> None:
         front = self.services
-        routes = front.routes
-        model = routes.names.get(name)
-        if model is None:
-            self.answer(Answer(400, f"model '{name}' not found"))
+        to = target(self.req.method, self.req.url, self.req.body, front.routes)
+        if to is None:
+            await self.forward(front.api_pool(), TO_API_DROPPED, None, front.to_api)
             return
-        autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload
-        if isinstance(autoload, Answer):
-            self.answer(autoload)
+        if isinstance(to, Answer):
+            self.answer(to)
             return
+        model, autoload = to
         self.what = f"model '{model}'"
         started = asyncio.get_running_loop().time()
         try:
@@ -241,7 +201,10 @@ class Exchange:
             found: SharedGrant | Refusal | None = await front.shares.acquire(
                 scheduler, model, autoload)
             if gone is not None:
-                found = await self._next_instance(found, *gone, autoload)
+                generation, pool = gone
+                found = await front.shares.acquire_past(
+                    scheduler, found, generation, autoload,
+                    pool if self.broke_kind is Broke.GONE else None)
             if found is None:
                 self.answer(Answer(502, f"{self.what} is unreachable: {self.broke} (its "
                                    "child is still running and may have the request, so it "
@@ -270,10 +233,13 @@ class Exchange:
             if self.phase is Phase.DONE:
                 return
             # Nothing of the final answer was sent: the next instance gets the request,
-            # unless its child was stopped on purpose (or is still there: _next_instance).
-            refused = self._not_again(grant.generation, front.stopped.get(model, 0))
-            if refused is not None:
-                self.answer(refused)
+            # unless its child is still there (Shares.acquire_past) or was stopped on
+            # purpose (unloaded, unhealthy, corral stopping): an operator's stop is not
+            # undone by a request that comes back for the model.
+            if grant.generation <= front.stopped.get(model, 0):
+                self.answer(Answer(503, f"{self.what} was stopped while it had this request "
+                                   f"({self.broke}); not sent again",
+                                   headers=(("Retry-After", "1"),)))
                 return
             replays += self.broke_kind is Broke.GONE
             log.warning("%s#%d went away before answering (%s); the request goes to its next "
@@ -282,36 +248,6 @@ class Exchange:
             gone = (grant.generation, pool)
             if self.phase is Phase.FORWARDING:  # not when it failed as it connected
                 self._to(Phase.WAITING)
-
-    def _not_again(self, generation: int, stopped: int) -> Answer | None:
-        """The answer for a request whose child was stopped on purpose (unloaded, found
-        unhealthy, corral stopping) while it had it: an operator's stop is not undone by
-        a request that comes back for the model."""
-        if generation > stopped:
-            return None
-        return Answer(503, f"{self.what} was stopped while it had this request ({self.broke})"
-                      "; not sent again", headers=(("Retry-After", "1"),))
-
-    async def _next_instance(self, share: SharedGrant | Refusal | None, gone: int, pool: Pool,
-                             autoload: bool) -> SharedGrant | Refusal | None:
-        """A grant that is not for generation `gone`: until the Scheduler has seen that
-        child's exit (a few ms behind the connection's end), it may still grant it. None
-        if that child still takes connections after ALIVE_AFTER_S though it had the
-        request, or is still granted after RETRY_POLLS."""
-        front = self.services
-        probe_at = round(ALIVE_AFTER_S / RETRY_POLL_S) if self.broke_kind is Broke.GONE else -1
-        for poll in range(RETRY_POLLS):
-            if not isinstance(share, SharedGrant) or share.grant.generation != gone:
-                return share
-            front.shares.release(front.scheduler(), share)
-            if poll == probe_at and await pool.alive(PROBE_TIMEOUT_S):
-                return None
-            await asyncio.sleep(RETRY_POLL_S)
-            share = await front.shares.acquire(front.scheduler(), share.grant.model, autoload)
-        if isinstance(share, SharedGrant) and share.grant.generation == gone:
-            front.shares.release(front.scheduler(), share)
-            return None
-        return share
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
                       first_byte_timeout_s: float | None, extra: tuple[bytes, ...] = ()) -> None:
@@ -392,9 +328,7 @@ class Exchange:
     def response_interim(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self.phase is not Phase.FORWARDING or self.req.http10:
             return  # an HTTP/1.0 client knows no interim answers
-        out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
-        out += [n + b": " + v for n, v in headers if n.lower() not in HOP_BY_HOP]
-        self.out.append(b"\r\n".join(out) + b"\r\n\r\n")
+        self.out.append(interim_head(status, headers))
 
     def _head(self, status: int) -> None:
         self.status = status
@@ -404,33 +338,11 @@ class Exchange:
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._head(status)
         self._to(Phase.STREAMING)
-        length = None
-        out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
-        for name, value in headers:
-            lname = name.lower()
-            if lname == b"content-length":
-                length = value
-            elif lname == b"content-type" and value.startswith(SSE_PREFIX):
-                self.sse = True
-            if lname not in HOP_BY_HOP:
-                out.append(name + b": " + value)
-        if self.what != API:
-            out += CHILD_HEADERS
-        keep = self.keep_alive and not self.services.draining
-        if status in (204, 304):
-            pass  # no body, so no length either (RFC 9110 8.6: a 204 must not say one)
-        elif length is not None:
-            out.append(b"Content-Length: " + length)
-        elif self.head_only:
-            pass
-        elif not self.req.http10:
-            self.chunked = True
-            out.append(b"Transfer-Encoding: chunked")
-        else:
-            keep = False  # an HTTP/1.0 client reads to the close
-        self.keep_alive = keep
-        out.append(b"Connection: keep-alive" if keep else b"Connection: close")
-        self.out.append(b"\r\n".join(out) + b"\r\n\r\n")
+        head = relay_head(status, headers, from_child=self.what != API,
+                          keep_alive=self.keep_alive and not self.services.draining,
+                          head_only=self.head_only, http10=self.req.http10)
+        self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
+        self.out.append(head.data)
 
     def response_body(self, body: bytes) -> None:
         if self.chunked:
@@ -473,7 +385,7 @@ class Exchange:
     # ------------------------------------------------------------ the client
 
     def pause_upstream(self) -> None:
-        if self.upstream is not None:
+        if self.upstream is not None:  # the client takes nothing: neither does corral
             self.upstream.pause_reading()
 
     def resume_upstream(self) -> None:

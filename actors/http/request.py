@@ -1,4 +1,4 @@
-"""One request as the front parses it, and the screening it passes before its body is read.
+"""Requests as the front reads them: parsed, bounded, and screened before a body is read.
 
 Everything a hostile client can send is bounded before it costs anything (R-6.7): the
 header block, the URL and the number of header fields have limits; Host must be one, and
@@ -8,6 +8,10 @@ the key and the body cap are checked from the headers, before the body is read a
 """
 
 from __future__ import annotations
+
+from typing import Protocol
+
+import httptools
 
 from ..config import HttpConfig
 from .edge import OPEN_PATHS, Answer, Origins, check_key
@@ -111,3 +115,116 @@ def screen(req: Request, limits: Limits, origins: Origins | None, key: bytes | N
                           "(only 100-continue is)")
         req.wants_continue = not req.http10
     return None
+
+
+class Owner(Protocol):
+    """What a `Reader` tells about the requests it finds (its connection)."""
+
+    lingering: bool
+    """An early answer closes the connection: what arrives now is dropped."""
+
+    def request_begins(self) -> None:
+        """A request starts (may raise to stop parsing: too many are pipelined)."""
+
+    def request_head(self, req: Request, refused: Answer | None) -> None:
+        """Its head is complete and screened (`refused`: corral answers it itself)."""
+
+    def refuse(self, req: Request, answer: Answer) -> None:
+        """It turned out too big while its body arrived."""
+
+    def request_done(self, req: Request) -> None:
+        """It is whole."""
+
+
+class Reader:
+    """One connection's bytes parsed into requests (httptools' callbacks), bounded as they
+    arrive (the URL, the header fields and the body: R-6.7); its `Owner` decides what
+    each request gets."""
+
+    __slots__ = ("head_bytes", "key", "limits", "origins", "owner", "parser", "req")
+
+    def __init__(self, owner: Owner, limits: Limits, origins: Origins | None,
+                 key: bytes | None) -> None:
+        self.owner = owner
+        self.limits = limits
+        self.origins = origins
+        self.key = key
+        self.parser = httptools.HttpRequestParser(self)
+        self.req: Request | None = None
+        """The request being parsed."""
+        self.head_bytes = 0
+        """Bytes fed since the current header block began (the limit's count)."""
+
+    def feed(self, data: bytes) -> None:
+        """Parse `data` (raises httptools' errors for what is not HTTP)."""
+        if self.req is None or not self.req.headers_done:
+            self.head_bytes += len(data)
+        self.parser.feed_data(data)
+
+    def head_too_big(self) -> bool:
+        """A header block still arriving is over http.max_header_kib."""
+        return (self.req is not None and not self.req.headers_done
+                and self.head_bytes > self.limits.max_header)
+
+    def stop(self) -> None:
+        """Nothing more is parsed: a fresh parser that is never fed."""
+        self.parser = httptools.HttpRequestParser(self)
+        self.req = None
+
+    # ------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self.owner.request_begins()
+        self.req = Request()
+        self.head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        req = self.req
+        assert req is not None
+        req.url_size += len(url)
+        if req.url_size <= self.limits.max_url:
+            req.url_parts.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        req = self.req
+        assert req is not None
+        # after the head: chunked trailers, never forwarded (finding 8); past MAX_HEADERS
+        # the count is all that matters (a 431)
+        if not req.headers_done and len(req.headers) <= MAX_HEADERS:
+            req.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        req = self.req
+        assert req is not None
+        req.headers_done = True
+        if self.owner.lingering:
+            return
+        req.url = b"".join(req.url_parts)
+        req.method = self.parser.get_method()
+        req.http10 = self.parser.get_http_version() == "1.0"
+        req.keep_alive = self.parser.should_keep_alive()
+        self.owner.request_head(req, screen(req, self.limits, self.origins, self.key,
+                                            self.parser.should_upgrade()))
+
+    def on_body(self, body: bytes) -> None:
+        req = self.req
+        assert req is not None
+        if req.answer is not None or self.owner.lingering:
+            return  # refused already: the body is dropped, not kept
+        req.body_size += len(body)
+        if req.body_size > self.limits.max_body:  # chunked: no length to check first
+            req.body_parts.clear()
+            self.owner.refuse(req, self.limits.too_big())
+            return
+        req.body_parts.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self.req
+        assert req is not None
+        self.req = None
+        if self.owner.lingering:
+            return
+        req.complete = True
+        req.body = b"".join(req.body_parts)
+        req.body_parts = []
+        self.owner.request_done(req)

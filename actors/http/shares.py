@@ -11,12 +11,27 @@ the model stops serving or is to restart for a reload; requests already on it go
 ones ask the Scheduler and queue for the next instance. The one window left open is the
 hop that carries the withdrawal: a request that joins during it meets the fate of those
 already running on that child (a manual unload or a crash ends them all).
+
+A request whose child went away with it asks past that child's generation
+(`acquire_past`): the exchange then sends it to the model's next instance (issue 19).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from ..bridge import LoopReply, SchedulerInbox, acquire
 from ..messages import Grant, Refusal, Release, Withdraw
+from .pool import Pool
+
+RETRY_POLLS = 200
+RETRY_POLL_S = 0.01
+"""A request whose child went away waits up to 2 s for the Scheduler to see the exit (it
+does within a few ms of the child's end: the exit watcher's wait returns at once)."""
+ALIVE_AFTER_S = 0.25
+PROBE_TIMEOUT_S = 1.0
+"""A child whose exit the Scheduler has not seen ALIVE_AFTER_S after it dropped a request
+it had is asked whether it is still there: a connect, which may take PROBE_TIMEOUT_S."""
 
 
 class SharedGrant:
@@ -61,6 +76,28 @@ class Shares:
         share = SharedGrant(ticket, answer)
         if answer.shareable and answer.generation > self.withdrawn.get(model, 0):
             self.open.setdefault(model, share)  # another may have opened one meanwhile
+        return share
+
+    async def acquire_past(self, scheduler: SchedulerInbox, share: SharedGrant | Refusal | None,
+                           gone: int, autoload: bool,
+                           probe: Pool | None) -> SharedGrant | Refusal | None:
+        """A grant that is not for generation `gone`, whose child went away with a request:
+        until the Scheduler has seen that child's exit (a few ms behind the connection's
+        end), it may still grant it. None if that child still takes connections after
+        ALIVE_AFTER_S (asked through `probe`, the pool of the child that had the request),
+        or is still granted after RETRY_POLLS."""
+        probe_at = round(ALIVE_AFTER_S / RETRY_POLL_S) if probe is not None else -1
+        for poll in range(RETRY_POLLS):
+            if not isinstance(share, SharedGrant) or share.grant.generation != gone:
+                return share
+            self.release(scheduler, share)
+            if poll == probe_at and probe is not None and await probe.alive(PROBE_TIMEOUT_S):
+                return None
+            await asyncio.sleep(RETRY_POLL_S)
+            share = await self.acquire(scheduler, share.grant.model, autoload)
+        if isinstance(share, SharedGrant) and share.grant.generation == gone:
+            self.release(scheduler, share)
+            return None
         return share
 
     def release(self, scheduler: SchedulerInbox, share: SharedGrant) -> None:
