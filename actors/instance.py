@@ -9,7 +9,7 @@ so a stop arriving mid-start is handled at once.
 from __future__ import annotations
 
 import enum
-import http.client
+import itertools
 import os
 import signal
 import subprocess
@@ -23,12 +23,14 @@ import msgspec
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
 from .config import ModelConfig
-from .lifecycle import describe_exit
+from .health import Liveness, probe_health, wait_ready_http
+from .lifecycle import IllegalTransition, describe_exit
 from .llama import LLAMA_EXIT, LLAMA_STATE, LlamaState, is_llama, split_args
 from .messages import (
     ChildExited,
+    ChildLine,
     ChildReady,
-    ChildState,
+    ChildTimedOut,
     InstanceExited,
     InstanceMessage,
     InstanceReady,
@@ -37,9 +39,7 @@ from .messages import (
     LivenessMiss,
     LivenessResult,
     LivenessTick,
-    LoadDeadline,
     StartInstance,
-    StopDeadline,
     StopInstance,
     Unhealthy,
 )
@@ -58,30 +58,29 @@ class Phase(enum.Enum):
     STOPPING = "stopping"
 
 
-def wait_ready_http(host: str, port: int, path: str, abandon: threading.Event,
-                    deliver: Any) -> None:
-    """Poll `path` until it answers 200, then call `deliver()` once (R-3.3 `http` mode).
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.STARTING}),
+    Phase.STARTING: frozenset({Phase.READY, Phase.STOPPING, Phase.IDLE}),
+    Phase.READY: frozenset({Phase.STOPPING, Phase.IDLE}),
+    Phase.STOPPING: frozenset({Phase.IDLE}),
+}
+"""Its child's phases: IDLE (none), STARTING (spawned, not ready), READY, STOPPING (told
+to go); any of the last three ends in IDLE when the child exits."""
 
-    Polls every 10 ms for the first second (most children are up by then, and a late
-    poll is pure added latency), then backs off to 250 ms; returns early once `abandon`
-    is set (the child exited or is being stopped).
-    """
-    delay_s = 0.01
-    start = time.monotonic()
-    while not abandon.is_set():
-        conn = http.client.HTTPConnection(host, port, timeout=2.0)
-        try:
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                deliver()
-                return
-        except (OSError, http.client.HTTPException):
-            pass  # not listening yet
-        finally:
-            conn.close()
-        abandon.wait(delay_s)
-        if time.monotonic() - start > 1.0:
-            delay_s = min(delay_s * 2, 0.25)
+StopStep = tuple[str, float]
+"""One step of a stop: what is sent ("exit", "SIGTERM", "SIGKILL"), then how long the
+child has to exit before the next step."""
+
+
+def said(what: str) -> str:
+    return "the exit command" if what == "exit" else what
+
+
+def stop_steps(llama: bool, stop_timeout_s: float) -> tuple[StopStep, ...]:
+    """How a ready child is stopped (R-3.4): a llama child is asked to exit first."""
+    if llama:
+        return (("exit", stop_timeout_s), ("SIGTERM", KILL_GRACE_S), ("SIGKILL", 0.0))
+    return (("SIGTERM", stop_timeout_s), ("SIGKILL", 0.0))
 
 
 def placement_env(devices: list[str] | None) -> dict[str, str]:
@@ -94,31 +93,6 @@ def placement_env(devices: list[str] | None) -> dict[str, str]:
     if cuda and len(cuda) == len(devices):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda)
     return env
-
-
-def probe_health(host: str, port: int, path: str, timeout_s: float, deliver: Any) -> None:
-    """One liveness check: GET `path`, then `deliver(ok, detail)` once."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        body = resp.read(200).decode(errors="replace")
-        ok, detail = resp.status == 200, f"{path} answered {resp.status} {body!r}"
-    except TimeoutError:
-        ok, detail = False, f"{path} did not answer within {timeout_s:g} s"
-    except (OSError, http.client.HTTPException) as e:
-        ok, detail = False, f"{path} failed: {e}"
-    finally:
-        conn.close()
-    deliver(ok, detail)
-
-
-class Liveness(msgspec.Struct, frozen=True):
-    """How a loaded `http` child is watched (R-3.3): a poll every `interval_s` (0: none),
-    and after `failures` failures or timeouts in a row it is reported unhealthy."""
-
-    interval_s: float = 0.0
-    failures: int = 3
 
 
 class ModelInstance(BaseActor):
@@ -163,8 +137,10 @@ class ModelInstance(BaseActor):
         self.llama = config.health == "llama"
         self.asleep = False
         """A llama child said `sleeping` (and has not said `ready` since)."""
-        self.stop_stage = 0
-        """0: asked to exit (llama), 1: SIGTERM sent; the next StopDeadline escalates."""
+        self.stop_steps: tuple[StopStep, ...] = ()
+        """The steps of the stop under way not taken yet (`stop_steps`)..."""
+        self.stop_taken: StopStep = ("", 0.0)
+        """... and the last one taken."""
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
@@ -176,15 +152,15 @@ class ModelInstance(BaseActor):
             case ChildReady(spawn_id=spawn_id):
                 if spawn_id == self.spawn_id and self.phase is Phase.STARTING:
                     self.become_ready(None)
-            case ChildState(spawn_id=spawn_id, line=line):
+            case ChildLine(spawn_id=spawn_id, line=line):
                 if spawn_id == self.spawn_id and self.phase in (Phase.STARTING, Phase.READY):
                     self.handle_state_line(line)
             case ChildExited(spawn_id=spawn_id):
                 self.handle_exited(spawn_id)
-            case LoadDeadline(spawn_id=spawn_id):
-                self.handle_load_deadline(spawn_id)
-            case StopDeadline(spawn_id=spawn_id):
-                self.handle_stop_deadline(spawn_id)
+            case ChildTimedOut(spawn_id=spawn_id, stage="load"):
+                self.handle_load_timeout(spawn_id)
+            case ChildTimedOut(spawn_id=spawn_id):
+                self.handle_stop_timeout(spawn_id)
             case LivenessTick(spawn_id=spawn_id):
                 self.handle_liveness_tick(spawn_id)
             case LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail):
@@ -202,6 +178,11 @@ class ModelInstance(BaseActor):
             self.log.warning("actor stopping with child pid %d alive; killing its group",
                              self.child.pid)
             self.child.signal_group(signal.SIGKILL)
+
+    def _to(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise IllegalTransition(f"{self.model}: {self.phase.value} -> {phase.value}")
+        self.phase = phase
 
     # ------------------------------------------------------------ handlers
 
@@ -239,18 +220,19 @@ class ModelInstance(BaseActor):
 
         def on_line(line: str) -> None:  # on the output reader thread: filter, pass on
             if line.startswith(LLAMA_STATE):
-                tell_or_drop(ref, ChildState(spawn_id, line))
+                tell_or_drop(ref, ChildLine(spawn_id=spawn_id, line=line))
 
         try:
             self.child = ChildProcess(argv, env, self.log_ring, label=self.model,
-                                      on_exit=lambda: tell_or_drop(ref, ChildExited(spawn_id)),
+                                      on_exit=lambda: tell_or_drop(
+                                          ref, ChildExited(spawn_id=spawn_id)),
                                       on_line=on_line if self.llama else None)
         except (OSError, subprocess.SubprocessError) as e:
             self.log.error("cannot start %s: %s", shown[0], e)
             self.scheduler.tell(InstanceExited(self.model, self.generation, 127,
                                                f"could not be started: {e}"))
             return
-        self.phase = Phase.STARTING
+        self._to(Phase.STARTING)
         self.scheduler.tell(InstanceStarted(self.model, self.generation, self.child.pid))
         self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
                       self.child.pid, self.port, " ".join(shown))
@@ -261,11 +243,12 @@ class ModelInstance(BaseActor):
                 target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
                 args=(self.host, self.port, self.config.health_path, self.abandon_probe,
                       lambda: tell_or_drop(ref, ChildReady(spawn_id)))).start()
-        self.timers.after(self.config.load_timeout_s, ref, LoadDeadline(spawn_id))
+        self.timers.after(self.config.load_timeout_s, ref,
+                          ChildTimedOut(spawn_id=spawn_id, stage="load"))
 
     def become_ready(self, info: dict[str, Any] | None) -> None:
         assert self.child is not None
-        self.phase = Phase.READY
+        self._to(Phase.READY)
         took = time.monotonic() - self.child.started_at
         self.log.info("%s#%d ready on port %d after %.3f s", self.model, self.generation,
                       self.port, took)
@@ -308,21 +291,26 @@ class ModelInstance(BaseActor):
             self.log.info("stopping %s#%d while loading (%s): SIGKILL", self.model,
                           generation, reason)
             self.child.signal_group(signal.SIGKILL)
-        elif self.llama:
-            self.log.info("stopping %s#%d (%s): exit command, SIGTERM after %g s", self.model,
-                          generation, reason, self.config.stop_timeout_s)
-            self.child.write_stdin(LLAMA_EXIT)
-            self.stop_stage = 0
-            self.timers.after(self.config.stop_timeout_s, self.actor_ref,
-                              StopDeadline(self.spawn_id))
         else:
-            self.log.info("stopping %s#%d (%s): SIGTERM, SIGKILL after %g s", self.model,
-                          generation, reason, self.config.stop_timeout_s)
-            self.child.signal_group(signal.SIGTERM)
-            self.stop_stage = 1
-            self.timers.after(self.config.stop_timeout_s, self.actor_ref,
-                              StopDeadline(self.spawn_id))
-        self.phase = Phase.STOPPING
+            self.stop_steps = steps = stop_steps(self.llama, self.config.stop_timeout_s)
+            self.log.info("stopping %s#%d (%s): %s", self.model, generation, reason, ", ".join(
+                [said(steps[0][0])] + [f"{said(what)} after {wait_s:g} s"
+                                       for (_, wait_s), (what, _) in itertools.pairwise(steps)]))
+            self.next_stop_step()
+        self._to(Phase.STOPPING)
+
+    def next_stop_step(self) -> None:
+        """Take the next step of the stop, and give the child its time to exit."""
+        assert self.child is not None
+        self.stop_taken, self.stop_steps = self.stop_steps[0], self.stop_steps[1:]
+        what, wait_s = self.stop_taken
+        if what == "exit":
+            self.child.write_stdin(LLAMA_EXIT)
+        else:
+            self.child.signal_group(getattr(signal, what))
+        if self.stop_steps:
+            self.timers.after(wait_s, self.actor_ref,
+                              ChildTimedOut(spawn_id=self.spawn_id, stage="stop"))
 
     def handle_liveness_tick(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.READY:
@@ -349,7 +337,7 @@ class ModelInstance(BaseActor):
         if rearm:  # a poll's result: the next poll (a late answer is no poll)
             self.timers.after(self.liveness.interval_s, self.actor_ref, LivenessTick(spawn_id))
 
-    def handle_load_deadline(self, spawn_id: int) -> None:
+    def handle_load_timeout(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:
             return
         assert self.child is not None
@@ -358,28 +346,21 @@ class ModelInstance(BaseActor):
         self.abandon_probe.set()
         self.child.signal_group(signal.SIGKILL)
 
-    def handle_stop_deadline(self, spawn_id: int) -> None:
-        if spawn_id != self.spawn_id or self.phase is not Phase.STOPPING:
+    def handle_stop_timeout(self, spawn_id: int) -> None:
+        if spawn_id != self.spawn_id or self.phase is not Phase.STOPPING or not self.stop_steps:
             return
-        assert self.child is not None
-        if self.stop_stage == 0:
-            self.log.warning("%s#%d ignored the exit command for %g s; SIGTERM, SIGKILL "
-                             "after %g s", self.model, self.generation,
-                             self.config.stop_timeout_s, KILL_GRACE_S)
-            self.child.signal_group(signal.SIGTERM)
-            self.stop_stage = 1
-            self.timers.after(KILL_GRACE_S, self.actor_ref, StopDeadline(self.spawn_id))
-            return
-        self.log.warning("%s#%d ignored SIGTERM; SIGKILL", self.model, self.generation)
-        self.child.signal_group(signal.SIGKILL)
+        what, wait_s = self.stop_taken
+        self.log.warning("%s#%d ignored %s for %g s; %s", self.model, self.generation,
+                         said(what), wait_s, said(self.stop_steps[0][0]))
+        self.next_stop_step()
 
     def handle_exited(self, spawn_id: int) -> None:
-        if spawn_id != self.spawn_id or self.child is None:
+        if spawn_id != self.spawn_id or self.child is None or self.phase is Phase.IDLE:
             return
         self.abandon_probe.set()
         was = self.phase
         returncode = self.child.reap()
-        self.phase = Phase.IDLE
+        self._to(Phase.IDLE)
         description = self.cause or describe_exit(returncode)
         if (was is Phase.STARTING and self.cause is None
                 and self.bind_retries < BIND_RETRIES and port_in_use(self.port, self.host)):

@@ -29,10 +29,10 @@ from .config import Config, ModelConfig
 from .ledger import Breakdown, DeviceUse, MiB
 from .lifecycle import describe_exit
 from .messages import (
+    ChildExited,
+    ChildLine,
+    ChildTimedOut,
     Measured,
-    MeasureDeadline,
-    MeasureExited,
-    MeasureLine,
     MeasureMessage,
     MeasureModel,
     MeasureStarted,
@@ -135,15 +135,15 @@ class MeasureWorker(BaseActor):
             case MeasureModel(model=model, config=config, front=front):
                 self.configs[model] = config
                 self.enqueue(model, front)
-            case MeasureLine(spawn_id=spawn_id, line=line):
+            case ChildLine(spawn_id=spawn_id, line=line):
                 if spawn_id == self.spawn_id and self.current is not None:
                     self.handle_line(line)
             case Remember(model=model, config=config, figures=figures):
                 self.remember(MeasureCache.key(model, config, self.device_names), model,
                               MeasureResult("measured", figures, figures))
-            case MeasureDeadline(spawn_id=spawn_id):
+            case ChildTimedOut(spawn_id=spawn_id):
                 self.handle_deadline(spawn_id)
-            case MeasureExited(spawn_id=spawn_id):
+            case ChildExited(spawn_id=spawn_id):
                 if spawn_id == self.spawn_id:
                     self.handle_exited()
             case _:
@@ -201,8 +201,8 @@ class MeasureWorker(BaseActor):
         try:
             self.child = ChildProcess(
                 argv, env, self.log_ring, label=f"measure-{model}",
-                on_exit=lambda: tell_or_drop(ref, MeasureExited(spawn_id)),
-                on_line=lambda line: tell_or_drop(ref, MeasureLine(spawn_id, line)))
+                on_exit=lambda: tell_or_drop(ref, ChildExited(spawn_id=spawn_id)),
+                on_line=lambda line: tell_or_drop(ref, ChildLine(spawn_id=spawn_id, line=line)))
         except (OSError, subprocess.SubprocessError) as e:
             self.report(model, MeasureResult("failed", error=f"could not be started: {e}"),
                         "command")
@@ -214,7 +214,7 @@ class MeasureWorker(BaseActor):
         self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model, "command",
                       self.child.pid, timeout_s, " ".join(argv))
         self.scheduler.tell(MeasureStarted(model))
-        self.timers.after(timeout_s, ref, MeasureDeadline(spawn_id))
+        self.timers.after(timeout_s, ref, ChildTimedOut(spawn_id=spawn_id, stage="measure"))
 
     # ------------------------------------------------------------ child events
 
@@ -228,7 +228,7 @@ class MeasureWorker(BaseActor):
         self.report(self.current, parsed, "command")
         # It should exit by itself now; one that lingers must not hold up the queue.
         self.timers.after(self.configs[self.current].stop_timeout_s, self.actor_ref,
-                          MeasureDeadline(self.spawn_id))
+                          ChildTimedOut(spawn_id=self.spawn_id, stage="measure"))
 
     def handle_deadline(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.child is None or self.child.returncode is not None:

@@ -523,21 +523,36 @@ class StopInstance(Message, frozen=True):
     reason: str
 
 
-class ChildReady(Message, frozen=True):
-    """Readiness probe -> ModelInstance: the child of spawn `spawn_id` answered its health path."""
+# ---------------------------------------------------------------- child facts
+# What the threads around one child process tell the actor that owns it (a ModelInstance,
+# or the MeasureWorker), each stamped with the `spawn_id` of the child it is about: a fact
+# about an earlier child of the same actor is dropped.
 
-    spawn_id: int
 
-
-class ChildState(Message, frozen=True):
-    """Output reader -> ModelInstance: a `cmd_child_to_router:state:` line of spawn `spawn_id`."""
+class ChildLine(Message, frozen=True):
+    """Output reader -> child's owner: a line of spawn `spawn_id`'s output it asked for (a
+    llama child's `cmd_child_to_router:state:` line; every line of a measure child)."""
 
     spawn_id: int
     line: str
 
 
 class ChildExited(Message, frozen=True):
-    """Exit watcher -> ModelInstance: the child of spawn `spawn_id` exited (not yet reaped)."""
+    """Exit watcher -> child's owner: the child of spawn `spawn_id` exited (not yet reaped)."""
+
+    spawn_id: int
+
+
+class ChildTimedOut(Message, frozen=True):
+    """Timer -> child's owner: spawn `spawn_id` had its time for `stage`: load_timeout_s to
+    become ready, the stop step's wait to exit, or measure_timeout_s to report."""
+
+    spawn_id: int
+    stage: Literal["load", "stop", "measure"]
+
+
+class ChildReady(Message, frozen=True):
+    """Readiness probe -> ModelInstance: the child of spawn `spawn_id` answered its health path."""
 
     spawn_id: int
 
@@ -564,21 +579,9 @@ class LivenessMiss(Message, frozen=True):
     detail: str
 
 
-class LoadDeadline(Message, frozen=True):
-    """Timer -> ModelInstance: spawn `spawn_id` had load_timeout_s to become ready."""
-
-    spawn_id: int
-
-
-class StopDeadline(Message, frozen=True):
-    """Timer -> ModelInstance: spawn `spawn_id` had stop_timeout_s to exit after SIGTERM."""
-
-    spawn_id: int
-
-
 InstanceMessage = (
-    StartInstance | StopInstance | ChildReady | ChildState | ChildExited | LoadDeadline
-    | StopDeadline | LivenessTick | LivenessResult | LivenessMiss
+    StartInstance | StopInstance | ChildReady | ChildLine | ChildExited | ChildTimedOut
+    | LivenessTick | LivenessResult | LivenessMiss
 )
 
 
@@ -594,25 +597,6 @@ class MeasureModel(Message, frozen=True):
     front: bool = False
 
 
-class MeasureLine(Message, frozen=True):
-    """Measure child's reader -> MeasureWorker: one line of output of spawn `spawn_id`."""
-
-    spawn_id: int
-    line: str
-
-
-class MeasureExited(Message, frozen=True):
-    """Exit watcher -> MeasureWorker: the measure child of `spawn_id` exited (not reaped)."""
-
-    spawn_id: int
-
-
-class MeasureDeadline(Message, frozen=True):
-    """Timer -> MeasureWorker: spawn `spawn_id` had measure_timeout_s to report."""
-
-    spawn_id: int
-
-
 class Remember(Message, frozen=True):
     """Scheduler -> MeasureWorker: `model` was measured by sampling its running child
     (a `probe` model's first load, or one whose measurement failed); cache `figures`."""
@@ -622,9 +606,7 @@ class Remember(Message, frozen=True):
     figures: Breakdown
 
 
-MeasureMessage = (
-    MeasureModel | MeasureLine | MeasureExited | MeasureDeadline | Remember
-)
+MeasureMessage = MeasureModel | ChildLine | ChildExited | ChildTimedOut | Remember
 
 
 # ---------------------------------------------------------------- DeviceMonitor inbox

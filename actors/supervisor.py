@@ -15,7 +15,8 @@ from .bridge import Fanout, ThreadReply, acquire
 from .childproc import LogRing
 from .config import Config, ConfigError, ModelConfig
 from .device import DeviceMonitor, discover
-from .instance import Liveness, ModelInstance
+from .health import Liveness
+from .instance import ModelInstance
 from .measure import MeasureWorker
 from .messages import (
     Acquire,

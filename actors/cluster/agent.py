@@ -13,7 +13,8 @@ import msgspec
 
 from ..childproc import LogRing, clip_line, line_cost
 from ..config import Config, ConfigError, ModelConfig
-from ..instance import Liveness, ModelInstance, Phase
+from ..health import Liveness
+from ..instance import ModelInstance, Phase
 from ..messages import (
     DevicesReported,
     MeasureModel,
