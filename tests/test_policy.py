@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -97,6 +99,51 @@ class World:
                 self.ready(m)
             assert isinstance(self.answers[t], Grant)
             self.release(t)
+
+
+def random_history(w: World, rng: random.Random, weights: dict[str, float], *,
+                   more: dict[str, Callable[[int], object]] | None = None,
+                   exit_codes: Sequence[int], steps: int = 300) -> list[int]:
+    """Play `steps` operations on `w`, each drawn from `weights` (name -> chance, tried in
+    the order given): "acquire" (the step is the ticket, the model one of abcd),
+    "release" and "cancel" (an open ticket), "ready" (a loading model), "exit" (a stopping
+    model, or three in ten running ones, with one of `exit_codes`), and the caller's own
+    in `more` (name -> op(step)). As in an elif chain, a release or cancel with no ticket
+    open passes its step on to the next operation. Returns the tickets still open."""
+    open_tickets: list[int] = []
+
+    def acquire(step: int) -> None:
+        open_tickets.append(step)
+        w.acquire(step, rng.choice("abcd"))
+
+    def finish(call: Callable[[object], None]) -> bool:
+        if not open_tickets:
+            return False
+        call(open_tickets.pop(rng.randrange(len(open_tickets))))
+        return True
+
+    def ready(step: int) -> None:
+        loading = [m for m, r in w.p.models.items() if r.state is ModelState.LOADING]
+        if loading:
+            w.ready(rng.choice(loading))
+
+    def exits(step: int) -> None:
+        running = [m for m, r in w.p.models.items() if r.state.is_running]
+        if running:
+            m = rng.choice(running)
+            if w.p.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
+                w.exited(m, rc=rng.choice(exit_codes))
+
+    ops: dict[str, Callable[[int], object]] = {
+        "acquire": acquire, "release": lambda _: finish(w.release),
+        "cancel": lambda _: finish(w.cancel), "ready": ready, "exit": exits, **(more or {})}
+    limits = list(itertools.accumulate(weights.values()))
+    for step in range(steps):
+        op = rng.random()
+        for limit, name in zip(limits, weights, strict=True):
+            if op < limit and ops[name](step) is not False:
+                break
+    return open_tickets
 
 
 def test_first_request_spawns_and_is_granted_when_ready() -> None:
@@ -399,36 +446,18 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
     """
     rng = random.Random(seed)
     w = World(models_max=rng.choice([1, 2, 3]), intensity=1_000)
-    live: dict[str, int] = {}  # model -> generation of a child that exists
-    open_tickets: list[int] = []
-    for step in range(300):
-        for m, rec in w.p.models.items():
-            if rec.state.is_running:
-                live[m] = rec.generation
-        op = rng.random()
-        if op < 0.35:
-            t = step
-            open_tickets.append(t)
-            w.acquire(t, rng.choice("abcd"))
-        elif op < 0.55 and open_tickets:
-            w.release(open_tickets.pop(rng.randrange(len(open_tickets))))
-        elif op < 0.62 and open_tickets:
-            w.cancel(open_tickets.pop(rng.randrange(len(open_tickets))))
-        elif op < 0.8:
-            loading = [m for m, r in w.p.models.items() if r.state is ModelState.LOADING]
-            if loading:
-                w.ready(rng.choice(loading))
-        elif op < 0.95:
-            running = [m for m, r in w.p.models.items() if r.state.is_running]
-            if running:
-                m = rng.choice(running)
-                if w.p.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
-                    w.exited(m, rc=rng.choice([0, 1, -9]))
-        elif op < 0.97:
-            w.run(w.p.unload(("u", step), rng.choice("abcd"), w.tick()))
-        else:  # a reload that changes some models' config
-            changed = {m: False for m in "abcd" if rng.random() < 0.5}
-            w.run(w.p.reconfigure({}, [], changed, w.tick())[0])
+
+    def unload(step: int) -> None:
+        w.run(w.p.unload(("u", step), rng.choice("abcd"), w.tick()))
+
+    def reload(step: int) -> None:  # a reload that changes some models' config
+        changed = {m: False for m in "abcd" if rng.random() < 0.5}
+        w.run(w.p.reconfigure({}, [], changed, w.tick())[0])
+
+    open_tickets = random_history(
+        w, rng, {"acquire": 0.35, "release": 0.2, "cancel": 0.07, "ready": 0.18, "exit": 0.15,
+                 "unload": 0.02, "reload": 0.03},
+        more={"unload": unload, "reload": reload}, exit_codes=(0, 1, -9))
     # drain: children become ready or finish stopping, clients finish
     for _ in range(200):
         progressed = False
