@@ -1,6 +1,6 @@
 """How fast corral notices a child's exit, measured from the moment the child is gone.
 
-    python bench/exit_latency.py [--runs 30]
+    python -m bench exit-latency [--runs 30]
 
 A SIGKILL'd process is not gone at once: the kernel first tears it down (its memory, its
 threads), which for a ~40 MB multi-threaded fake model takes a few milliseconds that no
@@ -28,10 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors import Config, ModelConfig, StatusChanged, Supervisor
 from actors.bridge import ThreadReply
@@ -147,10 +144,11 @@ def figures(samples: list[float]) -> dict[str, float]:
             "max": max(samples) * 1000, "mean": statistics.mean(samples) * 1000}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench exit-latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=30)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     observer = Observer()
     try:
         watcher = watcher_latency(args.runs, observer)
@@ -172,7 +170,4 @@ def main() -> None:
         print(f"{label:<38} p50 {f['p50']:.2f} ms, p99 {f['p99']:.2f} ms, "
               f"max {f['max']:.2f} ms ({n} runs)")
     print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
