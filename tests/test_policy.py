@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 
@@ -20,7 +20,7 @@ from actors.messages import (
     Withdraw,
 )
 from actors.policy import Policy
-from actors.policy.records import Answer, Effect, Later, Publish, Spawn, Stop
+from actors.policy.records import Answer, Effect, Later, ModelRecord, Publish, Spawn, Stop
 
 
 class World:
@@ -90,6 +90,21 @@ class World:
     def state(self, model: str) -> str:
         return self.p.models[model].state.value
 
+    def settle(self) -> bool:
+        """Every child moves on once (`settle_model`); whether any did."""
+        moved = [self.settle_model(m, rec) for m, rec in list(self.p.models.items())]
+        return any(moved)
+
+    def settle_model(self, model: str, rec: ModelRecord) -> bool:
+        """A loading child becomes ready, a stopping one exits; whether it did."""
+        if rec.state is ModelState.LOADING:
+            self.ready(model)
+            return True
+        if rec.state is ModelState.STOPPING:
+            self.exited(model)
+            return True
+        return False
+
     def load_idle(self, *models: str) -> None:
         """Load each model with one request, and release it."""
         for m in models:
@@ -144,6 +159,26 @@ def random_history(w: World, rng: random.Random, weights: dict[str, float], *,
             if op < limit and ops[name](step) is not False:
                 break
     return open_tickets
+
+
+def drain(w: World, tickets: Iterable[object], *, rounds: int, time_step_s: float = 0.0) -> None:
+    """The end of a random history, round after round until nothing moves: the children
+    move on (`World.settle`), each of `tickets` granted and still held is released (and,
+    with `time_step_s`, time runs on by that much while anything waits, firing the
+    timers). Then no request may be left waiting (R-4.8: nothing waits forever)."""
+    for _ in range(rounds):
+        progressed = w.settle()
+        for t in tickets:
+            if isinstance(w.answers.get(t), Grant) and t in w.p.leases:
+                w.release(t)
+                progressed = True
+        if time_step_s and (w.p.queue.waiters or w.timers):
+            w.now += time_step_s
+            w.fire_timers()
+            progressed = True
+        if not progressed:
+            break
+    assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
 
 
 def test_first_request_spawns_and_is_granted_when_ready() -> None:
@@ -458,24 +493,7 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
         w, rng, {"acquire": 0.35, "release": 0.2, "cancel": 0.07, "ready": 0.18, "exit": 0.15,
                  "unload": 0.02, "reload": 0.03},
         more={"unload": unload, "reload": reload}, exit_codes=(0, 1, -9))
-    # drain: children become ready or finish stopping, clients finish
-    for _ in range(200):
-        progressed = False
-        for m, rec in w.p.models.items():
-            if rec.state is ModelState.LOADING:
-                w.ready(m)
-                progressed = True
-            elif rec.state is ModelState.STOPPING:
-                w.exited(m)
-                progressed = True
-        granted = [t for t in open_tickets if isinstance(w.answers.get(t), Grant)]
-        for t in granted:
-            open_tickets.remove(t)
-            w.release(t)
-            progressed = True
-        if not progressed:
-            break
-    assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
+    drain(w, open_tickets, rounds=200)  # children become ready or finish stopping
     assert all(e.explicit and not e.waiters for e in w.p.queue.entries.values())
 
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
 
 import pytest
 
 from actors.config import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
-from actors.lifecycle import ModelState
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
-from actors.policy.records import Effect, Learned, Measure, Publish, Spawn, Track
-from tests.test_policy import World, random_history
+from actors.policy.records import Effect, Learned, Measure, ModelRecord, Publish, Spawn, Track
+from tests.test_policy import World, drain, random_history
 
 GiB = 1024**3
 
@@ -86,40 +84,21 @@ class MemWorld(World):
         super().ready(model)
         self.report()
 
+    def settle(self) -> bool:
+        moved = super().settle()
+        self.report()
+        return moved
+
+    def settle_model(self, model: str, rec: ModelRecord) -> bool:
+        """A measure the queue waits for ends (at the model's size), then as a World."""
+        measured = rec.memory in ("unmeasured", "measuring") and model in self.p.queue.entries
+        if measured:
+            size = need(self.sizes[model])
+            self.run(self.p.measured(model, True, size, size, self.tick()))
+        return super().settle_model(model, rec) or measured
+
     def evictions(self) -> list[Evicted]:
         return [e for e in self.events if isinstance(e, Evicted)]
-
-
-def drain(w: MemWorld, sizes: dict[str, float], tickets: Iterable[object], *, rounds: int,
-          time_step_s: float = 0.0) -> None:
-    """The end of a random history, round after round until nothing moves: measures end,
-    children answer or exit, each of `tickets` granted and still held is released (and,
-    with `time_step_s`, time runs on by that much while anything waits, firing the timers).
-    Then no request may be left waiting (R-4.8)."""
-    for _ in range(rounds):
-        progressed = False
-        for m, rec in list(w.p.models.items()):
-            if rec.memory in ("unmeasured", "measuring") and m in w.p.queue.entries:
-                w.run(w.p.measured(m, True, need(sizes[m]), need(sizes[m]), w.tick()))
-                progressed = True
-            if rec.state is ModelState.LOADING:
-                w.ready(m)
-                progressed = True
-            elif rec.state is ModelState.STOPPING:
-                w.exited(m)
-                progressed = True
-        w.report()
-        for t in tickets:
-            if isinstance(w.answers.get(t), Grant) and t in w.p.leases:
-                w.release(t)
-                progressed = True
-        if time_step_s and (w.p.queue.waiters or w.timers):
-            w.now += time_step_s
-            w.fire_timers()
-            progressed = True
-        if not progressed:
-            break
-    assert w.p.queue.waiters == {}, f"requests never answered: {w.p.queue.waiters}"
 
 
 def test_two_4gib_models_coexist_and_a_third_evicts_the_lru_for_memory() -> None:
@@ -277,7 +256,7 @@ def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int)
         w, rng, {"acquire": 0.3, "release": 0.15, "cancel": 0.05, "ready": 0.15, "exit": 0.13,
                  "report": 0.1, "measure": 0.12},
         more={"report": report, "measure": measure}, exit_codes=(0, -9))
-    drain(w, sizes, open_tickets, rounds=300)
+    drain(w, open_tickets, rounds=300)  # measures end, children answer or exit
 
 def test_a_sleeping_model_gives_its_memory_back_and_holds_again_when_woken() -> None:
     w = MemWorld({"a": 4, "b": 4, "c": 4})

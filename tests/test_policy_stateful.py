@@ -32,7 +32,8 @@ from actors.config import ModelRules
 from actors.lifecycle import ModelState
 from actors.policy.records import Answer, Effect, Spawn
 from tests.test_placement import GpuWorld
-from tests.test_policy_memory import GiB, MemWorld, drain, need
+from tests.test_policy import drain
+from tests.test_policy_memory import GiB, MemWorld, need
 
 S = ModelState
 NAMES = "abcd"
@@ -205,7 +206,7 @@ class PolicyMachine(RuleBasedStateMachine):
         if not hasattr(self, "w"):
             return
         # measures end, children answer or exit, clients finish
-        drain(self.w, self.sizes, self.requests, rounds=500, time_step_s=5)
+        drain(self.w, self.requests, rounds=500, time_step_s=5)
         unanswered = [t for t in self.requests
                       if t not in self.w.answered and t not in self.cancelled]
         assert not unanswered, f"requests never answered: {unanswered}"
