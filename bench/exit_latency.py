@@ -34,7 +34,8 @@ from actors import Config, ModelConfig, StatusChanged, Supervisor
 from actors.bridge import ThreadReply
 from actors.childproc import ChildProcess, LogRing, pick_port
 from actors.messages import GetModels, ModelsSnapshot
-from bench.common import FAKE, machine, pct
+from bench.common import machine, pct
+from bench.support import fake_cmd
 
 OBSERVER = """
 import os, select, sys, time
@@ -91,7 +92,7 @@ def one_watcher_run(observer: Observer) -> Run:
             ready.set()
 
     argv = [a.replace("{host}", "127.0.0.1").replace("{port}", str(pick_port()))
-            .replace("{model}", "m") for a in FAKE]
+            .replace("{model}", "m") for a in fake_cmd()]
     child = ChildProcess(argv, dict(os.environ), LogRing(), on_exit=on_exit, on_line=on_line)
     ready.wait(30)
     observer.arm(child.pid)
@@ -111,7 +112,7 @@ def scheduler_latency(runs: int, observer: Observer) -> list[Run]:
             events.put((time.monotonic(), e))
 
     # every run is a crash: lift the restart budget so the model keeps coming back
-    config = Config(restart_intensity=1_000_000, models={"m": ModelConfig(cmd=FAKE)})
+    config = Config(restart_intensity=1_000_000, models={"m": ModelConfig(cmd=fake_cmd())})
     sup = Supervisor(config, on_event=on_event)
     sup.start()
     out = []
