@@ -9,6 +9,8 @@ from bench import (
     cluster,
     cluster_sim,
     dashboard,
+    exit_latency,
+    gpu_check,
     load,
     overhead,
     scheduler,
@@ -19,7 +21,8 @@ from bench import (
 COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main,
             "dashboard": dashboard.main, "cluster": cluster.main,
-            "cluster-sim": cluster_sim.main}
+            "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
+            "gpu-check": gpu_check.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -32,13 +35,15 @@ SUMMARY = {
                "node loss, head restart",
     "cluster-sim": "the real policy on a simulated 100-node cluster, beside random "
                    "placement with per-node LRU",
+    "exit-latency": "a child's end (seen by an observer process) to the Scheduler knowing it",
+    "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
 }
 
 
 def usage() -> str:
     lines = ["usage: python -m bench NAME [options]   (python -m bench NAME --help for its "
              "options)", "", "benches:"]
-    lines += [f"  {name:<10} {SUMMARY[name]}" for name in COMMANDS]
+    lines += [f"  {name:<13} {SUMMARY[name]}" for name in COMMANDS]
     lines += ["", "Figures and the commands that produced them: bench/README.md"]
     return "\n".join(lines)
 
@@ -47,10 +52,11 @@ def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(usage())
         return 0
-    if sys.argv[1] not in COMMANDS:
+    name = sys.argv[1].replace("_", "-")  # a module's name works too: exit_latency
+    if name not in COMMANDS:
         print(f"python -m bench: no bench {sys.argv[1]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return COMMANDS[sys.argv[1]](sys.argv[2:])
+    return COMMANDS[name](sys.argv[2:])
 
 
 if __name__ == "__main__":

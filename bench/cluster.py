@@ -34,24 +34,21 @@ from typing import Any
 import aiohttp
 
 from bench.common import (
-    FAKE,
-    Corral,
     cpu_seconds,
     get_json,
-    in_private_netns,
     machine,
     send,
     session,
-    two_ray_nodes,
     write_json,
 )
+from bench.support import Corral, fake_cmd, in_private_netns, toml_config, two_ray_nodes
 
 
 def config(namespace: str) -> str:
-    return (f"[models.here]\ncmd = {json.dumps(FAKE)}\n\n"
-            f"[models.there]\ncmd = {json.dumps(FAKE)}\nnodes = [\"node_b\"]\n\n"
-            f"[cluster]\nnamespace = \"{namespace}\"\nnodes = [\"node_a\", \"node_b\"]\n"
-            "agent_retry_s = 1\n")
+    return toml_config({"here": {"cmd": fake_cmd()}, "there": {"cmd": fake_cmd(),
+                                                               "nodes": ["node_b"]}},
+                       cluster={"namespace": namespace, "nodes": ["node_a", "node_b"],
+                                "agent_retry_s": 1})
 
 
 async def status_of(s: aiohttp.ClientSession, url: str, model: str) -> dict[str, Any]:
@@ -100,7 +97,7 @@ async def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
 
     ns = f"bench{uuid.uuid4().hex[:6]}"
     out: dict[str, Any] = {}
-    head = Corral(config(ns), "--ray", address)
+    head = Corral(config(ns), "--ray", address, log_level="WARNING")
     try:
         async with session() as s:
             cold: dict[str, list[float]] = {"here": [], "there": []}
@@ -142,7 +139,7 @@ async def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
         adoption: list[dict[str, float]] = []
         for _ in range(3):
             start = time.perf_counter()
-            head = Corral(config(ns), "--ray", address)
+            head = Corral(config(ns), "--ray", address, log_level="WARNING")
             listening = time.perf_counter() - start
             async with session() as s:
                 await wait_for(s, head.url, "there", lambda m: m["status"]["value"] == "loaded")

@@ -1,5 +1,6 @@
-"""What every bench shares: the machine, percentiles, one HTTP exchange, corral and fake
-children as real processes, JSON output."""
+"""What every bench shares: the machine, percentiles, the HTTP clients, a baseline checkout,
+llama-server beside corral, JSON output. Corral and its children as processes, TOML
+configs and the Ray and Chromium set-ups are in `bench.support`, which the tests share."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import shlex
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,9 +23,7 @@ import aiohttp
 import httptools
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-FAKE = [sys.executable, "-m", "actors.fake_model", "--host", "{host}", "--port", "{port}",
-        "--model", "{model}"]
+from bench.support import ROOT, Corral
 
 
 def machine() -> dict[str, Any]:
@@ -189,46 +185,6 @@ def session(limit: int = 0) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=600))
 
 
-class Corral:
-    """`python supervisor.py serve` on a free port, with `toml` as its config; `root` runs
-    another checkout of corral (a baseline: `baseline()`)."""
-
-    def __init__(self, toml: str, *flags: str, root: Path = ROOT) -> None:
-        self.dir = tempfile.TemporaryDirectory(prefix="corral-bench-")
-        cfg = Path(self.dir.name) / "corral.toml"
-        cfg.write_text(toml)
-        self.log = open(Path(self.dir.name) / "corral.log", "wb")  # noqa: SIM115
-        env = {**os.environ, "XDG_STATE_HOME": self.dir.name}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(root / "supervisor.py"), "serve", "--config", str(cfg),
-             "--port", "0", "--log-level", "WARNING", *flags],
-            stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, cwd=root,
-            env={**env, "PYTHONPATH": str(root)})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode()
-        if "listening on" not in line:
-            self.stop()
-            raise RuntimeError(f"corral did not start: {line!r}; see {self.log.name}")
-        self.url = line.split("listening on ", 1)[1].strip()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        self.dir.cleanup()
-
-    def __enter__(self) -> Corral:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 @contextlib.contextmanager
 def baseline(rev: str | None) -> Iterator[Path | None]:
     """A checkout of corral at git revision `rev` in a temporary worktree (None: none), so a
@@ -245,13 +201,6 @@ def baseline(rev: str | None) -> Iterator[Path | None]:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
                            check=False, capture_output=True)
-
-
-def toml_models(models: dict[str, list[str]], **top: Any) -> str:
-    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
-    for name, cmd in models.items():
-        lines += [f'\n[models."{name}"]', f"cmd = {json.dumps(cmd)}"]
-    return "\n".join(lines) + "\n"
 
 
 async def get_json(s: aiohttp.ClientSession, url: str) -> Any:
@@ -315,11 +264,13 @@ async def llama_pair(binary: str, models_max: int, n_models: int = 2,
             try:
                 args = (f"models_max = {models_max}\n", "--models-preset", str(ini),
                         "--llama-server", binary)
-                with Corral(*args) as corral, contextlib.ExitStack() as stack:
+                with (Corral(*args, log_level="WARNING") as corral,
+                      contextlib.ExitStack() as stack):
                     urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
                     pids = {"llama-router": router.pid, "corral": corral.proc.pid}
                     if baseline_root is not None:
-                        old = stack.enter_context(Corral(*args, root=baseline_root))
+                        old = stack.enter_context(
+                            Corral(*args, root=baseline_root, log_level="WARNING"))
                         urls["corral-baseline"] = old.url
                         pids["corral-baseline"] = old.proc.pid
                     async with session() as s:
@@ -333,50 +284,3 @@ async def llama_pair(binary: str, models_max: int, n_models: int = 2,
                     router.kill()
                     router.wait()
 
-
-# ------------------------------------------------------------------ Chromium and Ray
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
-"""Without the background-networking flags Chromium keeps trying to reach Google's hosts
-from a machine that has no way out."""
-
-NETNS_ENV = {
-    "CORRAL_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
-    # a lost node is noticed in ~1.5 s instead of 13-14 s
-    "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3",
-    "RAY_health_check_timeout_ms": "500",
-}
-"""The environment inside the private network namespace that Ray is started in: outside
-one, Ray sends traffic off the machine even with usage stats disabled."""
-
-
-def in_private_netns(argv: list[str]) -> list[str]:
-    """`argv` run in a new network namespace whose only interface is loopback, with
-    NETNS_ENV (needs root, or `unshare --net` allowed)."""
-    env = " ".join(f"{k}={v}" for k, v in NETNS_ENV.items())
-    return ["unshare", "--net", "sh", "-c",
-            f"ip link set lo up && exec env {env} {shlex.join(argv)}"]
-
-
-@contextlib.contextmanager
-def two_ray_nodes() -> Iterator[str]:
-    """A Ray cluster of two logical nodes in this process, told apart by the custom
-    resources node_a and node_b; yields its address. Only inside in_private_netns."""
-    if os.environ.get("CORRAL_NETNS") != "1":
-        raise RuntimeError("Ray is started only inside a private network namespace")
-    import ray
-    from ray.cluster_utils import Cluster
-
-    common: dict[str, Any] = dict(num_cpus=2, num_gpus=0, object_store_memory=100 * 2**20)
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        resources={"node_a": 1}, include_dashboard=False, **common))
-    try:
-        cluster.add_node(resources={"node_b": 1}, **common)
-        yield cluster.address
-    finally:
-        ray.shutdown()
-        cluster.shutdown()

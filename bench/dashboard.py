@@ -26,16 +26,12 @@ from typing import Any
 import aiohttp
 
 from bench.common import (
-    CHROMIUM,
-    CHROMIUM_ARGS,
-    FAKE,
-    Corral,
     cpu_seconds,
     machine,
     session,
-    toml_models,
     write_json,
 )
+from bench.support import CHROMIUM, CHROMIUM_ARGS, Corral, fake_cmd, toml_config
 
 
 async def count_events(url: str, seen: list[int], ready: asyncio.Event) -> None:
@@ -59,9 +55,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if CHROMIUM is None:
         raise SystemExit("bench dashboard: needs Chromium (bash scripts/chromium.sh)")
-    toml = toml_models({"a": FAKE, "b": FAKE}, models_max=1)
+    toml = toml_config({"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd()}}, models_max=1)
     rows: list[dict[str, Any]] = []
-    with Corral(toml) as corral:
+    with Corral(toml, log_level="WARNING") as corral:
         seen = [0]
         ready = asyncio.Event()
         counter = asyncio.create_task(count_events(corral.url, seen, ready))

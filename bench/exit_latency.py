@@ -1,6 +1,6 @@
 """How fast corral notices a child's exit, measured from the moment the child is gone.
 
-    python bench/exit_latency.py [--runs 30]
+    python -m bench exit-latency [--runs 30]
 
 A SIGKILL'd process is not gone at once: the kernel first tears it down (its memory, its
 threads), which for a ~40 MB multi-threaded fake model takes a few milliseconds that no
@@ -28,16 +28,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors import Config, ModelConfig, StatusChanged, Supervisor
 from actors.bridge import ThreadReply
 from actors.childproc import ChildProcess, LogRing, pick_port
 from actors.messages import GetModels, ModelsSnapshot
-from bench.common import FAKE, machine, pct
+from bench.common import machine, pct
+from bench.support import fake_cmd
 
 OBSERVER = """
 import os, select, sys, time
@@ -94,7 +92,7 @@ def one_watcher_run(observer: Observer) -> Run:
             ready.set()
 
     argv = [a.replace("{host}", "127.0.0.1").replace("{port}", str(pick_port()))
-            .replace("{model}", "m") for a in FAKE]
+            .replace("{model}", "m") for a in fake_cmd()]
     child = ChildProcess(argv, dict(os.environ), LogRing(), on_exit=on_exit, on_line=on_line)
     ready.wait(30)
     observer.arm(child.pid)
@@ -114,7 +112,7 @@ def scheduler_latency(runs: int, observer: Observer) -> list[Run]:
             events.put((time.monotonic(), e))
 
     # every run is a crash: lift the restart budget so the model keeps coming back
-    config = Config(restart_intensity=1_000_000, models={"m": ModelConfig(cmd=FAKE)})
+    config = Config(restart_intensity=1_000_000, models={"m": ModelConfig(cmd=fake_cmd())})
     sup = Supervisor(config, on_event=on_event)
     sup.start()
     out = []
@@ -147,10 +145,11 @@ def figures(samples: list[float]) -> dict[str, float]:
             "max": max(samples) * 1000, "mean": statistics.mean(samples) * 1000}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench exit-latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=30)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     observer = Observer()
     try:
         watcher = watcher_latency(args.runs, observer)
@@ -172,7 +171,4 @@ def main() -> None:
         print(f"{label:<38} p50 {f['p50']:.2f} ms, p99 {f['p99']:.2f} ms, "
               f"max {f['max']:.2f} ms ({n} runs)")
     print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

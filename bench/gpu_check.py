@@ -1,6 +1,6 @@
 """Check corral's nvml backend against a real NVIDIA GPU (SPEC R-5.8).
 
-    python bench/gpu_check.py [--alloc-mib 1024] [--device 0] [--json FILE]
+    python -m bench gpu-check [--alloc-mib 1024] [--device 0] [--json FILE]
 
 On a machine with an NVIDIA driver it
   1. reads every device through corral's NvmlBackend and compares total and free memory
@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.device import DeviceMonitor, NvmlBackend, process_tree
 
@@ -77,13 +75,13 @@ def poll(predicate: Any, timeout_s: float) -> tuple[Any, float]:
         time.sleep(0.01)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench gpu-check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--alloc-mib", type=int, default=1024)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     report: dict[str, Any] = {"checks": []}
     problems: list[str] = []
 
@@ -173,7 +171,3 @@ def finish(report: dict[str, Any], problems: list[str], path: Path | None) -> in
         path.write_text(json.dumps(report, indent=2))
     print("all checks passed" if not problems else f"{len(problems)} check(s) failed")
     return 0 if not problems else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

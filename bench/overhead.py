@@ -29,8 +29,6 @@ import aiohttp
 
 from actors import loop
 from bench.common import (
-    FAKE,
-    Corral,
     Result,
     baseline,
     cpu_seconds,
@@ -42,9 +40,9 @@ from bench.common import (
     send,
     session,
     summary_ms,
-    toml_models,
     write_json,
 )
+from bench.support import Corral, fake_cmd, toml_config
 
 
 @dataclass
@@ -163,13 +161,14 @@ def print_rows(rows: list[dict[str, Any]], base: str, other: str) -> None:
 
 
 async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
-    toml = toml_models({"small": FAKE,
-                        "stream": [*FAKE, "--tokens-per-s", str(args.tokens_per_s)]},
+    toml = toml_config({"small": {"cmd": fake_cmd()},
+                        "stream": {"cmd": fake_cmd("--tokens-per-s", str(args.tokens_per_s))}},
                        models_max=2)
     rows = []
-    with Corral(toml) as corral, contextlib.ExitStack() as stack:
+    with Corral(toml, log_level="WARNING") as corral, contextlib.ExitStack() as stack:
         # --baseline: the corral of another revision, in the same run
-        old = (stack.enter_context(Corral(toml, root=args.baseline_root))
+        old = (stack.enter_context(Corral(toml, root=args.baseline_root,
+                                                   log_level="WARNING"))
                if args.baseline_root else None)
         async with session() as s:
             for model in ("small", "stream"):  # load both; learn their children's ports

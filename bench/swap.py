@@ -30,8 +30,6 @@ import aiohttp
 from actors import loop
 from actors.childproc import pick_port
 from bench.common import (
-    FAKE,
-    Corral,
     get_json,
     llama_pair,
     machine,
@@ -41,8 +39,9 @@ from bench.common import (
     wait_up,
     write_json,
 )
+from bench.support import Corral, fake_cmd, toml_config
 
-PUSH = [*FAKE, "--llama-protocol"]
+PUSH = fake_cmd("--llama-protocol")
 
 
 async def unload(s: aiohttp.ClientSession, url: str, model: str) -> None:
@@ -101,10 +100,9 @@ async def swaps(s: aiohttp.ClientSession, url: str, models: list[str], runs: int
 
 async def fake_runs(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for label, cmd, health in (("push", PUSH, "llama"), ("http", FAKE, "http")):
-        toml = (f"models_max = 1\n[models.m]\ncmd = {cmd!r}\nhealth = \"{health}\"\n"
-                .replace("'", '"'))
-        with Corral(toml) as corral:
+    for label, cmd, health in (("push", PUSH, "llama"), ("http", fake_cmd(), "http")):
+        toml = toml_config({"m": {"cmd": cmd, "health": health}}, models_max=1)
+        with Corral(toml, log_level="WARNING") as corral:
             async with session() as s:
                 direct, through = [], []
                 for _ in range(args.runs):
@@ -117,9 +115,8 @@ async def fake_runs(args: argparse.Namespace) -> dict[str, Any]:
         print(f"cold start ({label} readiness): direct p50 {statistics.median(direct) * 1e3:.1f}"
               f" ms, through corral p50 {statistics.median(through) * 1e3:.1f} ms: "
               f"corral's share {share * 1e3:.2f} ms")
-    toml = (f"models_max = 1\n[models.a]\ncmd = {PUSH!r}\nhealth = \"llama\"\n"
-            f"[models.b]\ncmd = {PUSH!r}\nhealth = \"llama\"\n").replace("'", '"')
-    with Corral(toml) as corral:
+    toml = toml_config({m: {"cmd": PUSH, "health": "llama"} for m in "ab"}, models_max=1)
+    with Corral(toml, log_level="WARNING") as corral:
         async with session() as s:
             samples = await swaps(s, corral.url, ["a", "b"], args.runs)
     out["swap"] = {"corral_ms": summary_ms(samples)}

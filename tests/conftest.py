@@ -49,7 +49,7 @@ def corral(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[
     def start(config_text: str | None, *args: str) -> Corral:
         home = tmp_path / f"corral{len(started)}"
         home.mkdir()
-        c = Corral(home, config_text, *args)
+        c = Corral(config_text, *args, home=home)
         started.append(c)
         return c
 

@@ -10,9 +10,15 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 
+def bench(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True,
+                         text=True, timeout=timeout_s, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
 def test_exit_latency_bench_runs() -> None:
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "exit_latency.py"), "--runs", "2"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = bench("exit-latency", "--runs", "2", timeout_s=120)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["runs"] == {"watcher": 2, "scheduler": 2}
     assert result["teardown_ms"]["p50"] > 0  # causal: the kill comes before the end
@@ -22,21 +28,14 @@ def test_exit_latency_bench_runs() -> None:
 def test_gpu_check_runs_and_skips_cleanly_without_a_driver() -> None:
     from tests.test_devices import nvml_driver_present
 
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"),
-                          "--alloc-mib", "64"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "bench", "gpu-check", "--alloc-mib", "64"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     if nvml_driver_present():
         assert out.returncode == 0, out.stdout + out.stderr
         assert "all checks passed" in out.stdout
     else:
         assert out.returncode == 77, out.stdout + out.stderr
         assert out.stdout.startswith("skipped: no usable NVIDIA driver")
-
-
-def bench(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True,
-                         text=True, timeout=timeout_s, cwd=ROOT)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out
 
 
 def test_scheduler_bench_runs(tmp_path) -> None:
@@ -85,7 +84,7 @@ def test_bench_help_lists_every_bench() -> None:
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard",
-                 "cluster", "cluster-sim"):
+                 "cluster", "cluster-sim", "exit-latency", "gpu-check"):
         assert f"\n  {name} " in out.stdout
     bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
@@ -93,6 +92,8 @@ def test_bench_help_lists_every_bench() -> None:
     wrong = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True,
                            text=True, timeout=60, cwd=ROOT)
     assert wrong.returncode == 2 and "no bench 'nope'" in wrong.stderr
+    by_module = bench("exit_latency", "--help", timeout_s=60)  # a module's name works too
+    assert "python -m bench exit-latency" in by_module.stdout
 
 
 def test_bench_cluster_sim_runs_both_sides(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from bench.common import in_private_netns, two_ray_nodes
+from bench.support import in_private_netns, two_ray_nodes
 from tests.helpers import (
     ROOT,
     chat,

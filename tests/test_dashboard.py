@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.common import CHROMIUM, CHROMIUM_ARGS
+from bench.support import CHROMIUM, CHROMIUM_ARGS
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
 try:

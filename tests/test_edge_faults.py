@@ -29,9 +29,9 @@ FAULTS_HTTP = {**HTTP, "write_timeout_s": 2, "upstream_idle_timeout_s": 2}
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
-    c = Corral(tmp_path_factory.mktemp("faults"), toml_config(
+    c = Corral(toml_config(
         {"odd": {"cmd": ODD}, "fake": {"cmd": fake_cmd("--tokens-per-s", "50")}},
-        api_key=KEY, http=FAULTS_HTTP))
+        api_key=KEY, http=FAULTS_HTTP), home=tmp_path_factory.mktemp("faults"))
     c.key = KEY
     try:
         yield c
@@ -340,9 +340,9 @@ def test_an_unload_is_not_undone_by_the_requests_it_cut(edge) -> None:
 def test_without_a_key_web_pages_cannot_drive_or_read_corral(tmp_path: Path) -> None:
     """R5: with no key (the default) any web page could load and unload models (CSRF)
     and, its name rebound to 127.0.0.1, read /models/logs (DNS rebinding)."""
-    c = Corral(tmp_path, toml_config({"odd": {"cmd": ODD}},
-                                     http={"allowed_hosts": ["corral.lan"],
-                                           "allowed_origins": ["https://app.example"]}))
+    c = Corral(toml_config({"odd": {"cmd": ODD}},
+                           http={"allowed_hosts": ["corral.lan"],
+                                 "allowed_origins": ["https://app.example"]}), home=tmp_path)
     try:
         def send(method: str, path: str, host: str, origin: str | None = None) -> int:
             headers = {"Content-Type": "text/plain"}

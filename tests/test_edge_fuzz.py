@@ -33,7 +33,7 @@ ODDS = ["", "", "early-hints", "extra", "http10", "http10-sse", "slow", "stream-
 def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
     os.environ["CORRAL_CHECK_INVARIANTS"] = "1"
     try:
-        c = Corral(tmp_path_factory.mktemp("fuzz"), edge_config(keep_alive_timeout_s=5))
+        c = Corral(edge_config(keep_alive_timeout_s=5), home=tmp_path_factory.mktemp("fuzz"))
     finally:
         del os.environ["CORRAL_CHECK_INVARIANTS"]
     c.key = KEY

@@ -37,7 +37,7 @@ def edge_config(**extra: object) -> str:
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
-    c = Corral(tmp_path_factory.mktemp("edge"), edge_config())
+    c = Corral(edge_config(), home=tmp_path_factory.mktemp("edge"))
     c.key = KEY
     try:
         yield c
@@ -359,7 +359,7 @@ def test_a_half_closed_client_gets_its_answer(edge) -> None:
 def test_drain_lets_running_answers_finish_and_refuses_new_ones(tmp_path: Path) -> None:
     """Finding 12: at shutdown every stream was cut at once, and a finished answer could
     be followed by a stray 503."""
-    c = Corral(tmp_path, edge_config(drain_timeout_s=10))
+    c = Corral(edge_config(drain_timeout_s=10), home=tmp_path)
     c.key = KEY
     try:
         with ask(c.port, "warm") as raw:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 
@@ -18,7 +20,7 @@ from actors.messages import (
     Withdraw,
 )
 from actors.policy import Policy
-from actors.policy.records import Answer, Effect, Later, Publish, Spawn, Stop
+from actors.policy.records import Answer, Effect, Later, ModelRecord, Publish, Spawn, Stop
 
 
 class World:
@@ -80,8 +82,7 @@ class World:
         return self.p.state.models[model].generation
 
     def ready(self, model: str) -> None:
-        self.run(self.p.children.instance_ready(model, self.gen(model), 100, "x", 1,
-                                                self.tick()))
+        self.run(self.p.children.instance_ready(model, self.gen(model), 100, "x", 1, self.tick()))
 
     def exited(self, model: str, rc: int = 0) -> None:
         self.run(self.p.children.instance_exited(model, self.gen(model), rc, f"rc {rc}",
@@ -89,6 +90,21 @@ class World:
 
     def state(self, model: str) -> str:
         return self.p.state.models[model].state.value
+
+    def settle(self) -> bool:
+        """Every child moves on once (`settle_model`); whether any did."""
+        moved = [self.settle_model(m, rec) for m, rec in list(self.p.state.models.items())]
+        return any(moved)
+
+    def settle_model(self, model: str, rec: ModelRecord) -> bool:
+        """A loading child becomes ready, a stopping one exits; whether it did."""
+        if rec.state is ModelState.LOADING:
+            self.ready(model)
+            return True
+        if rec.state is ModelState.STOPPING:
+            self.exited(model)
+            return True
+        return False
 
     def load_idle(self, *models: str) -> None:
         """Load each model with one request, and release it."""
@@ -99,6 +115,71 @@ class World:
                 self.ready(m)
             assert isinstance(self.answers[t], Grant)
             self.release(t)
+
+
+def random_history(w: World, rng: random.Random, weights: dict[str, float], *,
+                   more: dict[str, Callable[[int], object]] | None = None,
+                   exit_codes: Sequence[int], steps: int = 300) -> list[int]:
+    """Play `steps` operations on `w`, each drawn from `weights` (name -> chance, tried in
+    the order given): "acquire" (the step is the ticket, the model one of abcd),
+    "release" and "cancel" (an open ticket), "ready" (a loading model), "exit" (a stopping
+    model, or three in ten running ones, with one of `exit_codes`), and the caller's own
+    in `more` (name -> op(step)). As in an elif chain, a release or cancel with no ticket
+    open passes its step on to the next operation. Returns the tickets still open."""
+    open_tickets: list[int] = []
+
+    def acquire(step: int) -> None:
+        open_tickets.append(step)
+        w.acquire(step, rng.choice("abcd"))
+
+    def finish(call: Callable[[object], None]) -> bool:
+        if not open_tickets:
+            return False
+        call(open_tickets.pop(rng.randrange(len(open_tickets))))
+        return True
+
+    def ready(step: int) -> None:
+        loading = [m for m, r in w.p.state.models.items() if r.state is ModelState.LOADING]
+        if loading:
+            w.ready(rng.choice(loading))
+
+    def exits(step: int) -> None:
+        running = [m for m, r in w.p.state.models.items() if r.state.is_running]
+        if running:
+            m = rng.choice(running)
+            if w.p.state.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
+                w.exited(m, rc=rng.choice(exit_codes))
+
+    ops: dict[str, Callable[[int], object]] = {
+        "acquire": acquire, "release": lambda _: finish(w.release),
+        "cancel": lambda _: finish(w.cancel), "ready": ready, "exit": exits, **(more or {})}
+    limits = list(itertools.accumulate(weights.values()))
+    for step in range(steps):
+        op = rng.random()
+        for limit, name in zip(limits, weights, strict=True):
+            if op < limit and ops[name](step) is not False:
+                break
+    return open_tickets
+
+
+def drain(w: World, tickets: Iterable[object], *, rounds: int, time_step_s: float = 0.0) -> None:
+    """The end of a random history, round after round until nothing moves: the children
+    move on (`World.settle`), each of `tickets` granted and still held is released (and,
+    with `time_step_s`, time runs on by that much while anything waits, firing the
+    timers). Then no request may be left waiting (R-4.8: nothing waits forever)."""
+    for _ in range(rounds):
+        progressed = w.settle()
+        for t in tickets:
+            if isinstance(w.answers.get(t), Grant) and t in w.p.state.leases:
+                w.release(t)
+                progressed = True
+        if time_step_s and (w.p.state.queue.waiters or w.timers):
+            w.now += time_step_s
+            w.fire_timers()
+            progressed = True
+        if not progressed:
+            break
+    assert w.p.state.queue.waiters == {}, f"requests never answered: {w.p.state.queue.waiters}"
 
 
 def test_first_request_spawns_and_is_granted_when_ready() -> None:
@@ -401,54 +482,19 @@ def test_random_histories_keep_invariants_and_never_wedge(seed: int) -> None:
     """
     rng = random.Random(seed)
     w = World(models_max=rng.choice([1, 2, 3]), intensity=1_000)
-    live: dict[str, int] = {}  # model -> generation of a child that exists
-    open_tickets: list[int] = []
-    for step in range(300):
-        for m, rec in w.p.state.models.items():
-            if rec.state.is_running:
-                live[m] = rec.generation
-        op = rng.random()
-        if op < 0.35:
-            t = step
-            open_tickets.append(t)
-            w.acquire(t, rng.choice("abcd"))
-        elif op < 0.55 and open_tickets:
-            w.release(open_tickets.pop(rng.randrange(len(open_tickets))))
-        elif op < 0.62 and open_tickets:
-            w.cancel(open_tickets.pop(rng.randrange(len(open_tickets))))
-        elif op < 0.8:
-            loading = [m for m, r in w.p.state.models.items() if r.state is ModelState.LOADING]
-            if loading:
-                w.ready(rng.choice(loading))
-        elif op < 0.95:
-            running = [m for m, r in w.p.state.models.items() if r.state.is_running]
-            if running:
-                m = rng.choice(running)
-                if w.p.state.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
-                    w.exited(m, rc=rng.choice([0, 1, -9]))
-        elif op < 0.97:
-            w.run(w.p.unload(("u", step), rng.choice("abcd"), w.tick()))
-        else:  # a reload that changes some models' config
-            changed = {m: False for m in "abcd" if rng.random() < 0.5}
-            w.run(w.p.children.reconfigure({}, [], changed, w.tick())[0])
-    # drain: children become ready or finish stopping, clients finish
-    for _ in range(200):
-        progressed = False
-        for m, rec in w.p.state.models.items():
-            if rec.state is ModelState.LOADING:
-                w.ready(m)
-                progressed = True
-            elif rec.state is ModelState.STOPPING:
-                w.exited(m)
-                progressed = True
-        granted = [t for t in open_tickets if isinstance(w.answers.get(t), Grant)]
-        for t in granted:
-            open_tickets.remove(t)
-            w.release(t)
-            progressed = True
-        if not progressed:
-            break
-    assert w.p.state.queue.waiters == {}, f"requests never answered: {w.p.state.queue.waiters}"
+
+    def unload(step: int) -> None:
+        w.run(w.p.unload(("u", step), rng.choice("abcd"), w.tick()))
+
+    def reload(step: int) -> None:  # a reload that changes some models' config
+        changed = {m: False for m in "abcd" if rng.random() < 0.5}
+        w.run(w.p.children.reconfigure({}, [], changed, w.tick())[0])
+
+    open_tickets = random_history(
+        w, rng, {"acquire": 0.35, "release": 0.2, "cancel": 0.07, "ready": 0.18, "exit": 0.15,
+                 "unload": 0.02, "reload": 0.03},
+        more={"unload": unload, "reload": reload}, exit_codes=(0, 1, -9))
+    drain(w, open_tickets, rounds=200)  # children become ready or finish stopping
     assert all(e.explicit and not e.waiters for e in w.p.state.queue.entries.values())
 
 

@@ -8,10 +8,9 @@ import pytest
 
 from actors.config import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
-from actors.lifecycle import ModelState
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
-from actors.policy.records import Effect, Learned, Measure, Publish, Spawn, Track
-from tests.test_policy import World
+from actors.policy.records import Effect, Learned, Measure, ModelRecord, Publish, Spawn, Track
+from tests.test_policy import World, drain, random_history
 
 GiB = 1024**3
 
@@ -84,6 +83,19 @@ class MemWorld(World):
     def ready(self, model: str) -> None:
         super().ready(model)
         self.report()
+
+    def settle(self) -> bool:
+        moved = super().settle()
+        self.report()
+        return moved
+
+    def settle_model(self, model: str, rec: ModelRecord) -> bool:
+        """A measure the queue waits for ends (at the model's size), then as a World."""
+        measured = rec.memory in ("unmeasured", "measuring") and model in self.p.state.queue.entries
+        if measured:
+            size = need(self.sizes[model])
+            self.run(self.p.children.measured(model, True, size, size, self.tick()))
+        return super().settle_model(model, rec) or measured
 
     def evictions(self) -> list[Evicted]:
         return [e for e in self.events if isinstance(e, Evicted)]
@@ -229,57 +241,23 @@ def test_random_histories_with_memory_keep_invariants_and_never_wedge(seed: int)
     rng = random.Random(seed)
     sizes = {m: rng.choice([1, 2, 3, 4, 6, 12]) for m in "abcd"}
     w = MemWorld(sizes, models_max=rng.choice([0, 2, 3]), measured=rng.random() < 0.5)
-    open_tickets: list[int] = []
-    for step in range(300):
-        op = rng.random()
-        if op < 0.3:
-            open_tickets.append(step)
-            w.acquire(step, rng.choice("abcd"))
-        elif op < 0.45 and open_tickets:
-            w.release(open_tickets.pop(rng.randrange(len(open_tickets))))
-        elif op < 0.5 and open_tickets:
-            w.cancel(open_tickets.pop(rng.randrange(len(open_tickets))))
-        elif op < 0.65:
-            loading = [m for m, r in w.p.state.models.items() if r.state is ModelState.LOADING]
-            if loading:
-                w.ready(rng.choice(loading))
-        elif op < 0.78:
-            running = [m for m, r in w.p.state.models.items() if r.state.is_running]
-            if running:
-                m = rng.choice(running)
-                if w.p.state.models[m].state is ModelState.STOPPING or rng.random() < 0.3:
-                    w.exited(m, rc=rng.choice([0, -9]))
-        elif op < 0.88:
-            w.external = rng.choice([0, 0, 1, 3]) * GiB
-            w.report()
-        else:
-            m = rng.choice("abcd")
-            if w.p.state.models[m].memory in ("unmeasured", "measuring"):
-                ok = rng.random() < 0.8
-                w.run(w.p.children.measured(m, ok, need(sizes[m]) if ok else None,
-                                   need(sizes[m]) if ok else None, w.tick()))
-    for _ in range(300):  # drain: measures end, children answer or exit, clients finish
-        progressed = False
-        for m, rec in w.p.state.models.items():
-            if rec.memory in ("unmeasured", "measuring") and m in w.p.state.queue.entries:
-                w.run(w.p.children.measured(m, True, need(sizes[m]), need(sizes[m]), w.tick()))
-                progressed = True
-            if rec.state is ModelState.LOADING:
-                w.ready(m)
-                progressed = True
-            elif rec.state is ModelState.STOPPING:
-                w.exited(m)
-                progressed = True
-        w.report()
-        granted = [t for t in open_tickets if isinstance(w.answers.get(t), Grant)]
-        for t in granted:
-            open_tickets.remove(t)
-            w.release(t)
-            progressed = True
-        if not progressed:
-            break
-    assert w.p.state.queue.waiters == {}, f"requests never answered: {w.p.state.queue.waiters}"
 
+    def report(step: int) -> None:
+        w.external = rng.choice([0, 0, 1, 3]) * GiB
+        w.report()
+
+    def measure(step: int) -> None:
+        m = rng.choice("abcd")
+        if w.p.state.models[m].memory in ("unmeasured", "measuring"):
+            ok = rng.random() < 0.8
+            w.run(w.p.children.measured(m, ok, need(sizes[m]) if ok else None,
+                               need(sizes[m]) if ok else None, w.tick()))
+
+    open_tickets = random_history(
+        w, rng, {"acquire": 0.3, "release": 0.15, "cancel": 0.05, "ready": 0.15, "exit": 0.13,
+                 "report": 0.1, "measure": 0.12},
+        more={"report": report, "measure": measure}, exit_codes=(0, -9))
+    drain(w, open_tickets, rounds=300)  # measures end, children answer or exit
 
 def test_a_sleeping_model_gives_its_memory_back_and_holds_again_when_woken() -> None:
     w = MemWorld({"a": 4, "b": 4, "c": 4})

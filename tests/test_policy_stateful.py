@@ -30,9 +30,9 @@ from hypothesis.stateful import (
 
 from actors.config import ModelRules
 from actors.lifecycle import ModelState
-from actors.messages import Grant
 from actors.policy.records import Answer, Effect, Spawn
 from tests.test_placement import GpuWorld
+from tests.test_policy import drain
 from tests.test_policy_memory import GiB, MemWorld, need
 
 S = ModelState
@@ -206,33 +206,10 @@ class PolicyMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "w"):
             return
-        w = self.w
-        for _ in range(500):  # measures end, children answer or exit, clients finish
-            progressed = False
-            for m, rec in list(w.p.state.models.items()):
-                if rec.memory in ("unmeasured", "measuring") and m in w.p.state.queue.entries:
-                    size = need(self.sizes[m])
-                    w.run(w.p.children.measured(m, True, size, size, w.now))
-                    progressed = True
-                if rec.state is S.LOADING:
-                    w.ready(m)
-                    progressed = True
-                elif rec.state is S.STOPPING:
-                    w.exited(m)
-                    progressed = True
-            w.report()
-            for t in self.requests:
-                if isinstance(w.answers.get(t), Grant) and t in w.p.state.leases:
-                    w.run(w.p.release(t, w.now))
-                    progressed = True
-            if w.p.state.queue.waiters or w.timers:
-                w.now += 5
-                w.fire_timers()
-                progressed = True
-            if not progressed:
-                break
-        assert w.p.state.queue.waiters == {}, f"requests never answered: {w.p.state.queue.waiters}"
-        unanswered = [t for t in self.requests if t not in w.answered and t not in self.cancelled]
+        # measures end, children answer or exit, clients finish
+        drain(self.w, self.requests, rounds=500, time_step_s=5)
+        unanswered = [t for t in self.requests
+                      if t not in self.w.answered and t not in self.cancelled]
         assert not unanswered, f"requests never answered: {unanswered}"
 
 
