@@ -22,7 +22,7 @@ import pykka
 from aiohttp import web
 
 from ..bridge import LoopReply
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, ModelConfig
 from ..ledger import node_of
 from ..messages import (
     Alive,
@@ -83,9 +83,13 @@ class ManagementApi:
                  reloader: Callable[[], Config] | None = None) -> None:
         """`reloader` re-reads the config for GET /models?reload=1 (and SIGHUP)."""
         self.sup = supervisor
+        """Its config and logs are read on the loop while its reload may run on a thread
+        (Supervisor.reload says why no read tears)."""
         self.config = config
         self.names = config.resolve_aliases()
         self.reloader = reloader
+        self.reloading = asyncio.Lock()
+        """One at a time: two would each start an instance of a model both add."""
         self.front: Front | None = None
         self.streams = Streams(config.http.event_ping_s)
         self.runner: web.AppRunner | None = None
@@ -249,11 +253,12 @@ class ManagementApi:
         (and changes nothing) if it is wrong."""
         if self.reloader is None:
             raise ConfigError("this corral has no config file to reload")
-        config = await asyncio.to_thread(self.reloader)
-        summary = await asyncio.to_thread(self.sup.reload, config)
-        self.names = config.resolve_aliases()
-        if self.front is not None:
-            self.front.routes = Routes.of(config)
+        async with self.reloading:
+            config = await asyncio.to_thread(self.reloader)
+            summary = await asyncio.to_thread(self.sup.reload, config)
+            self.names = config.resolve_aliases()
+            if self.front is not None:
+                self.front.routes = Routes.of(config)
         return summary
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -265,7 +270,8 @@ class ManagementApi:
                 return error(400, f"reload refused, nothing changed: {e}")
         snap = await self._ask(GetModels)
         assert isinstance(snap, ModelsSnapshot)
-        entries = (self._entry(view) for view in snap.models)
+        models = self.sup.config.models  # read once: every entry from the same table
+        entries = (self._entry(view, models) for view in snap.models)
         return web.json_response({"object": "list", "data": [e for e in entries if e]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
@@ -276,16 +282,16 @@ class ManagementApi:
         snap = await self._ask(GetModels) if name is not None else None
         assert snap is None or isinstance(snap, ModelsSnapshot)
         view = next((v for v in snap.models if v.name == name), None) if snap else None
-        entry = self._entry(view) if view is not None else None
+        entry = self._entry(view, self.sup.config.models) if view is not None else None
         if entry is None:
             return error(404, f"model '{given}' not found; GET /v1/models lists the models "
                          "and their aliases", "not_found_error")
         return web.json_response(entry)
 
-    def _entry(self, view: ModelView) -> dict[str, Any] | None:
+    def _entry(self, view: ModelView, models: dict[str, ModelConfig]) -> dict[str, Any] | None:
         """A model's entry in GET /v1/models (None: added or removed by a reload between
-        the Scheduler's snapshot and this read of the config)."""
-        model = self.sup.config.models.get(view.name)
+        the Scheduler's snapshot and the read of `models`, the live table)."""
+        model = models.get(view.name)
         if model is None:
             return None
         status: dict[str, Any] = {"value": view.state, "args": model.cmd}
