@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from actors import Config, ConfigError, Supervisor, demo_config, load_config, loop
-from actors.config import check_key, parse_config, read_key_file
+from actors.config_load import check_key, parse_config, read_key_file
 from actors.http import client as http_client
 from actors.http.api import ManagementApi
 from actors.presets import llama_models

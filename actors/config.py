@@ -1,7 +1,5 @@
-"""Configuration: msgspec Structs decoded from TOML, unknown keys rejected (R-2.1).
-
-Every error names the file, the key path and what was expected, e.g.
-`corral.toml: models.chat.cmd: Expected `array`, got `str``.
+"""Configuration: the msgspec Structs a TOML file decodes into, each key with its default
+and meaning (R-2.1), and the built-in demo. Reading and checking a file: config_load.py.
 """
 
 from __future__ import annotations
@@ -9,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -19,9 +16,7 @@ from msgspec import Meta
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
-_DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
-_ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 class ConfigError(Exception):
@@ -312,140 +307,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             for alias in model.aliases:
                 names[alias] = name
         return names
-
-
-def _validate_devices(config: Config, source: str) -> None:
-    names: set[str] = set()
-    for i, device in enumerate(config.devices):
-        if not _DEVICE_NAME.fullmatch(device.name) or device.name == "host":
-            raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is not a usable "
-                              "device name (letters, digits, '_.:-'; not 'host')")
-        if device.name in names:
-            raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is declared twice")
-        names.add(device.name)
-    for name, model in config.models.items():
-        if model.measure == "declared" and not model.memory_mib:
-            raise ConfigError(f"{source}: models.{name}.memory_mib: measure = \"declared\" "
-                              "needs the figures, e.g. memory_mib = {gpu0 = 4096}")
-        for key in model.memory_mib:
-            if names and key != "host" and key not in names:
-                raise ConfigError(
-                    f"{source}: models.{name}.memory_mib: unknown device {key!r}; "
-                    f"declared devices: {', '.join(sorted(names))} (or 'host')")
-
-
-def _validate(config: Config, source: str) -> Config:
-    _validate_devices(config, source)
-    seen: dict[str, str] = {}
-    for name, model in config.models.items():
-        if not name or name != name.strip():
-            raise ConfigError(f"{source}: models.{name!r}: a model name must be non-empty "
-                              "with no surrounding spaces")
-        for i, arg in enumerate(model.cmd):
-            for match in _ANY_PLACEHOLDER.finditer(arg):
-                if not PLACEHOLDER.fullmatch(match.group(0)):
-                    raise ConfigError(
-                        f"{source}: models.{name}.cmd[{i}]: unknown placeholder "
-                        f"{match.group(0)}; use {{port}}, {{host}}, {{model}}, "
-                        "{devices} or {device}")
-        if model.devices is not None and model.devices_per_instance > len(model.devices):
-            raise ConfigError(f"{source}: models.{name}.devices_per_instance: "
-                              f"{model.devices_per_instance} is more than the "
-                              f"{len(model.devices)} device(s) in models.{name}.devices")
-        for node in model.nodes or []:
-            if node not in config.cluster.nodes:
-                raise ConfigError(f"{source}: models.{name}.nodes: {node!r} is not one of "
-                                  f"cluster.nodes {config.cluster.nodes}")
-        if model.nodes and model.key_flag is None and model.key_argument is None:
-            raise ConfigError(
-                f"{source}: models.{name}.key_flag: on a cluster node its child listens on "
-                "the network, and corral cannot tell how to give it a key; set key_flag "
-                "to the flag its server takes an API key with (e.g. \"--api-key\"), or "
-                "key_flag = \"\" to run it there with none (anyone who can reach the "
-                "node can use it)")
-        if not model.health_path.startswith("/"):
-            raise ConfigError(f"{source}: models.{name}.health_path: must start with '/', "
-                              f"got {model.health_path!r}")
-        for alias in model.aliases:
-            owner = seen.get(alias) or (alias if alias in config.models else None)
-            if owner is not None:
-                raise ConfigError(f"{source}: models.{name}.aliases: {alias!r} is already "
-                                  f"the name or an alias of model {owner!r}")
-            seen[alias] = name
-    if config.api_key is not None and not config.api_key.strip():
-        raise ConfigError(f"{source}: api_key: empty; an empty key would turn "
-                          "authentication off. Remove the key, or set a real one")
-    if config.api_key is not None:
-        check_key(config.api_key, f"{source}: api_key")
-    if config.api_key is not None and config.api_key_file is not None:
-        raise ConfigError(f"{source}: api_key and api_key_file: set one, not both")
-    if config.api_key_file is not None:
-        key = read_key_file(config.api_key_file, f"{source}: api_key_file")
-        config = msgspec.structs.replace(config, api_key=key, api_key_file=None)
-    return config
-
-
-def check_key(key: str, where: str) -> None:
-    """Raise ConfigError unless `key` is usable as it is: a key with spaces in it can
-    never match what a client sends, which corral takes without surrounding spaces
-    (issue 19, R13)."""
-    if any(c.isspace() for c in key):
-        raise ConfigError(f"{where}: the key contains spaces, tabs or line breaks; a "
-                          "client's key would never match it. Remove them")
-
-
-def read_key_file(path: str, where: str) -> str:
-    """The key in the file at `path`: its text without the trailing line break an
-    editor adds; anything else that is not part of a key is an error."""
-    try:
-        key = Path(path).expanduser().read_text().rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: cannot read {path}: {e}") from None
-    if not key.strip():
-        raise ConfigError(f"{where}: {path} is empty")
-    check_key(key, f"{where}: {path}")
-    return key
-
-
-def _describe(error: msgspec.ValidationError, prefix: str = "") -> str:
-    """`Expected `int`, got `str` - at `$.port`` -> `PREFIX.port: Expected `int`, got `str``."""
-    text = str(error)
-    message, sep, where = text.rpartition(" - at `")
-    if not sep:
-        message, where = text, ""
-    path = ".".join(p for p in (prefix, where.rstrip("`").removeprefix("$.").lstrip("$")) if p)
-    return f"{path}: {message}" if path else message
-
-
-def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
-    """Decode a TOML-shaped dict; raise ConfigError naming `source` and the key path."""
-    models = data.get("models")
-    if isinstance(models, dict):
-        # One model at a time first: msgspec names a dict key `[...]`, and the model's
-        # name is the part of the path a user needs.
-        for name, table in models.items():
-            try:
-                msgspec.convert(table, type=ModelConfig)
-            except msgspec.ValidationError as e:
-                raise ConfigError(f"{source}: {_describe(e, f'models.{name}')}") from None
-    try:
-        config = msgspec.convert(data, type=Config)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {_describe(e)}") from None
-    return _validate(config, source)
-
-
-def load_config(path: str | Path) -> Config:
-    """Read and check a TOML config file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return parse_config(data, str(path))
 
 
 def demo_config() -> Config:

@@ -153,6 +153,12 @@ class Supervisor:
         """Make `config`'s model table the live one (R-2.6): new models appear, removed
         ones are unloaded, running ones whose config changed restart once idle, the rest
         keep running. Top-level settings take effect on the next start."""
+        # The management API calls this on a worker thread, one reload at a time, and
+        # meanwhile reads self.config and self.logs on the event loop. No read tears:
+        # self.config is replaced whole (a frozen Struct) by the one assignment at the
+        # end, and self.logs only gains rings (a dict insert is atomic under the GIL),
+        # each before the API's alias table, replaced on the loop once this returns,
+        # can name it. self.instances is read only here and in stop().
         fixed = [k for k in Config.__struct_fields__
                  if k != "models" and getattr(config, k) != getattr(self.config, k)]
         if fixed:

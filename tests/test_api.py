@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from actors.config import Config
-from actors.http import api as api_module
+from actors.http import events as events_module
 from actors.http.api import ManagementApi
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config
 
@@ -300,7 +300,7 @@ def test_a_stalled_event_reader_is_dropped_with_one_warning(caplog, monkeypatch)
     """Issue 19, R13: a /models/sse reader that stops reading used to cost one warning per
     event it missed. Now, once it is SSE_BACKLOG events behind, its stream ends with
     `event: dropped` and one warning; a reader that keeps up gets every event."""
-    monkeypatch.setattr(api_module, "SSE_BACKLOG", 20)
+    monkeypatch.setattr(events_module, "SSE_BACKLOG", 20)
     caplog.set_level(logging.WARNING, logger="corral.api")
     pad = "p" * (64 << 10)  # 64 KiB an event: the socket buffers fill after a few
 
@@ -322,18 +322,18 @@ def test_a_stalled_event_reader_is_dropped_with_one_warning(caplog, monkeypatch)
                 session.get(f"http://127.0.0.1:{port}/models/sse",
                             headers={"x-corral-front": api.front_secret}) as reading:
             await reading.content.readline()  # ": connected"
-            await wait_for_async(lambda: len(api.sse_clients) == 2)
+            await wait_for_async(lambda: len(api.streams.sse_clients) == 2)
             i = -1
-            while len(api.sse_clients) == 2:  # until the stalled one's buffers are full
+            while len(api.streams.sse_clients) == 2:  # until the stalled one's buffers are full
                 i += 1
                 assert i < 2000, "128 MiB published, and the stalled reader still on"
-                api._publish({"type": "test", "i": i, "pad": pad})  # type: ignore[arg-type]
+                api.streams.publish({"type": "test", "i": i, "pad": pad})  # type: ignore[arg-type]
                 while got <= i:  # the reading one keeps up
                     line = await reading.content.readline()
                     if line.startswith(b"data: "):
                         assert json.loads(line[6:])["i"] == got
                         got += 1
-            assert len(api.sse_clients) == 1  # the stalled one left when it was dropped
+            assert len(api.streams.sse_clients) == 1  # the stalled one left when it was dropped
         tail = bytearray()
         while not tail.endswith(b"\r\n0\r\n\r\n"):  # the end of the chunked answer
             chunk = await asyncio.wait_for(loop.sock_recv(stalled, 1 << 20), 10)

@@ -28,7 +28,8 @@ from actors.childproc import MAX_LINE_BYTES
 from actors.cluster.agent import ForwardedRing, NodeAgent, Outbox
 from actors.cluster.head import Cluster
 from actors.cluster.wire import Batch, ToAgent
-from actors.config import Config, ModelConfig, parse_config
+from actors.config import Config, ModelConfig
+from actors.config_load import parse_config
 from actors.messages import InstanceExited, StartInstance, StopInstance
 from tests.helpers import fake_cmd
 

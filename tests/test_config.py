@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import ConfigError, load_config
+from actors.config import ConfigError
+from actors.config_load import load_config
 from tests.helpers import ROOT
 
 

@@ -121,7 +121,7 @@ def test_a_model_over_two_gpus_is_split_over_both() -> None:
 
 
 def test_a_child_is_told_where_it_was_placed() -> None:
-    from actors.config import parse_config
+    from actors.config_load import parse_config
     from actors.instance import placement_env
 
     config = parse_config({"models": {"m": {
@@ -142,7 +142,8 @@ def test_a_child_is_told_where_it_was_placed() -> None:
 def test_more_devices_per_instance_than_allowed_devices_is_a_config_error() -> None:
     import pytest
 
-    from actors.config import ConfigError, parse_config
+    from actors.config import ConfigError
+    from actors.config_load import parse_config
 
     with pytest.raises(ConfigError, match=r"models\.m\.devices_per_instance: 3 is more than"):
         parse_config({"models": {"m": {"cmd": ["x", "{port}"], "devices": ["a", "b"],

@@ -224,7 +224,7 @@ def test_real_scheduler_busy_loop_unload_after_ready_joins_stopping_child() -> N
     import time
 
     from actors.bridge import ThreadReply
-    from actors.config import parse_config
+    from actors.config_load import parse_config
     from actors.messages import InstanceReady, InstancesAttached, UnloadModel, WatchGrants
     from actors.scheduler import Scheduler
 

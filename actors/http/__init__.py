@@ -17,6 +17,7 @@ then streamed to and from the child; everything else goes to the management API.
 | one connection to a child and its answers        | `Upstream`, `Broke`      | upstream.py   |
 | the rules both servers share; the routing table  | `Routes`, `Answer`, ...  | edge.py       |
 | corral's own endpoints (aiohttp, loopback only)  | `ManagementApi`          | api.py        |
+| its event and log streams (/models/sse, /logs)   | `Streams`                | events.py     |
 | /metrics and the front's request times           | `render`, `RequestTimes` | metrics.py    |
 | the dashboard page                               | `page`, `ui.html`        | dashboard.py  |
 | the CLI's management commands                    | `run`, `COMMANDS`        | client.py     |

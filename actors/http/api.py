@@ -3,7 +3,8 @@
 The front (front.py) serves the port and proxies every request that names a model.
 This module is the management API (aiohttp, on an internal loopback port that only the
 front talks to): health, the model list, load and unload, events, logs, metrics, devices.
-It decides nothing about scheduling; it asks the Scheduler through the bridge.
+It decides nothing about scheduling; it asks the Scheduler through the bridge. The event
+and log streams are events.py's.
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ import pykka
 from aiohttp import web
 
 from ..bridge import LoopReply
-from ..childproc import LogRing
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, ModelConfig
 from ..ledger import node_of
 from ..messages import (
     Alive,
     DevicesSnapshot,
     Done,
-    Event,
     GetDevices,
     GetModels,
     LoadModel,
@@ -50,18 +49,13 @@ from .edge import (
     error_body,
     refusal_answer,
 )
+from .events import Streams, log_text
 from .front import Front
 from .metrics import render
 from .shares import Shares
 
 log = logging.getLogger("corral.api")
 
-PING = b": ping\n\n"
-"""What an event stream with nothing to say for http.event_ping_s writes: proxies keep
-it open, and a reader that vanished without a word is found by the write."""
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-SSE_BACKLOG = 10_000
-"""Events kept for a slow /models/sse client; one more and its stream is ended."""
 ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
 
@@ -89,13 +83,15 @@ class ManagementApi:
                  reloader: Callable[[], Config] | None = None) -> None:
         """`reloader` re-reads the config for GET /models?reload=1 (and SIGHUP)."""
         self.sup = supervisor
+        """Its config and logs are read on the loop while its reload may run on a thread
+        (Supervisor.reload says why no read tears)."""
         self.config = config
         self.names = config.resolve_aliases()
         self.reloader = reloader
+        self.reloading = asyncio.Lock()
+        """One at a time: two would each start an instance of a model both add."""
         self.front: Front | None = None
-        self.sse_clients: set[asyncio.Queue[bytes | None]] = set()
-        self.log_followers: set[asyncio.Event] = set()
-        self.stopping = False
+        self.streams = Streams(config.http.event_ping_s)
         self.runner: web.AppRunner | None = None
         self.started = time.time()
         self.front_secret = secrets.token_hex(16)
@@ -116,7 +112,7 @@ class ManagementApi:
         r.add_get("/v1/models/{id:.+}", self.retrieve_model)  # a name may hold a "/"
         r.add_post("/models/load", self.load)
         r.add_post("/models/unload", self.unload)
-        r.add_get("/models/sse", self.sse)
+        r.add_get("/models/sse", self.streams.events)
         r.add_get("/models/logs", self.logs)
         r.add_get("/props", self.props)
         r.add_get("/metrics", self.metrics)
@@ -127,7 +123,7 @@ class ManagementApi:
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0 picks one); return the port."""
         loop = asyncio.get_running_loop()
-        self.sup.subscribe(loop, self._publish)
+        self.sup.subscribe(loop, self.streams.publish)
         # handler_cancellation: the front closing its connection (its client left)
         # cancels the handler.
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
@@ -146,13 +142,7 @@ class ManagementApi:
         """Drain (R-6.7): stop accepting, end event streams (the front cuts those whose
         reader does not take the end), let running answers finish within
         http.drain_timeout_s, then close the rest."""
-        self.stopping = True
-        for queue in self.sse_clients:
-            while queue.full():
-                queue.get_nowait()
-            queue.put_nowait(None)
-        for woken in self.log_followers:
-            woken.set()
+        self.streams.end()
         if self.front is not None:
             await self.front.drain(self.config.http.drain_timeout_s)
         if self.runner is not None:
@@ -202,31 +192,6 @@ class ManagementApi:
         reply = LoopReply(asyncio.get_running_loop())
         self.sup.scheduler.tell(make(reply))
         return await asyncio.wait_for(reply.future, ASK_TIMEOUT_S)
-
-    def _publish(self, event: Event) -> None:
-        data = b"data: " + msgspec.json.encode(event) + b"\n\n"
-        for queue in tuple(self.sse_clients):
-            try:
-                queue.put_nowait(data)
-            except asyncio.QueueFull:
-                self._drop_subscriber(queue)
-
-    def _drop_subscriber(self, queue: asyncio.Queue[bytes | None]) -> None:
-        """End the stream of a client that fell SSE_BACKLOG events behind: its backlog
-        goes, `event: dropped` and the end take its place, and it gets no more events.
-        One warning per client, not one per event (issue 19, R13: stalled clients
-        flooded the log)."""
-        self.sse_clients.discard(queue)
-        lost = queue.qsize() + 1
-        while not queue.empty():
-            queue.get_nowait()
-        queue.put_nowait(b"event: dropped\ndata: " + msgspec.json.encode(
-            {"lost": lost, "reason": f"this reader fell {SSE_BACKLOG:,} events behind; "
-             "reconnect, and read GET /models for the state now"}) + b"\n\n")
-        queue.put_nowait(None)
-        log.warning("an SSE client fell %d events behind (it reads too slowly or not at "
-                    "all); its stream ends with `event: dropped` (a dashboard reconnects "
-                    "by itself)", SSE_BACKLOG)
 
     # ------------------------------------------------------------ router endpoints
 
@@ -280,7 +245,7 @@ class ManagementApi:
         body, content_type = await asyncio.to_thread(
             render, snap, devices, shares.joined_total, dict(shares.extra),
             request.headers.get("Accept"), views,
-            {"events": len(self.sse_clients), "logs": len(self.log_followers)})
+            self.streams.counts())
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def reload(self) -> ReloadSummary:
@@ -288,11 +253,12 @@ class ManagementApi:
         (and changes nothing) if it is wrong."""
         if self.reloader is None:
             raise ConfigError("this corral has no config file to reload")
-        config = await asyncio.to_thread(self.reloader)
-        summary = await asyncio.to_thread(self.sup.reload, config)
-        self.names = config.resolve_aliases()
-        if self.front is not None:
-            self.front.routes = Routes.of(config)
+        async with self.reloading:
+            config = await asyncio.to_thread(self.reloader)
+            summary = await asyncio.to_thread(self.sup.reload, config)
+            self.names = config.resolve_aliases()
+            if self.front is not None:
+                self.front.routes = Routes.of(config)
         return summary
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -304,7 +270,8 @@ class ManagementApi:
                 return error(400, f"reload refused, nothing changed: {e}")
         snap = await self._ask(GetModels)
         assert isinstance(snap, ModelsSnapshot)
-        entries = (self._entry(view) for view in snap.models)
+        models = self.sup.config.models  # read once: every entry from the same table
+        entries = (self._entry(view, models) for view in snap.models)
         return web.json_response({"object": "list", "data": [e for e in entries if e]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
@@ -315,16 +282,16 @@ class ManagementApi:
         snap = await self._ask(GetModels) if name is not None else None
         assert snap is None or isinstance(snap, ModelsSnapshot)
         view = next((v for v in snap.models if v.name == name), None) if snap else None
-        entry = self._entry(view) if view is not None else None
+        entry = self._entry(view, self.sup.config.models) if view is not None else None
         if entry is None:
             return error(404, f"model '{given}' not found; GET /v1/models lists the models "
                          "and their aliases", "not_found_error")
         return web.json_response(entry)
 
-    def _entry(self, view: ModelView) -> dict[str, Any] | None:
+    def _entry(self, view: ModelView, models: dict[str, ModelConfig]) -> dict[str, Any] | None:
         """A model's entry in GET /v1/models (None: added or removed by a reload between
-        the Scheduler's snapshot and this read of the config)."""
-        model = self.sup.config.models.get(view.name)
+        the Scheduler's snapshot and the read of `models`, the live table)."""
+        model = models.get(view.name)
         if model is None:
             return None
         status: dict[str, Any] = {"value": view.state, "args": model.cmd}
@@ -411,25 +378,6 @@ class ManagementApi:
         assert isinstance(answer, Done)
         return web.json_response({"success": True})
 
-    async def sse(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue(SSE_BACKLOG)
-        self.sse_clients.add(queue)
-        try:
-            await resp.write(b": connected\n\n")
-            while not self.stopping:
-                try:
-                    data = await asyncio.wait_for(queue.get(), self.config.http.event_ping_s)
-                except TimeoutError:
-                    data = PING
-                if data is None:
-                    break
-                await resp.write(data)
-        finally:
-            self.sse_clients.discard(queue)
-        return resp
-
     async def logs(self, request: web.Request) -> web.StreamResponse:
         """GET /models/logs?model=NAME: the child's recent output as text; with
         `&follow=1`, as an event stream: those lines, then each new one as it comes,
@@ -445,57 +393,6 @@ class ManagementApi:
         if follow not in ("0", "1", "true", "false"):
             return error(400, f"follow={follow!r}: say follow=1 or follow=0")
         if follow in ("0", "false"):  # up to max_bytes of text: built off the loop
-            return web.Response(body=await asyncio.to_thread(_snapshot, ring),
+            return web.Response(body=await asyncio.to_thread(log_text, ring),
                                 content_type="text/plain", charset="utf-8")
-        return await self.follow_logs(request, ring)
-
-    async def follow_logs(self, request: web.Request, ring: LogRing) -> web.StreamResponse:
-        """One `data: {"line": ...}` event per line, written in batches. The ring is the
-        follower's buffer: one that falls behind all it keeps (a slow or stalled reader)
-        gets a last `event: dropped` saying how many lines it lost, and is ended; the
-        child and the other readers never wait for it."""
-        loop = asyncio.get_running_loop()
-        woken = asyncio.Event()
-
-        def wake() -> None:  # on the child's reader thread
-            try:
-                loop.call_soon_threadsafe(woken.set)
-            except RuntimeError:
-                pass  # the loop has closed: corral is exiting
-
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        self.log_followers.add(woken)
-        try:
-            lines, seen, _ = ring.since(ring.recent())
-            await resp.write(b": following\n\n" + _line_events(lines))
-            while not self.stopping:
-                lines, count, lost = ring.since(seen)
-                if lost:
-                    await resp.write(b"event: dropped\ndata: " + msgspec.json.encode(
-                        {"lost": lost, "reason": "this reader fell behind all the output "
-                         f"corral keeps (its last {ring.backlog_bytes >> 20} MiB)"})
-                        + b"\n\n")
-                    break
-                seen = count
-                if lines:
-                    await resp.write(_line_events(lines))
-                    continue
-                woken.clear()
-                if ring.wake(seen, wake):
-                    try:
-                        await asyncio.wait_for(woken.wait(), self.config.http.event_ping_s)
-                    except TimeoutError:
-                        await resp.write(PING)
-        finally:
-            self.log_followers.discard(woken)
-        return resp
-
-
-def _line_events(lines: list[str]) -> bytes:
-    return b"".join(b"data: " + msgspec.json.encode({"line": line}) + b"\n\n"
-                    for line in lines)
-
-
-def _snapshot(ring: LogRing) -> bytes:
-    return ("\n".join(ring.lines()) + "\n").encode("utf-8", "replace")
+        return await self.streams.follow_logs(request, ring)

@@ -1,0 +1,84 @@
+"""What the fake model tells corral besides HTTP, written out as a foreign server would:
+llama-server's child protocol, the simulated devices' ledger, and the measure line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+# ------------------------------------------------------------ llama-server's child protocol
+# (corral's side: actors/llama.py)
+
+LLAMA_STATE = "cmd_child_to_router:state:"
+LLAMA_EXIT = "cmd_router_to_child:exit"
+
+
+def llama_state(state: str, payload: dict[str, Any]) -> None:
+    """One line of llama-server's child protocol on stdout (the leading newline as it has)."""
+    print("\n" + LLAMA_STATE + json.dumps({"state": state, "payload": payload}), flush=True)
+
+
+# ------------------------------------------------------------ simulated devices (R-5.8)
+
+def sim_devices() -> list[str]:
+    return [d for d in os.environ.get("CORRAL_DEVICES", "").split(",") if d]
+
+
+def register_memory(mib: float) -> list[str]:
+    """Write this process's use of every simulated device; return the files written."""
+    ledger = os.environ.get("CORRAL_SIM_LEDGER")
+    if not ledger or mib <= 0:
+        return []
+    paths = []
+    for device in sim_devices():
+        path = os.path.join(ledger, device, str(os.getpid()))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(str(int(mib * MiB)))
+        paths.append(path)
+    return paths
+
+
+async def grow(start_mib: float, end_mib: float, seconds: float) -> None:
+    """--grow-to-mib: use more of the simulated devices, linearly, over `seconds`."""
+    steps = 20
+    for i in range(1, steps + 1):
+        await asyncio.sleep(seconds / steps)
+        register_memory(start_mib + (end_mib - start_mib) * i / steps)
+
+
+# ------------------------------------------------------------ corral's measure protocol
+
+def measure(args: argparse.Namespace) -> int:
+    """CORRAL_ROLE=measure: report the memory need on stdout (corral's measure protocol)."""
+    time.sleep(args.measure_delay)
+    if args.measure_hang:
+        print("fake_model: measuring forever", flush=True)
+        while True:
+            time.sleep(3600)
+    if args.measure_malformed:
+        print('corral:measure:{"result": "measured", "min": 42}', flush=True)
+        return 0
+    if args.measure_fail is not None:
+        print("corral:measure:" + json.dumps({"result": "failed", "error": args.measure_fail}),
+              flush=True)
+        return 0
+    mib = args.device_mib if args.measure_mib is None else args.measure_mib
+    min_mib = mib if args.measure_min_mib is None else args.measure_min_mib
+
+    def figures(n_ctx: int, mib: float) -> dict[str, Any]:  # a model that fits on one GPU
+        return {"n_ctx": n_ctx, "devices": [
+            {"kind": "device", "name": d, "total": 0, "free": 0, "model": int(mib * MiB),
+             "context": 0, "compute": 0} for d in sim_devices()[:1]]}
+
+    print("corral:measure:" + json.dumps({"result": "measured", "min": figures(512, min_mib),
+                                          "max": figures(4096, mib)}), flush=True)
+    return 0

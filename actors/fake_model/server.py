@@ -1,0 +1,221 @@
+"""The fake model's HTTP side: llama-server's OpenAI-compatible subset, /health, /props,
+`GET /debug/stats`, and the knobs that act on requests (crash or wedge after N, the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import os
+import time
+from typing import Any
+
+from aiohttp import web
+
+from .protocols import llama_state
+
+ECHO_PATHS = ["/v1/responses", "/v1/messages", "/rerank", "/v1/rerank", "/reranking",
+              "/infill", "/apply-template"]
+
+
+class FakeModel:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ready = False
+        self.stats = {"started": 0, "completed": 0, "cancelled": 0}
+        self.created = int(time.time())
+        self.last_active = time.monotonic()
+        self.sleeping = False
+        self.sleeper: asyncio.Task[None] | None = None
+        self.grower: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ helpers
+
+    def _count_request(self) -> None:
+        self.stats["started"] += 1
+        self.last_active = time.monotonic()
+        if self.sleeping:
+            self.sleeping = False
+            print("fake_model: woken by a request", flush=True)
+            llama_state("ready", {})  # a wakeup: no model info
+        limit = self.args.crash_after_requests
+        if limit is not None and self.stats["started"] > limit:
+            print(f"fake_model: crashing on request {self.stats['started']} "
+                  f"(--crash-after-requests {limit})", flush=True)
+            os._exit(self.args.exit_code)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw:
+            return {}
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}',
+                                     content_type="application/json")
+        return data
+
+    def _not_ready(self) -> web.Response | None:
+        if self.ready:
+            return None
+        return web.json_response({"error": {"code": 503, "message": "Loading model",
+                                             "type": "unavailable_error"}}, status=503)
+
+    # ------------------------------------------------------------ handlers
+
+    async def health(self, request: web.Request) -> web.Response:
+        limit = self.args.wedge_after_requests
+        if limit is not None and self.stats["started"] >= limit:
+            await asyncio.Event().wait()  # wedged: the port is open, nothing answers
+        return self._not_ready() or web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.args.model, "object": "model", "owned_by": "fake",
+             "created": self.created}]})
+
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_alias": self.args.model, "role": "model",
+                                  "pid": os.getpid(), "total_slots": 1})
+
+    async def debug_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.stats, "pid": os.getpid()})
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        n_tokens = int(body.get("max_tokens") or body.get("n_predict") or 16)
+        chat = "chat" in request.path
+        if body.get("stream"):
+            return await self._stream(request, n_tokens, chat)
+        try:
+            await self._pace(n_tokens)
+        except asyncio.CancelledError:  # its client (corral) closed the connection
+            self.stats["cancelled"] += 1
+            raise
+        text = "".join(f"tok{i} " for i in range(n_tokens))
+        self.stats["completed"] += 1
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response({
+            "id": f"fake-{self.stats['started']}", "model": self.args.model,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens,
+                      "total_tokens": n_tokens + 1}})
+
+    async def sleep_when_idle(self, idle_s: float) -> None:
+        """--sleep-idle-s: report `sleeping` after idle_s with no request (llama protocol)."""
+        while True:
+            busy = self.stats["started"] - self.stats["completed"] - self.stats["cancelled"]
+            idle = time.monotonic() - self.last_active
+            if not self.sleeping and not busy and idle >= idle_s:
+                self.sleeping = True
+                print("fake_model: idle, sleeping", flush=True)
+                llama_state("sleeping", {})
+            await asyncio.sleep(min(0.05, idle_s))
+
+    async def _pace(self, n_tokens: int) -> None:
+        if self.args.tokens_per_s > 0:
+            await asyncio.sleep(n_tokens / self.args.tokens_per_s)
+
+    async def _stream(self, request: web.Request, n_tokens: int,
+                      chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        gap_s = 1.0 / self.args.tokens_per_s if self.args.tokens_per_s > 0 else 0.0
+        try:
+            for i in range(n_tokens):
+                if gap_s:
+                    await asyncio.sleep(gap_s)
+                delta = ({"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} if chat
+                         else {"choices": [{"index": 0, "text": f"tok{i} "}]})
+                delta["model"] = self.args.model
+                await resp.write(f"data: {json.dumps(delta)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.stats["cancelled"] += 1
+            raise
+        self.stats["completed"] += 1
+        return resp
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        inputs = body.get("input", "")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = [{"object": "embedding", "index": i,
+                 "embedding": [((len(str(x)) + k) % 7) / 7.0 for k in range(8)]}
+                for i, x in enumerate(inputs)]
+        self.stats["completed"] += 1
+        return web.json_response({"object": "list", "model": self.args.model, "data": data})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        tokens = [len(word) for word in str(body.get("content", "")).split()]
+        self.stats["completed"] += 1
+        return web.json_response({"tokens": tokens})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        self.stats["completed"] += 1
+        return web.json_response({"content": " ".join(f"t{t}" for t in body.get("tokens", []))})
+
+    async def echo(self, request: web.Request) -> web.Response:
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        self.stats["completed"] += 1
+        return web.json_response({"object": "echo", "path": request.path,
+                                  "model": self.args.model, "received_model": body.get("model")})
+
+    @web.middleware
+    async def check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """--api-key: as llama-server does, every path but the health checks needs it."""
+        key = self.args.api_key
+        if key is None or request.path in ("/health", "/v1/health"):
+            return await handler(request)  # type: ignore[no-any-return]
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        given = given or request.headers.get("x-api-key", "").strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            return web.json_response({"error": {"code": 401, "message": "Invalid API Key",
+                                                "type": "authentication_error"}}, status=401)
+        return await handler(request)  # type: ignore[no-any-return]
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.check_key])
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/v1/health", self.health)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/models", self.models)
+        r.add_get("/props", self.props)
+        r.add_get("/slots", self.props)
+        r.add_get("/debug/stats", self.debug_stats)
+        for path in ["/v1/chat/completions", "/chat/completions", "/v1/completions",
+                     "/completions", "/completion"]:
+            r.add_post(path, self.completion)
+        for path in ["/v1/embeddings", "/embeddings", "/embedding"]:
+            r.add_post(path, self.embeddings)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        for path in ECHO_PATHS:
+            r.add_post(path, self.echo)
+        return app
