@@ -641,3 +641,27 @@ class SampleTick(Message, frozen=True):
 
 
 MonitorMessage = TrackModel | SampleTick
+
+
+# ---------------------------------------------------------------- cluster head
+# (actors/cluster/: what its nodes send the head)
+
+
+class Running(msgspec.Struct, frozen=True):
+    """Agent -> a new head: a child running on the node, for adoption."""
+
+    model: str
+    generation: int
+    pid: int
+    port: int
+    ready: bool
+    digest: str
+    """Of the model config it was started with (`cluster.wire.digest`)."""
+    devices: list[str] | None = None
+    key: str | None = None
+    """The key the child requires (StartInstance.key): a new head sends it on."""
+
+
+FromNode = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
+            | MeasureStarted | Measured | DevicesReported)
+"""What a node's actors tell their `scheduler` (the agent's Outbox), for the head's."""

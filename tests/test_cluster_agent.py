@@ -29,7 +29,14 @@ from actors.cluster.agent import ForwardedRing, NodeAgent, Outbox
 from actors.cluster.head import Cluster
 from actors.cluster.wire import Batch, ToAgent
 from actors.config import Config, ModelConfig, parse_config
-from actors.messages import InstanceExited, StartInstance, StopInstance
+from actors.messages import (
+    InstanceExited,
+    InstanceReady,
+    InstanceStarted,
+    Running,
+    StartInstance,
+    StopInstance,
+)
 from tests.helpers import fake_cmd
 
 
@@ -45,7 +52,8 @@ def agent(tmp_path: Path) -> Any:
 
 
 def stop(epoch: int, seq: int, reason: str) -> bytes:
-    return msgspec.msgpack.encode(ToAgent(epoch, seq, "m", StopInstance(1, reason)))
+    return msgspec.msgpack.encode(ToAgent(epoch=epoch, seq=seq, model="m",
+                                          message=StopInstance(generation=1, reason=reason)))
 
 
 def test_the_reviews_late_message_from_an_earlier_epoch_is_dropped(agent: Any,
@@ -151,6 +159,40 @@ def test_a_start_on_a_node_carries_the_heads_key_and_a_lost_node_is_said() -> No
     remote.tell(StartInstance(2, config.models["m"], node="node_a"))
     [exited] = told
     assert isinstance(exited, InstanceExited) and "node lost" in exited.description
+
+
+def test_an_agent_learns_what_runs_from_its_instances_facts(tmp_path: Path) -> None:
+    """The table a new head's `running()` reads is made of the facts the instances send,
+    and an instance whose child is still there is replaced, not asked (issue 20)."""
+    agent = NodeAgent("node_a", "127.0.0.1", msgspec.msgpack.encode(
+        Config(state_dir=str(tmp_path))))
+    model = ModelConfig(cmd=fake_cmd())
+    try:
+        first = agent._instance("m", StartInstance(generation=1, config=model,
+                                                   devices=["gpu0"]))
+        assert msgspec.msgpack.decode(agent.running(), type=list[Running]) == []
+        agent.tap.tell(InstanceStarted(model="m", generation=1, pid=4242))
+        agent.tap.tell(InstanceReady(model="m", generation=1, pid=4242, port=9001,
+                                     upstream_key="k"))
+        [running] = msgspec.msgpack.decode(agent.running(), type=list[Running])
+        assert (running.generation, running.pid, running.port, running.ready, running.key,
+                running.devices) == (1, 4242, 9001, True, "k", ["gpu0"])
+        assert agent.child_pids() == {"m": 4242}
+        assert agent.outbox.take(0).messages[-1] == InstanceReady(
+            model="m", generation=1, pid=4242, port=9001, upstream_key="k")
+        second = agent._instance("m", StartInstance(generation=2, config=model))
+        assert second is not first and [r[0] for r in agent.retired] == [first]
+        assert agent.running() == msgspec.msgpack.encode([])  # #2 not spawned yet
+        agent.tap.tell(InstanceExited(model="m", generation=1, returncode=0,
+                                      description="exited"))
+        agent.tap.tell(InstanceExited(model="m", generation=2, returncode=127,
+                                      description="could not be started"))
+        assert agent._instance("m", StartInstance(generation=3, config=model)) is second
+        assert agent.retired == [] and agent.child_pids() == {}
+    finally:
+        for ref in agent.instances.values():
+            ref.stop()
+        agent.timers.stop()
 
 
 @pytest.mark.parametrize("cmd, flag", [

@@ -26,13 +26,14 @@ from ..messages import (
     MeasureModel,
     NodeChanged,
     Remember,
+    Running,
     StartInstance,
     StopInstance,
 )
 from .agent import NodeAgent
 from .devices import DeviceHub
 from .join import Waker, join
-from .wire import AGENT_PREFIX, POLL_S, Batch, Running, ToAgent, digest
+from .wire import AGENT_PREFIX, POLL_S, Batch, ToAgent, digest
 
 log = logging.getLogger("corral.cluster")
 
