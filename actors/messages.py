@@ -11,6 +11,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from .base import Inbox
+from .childproc import LogRing
 from .config import ModelConfig
 from .ledger import Breakdown, DeviceSample, MemoryInfo
 
@@ -361,7 +363,7 @@ class InstanceReady(Message, frozen=True):
 
 
 class InstanceAdopted(Message, frozen=True):
-    """Cluster -> Scheduler: a ready child that an earlier corral started on a Ray node and
+    """ClusterHead -> Scheduler: a ready child that an earlier corral started on a Ray node and
     left running (its head restarted) serves `model` as generation `generation` now."""
 
     model: str
@@ -378,7 +380,7 @@ class InstanceAdopted(Message, frozen=True):
 
 
 class NodeChanged(Message, frozen=True):
-    """Cluster -> Scheduler: `node`'s agent is up, or lost or unreachable (`why`): where
+    """ClusterHead -> Scheduler: `node`'s agent is up, or lost or unreachable (`why`): where
     models with `nodes` may be started (issue 19)."""
 
     node: str
@@ -387,7 +389,7 @@ class NodeChanged(Message, frozen=True):
 
 
 class InstanceSeen(Message, frozen=True):
-    """Cluster -> Scheduler: a child of `model` as generation `generation` runs on a node
+    """ClusterHead -> Scheduler: a child of `model` as generation `generation` runs on a node
     (left by an earlier corral, and being stopped): new generations count on from there,
     so none is taken for it."""
 
@@ -510,7 +512,7 @@ class StartInstance(Message, frozen=True):
     devices: list[str] | None = None
     """Where corral placed it: `{devices}`, `CUDA_VISIBLE_DEVICES`, CORRAL_DEVICES."""
     node: str | None = None
-    """The cluster node the policy chose (read by the head's RemoteInstance)."""
+    """The cluster node the policy chose (read by the ClusterHead)."""
     key: str | None = None
     """A key the child must require, passed with its engine's own flag (a child on a
     cluster node: issue 19, R8); None: none."""
@@ -630,3 +632,101 @@ class SampleTick(Message, frozen=True):
 
 
 MonitorMessage = TrackModel | SampleTick
+
+
+# ---------------------------------------------------------------- cluster head
+# (actors/cluster/: the ClusterHead's inbox, and what its nodes send it)
+
+
+class Running(msgspec.Struct, frozen=True):
+    """Agent -> a new head (in its link's NodeUp): a child running on the node, for
+    adoption."""
+
+    model: str
+    generation: int
+    pid: int
+    port: int
+    ready: bool
+    digest: str
+    """Of the model config it was started with (`cluster.wire.digest`)."""
+    devices: list[str] | None = None
+    key: str | None = None
+    """The key the child requires (StartInstance.key): a new head sends it on."""
+
+
+FromNode = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
+            | MeasureStarted | Measured | DevicesReported)
+"""What a node's actors tell their `scheduler` (the agent's Outbox), for the head's."""
+
+
+class ForModel(Message, frozen=True):
+    """Scheduler -> ClusterHead, through `model`'s RemoteInstance: what it would tell a
+    local ModelInstance, for the node the model runs on."""
+
+    model: str
+    message: InstanceMessage
+
+
+class RemoteModel(Message, frozen=True):
+    """Supervisor -> ClusterHead: `model` runs on cluster nodes as `config` says; its
+    children's output goes to `log` (at the start, and for a model a reload adds)."""
+
+    model: str
+    config: ModelConfig
+    log: LogRing
+
+
+class HeadAttached(Message, frozen=True):
+    """Supervisor -> ClusterHead: the head's own DeviceMonitor and MeasureWorker, for the
+    models that run on this machine. Asked, not told: once it is answered, what the
+    links said before it (the adoptions of a start) has been taken in."""
+
+    monitor: Inbox[MonitorMessage]
+    measurer: Inbox[MeasureMessage]
+
+
+class NodeUp(Message, frozen=True):
+    """AgentLink -> ClusterHead: `node`'s agent has attached this head as `epoch`; its
+    children listen on `host`, and `running` are there already (to adopt or stop)."""
+
+    node: str
+    host: str
+    handle: Any
+    """The agent's Ray actor handle (untyped in Ray): the head sends through it."""
+    epoch: int
+    running: list[Running]
+
+
+class NodeUnreachable(Message, frozen=True):
+    """AgentLink -> ClusterHead: `node`'s agent could not be started or reached; the link
+    tries again every cluster.agent_retry_s."""
+
+    node: str
+
+
+class NodeBatch(Message, frozen=True):
+    """AgentLink -> ClusterHead: what `node`'s agent said since the last poll (a
+    cluster.wire.Batch): facts for the Scheduler, child output, what was lost."""
+
+    node: str
+    messages: list[FromNode]
+    lines: list[tuple[str, str]]
+    """(model, line) of child output, in order."""
+    dropped_lines: int
+    skipped: list[int]
+    """Numbers of the head's messages that never reached the agent."""
+
+
+class NodeLost(Message, frozen=True):
+    """AgentLink -> ClusterHead: `node`'s agent died, or another head took it (`why`): its
+    models fail; the link tries again every cluster.agent_retry_s."""
+
+    node: str
+    why: str
+
+
+ClusterHeadMessage = (
+    ForModel | RemoteModel | HeadAttached
+    | NodeUp | NodeUnreachable | NodeBatch | NodeLost
+    | TrackModel | DevicesReported | MeasureModel | Remember
+)

@@ -116,8 +116,9 @@ class Supervisor:
         if self._on_event is not None:
             self.scheduler.tell(Subscribe(self._on_event))
         device_names = sorted(d.name for b in backends for d in b.sample())
-        # In a cluster the hub merges this machine's report with the nodes' ones.
-        reports_to = self.scheduler if self.cluster is None else self.cluster.hub
+        # In a cluster the head merges this machine's report with the nodes' ones.
+        reports_to = (self.scheduler if self.cluster is None
+                      else self.cluster.open(self.scheduler, self._crash))
         self.monitor = DeviceMonitor.start(backends, reports_to, self.timers,
                                            config.device_poll_s, self._crash)
         self.measurer = MeasureWorker.start(config, self.scheduler, self.timers, device_names,
@@ -125,13 +126,8 @@ class Supervisor:
         for name, model in config.models.items():
             self.instances[name] = self._start_instance(name, model)
         monitor, measurer = self.monitor, self.measurer
-        if self.cluster is not None:
-            from .cluster.head import MeasureRouter
-
-            self.cluster.hub.local = monitor
-            self.cluster.start(self.scheduler)
-            monitor = self.cluster.hub  # TrackModel goes to the model's node
-            measurer = MeasureRouter(self.cluster, measurer)  # and so does measuring
+        if self.cluster is not None:  # TrackModel and measuring go to the model's node
+            monitor = measurer = self.cluster.start(monitor, measurer)
         self.scheduler.tell(InstancesAttached(self.instances, monitor, measurer))
         memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
                   f"{', '.join(device_names) or 'no device'}"
@@ -212,10 +208,10 @@ class Supervisor:
             clean = done.wait(timeout_s) is True
         if not clean:
             log.error("children did not all exit within %.1f s of shutdown", timeout_s)
-        if self.cluster is not None:  # its links deliver to the Scheduler: first
-            self.cluster.stop()
         for ref in [*self.instances.values(), self.measurer, self.monitor]:
             ref.stop(block=True, timeout=5.0)
+        if self.cluster is not None:  # after the monitor, which reports to its head
+            self.cluster.stop()
         self.scheduler.stop(block=True, timeout=5.0)
         if self.timers is not None:
             self.timers.stop()

@@ -230,8 +230,10 @@ def test_an_agent_hands_on_messages_in_the_heads_order(tmp_path) -> None:
         return any(isinstance(m, InstanceExited) for m in seen)
 
     try:
-        for seq, message in ((1, StopInstance(1, "unload")), (0, StartInstance(1, model))):
-            agent.tell(msgspec.msgpack.encode(ToAgent(epoch, seq, "m", message)))
+        for seq, message in ((1, StopInstance(generation=1, reason="unload")),
+                             (0, StartInstance(generation=1, config=model))):
+            agent.tell(msgspec.msgpack.encode(ToAgent(epoch=epoch, seq=seq, model="m",
+                                                      message=message)))
         wait_until(exited, 15, "the child to be started and stopped")
         assert [type(m) for m in seen] == [InstanceStarted, InstanceExited]
         assert agent.child_pids() == {}
@@ -379,7 +381,7 @@ def test_a_child_on_a_node_requires_the_heads_key(corral, ray_address: str) -> N
     status, body = chat(c.port, "b", headers=bearer)
     assert status == 200, body
     agents = Agents(ray_address, ns)
-    from actors.cluster.wire import Running
+    from actors.messages import Running
 
     [running] = msgspec.msgpack.decode(ray.get(agents.actor("node_b").running.remote(),
                                                timeout=30), type=list[Running])

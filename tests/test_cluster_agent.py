@@ -24,13 +24,25 @@ except ImportError:  # the package imports it at the top; a stub is enough here
     sys.modules.update({"ray": stub, "ray.util": stub.util,  # type: ignore[attr-defined]
                         "ray.util.scheduling_strategies": stub.util.scheduling_strategies})
 
-from actors.childproc import MAX_LINE_BYTES
+from actors.childproc import MAX_LINE_BYTES, LogRing
+from actors.cluster import Cluster
 from actors.cluster.agent import ForwardedRing, NodeAgent, Outbox
-from actors.cluster.head import Cluster
+from actors.cluster.head import ClusterHead
 from actors.cluster.wire import Batch, ToAgent
 from actors.config import Config, ModelConfig
 from actors.config_load import parse_config
-from actors.messages import InstanceExited, StartInstance, StopInstance
+from actors.messages import (
+    ForModel,
+    InstanceExited,
+    InstanceReady,
+    InstanceStarted,
+    NodeLost,
+    NodeUp,
+    RemoteModel,
+    Running,
+    StartInstance,
+    StopInstance,
+)
 from tests.helpers import fake_cmd
 
 
@@ -46,7 +58,8 @@ def agent(tmp_path: Path) -> Any:
 
 
 def stop(epoch: int, seq: int, reason: str) -> bytes:
-    return msgspec.msgpack.encode(ToAgent(epoch, seq, "m", StopInstance(1, reason)))
+    return msgspec.msgpack.encode(ToAgent(epoch=epoch, seq=seq, model="m",
+                                          message=StopInstance(generation=1, reason=reason)))
 
 
 def test_the_reviews_late_message_from_an_earlier_epoch_is_dropped(agent: Any,
@@ -131,27 +144,74 @@ def test_the_head_never_sends_its_client_key_to_the_agents(tmp_path: Path) -> No
         assert cluster.key and cluster.key.encode() not in sent
 
 
-class Link:
-    state = "up"
+class Handle:
+    """An agent's Ray handle, as the head uses it: what it sends, decoded."""
+
+    def __init__(self) -> None:
+        self.sent: list[ToAgent] = []
+        self.tell = types.SimpleNamespace(
+            remote=lambda data: self.sent.append(msgspec.msgpack.decode(data, type=ToAgent)))
 
 
 def test_a_start_on_a_node_carries_the_heads_key_and_a_lost_node_is_said() -> None:
     config = parse_config({"cluster": {"nodes": ["node_a", "node_b"]},
                            "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}}})
-    cluster = Cluster(config, {})
-    sent: list[tuple[str, Any]] = []
     told: list[Any] = []
-    cluster.send = lambda node, model, message: sent.append((node, message))  # type: ignore[method-assign]
-    cluster.scheduler = types.SimpleNamespace(tell=told.append)
-    cluster.links = {"node_a": Link(), "node_b": Link()}  # type: ignore[dict-item]
-    remote = cluster.instance("m", config.models["m"])
-    remote.tell(StartInstance(1, config.models["m"], node="node_b"))
-    [(node, start)] = sent
-    assert node == "node_b" and start.key == cluster.key and start.node is None
-    cluster.links["node_a"].state = "lost"  # type: ignore[misc]
-    remote.tell(StartInstance(2, config.models["m"], node="node_a"))
+    head = ClusterHead(config.cluster, "the-heads-key", types.SimpleNamespace(tell=told.append),
+                       lambda shown: None, lambda actor, error: None)
+    handles = {node: Handle() for node in ("node_a", "node_b")}
+    for node, handle in handles.items():
+        head.on_receive(NodeUp(node=node, host="10.0.0.2", handle=handle, epoch=1,
+                               running=[]))
+    head.on_receive(RemoteModel(model="m", config=config.models["m"], log=LogRing()))
+    head.on_receive(ForModel(model="m", message=StartInstance(
+        generation=1, config=config.models["m"], node="node_b")))
+    [sent] = handles["node_b"].sent
+    start = sent.message
+    assert isinstance(start, StartInstance) and (sent.epoch, sent.seq) == (1, 0)
+    assert start.key == "the-heads-key" and start.node is None
+    assert handles["node_a"].sent == []
+    head.on_receive(NodeLost(node="node_a", why="its agent died"))
+    told.clear()
+    head.on_receive(ForModel(model="m", message=StartInstance(
+        generation=2, config=config.models["m"], node="node_a")))
     [exited] = told
     assert isinstance(exited, InstanceExited) and "node lost" in exited.description
+    assert handles["node_a"].sent == []
+
+
+def test_an_agent_learns_what_runs_from_its_instances_facts(tmp_path: Path) -> None:
+    """The table a new head's `running()` reads is made of the facts the instances send,
+    and an instance whose child is still there is replaced, not asked (issue 20)."""
+    agent = NodeAgent("node_a", "127.0.0.1", msgspec.msgpack.encode(
+        Config(state_dir=str(tmp_path))))
+    model = ModelConfig(cmd=fake_cmd())
+    try:
+        first = agent._instance("m", StartInstance(generation=1, config=model,
+                                                   devices=["gpu0"]))
+        assert msgspec.msgpack.decode(agent.running(), type=list[Running]) == []
+        agent.tap.tell(InstanceStarted(model="m", generation=1, pid=4242))
+        agent.tap.tell(InstanceReady(model="m", generation=1, pid=4242, port=9001,
+                                     upstream_key="k"))
+        [running] = msgspec.msgpack.decode(agent.running(), type=list[Running])
+        assert (running.generation, running.pid, running.port, running.ready, running.key,
+                running.devices) == (1, 4242, 9001, True, "k", ["gpu0"])
+        assert agent.child_pids() == {"m": 4242}
+        assert agent.outbox.take(0).messages[-1] == InstanceReady(
+            model="m", generation=1, pid=4242, port=9001, upstream_key="k")
+        second = agent._instance("m", StartInstance(generation=2, config=model))
+        assert second is not first and [r[0] for r in agent.retired] == [first]
+        assert agent.running() == msgspec.msgpack.encode([])  # #2 not spawned yet
+        agent.tap.tell(InstanceExited(model="m", generation=1, returncode=0,
+                                      description="exited"))
+        agent.tap.tell(InstanceExited(model="m", generation=2, returncode=127,
+                                      description="could not be started"))
+        assert agent._instance("m", StartInstance(generation=3, config=model)) is second
+        assert agent.retired == [] and agent.child_pids() == {}
+    finally:
+        for ref in agent.instances.values():
+            ref.stop()
+        agent.timers.stop()
 
 
 @pytest.mark.parametrize("cmd, flag", [

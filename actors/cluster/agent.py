@@ -7,18 +7,25 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
+import pykka
 
 from ..childproc import LogRing, clip_line, line_cost
-from ..config import Config, ConfigError, ModelConfig
+from ..config import Config, ConfigError
 from ..health import Liveness
-from ..instance import ModelInstance, Phase
+from ..instance import ModelInstance
 from ..messages import (
     DevicesReported,
+    FromNode,
+    InstanceExited,
+    InstanceReady,
+    InstanceStarted,
     MeasureModel,
     Remember,
+    Running,
     StartInstance,
     TrackModel,
 )
@@ -28,17 +35,20 @@ from .wire import (
     OUTBOX_BYTES,
     OUTBOX_LINES,
     Batch,
-    FromInstance,
-    Running,
     ToAgent,
     digest,
 )
+
+if TYPE_CHECKING:
+    from ..device import DeviceMonitor
+    from ..measure import MeasureWorker
 
 log = logging.getLogger("corral.cluster")
 
 
 class Outbox:
-    """What an agent's ModelInstances say (it is their `scheduler`), kept for the head.
+    """What an agent's actors say (the `scheduler` of its DeviceMonitor and MeasureWorker,
+    and, through the Tap, of its ModelInstances), kept for the head.
     Child output is bounded in lines (`max_lines`) and in bytes (`max_bytes`): the oldest
     lines go first, counted as dropped (issue 19, R4)."""
 
@@ -46,14 +56,15 @@ class Outbox:
         self.max_lines = max_lines
         self.max_bytes = max_bytes
         self._cv = threading.Condition()
-        self._messages: list[FromInstance] = []
+        # Not an actor: it is a mailbox itself, at the Ray boundary (long-polled by `take`).
+        self._messages: list[FromNode] = []
         self._lines: collections.deque[tuple[str, str]] = collections.deque()
         self._bytes = 0
         """Invariant: the `line_cost` of the lines kept, at most `max_bytes`."""
         self._dropped = 0
         self._skipped: list[int] = []
 
-    def tell(self, message: FromInstance) -> None:
+    def tell(self, message: FromNode) -> None:
         with self._cv:
             if isinstance(message, DevicesReported):  # only the latest one matters
                 self._messages = [m for m in self._messages
@@ -90,7 +101,8 @@ class Outbox:
         with self._cv:
             self._cv.wait_for(lambda: self._messages or self._lines or self._skipped,
                               timeout_s)
-            batch = Batch(self._messages, list(self._lines), self._dropped, self._skipped)
+            batch = Batch(messages=self._messages, lines=list(self._lines),
+                          dropped_lines=self._dropped, skipped=self._skipped)
             self._messages, self._dropped, self._skipped = [], 0, []
             self._lines.clear()
             self._bytes = 0
@@ -112,13 +124,43 @@ class ForwardedRing(LogRing):
         self.outbox.line(self.model, line)
 
 
+class Child(msgspec.Struct):
+    """One child on this node, as its agent knows it: from the StartInstance it handed on
+    and the facts the child's ModelInstance has sent since."""
+
+    generation: int
+    digest: str
+    """Of the config it was started with."""
+    devices: list[str] | None
+    pid: int | None = None
+    """From InstanceStarted (None: not spawned yet)."""
+    port: int = 0
+    ready: bool = False
+    key: str | None = None
+    """The key it requires (InstanceReady.upstream_key)."""
+
+
+class Tap:
+    """The node's ModelInstances' `scheduler`: each fact goes to `learn` (the agent's table
+    of children), then to the Outbox for the head."""
+
+    def __init__(self, learn: Callable[[FromNode], None], outbox: Outbox) -> None:
+        self.learn = learn
+        self.outbox = outbox
+
+    def tell(self, message: FromNode) -> None:
+        self.learn(message)
+        self.outbox.tell(message)
+
+
 class NodeAgent:
     """corral's side of one node: a ModelInstance per model placed here, their children,
     the node's DeviceMonitor, and the Outbox the head polls. Runs as a detached, named Ray
     actor pinned to its node (threaded, so `poll` can wait while `tell` runs). Children
     are forked by the ModelInstances' own threads, which live as long as this process:
     they die with it (PR_SET_PDEATHSIG), as on one machine. It outlives its head: the
-    next head `attach`es, with its own config."""
+    next head `attach`es, with its own config. What runs here it learns from the facts
+    its instances send (`Tap`), never by asking them."""
 
     def __init__(self, node: str, host: str, config: bytes) -> None:
         from ..timers import Timers
@@ -128,11 +170,20 @@ class NodeAgent:
         self.node = node
         self.host = host
         self.outbox = Outbox()
+        self.tap = Tap(self.learn, self.outbox)
         self.timers = Timers()
-        self.instances: dict[str, Any] = {}
-        self.retired: list[Any] = []
-        """Instances replaced while their child still stopped (a new head's start)."""
+        self.instances: dict[str, pykka.ActorRef[ModelInstance]] = {}
+        self.serving: dict[str, int] = {}
+        """Model -> the generation its instance in `instances` was last told to start."""
+        self.children: dict[tuple[str, int], Child] = {}
+        """(model, generation) -> a child started here and not yet reported exited."""
+        self.retired: list[tuple[pykka.ActorRef[ModelInstance], str, int]] = []
+        """Instances replaced while their child (model, generation) still stopped (a new
+        head's start); each is stopped once that child has exited."""
         self.lock = threading.Lock()
+        # Not an actor: it is the Ray boundary itself. Ray runs this actor's calls on up to
+        # 8 threads, and the instances report on theirs: the lock puts the head's messages
+        # back in its order and guards `children`; nothing under it waits on an instance.
         self.epoch = 0
         """Counted up at each `attach`: only the messages of the latest head are taken."""
         self.next_seq = 0
@@ -141,8 +192,8 @@ class NodeAgent:
         self.gap_since: float | None = None
         """Since when `next_seq` is missing while later ones wait (None: no gap)."""
         self.gap_s = GAP_S
-        self.monitor: Any = None
-        self.measurer: Any = None
+        self.monitor: pykka.ActorRef[DeviceMonitor] | None = None
+        self.measurer: pykka.ActorRef[MeasureWorker] | None = None
         """Measures the models placed here, on this node's devices (R-5.3)."""
         self.device_names: list[str] = []
         """The devices the monitor watches (what a measurement names)."""
@@ -180,32 +231,51 @@ class NodeAgent:
         self.measurer = MeasureWorker.start(config, self.outbox, self.timers,
                                             self.device_names, self._crashed)
 
-    def _instance(self, model: str, config: ModelConfig) -> Any:
-        """The model's ModelInstance, a new one if the last is still busy with a child
-        that an earlier head left (it finishes stopping on its own)."""
+    def _instance(self, model: str, start: StartInstance) -> pykka.ActorRef[ModelInstance]:
+        """The model's ModelInstance, a new one if the last still has a child that an
+        earlier head left (it finishes stopping on its own). Holds `lock`."""
         ref = self.instances.get(model)
-        if ref is not None and ref.proxy().phase.get(timeout=5) is not Phase.IDLE:
-            self.retired.append(ref)
+        if ref is not None and (model, self.serving[model]) in self.children:
+            self.retired.append((ref, model, self.serving[model]))
             ref = None
         if ref is None:
             top = self.config
             ref = self.instances[model] = ModelInstance.start(
-                model, config, self.outbox, self.timers, ForwardedRing(model, self.outbox),
+                model, start.config, self.tap, self.timers, ForwardedRing(model, self.outbox),
                 self._crashed, extra_env=top.child_env(),
                 liveness=lambda m: Liveness(top.liveness_of(m), top.liveness_failures),
                 host=self.host)
-        for old in [r for r in self.retired if r.proxy().phase.get(timeout=5) is Phase.IDLE]:
+        for old in [r for r in self.retired if (r[1], r[2]) not in self.children]:
             self.retired.remove(old)
-            old.stop()
+            old[0].stop(block=False)
+        self.serving[model] = start.generation
+        self.children[(model, start.generation)] = Child(
+            generation=start.generation, digest=digest(start.config), devices=start.devices)
         return ref
+
+    def learn(self, message: FromNode) -> None:
+        """A fact from one of this node's instances (on its thread), for the table."""
+        with self.lock:
+            match message:
+                case InstanceStarted(model=model, generation=generation, pid=pid):
+                    if (child := self.children.get((model, generation))) is not None:
+                        child.pid = pid  # again after a bind retry, with the new pid
+                case InstanceReady(model=model, generation=generation, port=port,
+                                   upstream_key=key):
+                    if (child := self.children.get((model, generation))) is not None:
+                        child.port, child.ready, child.key = port, True, key
+                case InstanceExited(model=model, generation=generation):
+                    self.children.pop((model, generation), None)
+                case _:
+                    pass
 
     def _crashed(self, actor: str, error: BaseException) -> None:
         log.critical("%s: actor %s died (%s)", self.node, actor, error)
 
-    def hello(self) -> dict[str, Any]:
+    def hello(self) -> dict[str, str | int]:
         return {"node": self.node, "host": self.host, "pid": os.getpid()}
 
-    def attach(self, config: bytes) -> dict[str, Any]:
+    def attach(self, config: bytes) -> dict[str, str | int]:
         """A head (re)connects: its config from now on, and nothing kept for the last
         head. Returns `hello()` with the new `epoch`, which every message of this head
         carries; its messages are counted from 0 in that epoch (R11)."""
@@ -219,17 +289,12 @@ class NodeAgent:
 
     def running(self) -> bytes:
         """The children running here, for a new head to adopt or stop (msgpack)."""
-        found = []
-        for model, ref in list(self.instances.items()):
-            instance = ref.proxy()
-            child = instance.child.get(timeout=5)
-            if child is None or child.returncode is not None:
-                continue
-            found.append(Running(
-                model, instance.generation.get(timeout=5), child.pid,
-                instance.port.get(timeout=5), instance.phase.get(timeout=5) is Phase.READY,
-                digest(instance.config.get(timeout=5)), instance.devices.get(timeout=5),
-                instance.key.get(timeout=5)))
+        with self.lock:
+            found = [Running(model=model, generation=generation, pid=child.pid,
+                             port=child.port, ready=child.ready, digest=child.digest,
+                             devices=child.devices, key=child.key)
+                     for (model, generation), child in self.children.items()
+                     if child.pid is not None and self.serving.get(model) == generation]
         return msgspec.msgpack.encode(found)
 
     def tell(self, data: bytes) -> None:
@@ -280,7 +345,7 @@ class NodeAgent:
             if self.measurer is not None:
                 self.measurer.tell(message)
         elif isinstance(message, StartInstance):
-            self._instance(envelope.model, message.config).tell(message)
+            self._instance(envelope.model, message).tell(message)
         elif (ref := self.instances.get(envelope.model)) is not None:
             ref.tell(message)
 
@@ -297,11 +362,6 @@ class NodeAgent:
 
     def child_pids(self) -> dict[str, int]:
         """The running children's pids by model (for tests)."""
-        pids = {}
-        for model, ref in list(self.instances.items()):
-            child = ref.proxy().child.get(timeout=5)
-            if child is not None and child.returncode is None:
-                pids[model] = child.pid
-        return pids
-
-
+        with self.lock:
+            return {model: child.pid for (model, generation), child in self.children.items()
+                    if child.pid is not None and self.serving.get(model) == generation}

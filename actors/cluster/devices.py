@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import TYPE_CHECKING, Any
-
 import msgspec
 
-from ..ledger import DeviceSample, on_node
-from ..messages import (
-    DeviceReport,
-    DevicesReported,
-    TrackModel,
-)
-
-if TYPE_CHECKING:
-    from .head import Cluster
+from ..ledger import Breakdown, DeviceSample, local_name, on_node
+from ..messages import DeviceReport
 
 
 def report_on_node(node: str, report: DeviceReport) -> DeviceReport:
@@ -44,59 +33,56 @@ def merged(reports: list[DeviceReport]) -> DeviceReport:
         ready=sorted({m for r in reports for m in r.ready or []}))
 
 
-class DeviceHub:
-    """Between the device monitors and the Scheduler: the head's own monitor and every
-    node's report here, and the Scheduler gets one report of all devices (a node's named
-    `node/device`), as from a single monitor. The Scheduler's TrackModel goes to the
-    monitor of the node the model runs on. A lost node's devices are reported empty until
-    it is back, so nothing is placed there."""
+def renamed(figures: Breakdown | None, node: str, local: bool = False) -> Breakdown | None:
+    """`figures` with each row's device named as on `node` in the head's ledger (or, with
+    `local`, as on the node itself)."""
+    if figures is None:
+        return None
+    return Breakdown(n_ctx=figures.n_ctx, devices=[
+        msgspec.structs.replace(row, name=local_name(row.name) if local
+                                else on_node(node, row.name)) for row in figures.devices])
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self.local: Any = None
-        """The head's own DeviceMonitor."""
+
+class DeviceReports:
+    """Between the device monitors and the Scheduler: the head's own monitor and every
+    node report here, and the Scheduler gets one report of all devices (a node's named
+    `node/device`), as from a single monitor. A lost node's devices are reported empty
+    until it is back, so nothing is placed there. Each change answers the whole report
+    to send on (None: nothing changed). Owned by the ClusterHead: one thread."""
+
+    def __init__(self) -> None:
         self.reports: dict[str | None, DeviceReport] = {}
+        """The last report of each node (None: the head's own machine)."""
         self.reported_at: dict[str, float] = {}
         """When each node last reported its devices (wall clock)."""
-        self.lock = threading.Lock()
 
-    def tell(self, message: Any) -> None:
-        match message:
-            case DevicesReported(report=report):  # from the head's own monitor
-                self._update(None, report)
-            case TrackModel(model=model):
-                remote = self.cluster.instances.get(model)
-                if remote is None:
-                    if self.local is not None:
-                        self.local.tell(message)
-                elif remote.node is not None:
-                    self.cluster.send(remote.node, model, message)
+    def local(self, report: DeviceReport) -> DeviceReport:
+        """The head's own monitor reported."""
+        return self._update(None, report)
 
-    def absent(self, node: str) -> None:
+    def reported(self, node: str, report: DeviceReport, now: float) -> DeviceReport:
+        self.reported_at[node] = now
+        return self._update(node, report_on_node(node, report))
+
+    def absent(self, node: str) -> DeviceReport | None:
         """A node whose agent could not be reached yet: a device with no memory stands for
         it, so its models are told it cannot be placed rather than left waiting."""
-        with self.lock:
-            if node in self.reports:
-                return
-        self._update(node, DeviceReport(
-            devices=[DeviceSample(on_node(node, "unreachable"), "device", 0, 0, "cluster")],
+        if node in self.reports:
+            return None
+        return self._update(node, DeviceReport(
+            devices=[DeviceSample(name=on_node(node, "unreachable"), kind="device", total=0,
+                                  free=0, backend="cluster")],
             managed={}, usage={}, tracked=[], backends=[], ready=[]))
 
-    def reported(self, node: str, report: DeviceReport) -> None:
-        self.reported_at[node] = time.time()
-        self._update(node, report_on_node(node, report))
+    def lost(self, node: str) -> DeviceReport | None:
+        last = self.reports.get(node)
+        if last is None:
+            return None
+        return self._update(node, DeviceReport(
+            devices=[DeviceSample(name=d.name, kind=d.kind, total=0, free=0, backend=d.backend)
+                     for d in last.devices],
+            managed={}, usage={}, tracked=[], backends=last.backends, ready=[]))
 
-    def lost(self, node: str) -> None:
-        with self.lock:
-            last = self.reports.get(node)
-        if last is not None:
-            self._update(node, DeviceReport(
-                devices=[DeviceSample(d.name, d.kind, 0, 0, d.backend) for d in last.devices],
-                managed={}, usage={}, tracked=[], backends=last.backends, ready=[]))
-
-    def _update(self, source: str | None, report: DeviceReport) -> None:
-        with self.lock:
-            self.reports[source] = report
-            whole = merged(list(self.reports.values()))
-        if self.cluster.scheduler is not None:
-            self.cluster.scheduler.tell(DevicesReported(whole))
+    def _update(self, source: str | None, report: DeviceReport) -> DeviceReport:
+        self.reports[source] = report
+        return merged(list(self.reports.values()))

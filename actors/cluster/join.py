@@ -36,6 +36,8 @@ class Waker:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
+        # Not an actor: the startup thread waits on it, and a signal's handler (through
+        # the loop) must be able to end that wait at once; it holds no state but a flag.
         self.abandoned = False
 
     def abandon(self) -> None:

@@ -1,4 +1,8 @@
-"""What crosses Ray between the head and a node agent: msgspec Structs, as msgpack."""
+"""What crosses Ray between the head and a node agent: msgspec Structs, as msgpack.
+
+What a node's actors send the head (`FromNode`) and the children a new head finds there
+(`Running`) are in actors/messages.py, as the head's actor takes them too.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +13,13 @@ import msgspec
 
 from ..config import ModelConfig
 from ..messages import (
-    DevicesReported,
-    InstanceExited,
-    InstanceReady,
-    InstanceReported,
-    InstanceStarted,
+    FromNode,
     LivenessMiss,
-    Measured,
     MeasureModel,
-    MeasureStarted,
     Remember,
     StartInstance,
     StopInstance,
     TrackModel,
-    Unhealthy,
 )
 
 POLL_S = 2.0
@@ -53,26 +50,6 @@ class ToAgent(msgspec.Struct, frozen=True):
     message: StartInstance | StopInstance | LivenessMiss | TrackModel | MeasureModel | Remember
 
 
-FromInstance = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
-                | MeasureStarted | Measured
-                | DevicesReported)
-
-
-class Running(msgspec.Struct, frozen=True):
-    """Agent -> a new head: a child running on the node, for adoption."""
-
-    model: str
-    generation: int
-    pid: int
-    port: int
-    ready: bool
-    digest: str
-    """Of the model config it was started with (`digest`)."""
-    devices: list[str] | None = None
-    key: str | None = None
-    """The key the child requires (StartInstance.key): a new head sends it on."""
-
-
 def digest(config: ModelConfig) -> str:
     """Equal for equal configs, whatever the order of their tables' keys."""
     canonical = json.dumps(msgspec.to_builtins(config), sort_keys=True)
@@ -82,7 +59,7 @@ def digest(config: ModelConfig) -> str:
 class Batch(msgspec.Struct, frozen=True):
     """Agent -> head: what happened since the last poll."""
 
-    messages: list[FromInstance] = []
+    messages: list[FromNode] = []
     lines: list[tuple[str, str]] = []
     """(model, line) of child output, in order; each line at most MAX_LINE_BYTES, all of
     them at most OUTBOX_BYTES."""

@@ -326,8 +326,7 @@ class ManagementApi:
     def _node_of(self, model: str) -> str | None:
         """The Ray node a model's child runs on (None: corral's own machine, or none)."""
         cluster = self.sup.cluster
-        remote = cluster.instances.get(model) if cluster is not None else None
-        return remote.node if remote is not None else None
+        return cluster.node_of(model) if cluster is not None else None
 
     async def devices(self, request: web.Request) -> web.Response:
         """GET /devices: per device total, external, held per model, available (bytes)."""
