@@ -6,9 +6,12 @@ import logging
 import queue
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import pykka
+
+if TYPE_CHECKING:
+    from pykka._actor import ActorInbox
 
 M = TypeVar("M", contravariant=True)
 
@@ -42,7 +45,7 @@ class BaseActor(pykka.ThreadingActor):
         self._on_crash = on_crash
 
     @staticmethod
-    def _create_actor_inbox() -> Any:
+    def _create_actor_inbox() -> ActorInbox:
         # Pykka's default inbox is a queue.Queue: a Condition and a new lock per wait,
         # in Python. The C SimpleQueue does the same put/get/empty for far less.
         return queue.SimpleQueue()

@@ -13,11 +13,11 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol, assert_never
+from typing import Protocol, assert_never
 
 import psutil
 
-from .base import BaseActor, CrashHandler
+from .base import BaseActor, CrashHandler, Inbox
 from .config import Config, ConfigError, DeviceConfig
 from .ledger import DeviceSample, MiB
 from .messages import (
@@ -25,6 +25,7 @@ from .messages import (
     DevicesReported,
     MonitorMessage,
     SampleTick,
+    SchedulerMessage,
     TrackModel,
 )
 from .timers import Timers
@@ -198,7 +199,7 @@ def discover(config: Config) -> list[Backend]:
 class DeviceMonitor(BaseActor):
     """Samples the backends and reports to the Scheduler (R-5.8)."""
 
-    def __init__(self, backends: list[Backend], scheduler: Any, timers: Timers,
+    def __init__(self, backends: list[Backend], scheduler: Inbox[SchedulerMessage], timers: Timers,
                  poll_s: float, on_crash: CrashHandler) -> None:
         super().__init__("devices", on_crash)
         self.backends = backends

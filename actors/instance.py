@@ -20,7 +20,7 @@ from typing import Any, assert_never
 
 import msgspec
 
-from .base import BaseActor, CrashHandler, tell_or_drop
+from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
 from .config import ModelConfig
 from .health import Liveness, probe_health, wait_ready_http
@@ -39,6 +39,7 @@ from .messages import (
     LivenessMiss,
     LivenessResult,
     LivenessTick,
+    SchedulerMessage,
     StartInstance,
     StopInstance,
     Unhealthy,
@@ -98,7 +99,8 @@ def placement_env(devices: list[str] | None) -> dict[str, str]:
 class ModelInstance(BaseActor):
     """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
 
-    def __init__(self, model: str, config: ModelConfig, scheduler: Any, timers: Timers,
+    def __init__(self, model: str, config: ModelConfig, scheduler: Inbox[SchedulerMessage],
+                 timers: Timers,
                  log_ring: LogRing, on_crash: CrashHandler,
                  extra_env: dict[str, str] | None = None, router_port: int = 0,
                  liveness: Callable[[ModelConfig], Liveness] | None = None,

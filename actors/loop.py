@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
+def run(main: Coroutine[object, object, T]) -> T:
     """Run `main` to completion on a new loop and return its result."""
     try:
         import uvloop

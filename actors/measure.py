@@ -19,11 +19,11 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Any, Literal, assert_never
+from typing import Literal, assert_never
 
 import msgspec
 
-from .base import BaseActor, CrashHandler, tell_or_drop
+from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port
 from .config import Config, ModelConfig
 from .ledger import Breakdown, DeviceUse, MiB
@@ -37,6 +37,7 @@ from .messages import (
     MeasureModel,
     MeasureStarted,
     Remember,
+    SchedulerMessage,
 )
 from .timers import Timers
 
@@ -109,7 +110,7 @@ class MeasureCache:
 class MeasureWorker(BaseActor):
     """Runs at most one measure child at a time, from a queue (R-5.2)."""
 
-    def __init__(self, config: Config, scheduler: Any, timers: Timers,
+    def __init__(self, config: Config, scheduler: Inbox[SchedulerMessage], timers: Timers,
                  device_names: list[str], on_crash: CrashHandler) -> None:
         super().__init__("measure", on_crash)
         self.config = config

@@ -7,6 +7,7 @@ threads as they are, never encoded, except the events, which are sent out as JSO
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -277,7 +278,7 @@ class Subscribe(Message, frozen=True):
     The sink runs on the Scheduler's thread: it must only hand the event on.
     """
 
-    sink: Any
+    sink: Callable[[Event], None]
 
 
 class TtlDue(Message, frozen=True):
@@ -290,7 +291,7 @@ class TtlDue(Message, frozen=True):
 class WaitDue(Message, frozen=True):
     """Timer -> Scheduler: the request of `ticket` may have waited its queue_timeout_s."""
 
-    ticket: Any
+    ticket: Hashable
 
 
 class Repump(Message, frozen=True):
@@ -317,7 +318,7 @@ class AnswerLate(Message, frozen=True):
 class WatchGrants(Message, frozen=True):
     """Front -> Scheduler: call `sink(Withdraw)` whenever grants may no longer be shared."""
 
-    sink: Any
+    sink: Callable[[Withdraw], None]
 
 
 class Withdraw(Message, frozen=True):
@@ -334,9 +335,9 @@ class Withdraw(Message, frozen=True):
 class InstancesAttached(Message, frozen=True):
     """Supervisor -> Scheduler: the other actors are up; start serving (and measuring)."""
 
-    instances: dict[str, Any]
-    monitor: Any = None
-    measurer: Any = None
+    instances: dict[str, Inbox[InstanceMessage]]
+    monitor: Inbox[MonitorMessage] | None = None
+    measurer: Inbox[MeasureMessage] | None = None
 
 
 class InstanceStarted(Message, frozen=True):
@@ -421,7 +422,7 @@ class Reconfigure(Message, frozen=True):
     has an actor for every model in it. Answers a ReloadSummary."""
 
     models: dict[str, ModelConfig]
-    instances: dict[str, Any]
+    instances: dict[str, Inbox[InstanceMessage]]
     reply: Reply
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, assert_never
+from typing import TypeVar, assert_never, cast
 
-from .base import BaseActor, CrashHandler
+from .base import BaseActor, CrashHandler, Inbox
 from .config import Config, ModelConfig
 from .ledger import MiB
 from .messages import (
@@ -25,6 +25,7 @@ from .messages import (
     GetModels,
     InstanceAdopted,
     InstanceExited,
+    InstanceMessage,
     InstanceReady,
     InstanceReported,
     InstancesAttached,
@@ -33,14 +34,17 @@ from .messages import (
     LivenessMiss,
     LoadModel,
     Measured,
+    MeasureMessage,
     MeasureModel,
     MeasureStarted,
+    MonitorMessage,
     NodeChanged,
     Ping,
     Reconfigure,
     Release,
     ReloadSummary,
     Remember,
+    Reply,
     Repump,
     SchedulerMessage,
     Shutdown,
@@ -58,6 +62,8 @@ from .messages import (
 from .policy import Policy
 from .policy.records import Answer, Effect, Later, Learned, Measure, Publish, Spawn, Stop, Track
 from .timers import Timers
+
+T = TypeVar("T")
 
 
 class Scheduler(BaseActor):
@@ -78,15 +84,15 @@ class Scheduler(BaseActor):
         self.configs = dict(config.models)
         """The current model table: a spawn or a measure uses the config of its moment."""
         self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
-        self.instances: dict[str, Any] = {}
+        self.instances: dict[str, Inbox[InstanceMessage]] = {}
         """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
-        self.monitor: Any = None
+        self.monitor: Inbox[MonitorMessage] | None = None
         self.early_tracks: list[TrackModel] = []
         """Tracks before the monitor is attached (children adopted at a cluster start)."""
-        self.measurer: Any = None
+        self.measurer: Inbox[MeasureMessage] | None = None
         self.subscribers: list[Callable[[Event], None]] = []
         self.grant_watchers: list[Callable[[Withdraw], None]] = []
-        self.shutdown_replies: list[Any] = []
+        self.shutdown_replies: list[Reply] = []
 
     def on_receive(self, message: SchedulerMessage) -> None:
         now = self.clock()
@@ -124,8 +130,9 @@ class Scheduler(BaseActor):
             case InstancesAttached(instances=instances, monitor=monitor, measurer=measurer):
                 self.instances = dict(instances)
                 self.monitor, self.measurer = monitor, measurer
-                for track in self.early_tracks:
-                    monitor.tell(track)
+                if monitor is not None:
+                    for track in self.early_tracks:
+                        monitor.tell(track)
                 self.early_tracks.clear()
                 self._run(p.children.start_measuring())
                 for name in self.startup_loads:
@@ -169,8 +176,9 @@ class Scheduler(BaseActor):
                 reply.send(True)
             self.shutdown_replies.clear()
 
-    def reconfigure(self, models: dict[str, ModelConfig], instances: dict[str, Any],
-                    reply: Any, now: float) -> None:
+    def reconfigure(self, models: dict[str, ModelConfig],
+                    instances: dict[str, Inbox[InstanceMessage]], reply: Reply,
+                    now: float) -> None:
         old, self.configs = self.configs, dict(models)
         self.instances.update(instances)
         added = [n for n in models if n not in old]
@@ -187,7 +195,7 @@ class Scheduler(BaseActor):
                       restarted or "none", len(models) - len(added) - len(changed))
         reply.send(summary)
 
-    def _hand(self, sink: Callable[[Any], None], item: object) -> None:
+    def _hand(self, sink: Callable[[T], None], item: T) -> None:
         """Give `item` to a subscriber; an embedding app's callback that raises is logged,
         never allowed to take the Scheduler down."""
         try:
@@ -201,7 +209,7 @@ class Scheduler(BaseActor):
             match effect:
                 case Answer(ticket=ticket, value=value):
                     if ticket is not None:  # None: a load nobody waits on (load_on_startup)
-                        ticket.send(value)
+                        cast(Reply, ticket).send(value)  # the tickets it was given: replies
                 case Spawn(model=model, generation=gen, devices=devices, node=node):
                     self.instances[model].tell(StartInstance(gen, self.configs[model],
                                                              devices, node))

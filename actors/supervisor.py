@@ -7,10 +7,13 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
+import pykka
 
+from .base import Inbox
 from .bridge import Fanout, ThreadReply, acquire
 from .childproc import LogRing
 from .config import Config, ConfigError, ModelConfig
@@ -23,11 +26,15 @@ from .messages import (
     Cancel,
     Event,
     Grant,
+    InstanceMessage,
     InstancesAttached,
+    MeasureMessage,
+    MonitorMessage,
     Reconfigure,
     Refusal,
     Release,
     ReloadSummary,
+    SchedulerMessage,
     Shutdown,
     Subscribe,
     WatchGrants,
@@ -36,7 +43,11 @@ from .messages import (
 from .scheduler import Scheduler
 from .timers import Timers
 
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
 log = logging.getLogger("corral")
+A = TypeVar("A", bound=pykka.Actor)
 
 
 class LeaseError(Exception):
@@ -79,12 +90,23 @@ class Supervisor:
         self.logs = {name: LogRing() for name in config.models}
         """Each model's recent child output (GET /models/logs)."""
         self.timers: Timers | None = None
-        self.scheduler: Any = None
-        self.monitor: Any = None
-        self.measurer: Any = None
-        self.instances: dict[str, Any] = {}
-        self.cluster: Any = None
+        self.scheduler: pykka.ActorRef[Scheduler] | None = None
+        self.monitor: pykka.ActorRef[DeviceMonitor] | None = None
+        self.measurer: pykka.ActorRef[MeasureWorker] | None = None
+        self.instances: dict[str, Inbox[InstanceMessage]] = {}
+        self.cluster: Cluster | None = None
         """With [cluster] ray_address: the links to the Ray nodes (actors/cluster/)."""
+        self.started: list[Callable[[], object]] = []
+        """How to stop each part, in the order they were started (OTP's child specs):
+        `stop` runs them in reverse."""
+
+    @property
+    def scheduler_ref(self) -> pykka.ActorRef[Scheduler]:
+        """The Scheduler's ref; pykka.ActorDeadError before start() and after stop(), as
+        from a stopped actor (the front and the API answer 503 to it)."""
+        if self.scheduler is None:
+            raise pykka.ActorDeadError("corral is not running")
+        return self.scheduler
 
     def _crash(self, actor: str, error: BaseException) -> None:
         if self.crashed.is_set():
@@ -109,41 +131,51 @@ class Supervisor:
         if config.cluster.ray_address is not None:
             from .cluster import Cluster  # Ray only when asked for
 
-            self.cluster = Cluster(config, self.logs)
-            self.cluster.connect()
-        self.timers = Timers()
-        self.scheduler = Scheduler.start(config, self._crash, self.timers)
+            self.cluster = cluster = Cluster(config, self.logs)
+            self.started.append(cluster.stop)  # stopped last: the monitor reports to it
+            cluster.connect()
+        self.timers = timers = Timers()
+        self.started.append(timers.stop)
+        self.scheduler = scheduler = self._started(
+            Scheduler.start(config, self._crash, timers))
         if self._on_event is not None:
-            self.scheduler.tell(Subscribe(self._on_event))
+            scheduler.tell(Subscribe(sink=self._on_event))
         device_names = sorted(d.name for b in backends for d in b.sample())
         # In a cluster the head merges this machine's report with the nodes' ones.
-        reports_to = (self.scheduler if self.cluster is None
-                      else self.cluster.open(self.scheduler, self._crash))
-        self.monitor = DeviceMonitor.start(backends, reports_to, self.timers,
-                                           config.device_poll_s, self._crash)
-        self.measurer = MeasureWorker.start(config, self.scheduler, self.timers, device_names,
-                                            self._crash)
+        reports_to: Inbox[SchedulerMessage] = (
+            scheduler if self.cluster is None else self.cluster.open(scheduler, self._crash))
+        self.monitor = self._started(DeviceMonitor.start(
+            backends, reports_to, timers, config.device_poll_s, self._crash))
+        self.measurer = self._started(MeasureWorker.start(
+            config, scheduler, timers, device_names, self._crash))
         for name, model in config.models.items():
             self.instances[name] = self._start_instance(name, model)
-        monitor, measurer = self.monitor, self.measurer
+        monitor: Inbox[MonitorMessage] = self.monitor
+        measurer: Inbox[MeasureMessage] = self.measurer
         if self.cluster is not None:  # TrackModel and measuring go to the model's node
-            monitor = measurer = self.cluster.start(monitor, measurer)
-        self.scheduler.tell(InstancesAttached(self.instances, monitor, measurer))
+            monitor = measurer = self.cluster.start(self.monitor, self.measurer)
+        scheduler.tell(InstancesAttached(instances=dict(self.instances), monitor=monitor,
+                                         measurer=measurer))
         memory = (f"memory margin {config.memory_margin_mib:g} MiB on "
                   f"{', '.join(device_names) or 'no device'}"
                   if config.memory_accounting else "memory accounting off")
         log.info("corral started: %d models, models_max %d, %s", len(config.models),
                  config.models_max, memory)
 
-    def _start_instance(self, name: str, model: ModelConfig) -> Any:
+    def _started(self, ref: pykka.ActorRef[A]) -> pykka.ActorRef[A]:
+        self.started.append(partial(ref.stop, block=True, timeout=5.0))
+        return ref
+
+    def _start_instance(self, name: str, model: ModelConfig) -> Inbox[InstanceMessage]:
         self.logs.setdefault(name, LogRing())
         config = self.config
         if model.nodes and self.cluster is not None:
-            return self.cluster.instance(name, model)
-        return ModelInstance.start(
+            return self.cluster.instance(name, model)  # stopped with the cluster's head
+        assert self.scheduler is not None and self.timers is not None
+        return self._started(ModelInstance.start(
             name, model, self.scheduler, self.timers, self.logs[name], self._crash,
             extra_env=config.child_env(), router_port=config.port,
-            liveness=lambda m: Liveness(config.liveness_of(m), config.liveness_failures))
+            liveness=lambda m: Liveness(config.liveness_of(m), config.liveness_failures)))
 
     def reload(self, config: Config, timeout_s: float = 10.0) -> ReloadSummary:
         """Make `config`'s model table the live one (R-2.6): new models appear, removed
@@ -172,7 +204,8 @@ class Supervisor:
             if name not in self.instances:
                 self.instances[name] = self._start_instance(name, model)
         done = ThreadReply()
-        self.scheduler.tell(Reconfigure(dict(config.models), dict(self.instances), done))
+        self.scheduler_ref.tell(Reconfigure(models=dict(config.models),
+                                        instances=dict(self.instances), reply=done))
         summary = done.wait(timeout_s)
         if not isinstance(summary, ReloadSummary):
             raise TimeoutError(f"the scheduler did not apply the reload within {timeout_s} s")
@@ -182,39 +215,36 @@ class Supervisor:
     def subscribe(self, loop: asyncio.AbstractEventLoop,
                   callback: Callable[[Event], None]) -> None:
         """Call `callback(event)` on `loop` for every event from now on."""
-        self.scheduler.tell(Subscribe(Fanout(loop, callback)))
+        self.scheduler_ref.tell(Subscribe(sink=Fanout(loop, callback)))
 
     def watch_grants(self, loop: asyncio.AbstractEventLoop,
                      callback: Callable[[Withdraw], None]) -> None:
         """Call `callback(withdraw)` on `loop` when a grant may no longer be shared."""
-        self.scheduler.tell(WatchGrants(Fanout(loop, callback)))
+        self.scheduler_ref.tell(WatchGrants(sink=Fanout(loop, callback)))
 
     def stop(self, timeout_s: float | None = None) -> bool:
-        """Stop every child, then the actors in reverse order; True if all children exited.
+        """Stop every child, then every part in the reverse of its start; True if all
+        children exited.
 
         Waits at most `timeout_s` (default: the longest stop_timeout_s plus 5 s) for the
         children; actors are stopped either way, and a child still alive then dies with
-        its instance's thread (PR_SET_PDEATHSIG).
+        its instance's thread (PR_SET_PDEATHSIG). The one step out of the reverse order
+        comes first: the Scheduler stops every child while the rest still runs.
         """
-        if self.scheduler is None:
-            return True
-        if timeout_s is None:
-            timeout_s = 5.0 + max((m.stop_timeout_s for m in self.config.models.values()),
-                                  default=0.0)
-        done = ThreadReply()
-        clean = False
-        with contextlib.suppress(Exception):
-            self.scheduler.tell(Shutdown(done))
-            clean = done.wait(timeout_s) is True
-        if not clean:
-            log.error("children did not all exit within %.1f s of shutdown", timeout_s)
-        for ref in [*self.instances.values(), self.measurer, self.monitor]:
-            ref.stop(block=True, timeout=5.0)
-        if self.cluster is not None:  # after the monitor, which reports to its head
-            self.cluster.stop()
-        self.scheduler.stop(block=True, timeout=5.0)
-        if self.timers is not None:
-            self.timers.stop()
+        clean = True
+        if self.scheduler is not None:
+            if timeout_s is None:
+                timeout_s = 5.0 + max(
+                    (m.stop_timeout_s for m in self.config.models.values()), default=0.0)
+            done = ThreadReply()
+            clean = False
+            with contextlib.suppress(Exception):
+                self.scheduler.tell(Shutdown(reply=done))
+                clean = done.wait(timeout_s) is True
+            if not clean:
+                log.error("children did not all exit within %.1f s of shutdown", timeout_s)
+        while self.started:  # also what a start() that failed half-way had started
+            self.started.pop()()
         self.scheduler = None
         return clean
 
@@ -227,16 +257,17 @@ class Supervisor:
         Raises LeaseError if corral refuses, TimeoutError after `timeout_s`.
         """
         ticket = ThreadReply()
-        self.scheduler.tell(Acquire(ticket, model))
+        scheduler = self.scheduler_ref
+        scheduler.tell(Acquire(ticket=ticket, model=model))
         answer = ticket.wait(timeout_s)
         if answer is None:
-            self.scheduler.tell(Cancel(ticket))
+            scheduler.tell(Cancel(ticket=ticket))
             raise TimeoutError(f"model '{model}' was not ready within {timeout_s} s")
         grant = _granted(answer)
         try:
             yield grant.base_url
         finally:
-            self.scheduler.tell(Release(ticket))
+            scheduler.tell(Release(ticket=ticket))
 
     @contextlib.asynccontextmanager
     async def lease_async(self, model: str) -> AsyncIterator[str]:
@@ -244,9 +275,10 @@ class Supervisor:
 
         Cancelling the waiting task leaves the queue (or releases a crossing grant).
         """
-        ticket, answer = await acquire(self.scheduler, model)
+        scheduler = self.scheduler_ref
+        ticket, answer = await acquire(scheduler, model)
         grant = _granted(answer)
         try:
             yield grant.base_url
         finally:
-            self.scheduler.tell(Release(ticket))
+            scheduler.tell(Release(ticket=ticket))

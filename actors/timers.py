@@ -10,28 +10,33 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
-from .base import tell_or_drop
+from .base import Inbox, tell_or_drop
+
+M = TypeVar("M")
 
 
 class Timers:
     """A single thread that tells messages to actors at their deadlines."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Any, object]] = []
-        """(deadline, sequence, actor ref, message); the sequence breaks ties in order."""
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        """(deadline, sequence, the tell); the sequence breaks ties in order."""
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="corral-timers", daemon=True)
         self._thread.start()
 
-    def after(self, delay_s: float, ref: Any, message: object) -> None:
+    def after(self, delay_s: float, ref: Inbox[M], message: M) -> None:
         """Tell `message` to `ref` once `delay_s` seconds have passed."""
         deadline = time.monotonic() + delay_s
+        tell: Callable[[], None] = partial(tell_or_drop, ref, message)
         with self._cv:
-            heapq.heappush(self._heap, (deadline, next(self._seq), ref, message))
+            heapq.heappush(self._heap, (deadline, next(self._seq), tell))
             self._cv.notify()
 
     def stop(self) -> None:
@@ -50,5 +55,5 @@ class Timers:
                     self._cv.wait(self._heap[0][0] - now if self._heap else None)
                 if self._stopped:
                     return
-                _, _, ref, message = heapq.heappop(self._heap)
-            tell_or_drop(ref, message)
+                _, _, tell = heapq.heappop(self._heap)
+            tell()

@@ -36,6 +36,7 @@ from ..messages import (
     Ping,
     Refusal,
     ReloadSummary,
+    SchedulerMessage,
     UnloadModel,
 )
 from ..supervisor import Supervisor
@@ -132,7 +133,7 @@ class ManagementApi:
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         api_port = int(self.runner.addresses[0][1])
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
-        self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler, api_port,
+        self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler_ref, api_port,
                            self.config.api_key, self.config.http, self.config.max_body_mib,
                            self.front_secret)
         self.sup.watch_grants(loop, self.front.withdraw)
@@ -187,10 +188,10 @@ class ManagementApi:
 
     # ------------------------------------------------------------ scheduler calls
 
-    async def _ask(self, make: Callable[[LoopReply], Any]) -> object:
+    async def _ask(self, make: Callable[[LoopReply], SchedulerMessage]) -> object:
         """Send one management message and await the answer, bounded."""
         reply = LoopReply(asyncio.get_running_loop())
-        self.sup.scheduler.tell(make(reply))
+        self.sup.scheduler_ref.tell(make(reply))
         return await asyncio.wait_for(reply.future, ASK_TIMEOUT_S)
 
     # ------------------------------------------------------------ router endpoints

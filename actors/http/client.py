@@ -9,6 +9,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from http.client import HTTPResponse
 from typing import Any
 
 COMMANDS = {
@@ -45,7 +46,7 @@ def run(url: str, key: str | None, command: str, name: str | None = None,
     return ask(base, req, lambda resp: show(command, name, base, headers, json.load(resp)))
 
 
-def ask(base: str, req: urllib.request.Request, read: Callable[[Any], int],
+def ask(base: str, req: urllib.request.Request, read: Callable[[HTTPResponse], int],
         timeout_s: float | None = 10.0) -> int:
     """Send `req` and hand the answer to `read`; an error answer or an unreachable corral
     is one line on stderr and status 1."""
@@ -61,7 +62,7 @@ def ask(base: str, req: urllib.request.Request, read: Callable[[Any], int],
 
 
 def show(command: str, name: str | None, base: str, headers: dict[str, str],
-         data: Any) -> int:
+         data: dict[str, Any]) -> int:
     if command in ("load", "unload"):
         print(f"{command}: {name}: ok")
         return 0
@@ -78,12 +79,12 @@ def show(command: str, name: str | None, base: str, headers: dict[str, str],
     return 0
 
 
-def print_text(resp: Any) -> int:
+def print_text(resp: HTTPResponse) -> int:
     sys.stdout.write(resp.read().decode(errors="replace"))
     return 0
 
 
-def print_event_lines(resp: Any) -> int:
+def print_event_lines(resp: HTTPResponse) -> int:
     """`corral logs -f`: each `data: {"line": ...}` event as a line, until the stream ends
     (corral stopped: 0) or drops this reader (it fell behind: 1)."""
     event = "message"

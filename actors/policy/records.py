@@ -4,6 +4,7 @@ the effects its policy returns. Plain data: the rules that change it live in pol
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -13,7 +14,7 @@ from ..config import ModelRules
 from ..histogram import Histogram
 from ..ledger import Breakdown, MemoryInfo, MemoryStatus
 from ..lifecycle import ModelState
-from ..messages import Done, Event, Evicted, Grant, Refusal, Withdraw
+from ..messages import Done, Event, Evicted, Grant, Refusal, SchedulerMessage, Withdraw
 
 if TYPE_CHECKING:
     from .breaker import Breaker
@@ -44,9 +45,10 @@ class Stop(msgspec.Struct, frozen=True):
 
 
 class Answer(msgspec.Struct, frozen=True):
-    """Send `value` to the caller behind `ticket`."""
+    """Send `value` to the caller behind `ticket` (None: nobody waits, as for a load at
+    startup)."""
 
-    ticket: Any
+    ticket: Hashable | None
     value: Grant | Refusal | Done
 
 
@@ -82,7 +84,7 @@ class Later(msgspec.Struct, frozen=True):
     """Tell the Scheduler `message` (a timer message) after `delay_s` seconds."""
 
     delay_s: float
-    message: Any
+    message: SchedulerMessage
 
 
 Effect = Spawn | Stop | Answer | Publish | Measure | Track | Withdraw | Later | Learned
