@@ -87,11 +87,11 @@ async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
     the cancel, is released.
     """
     ticket = LoopReply(asyncio.get_running_loop())
-    scheduler.tell(Acquire(ticket, model, autoload))
+    scheduler.tell(Acquire(ticket=ticket, model=model, autoload=autoload))
     try:
         answer = await ticket.future
     except BaseException:
-        scheduler.tell(Cancel(ticket))
+        scheduler.tell(Cancel(ticket=ticket))
         raise
     assert isinstance(answer, Grant | Refusal)
     return ticket, answer

@@ -291,6 +291,6 @@ class DeviceMonitor(BaseActor):
                 elif d.name in before:
                     tree_usage[d.name] = max(0, before[d.name] - d.free)
         managed = {device: sum(u.get(device, 0) for u in usage.values()) for device in table}
-        self.scheduler.tell(DevicesReported(DeviceReport(
+        self.scheduler.tell(DevicesReported(report=DeviceReport(
             devices=devices, managed=managed, usage=usage, tracked=sorted(self.tracked),
             backends=[b.name for b in self.backends], ready=sorted(self.ready))))

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, assert_never
+from typing import Any, Literal, assert_never
 
 import msgspec
 
@@ -231,11 +231,13 @@ class ModelInstance(BaseActor):
                                       on_line=on_line if self.llama else None)
         except (OSError, subprocess.SubprocessError) as e:
             self.log.error("cannot start %s: %s", shown[0], e)
-            self.scheduler.tell(InstanceExited(self.model, self.generation, 127,
-                                               f"could not be started: {e}"))
+            self.scheduler.tell(InstanceExited(
+                model=self.model, generation=self.generation, returncode=127,
+                description=f"could not be started: {e}"))
             return
         self._to(Phase.STARTING)
-        self.scheduler.tell(InstanceStarted(self.model, self.generation, self.child.pid))
+        self.scheduler.tell(InstanceStarted(model=self.model, generation=self.generation,
+                                            pid=self.child.pid))
         self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
                       self.child.pid, self.port, " ".join(shown))
         self.abandon_probe = threading.Event()
@@ -244,7 +246,7 @@ class ModelInstance(BaseActor):
             threading.Thread(
                 target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
                 args=(self.host, self.port, self.config.health_path, self.abandon_probe,
-                      lambda: tell_or_drop(ref, ChildReady(spawn_id)))).start()
+                      lambda: tell_or_drop(ref, ChildReady(spawn_id=spawn_id)))).start()
         self.timers.after(self.config.load_timeout_s, ref,
                           ChildTimedOut(spawn_id=spawn_id, stage="load"))
 
@@ -254,12 +256,13 @@ class ModelInstance(BaseActor):
         took = time.monotonic() - self.child.started_at
         self.log.info("%s#%d ready on port %d after %.3f s", self.model, self.generation,
                       self.port, took)
-        self.scheduler.tell(InstanceReady(self.model, self.generation, self.child.pid,
-                                          self.port, info, self.host, self.key))
+        self.scheduler.tell(InstanceReady(
+            model=self.model, generation=self.generation, pid=self.child.pid, port=self.port,
+            info=info, host=self.host, upstream_key=self.key))
         self.missed = 0
         if self.liveness.interval_s and not self.llama:
             self.timers.after(self.liveness.interval_s, self.actor_ref,
-                              LivenessTick(self.spawn_id))
+                              LivenessTick(spawn_id=self.spawn_id))
 
     def handle_state_line(self, line: str) -> None:
         """One line of the llama child protocol: loading progress, ready, sleeping."""
@@ -272,16 +275,20 @@ class ModelInstance(BaseActor):
         payload = said.payload if isinstance(said.payload, dict) else {}
         starting = self.phase is Phase.STARTING
         if said.state in ("loading", "downloading") and starting:
-            self.scheduler.tell(InstanceReported(self.model, self.generation, "loading", payload))
+            self.report("loading", payload)
         elif said.state == "ready" and starting:
             self.become_ready(payload or None)
         elif said.state == "ready" and self.asleep:  # a request woke it
             self.asleep = False
-            self.scheduler.tell(InstanceReported(self.model, self.generation, "awake", payload))
+            self.report("awake", payload)
         elif said.state == "sleeping" and not starting and not self.asleep:
             self.asleep = True
-            self.scheduler.tell(InstanceReported(self.model, self.generation, "sleeping",
-                                                 payload))
+            self.report("sleeping", payload)
+
+    def report(self, state: Literal["loading", "sleeping", "awake"],
+               payload: dict[str, Any]) -> None:
+        self.scheduler.tell(InstanceReported(model=self.model, generation=self.generation,
+                                             state=state, payload=payload))
 
     def handle_stop(self, generation: int, reason: str) -> None:
         if generation != self.generation or self.phase in (Phase.IDLE, Phase.STOPPING):
@@ -321,7 +328,8 @@ class ModelInstance(BaseActor):
         threading.Thread(
             target=probe_health, daemon=True, name=f"{self.model}-liveness",
             args=(self.host, port, path, min(self.liveness.interval_s, 5.0),
-                  lambda ok, detail: tell_or_drop(ref, LivenessResult(spawn_id, ok, detail)))
+                  lambda ok, detail: tell_or_drop(
+                      ref, LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail)))
         ).start()
 
     def handle_liveness_result(self, spawn_id: int, ok: bool, detail: str,
@@ -333,11 +341,12 @@ class ModelInstance(BaseActor):
             self.log.warning("%s#%d liveness check %d of %d failed: %s", self.model,
                              self.generation, self.missed, self.liveness.failures, detail)
         if self.missed >= self.liveness.failures:
-            self.scheduler.tell(Unhealthy(self.model, self.generation, (
+            self.scheduler.tell(Unhealthy(model=self.model, generation=self.generation, detail=(
                 f"{self.missed} liveness checks failed in a row, the last: {detail}")))
             return  # the Scheduler stops it
         if rearm:  # a poll's result: the next poll (a late answer is no poll)
-            self.timers.after(self.liveness.interval_s, self.actor_ref, LivenessTick(spawn_id))
+            self.timers.after(self.liveness.interval_s, self.actor_ref,
+                              LivenessTick(spawn_id=spawn_id))
 
     def handle_load_timeout(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:
@@ -376,5 +385,5 @@ class ModelInstance(BaseActor):
                       description)
         self.log_ring.append(f"corral: {self.model}#{self.generation} pid "
                              f"{self.child.pid} {description}")
-        self.scheduler.tell(InstanceExited(self.model, self.generation, returncode,
-                                           description))
+        self.scheduler.tell(InstanceExited(model=self.model, generation=self.generation,
+                                           returncode=returncode, description=description))

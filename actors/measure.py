@@ -187,7 +187,7 @@ class MeasureWorker(BaseActor):
                 continue
             if method == "probe":  # a probe is a load: the Scheduler measures its first
                 self.log.info("%s: measured by its first load (probe)", model)
-                self.scheduler.tell(Measured(model, "at_load"))
+                self.scheduler.tell(Measured(model=model, result="at_load"))
                 continue
             self.start_child(model, config)
 
@@ -214,7 +214,7 @@ class MeasureWorker(BaseActor):
         timeout_s = config.measure_timeout_s or self.config.measure_timeout_s
         self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model, "command",
                       self.child.pid, timeout_s, " ".join(argv))
-        self.scheduler.tell(MeasureStarted(model))
+        self.scheduler.tell(MeasureStarted(model=model))
         self.timers.after(timeout_s, ref, ChildTimedOut(spawn_id=spawn_id, stage="measure"))
 
     # ------------------------------------------------------------ child events
@@ -270,5 +270,5 @@ class MeasureWorker(BaseActor):
         else:
             self.log.warning("measuring %s failed: %s; memory limits will not apply to it",
                              model, result.error)
-        self.scheduler.tell(Measured(model, result.result, result.min, result.max,
-                                     result.error))
+        self.scheduler.tell(Measured(model=model, result=result.result, min=result.min,
+                                     max=result.max, error=result.error))

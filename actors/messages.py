@@ -26,14 +26,14 @@ class Reply(Protocol):
     def __hash__(self) -> int: ...  # a reply is also its request's ticket
 
 
-class Message(msgspec.Struct, frozen=True, tag=True):
+class Message(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """Base of all messages."""
 
 
 # ---------------------------------------------------------------- replies
 
 
-class Grant(Message, frozen=True):
+class Grant(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: proxy to the child at `host`:`port`; the request is counted in
     flight already."""
 
@@ -54,7 +54,7 @@ class Grant(Message, frozen=True):
         return f"http://{self.host}:{self.port}"
 
 
-class Refusal(Message, frozen=True):
+class Refusal(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: the request will not be served; `status` is the HTTP status."""
 
     status: int
@@ -63,11 +63,11 @@ class Refusal(Message, frozen=True):
     retry_after_s: float | None = None
 
 
-class Done(Message, frozen=True):
+class Done(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: a management command was accepted."""
 
 
-class HistogramView(msgspec.Struct, frozen=True):
+class HistogramView(msgspec.Struct, frozen=True, kw_only=True):
     """A histogram as counted so far: `counts[i]` observations in bucket i (the last one
     is +Inf; bounds in histogram.BUCKETS_S), not cumulative; `sum` of every observation."""
 
@@ -75,7 +75,7 @@ class HistogramView(msgspec.Struct, frozen=True):
     sum: float
 
 
-class ModelView(msgspec.Struct, frozen=True):
+class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """One model as shown by GET /models (a snapshot, not live state)."""
 
     name: str
@@ -112,7 +112,7 @@ class ModelView(msgspec.Struct, frozen=True):
     """Reason -> requests for it corral answered with an error of its own."""
 
 
-class ModelsSnapshot(Message, frozen=True):
+class ModelsSnapshot(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: every model's state, in config order."""
 
     models: list[ModelView]
@@ -123,7 +123,7 @@ class ModelsSnapshot(Message, frozen=True):
     queue_wait_s: float
 
 
-class DeviceView(msgspec.Struct, frozen=True):
+class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
     """One device as GET /devices shows it (bytes)."""
 
     name: str
@@ -135,7 +135,7 @@ class DeviceView(msgspec.Struct, frozen=True):
     available: int
 
 
-class DevicesSnapshot(Message, frozen=True):
+class DevicesSnapshot(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: the memory ledger (GET /devices)."""
 
     memory_accounting: bool
@@ -145,7 +145,7 @@ class DevicesSnapshot(Message, frozen=True):
     devices: list[DeviceView]
 
 
-class Alive(Message, frozen=True):
+class Alive(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: the Scheduler's mailbox is being served."""
 
     running: int
@@ -158,11 +158,11 @@ EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "s
                          "unhealthy"]
 
 
-class Event(msgspec.Struct, frozen=True, tag_field="type"):
+class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
     """Base of the events the Scheduler publishes to subscribers (SSE, callbacks)."""
 
 
-class StatusChanged(Event, frozen=True, tag="status_change", omit_defaults=True):
+class StatusChanged(Event, frozen=True, tag="status_change", omit_defaults=True, kw_only=True):
     """A model changed state, or reported loading progress (llama children)."""
 
     model: str
@@ -181,7 +181,7 @@ class StatusChanged(Event, frozen=True, tag="status_change", omit_defaults=True)
     """... and, in a backoff, how long until the next load may start."""
 
 
-class Shortfall(msgspec.Struct, frozen=True):
+class Shortfall(msgspec.Struct, frozen=True, kw_only=True):
     """Why a memory eviction happened, on one device: bytes `needed`, bytes `available`."""
 
     device: str
@@ -189,7 +189,7 @@ class Shortfall(msgspec.Struct, frozen=True):
     available: int
 
 
-class Evicted(Event, frozen=True, tag="eviction"):
+class Evicted(Event, frozen=True, tag="eviction", kw_only=True):
     """A running model was asked to stop, and why."""
 
     model: str
@@ -199,7 +199,7 @@ class Evicted(Event, frozen=True, tag="eviction"):
     """For `memory` evictions: the newcomer's need and what was available, per device."""
 
 
-class QueueChanged(Event, frozen=True, tag="queue"):
+class QueueChanged(Event, frozen=True, tag="queue", kw_only=True):
     """The requests waiting for a model changed (R-4.9): how many, and how long the
     oldest of them has waited (GET /models also shows the model's place in the queue)."""
 
@@ -208,7 +208,7 @@ class QueueChanged(Event, frozen=True, tag="queue"):
     oldest_wait_s: float | None = None
 
 
-class ModelMemory(Event, frozen=True, tag="model_memory"):
+class ModelMemory(Event, frozen=True, tag="model_memory", kw_only=True):
     """A model's memory measurement finished (or failed) (R-6.5)."""
 
     model: str
@@ -218,7 +218,7 @@ class ModelMemory(Event, frozen=True, tag="model_memory"):
 # ---------------------------------------------------------------- Scheduler inbox
 
 
-class Acquire(Message, frozen=True):
+class Acquire(Message, frozen=True, kw_only=True):
     """Front/lease -> Scheduler: serve one request for `model`; `ticket` gets the answer.
 
     The ticket also names the request in the Release or Cancel that follows.
@@ -229,7 +229,7 @@ class Acquire(Message, frozen=True):
     autoload: bool = True
 
 
-class Release(Message, frozen=True):
+class Release(Message, frozen=True, kw_only=True):
     """Front/lease -> Scheduler: the request holding `ticket` has finished.
 
     `shared`: other requests joined the grant (actors/http/shares.py), so the model was in use
@@ -240,39 +240,39 @@ class Release(Message, frozen=True):
     shared: bool = False
 
 
-class Cancel(Message, frozen=True):
+class Cancel(Message, frozen=True, kw_only=True):
     """Front/lease -> Scheduler: the client of `ticket` went away (a release if granted)."""
 
     ticket: Reply
 
 
-class LoadModel(Message, frozen=True):
+class LoadModel(Message, frozen=True, kw_only=True):
     """API -> Scheduler: load `model` now (POST /models/load)."""
 
     model: str
     reply: Reply
 
 
-class UnloadModel(Message, frozen=True):
+class UnloadModel(Message, frozen=True, kw_only=True):
     """API -> Scheduler: stop `model` now (POST /models/unload)."""
 
     model: str
     reply: Reply
 
 
-class GetModels(Message, frozen=True):
+class GetModels(Message, frozen=True, kw_only=True):
     """API -> Scheduler: answer with a ModelsSnapshot."""
 
     reply: Reply
 
 
-class Ping(Message, frozen=True):
+class Ping(Message, frozen=True, kw_only=True):
     """API -> Scheduler: answer Alive (GET /health)."""
 
     reply: Reply
 
 
-class Subscribe(Message, frozen=True):
+class Subscribe(Message, frozen=True, kw_only=True):
     """Anyone -> Scheduler: call `sink(event)` for every Event from now on.
 
     The sink runs on the Scheduler's thread: it must only hand the event on.
@@ -281,24 +281,24 @@ class Subscribe(Message, frozen=True):
     sink: Callable[[Event], None]
 
 
-class TtlDue(Message, frozen=True):
+class TtlDue(Message, frozen=True, kw_only=True):
     """Timer -> Scheduler: `model`'s idle TTL may have run out (R-3.6)."""
 
     model: str
     generation: int
 
 
-class WaitDue(Message, frozen=True):
+class WaitDue(Message, frozen=True, kw_only=True):
     """Timer -> Scheduler: the request of `ticket` may have waited its queue_timeout_s."""
 
     ticket: Hashable
 
 
-class Repump(Message, frozen=True):
+class Repump(Message, frozen=True, kw_only=True):
     """Timer -> Scheduler: a backoff or a min_resident_s ended; look at the queue again."""
 
 
-class Unhealthy(Message, frozen=True):
+class Unhealthy(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: the child of `generation` failed its liveness checks."""
 
     model: str
@@ -306,7 +306,7 @@ class Unhealthy(Message, frozen=True):
     detail: str
 
 
-class AnswerLate(Message, frozen=True):
+class AnswerLate(Message, frozen=True, kw_only=True):
     """Front -> Scheduler: the child of `generation` sent no answer head within the model's
     first_byte_timeout_s; it counts as one failed liveness check."""
 
@@ -315,13 +315,13 @@ class AnswerLate(Message, frozen=True):
     detail: str
 
 
-class WatchGrants(Message, frozen=True):
+class WatchGrants(Message, frozen=True, kw_only=True):
     """Front -> Scheduler: call `sink(Withdraw)` whenever grants may no longer be shared."""
 
     sink: Callable[[Withdraw], None]
 
 
-class Withdraw(Message, frozen=True):
+class Withdraw(Message, frozen=True, kw_only=True):
     """Scheduler -> front: no new request may join a grant of `model`'s `generation` (it
     stops serving, or restarts for a reload once its requests are done)."""
 
@@ -332,7 +332,7 @@ class Withdraw(Message, frozen=True):
     at once, as a node that vanished never closes them (R7)."""
 
 
-class InstancesAttached(Message, frozen=True):
+class InstancesAttached(Message, frozen=True, kw_only=True):
     """Supervisor -> Scheduler: the other actors are up; start serving (and measuring)."""
 
     instances: dict[str, Inbox[InstanceMessage]]
@@ -340,7 +340,7 @@ class InstancesAttached(Message, frozen=True):
     measurer: Inbox[MeasureMessage] | None = None
 
 
-class InstanceStarted(Message, frozen=True):
+class InstanceStarted(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: generation `generation` of `model` runs as `pid` (loading)."""
 
     model: str
@@ -348,7 +348,7 @@ class InstanceStarted(Message, frozen=True):
     pid: int
 
 
-class InstanceReady(Message, frozen=True):
+class InstanceReady(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: generation `generation` of `model` answers on `port`."""
 
     model: str
@@ -363,7 +363,7 @@ class InstanceReady(Message, frozen=True):
     """The key it requires (StartInstance.key), for the grants."""
 
 
-class InstanceAdopted(Message, frozen=True):
+class InstanceAdopted(Message, frozen=True, kw_only=True):
     """ClusterHead -> Scheduler: a ready child that an earlier corral started on a Ray node and
     left running (its head restarted) serves `model` as generation `generation` now."""
 
@@ -380,7 +380,7 @@ class InstanceAdopted(Message, frozen=True):
     """The key it was started with (StartInstance.key), for the grants."""
 
 
-class NodeChanged(Message, frozen=True):
+class NodeChanged(Message, frozen=True, kw_only=True):
     """ClusterHead -> Scheduler: `node`'s agent is up, or lost or unreachable (`why`): where
     models with `nodes` may be started (issue 19)."""
 
@@ -389,7 +389,7 @@ class NodeChanged(Message, frozen=True):
     why: str = ""
 
 
-class InstanceSeen(Message, frozen=True):
+class InstanceSeen(Message, frozen=True, kw_only=True):
     """ClusterHead -> Scheduler: a child of `model` as generation `generation` runs on a node
     (left by an earlier corral, and being stopped): new generations count on from there,
     so none is taken for it."""
@@ -398,7 +398,7 @@ class InstanceSeen(Message, frozen=True):
     generation: int
 
 
-class InstanceReported(Message, frozen=True):
+class InstanceReported(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: a llama child's state line: loading progress, or that it
     went to sleep, or woke up (R-3.6)."""
 
@@ -408,7 +408,7 @@ class InstanceReported(Message, frozen=True):
     payload: dict[str, Any]
 
 
-class InstanceExited(Message, frozen=True):
+class InstanceExited(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: the child of `generation` has exited and been reaped."""
 
     model: str
@@ -417,7 +417,7 @@ class InstanceExited(Message, frozen=True):
     description: str
 
 
-class Reconfigure(Message, frozen=True):
+class Reconfigure(Message, frozen=True, kw_only=True):
     """Supervisor -> Scheduler: this is the model table now (a reload, R-2.6); `instances`
     has an actor for every model in it. Answers a ReloadSummary."""
 
@@ -426,7 +426,7 @@ class Reconfigure(Message, frozen=True):
     reply: Reply
 
 
-class ReloadSummary(Message, frozen=True):
+class ReloadSummary(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: what a reload did; `restarted` are running models whose
     config changed (stopped once their requests have finished)."""
 
@@ -436,19 +436,19 @@ class ReloadSummary(Message, frozen=True):
     restarted: list[str]
 
 
-class GetDevices(Message, frozen=True):
+class GetDevices(Message, frozen=True, kw_only=True):
     """API -> Scheduler: answer with a DevicesSnapshot."""
 
     reply: Reply
 
 
-class MeasureStarted(Message, frozen=True):
+class MeasureStarted(Message, frozen=True, kw_only=True):
     """MeasureWorker -> Scheduler: measuring `model` has begun."""
 
     model: str
 
 
-class Measured(Message, frozen=True):
+class Measured(Message, frozen=True, kw_only=True):
     """MeasureWorker -> Scheduler: how measuring `model` ended (R-5.2, R-5.3).
 
     `result` is "measured" (with `min` and `max`), "failed" (with `error`), or "at_load":
@@ -462,7 +462,7 @@ class Measured(Message, frozen=True):
     error: str | None = None
 
 
-class DeviceReport(msgspec.Struct, frozen=True):
+class DeviceReport(msgspec.Struct, frozen=True, kw_only=True):
     """One sample of every device, and what corral's children use on them (bytes)."""
 
     devices: list[DeviceSample]
@@ -479,13 +479,13 @@ class DeviceReport(msgspec.Struct, frozen=True):
     None: not said (every tracked model counts)."""
 
 
-class DevicesReported(Message, frozen=True):
+class DevicesReported(Message, frozen=True, kw_only=True):
     """DeviceMonitor -> Scheduler: a fresh sample of the devices."""
 
     report: DeviceReport
 
 
-class Shutdown(Message, frozen=True):
+class Shutdown(Message, frozen=True, kw_only=True):
     """Supervisor -> Scheduler: refuse everything, stop every child, reply when all are reaped."""
 
     reply: Reply
@@ -504,7 +504,7 @@ SchedulerMessage = (
 # ---------------------------------------------------------------- ModelInstance inbox
 
 
-class StartInstance(Message, frozen=True):
+class StartInstance(Message, frozen=True, kw_only=True):
     """Scheduler -> ModelInstance: spawn the child as generation `generation` of `config`
     (a reload changes the config the next spawn uses)."""
 
@@ -519,7 +519,7 @@ class StartInstance(Message, frozen=True):
     cluster node: issue 19, R8); None: none."""
 
 
-class StopInstance(Message, frozen=True):
+class StopInstance(Message, frozen=True, kw_only=True):
     """Scheduler -> ModelInstance: stop the child of `generation` (stale ones are dropped)."""
 
     generation: int
@@ -532,7 +532,7 @@ class StopInstance(Message, frozen=True):
 # about an earlier child of the same actor is dropped.
 
 
-class ChildLine(Message, frozen=True):
+class ChildLine(Message, frozen=True, kw_only=True):
     """Output reader -> child's owner: a line of spawn `spawn_id`'s output it asked for (a
     llama child's `cmd_child_to_router:state:` line; every line of a measure child)."""
 
@@ -540,13 +540,13 @@ class ChildLine(Message, frozen=True):
     line: str
 
 
-class ChildExited(Message, frozen=True):
+class ChildExited(Message, frozen=True, kw_only=True):
     """Exit watcher -> child's owner: the child of spawn `spawn_id` exited (not yet reaped)."""
 
     spawn_id: int
 
 
-class ChildTimedOut(Message, frozen=True):
+class ChildTimedOut(Message, frozen=True, kw_only=True):
     """Timer -> child's owner: spawn `spawn_id` had its time for `stage`: load_timeout_s to
     become ready, the stop step's wait to exit, or measure_timeout_s to report."""
 
@@ -554,19 +554,19 @@ class ChildTimedOut(Message, frozen=True):
     stage: Literal["load", "stop", "measure"]
 
 
-class ChildReady(Message, frozen=True):
+class ChildReady(Message, frozen=True, kw_only=True):
     """Readiness probe -> ModelInstance: the child of spawn `spawn_id` answered its health path."""
 
     spawn_id: int
 
 
-class LivenessTick(Message, frozen=True):
+class LivenessTick(Message, frozen=True, kw_only=True):
     """Timer -> ModelInstance: time to check that the child of `spawn_id` still answers."""
 
     spawn_id: int
 
 
-class LivenessResult(Message, frozen=True):
+class LivenessResult(Message, frozen=True, kw_only=True):
     """Probe thread -> ModelInstance: what the child's health path answered (R-3.3)."""
 
     spawn_id: int
@@ -574,7 +574,7 @@ class LivenessResult(Message, frozen=True):
     detail: str
 
 
-class LivenessMiss(Message, frozen=True):
+class LivenessMiss(Message, frozen=True, kw_only=True):
     """Scheduler -> ModelInstance: a request to the child of `generation` timed out
     (first_byte_timeout_s): one failed liveness check."""
 
@@ -591,7 +591,7 @@ InstanceMessage = (
 # ---------------------------------------------------------------- MeasureWorker inbox
 
 
-class MeasureModel(Message, frozen=True):
+class MeasureModel(Message, frozen=True, kw_only=True):
     """Scheduler -> MeasureWorker: measure `model` as `config` says; `front` jumps the queue
     (it is about to load)."""
 
@@ -600,7 +600,7 @@ class MeasureModel(Message, frozen=True):
     front: bool = False
 
 
-class Remember(Message, frozen=True):
+class Remember(Message, frozen=True, kw_only=True):
     """Scheduler -> MeasureWorker: `model` was measured by sampling its running child
     (a `probe` model's first load, or one whose measurement failed); cache `figures`."""
 
@@ -615,7 +615,7 @@ MeasureMessage = MeasureModel | ChildLine | ChildExited | ChildTimedOut | Rememb
 # ---------------------------------------------------------------- DeviceMonitor inbox
 
 
-class TrackModel(Message, frozen=True):
+class TrackModel(Message, frozen=True, kw_only=True):
     """Scheduler -> DeviceMonitor: `model`'s child was spawned, became ready or is gone.
 
     Each one triggers a sample. "spawned" starts attributing the tree of `pid` to the
@@ -628,7 +628,7 @@ class TrackModel(Message, frozen=True):
     pid: int | None = None
 
 
-class SampleTick(Message, frozen=True):
+class SampleTick(Message, frozen=True, kw_only=True):
     """Timer -> DeviceMonitor: time for the periodic sample."""
 
 
@@ -639,7 +639,7 @@ MonitorMessage = TrackModel | SampleTick
 # (actors/cluster/: the ClusterHead's inbox, and what its nodes send it)
 
 
-class Running(msgspec.Struct, frozen=True):
+class Running(msgspec.Struct, frozen=True, kw_only=True):
     """Agent -> a new head (in its link's NodeUp): a child running on the node, for
     adoption."""
 
@@ -660,7 +660,7 @@ FromNode = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited 
 """What a node's actors tell their `scheduler` (the agent's Outbox), for the head's."""
 
 
-class ForModel(Message, frozen=True):
+class ForModel(Message, frozen=True, kw_only=True):
     """Scheduler -> ClusterHead, through `model`'s RemoteInstance: what it would tell a
     local ModelInstance, for the node the model runs on."""
 
@@ -668,7 +668,7 @@ class ForModel(Message, frozen=True):
     message: InstanceMessage
 
 
-class RemoteModel(Message, frozen=True):
+class RemoteModel(Message, frozen=True, kw_only=True):
     """Supervisor -> ClusterHead: `model` runs on cluster nodes as `config` says; its
     children's output goes to `log` (at the start, and for a model a reload adds)."""
 
@@ -677,7 +677,7 @@ class RemoteModel(Message, frozen=True):
     log: LogRing
 
 
-class HeadAttached(Message, frozen=True):
+class HeadAttached(Message, frozen=True, kw_only=True):
     """Supervisor -> ClusterHead: the head's own DeviceMonitor and MeasureWorker, for the
     models that run on this machine. Asked, not told: once it is answered, what the
     links said before it (the adoptions of a start) has been taken in."""
@@ -686,7 +686,7 @@ class HeadAttached(Message, frozen=True):
     measurer: Inbox[MeasureMessage]
 
 
-class NodeUp(Message, frozen=True):
+class NodeUp(Message, frozen=True, kw_only=True):
     """AgentLink -> ClusterHead: `node`'s agent has attached this head as `epoch`; its
     children listen on `host`, and `running` are there already (to adopt or stop)."""
 
@@ -698,14 +698,14 @@ class NodeUp(Message, frozen=True):
     running: list[Running]
 
 
-class NodeUnreachable(Message, frozen=True):
+class NodeUnreachable(Message, frozen=True, kw_only=True):
     """AgentLink -> ClusterHead: `node`'s agent could not be started or reached; the link
     tries again every cluster.agent_retry_s."""
 
     node: str
 
 
-class NodeBatch(Message, frozen=True):
+class NodeBatch(Message, frozen=True, kw_only=True):
     """AgentLink -> ClusterHead: what `node`'s agent said since the last poll (a
     cluster.wire.Batch): facts for the Scheduler, child output, what was lost."""
 
@@ -718,7 +718,7 @@ class NodeBatch(Message, frozen=True):
     """Numbers of the head's messages that never reached the agent."""
 
 
-class NodeLost(Message, frozen=True):
+class NodeLost(Message, frozen=True, kw_only=True):
     """AgentLink -> ClusterHead: `node`'s agent died, or another head took it (`why`): its
     models fail; the link tries again every cluster.agent_retry_s."""
 

@@ -122,7 +122,7 @@ class Scheduler(BaseActor):
                 self._run(p.children.instance_unhealthy(model, gen, detail, now))
             case AnswerLate(model=model, generation=gen, detail=detail):
                 if model in self.instances:
-                    self.instances[model].tell(LivenessMiss(gen, detail))
+                    self.instances[model].tell(LivenessMiss(generation=gen, detail=detail))
             case Subscribe(sink=sink):
                 self.subscribers.append(sink)
             case WatchGrants(sink=sink):
@@ -189,7 +189,7 @@ class Scheduler(BaseActor):
             {n: rules(models[n]) for n in added}, removed,
             {n: rules(models[n]) for n in changed}, now)
         self._run(effects)
-        summary = ReloadSummary(added, removed, changed, restarted)
+        summary = ReloadSummary(added=added, removed=removed, changed=changed, restarted=restarted)
         self.log.info("reload: added %s, removed %s, changed %s (restarting %s), %d unchanged",
                       added or "none", removed or "none", changed or "none",
                       restarted or "none", len(models) - len(added) - len(changed))
@@ -211,10 +211,10 @@ class Scheduler(BaseActor):
                     if ticket is not None:  # None: a load nobody waits on (load_on_startup)
                         cast(Reply, ticket).send(value)  # the tickets it was given: replies
                 case Spawn(model=model, generation=gen, devices=devices, node=node):
-                    self.instances[model].tell(StartInstance(gen, self.configs[model],
-                                                             devices, node))
+                    self.instances[model].tell(StartInstance(
+                        generation=gen, config=self.configs[model], devices=devices, node=node))
                 case Stop(model=model, generation=gen, reason=reason):
-                    self.instances[model].tell(StopInstance(gen, reason))
+                    self.instances[model].tell(StopInstance(generation=gen, reason=reason))
                 case Publish(event=event):
                     for sink in self.subscribers:
                         self._hand(sink, event)
@@ -223,17 +223,19 @@ class Scheduler(BaseActor):
                         self._hand(watcher, effect)
                 case Learned(model=model, figures=figures):
                     if self.measurer is not None and model in self.configs:
-                        self.measurer.tell(Remember(model, self.configs[model], figures))
+                        self.measurer.tell(Remember(model=model, config=self.configs[model],
+                                                    figures=figures))
                 case Later(delay_s=delay, message=message):
                     if self.timers is not None:
                         self.timers.after(delay, self.actor_ref, message)
                 case Measure(model=model, front=front):
                     if self.measurer is not None:
-                        self.measurer.tell(MeasureModel(model, self.configs[model], front))
+                        self.measurer.tell(MeasureModel(model=model, config=self.configs[model],
+                                                        front=front))
                 case Track(model=model, event=event, pid=pid):
                     if self.monitor is not None:
-                        self.monitor.tell(TrackModel(model, event, pid))
+                        self.monitor.tell(TrackModel(model=model, event=event, pid=pid))
                     else:
-                        self.early_tracks.append(TrackModel(model, event, pid))
+                        self.early_tracks.append(TrackModel(model=model, event=event, pid=pid))
                 case _:
                     assert_never(effect)

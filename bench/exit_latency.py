@@ -121,7 +121,7 @@ def scheduler_latency(runs: int, observer: Observer) -> list[Run]:
             with sup.lease("m", timeout_s=30):
                 pass
             reply = ThreadReply()
-            sup.scheduler.tell(GetModels(reply))
+            sup.scheduler.tell(GetModels(reply=reply))
             snap = reply.wait(5)
             assert isinstance(snap, ModelsSnapshot) and snap.models[0].pid
             while not events.empty():

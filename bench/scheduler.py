@@ -84,7 +84,7 @@ async def round_trips(n: int, concurrency: int) -> dict[str, Any]:
         async def one() -> float:
             reply = LoopReply(loop)
             start = time.perf_counter()
-            sup.scheduler.tell(Ping(reply))
+            sup.scheduler.tell(Ping(reply=reply))
             await reply.future
             return time.perf_counter() - start
 
@@ -122,9 +122,11 @@ def scrape_cost(n_models: int, scrapes: int = 20) -> float:
         p.state.stats.evictions[(name, "lru")] = 2
     assert isinstance(p.state.stats.queue_wait[next(iter(p.state.models))], Histogram)
     snap = p.snapshot(10.0)
-    devices = DevicesSnapshot(True, 1 << 30, False, ["simulated"], [
-        DeviceView(f"gpu{i}", "device", 80 << 30, 40 << 30, 0,
-                   {m: 1 << 30 for m in list(p.state.models)[i::8]}, 40 << 30) for i in range(8)])
+    views = [DeviceView(name=f"gpu{i}", kind="device", total=80 << 30, free=40 << 30,
+                        external=0, held={m: 1 << 30 for m in list(p.state.models)[i::8]},
+                        available=40 << 30) for i in range(8)]
+    devices = DevicesSnapshot(memory_accounting=True, margin=1 << 30, account_host=False,
+                              backends=["simulated"], devices=views)
     start = time.process_time()
     for _ in range(scrapes):
         render(snap, devices, 0, {}, None)

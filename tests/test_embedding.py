@@ -23,7 +23,7 @@ def get(url: str) -> int:
 
 def snapshot(sup: Supervisor) -> ModelsSnapshot:
     reply = ThreadReply()
-    sup.scheduler.tell(GetModels(reply))
+    sup.scheduler.tell(GetModels(reply=reply))
     snap = reply.wait(5)
     assert isinstance(snap, ModelsSnapshot)
     return snap

@@ -542,10 +542,10 @@ def test_a_grant_is_withdrawn_when_its_model_stops_serving_or_is_retired() -> No
     w.load_idle("a", "b")
     w.acquire("busy", "a")
     effects = w.run(w.p.children.reconfigure({}, [], {"a": False}, w.tick())[0])
-    assert Withdraw("a", w.gen("a")) in effects  # busy: stale, stops once released
+    assert Withdraw(model="a", generation=w.gen("a")) in effects  # busy: stale, stops once released
     assert not any(isinstance(e, Stop) for e in effects)
     effects = w.run(w.p.unload("u", "b", w.tick()))
-    assert Withdraw("b", w.gen("b")) in effects
+    assert Withdraw(model="b", generation=w.gen("b")) in effects
     w.acquire("x", "c")
     assert not any(isinstance(e, Withdraw) for e in w.run(w.p.children.instance_ready(
         "c", w.gen("c"), 100, "x", 1, w.tick())))  # loading -> loaded withdraws none

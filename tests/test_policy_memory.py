@@ -107,8 +107,8 @@ def test_two_4gib_models_coexist_and_a_third_evicts_the_lru_for_memory() -> None
     assert w.state("a") == w.state("b") == "loaded" and w.stops == []
     w.acquire("t", "c")
     assert w.stops == [("a", "memory")] and w.state("c") == "unloaded"
-    assert w.evictions()[-1] == Evicted("a", "memory", "c",
-                                        [Shortfall("gpu0", 4 * GiB, 2 * GiB)])
+    assert w.evictions()[-1] == Evicted(model="a", reason="memory", for_model="c", devices=[
+        Shortfall(device="gpu0", needed=4 * GiB, available=2 * GiB)])
     w.exited("a")
     assert w.state("c") == "unloaded", "a's memory counts until a report no longer sees it"
     w.report()

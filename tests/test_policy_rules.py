@@ -228,7 +228,7 @@ def test_a_raising_event_subscriber_does_not_take_the_scheduler_down(caplog) -> 
         raise RuntimeError("the app's bug")
 
     scheduler.subscribers += [bad, seen.append]
-    event = StatusChanged("a", "loading", "test")
+    event = StatusChanged(model="a", status="loading", cause="test")
     with caplog.at_level(logging.ERROR, "corral.scheduler"):
         scheduler._run([Pub(event)])
     assert seen == [event]
@@ -283,11 +283,11 @@ def test_queue_events_say_how_many_wait_and_for_how_long() -> None:
 
     w = World()
     effects = w.run(w.p.acquire(1, "a", 10.0))
-    assert Publish(QueueChanged("a", 1, 0.0)) in effects
+    assert Publish(QueueChanged(model="a", waiting=1, oldest_wait_s=0.0)) in effects
     effects = w.run(w.p.acquire(2, "a", 12.5))
-    assert Publish(QueueChanged("a", 2, 2.5)) in effects
+    assert Publish(QueueChanged(model="a", waiting=2, oldest_wait_s=2.5)) in effects
     effects = w.run(w.p.children.instance_ready("a", 1, 100, "x", 1, 13.0))
-    assert Publish(QueueChanged("a", 0, None)) in effects
+    assert Publish(QueueChanged(model="a", waiting=0, oldest_wait_s=None)) in effects
     effects = w.run(w.p.acquire(3, "a", 14.0))  # granted at once: nothing queued
     assert not any(isinstance(e, Publish) and isinstance(e.event, QueueChanged)
                    for e in effects)

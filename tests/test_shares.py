@@ -238,15 +238,15 @@ def test_real_scheduler_busy_loop_unload_after_ready_joins_stopping_child() -> N
         async def main() -> None:
             loop = asyncio.get_running_loop()
             shares = Shares()
-            sched.tell(WatchGrants(Fanout(loop, shares.withdraw)))
-            sched.tell(InstancesAttached({"a": Nobody()}))
+            sched.tell(WatchGrants(sink=Fanout(loop, shares.withdraw)))
+            sched.tell(InstancesAttached(instances={"a": Nobody()}))
             first = asyncio.ensure_future(shares.acquire(sched, "a", True))
             await asyncio.sleep(0.05)  # queued, a#1 loading
 
             def scheduler_side() -> None:
-                sched.tell(InstanceReady("a", 1, 4242, 1))
+                sched.tell(InstanceReady(model="a", generation=1, pid=4242, port=1))
                 done = ThreadReply()
-                sched.tell(UnloadModel("a", done))
+                sched.tell(UnloadModel(model="a", reply=done))
                 assert done.wait(5) is not None
 
             def busy() -> None:  # one long loop iteration

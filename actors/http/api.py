@@ -210,7 +210,7 @@ class ManagementApi:
         if self.sup.crashed.is_set():
             return error(503, "an actor crashed; corral is shutting down", "unavailable_error")
         try:
-            alive = await self._ask(Ping)
+            alive = await self._ask(lambda r: Ping(reply=r))
         except TimeoutError:
             return error(503, f"the scheduler did not answer within {ASK_TIMEOUT_S:g} s",
                          "unavailable_error")
@@ -234,9 +234,9 @@ class ManagementApi:
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         """Prometheus exposition (R-6.3, metrics.py); with ?model= the front
         proxies the child's own."""
-        snap = await self._ask(GetModels)
+        snap = await self._ask(lambda r: GetModels(reply=r))
         assert isinstance(snap, ModelsSnapshot)
-        devices = await self._ask(GetDevices)
+        devices = await self._ask(lambda r: GetDevices(reply=r))
         assert isinstance(devices, DevicesSnapshot)
         shares = self._shares()
         times = (self.front.times if self.front is not None else None)
@@ -269,7 +269,7 @@ class ManagementApi:
             except ConfigError as e:
                 log.error("reload refused: %s", e)
                 return error(400, f"reload refused, nothing changed: {e}")
-        snap = await self._ask(GetModels)
+        snap = await self._ask(lambda r: GetModels(reply=r))
         assert isinstance(snap, ModelsSnapshot)
         models = self.sup.config.models  # read once: every entry from the same table
         entries = (self._entry(view, models) for view in snap.models)
@@ -280,7 +280,7 @@ class ManagementApi:
         GET /v1/models; an alias answers its model's entry."""
         given = request.match_info["id"]
         name = self.names.get(given)
-        snap = await self._ask(GetModels) if name is not None else None
+        snap = await self._ask(lambda r: GetModels(reply=r)) if name is not None else None
         assert snap is None or isinstance(snap, ModelsSnapshot)
         view = next((v for v in snap.models if v.name == name), None) if snap else None
         entry = self._entry(view, self.sup.config.models) if view is not None else None
@@ -331,7 +331,7 @@ class ManagementApi:
 
     async def devices(self, request: web.Request) -> web.Response:
         """GET /devices: per device total, external, held per model, available (bytes)."""
-        snap = await self._ask(GetDevices)
+        snap = await self._ask(lambda r: GetDevices(reply=r))
         assert isinstance(snap, DevicesSnapshot)
         body = msgspec.to_builtins(snap)
         body.pop("type", None)
@@ -372,7 +372,7 @@ class ManagementApi:
         model = self.names.get(name)
         if model is None:
             return error(404, f"model '{name}' not found", "not_found_error")
-        answer = await self._ask(lambda r: command(model, r))
+        answer = await self._ask(lambda r: command(model=model, reply=r))
         if isinstance(answer, Refusal):
             return answer_response(refusal_answer(answer))
         assert isinstance(answer, Done)

@@ -229,7 +229,8 @@ class Exchange:
             finally:
                 front.shares.release(scheduler, share)
             if self.late is not None:
-                scheduler.tell(AnswerLate(grant.model, grant.generation, self.late))
+                scheduler.tell(AnswerLate(model=grant.model, generation=grant.generation,
+                                          detail=self.late))
             if self.phase is Phase.DONE:
                 return
             # Nothing of the final answer was sent: the next instance gets the request,

@@ -110,7 +110,7 @@ class Shares:
             return
         if self.open.get(model) is share:
             del self.open[model]
-        scheduler.tell(Release(share.ticket, shared=share.joined > 0))
+        scheduler.tell(Release(ticket=share.ticket, shared=share.joined > 0))
 
     def withdraw(self, message: Withdraw) -> None:
         """The Scheduler: no new request may join grants of this model's generation."""

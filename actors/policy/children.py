@@ -144,8 +144,8 @@ class Children:
             return []
         if state == "loading" and rec.state is S.LOADING:
             rec.progress = payload
-            self.state.out.append(Publish(StatusChanged(model, "loading", "loading progress",
-                                                   progress=payload)))
+            self.state.out.append(Publish(StatusChanged(
+                model=model, status="loading", cause="loading progress", progress=payload)))
         elif state == "sleeping" and rec.state is S.LOADED:
             # It keeps its slot (and stays an eviction candidate) but gives its memory
             # back; a request wakes it, and then it holds again.
@@ -324,4 +324,4 @@ class Children:
             self.rules.stop(rec, "reload", None, now)
         else:
             rec.retiring = True
-            self.state.out.append(Withdraw(rec.name, rec.generation))
+            self.state.out.append(Withdraw(model=rec.name, generation=rec.generation))

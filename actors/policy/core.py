@@ -110,7 +110,7 @@ class Policy:
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
             entry = self.state.queue.add(ticket, model, now, deadline)
             if deadline is not None:
-                self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket)))
+                self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
             log.debug("request for %s queued (%d waiting for it, %d entries)",
                       model, len(entry.waiters), len(self.state.queue.entries))
             self.rules.pump(now)
@@ -248,7 +248,7 @@ class Policy:
             self.rules.pump(now)
         else:
             rec.ttl_armed = True
-            self.state.out.append(Later(due - now, TtlDue(model, generation)))
+            self.state.out.append(Later(due - now, TtlDue(model=model, generation=generation)))
         return self.rules.flush()
 
     def repump(self, now: float) -> list[Effect]:

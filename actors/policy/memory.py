@@ -87,7 +87,7 @@ class Memory:
                 self.ledger.calibrate(max_, reporter=None, unknown_only=True)
         else:
             rec.memory, rec.mem_min, rec.mem_max = "failed", None, None
-        return [Publish(ModelMemory(rec.name, rec.memory_info()))]
+        return [Publish(ModelMemory(model=rec.name, memory=rec.memory_info()))]
 
     def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> list[Effect]:
         """Fresh device figures: finish releases, calibrate, learn real usage (R-5.5, R-5.6)."""
@@ -134,7 +134,8 @@ class Memory:
         load like any other, and no second copy of a serving model is ever started)."""
         log.info("model %s measured by its running child", rec.name)
         rec.memory, rec.mem_min, rec.mem_max, rec.mem_error = "measured", figures, figures, None
-        return [Publish(ModelMemory(rec.name, rec.memory_info())), Learned(rec.name, figures)]
+        return [Publish(ModelMemory(model=rec.name, memory=rec.memory_info())),
+                Learned(rec.name, figures)]
 
     @staticmethod
     def need(rec: ModelRecord) -> Breakdown | None:
@@ -296,7 +297,7 @@ class Memory:
             if not short:
                 break
             plan.evict.append((victim, [
-                Shortfall(d, row.self_bytes, self.ledger.available(d) or 0)
+                Shortfall(device=d, needed=row.self_bytes, available=self.ledger.available(d) or 0)
                 for row in (need.devices if need else []) if (d := row.name) in short]))
             for d, size in self.ledger.held.get(victim.name, {}).items():
                 coming_back[d] = coming_back.get(d, 0) + size

@@ -111,7 +111,8 @@ class Rules:
         self.state.victims.offer(rec)
         if (rec.rules.ttl_s and not rec.ttl_armed and self.state.evictable(rec)):
             rec.ttl_armed = True
-            self.state.out.append(Later(rec.rules.ttl_s, TtlDue(rec.name, rec.generation)))
+            self.state.out.append(Later(rec.rules.ttl_s,
+                                        TtlDue(model=rec.name, generation=rec.generation)))
 
     def claim(self, now: float) -> None:
         """Spawn for queue heads, in order, while there is capacity (R-4.3).
@@ -280,7 +281,8 @@ class Rules:
         if model is not None and reason is not None:
             key = (model, reason)
             self.state.stats.refusals[key] = self.state.stats.refusals.get(key, 0) + 1
-        self.state.out.append(Answer(ticket, Refusal(status, message, type_, retry_after_s)))
+        self.state.out.append(Answer(ticket, Refusal(
+            status=status, message=message, error_type=type_, retry_after_s=retry_after_s)))
 
     def refuse_entry(self, model: str, status: int, message: str,
                       retry_after_s: float | None = None, reason: str = "other") -> None:
@@ -311,7 +313,8 @@ class Rules:
                  rec.state.value, new.value, cause, took)
         if (rec.state.is_serving and not new.is_serving) or (
                 rec.state is S.STOPPING and new is S.UNLOADED):
-            self.state.out.append(Withdraw(rec.name, rec.generation, gone=new is S.UNLOADED))
+            self.state.out.append(Withdraw(model=rec.name, generation=rec.generation,
+                                           gone=new is S.UNLOADED))
         rec.state = new
         rec.state_since = now
         self.publish_state(rec, cause, now, exit_code, info)
@@ -322,13 +325,14 @@ class Rules:
         failed = rec.failed and rec.state is S.UNLOADED
         retry = rec.breaker.retry_at - now if rec.breaker.is_open(now) else None
         self.state.out.append(Publish(StatusChanged(
-            rec.name, rec.state.value, cause, exit_code, info, failed=failed,
-            exit=rec.last_exit if failed else None, retry_after_s=retry)))
+            model=rec.name, status=rec.state.value, cause=cause, exit_code=exit_code, info=info,
+            failed=failed, exit=rec.last_exit if failed else None, retry_after_s=retry)))
 
     def flush(self) -> list[Effect]:
         for model in self.state.queue.changed:
             waiting, oldest = self.state.queue.view(model, self.state.now)
-            self.state.out.append(Publish(QueueChanged(model, waiting, oldest)))
+            self.state.out.append(Publish(QueueChanged(model=model, waiting=waiting,
+                                                       oldest_wait_s=oldest)))
         self.state.queue.changed.clear()
         out, self.state.out = self.state.out, []
         return out
