@@ -136,6 +136,8 @@ class LogRing:
         """Invariant: the sum of `line_cost` over `_lines`, at most `max_bytes`."""
         self._count = 0
         self._lock = threading.Lock()
+        # Not an actor: a leaf buffer that decides nothing; a mailbox hop per output line
+        # would cost more than it buys.
         self._wakers: list[Callable[[], None]] = []
 
     def append(self, line: str) -> None:

@@ -99,27 +99,27 @@ class Scheduler(BaseActor):
         p = self.policy
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload):
-                self._run(p.acquire(ticket, model, now, autoload))
+                self._carry_out(p.acquire(ticket, model, now, autoload))
             case Release(ticket=ticket, shared=shared):
-                self._run(p.release(ticket, now, shared))
+                self._carry_out(p.release(ticket, now, shared))
             case Cancel(ticket=ticket):
-                self._run(p.cancel(ticket, now))
+                self._carry_out(p.cancel(ticket, now))
             case LoadModel(model=model, reply=reply):
-                self._run(p.load(reply, model, now))
+                self._carry_out(p.load(reply, model, now))
             case UnloadModel(model=model, reply=reply):
-                self._run(p.unload(reply, model, now))
+                self._carry_out(p.unload(reply, model, now))
             case GetModels(reply=reply):
                 reply.send(p.snapshot(now))
             case Ping(reply=reply):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.state.queue)))
             case TtlDue(model=model, generation=gen):
-                self._run(p.ttl_due(model, gen, now))
+                self._carry_out(p.ttl_due(model, gen, now))
             case WaitDue(ticket=ticket):
-                self._run(p.wait_due(ticket, now))
+                self._carry_out(p.wait_due(ticket, now))
             case Repump():
-                self._run(p.repump(now))
+                self._carry_out(p.repump(now))
             case Unhealthy(model=model, generation=gen, detail=detail):
-                self._run(p.children.instance_unhealthy(model, gen, detail, now))
+                self._carry_out(p.children.instance_unhealthy(model, gen, detail, now))
             case AnswerLate(model=model, generation=gen, detail=detail):
                 if model in self.instances:
                     self.instances[model].tell(LivenessMiss(generation=gen, detail=detail))
@@ -134,41 +134,41 @@ class Scheduler(BaseActor):
                     for track in self.early_tracks:
                         monitor.tell(track)
                 self.early_tracks.clear()
-                self._run(p.children.start_measuring())
+                self._carry_out(p.children.start_measuring())
                 for name in self.startup_loads:
-                    self._run(p.load(None, name, now))
+                    self._carry_out(p.load(None, name, now))
             case InstanceStarted(model=model, generation=gen, pid=pid):
-                self._run(p.children.instance_started(model, gen, pid))
+                self._carry_out(p.children.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
                                host=host, upstream_key=key):
-                self._run(p.children.instance_ready(model, gen, pid, host, port, now, info,
-                                                    key))
+                self._carry_out(p.children.instance_ready(model, gen, pid, host, port, now,
+                                                          info, key))
             case InstanceAdopted(model=model, generation=gen, pid=pid, host=host, port=port,
                                  devices=devices, node=node, upstream_key=key):
-                self._run(p.children.instance_adopted(model, gen, pid, host, port, devices,
-                                                      now, node, key))
+                self._carry_out(p.children.instance_adopted(model, gen, pid, host, port,
+                                                            devices, now, node, key))
             case NodeChanged(node=node, up=up, why=why):
-                self._run(p.children.node_changed(node, up, why, now))
+                self._carry_out(p.children.node_changed(node, up, why, now))
             case InstanceSeen(model=model, generation=gen):
                 p.children.instance_seen(model, gen)
             case InstanceReported(model=model, generation=gen, state=state, payload=payload):
-                self._run(p.children.instance_reported(model, gen, state, payload, now))
+                self._carry_out(p.children.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
-                self._run(p.children.instance_exited(model, gen, rc, desc, now))
+                self._carry_out(p.children.instance_exited(model, gen, rc, desc, now))
             case Reconfigure(models=models, instances=instances, reply=reply):
                 self.reconfigure(models, instances, reply, now)
             case GetDevices(reply=reply):
                 reply.send(p.children.devices_snapshot())
             case MeasureStarted(model=model):
-                self._run(p.children.measure_started(model))
+                self._carry_out(p.children.measure_started(model))
             case Measured(model=model, result=result, min=min_, max=max_, error=error):
-                self._run(p.children.measured(model, result == "measured", min_, max_, now, error,
-                                     at_load=result == "at_load"))
+                self._carry_out(p.children.measured(model, result == "measured", min_, max_,
+                                                    now, error, at_load=result == "at_load"))
             case DevicesReported(report=report):
-                self._run(p.children.devices_reported(report, now))
+                self._carry_out(p.children.devices_reported(report, now))
             case Shutdown(reply=reply):
                 self.shutdown_replies.append(reply)
-                self._run(p.shutdown(now))
+                self._carry_out(p.shutdown(now))
             case _:
                 assert_never(message)
         if self.shutdown_replies and p.all_stopped:
@@ -188,7 +188,7 @@ class Scheduler(BaseActor):
         effects, restarted = self.policy.children.reconfigure(
             {n: rules(models[n]) for n in added}, removed,
             {n: rules(models[n]) for n in changed}, now)
-        self._run(effects)
+        self._carry_out(effects)
         summary = ReloadSummary(added=added, removed=removed, changed=changed, restarted=restarted)
         self.log.info("reload: added %s, removed %s, changed %s (restarting %s), %d unchanged",
                       added or "none", removed or "none", changed or "none",
@@ -204,7 +204,7 @@ class Scheduler(BaseActor):
             self.log.exception("an event subscriber raised on %r; the event is dropped for it",
                                item)
 
-    def _run(self, effects: list[Effect]) -> None:
+    def _carry_out(self, effects: list[Effect]) -> None:
         for effect in effects:
             match effect:
                 case Answer(ticket=ticket, value=value):

@@ -27,6 +27,7 @@ class Timers:
         """(deadline, sequence, the tell); the sequence breaks ties in order."""
         self._seq = itertools.count()
         self._cv = threading.Condition()
+        # Not an actor: it is the runtime under the mailboxes (as pykka's own inbox is).
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="corral-timers", daemon=True)
         self._thread.start()

@@ -230,7 +230,7 @@ def test_a_raising_event_subscriber_does_not_take_the_scheduler_down(caplog) -> 
     scheduler.subscribers += [bad, seen.append]
     event = StatusChanged(model="a", status="loading", cause="test")
     with caplog.at_level(logging.ERROR, "corral.scheduler"):
-        scheduler._run([Pub(event)])
+        scheduler._carry_out([Pub(event)])
     assert seen == [event]
     assert "an event subscriber raised" in caplog.text and "the app's bug" in caplog.text
 

@@ -25,15 +25,18 @@ Headers = Sequence[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"content-length",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
 })
-"""Headers that belong to one connection: never passed on, in either direction."""
-NOT_FORWARDED = HOP_BY_HOP | {b"authorization", b"x-api-key", b"host", b"expect"}
+"""Headers that belong to one connection (RFC 9110 7.6.1)."""
+REFRAMED = HOP_BY_HOP | {b"content-length"}
+"""Never passed on, in either direction: corral frames every message it relays itself
+(its own length, chunks, or the close)."""
+NOT_FORWARDED = REFRAMED | {b"authorization", b"x-api-key", b"host", b"expect"}
 """Not sent to a child: the key stays with corral (R-6.2), Host and Expect are ours."""
 FRONT_HEADER = b"x-corral-front"
 """Carries the front's secret to the management API, which serves no one else (its own
 port is on loopback, where a web page could find it: R5 applies there too)."""
-TO_API_DROPPED = HOP_BY_HOP | {b"host", b"expect", FRONT_HEADER}
+TO_API_DROPPED = REFRAMED | {b"host", b"expect", FRONT_HEADER}
 """Not sent to the management API (it checks the key again itself)."""
 
 PROXIED_POST = frozenset({
@@ -314,7 +317,7 @@ class RelayHead(NamedTuple):
 def interim_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
     """A child's 1xx answer as the client gets it."""
     out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
-    out += [n + b": " + v for n, v in headers if n.lower() not in HOP_BY_HOP]
+    out += [n + b": " + v for n, v in headers if n.lower() not in REFRAMED]
     return b"\r\n".join(out) + b"\r\n\r\n"
 
 
@@ -332,7 +335,7 @@ def relay_head(status: int, headers: list[tuple[bytes, bytes]], *, from_child: b
             length = value
         elif lname == b"content-type" and value.startswith(SSE_PREFIX):
             sse = True
-        if lname not in HOP_BY_HOP:
+        if lname not in REFRAMED:
             out.append(name + b": " + value)
     if from_child:
         out += CHILD_HEADERS

@@ -39,6 +39,9 @@ class Breaker:
             self.reset()  # it served normally for a while: an accident, not a loop
             return 0.0
         self.failures.append(now)
+        # The window is (now - period_s, now]: a failure exactly period_s old no longer
+        # counts. More than `intensity` in it opens the breaker (OTP: R restarts in T
+        # seconds are allowed, one more is not).
         while self.failures and self.failures[0] <= now - self.period_s:
             self.failures.popleft()
         if len(self.failures) <= self.intensity:

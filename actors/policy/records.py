@@ -1,5 +1,6 @@
-"""The Scheduler's state (model records, queue entries, the restart budget, counters) and
-the effects its policy returns. Plain data: the rules that change it live in policy.py.
+"""The policy's records and what it returns: one `ModelRecord` per model, the counters
+behind GET /metrics (`Stats`), and the effects the Scheduler carries out (`Effect`).
+Plain data: the rules that change it are in rules.py and the event methods.
 """
 
 from __future__ import annotations
