@@ -213,8 +213,7 @@ class Exchange:
             if isinstance(found, Refusal):
                 self.answer(refusal_answer(found))
                 return
-            share = found
-            grant = share.grant
+            share, grant = found, found.grant
             try:
                 route = routes.models.get(grant.model)
                 pool = front.pools.get((grant.host, grant.port,
