@@ -1,0 +1,114 @@
+"""The house keeps its shape (issue 20): no import circle, each folder imported only from
+above it, and no module too long to read in one sitting. Read from the code's own import
+statements (those under `if TYPE_CHECKING` too: a circle the type checker closes is still
+a parent held by its child)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+MAX_LINES = 400
+LONGER = {"actors/messages.py"}
+"""A catalogue: one Struct per message, each with its sender, recipient and fields."""
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "actors").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of `known` that `name` imports."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            submodules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+            targets = submodules or [base]  # `from . import views` imports views only
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    edges = graph()
+    assert len(edges) > 40, "the walk found the package"
+    assert circles(edges) == []
+
+
+def test_the_policy_is_pure_and_each_wing_is_entered_from_above() -> None:
+    edges = graph()
+    pure = {"actors.config", "actors.ledger", "actors.lifecycle", "actors.messages",
+            "actors.histogram", "actors.base", "actors.childproc"}
+    for name, targets in edges.items():
+        if name.startswith("actors.policy"):
+            outside = {t for t in targets if not t.startswith("actors.policy")}
+            assert outside <= pure, f"{name} imports {outside - pure}: the policy does no I/O"
+        if not name.startswith("actors.http"):
+            assert not any(t.startswith("actors.http") for t in targets), \
+                f"{name} imports the HTTP side, which sits above it"
+        if not name.startswith(("actors.cluster", "actors.supervisor")):
+            assert not any(t.startswith("actors.cluster") for t in targets), \
+                f"{name} imports the cluster, which only the Supervisor starts"
+
+
+def test_no_module_is_over_400_lines_but_the_message_catalogue() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "actors").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert set(long) <= LONGER, f"split these (STYLE: about {MAX_LINES} lines): {long}"
