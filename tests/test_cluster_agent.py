@@ -226,3 +226,20 @@ def test_the_key_flag_is_the_engines_own(cmd: list[str], flag: str | None) -> No
     assert ModelConfig(cmd=cmd).key_argument == flag
     assert ModelConfig(cmd=cmd, key_flag="--token").key_argument == "--token"
     assert ModelConfig(cmd=cmd, key_flag="").key_argument is None
+
+
+def test_a_heads_child_key_is_never_read_as_an_option() -> None:
+    """A head whose key began with "-" (1 in 64 of token_urlsafe's) had every child on its
+    nodes refuse its command line: `--api-key -Xy...` is a missing argument to argparse, so
+    the cluster tests failed now and then with "exited with status 2"."""
+    import subprocess
+
+    from actors.cluster.links import child_key
+
+    keys = {child_key() for _ in range(5000)}
+    assert len(keys) == 5000 and all(len(k) >= 43 for k in keys)  # >= 256 bits
+    assert not any(k.startswith("-") for k in keys)
+    child = subprocess.run([sys.executable, "-m", "actors.fake_model", "--port", "1",
+                            "--api-key", "-" + child_key()[1:], "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 2 and "expected one argument" in child.stderr  # the failure

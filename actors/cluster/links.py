@@ -157,6 +157,14 @@ class RemoteInstance:
         """The Supervisor stops its actors at the end: Cluster.stop stops the head."""
 
 
+def child_key() -> str:
+    """A fresh key for a head's children: 256 random bits in hex. It goes on a child's
+    command line after its key flag, so it must never look like an option: one urlsafe
+    key in 64 began with "-", and argparse (the demo child) or llama-server then refused
+    the command line (every child of that head "exited with status 2")."""
+    return secrets.token_hex(32)
+
+
 class Cluster:
     """The head's view of the Ray cluster, as the Supervisor holds it: joining, the
     ClusterHead actor, one AgentLink per configured node, and what the API shows."""
@@ -166,7 +174,7 @@ class Cluster:
         self.agent_config = msgspec.structs.replace(config, api_key=None, api_key_file=None)
         """What the agents get: the head's config without its clients' key (R8: Ray keeps
         an actor's arguments in its GCS, and sends them in clear)."""
-        self.key = secrets.token_urlsafe(32)
+        self.key = child_key()
         """This head's key for the children it starts on nodes: each requires it (passed
         with its server's own key flag), and the front sends it (Grant.upstream_key)."""
         self.logs = logs
