@@ -132,8 +132,8 @@ class Supervisor:
             from .cluster import Cluster  # Ray only when asked for
 
             self.cluster = cluster = Cluster(config, self.logs)
+            cluster.connect()  # a join that fails or is abandoned has nothing to stop
             self.started.append(cluster.stop)  # stopped last: the monitor reports to it
-            cluster.connect()
         self.timers = timers = Timers()
         self.started.append(timers.stop)
         self.scheduler = scheduler = self._started(

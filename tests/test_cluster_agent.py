@@ -199,6 +199,12 @@ def test_an_agent_learns_what_runs_from_its_instances_facts(tmp_path: Path) -> N
         assert agent.child_pids() == {"m": 4242}
         assert agent.outbox.take(0).messages[-1] == InstanceReady(
             model="m", generation=1, pid=4242, port=9001, upstream_key="k")
+        # Told to stop, it is no longer ready: a new head must not adopt a child on its way
+        # out as a serving one (as the instance's phase said before issue 20).
+        agent._hand_on(ToAgent(epoch=agent.epoch, seq=0, model="m",
+                               message=StopInstance(generation=1, reason="lru")))
+        [stopping] = msgspec.msgpack.decode(agent.running(), type=list[Running])
+        assert stopping.generation == 1 and not stopping.ready
         second = agent._instance("m", StartInstance(generation=2, config=model))
         assert second is not first and [r[0] for r in agent.retired] == [first]
         assert agent.running() == msgspec.msgpack.encode([])  # #2 not spawned yet

@@ -115,7 +115,7 @@ def test_a_request_after_a_manual_unload_goes_to_the_next_instance(corral) -> No
 # The Scheduler's Grant and its Withdraw both reach the loop through call_soon_threadsafe,
 # in that order; but the request the Grant wakes resumes after the Withdraw's callback has
 # run in the same loop turn. These play the Scheduler with the real Policy (as
-# Scheduler._run dispatches its effects), the event right after the model got ready.
+# Scheduler._carry_out dispatches its effects), the event right after the model got ready.
 
 
 class Sched:
@@ -129,7 +129,7 @@ class Sched:
         self.now += 1
         return self.now
 
-    def run(self, effects) -> None:  # Scheduler._run
+    def run(self, effects) -> None:  # Scheduler._carry_out
         for e in effects:
             if isinstance(e, Answer) and hasattr(e.ticket, "send"):
                 e.ticket.send(e.value)

@@ -27,6 +27,7 @@ from ..messages import (
     Remember,
     Running,
     StartInstance,
+    StopInstance,
     TrackModel,
 )
 from .wire import (
@@ -347,6 +348,9 @@ class NodeAgent:
         elif isinstance(message, StartInstance):
             self._instance(envelope.model, message).tell(message)
         elif (ref := self.instances.get(envelope.model)) is not None:
+            if isinstance(message, StopInstance) and (
+                    child := self.children.get((envelope.model, message.generation))):
+                child.ready = False  # stopping: a new head must not adopt it as serving
             ref.tell(message)
 
     def poll(self, timeout_s: float, epoch: int | None = None) -> bytes:

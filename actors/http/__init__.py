@@ -8,8 +8,9 @@ then streamed to and from the child; everything else goes to the management API.
 | concern                                          | type                     | file          |
 |--------------------------------------------------|--------------------------|---------------|
 | the port: accept, limits, drain, what all share  | `Front`                  | front.py      |
-| one client connection: parse, screen, flow       | `Connection`             | connection.py |
-| screening a request before its body is read      | `Request`, `screen`      | request.py    |
+| one client connection: pipelining, timers, flow  | `Connection`, `Hub`      | connection.py |
+| parsing and screening requests as they arrive    | `Reader`, `screen`       | request.py    |
+| a client that takes nothing: the watch, the cut  | `WriteStall`, `cut`      | flow.py       |
 | one request and its answer, in phases            | `Exchange`               | exchange.py   |
 | what an exchange may use, what it writes to      | `Services`, `Client`     | exchange.py   |
 | joining a busy model's grant                     | `Shares`, `SharedGrant`  | shares.py     |
@@ -19,17 +20,20 @@ then streamed to and from the child; everything else goes to the management API.
 | corral's own endpoints (aiohttp, loopback only)  | `ManagementApi`          | api.py        |
 | its event and log streams (/models/sse, /logs)   | `Streams`                | events.py     |
 | /metrics and the front's request times           | `render`, `RequestTimes` | metrics.py    |
-| the dashboard page                               | `page`, `ui.html`        | dashboard.py  |
+| the dashboard page and its CSP                   | `PAGE`, `ui.html`        | dashboard.py  |
 | the CLI's management commands                    | `run`, `COMMANDS`        | client.py     |
 
 Conventions that cross files:
 
-- Objects are handed what they use, never their parent: a `Connection` gets its `Front`'s
-  parts, an `Exchange` gets `Services` and a `Client` (uvicorn's `RequestResponseCycle`).
+- Objects are handed what they use, typed by a Protocol of just that: a `Connection` gets
+  a `Hub` (the front as its connections see it), an `Exchange` gets `Services` and a
+  `Client` (uvicorn's `RequestResponseCycle`), a `Reader` gets its `Owner`; none imports
+  the class above it.
 - An answer to a request goes out once, through its exchange; a connection to a child is
   in exactly one place (idle, leased, closed: upstream.py's invariant).
 - The management API is reached only through the front, which proves itself with
   `edge.FRONT_HEADER` on every request it passes on.
 - Everything a client can send is bounded before it costs anything (R-6.7): request.py
-  for the head, connection.py for the body, pipelining and writes.
+  for the head and the body as they are parsed, connection.py for pipelining and time,
+  flow.py for what the client will not take.
 """

@@ -64,7 +64,7 @@ class NodeSlots:
              victims: list[ModelRecord]) -> Room:
         """What `node` offers `rec`. `victims`: idle models, least recently used first.
         Children being stopped free their slot once reaped, so a node where one is
-        stopping waits for it rather than stopping another (as `_tick` counts them)."""
+        stopping waits for it rather than stopping another (as `Rules.tick` counts them)."""
         if not self.per_node_max:
             return Room("free")
         live = stopping = 0
