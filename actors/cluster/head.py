@@ -184,8 +184,8 @@ class ClusterHead(BaseActor):
         """TrackModel goes to the monitor of the node the model runs on."""
         placed = self.models.get(message.model)
         if placed is None:
-            if self.monitor is not None:
-                self.monitor.tell(message)
+            if self.monitor is not None:  # stopped before the head: a late one is dropped
+                tell_or_drop(self.monitor, message)
         elif placed.node is not None:
             self.send(placed.node, message.model, message)
 
@@ -194,8 +194,8 @@ class ClusterHead(BaseActor):
         on that node's devices; any other by the head's own MeasureWorker."""
         placed = self.models.get(message.model)
         if placed is None:
-            if self.measurer is not None:
-                self.measurer.tell(message)
+            if self.measurer is not None:  # stopped before the head: a late one is dropped
+                tell_or_drop(self.measurer, message)
             return
         if isinstance(message, Remember):  # figures of the node it runs on
             node = placed.node
