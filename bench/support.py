@@ -133,11 +133,13 @@ class Corral:
         try:
             line = lines.get(timeout=30)
         except queue.Empty:
-            self.stop()
-            raise RuntimeError(f"corral did not start:\n{self.log()}") from None
+            line = "nothing within 30 s"
         if "listening on " not in line:
-            self.stop()
-            raise RuntimeError(f"corral did not start ({line!r}):\n{self.log()}")
+            self.stop(keep_home=True)  # its log is read before the home goes
+            log = self.log()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            raise RuntimeError(f"corral did not start ({line!r}):\n{log}")
         self.url = line.split("listening on ", 1)[1]
         """http://HOST:PORT"""
         self.port = int(self.url.rsplit(":", 1)[1])
@@ -170,9 +172,11 @@ class Corral:
             return m if status["value"] == state else None
         return wait_until(check, timeout_s, f"{model} to be {state}")  # type: ignore[no-any-return]
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0,
+             keep_home: bool = False) -> int:
         """Signal corral, wait up to `timeout_s` (its drain_timeout_s is 30 s unless
-        configured) and kill it after that; returns its exit status."""
+        configured) and kill it after that; returns its exit status. A temporary home
+        goes with it unless `keep_home`."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -181,7 +185,7 @@ class Corral:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-        if self._tmp is not None:
+        if self._tmp is not None and not keep_home:
             self._tmp.cleanup()
         return self.proc.returncode
 
