@@ -16,6 +16,8 @@ from msgspec import Meta
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
+LEASE_LINGER_MS = 100.0
+"""The default http.lease_linger_ms (bench/README.md, "The lone request")."""
 PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
 
 
@@ -176,6 +178,10 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     """A child silent this long in the middle of an answer (after its head) ends that
     answer (an SSE error event, or a cut connection) and counts one failed liveness check;
     0 waits for ever."""
+    lease_linger_ms: Annotated[float, Meta(ge=0)] = LEASE_LINGER_MS
+    """How long the front keeps a model's grant after its last request, so that the next
+    request joins it without asking the Scheduler (actors/http/shares.py); the Scheduler
+    revokes it when it needs the model idle. 0: every lone request asks."""
     allowed_hosts: tuple[str, ...] = ()
     """Without an api_key, the Host names served besides IP literals, `localhost` and
     `host` (a guard against DNS rebinding); `"*"` allows any."""

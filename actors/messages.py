@@ -238,6 +238,16 @@ class Release(Message, frozen=True, kw_only=True):
 
     ticket: Reply
     shared: bool = False
+    idle_s: float = 0.0
+    """How long the grant sat idle in the front before this release (a lease kept after its
+    last request: actors/http/shares.py); the model was last used that long ago."""
+
+
+class Releases(Message, frozen=True, kw_only=True):
+    """Front -> Scheduler: the grants a Revoke found idle, given back together, so that
+    the Scheduler picks its LRU victim among all of them, not the first to arrive."""
+
+    releases: tuple[Release, ...]
 
 
 class Cancel(Message, frozen=True, kw_only=True):
@@ -316,9 +326,10 @@ class AnswerLate(Message, frozen=True, kw_only=True):
 
 
 class WatchGrants(Message, frozen=True, kw_only=True):
-    """Front -> Scheduler: call `sink(Withdraw)` whenever grants may no longer be shared."""
+    """Front -> Scheduler: call `sink(notice)` whenever grants may no longer be shared
+    (Withdraw) or must not be kept idle any longer (Revoke)."""
 
-    sink: Callable[[Withdraw], None]
+    sink: Callable[[Withdraw | Revoke], None]
 
 
 class Withdraw(Message, frozen=True, kw_only=True):
@@ -330,6 +341,15 @@ class Withdraw(Message, frozen=True, kw_only=True):
     gone: bool = False
     """The child is gone (exited, or its node lost): the front ends its connections to it
     at once, as a node that vanished never closes them (R7)."""
+
+
+class Revoke(Message, frozen=True, kw_only=True):
+    """Scheduler -> front: keep no grant of these (model, generation)s idle: give back
+    those that no request is on at once, in one `Releases`, and the others when their
+    last request ends (the Scheduler needs a model idle to evict it). Requests may still
+    join them."""
+
+    grants: tuple[tuple[str, int], ...]
 
 
 class InstancesAttached(Message, frozen=True, kw_only=True):
@@ -492,7 +512,7 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 
 SchedulerMessage = (
-    Acquire | Release | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
+    Acquire | Release | Releases | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
     | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | AnswerLate | InstancesAttached
     | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
     | InstanceExited | NodeChanged

@@ -42,10 +42,12 @@ from .messages import (
     Ping,
     Reconfigure,
     Release,
+    Releases,
     ReloadSummary,
     Remember,
     Reply,
     Repump,
+    Revoke,
     SchedulerMessage,
     Shutdown,
     StartInstance,
@@ -91,7 +93,7 @@ class Scheduler(BaseActor):
         """Tracks before the monitor is attached (children adopted at a cluster start)."""
         self.measurer: Inbox[MeasureMessage] | None = None
         self.subscribers: list[Callable[[Event], None]] = []
-        self.grant_watchers: list[Callable[[Withdraw], None]] = []
+        self.grant_watchers: list[Callable[[Withdraw | Revoke], None]] = []
         self.shutdown_replies: list[Reply] = []
 
     def on_receive(self, message: SchedulerMessage) -> None:
@@ -100,8 +102,11 @@ class Scheduler(BaseActor):
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload):
                 self._carry_out(p.acquire(ticket, model, now, autoload))
-            case Release(ticket=ticket, shared=shared):
-                self._carry_out(p.release(ticket, now, shared))
+            case Release(ticket=ticket, shared=shared, idle_s=idle_s):
+                self._carry_out(p.release(ticket, now, shared, idle_s))
+            case Releases(releases=releases):
+                self._carry_out(p.release_all(
+                    ((r.ticket, r.shared, r.idle_s) for r in releases), now))
             case Cancel(ticket=ticket):
                 self._carry_out(p.cancel(ticket, now))
             case LoadModel(model=model, reply=reply):
@@ -218,7 +223,7 @@ class Scheduler(BaseActor):
                 case Publish(event=event):
                     for sink in self.subscribers:
                         self._hand(sink, event)
-                case Withdraw():
+                case Withdraw() | Revoke():
                     for watcher in self.grant_watchers:
                         self._hand(watcher, effect)
                 case Learned(model=model, figures=figures):

@@ -34,6 +34,7 @@ from .messages import (
     Refusal,
     Release,
     ReloadSummary,
+    Revoke,
     SchedulerMessage,
     Shutdown,
     Subscribe,
@@ -218,8 +219,9 @@ class Supervisor:
         self.scheduler_ref.tell(Subscribe(sink=Fanout(loop, callback)))
 
     def watch_grants(self, loop: asyncio.AbstractEventLoop,
-                     callback: Callable[[Withdraw], None]) -> None:
-        """Call `callback(withdraw)` on `loop` when a grant may no longer be shared."""
+                     callback: Callable[[Withdraw | Revoke], None]) -> None:
+        """Call `callback(notice)` on `loop` when a grant may no longer be shared
+        (Withdraw) or kept idle (Revoke)."""
         self.scheduler_ref.tell(WatchGrants(sink=Fanout(loop, callback)))
 
     def stop(self, timeout_s: float | None = None) -> bool:

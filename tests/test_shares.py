@@ -12,7 +12,7 @@ from typing import Any
 
 from actors.bridge import Fanout
 from actors.http.shares import Shares
-from actors.messages import Acquire, Cancel, Release, Withdraw
+from actors.messages import Acquire, Cancel, Release, Releases, Withdraw
 from actors.policy import Policy
 from actors.policy.records import Answer
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
@@ -52,7 +52,8 @@ class Load:
 
 
 def test_overlapping_requests_join_one_grant_and_are_all_counted(corral) -> None:
-    c = corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "40")}}))
+    c = corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "40")}},
+                           http={"lease_linger_ms": 0}))  # no lease: the first is released
     assert chat(c.port, "a")[0] == 200
     results: list[int] = []
     threads = [threading.Thread(target=lambda: results.append(chat(c.port, "a", 40)[0]))
@@ -141,8 +142,11 @@ class Sched:
         match m:
             case Acquire(ticket=tk, model=model, autoload=al):
                 self.run(self.p.acquire(tk, model, self.t(), al))
-            case Release(ticket=tk, shared=sh):
-                self.run(self.p.release(tk, self.t(), sh))
+            case Release(ticket=tk, shared=sh, idle_s=idle):
+                self.run(self.p.release(tk, self.t(), sh, idle))
+            case Releases(releases=rs):
+                self.run(self.p.release_all(((r.ticket, r.shared, r.idle_s) for r in rs),
+                                            self.t()))
             case Cancel(ticket=tk):
                 self.run(self.p.cancel(tk, self.t()))
 
@@ -151,9 +155,9 @@ class Sched:
         self.run(self.p.children.instance_ready("a", g, 1, "127.0.0.1", 1, self.t()))
 
 
-async def _try_acquire(shares: Shares, s) -> object:
+async def _try_acquire(shares: Shares) -> object:
     """A new request for a: its share if it got one at once, else None (it queued)."""
-    task = asyncio.ensure_future(shares.acquire(s, "a", True))
+    task = asyncio.ensure_future(shares.acquire("a", True))
     await asyncio.sleep(0.02)
     if task.done():
         return task.result()
@@ -164,9 +168,10 @@ async def _try_acquire(shares: Shares, s) -> object:
 async def _first_grant_then(event) -> tuple[Shares, Sched, object]:
     """One request waits for a's load; the child becomes ready and, in the Scheduler's
     very next message, `event` happens - before the loop has woken the request."""
-    shares = Shares()
+    s: Sched | None = None
+    shares = Shares(lambda: s)
     s = Sched(asyncio.get_running_loop(), shares)
-    first = asyncio.ensure_future(shares.acquire(s, "a", True))
+    first = asyncio.ensure_future(shares.acquire("a", True))
     await asyncio.sleep(0)  # queued; a is loading
     s.ready()               # Answer(Grant a#1) -> loop
     event(s)                # ... and Withdraw(a, 1) -> loop, same batch
@@ -179,7 +184,7 @@ def test_unload_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
         shares, s, share1 = await _first_grant_then(
             lambda s: s.run(s.p.unload("u", "a", s.t())))
         assert s.p.state.models["a"].state.value == "stopping"
-        late = await _try_acquire(shares, s)  # arrives after the unload was answered
+        late = await _try_acquire(shares)  # arrives after the unload was answered
         assert late is not share1, (
             f"joined withdrawn grant a#{late.grant.generation}: proxied into a stopping "
             f"child (R-4.6); shares.open={shares.open}")
@@ -191,7 +196,7 @@ def test_crash_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
         shares, s, share1 = await _first_grant_then(
             lambda s: s.run(s.p.children.instance_exited("a", 1, -9, "killed", s.t())))
         assert s.p.state.models["a"].state.value in ("unloaded", "loading")
-        late = await _try_acquire(shares, s)
+        late = await _try_acquire(shares)
         assert late is not share1, "joined the grant of a dead child"
     asyncio.run(main())
 
@@ -205,8 +210,8 @@ def test_reload_right_after_ready_never_drains_under_overlapping_load() -> None:
         # Overlapping requests: each new one arrives before the previous one ends.
         running = [share1]
         for _ in range(50):
-            nxt = await _try_acquire(shares, s)
-            shares.release(s, running.pop(0))
+            nxt = await _try_acquire(shares)
+            shares.release(running.pop(0))
             if nxt is None:
                 break  # queued for the next instance: correct
             running.append(nxt)
@@ -237,10 +242,10 @@ def test_real_scheduler_busy_loop_unload_after_ready_joins_stopping_child() -> N
     try:
         async def main() -> None:
             loop = asyncio.get_running_loop()
-            shares = Shares()
+            shares = Shares(lambda: sched)
             sched.tell(WatchGrants(sink=Fanout(loop, shares.withdraw)))
             sched.tell(InstancesAttached(instances={"a": Nobody()}))
-            first = asyncio.ensure_future(shares.acquire(sched, "a", True))
+            first = asyncio.ensure_future(shares.acquire("a", True))
             await asyncio.sleep(0.05)  # queued, a#1 loading
 
             def scheduler_side() -> None:
@@ -254,7 +259,7 @@ def test_real_scheduler_busy_loop_unload_after_ready_joins_stopping_child() -> N
                 time.sleep(0.05)
             loop.call_soon(busy)
             share1 = await first
-            late = await _try_acquire(shares, sched)
+            late = await _try_acquire(shares)
             assert late is not share1, (
                 "after the unload was answered, a new request joined a#1 "
                 f"(open: {shares.open})")

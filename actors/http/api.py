@@ -136,7 +136,7 @@ class ManagementApi:
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler_ref, api_port,
                            self.config.api_key, self.config.http, self.config.max_body_mib,
                            self.front_secret)
-        self.sup.watch_grants(loop, self.front.withdraw)
+        self.sup.watch_grants(loop, self.front.grant_notice)
         return await self.front.listen(host, port)
 
     async def stop(self) -> None:
@@ -225,7 +225,8 @@ class ManagementApi:
                                   "default_generation_settings": {"params": {}, "n_ctx": 0}})
 
     def _shares(self) -> Shares:
-        return self.front.shares if self.front is not None else Shares()
+        return (self.front.shares if self.front is not None
+                else Shares(lambda: self.sup.scheduler_ref))
 
     def _in_flight(self, view: ModelView) -> int:
         """The Scheduler counts a shared grant once; the front knows who joined it."""
@@ -302,8 +303,9 @@ class ManagementApi:
             status["exit"] = view.last_exit
         if view.retry_after_s is not None:
             status["retry_after_s"] = round(view.retry_after_s, 3)
-        if view.expires_in_s is not None:
-            status["expires_in_s"] = round(view.expires_in_s, 3)
+        expires = self._expires_in(view, model)
+        if expires is not None:
+            status["expires_in_s"] = round(expires, 3)
         if view.progress is not None:
             status["progress"] = view.progress
         entry: dict[str, Any] = {
@@ -323,6 +325,19 @@ class ManagementApi:
         for key, value in (view.info or {}).items():
             entry.setdefault(key, value)
         return entry
+
+    def _expires_in(self, view: ModelView, model: ModelConfig) -> float | None:
+        """The Scheduler counts a grant the front keeps idle after its last request (a
+        lease) as a request in flight, so it shows no TTL for it: the model is idle,
+        though, and expires ttl_s after that request unless one comes."""
+        if view.expires_in_s is not None:
+            return view.expires_in_s
+        idle_s = self._shares().kept_idle_s(view.name)
+        rules = self.sup.config.rules_of(model)
+        if (idle_s is None or not rules.ttl_s or rules.pinned or view.waiting
+                or view.state != "loaded" or self._in_flight(view)):
+            return None
+        return max(0.0, rules.ttl_s - idle_s)
 
     def _node_of(self, model: str) -> str | None:
         """The Ray node a model's child runs on (None: corral's own machine, or none)."""

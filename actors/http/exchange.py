@@ -194,16 +194,14 @@ class Exchange:
     async def _to_model(self, model: str, autoload: bool) -> None:
         front = self.services
         routes = front.routes
-        scheduler = front.scheduler()
         gone: tuple[int, Pool] | None = None  # the child that went away before answering
         replays = 0  # instances that went away with the request sent to them
         for tries in range(MAX_INSTANCES):
-            found: SharedGrant | Refusal | None = await front.shares.acquire(
-                scheduler, model, autoload)
+            found: SharedGrant | Refusal | None = await front.shares.acquire(model, autoload)
             if gone is not None:
                 generation, pool = gone
                 found = await front.shares.acquire_past(
-                    scheduler, found, generation, autoload,
+                    found, generation, autoload,
                     pool if self.broke_kind is Broke.GONE else None)
             if found is None:
                 self.answer(Answer(502, f"{self.what} is unreachable: {self.broke} (its "
@@ -225,10 +223,10 @@ class Exchange:
                 key = grant.upstream_key  # a node child's own (R8); the client's is dropped
                 await self.forward(pool, NOT_FORWARDED, late,
                                    (b"Authorization: Bearer " + key.encode(),) if key else ())
-            finally:
-                front.shares.release(scheduler, share)
+            finally:  # a child that broke with a request is not kept for the next
+                front.shares.release(share, keep=self.broke_kind is None)
             if self.late is not None:
-                scheduler.tell(AnswerLate(model=grant.model, generation=grant.generation,
+                front.scheduler().tell(AnswerLate(model=grant.model, generation=grant.generation,
                                           detail=self.late))
             if self.phase is Phase.DONE:
                 return

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from ..bridge import SchedulerInbox
 from ..config import HttpConfig
-from ..messages import Withdraw
+from ..messages import Revoke, Withdraw
 from .connection import Connection
 from .edge import FRONT_HEADER, Origins, Routes
 from .metrics import RequestTimes
@@ -67,7 +67,7 @@ class Front:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
-        self.shares = Shares()
+        self.shares = Shares(scheduler, http.lease_linger_ms / 1000)
         self.times = RequestTimes()
         """Time to first byte and duration of the proxied requests (GET /metrics)."""
         self.api_key = api_key.encode() if api_key is not None else None
@@ -101,9 +101,13 @@ class Front:
         self._sweeper = loop.call_later(1.0, self._sweep)
         return int(self.server.sockets[0].getsockname()[1])
 
-    def withdraw(self, message: Withdraw) -> None:
-        """The Scheduler: no request may join grants of this child any more; and if it is
-        gone, its connections end now (a lost node's never close by themselves)."""
+    def grant_notice(self, message: Withdraw | Revoke) -> None:
+        """The Scheduler: keep no grant of this child idle (Revoke); or let no request join
+        them any more, and if it is gone, end its connections now (a lost node's never
+        close by themselves)."""
+        if isinstance(message, Revoke):
+            self.shares.revoke(message)
+            return
         self.shares.withdraw(message)
         if not message.gone:  # it is to stop (or restart once idle): on purpose
             self.stopped[message.model] = max(self.stopped.get(message.model, 0),
@@ -168,6 +172,7 @@ class Front:
                  busy, len(self.connections))
         for conn in list(self.connections):
             conn.drain()
+        self.shares.stop_keeping()
         self.exchange_finished()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -195,6 +200,7 @@ class Front:
             self.server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self.shares.stop_keeping()
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.abort()

@@ -1,16 +1,27 @@
-"""Shared grants: requests for a model that is already busy skip the Scheduler.
+"""Shared grants and leases: requests for a model the front holds a grant of skip the
+Scheduler.
 
 A grant from the Scheduler counts one request in flight (R-4.6). While that request runs,
 further requests for the same model join its grant instead of each making a round trip
 to the Scheduler's thread and back, which is the front's largest cost per small request.
-The grant is released once the last request on it ends, so the model counts as busy the
-whole time and is never an LRU or memory victim meanwhile (R-4.4).
+After the last request on it ends, the front keeps the grant for `linger_s` (a *lease*,
+`http.lease_linger_ms`): a lone client's next request joins it too, with no hop at all.
+Only then is it released, so the model counts as busy the whole time and is never an LRU
+or memory victim meanwhile (R-4.4).
 
-The Scheduler withdraws a grant (tells the front that no one may join it any more) when
-the model stops serving or is to restart for a reload; requests already on it go on, new
-ones ask the Scheduler and queue for the next instance. The one window left open is the
-hop that carries the withdrawal: a request that joins during it meets the fate of those
-already running on that child (a manual unload or a crash ends them all).
+The Scheduler stays the only decider, with two notices:
+
+- it *withdraws* a grant (no one may join it any more) when the model stops serving or is
+  to restart for a reload; requests already on it go on, new ones ask the Scheduler and
+  queue for the next instance, and a lease that no request is on is released at once;
+- it *revokes* a grant when a queued request needs the model's slot or memory: a lease
+  that no request is on is released at once, one that has requests is released when the
+  last ends, with no linger, so the model becomes idle and may be evicted.
+
+The one window left open is the hop that carries the withdrawal: a request that joins
+during it meets the fate of those already running on that child (a manual unload or a
+crash ends them all). A revocation has no such window: the grant it asks for stays valid
+until the front itself releases it.
 
 A request whose child went away with it asks past that child's generation
 (`acquire_past`): the exchange then sends it to the model's next instance (issue 19).
@@ -19,9 +30,12 @@ A request whose child went away with it asks past that child's generation
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+
+import pykka
 
 from ..bridge import LoopReply, SchedulerInbox, acquire
-from ..messages import Grant, Refusal, Release, Withdraw
+from ..messages import Grant, Refusal, Release, Releases, Revoke, Withdraw
 from .pool import Pool
 
 RETRY_POLLS = 200
@@ -35,7 +49,7 @@ it had is asked whether it is still there: a connect, which may take PROBE_TIMEO
 
 
 class SharedGrant:
-    __slots__ = ("count", "grant", "joined", "ticket")
+    __slots__ = ("count", "grant", "idle_since", "joined", "keep", "ticket")
 
     def __init__(self, ticket: LoopReply, grant: Grant) -> None:
         self.ticket = ticket
@@ -44,12 +58,19 @@ class SharedGrant:
         """Requests running on this grant."""
         self.joined = 0
         """Requests that joined it without asking the Scheduler."""
+        self.keep = True
+        """It may be kept idle after its last request (a lease); False once revoked."""
+        self.idle_since = 0.0
+        """When its last request ended (loop time), while it is kept idle."""
 
 
 class Shares:
     """The open grants the front may still share, one per model, plus counts for views."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Callable[[], SchedulerInbox], linger_s: float = 0.0) -> None:
+        self.scheduler = scheduler
+        self.linger_s = linger_s
+        """How long a grant is kept after its last request (0: released at once)."""
         self.open: dict[str, SharedGrant] = {}
         self.withdrawn: dict[str, int] = {}
         """Model -> the newest generation withdrawn. A grant can reach its request after
@@ -58,19 +79,20 @@ class Shares:
         self.joined_total = 0
         """Requests that joined a grant, ever (each also counts as granted)."""
         self.extra: dict[str, int] = {}
-        """Model -> requests running beyond the one each grant counts (for GET /models)."""
+        """Model -> requests running beyond the one each grant counts, less the grants
+        kept idle (for GET /models: the Scheduler counts each grant as one request)."""
+        self._sweep: asyncio.TimerHandle | None = None
 
-    async def acquire(self, scheduler: SchedulerInbox, model: str,
-                      autoload: bool) -> SharedGrant | Refusal:
+    async def acquire(self, model: str, autoload: bool) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one."""
         share = self.open.get(model)
         if share is not None:
             share.count += 1
             share.joined += 1
             self.joined_total += 1
-            self.extra[model] = self.extra.get(model, 0) + 1
+            self._shift(model, 1)
             return share
-        ticket, answer = await acquire(scheduler, model, autoload)
+        ticket, answer = await acquire(self.scheduler(), model, autoload)
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
@@ -78,8 +100,7 @@ class Shares:
             self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
 
-    async def acquire_past(self, scheduler: SchedulerInbox, share: SharedGrant | Refusal | None,
-                           gone: int, autoload: bool,
+    async def acquire_past(self, share: SharedGrant | Refusal | None, gone: int, autoload: bool,
                            probe: Pool | None) -> SharedGrant | Refusal | None:
         """A grant that is not for generation `gone`, whose child went away with a request:
         until the Scheduler has seen that child's exit (a few ms behind the connection's
@@ -90,27 +111,66 @@ class Shares:
         for poll in range(RETRY_POLLS):
             if not isinstance(share, SharedGrant) or share.grant.generation != gone:
                 return share
-            self.release(scheduler, share)
+            self.release(share, keep=False)
             if poll == probe_at and probe is not None and await probe.alive(PROBE_TIMEOUT_S):
                 return None
             await asyncio.sleep(RETRY_POLL_S)
-            share = await self.acquire(scheduler, share.grant.model, autoload)
+            share = await self.acquire(share.grant.model, autoload)
         if isinstance(share, SharedGrant) and share.grant.generation == gone:
-            self.release(scheduler, share)
+            self.release(share, keep=False)
             return None
         return share
 
-    def release(self, scheduler: SchedulerInbox, share: SharedGrant) -> None:
+    def release(self, share: SharedGrant, keep: bool = True) -> None:
+        """A request on `share` ended. `keep=False`: its child broke with it, so no one
+        joins the grant any more and it is not kept idle."""
         share.count -= 1
         model = share.grant.model
+        self._shift(model, -1)
+        if not keep:
+            share.keep = False
+            if self.open.get(model) is share:
+                del self.open[model]
         if share.count:
-            self.extra[model] -= 1
-            if not self.extra[model]:
-                del self.extra[model]
             return
+        if share.keep and self.linger_s > 0 and self.open.get(model) is share:
+            share.idle_since = asyncio.get_running_loop().time()
+            if self._sweep is None:
+                self._sweep = asyncio.get_running_loop().call_later(self.linger_s, self.sweep)
+            return
+        self._give_back(share)
+
+    def _give_back(self, share: SharedGrant, idle_s: float = 0.0) -> None:
+        """Release the grant to the Scheduler: no request is on it any more."""
+        self._tell(self._let_go(share, idle_s))
+
+    def _let_go(self, share: SharedGrant, idle_s: float) -> Release:
+        model = share.grant.model
         if self.open.get(model) is share:
             del self.open[model]
-        scheduler.tell(Release(ticket=share.ticket, shared=share.joined > 0))
+        self._shift(model, 1)  # the Scheduler's count of it drops by one
+        return Release(ticket=share.ticket, shared=share.joined > 0, idle_s=idle_s)
+
+    def _tell(self, message: Release | Releases) -> None:
+        try:
+            self.scheduler().tell(message)
+        except pykka.ActorDeadError:
+            pass  # corral is stopping: there is nothing left to release to
+
+    def sweep(self) -> None:
+        """Release the grants kept idle for `linger_s`; look again when the next is due."""
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        next_due: float | None = None
+        for share in [s for s in self.open.values() if not s.count]:
+            idle_s = now - share.idle_since
+            if idle_s >= self.linger_s:
+                self._give_back(share, idle_s)
+            else:
+                due = self.linger_s - idle_s
+                next_due = due if next_due is None else min(next_due, due)
+        if next_due is not None:
+            self._sweep = asyncio.get_running_loop().call_later(next_due, self.sweep)
 
     def withdraw(self, message: Withdraw) -> None:
         """The Scheduler: no new request may join grants of this model's generation."""
@@ -119,3 +179,45 @@ class Shares:
         share = self.open.get(model)
         if share is not None and share.grant.generation <= generation:
             del self.open[model]
+            share.keep = False
+            if not share.count:
+                self._give_back(share)
+
+    def revoke(self, message: Revoke) -> None:
+        """The Scheduler: keep no grant of these models' generations idle; those kept idle
+        now go back together (the Scheduler then picks among all of them)."""
+        now = asyncio.get_running_loop().time()
+        idle = []
+        for model, generation in message.grants:
+            share = self.open.get(model)
+            if share is None or share.grant.generation > generation:
+                continue
+            share.keep = False
+            if not share.count:
+                idle.append(self._let_go(share, now - share.idle_since))
+        if idle:
+            self._tell(Releases(releases=tuple(idle)))
+
+    def kept_idle_s(self, model: str) -> float | None:
+        """How long the front has kept `model`'s grant with no request on it (None: it
+        keeps none idle)."""
+        share = self.open.get(model)
+        if share is None or share.count:
+            return None
+        return asyncio.get_running_loop().time() - share.idle_since
+
+    def stop_keeping(self) -> None:
+        """corral is draining: release every grant kept idle, and keep none from now on."""
+        self.linger_s = 0.0
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for share in [s for s in self.open.values() if not s.count]:
+            self._give_back(share)
+
+    def _shift(self, model: str, by: int) -> None:
+        left = self.extra.get(model, 0) + by
+        if left:
+            self.extra[model] = left
+        else:
+            self.extra.pop(model, None)

@@ -14,7 +14,7 @@ reply object itself); the policy never looks inside one. The parts are listed in
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 from ..config import ModelRules
 from ..lifecycle import ModelState
@@ -116,27 +116,43 @@ class Policy:
             self.rules.pump(now)
         return self.rules.flush()
 
-    def release(self, ticket: Hashable, now: float, shared: bool = False) -> list[Effect]:
+    def release(self, ticket: Hashable, now: float, shared: bool = False,
+                idle_s: float = 0.0) -> list[Effect]:
         """The request of `ticket` finished (or was never granted: then it is a cancel).
-        `shared`: other requests joined its grant, so the model was in use until now."""
-        lease = self.state.leases.pop(ticket, None)
-        if lease is None:
+        `shared`: other requests joined its grant; `idle_s`: the front kept it that long
+        after its last request (a lease), so that is when the model was last used."""
+        if ticket not in self.state.leases:
             return self.cancel(ticket, now) if ticket in self.state.queue else []
-        name, generation = lease
+        self._let_go(ticket, now, shared, idle_s)
+        self.rules.pump(now)
+        return self.rules.flush()
+
+    def release_all(self, releases: Iterable[tuple[Hashable, bool, float]],
+                    now: float) -> list[Effect]:
+        """Grants given back together (ticket, shared, idle_s): the front's answer to a
+        Revoke. All are idle before the rules run, so the LRU victim is chosen among all
+        of them, not the first to arrive."""
+        for ticket, shared, idle_s in releases:
+            if ticket in self.state.leases:
+                self._let_go(ticket, now, shared, idle_s)
+        self.rules.pump(now)
+        return self.rules.flush()
+
+    def _let_go(self, ticket: Hashable, now: float, shared: bool, idle_s: float) -> None:
+        name, generation = self.state.leases.pop(ticket)
         rec = self.state.models.get(name)
         # Invariant: a crash or stop zeroes in_flight, and a reload bumps the generation,
         # so only leases of the live generation still count.
-        if rec is not None and rec.generation == generation and rec.state.is_running:
-            rec.in_flight -= 1
-            if shared:
-                rec.last_used = now
-            if rec.retiring and rec.in_flight == 0 and rec.state.is_serving:
-                self.rules.stop(rec, "reload", None, now)  # drained: now it may restart
-            else:
-                self.rules.serve_waiters(rec, now)  # max_concurrency: the next in line
-            self.rules.idle(rec)
-        self.rules.pump(now)
-        return self.rules.flush()
+        if rec is None or rec.generation != generation or not rec.state.is_running:
+            return
+        rec.in_flight -= 1
+        if shared or idle_s:
+            rec.last_used = max(rec.last_used, now - idle_s)
+        if rec.retiring and rec.in_flight == 0 and rec.state.is_serving:
+            self.rules.stop(rec, "reload", None, now)  # drained: now it may restart
+        else:
+            self.rules.serve_waiters(rec, now)  # max_concurrency: the next in line
+        self.rules.idle(rec, now)
 
     def cancel(self, ticket: Hashable, now: float) -> list[Effect]:
         """The client of `ticket` left; a cancel that crossed its grant is a release (R-4.7)."""

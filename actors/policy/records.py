@@ -15,7 +15,7 @@ from ..config import ModelRules
 from ..histogram import Histogram
 from ..ledger import Breakdown, MemoryInfo, MemoryStatus
 from ..lifecycle import ModelState
-from ..messages import Done, Event, Evicted, Grant, Refusal, SchedulerMessage, Withdraw
+from ..messages import Done, Event, Evicted, Grant, Refusal, Revoke, SchedulerMessage, Withdraw
 
 if TYPE_CHECKING:
     from .breaker import Breaker
@@ -88,8 +88,10 @@ class Later(msgspec.Struct, frozen=True):
     message: SchedulerMessage
 
 
-Effect = Spawn | Stop | Answer | Publish | Measure | Track | Withdraw | Later | Learned
-"""Withdraw goes to the front: no new request may join a grant of that generation."""
+Effect = (Spawn | Stop | Answer | Publish | Measure | Track | Withdraw | Revoke | Later
+          | Learned)
+"""Withdraw and Revoke go to the front: no new request may join a grant of that generation
+(Withdraw), or none may be kept idle after its last request (Revoke)."""
 
 
 # ---------------------------------------------------------------- state
@@ -108,7 +110,8 @@ class ModelRecord:
     in_flight: int = 0
     """Granted, not yet released requests of the current generation."""
     last_used: float = 0.0
-    """Start of the latest granted request, or the spawn (R-4.4)."""
+    """Start of the latest granted request, or the spawn, or the end of the latest request
+    on a grant the front kept (R-4.4)."""
     state_since: float = 0.0
     pid: int | None = None
     host: str | None = None

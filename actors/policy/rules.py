@@ -21,6 +21,7 @@ from ..messages import (
     QueueChanged,
     Refusal,
     Repump,
+    Revoke,
     Shortfall,
     StatusChanged,
     TtlDue,
@@ -57,6 +58,23 @@ class Rules:
             return
         self.tick(now)
         self.claim(now)
+        if self.state.revocable and self.state.queue.entries:
+            self.revoke_for_room(now)
+
+    def revoke_for_room(self, now: float) -> None:
+        """While a queue entry waits for a slot or memory, no model may look busy only
+        because the front keeps its grant after its last request (a lease: it counts in
+        flight): every such grant is revoked. The front gives it back at once if no request
+        is on it, else when its last request ends; then the model is idle, and an LRU or
+        memory victim like any other (R-4.4)."""
+        if not any(self.state.needs_slot(e, now) for e in self.state.queue):
+            return
+        grants = tuple((rec.name, rec.generation) for name in sorted(self.state.revocable)
+                       if (rec := self.state.models.get(name)) is not None
+                       and rec.in_flight and rec.state.is_serving)
+        self.state.revocable.clear()
+        if grants:
+            self.state.out.append(Revoke(grants=grants))
 
     def tick(self, now: float) -> None:
         """Stop idle LRU victims until every entry that needs a slot can have one.
@@ -106,13 +124,16 @@ class Rules:
             self.state.out.append(Later(wake - now, Repump()))
         return victim
 
-    def idle(self, rec: ModelRecord) -> None:
-        """`rec` may have become idle: offer it as a victim, and arm its TTL."""
+    def idle(self, rec: ModelRecord, now: float | None = None) -> None:
+        """`rec` may have become idle: offer it as a victim, and arm its TTL (due from
+        its last use, when `now` is given)."""
         self.state.victims.offer(rec)
         if (rec.rules.ttl_s and not rec.ttl_armed and self.state.evictable(rec)):
             rec.ttl_armed = True
-            self.state.out.append(Later(rec.rules.ttl_s,
-                                        TtlDue(model=rec.name, generation=rec.generation)))
+            delay = (rec.rules.ttl_s if now is None
+                     else max(0.0, rec.last_used + rec.rules.ttl_s - now))
+            self.state.out.append(Later(delay, TtlDue(model=rec.name,
+                                                      generation=rec.generation)))
 
     def claim(self, now: float) -> None:
         """Spawn for queue heads, in order, while there is capacity (R-4.3).
@@ -269,9 +290,12 @@ class Rules:
         rec.last_used = now
         self.state.stats.granted += 1
         self.state.leases[ticket] = (rec.name, rec.generation)
+        shareable = not rec.rules.max_concurrency
+        if shareable:
+            self.state.revocable.add(rec.name)
         self.state.out.append(Answer(ticket, Grant(
             model=rec.name, generation=rec.generation, host=rec.host, port=rec.port,
-            shareable=not rec.rules.max_concurrency, upstream_key=rec.upstream_key)))
+            shareable=shareable, upstream_key=rec.upstream_key)))
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,
