@@ -40,7 +40,7 @@ from ..messages import (
     UnloadModel,
 )
 from ..supervisor import Supervisor
-from . import dashboard
+from . import dashboard, listing
 from .edge import (
     JSON_DEPTH_LIMIT,
     OPEN_PATHS,
@@ -228,10 +228,6 @@ class ManagementApi:
         return (self.front.shares if self.front is not None
                 else Shares(lambda: self.sup.scheduler_ref))
 
-    def _in_flight(self, view: ModelView) -> int:
-        """The Scheduler counts a shared grant once; the front knows who joined it."""
-        return view.in_flight + self._shares().extra.get(view.name, 0)
-
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         """Prometheus exposition (R-6.3, metrics.py); with ?model= the front
         proxies the child's own."""
@@ -296,48 +292,8 @@ class ManagementApi:
         model = models.get(view.name)
         if model is None:
             return None
-        status: dict[str, Any] = {"value": view.state, "args": model.cmd}
-        if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
-            status["failed"] = True
-            status["exit_code"] = view.exit_code
-            status["exit"] = view.last_exit
-        if view.retry_after_s is not None:
-            status["retry_after_s"] = round(view.retry_after_s, 3)
-        expires = self._expires_in(view, model)
-        if expires is not None:
-            status["expires_in_s"] = round(expires, 3)
-        if view.progress is not None:
-            status["progress"] = view.progress
-        entry: dict[str, Any] = {
-            "id": view.name, "object": "model", "owned_by": "corral",
-            "created": int(self.started), "aliases": model.aliases, "status": status,
-            "in_flight": self._in_flight(view), "waiting": view.waiting,
-            "oldest_wait_s": (round(view.queue_oldest_s, 3)
-                              if view.queue_oldest_s is not None else None),
-            "queue_position": view.queue_position,
-            "loads": view.loads,
-            "pid": view.pid, "port": view.port, "devices": view.devices,
-            "node": self._node_of(view.name),
-            "last_eviction": msgspec.to_builtins(view.last_eviction),
-            "memory": msgspec.to_builtins(view.memory),
-        }
-        # as llama.cpp does: what a running child said about its model, beside ours
-        for key, value in (view.info or {}).items():
-            entry.setdefault(key, value)
-        return entry
-
-    def _expires_in(self, view: ModelView, model: ModelConfig) -> float | None:
-        """The Scheduler counts a grant the front keeps idle after its last request (a
-        lease) as a request in flight, so it shows no TTL for it: the model is idle,
-        though, and expires ttl_s after that request unless one comes."""
-        if view.expires_in_s is not None:
-            return view.expires_in_s
-        idle_s = self._shares().kept_idle_s(view.name)
-        rules = self.sup.config.rules_of(model)
-        if (idle_s is None or not rules.ttl_s or rules.pinned or view.waiting
-                or view.state != "loaded" or self._in_flight(view)):
-            return None
-        return max(0.0, rules.ttl_s - idle_s)
+        return listing.entry(view, model, self.sup.config.rules_of(model), self._shares(),
+                             self._node_of(view.name), int(self.started))
 
     def _node_of(self, model: str) -> str | None:
         """The Ray node a model's child runs on (None: corral's own machine, or none)."""

@@ -1,0 +1,65 @@
+"""A model's entry in GET /v1/models: the Scheduler's view of it, with what only the front
+knows (requests that joined a grant, a grant kept idle after its last request) and what
+only the config says (its command, aliases)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..config import ModelConfig, ModelRules
+from ..messages import ModelView
+from .shares import Shares
+
+
+def in_flight(view: ModelView, shares: Shares) -> int:
+    """The Scheduler counts a shared grant once, and a kept one as busy; the front knows
+    how many requests are really on them."""
+    return view.in_flight + shares.extra.get(view.name, 0)
+
+
+def expires_in(view: ModelView, rules: ModelRules, shares: Shares) -> float | None:
+    """When the model's TTL stops it. The Scheduler counts a grant the front keeps idle
+    after its last request (a lease) as a request in flight, so it shows no TTL then: the
+    model is idle, though, and expires ttl_s after that request unless one comes."""
+    if view.expires_in_s is not None:
+        return view.expires_in_s
+    idle_s = shares.kept_idle_s(view.name)
+    if (idle_s is None or not rules.ttl_s or rules.pinned or view.waiting
+            or view.state != "loaded" or in_flight(view, shares)):
+        return None
+    return max(0.0, rules.ttl_s - idle_s)
+
+
+def entry(view: ModelView, model: ModelConfig, rules: ModelRules, shares: Shares,
+          node: str | None, created: int) -> dict[str, Any]:
+    status: dict[str, Any] = {"value": view.state, "args": model.cmd}
+    if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
+        status["failed"] = True
+        status["exit_code"] = view.exit_code
+        status["exit"] = view.last_exit
+    if view.retry_after_s is not None:
+        status["retry_after_s"] = round(view.retry_after_s, 3)
+    expires = expires_in(view, rules, shares)
+    if expires is not None:
+        status["expires_in_s"] = round(expires, 3)
+    if view.progress is not None:
+        status["progress"] = view.progress
+    out: dict[str, Any] = {
+        "id": view.name, "object": "model", "owned_by": "corral",
+        "created": created, "aliases": model.aliases, "status": status,
+        "in_flight": in_flight(view, shares), "waiting": view.waiting,
+        "oldest_wait_s": (round(view.queue_oldest_s, 3)
+                          if view.queue_oldest_s is not None else None),
+        "queue_position": view.queue_position,
+        "loads": view.loads,
+        "pid": view.pid, "port": view.port, "devices": view.devices,
+        "node": node,
+        "last_eviction": msgspec.to_builtins(view.last_eviction),
+        "memory": msgspec.to_builtins(view.memory),
+    }
+    # as llama.cpp does: what a running child said about its model, beside ours
+    for key, value in (view.info or {}).items():
+        out.setdefault(key, value)
+    return out
