@@ -95,6 +95,8 @@ class Services(Protocol):
 class Client(Protocol):
     """What an exchange writes its answer to: its client connection."""
 
+    loop: asyncio.AbstractEventLoop
+
     def write(self, data: bytes) -> None: ...
 
     def exchange_done(self, exchange: Exchange) -> None: ...
@@ -104,7 +106,7 @@ class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
     __slots__ = ("broke", "broke_kind", "chunked", "client", "done", "first_at", "head_only",
-                 "keep_alive", "late", "may_replay", "may_retry", "out", "phase", "req",
+                 "keep_alive", "late", "loop", "may_replay", "may_retry", "out", "phase", "req",
                  "services", "sse", "status", "task", "upstream", "what")
 
     def __init__(self, services: Services, client: Client, req: Request) -> None:
@@ -140,7 +142,8 @@ class Exchange:
         the model's next instance instead of answering 502."""
         self.may_retry = False
         """Whether a child that cannot be reached hands the request on (`Broke.REFUSED`)."""
-        self.task = asyncio.get_running_loop().create_task(self.run())
+        self.loop = client.loop
+        self.task = client.loop.create_task(self.run())
 
     def is_event_stream(self) -> bool:
         """An event stream of corral's own API (/models/sse, followed logs): endless."""
@@ -182,12 +185,12 @@ class Exchange:
             return
         model, autoload = to
         self.what = f"model '{model}'"
-        started = asyncio.get_running_loop().time()
+        started = self.loop.time()
         try:
             await self._to_model(model, autoload)
         finally:  # an answer begun or given: how long it took, for /metrics
             if self.status:
-                end = asyncio.get_running_loop().time()
+                end = self.loop.time()
                 front.times.observe(model, self.status, (self.first_at or end) - started,
                                     end - started)
 
@@ -259,7 +262,7 @@ class Exchange:
         head += extra
         head.append(b"Content-Length: %d" % len(req.body))
         data = b"\r\n".join(head) + b"\r\n\r\n" + req.body
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         fresh = False
         while True:
             self.broke = self.broke_kind = None
@@ -331,7 +334,7 @@ class Exchange:
     def _head(self, status: int) -> None:
         self.status = status
         if self.first_at is None:
-            self.first_at = asyncio.get_running_loop().time()
+            self.first_at = self.loop.time()
 
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._head(status)

@@ -79,10 +79,9 @@ class Pool:
         """A connection for one exchange: an idle one (unless `fresh`), a new one, or (at
         the cap) the next one given back. Raises OSError if the child cannot be reached."""
         while True:
-            deadline = asyncio.get_running_loop().time() - self.pools.idle_s
             while self.idle and not fresh:
                 up = self.idle.pop()
-                if up.idle_since < deadline or not up.usable:
+                if up.idle_since < up.loop.time() - self.pools.idle_s or not up.usable:
                     up.close()  # about to be closed by the child: do not send into it
                     continue
                 up.state = UpState.LEASED
@@ -150,7 +149,7 @@ class Pool:
                 return
         self.leased.remove(up)
         up.state = UpState.IDLE
-        up.idle_since = asyncio.get_running_loop().time()
+        up.idle_since = up.loop.time()
         self.idle.append(up)
         if CHECK:
             self.check()

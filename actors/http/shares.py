@@ -82,6 +82,13 @@ class Shares:
         """Model -> requests running beyond the one each grant counts, less the grants
         kept idle (for GET /models: the Scheduler counts each grant as one request)."""
         self._sweep: asyncio.TimerHandle | None = None
+        self._bound: asyncio.AbstractEventLoop | None = None
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The front's loop, held once known (looking it up costs a system call)."""
+        if self._bound is None:
+            self._bound = asyncio.get_running_loop()
+        return self._bound
 
     async def acquire(self, model: str, autoload: bool) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one."""
@@ -134,9 +141,10 @@ class Shares:
         if share.count:
             return
         if share.keep and self.linger_s > 0 and self.open.get(model) is share:
-            share.idle_since = asyncio.get_running_loop().time()
+            loop = self._loop()
+            share.idle_since = loop.time()
             if self._sweep is None:
-                self._sweep = asyncio.get_running_loop().call_later(self.linger_s, self.sweep)
+                self._sweep = loop.call_later(self.linger_s, self.sweep)
             return
         self._give_back(share)
 
@@ -160,7 +168,7 @@ class Shares:
     def sweep(self) -> None:
         """Release the grants kept idle for `linger_s`; look again when the next is due."""
         self._sweep = None
-        now = asyncio.get_running_loop().time()
+        now = self._loop().time()
         next_due: float | None = None
         for share in [s for s in self.open.values() if not s.count]:
             idle_s = now - share.idle_since
@@ -170,7 +178,7 @@ class Shares:
                 due = self.linger_s - idle_s
                 next_due = due if next_due is None else min(next_due, due)
         if next_due is not None:
-            self._sweep = asyncio.get_running_loop().call_later(next_due, self.sweep)
+            self._sweep = self._loop().call_later(next_due, self.sweep)
 
     def withdraw(self, message: Withdraw) -> None:
         """The Scheduler: no new request may join grants of this model's generation."""
@@ -186,7 +194,7 @@ class Shares:
     def revoke(self, message: Revoke) -> None:
         """The Scheduler: keep no grant of these models' generations idle; those kept idle
         now go back together (the Scheduler then picks among all of them)."""
-        now = asyncio.get_running_loop().time()
+        now = self._loop().time()
         idle = []
         for model, generation in message.grants:
             share = self.open.get(model)
@@ -204,7 +212,7 @@ class Shares:
         share = self.open.get(model)
         if share is None or share.count:
             return None
-        return asyncio.get_running_loop().time() - share.idle_since
+        return self._loop().time() - share.idle_since
 
     def stop_keeping(self) -> None:
         """corral is draining: release every grant kept idle, and keep none from now on."""

@@ -98,6 +98,10 @@ class Upstream(asyncio.Protocol):
 
     def __init__(self, pool: Home) -> None:
         self.pool = pool
+        self.loop = asyncio.get_running_loop()
+        """Held, not looked up: asyncio.get_running_loop() costs a getpid() system call
+        on Python 3.11 (as glibc caches no pid), and the hot path asked it 9 times a
+        request."""
         self.state = UpState.LEASED
         """Invariant: LEASED iff in pool.leased, IDLE iff in pool.idle."""
         self.transport: asyncio.Transport | None = None
@@ -147,7 +151,7 @@ class Upstream(asyncio.Protocol):
         self.after_stream = self.streamed  # what the answer before this one was
         self.keep_alive = self.streamed = False
         self.head_bytes = self.reads = self.reads_seen = 0
-        self.quiet_since = self.sent_at = asyncio.get_running_loop().time()
+        self.quiet_since = self.sent_at = self.loop.time()
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
 
@@ -173,7 +177,7 @@ class Upstream(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self.transport is not None and self.paused:
             self.paused = False
-            self.quiet_since = asyncio.get_running_loop().time()  # silence counts from here
+            self.quiet_since = self.loop.time()  # silence counts from here
             self.transport.resume_reading()
 
     def abort(self, reason: str) -> None:
@@ -223,7 +227,7 @@ class Upstream(asyncio.Protocol):
         self._forget()
         sink, self.sink = self.sink, None
         if sink is None:
-            if (was_idle and self.streamed and asyncio.get_running_loop().time()
+            if (was_idle and self.streamed and self.loop.time()
                     - self.idle_since < CLOSE_AFTER_STREAM_S):
                 self.pool.closes_after_streams()
             return
@@ -232,7 +236,7 @@ class Upstream(asyncio.Protocol):
             return
         why = str(exc) if exc else "the child closed the connection"
         if (self.reused and not self.reads
-                and asyncio.get_running_loop().time() - self.sent_at < RACE_WINDOW_S):
+                and self.loop.time() - self.sent_at < RACE_WINDOW_S):
             if self.after_stream:
                 self.pool.closes_after_streams()
             sink.upstream_broke(why, Broke.UNSENT)
