@@ -8,7 +8,6 @@ so a stop arriving mid-start is handled at once.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import os
 import signal
@@ -24,7 +23,7 @@ from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
 from .config import ModelConfig
 from .health import Liveness, probe_health, wait_ready_http
-from .lifecycle import IllegalTransition, describe_exit
+from .lifecycle import IllegalTransition, State, describe_exit
 from .llama import LLAMA_EXIT, LLAMA_STATE, LlamaState, is_llama, split_args
 from .messages import (
     ChildExited,
@@ -52,7 +51,7 @@ KILL_GRACE_S = 2.0
 """After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
 
 
-class Phase(enum.Enum):
+class Phase(State):
     IDLE = "idle"
     STARTING = "starting"
     READY = "ready"

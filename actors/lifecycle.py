@@ -6,7 +6,15 @@ import enum
 import signal
 
 
-class ModelState(enum.Enum):
+class State(enum.Enum):
+    """A state or kind among a few: an Enum hashed by identity. Enum's own hash is a Python
+    call (hash of the name), paid on every dict or set lookup: a handful per request on the
+    front's path, and many per decision in the policy."""
+
+    __hash__ = object.__hash__
+
+
+class ModelState(State):
     """The state of one model as the Scheduler sees it (SPEC section 3)."""
 
     UNLOADED = "unloaded"

@@ -22,7 +22,6 @@ connection broke, gets a 502 instead.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -30,7 +29,7 @@ from typing import Protocol
 import pykka
 
 from ..bridge import SchedulerInbox
-from ..lifecycle import IllegalTransition
+from ..lifecycle import IllegalTransition, State
 from ..messages import AnswerLate, Refusal
 from .edge import (
     NOT_FORWARDED,
@@ -58,7 +57,7 @@ MAX_INSTANCES = 6
 never had it) do not count as replays, but a limit there must be."""
 
 
-class Phase(enum.Enum):
+class Phase(State):
     WAITING = "waiting"
     FORWARDING = "forwarding"
     STREAMING = "streaming"

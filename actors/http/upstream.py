@@ -27,10 +27,11 @@ race), and the request is sent again at once on a fresh connection to the same c
 from __future__ import annotations
 
 import asyncio
-import enum
 from typing import Protocol
 
 import httptools
+
+from ..lifecycle import State
 
 RACE_WINDOW_S = 0.1
 """A reused connection that ends with nothing back within this of the request's write was
@@ -41,7 +42,7 @@ CLOSE_AFTER_STREAM_S = 1.0
 because of that answer: the child does it after every stream."""
 
 
-class Broke(enum.Enum):
+class Broke(State):
     """How an answer failed, which says whether the request may be sent again."""
 
     UNSENT = "unsent"
@@ -87,7 +88,7 @@ class Home(Protocol):
     def closes_after_streams(self) -> None: ...
 
 
-class UpState(enum.Enum):
+class UpState(State):
     IDLE = "idle"
     LEASED = "leased"
     CLOSED = "closed"
@@ -308,9 +309,15 @@ class Upstream(asyncio.Protocol):
                 self.sink.response_interim(status, headers)
             return
         self.head_seen = True
-        self.streamed = any(n.lower() == b"transfer-encoding" for n, _ in headers)
-        self.close_delimited = (status not in (204, 304) and not self.head_only and not any(
-            n.lower() in (b"content-length", b"transfer-encoding") for n, _ in headers))
+        self.streamed = has_length = False
+        for name, _ in headers:
+            lname = name.lower()
+            if lname == b"transfer-encoding":
+                self.streamed = True
+            elif lname == b"content-length":
+                has_length = True
+        self.close_delimited = (status not in (204, 304) and not self.head_only
+                                and not self.streamed and not has_length)
         self.sink.response_head(status, headers)
         if self.head_only:  # the parser would wait for a body that never comes
             self.finished = True
