@@ -16,7 +16,7 @@ from msgspec import Meta
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
-LEASE_LINGER_MS = 100.0
+LEASE_LINGER_MS = 1000.0
 """The default http.lease_linger_ms (bench/README.md, "The lone request")."""
 PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
 

@@ -11,6 +11,7 @@ from bench import (
     dashboard,
     exit_latency,
     gpu_check,
+    lease,
     load,
     overhead,
     scheduler,
@@ -22,7 +23,7 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main,
             "dashboard": dashboard.main, "cluster": cluster.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
-            "gpu-check": gpu_check.main}
+            "gpu-check": gpu_check.main, "lease": lease.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -36,6 +37,7 @@ SUMMARY = {
     "cluster-sim": "the real policy on a simulated 100-node cluster, beside random "
                    "placement with per-node LRU",
     "exit-latency": "a child's end (seen by an observer process) to the Scheduler knowing it",
+    "lease": "a lone client's requests with and without a kept grant (http.lease_linger_ms)",
     "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
 }
 

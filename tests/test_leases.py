@@ -49,7 +49,8 @@ class World:
         self.now = 0.0
         self.to_sched: deque[Any] = deque()
         self.to_front: deque[Withdraw | Revoke] = deque()
-        self.shares = Shares(lambda: self, linger_s)  # type: ignore[arg-type,return-value]
+        self.linger_s = linger_s
+        self.shares = Shares(lambda: self)  # type: ignore[arg-type,return-value]
         self.acquires = 0
         self.evicted_while_held: list[str] = []
 
@@ -65,7 +66,7 @@ class World:
     def release(self, share: SharedGrant, keep: bool = True) -> None:
         """A request on `share` ends (in the loop, as the front's requests do)."""
         async def on_loop() -> None:
-            self.shares.release(share, keep)
+            self.shares.release(share, self.linger_s, keep)
         self.run(on_loop())
 
     def spin(self) -> None:
@@ -371,7 +372,7 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule()
     def lingers_run_out(self) -> None:
         for share in self.w.shares.open.values():
-            share.idle_since -= self.w.shares.linger_s
+            share.idle_since -= share.linger_s
         async def on_loop() -> None:
             self.w.shares.sweep()
         self.w.run(on_loop())
@@ -458,8 +459,9 @@ def test_a_kept_grant_does_not_delay_a_swap_or_an_unload(corral) -> None:
 
 
 def test_a_model_whose_grant_is_kept_still_expires_by_ttl(corral) -> None:
+    """An hour's linger is cut to the model's ttl_s: the TTL is not held up by it."""
     c = corral(toml_config({"a": {"cmd": fake_cmd(), "ttl_s": 0.5}},
-                           http={"lease_linger_ms": 300}))
+                           http={"lease_linger_ms": 3_600_000}))
     assert chat(c.port, "a")[0] == 200
     wait_until(lambda: c.state("a") == "unloaded", 10, "the TTL")
     assert c.models()["a"]["last_eviction"]["reason"] == "ttl"

@@ -361,6 +361,9 @@ class ModelRoute(msgspec.Struct, frozen=True):
     """Most connections open to one child at once (None: no cap)."""
     first_byte_timeout_s: float | None
     """No answer head by then: 504 (None: wait as long as the child takes)."""
+    lease_linger_s: float = 0.0
+    """How long its grant is kept after its last request (http.lease_linger_ms, never
+    longer than its ttl_s, so that the TTL is not held up by it)."""
 
 
 class Routes(msgspec.Struct, frozen=True):
@@ -373,7 +376,10 @@ class Routes(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, config: Config) -> Routes:
+        linger_s = config.http.lease_linger_ms / 1000
         models = {name: ModelRoute(llama_pool_cap(m.cmd) if is_llama(m.cmd, m.health) else None,
-                                   m.first_byte_timeout_s)
+                                   m.first_byte_timeout_s,
+                                   min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
+                                   else linger_s)
                   for name, m in config.models.items()}
         return cls(config.resolve_aliases(), models, config.autoload)

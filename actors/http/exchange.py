@@ -226,7 +226,8 @@ class Exchange:
                 await self.forward(pool, NOT_FORWARDED, late,
                                    (b"Authorization: Bearer " + key.encode(),) if key else ())
             finally:  # a child that broke with a request is not kept for the next
-                front.shares.release(share, keep=self.broke_kind is None)
+                front.shares.release(share, route.lease_linger_s if route else 0.0,
+                                     keep=self.broke_kind is None)
             if self.late is not None:
                 front.scheduler().tell(AnswerLate(model=grant.model, generation=grant.generation,
                                           detail=self.late))

@@ -67,7 +67,7 @@ class Front:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
-        self.shares = Shares(scheduler, http.lease_linger_ms / 1000)
+        self.shares = Shares(scheduler)
         self.times = RequestTimes()
         """Time to first byte and duration of the proxied requests (GET /metrics)."""
         self.api_key = api_key.encode() if api_key is not None else None

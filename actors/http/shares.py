@@ -49,7 +49,7 @@ it had is asked whether it is still there: a connect, which may take PROBE_TIMEO
 
 
 class SharedGrant:
-    __slots__ = ("count", "grant", "idle_since", "joined", "keep", "ticket")
+    __slots__ = ("count", "grant", "idle_since", "joined", "keep", "linger_s", "ticket")
 
     def __init__(self, ticket: LoopReply, grant: Grant) -> None:
         self.ticket = ticket
@@ -62,15 +62,17 @@ class SharedGrant:
         """It may be kept idle after its last request (a lease); False once revoked."""
         self.idle_since = 0.0
         """When its last request ended (loop time), while it is kept idle."""
+        self.linger_s = 0.0
+        """For how long from then."""
 
 
 class Shares:
     """The open grants the front may still share, one per model, plus counts for views."""
 
-    def __init__(self, scheduler: Callable[[], SchedulerInbox], linger_s: float = 0.0) -> None:
+    def __init__(self, scheduler: Callable[[], SchedulerInbox]) -> None:
         self.scheduler = scheduler
-        self.linger_s = linger_s
-        """How long a grant is kept after its last request (0: released at once)."""
+        self.keeping = True
+        """Whether grants are kept after their last request at all (not while draining)."""
         self.open: dict[str, SharedGrant] = {}
         self.withdrawn: dict[str, int] = {}
         """Model -> the newest generation withdrawn. A grant can reach its request after
@@ -128,9 +130,10 @@ class Shares:
             return None
         return share
 
-    def release(self, share: SharedGrant, keep: bool = True) -> None:
-        """A request on `share` ended. `keep=False`: its child broke with it, so no one
-        joins the grant any more and it is not kept idle."""
+    def release(self, share: SharedGrant, linger_s: float = 0.0, keep: bool = True) -> None:
+        """A request on `share` ended; if it was the last, the grant is kept `linger_s`
+        (a lease). `keep=False`: its child broke with it, so no one joins the grant any
+        more and it is not kept idle."""
         share.count -= 1
         model = share.grant.model
         self._shift(model, -1)
@@ -140,11 +143,10 @@ class Shares:
                 del self.open[model]
         if share.count:
             return
-        if share.keep and self.linger_s > 0 and self.open.get(model) is share:
-            loop = self._loop()
-            share.idle_since = loop.time()
-            if self._sweep is None:
-                self._sweep = loop.call_later(self.linger_s, self.sweep)
+        if share.keep and linger_s > 0 and self.keeping and self.open.get(model) is share:
+            share.idle_since = self._loop().time()
+            share.linger_s = linger_s
+            self._sweep_by(share.idle_since + linger_s)
             return
         self._give_back(share)
 
@@ -166,19 +168,28 @@ class Shares:
             pass  # corral is stopping: there is nothing left to release to
 
     def sweep(self) -> None:
-        """Release the grants kept idle for `linger_s`; look again when the next is due."""
+        """Release the grants kept idle for their `linger_s`; look again when the next is
+        due."""
         self._sweep = None
         now = self._loop().time()
         next_due: float | None = None
         for share in [s for s in self.open.values() if not s.count]:
             idle_s = now - share.idle_since
-            if idle_s >= self.linger_s:
+            if idle_s >= share.linger_s:
                 self._give_back(share, idle_s)
             else:
-                due = self.linger_s - idle_s
+                due = share.linger_s - idle_s
                 next_due = due if next_due is None else min(next_due, due)
         if next_due is not None:
-            self._sweep = self._loop().call_later(next_due, self.sweep)
+            self._sweep_by(now + next_due)
+
+    def _sweep_by(self, at: float) -> None:
+        """Have a sweep run at loop time `at` at the latest."""
+        if self._sweep is not None:
+            if self._sweep.when() <= at:
+                return
+            self._sweep.cancel()
+        self._sweep = self._loop().call_at(at, self.sweep)
 
     def withdraw(self, message: Withdraw) -> None:
         """The Scheduler: no new request may join grants of this model's generation."""
@@ -216,7 +227,7 @@ class Shares:
 
     def stop_keeping(self) -> None:
         """corral is draining: release every grant kept idle, and keep none from now on."""
-        self.linger_s = 0.0
+        self.keeping = False
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
