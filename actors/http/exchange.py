@@ -346,15 +346,15 @@ class Exchange:
         self.out.append(head.data)
 
     def response_body(self, body: bytes) -> None:
-        if self.chunked:
-            self.out += (b"%x\r\n" % len(body), body, b"\r\n")
-        else:
-            self.out.append(body)
+        self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
 
     def flush(self) -> None:
-        if self.out:
-            self.client.write(b"".join(self.out))
-            self.out.clear()
+        """What one read of the child's answer produced, in one write (a token of a stream:
+        one piece, written as it is)."""
+        out = self.out
+        if out:
+            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
 
     def response_done(self) -> None:
         self.upstream = None  # given back to its pool, or closed, by itself
