@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from bench import (
+    ceiling,
     chaos,
     cluster,
     cluster_sim,
@@ -23,7 +24,7 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main,
             "dashboard": dashboard.main, "cluster": cluster.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
-            "gpu-check": gpu_check.main, "lease": lease.main}
+            "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -38,6 +39,7 @@ SUMMARY = {
                    "placement with per-node LRU",
     "exit-latency": "a child's end (seen by an observer process) to the Scheduler knowing it",
     "lease": "a lone client's requests with and without a kept grant (http.lease_linger_ms)",
+    "ceiling": "how many streams and small requests one corral process carries per core",
     "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
 }
 

@@ -41,6 +41,7 @@ from ..messages import (
 )
 from ..supervisor import Supervisor
 from . import dashboard, listing
+from .control import FrontCounts
 from .edge import (
     JSON_DEPTH_LIMIT,
     OPEN_PATHS,
@@ -53,7 +54,7 @@ from .edge import (
 from .events import Streams, log_text
 from .front import Front
 from .metrics import render
-from .shares import Shares
+from .workers import Fronts
 
 log = logging.getLogger("corral.api")
 
@@ -92,6 +93,8 @@ class ManagementApi:
         self.reloading = asyncio.Lock()
         """One at a time: two would each start an instance of a model both add."""
         self.front: Front | None = None
+        self.fronts: Fronts | None = None
+        """The front and its workers (http.workers)."""
         self.streams = Streams(config.http.event_ping_s)
         self.runner: web.AppRunner | None = None
         self.started = time.time()
@@ -136,16 +139,18 @@ class ManagementApi:
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler_ref, api_port,
                            self.config.api_key, self.config.http, self.config.max_body_mib,
                            self.front_secret)
-        self.sup.watch_grants(loop, self.front.grant_notice)
-        return await self.front.listen(host, port)
+        self.fronts = Fronts(self.front, self.config, api_port, self.front_secret,
+                             lambda: self.sup.scheduler_ref)
+        self.sup.watch_grants(loop, self.fronts.grant_notice)
+        return await self.fronts.listen(host, port)
 
     async def stop(self) -> None:
         """Drain (R-6.7): stop accepting, end event streams (the front cuts those whose
         reader does not take the end), let running answers finish within
         http.drain_timeout_s, then close the rest."""
         self.streams.end()
-        if self.front is not None:
-            await self.front.drain(self.config.http.drain_timeout_s)
+        if self.fronts is not None:
+            await self.fronts.drain(self.config.http.drain_timeout_s)
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -224,9 +229,9 @@ class ManagementApi:
                                   "model_alias": "corral", "model_path": "none",
                                   "default_generation_settings": {"params": {}, "n_ctx": 0}})
 
-    def _shares(self) -> Shares:
-        return (self.front.shares if self.front is not None
-                else Shares(lambda: self.sup.scheduler_ref))
+    async def _counts(self) -> FrontCounts:
+        """What the fronts know that the Scheduler does not (every worker's, summed)."""
+        return await self.fronts.counts() if self.fronts is not None else FrontCounts()
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         """Prometheus exposition (R-6.3, metrics.py); with ?model= the front
@@ -235,13 +240,12 @@ class ManagementApi:
         assert isinstance(snap, ModelsSnapshot)
         devices = await self._ask(lambda r: GetDevices(reply=r))
         assert isinstance(devices, DevicesSnapshot)
-        shares = self._shares()
-        times = (self.front.times if self.front is not None else None)
-        views = {"first_byte": {k: h.view() for k, h in times.first_byte.items()},
-                 "duration": {k: h.view() for k, h in times.duration.items()}} if times else {}
+        counts = await self._counts()
+        views = {"first_byte": {(t.model, t.status): t.first_byte for t in counts.times},
+                 "duration": {(t.model, t.status): t.duration for t in counts.times}}
         # ~0.3 s of CPU at 1,000 models (bench scheduler): off the event loop's thread
         body, content_type = await asyncio.to_thread(
-            render, snap, devices, shares.joined_total, dict(shares.extra),
+            render, snap, devices, counts.joined_total, counts.extra,
             request.headers.get("Accept"), views,
             self.streams.counts())
         return web.Response(body=body, headers={"Content-Type": content_type})
@@ -255,8 +259,8 @@ class ManagementApi:
             config = await asyncio.to_thread(self.reloader)
             summary = await asyncio.to_thread(self.sup.reload, config)
             self.names = config.resolve_aliases()
-            if self.front is not None:
-                self.front.routes = Routes.of(config)
+            if self.fronts is not None:
+                self.fronts.set_routes(Routes.of(config))
         return summary
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -269,7 +273,8 @@ class ManagementApi:
         snap = await self._ask(lambda r: GetModels(reply=r))
         assert isinstance(snap, ModelsSnapshot)
         models = self.sup.config.models  # read once: every entry from the same table
-        entries = (self._entry(view, models) for view in snap.models)
+        counts = await self._counts()
+        entries = (self._entry(view, models, counts) for view in snap.models)
         return web.json_response({"object": "list", "data": [e for e in entries if e]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
@@ -280,19 +285,21 @@ class ManagementApi:
         snap = await self._ask(lambda r: GetModels(reply=r)) if name is not None else None
         assert snap is None or isinstance(snap, ModelsSnapshot)
         view = next((v for v in snap.models if v.name == name), None) if snap else None
-        entry = self._entry(view, self.sup.config.models) if view is not None else None
+        entry = (self._entry(view, self.sup.config.models, await self._counts())
+                 if view is not None else None)
         if entry is None:
             return error(404, f"model '{given}' not found; GET /v1/models lists the models "
                          "and their aliases", "not_found_error")
         return web.json_response(entry)
 
-    def _entry(self, view: ModelView, models: dict[str, ModelConfig]) -> dict[str, Any] | None:
+    def _entry(self, view: ModelView, models: dict[str, ModelConfig],
+               counts: FrontCounts) -> dict[str, Any] | None:
         """A model's entry in GET /v1/models (None: added or removed by a reload between
         the Scheduler's snapshot and the read of `models`, the live table)."""
         model = models.get(view.name)
         if model is None:
             return None
-        return listing.entry(view, model, self.sup.config.rules_of(model), self._shares(),
+        return listing.entry(view, model, self.sup.config.rules_of(model), counts,
                              self._node_of(view.name), int(self.started))
 
     def _node_of(self, model: str) -> str | None:

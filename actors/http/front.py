@@ -26,6 +26,7 @@ from ..bridge import SchedulerInbox
 from ..config import HttpConfig
 from ..messages import Revoke, Withdraw
 from .connection import Connection
+from .control import FrontCounts, TimeRow
 from .edge import FRONT_HEADER, Origins, Routes
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
@@ -91,13 +92,14 @@ class Front:
         self._sweeper: asyncio.TimerHandle | None = None
         self._last_warning: dict[str, float] = {}
 
-    async def listen(self, host: str, port: int) -> int:
-        """Start accepting on host:port (0 picks one); return the port."""
+    async def listen(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Start accepting on host:port (0 picks one); return the port. `reuse_port`:
+        beside other fronts on the same port (http.workers)."""
         loop = asyncio.get_running_loop()
         if self.api_key is None:
             self.origins = Origins(host, self.http.allowed_hosts, self.http.allowed_origins)
         self.server = await loop.create_server(lambda: Connection(self), host, port,
-                                               backlog=BACKLOG)
+                                               backlog=BACKLOG, reuse_port=reuse_port or None)
         self._sweeper = loop.call_later(1.0, self._sweep)
         return int(self.server.sockets[0].getsockname()[1])
 
@@ -114,6 +116,16 @@ class Front:
                                               message.generation)
         else:
             self.pools.abort(f"{message.model}#{message.generation}", "the child is gone")
+
+    def counts(self) -> FrontCounts:
+        """What this front knows that the Scheduler does not (GET /models, /metrics)."""
+        shares = self.shares
+        kept = {m: idle for m in shares.open if (idle := shares.kept_idle_s(m)) is not None}
+        times = [TimeRow(model=model, status=status, first_byte=hist.view(),
+                         duration=self.times.duration[(model, status)].view())
+                 for (model, status), hist in self.times.first_byte.items()]
+        return FrontCounts(joined_total=shares.joined_total, extra=dict(shares.extra),
+                           kept_idle_s=kept, times=times)
 
     def api_pool(self) -> Pool:
         return self.pools.get(self.api_address, None)

@@ -10,29 +10,29 @@ import msgspec
 
 from ..config import ModelConfig, ModelRules
 from ..messages import ModelView
-from .shares import Shares
+from .control import FrontCounts
 
 
-def in_flight(view: ModelView, shares: Shares) -> int:
-    """The Scheduler counts a shared grant once, and a kept one as busy; the front knows
+def in_flight(view: ModelView, counts: FrontCounts) -> int:
+    """The Scheduler counts a shared grant once, and a kept one as busy; the fronts know
     how many requests are really on them."""
-    return view.in_flight + shares.extra.get(view.name, 0)
+    return view.in_flight + counts.extra.get(view.name, 0)
 
 
-def expires_in(view: ModelView, rules: ModelRules, shares: Shares) -> float | None:
+def expires_in(view: ModelView, rules: ModelRules, counts: FrontCounts) -> float | None:
     """When the model's TTL stops it. The Scheduler counts a grant the front keeps idle
     after its last request (a lease) as a request in flight, so it shows no TTL then: the
     model is idle, though, and expires ttl_s after that request unless one comes."""
     if view.expires_in_s is not None:
         return view.expires_in_s
-    idle_s = shares.kept_idle_s(view.name)
+    idle_s = counts.kept_idle_s.get(view.name)
     if (idle_s is None or not rules.ttl_s or rules.pinned or view.waiting
-            or view.state != "loaded" or in_flight(view, shares)):
+            or view.state != "loaded" or in_flight(view, counts)):
         return None
     return max(0.0, rules.ttl_s - idle_s)
 
 
-def entry(view: ModelView, model: ModelConfig, rules: ModelRules, shares: Shares,
+def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontCounts,
           node: str | None, created: int) -> dict[str, Any]:
     status: dict[str, Any] = {"value": view.state, "args": model.cmd}
     if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
@@ -41,7 +41,7 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, shares: Shares
         status["exit"] = view.last_exit
     if view.retry_after_s is not None:
         status["retry_after_s"] = round(view.retry_after_s, 3)
-    expires = expires_in(view, rules, shares)
+    expires = expires_in(view, rules, counts)
     if expires is not None:
         status["expires_in_s"] = round(expires, 3)
     if view.progress is not None:
@@ -49,7 +49,7 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, shares: Shares
     out: dict[str, Any] = {
         "id": view.name, "object": "model", "owned_by": "corral",
         "created": created, "aliases": model.aliases, "status": status,
-        "in_flight": in_flight(view, shares), "waiting": view.waiting,
+        "in_flight": in_flight(view, counts), "waiting": view.waiting,
         "oldest_wait_s": (round(view.queue_oldest_s, 3)
                           if view.queue_oldest_s is not None else None),
         "queue_position": view.queue_position,

@@ -1,0 +1,181 @@
+"""What crosses between corral and its front workers (`http.workers`): msgspec Structs as
+msgpack, each frame a 4-byte length and its bytes, over the worker's stdin and stdout.
+
+A worker is a front in a process of its own, on corral's port (SO_REUSEPORT), with no
+Scheduler: it asks corral's for grants over this channel, as the front in corral's own
+process asks through the bridge. A request is named by an `id` the worker chose; corral
+holds a ticket for each (workers.RemoteTicket) and cancels every ticket of a worker that
+goes away, so none of its grants outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgspec
+
+from ..config import HttpConfig
+from ..messages import AnswerLate, Grant, HistogramView, Refusal, Revoke, Withdraw
+from .edge import Routes
+
+MAX_FRAME = 64 << 20
+"""A frame larger than this is a broken channel, not a message."""
+
+
+class Setup(msgspec.Struct, frozen=True, kw_only=True):
+    """Corral -> worker, first: what its front needs."""
+
+    index: int
+    log_level: int
+    host: str
+    port: int
+    api_port: int
+    api_key: str | None
+    api_secret: str
+    http: HttpConfig
+    max_body_mib: float
+    routes: Routes
+
+
+class TimeRow(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    status: str
+    first_byte: HistogramView
+    duration: HistogramView
+
+
+class FrontCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """What a front knows that the Scheduler does not: requests that joined grants, and
+    running beyond the one each grant counts (`extra`), how long it has kept a model's
+    grant with no request on it (`kept_idle_s`), and its clock on what it proxied."""
+
+    joined_total: int = 0
+    extra: dict[str, int] = {}
+    kept_idle_s: dict[str, float] = {}
+    times: list[TimeRow] = []
+
+
+# ---------------------------------------------------------------- worker -> corral
+
+
+class Ask(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Serve one request for `model` (an Acquire)."""
+
+    id: int
+    model: str
+    autoload: bool
+
+
+class Let(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The request `id` has finished (a Release)."""
+
+    id: int
+    shared: bool
+    idle_s: float
+
+
+class LetAll(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Grants a Revoke found idle, given back together (a Releases)."""
+
+    lets: list[Let]
+
+
+class Drop(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The client of request `id` went away (a Cancel)."""
+
+    id: int
+
+
+class Late(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    late: AnswerLate
+
+
+class Counted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The answer to CountAsk `reply`."""
+
+    reply: int
+    counts: FrontCounts
+
+
+class Listening(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The worker's front listens on `port`."""
+
+    port: int
+
+
+FromWorker = Ask | Let | LetAll | Drop | Late | Counted | Listening
+
+
+# ---------------------------------------------------------------- corral -> worker
+
+
+class Answered(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    id: int
+    value: Grant | Refusal
+
+
+class Notice(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    notice: Withdraw | Revoke
+
+
+class NewRoutes(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    routes: Routes
+
+
+class CountAsk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    reply: int
+
+
+class Drain(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    timeout_s: float
+
+
+ToWorker = Answered | Notice | NewRoutes | CountAsk | Drain
+
+_encoder = msgspec.msgpack.Encoder()
+_LENGTH = struct.Struct(">I")
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    data = _encoder.encode(message)
+    return _LENGTH.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's bytes; None at the channel's end (the other side is gone)."""
+    try:
+        head = await reader.readexactly(_LENGTH.size)
+        (size,) = _LENGTH.unpack(head)
+        if size > MAX_FRAME:
+            raise ValueError(f"a control frame of {size} bytes")
+        return await reader.readexactly(size)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def merge(counts: list[FrontCounts]) -> FrontCounts:
+    """Several fronts' counts as one front's."""
+    extra: dict[str, int] = {}
+    kept: dict[str, float] = {}
+    times: dict[tuple[str, str], tuple[list[int], float, list[int], float]] = {}
+    for c in counts:
+        for model, n in c.extra.items():
+            extra[model] = extra.get(model, 0) + n
+        for model, idle in c.kept_idle_s.items():  # the latest use counts
+            kept[model] = min(idle, kept.get(model, idle))
+        for row in c.times:
+            key = (row.model, row.status)
+            first, first_sum, whole, whole_sum = times.get(
+                key, ([0] * len(row.first_byte.counts), 0.0,
+                      [0] * len(row.duration.counts), 0.0))
+            times[key] = ([a + b for a, b in zip(first, row.first_byte.counts, strict=True)],
+                          first_sum + row.first_byte.sum,
+                          [a + b for a, b in zip(whole, row.duration.counts, strict=True)],
+                          whole_sum + row.duration.sum)
+    return FrontCounts(
+        joined_total=sum(c.joined_total for c in counts),
+        extra={m: n for m, n in extra.items() if n}, kept_idle_s=kept,
+        times=[TimeRow(model=m, status=s, first_byte=HistogramView(counts=f, sum=fs),
+                       duration=HistogramView(counts=d, sum=ds))
+               for (m, s), (f, fs, d, ds) in times.items()])

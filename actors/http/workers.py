@@ -1,0 +1,306 @@
+"""Front workers (`http.workers = N`): N - 1 more fronts, each a process of its own on
+corral's port (SO_REUSEPORT: the kernel spreads new connections over them), so that the
+proxy is not held to one core. There is still one Scheduler, in corral's process: a
+worker asks it for grants over a control channel (control.py), keeps and shares them as
+the front beside the Scheduler does (shares.py, leases included), and is told every
+Withdraw and Revoke. What is not a model's request a worker passes to the management API
+in corral's process, as any front does.
+
+corral holds one `RemoteTicket` per request a worker has asked for, so the Scheduler
+counts a worker's requests exactly as it counts its own front's. A worker that goes away
+has all its tickets cancelled (a grant among them is released) and is started again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import sys
+from collections.abc import Callable
+
+import msgspec
+import pykka
+
+from ..bridge import SchedulerInbox
+from ..config import Config
+from ..messages import Acquire, Cancel, Grant, Refusal, Release, Releases, Revoke, Withdraw
+from .control import (
+    Answered,
+    Ask,
+    CountAsk,
+    Counted,
+    Drain,
+    Drop,
+    FromWorker,
+    FrontCounts,
+    Late,
+    Let,
+    LetAll,
+    Listening,
+    NewRoutes,
+    Notice,
+    Setup,
+    frame,
+    merge,
+    read_frame,
+)
+from .edge import Routes
+from .front import Front
+
+log = logging.getLogger("corral.workers")
+
+COUNTS_TIMEOUT_S = 1.0
+"""A worker that does not give its counts within this is left out of them (and logged)."""
+RESTART_AFTER_S = 1.0
+START_TIMEOUT_S = 30.0
+
+
+class RemoteTicket:
+    """A worker's request as the Scheduler sees it: its answer goes back over the channel.
+    Hashable by identity, as every ticket is."""
+
+    __slots__ = ("id", "link")
+
+    def __init__(self, link: Link, id_: int) -> None:
+        self.link = link
+        self.id = id_
+
+    def send(self, value: object) -> None:  # from the Scheduler's thread
+        try:
+            self.link.loop.call_soon_threadsafe(self.link.answer, self.id, value)
+        except RuntimeError:
+            pass  # the loop is closed: corral is gone
+
+
+class Link:
+    """One worker process and its channel, on corral's loop."""
+
+    def __init__(self, index: int, proc: asyncio.subprocess.Process,
+                 scheduler: Callable[[], SchedulerInbox]) -> None:
+        self.index = index
+        self.proc = proc
+        self.scheduler = scheduler
+        self.loop = asyncio.get_running_loop()
+        self.tickets: dict[int, RemoteTicket] = {}
+        """The worker's requests that corral has asked the Scheduler for and that are
+        neither released nor cancelled."""
+        self.listening: asyncio.Future[int] = self.loop.create_future()
+        self.counts: dict[int, asyncio.Future[FrontCounts]] = {}
+        self._replies = itertools.count()
+        self._decoder = msgspec.msgpack.Decoder(FromWorker)
+
+    def send(self, message: msgspec.Struct) -> None:
+        stdin = self.proc.stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.write(frame(message))
+
+    def answer(self, id_: int, value: object) -> None:
+        if id_ in self.tickets and isinstance(value, Grant | Refusal):
+            self.send(Answered(id=id_, value=value))
+            if isinstance(value, Refusal):
+                del self.tickets[id_]  # nothing to release
+
+    async def serve(self) -> None:
+        """Carry out what the worker sends until its channel ends; then cancel every
+        ticket it had."""
+        assert self.proc.stdout is not None
+        try:
+            while (data := await read_frame(self.proc.stdout)) is not None:
+                self._on(self._decoder.decode(data))
+        except (msgspec.DecodeError, ValueError) as e:
+            log.error("front worker %d sent what corral cannot read (%s); stopping it",
+                      self.index, e)
+            self.proc.kill()
+        finally:
+            self.gone()
+
+    def _on(self, message: FromWorker) -> None:
+        match message:
+            case Ask(id=id_, model=model, autoload=autoload):
+                asked = self.tickets[id_] = RemoteTicket(self, id_)
+                self._tell(Acquire(ticket=asked, model=model, autoload=autoload))
+            case Let():
+                ticket = self.tickets.pop(message.id, None)
+                if ticket is not None:
+                    self._tell(Release(ticket=ticket, shared=message.shared,
+                                       idle_s=message.idle_s))
+            case LetAll(lets=lets):
+                releases = tuple(Release(ticket=t, shared=let.shared, idle_s=let.idle_s)
+                                 for let in lets
+                                 if (t := self.tickets.pop(let.id, None)) is not None)
+                if releases:
+                    self._tell(Releases(releases=releases))
+            case Drop(id=id_):
+                ticket = self.tickets.pop(id_, None)
+                if ticket is not None:
+                    self._tell(Cancel(ticket=ticket))
+            case Late(late=late):
+                self._tell(late)
+            case Counted(reply=reply, counts=counts):
+                future = self.counts.pop(reply, None)
+                if future is not None and not future.done():
+                    future.set_result(counts)
+            case Listening(port=port):
+                if not self.listening.done():
+                    self.listening.set_result(port)
+
+    def _tell(self, message: Acquire | Release | Releases | Cancel | Late | object) -> None:
+        try:
+            self.scheduler().tell(message)  # type: ignore[arg-type]
+        except pykka.ActorDeadError:
+            pass  # corral is stopping
+
+    def gone(self) -> None:
+        if self.tickets:
+            log.warning("front worker %d went away with %d requests; they are cancelled",
+                        self.index, len(self.tickets))
+        for ticket in self.tickets.values():
+            self._tell(Cancel(ticket=ticket))
+        self.tickets.clear()
+        if not self.listening.done():
+            self.listening.set_exception(RuntimeError(
+                f"front worker {self.index} exited before it listened"))
+
+    async def ask_counts(self) -> FrontCounts | None:
+        reply = next(self._replies)
+        future = self.counts[reply] = self.loop.create_future()
+        self.send(CountAsk(reply=reply))
+        try:
+            return await asyncio.wait_for(future, COUNTS_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("front worker %d gave no counts within %g s; left out of them",
+                        self.index, COUNTS_TIMEOUT_S)
+            return None
+        finally:
+            self.counts.pop(reply, None)
+
+
+class Workers:
+    """corral's front workers: started, told, counted, drained, restarted."""
+
+    def __init__(self, n: int, setup: Callable[[int], Setup],
+                 scheduler: Callable[[], SchedulerInbox]) -> None:
+        self.n = n
+        self.setup = setup
+        self.scheduler = scheduler
+        self.links: dict[int, Link] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+
+    async def start(self) -> None:
+        """Start every worker and wait until each listens; raises OSError, with those
+        started stopped again, if one cannot."""
+        try:
+            await asyncio.gather(*(self._start(i) for i in range(1, self.n)))
+        except (OSError, RuntimeError, TimeoutError) as e:
+            await self.drain(0.0)
+            raise OSError(f"a front worker could not start: {e or type(e).__name__}") from e
+
+    async def _start(self, index: int) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "actors.http.worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE)
+        link = self.links[index] = Link(index, proc, self.scheduler)
+        link.send(self.setup(index))
+        task = asyncio.get_running_loop().create_task(self._run(link))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        port = await asyncio.wait_for(asyncio.shield(link.listening), START_TIMEOUT_S)
+        log.info("front worker %d (pid %d) listening on port %d", index, proc.pid, port)
+
+    async def _run(self, link: Link) -> None:
+        await link.serve()
+        code = await link.proc.wait()
+        if self.stopping or self.links.get(link.index) is not link:
+            return
+        log.warning("front worker %d (pid %d) exited with status %s; starting it again in "
+                    "%g s", link.index, link.proc.pid, code, RESTART_AFTER_S)
+        await asyncio.sleep(RESTART_AFTER_S)
+        if not self.stopping:
+            try:
+                await self._start(link.index)
+            except (OSError, RuntimeError, TimeoutError) as e:
+                log.error("front worker %d could not be started again: %s", link.index, e)
+
+    def notice(self, notice: Withdraw | Revoke) -> None:
+        for link in self.links.values():
+            link.send(Notice(notice=notice))
+
+    def routes(self, routes: Routes) -> None:
+        for link in self.links.values():
+            link.send(NewRoutes(routes=routes))
+
+    async def counts(self) -> list[FrontCounts]:
+        got = await asyncio.gather(*(link.ask_counts() for link in self.links.values()))
+        return [c for c in got if c is not None]
+
+    def pids(self) -> list[int]:
+        return [link.proc.pid for link in self.links.values()]
+
+    async def drain(self, timeout_s: float) -> None:
+        """Have every worker drain as corral's own front does, then end; one that outlasts
+        the drain by 5 s is killed."""
+        self.stopping = True
+        for link in self.links.values():
+            link.send(Drain(timeout_s=timeout_s))
+        for link in list(self.links.values()):
+            try:
+                await asyncio.wait_for(link.proc.wait(), timeout_s + 5)
+            except TimeoutError:
+                log.warning("front worker %d did not end after its drain; killing it",
+                            link.index)
+                link.proc.kill()
+                await link.proc.wait()
+        for task in list(self.tasks):
+            task.cancel()
+
+
+class Fronts:
+    """corral's port: its own front and, with http.workers above 1, its workers; what
+    the management API tells them and asks of them."""
+
+    def __init__(self, front: Front, config: Config, api_port: int, api_secret: str,
+                 scheduler: Callable[[], SchedulerInbox]) -> None:
+        self.front = front
+        self.config = config
+        self.api_port = api_port
+        self.api_secret = api_secret
+        self.workers: Workers | None = None
+        self.scheduler = scheduler
+
+    async def listen(self, host: str, port: int) -> int:
+        n = self.config.http.workers
+        port = await self.front.listen(host, port, reuse_port=n > 1)
+        if n > 1:
+            def setup(index: int) -> Setup:
+                return Setup(index=index, log_level=logging.getLogger().getEffectiveLevel(),
+                             host=host, port=port, api_port=self.api_port,
+                             api_key=self.config.api_key, api_secret=self.api_secret,
+                             http=self.config.http, max_body_mib=self.config.max_body_mib,
+                             routes=self.front.routes)
+            self.workers = Workers(n, setup, self.scheduler)
+            await self.workers.start()
+        return port
+
+    def grant_notice(self, notice: Withdraw | Revoke) -> None:
+        self.front.grant_notice(notice)
+        if self.workers is not None:
+            self.workers.notice(notice)
+
+    def set_routes(self, routes: Routes) -> None:
+        self.front.routes = routes
+        if self.workers is not None:
+            self.workers.routes(routes)
+
+    async def counts(self) -> FrontCounts:
+        own = self.front.counts()
+        if self.workers is None:
+            return own
+        return merge([own, *await self.workers.counts()])
+
+    async def drain(self, timeout_s: float) -> None:
+        if self.workers is None:
+            await self.front.drain(timeout_s)
+            return
+        await asyncio.gather(self.front.drain(timeout_s), self.workers.drain(timeout_s))
