@@ -28,9 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from actors import loop
 from bench.common import cpu_seconds, lean_requests, machine, send, session, write_json
 from bench.support import Corral, fake_cmd, toml_config
+
+
+def cpu_of(corral: Corral) -> float:
+    """corral's CPU time so far: its process and its front workers' (http.workers)."""
+    workers = [p.pid for p in psutil.Process(corral.proc.pid).children()
+               if "actors.http.worker" in " ".join(p.cmdline())]
+    return sum(cpu_seconds(pid) for pid in [corral.proc.pid, *workers])
 
 
 class _StreamCounter(asyncio.Protocol):
@@ -75,11 +84,11 @@ async def streams_at(corral: Corral, models: list[str], n: int, rate: float,
                      seconds: float) -> dict[str, Any]:
     tokens = int(rate * seconds)
     host, port = "127.0.0.1", corral.port
-    cpu0, start = cpu_seconds(corral.proc.pid), time.perf_counter()
+    cpu0, start = cpu_of(corral), time.perf_counter()
     got = await asyncio.gather(*(one_stream(host, port, models[i % len(models)], tokens)
                                  for i in range(n)))
     wall = time.perf_counter() - start
-    cpu = cpu_seconds(corral.proc.pid) - cpu0
+    cpu = cpu_of(corral) - cpu0
     delivered = sum(got)
     return {"streams": n, "asked_tok_s": n * rate, "delivered_tok_s": delivered / wall,
             "share_of_asked": delivered / (n * tokens), "corral_cores": cpu / wall,
@@ -88,7 +97,7 @@ async def streams_at(corral: Corral, models: list[str], n: int, rate: float,
 
 
 async def small_at(corral: Corral, c: int, n: int, lean: bool) -> dict[str, Any]:
-    cpu0, start = cpu_seconds(corral.proc.pid), time.perf_counter()
+    cpu0, start = cpu_of(corral), time.perf_counter()
     if lean:
         results = await lean_requests(corral.url, "small", n, c, 1)
     else:
@@ -102,7 +111,7 @@ async def small_at(corral: Corral, c: int, n: int, lean: bool) -> dict[str, Any]
                     results.append(await send(s, corral.url, "small"))
             await asyncio.gather(*(worker() for _ in range(c)))
     wall = time.perf_counter() - start
-    cpu = cpu_seconds(corral.proc.pid) - cpu0
+    cpu = cpu_of(corral) - cpu0
     ok = sum(r.status == 200 for r in results)
     return {"client": "lean" if lean else "aiohttp", "concurrency": c,
             "req_s": ok / wall, "corral_cpu_us_per_request": cpu / max(ok, 1) * 1e6,
@@ -114,26 +123,34 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     table = {m: {"cmd": fake_cmd("--tokens-per-s", str(args.tokens_per_s))} for m in models}
     table["small"] = {"cmd": fake_cmd()}
     out: dict[str, Any] = {"streams": [], "small": []}
-    with Corral(toml_config(table, models_max=len(table)), log_level="WARNING") as corral:
+    with contextlib.ExitStack() as stack:
+        corrals = {w: stack.enter_context(Corral(toml_config(
+            table, models_max=len(table), http={"workers": w}), log_level="WARNING"))
+            for w in args.workers}
         async with session() as s:
-            for m in table:
-                assert (await send(s, corral.url, m)).status == 200
+            for corral in corrals.values():
+                for m in table:
+                    assert (await send(s, corral.url, m)).status == 200
         for n in args.streams:
-            row = await streams_at(corral, models, n, args.tokens_per_s, args.seconds)
-            out["streams"].append(row)
-            print(f"{n:>5} streams: {row['delivered_tok_s']:>8,.0f} tok/s of "
-                  f"{row['asked_tok_s']:>8,.0f} asked ({row['share_of_asked']:.3f}), corral "
-                  f"{row['corral_cpu_us_per_token']:.1f} us/token, "
-                  f"{row['corral_cores']:.2f} cores; one core: "
-                  f"{row['streams_per_core']:,.0f} streams")
+            for w, corral in corrals.items():  # side by side, one after the other
+                row = {"workers": w} | await streams_at(corral, models, n, args.tokens_per_s,
+                                                        args.seconds)
+                out["streams"].append(row)
+                print(f"workers {w}  {n:>5} streams: {row['delivered_tok_s']:>8,.0f} tok/s of "
+                      f"{row['asked_tok_s']:>8,.0f} asked ({row['share_of_asked']:.3f}), "
+                      f"corral {row['corral_cpu_us_per_token']:.1f} us/token, "
+                      f"{row['corral_cores']:.2f} cores; one core: "
+                      f"{row['streams_per_core']:,.0f} streams")
         for lean in (True, False):
             for c in args.concurrency:
-                row = await small_at(corral, c, args.requests, lean)
-                out["small"].append(row)
-                print(f"small c={c:<3} {row['client']:>7} client: {row['req_s']:>7,.0f} req/s, "
-                      f"corral {row['corral_cpu_us_per_request']:.0f} us/request, "
-                      f"{row['corral_cores']:.2f} cores; one core: "
-                      f"{row['req_s_per_core']:,.0f} req/s")
+                for w, corral in corrals.items():
+                    row = {"workers": w} | await small_at(corral, c, args.requests, lean)
+                    out["small"].append(row)
+                    print(f"workers {w}  small c={c:<3} {row['client']:>7} client: "
+                          f"{row['req_s']:>7,.0f} req/s, corral "
+                          f"{row['corral_cpu_us_per_request']:.0f} us/request, "
+                          f"{row['corral_cores']:.2f} cores; one core: "
+                          f"{row['req_s_per_core']:,.0f} req/s")
     return out
 
 
@@ -147,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0, help="each stream's length")
     ap.add_argument("--concurrency", type=ints, default=[1, 16, 64])
     ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--workers", type=ints, default=[1],
+                    help="http.workers of each corral compared (e.g. 1,2)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):

@@ -1,7 +1,8 @@
 """corral's HTTP side: the front on the public port, the management API behind it, and the
 `corral` command's client.
 
-One event loop (uvloop) runs all of it; nothing here decides scheduling. A request that
+One event loop (uvloop) runs all of it (and, with http.workers, one more front in each
+worker process); nothing here decides scheduling. A request that
 names a model asks the Scheduler for a grant through the bridge (`actors/bridge.py`) and is
 then streamed to and from the child; everything else goes to the management API.
 
@@ -13,11 +14,15 @@ then streamed to and from the child; everything else goes to the management API.
 | a client that takes nothing: the watch, the cut  | `WriteStall`, `cut`      | flow.py       |
 | one request and its answer, in phases            | `Exchange`               | exchange.py   |
 | what an exchange may use, what it writes to      | `Services`, `Client`     | exchange.py   |
-| joining a busy model's grant                     | `Shares`, `SharedGrant`  | shares.py     |
+| joining a held grant; keeping it (a lease)       | `Shares`, `SharedGrant`  | shares.py     |
 | connections to one child; all pools              | `Pool`, `Pools`          | pool.py       |
 | one connection to a child and its answers        | `Upstream`, `Broke`      | upstream.py   |
 | the rules both servers share; the routing table  | `Routes`, `Answer`, ...  | edge.py       |
 | corral's own endpoints (aiohttp, loopback only)  | `ManagementApi`          | api.py        |
+| a model's entry in GET /models                   | `entry`                  | listing.py    |
+| more fronts in processes of their own            | `Fronts`, `Workers`      | workers.py    |
+| a front worker's process                         | `serve`, `Corral`        | worker.py     |
+| what crosses between corral and its workers      | `Setup`, `FrontCounts`   | control.py    |
 | its event and log streams (/models/sse, /logs)   | `Streams`                | events.py     |
 | /metrics and the front's request times           | `render`, `RequestTimes` | metrics.py    |
 | the dashboard page and its CSP                   | `PAGE`, `ui.html`        | dashboard.py  |

@@ -349,8 +349,7 @@ class Exchange:
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
 
     def flush(self) -> None:
-        """What one read of the child's answer produced, in one write (a token of a stream:
-        one piece, written as it is)."""
+        """What one read of the child's answer produced, in one write."""
         out = self.out
         if out:
             self.client.write(out[0] if len(out) == 1 else b"".join(out))
