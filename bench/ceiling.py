@@ -37,8 +37,11 @@ from bench.support import Corral, fake_cmd, toml_config
 
 def cpu_of(corral: Corral) -> float:
     """corral's CPU time so far: its process and its front workers' (http.workers)."""
-    workers = [p.pid for p in psutil.Process(corral.proc.pid).children()
-               if "actors.http.worker" in " ".join(p.cmdline())]
+    workers = []
+    for p in psutil.Process(corral.proc.pid).children():
+        with contextlib.suppress(psutil.Error):
+            if "actors.http.worker" in " ".join(p.cmdline()):
+                workers.append(p.pid)
     return sum(cpu_seconds(pid) for pid in [corral.proc.pid, *workers])
 
 

@@ -17,8 +17,15 @@ from tests.test_shares import metric
 
 
 def workers_of(pid: int) -> list[int]:
-    return [p.pid for p in psutil.Process(pid).children()
-            if "actors.http.worker" in " ".join(p.cmdline())]
+    """corral's front workers now (one being reaped is not counted)."""
+    found = []
+    for p in psutil.Process(pid).children():
+        try:
+            if "actors.http.worker" in " ".join(p.cmdline()):
+                found.append(p.pid)
+        except psutil.Error:
+            continue
+    return found
 
 
 def test_every_request_is_answered_and_counted_once_across_the_fronts(corral) -> None:
@@ -112,3 +119,24 @@ def test_workers_are_checked() -> None:
         assert "workers" in str(e)
     else:
         raise AssertionError("http.workers = 0 was taken")
+
+
+def test_a_worker_ends_when_corral_is_killed(corral) -> None:
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}}, http={"workers": 2}))
+    assert chat(c.port, "a")[0] == 200
+    workers = workers_of(c.proc.pid)
+    c.proc.kill()
+    c.proc.wait(10)
+    wait_until(lambda: not any(pid_alive(pid) for pid in workers), 15,
+               "the worker to see corral gone and end")
+
+
+def test_a_worker_told_to_terminate_drains_and_is_started_again(corral) -> None:
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}}, http={"workers": 2}))
+    assert chat(c.port, "a")[0] == 200
+    (worker,) = workers_of(c.proc.pid)
+    psutil.Process(worker).terminate()
+    wait_until(lambda: workers_of(c.proc.pid) not in ([], [worker]), 15,
+               "the worker started again")
+    assert "front worker 1: SIGTERM; draining" in c.log()
+    assert [chat(c.port, "a")[0] for _ in range(10)] == [200] * 10

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import logging
 import os
+import signal
 import sys
 
 import msgspec
@@ -92,7 +93,8 @@ class Corral:
         return Let(id=id_, shared=release.shared, idle_s=release.idle_s)
 
     def _send(self, message: msgspec.Struct) -> None:
-        self.out.write(frame(message))
+        if not self.closed and not self.out.is_closing():
+            self.out.write(frame(message))
 
     def answered(self, id_: int, value: object) -> None:
         ticket = self.tickets.get(id_)
@@ -116,7 +118,24 @@ async def serve() -> int:
     port = await front.listen(setup.host, setup.port, reuse_port=True)
     corral._send(Listening(port=port))
     decoder = msgspec.msgpack.Decoder(ToWorker)
-    drain_s = GONE_DRAIN_S
+    ending: list[asyncio.Task[None]] = []
+
+    async def end(timeout_s: float) -> None:
+        """Drain, with the channel still read: a request waiting for its grant gets it,
+        and what runs is released; grants kept idle go back; then the channel closes."""
+        await front.drain(timeout_s)
+        out.close()
+        reader.feed_eof()
+
+    def drain(timeout_s: float, why: str) -> None:
+        if not ending:
+            log.info("front worker %d: %s; draining", setup.index, why)
+            ending.append(loop.create_task(end(timeout_s)))
+
+    # Ctrl-C reaches the whole process group: corral drains its workers itself. A SIGTERM
+    # for the worker alone (or its cgroup's) drains it as corral would.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    loop.add_signal_handler(signal.SIGTERM, drain, setup.http.drain_timeout_s, "SIGTERM")
     while (data := await read_frame(reader)) is not None:
         match decoder.decode(data):
             case Answered(id=id_, value=value):
@@ -128,13 +147,13 @@ async def serve() -> int:
             case CountAsk(reply=reply):
                 corral._send(Counted(reply=reply, counts=front.counts()))
             case Drain(timeout_s=timeout_s):
-                drain_s = timeout_s
-                break
-    else:
+                drain(timeout_s, "told to by corral")
+    if not ending:  # the channel ended: corral's process is gone
         log.warning("front worker %d: corral's process is gone; draining", setup.index)
-    await front.drain(drain_s)  # grants kept idle go back before the channel closes
-    corral.closed = True
-    out.close()
+        corral.closed = True  # a request now gets 503
+        await front.drain(GONE_DRAIN_S)
+    else:
+        await ending[0]
     return 0
 
 
