@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections import deque
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -25,9 +27,9 @@ from actors.bridge import LoopReply
 from actors.config import ModelRules
 from actors.http.shares import SharedGrant, Shares
 from actors.lifecycle import ModelState
-from actors.messages import Acquire, Cancel, Refusal, Release, Releases, Revoke, Withdraw
+from actors.messages import Acquire, Cancel, Refusal, Release, Releases, Revoke, TtlDue, Withdraw
 from actors.policy import Policy
-from actors.policy.records import Answer, Stop
+from actors.policy.records import Answer, Later, Stop
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 from tests.test_shares import metric
 
@@ -103,6 +105,8 @@ class World:
         self.p.check_invariants()
 
     def deliver_to_front(self) -> None:
+        """The next notice, as the front's loop runs it: after the callbacks queued before
+        it (a grant's answer), before the requests those wake."""
         notice = self.to_front.popleft()
 
         async def on_loop() -> None:
@@ -130,10 +134,14 @@ class World:
             self.carry_out(self.p.children.instance_exited(model, rec.generation, 0, "exited",
                                                            self.now))
 
-    def settle(self, *, children: bool = True) -> None:
+    def settle(self, *, children: bool = True, notices_first: bool = False) -> None:
         """Deliver every message both ways (and, with `children`, let loading children get
-        ready and stopping ones exit) until nothing moves; no linger runs out meanwhile."""
+        ready and stopping ones exit) until nothing moves; no linger runs out meanwhile.
+        `notices_first`: a Withdraw or Revoke reaches the front as soon as it is sent."""
         for _ in range(200):
+            if self.to_front and notices_first:
+                self.deliver_to_front()  # before the requests it concerns have resumed
+                continue
             self.spin()
             if self.to_sched:
                 self.deliver_to_scheduler()
@@ -341,7 +349,12 @@ class LeaseMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.w.to_sched)
     @rule()
     def to_scheduler(self) -> None:
+        # No spin here: a Withdraw or Revoke it causes may reach the front before the
+        # request whose grant it concerns has resumed, as on the real loop.
         self.w.deliver_to_scheduler()
+
+    @rule()
+    def loop_runs(self) -> None:
         self.w.spin()
         self._collect()
 
@@ -353,8 +366,6 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from("ab"))
     def ready(self, model: str) -> None:
         self.w.ready(model)
-        self.w.spin()
-        self._collect()
 
     @rule(model=st.sampled_from("ab"))
     def child_exits(self, model: str) -> None:
@@ -377,11 +388,11 @@ class LeaseMachine(RuleBasedStateMachine):
             self.w.shares.sweep()
         self.w.run(on_loop())
 
-    @rule()
-    def settle(self) -> None:
+    @rule(notices_first=st.booleans())
+    def settle(self, notices_first: bool) -> None:
         """Everything delivered, children moving: with no request running, nobody may
         wait for a slot that only a kept grant holds."""
-        self.w.settle()
+        self.w.settle(notices_first=notices_first)
         self._collect()
         if self.running:
             return
@@ -392,6 +403,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @invariant()
     def held_grants_are_counted_and_never_evicted(self) -> None:
+        self._collect()  # requests that have resumed with their grant run from now on
         leases = self.w.p.state.leases
         for share in self.w.held() + self.running:
             assert share.ticket in leases, "the front holds a grant the Scheduler released"
@@ -402,8 +414,12 @@ class LeaseMachine(RuleBasedStateMachine):
                              for m in self.w.to_sched
                              for r in (m.releases if isinstance(m, Releases) else [m])
                              if isinstance(r, Release))
+            known = {s.ticket for s in self.w.held() + self.running}
+            granted_on_the_way = sum(g == (model, rec.generation) and t not in known
+                                     for t, g in leases.items()) - on_the_way
             if rec.state.is_serving and all(s.grant.generation == rec.generation for s in mine):
-                shown = rec.in_flight - on_the_way + self.w.shares.extra.get(model, 0)
+                shown = (rec.in_flight - on_the_way - granted_on_the_way
+                         + self.w.shares.extra.get(model, 0))
                 assert shown == len(mine), \
                     f"{model}: GET /models would show {shown} in flight, not {len(mine)}"
 
@@ -477,3 +493,93 @@ def test_a_kept_grant_does_not_delay_a_reload(corral) -> None:
     wait_until(lambda: c.models()["a"]["last_eviction"] is not None, 10, "the restart")
     assert c.models()["a"]["last_eviction"]["reason"] == "reload"
     assert chat(c.port, "a")[0] == 200 and c.models()["a"]["pid"] != pid
+
+
+
+# ---------------------------------------------------------------- found by review
+
+
+def test_a_revoke_that_overtakes_its_grant_on_the_loop_is_not_lost() -> None:
+    """models_max 1: a's waiter is granted when a is ready, and b's need revokes that grant
+    in the same flush. The Revoke's callback runs before the granted request resumes; the
+    grant must then not be kept, or b would wait as long as a's lone client keeps coming."""
+    w = World(linger_s=3600)
+    a = w.start("a")
+    b = w.start("b")
+    w.deliver_to_scheduler()  # a: spawns
+    w.deliver_to_scheduler()  # b: queued, needs a's slot
+    w.ready("a")  # grants a's waiter, and revokes it in the same flush
+    notice = w.to_front.popleft()
+    assert isinstance(notice, Revoke)
+    w.loop.call_soon_threadsafe(w.shares.revoke, notice)  # as the front's Fanout does
+    w.spin()
+    share = a.result()
+    assert isinstance(share, SharedGrant) and not share.keep
+    w.release(share)
+    w.settle()
+    assert b.done() and isinstance(b.result(), SharedGrant)
+    w.close()
+
+
+def test_the_ttl_counts_from_the_end_of_a_request_not_its_start() -> None:
+    """A request (not kept: max_concurrency) that ran longer than ttl_s must not be
+    followed by the TTL at once."""
+    p = Policy(2)
+    p.add_model("a", 0.0, rules=ModelRules(ttl_s=60, max_concurrency=1))
+    p.acquire("t1", "a", 1.0)
+    rec = p.state.models["a"]
+    p.children.instance_ready("a", rec.generation, 1, "h", 1, 2.0)
+    effects = p.release("t1", 302.0)  # a five-minute request
+    delays = [e.delay_s for e in effects if isinstance(e, Later)
+              and isinstance(e.message, TtlDue)]
+    assert delays and min(delays) >= 59.9, delays
+    assert not [e for e in p.ttl_due("a", rec.generation, 303.0) if isinstance(e, Stop)]
+    assert p.snapshot(303.0).models[0].expires_in_s == pytest.approx(59.0)
+
+
+def test_no_revoke_for_a_pinned_model_or_for_one_waiting_for_its_own_stop() -> None:
+    p = Policy(2)
+    p.add_model("a", 0.0, rules=ModelRules(pinned=True))
+    p.add_model("b", 0.0)
+    p.acquire("t1", "a", 1.0)
+    p.children.instance_ready("a", p.state.models["a"].generation, 1, "h", 1, 1.1)
+    p.acquire("t2", "b", 1.2)
+    p.children.instance_ready("b", p.state.models["b"].generation, 2, "h", 2, 1.3)
+    p.release("t2", 1.4)
+    p.unload("u", "b", 1.5)
+    effects = p.acquire("t3", "b", 1.6)  # waits for b's own child to stop
+    assert not [e for e in effects if isinstance(e, Revoke)]
+
+
+def test_a_lone_client_does_not_starve_a_waiting_model(corral) -> None:
+    """The default linger: a lone client asks for a every 0.2 s (always within the
+    linger) while b, with models_max 1, waits for a's slot. b must be served while the
+    lone client goes on."""
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd()}},
+                           models_max=1))
+    stop = threading.Event()
+    lone_statuses: list[int] = []
+
+    def lone() -> None:
+        while not stop.is_set():
+            lone_statuses.append(chat(c.port, "a")[0])
+            stop.wait(0.2)  # the client's pause between requests
+
+    t = threading.Thread(target=lone)
+    t.start()
+    try:
+        wait_until(lambda: lone_statuses, 10, "the lone client's first answer")
+        assert chat(c.port, "b")[0] == 200
+        assert not stop.is_set() and t.is_alive()  # served while the client went on
+    finally:
+        stop.set()
+        t.join(30)
+    assert set(lone_statuses) == {200}
+
+
+def test_a_long_request_is_not_followed_by_an_instant_ttl_stop(corral) -> None:
+    c = corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "10"), "ttl_s": 1.5,
+                                  "max_concurrency": 1}}))
+    assert chat(c.port, "a", max_tokens=25)[0] == 200  # about 2.5 s
+    a = c.models()["a"]
+    assert a["status"]["value"] == "loaded" and a["status"]["expires_in_s"] > 0.75, a

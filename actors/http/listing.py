@@ -27,7 +27,7 @@ def expires_in(view: ModelView, rules: ModelRules, counts: FrontCounts) -> float
         return view.expires_in_s
     idle_s = counts.kept_idle_s.get(view.name)
     if (idle_s is None or not rules.ttl_s or rules.pinned or view.waiting
-            or view.state != "loaded" or in_flight(view, counts)):
+            or view.state not in ("loaded", "sleeping") or in_flight(view, counts)):
         return None
     return max(0.0, rules.ttl_s - idle_s)
 

@@ -20,8 +20,8 @@ The Scheduler stays the only decider, with two notices:
 
 The one window left open is the hop that carries the withdrawal: a request that joins
 during it meets the fate of those already running on that child (a manual unload or a
-crash ends them all). A revocation has no such window: the grant it asks for stays valid
-until the front itself releases it.
+crash ends them all). A revocation can overtake the grant it revokes on the loop too: the
+grant is then used and not kept.
 
 A request whose child went away with it asks past that child's generation
 (`acquire_past`): the exchange then sends it to the model's next instance (issue 19).
@@ -78,6 +78,10 @@ class Shares:
         """Model -> the newest generation withdrawn. A grant can reach its request after
         its withdrawal did (both come through the loop, and a resumed request runs after
         the callbacks of its turn): such a grant is used, never opened to others."""
+        self.revoked: dict[str, tuple[int, int]] = {}
+        """Model -> (Revokes seen, the newest generation revoked). A Revoke can reach the
+        loop before the request whose grant it revokes has resumed (the grant's answer
+        only wakes it): such a grant is used, never kept."""
         self.joined_total = 0
         """Requests that joined a grant, ever (each also counts as granted)."""
         self.extra: dict[str, int] = {}
@@ -101,10 +105,14 @@ class Shares:
             self.joined_total += 1
             self._shift(model, 1)
             return share
+        revokes = self.revoked.get(model, (0, 0))[0]
         ticket, answer = await acquire(self.scheduler(), model, autoload)
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
+        seen, newest = self.revoked.get(model, (0, 0))
+        if seen != revokes and answer.generation <= newest:
+            share.keep = False
         if answer.shareable and answer.generation > self.withdrawn.get(model, 0):
             self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
@@ -208,6 +216,8 @@ class Shares:
         now = self._loop().time()
         idle = []
         for model, generation in message.grants:
+            seen, newest = self.revoked.get(model, (0, 0))
+            self.revoked[model] = (seen + 1, max(newest, generation))
             share = self.open.get(model)
             if share is None or share.grant.generation > generation:
                 continue

@@ -146,6 +146,7 @@ class Policy:
         if rec is None or rec.generation != generation or not rec.state.is_running:
             return
         rec.in_flight -= 1
+        rec.ended_at = max(rec.ended_at, now - idle_s)
         if shared or idle_s:
             rec.last_used = max(rec.last_used, now - idle_s)
         if rec.retiring and rec.in_flight == 0 and rec.state.is_serving:
@@ -258,7 +259,7 @@ class Policy:
         rec.ttl_armed = False
         if not self.state.evictable(rec) or not rec.rules.ttl_s:
             return []  # busy, wanted or pinned now: armed again once idle
-        due = rec.last_used + rec.rules.ttl_s
+        due = rec.idle_from + rec.rules.ttl_s
         if now >= due:
             self.rules.stop(rec, "ttl", None, now)
             self.rules.pump(now)

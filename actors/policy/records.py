@@ -112,6 +112,15 @@ class ModelRecord:
     last_used: float = 0.0
     """Start of the latest granted request, or the spawn, or the end of the latest request
     on a grant the front kept (R-4.4)."""
+    ended_at: float = 0.0
+    """When its latest request ended, as far as the Scheduler knows (its release, less
+    the time the front kept the grant after it)."""
+
+    @property
+    def idle_from(self) -> float:
+        """What its TTL counts from: the end of its latest request, or its start when that
+        came later (R-3.6)."""
+        return max(self.last_used, self.ended_at)
     state_since: float = 0.0
     pid: int | None = None
     host: str | None = None

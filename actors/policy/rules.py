@@ -67,11 +67,15 @@ class Rules:
         flight): every such grant is revoked. The front gives it back at once if no request
         is on it, else when its last request ends; then the model is idle, and an LRU or
         memory victim like any other (R-4.4)."""
-        if not any(self.state.needs_slot(e, now) for e in self.state.queue):
-            return
-        grants = tuple((rec.name, rec.generation) for name in sorted(self.state.revocable)
-                       if (rec := self.state.models.get(name)) is not None
-                       and rec.in_flight and rec.state.is_serving)
+        state = self.state
+        needing = sum(state.needs_slot(e, now) and state.models[e.model].state is not S.STOPPING
+                      for e in state.queue)  # (one waiting for its own child's stop: no)
+        free = state.models_max - state.n_running + state.n_stopping
+        if not needing or (not state.memory_on and state.models_max > 0 and free >= needing):
+            return  # nothing waits for room, or the room is on its way (a stopping child)
+        grants = tuple((rec.name, rec.generation) for name in sorted(state.revocable)
+                       if (rec := state.models.get(name)) is not None
+                       and rec.in_flight and rec.state.is_serving and not rec.pinned)
         self.state.revocable.clear()
         if grants:
             self.state.out.append(Revoke(grants=grants))
@@ -131,7 +135,7 @@ class Rules:
         if (rec.rules.ttl_s and not rec.ttl_armed and self.state.evictable(rec)):
             rec.ttl_armed = True
             delay = (rec.rules.ttl_s if now is None
-                     else max(0.0, rec.last_used + rec.rules.ttl_s - now))
+                     else max(0.0, rec.idle_from + rec.rules.ttl_s - now))
             self.state.out.append(Later(delay, TtlDue(model=rec.name,
                                                       generation=rec.generation)))
 

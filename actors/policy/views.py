@@ -18,7 +18,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
         entry = p.queue.entry(rec.name)
         oldest = (now - p.queue.waiters[next(iter(entry.waiters))].queued_at
                   if entry is not None and entry.waiters else None)
-        expires = (rec.last_used + rec.rules.ttl_s - now
+        expires = (rec.idle_from + rec.rules.ttl_s - now
                    if rec.rules.ttl_s and p.evictable(rec) else None)
         views.append(ModelView(
             name=rec.name, state=rec.state.value, generation=rec.generation,
