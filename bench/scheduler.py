@@ -76,6 +76,14 @@ def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0) -> f
     return done / took
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
 async def round_trips(n: int, concurrency: int) -> dict[str, Any]:
     sup = Supervisor(Config(models={}))
     sup.start()
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=20_000, help="decisions timed per size")
     ap.add_argument("--sizes", default=",".join(f"{m}x{w}" for m, w in SIZES),
                     help="MODELSxWAITERS,... (default: %(default)s)")
-    ap.add_argument("--round-trips", type=int, default=2_000)
+    ap.add_argument("--round-trips", type=positive, default=2_000)
     ap.add_argument("--scrape-models", type=int, default=1_000,
                     help="models in the /metrics scrape timed (default: %(default)s)")
     ap.add_argument("--json", type=Path)

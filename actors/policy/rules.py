@@ -58,27 +58,18 @@ class Rules:
             return
         self.tick(now)
         self.claim(now)
-        if self.state.revocable and self.state.queue.entries:
-            self.revoke_for_room(now)
 
-    def revoke_for_room(self, now: float) -> None:
-        """While a queue entry waits for a slot or memory, no model may look busy only
-        because the front keeps its grant after its last request (a lease: it counts in
-        flight): every such grant is revoked. The front gives it back at once if no request
-        is on it, else when its last request ends; then the model is idle, and an LRU or
-        memory victim like any other (R-4.4)."""
-        state = self.state
-        needing = sum(state.needs_slot(e, now) and state.models[e.model].state is not S.STOPPING
-                      for e in state.queue)  # (one waiting for its own child's stop: no)
-        free = state.models_max - state.n_running + state.n_stopping
-        if not needing or (not state.memory_on and state.models_max > 0 and free >= needing):
-            return  # nothing waits for room, or the room is on its way (a stopping child)
-        grants = tuple((rec.name, rec.generation) for name in sorted(state.revocable)
-                       if (rec := state.models.get(name)) is not None
-                       and rec.in_flight and rec.state.is_serving and not rec.pinned)
-        self.state.revocable.clear()
-        if grants:
-            self.state.out.append(Revoke(grants=grants))
+    def revoke_kept(self) -> None:
+        """A queued request waits for a slot or memory that busy models hold. A model may
+        look busy only because the front keeps its grant after its last request (a lease:
+        it counts in flight), so every such grant granted since the last revocation is
+        revoked: the front gives it back at once if no request is on it, else when its last
+        request ends, and the model is then idle, an LRU or memory victim like any other
+        (R-4.4). O(1) a decision: a model is revoked once per grant."""
+        revocable = self.state.revocable
+        if revocable:  # (a grant given back meanwhile is not the front's: it ignores it)
+            self.state.out.append(Revoke(grants=tuple(revocable.items())))
+            revocable.clear()
 
     def tick(self, now: float) -> None:
         """Stop idle LRU victims until every entry that needs a slot can have one.
@@ -98,6 +89,7 @@ class Rules:
         pinned_out = state.n_running > 0 and state.n_running_pinned == state.n_running \
             and self.state.n_stopping == 0
         if self.pick_victim(now) is None and not pinned_out:
+            self.revoke_kept()
             return  # every running model is busy, wanted or young: a release re-ticks
         needing = [e.model for e in self.state.queue if self.state.needs_slot(e, now)]
         while free < len(needing):
@@ -172,6 +164,7 @@ class Rules:
             if self.claim_node(rec, now):
                 return "rescan"  # refused: the queue changed
             if rec.node is None:
+                self.revoke_kept()
                 return "wait"
         # 4. One load per device at a time, as in the reference.
         busy = self.loading_devices(rec) if state.memory_on else set()
@@ -193,6 +186,7 @@ class Rules:
                 self.refuse_entry(rec.name, 503, plan.refusal, reason="memory")
                 return "rescan"
             if plan.verdict == "wait":
+                self.revoke_kept()
                 return "wait"
             if plan.note:
                 log.warning("%s", plan.note)  # said once, by the plan that was carried out
@@ -295,8 +289,8 @@ class Rules:
         self.state.stats.granted += 1
         self.state.leases[ticket] = (rec.name, rec.generation)
         shareable = not rec.rules.max_concurrency
-        if shareable:
-            self.state.revocable.add(rec.name)
+        if shareable and not rec.pinned:
+            self.state.revocable[rec.name] = rec.generation
         self.state.out.append(Answer(ticket, Grant(
             model=rec.name, generation=rec.generation, host=rec.host, port=rec.port,
             shareable=shareable, upstream_key=rec.upstream_key)))

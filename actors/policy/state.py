@@ -37,9 +37,10 @@ class State:
         self.queue = RequestQueue()
         self.leases: dict[Hashable, tuple[str, int]] = {}
         """Ticket -> (model, generation), for every granted request not yet released."""
-        self.revocable: set[str] = set()
-        """Models granted a shareable grant since they were last revoked: the front may be
-        keeping it idle after its last request (a lease, actors/http/shares.py)."""
+        self.revocable: dict[str, int] = {}
+        """Model -> generation, for the unpinned models granted a shareable grant since the
+        last revocation: the front may be keeping it idle after its last request (a lease,
+        actors/http/shares.py)."""
         self.nodes = NodeSlots(models_max_per_node)
         """The cluster's nodes that are up, and the models_max_per_node rule."""
         self.memory = Memory(memory_margin, account_host, self.nodes)
