@@ -59,6 +59,28 @@ def test_overhead_bench_runs(tmp_path) -> None:
     assert rows[0]["corral"] > 0 and rows[1]["corral"] > 0
 
 
+def test_lease_bench_runs(tmp_path) -> None:
+    path = tmp_path / "l.json"
+    bench("lease", "--lingers", "0,1000", "--gaps", "0,5", "--rounds", "1", "--requests", "20",
+          "--seconds", "0.1", "--swaps", "1", "--json", str(path))
+    data = json.loads(path.read_text())
+    assert [(r["gap_ms"], r["linger_ms"]) for r in data["rows"]] == [
+        (0, 0), (0, 1000), (5, 0), (5, 1000)]
+    assert all(r["cpu_us_per_request"][0] > 0 for r in data["rows"])
+    assert set(data["swap_ms"]) == {"0.0", "1000.0"}
+
+
+def test_ceiling_bench_runs_with_workers(tmp_path) -> None:
+    path = tmp_path / "c.json"
+    bench("ceiling", "--streams", "4", "--children", "2", "--seconds", "0.2",
+          "--concurrency", "2", "--requests", "20", "--workers", "1,2", "--json", str(path))
+    data = json.loads(path.read_text())
+    assert [(r["workers"], r["streams"]) for r in data["streams"]] == [(1, 4), (2, 4)]
+    assert all(r["share_of_asked"] > 0.9 for r in data["streams"])
+    assert [(r["workers"], r["client"]) for r in data["small"]] == [
+        (1, "lean"), (2, "lean"), (1, "aiohttp"), (2, "aiohttp")]
+
+
 def test_swap_bench_runs(tmp_path) -> None:
     path = tmp_path / "w.json"
     bench("swap", "--runs", "2", "--json", str(path))
@@ -84,7 +106,7 @@ def test_bench_help_lists_every_bench() -> None:
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard",
-                 "cluster", "cluster-sim", "exit-latency", "gpu-check"):
+                 "cluster", "cluster-sim", "exit-latency", "gpu-check", "lease", "ceiling"):
         assert f"\n  {name} " in out.stdout
     bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
