@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from bench.common import llama_pair, machine, send, session, write_json
+from bench.common import baseline, llama_pair, machine, send, session, write_json
 
 ANSWER_TIMEOUT_S = 60.0
 
@@ -106,19 +106,26 @@ async def chaos(url: str, pid: int, models: list[str], args: argparse.Namespace,
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     models = [f"m{i}" for i in range(args.models)]
     out: dict[str, Any] = {}
-    async with llama_pair(args.llama_server, models_max=args.models_max,
-                          n_models=args.models) as (urls, pids):
-        for name in ("corral", "llama-router"):
-            out[name] = await chaos(urls[name], pids[name], models, args)
-            r = out[name]
-            firsts = ", ".join(f"{m} {v['status']} in {v['s']:.2f} s"
-                               for m, v in r["first_after_chaos"].items())
-            print(f"{name:<13} {r['ok']:>5}/{r['requests']} ok ({r['ok_share']:.1%})  "
-                  f"statuses {r['statuses']}  wedged {r['wedged']}  kills {r['kills']}  "
-                  f"{r['seconds']} s; after: {firsts}", flush=True)
-            for error, n in list(r["errors"].items())[:6]:
-                print(f"{'':<13} {n:>5} x {error}", flush=True)
+    with baseline(args.baseline) as root:
+        async with llama_pair(args.llama_server, models_max=args.models_max,
+                              n_models=args.models, baseline_root=root) as (urls, pids):
+            for name in [n for n in ("corral", "corral-baseline", "llama-router")
+                         if n in urls and n in args.routers]:
+                out[name] = await one_router(name, urls, pids, models, args)
     return out
+
+
+async def one_router(name: str, urls: dict[str, str], pids: dict[str, int], models: list[str],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    r = await chaos(urls[name], pids[name], models, args)
+    firsts = ", ".join(f"{m} {v['status']} in {v['s']:.2f} s"
+                       for m, v in r["first_after_chaos"].items())
+    print(f"{name:<15} {r['ok']:>5}/{r['requests']} ok ({r['ok_share']:.1%})  "
+          f"statuses {r['statuses']}  wedged {r['wedged']}  kills {r['kills']}  "
+          f"{r['seconds']} s; after: {firsts}", flush=True)
+    for error, n in list(r["errors"].items())[:6]:
+        print(f"{'':<15} {n:>5} x {error}", flush=True)
+    return r
 
 
 def main(argv: list[str]) -> int:
@@ -132,6 +139,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--kill-every", type=float, nargs=2, default=(0.2, 0.6), metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=str, default=None)
+    p.add_argument("--baseline", metavar="REV",
+                   help="also the corral of git revision REV, after this one, same seed")
+    p.add_argument("--routers", type=lambda v: v.split(","),
+                   default=["corral", "corral-baseline", "llama-router"],
+                   help="which of corral, corral-baseline, llama-router to run (all)")
     args = p.parse_args(argv)
     results = asyncio.run(run(args))
     if args.json:
