@@ -140,7 +140,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                         args.seconds)
                 out["streams"].append(row)
                 print(f"workers {w}  {n:>5} streams: {row['delivered_tok_s']:>8,.0f} tok/s of "
-                      f"{row['asked_tok_s']:>8,.0f} asked ({row['share_of_asked']:.3f}), "
+                      f"{row['asked_tok_s']:>8,.0f} asked "
+                      f"({row['delivered_tok_s'] / row['asked_tok_s']:.2f}; tokens delivered: "
+                      f"{row['share_of_asked']:.3f}), "
                       f"corral {row['corral_cpu_us_per_token']:.1f} us/token, "
                       f"{row['corral_cores']:.2f} cores; one core: "
                       f"{row['streams_per_core']:,.0f} streams")
