@@ -33,7 +33,7 @@ def test_an_idle_model_is_stopped_after_its_ttl_and_a_used_one_is_not() -> None:
     w.release(1)  # idle from +11
     w.now = last + 16
     view = w.p.snapshot(w.now).models[0]
-    assert view.expires_in_s == pytest.approx(10 - (16 - 6))
+    assert view.expires_in_s == pytest.approx(10 - (16 - 11))  # from the request's end
     w.now = last + 30
     w.fire_timers()
     assert w.stops == [("a", "ttl")]
