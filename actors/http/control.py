@@ -30,6 +30,8 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     log_level: int
     host: str
     port: int
+    fds: list[int]
+    """corral's listening sockets, inherited: the worker accepts on them."""
     api_port: int
     api_key: str | None
     api_secret: str

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import resource
+import socket
 import time
 from collections.abc import Callable
 
@@ -89,17 +90,26 @@ class Front:
         self.drained = asyncio.Event()
         """Set once draining and no answer is running any more."""
         self.server: asyncio.Server | None = None
+        self.more_servers: list[asyncio.Server] = []
+        """A worker's: one per inherited socket after the first."""
         self._sweeper: asyncio.TimerHandle | None = None
         self._last_warning: dict[str, float] = {}
 
-    async def listen(self, host: str, port: int, reuse_port: bool = False) -> int:
-        """Start accepting on host:port (0 picks one); return the port. `reuse_port`:
-        beside other fronts on the same port (http.workers)."""
+    async def listen(self, host: str, port: int, fds: list[int] | None = None) -> int:
+        """Start accepting on host:port (0 picks one); return the port. `fds`: accept on
+        these listening sockets instead (a front worker's, inherited from corral)."""
         loop = asyncio.get_running_loop()
         if self.api_key is None:
             self.origins = Origins(host, self.http.allowed_hosts, self.http.allowed_origins)
+        if fds:
+            servers = [await loop.create_server(lambda: Connection(self),
+                                                sock=socket.socket(fileno=fd), backlog=BACKLOG)
+                       for fd in fds]
+            self.server, self.more_servers = servers[0], servers[1:]
+            self._sweeper = loop.call_later(1.0, self._sweep)
+            return port
         self.server = await loop.create_server(lambda: Connection(self), host, port,
-                                               backlog=BACKLOG, reuse_port=reuse_port or None)
+                                               backlog=BACKLOG)
         self._sweeper = loop.call_later(1.0, self._sweep)
         return int(self.server.sockets[0].getsockname()[1])
 
@@ -176,8 +186,9 @@ class Front:
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting, let running answers finish (up to timeout_s), answer nothing
         new (503 + close), then close what is left — uvicorn's order."""
-        if self.server is not None:
-            self.server.close()
+        for server in [self.server, *self.more_servers]:
+            if server is not None:
+                server.close()
         self.draining = True
         busy = sum(c.exchange is not None for c in self.connections)
         log.info("draining: %d answers running, %d connections open; new requests get 503",
@@ -208,8 +219,9 @@ class Front:
             self.drained.set()
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        for server in [self.server, *self.more_servers]:
+            if server is not None:
+                server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.shares.stop_keeping()

@@ -22,6 +22,7 @@ from ..messages import (
     Acquire,
     AnswerLate,
     Cancel,
+    Refusal,
     Release,
     Releases,
     SchedulerMessage,
@@ -98,8 +99,12 @@ class Corral:
 
     def answered(self, id_: int, value: object) -> None:
         ticket = self.tickets.get(id_)
-        if ticket is not None:
-            ticket.send(value)
+        if ticket is None:
+            return  # its client left: corral has its Drop
+        if isinstance(value, Refusal):  # nothing to release: forgotten here as in corral
+            del self.tickets[id_]
+            self.id_of.pop(ticket, None)
+        ticket.send(value)
 
 
 async def serve() -> int:
@@ -115,7 +120,7 @@ async def serve() -> int:
     corral = Corral(out)
     front = Front(setup.routes, lambda: corral, setup.api_port, setup.api_key, setup.http,
                   setup.max_body_mib, setup.api_secret)
-    port = await front.listen(setup.host, setup.port, reuse_port=True)
+    port = await front.listen(setup.host, setup.port, fds=setup.fds)
     corral._send(Listening(port=port))
     decoder = msgspec.msgpack.Decoder(ToWorker)
     ending: list[asyncio.Task[None]] = []

@@ -53,7 +53,13 @@ log = logging.getLogger("corral.workers")
 COUNTS_TIMEOUT_S = 1.0
 """A worker that does not give its counts within this is left out of them (and logged)."""
 RESTART_AFTER_S = 1.0
+RESTART_MAX_S = 30.0
+HEALTHY_S = 60.0
+"""A worker that ends within this of its start is started again after twice the last
+wait (up to RESTART_MAX_S); one that ran longer, after RESTART_AFTER_S."""
 START_TIMEOUT_S = 30.0
+HEARTBEAT_S = 5.0
+HUNG_AFTER_S = 20.0
 
 
 class RemoteTicket:
@@ -87,6 +93,11 @@ class Link:
         neither released nor cancelled."""
         self.listening: asyncio.Future[int] = self.loop.create_future()
         self.counts: dict[int, asyncio.Future[FrontCounts]] = {}
+        self.last_counts = FrontCounts()
+        self.started_at: float | None = None
+        """When it listened (loop time)."""
+        self.answered_at = 0.0
+        """When it last answered a CountAsk (loop time)."""
         self._replies = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
 
@@ -118,6 +129,8 @@ class Link:
     def _on(self, message: FromWorker) -> None:
         match message:
             case Ask(id=id_, model=model, autoload=autoload):
+                if id_ in self.tickets:
+                    raise ValueError(f"request id {id_} asked for twice")
                 asked = self.tickets[id_] = RemoteTicket(self, id_)
                 self._tell(Acquire(ticket=asked, model=model, autoload=autoload))
             case Let():
@@ -138,6 +151,7 @@ class Link:
             case Late(late=late):
                 self._tell(late)
             case Counted(reply=reply, counts=counts):
+                self.last_counts, self.answered_at = counts, self.loop.time()
                 future = self.counts.pop(reply, None)
                 if future is not None and not future.done():
                     future.set_result(counts)
@@ -180,13 +194,19 @@ class Workers:
     """corral's front workers: started, told, counted, drained, restarted."""
 
     def __init__(self, n: int, setup: Callable[[int], Setup],
-                 scheduler: Callable[[], SchedulerInbox]) -> None:
+                 scheduler: Callable[[], SchedulerInbox], pass_fds: tuple[int, ...]) -> None:
         self.n = n
         self.setup = setup
         self.scheduler = scheduler
         self.links: dict[int, Link] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
+        self.pass_fds = pass_fds
+        """The listening socket the workers accept on (inherited, not bound again)."""
+        self.retired = FrontCounts()
+        """What the workers that ended had counted."""
+        self.delays: dict[int, float] = {}
+        self.beat: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Start every worker and wait until each listens; raises OSError, with those
@@ -196,32 +216,60 @@ class Workers:
         except (OSError, RuntimeError, TimeoutError) as e:
             await self.drain(0.0)
             raise OSError(f"a front worker could not start: {e or type(e).__name__}") from e
+        self.beat = asyncio.get_running_loop().create_task(self._heartbeat())
 
     async def _start(self, index: int) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.http.worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, pass_fds=self.pass_fds)
         link = self.links[index] = Link(index, proc, self.scheduler)
         link.send(self.setup(index))
         task = asyncio.get_running_loop().create_task(self._run(link))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        port = await asyncio.wait_for(asyncio.shield(link.listening), START_TIMEOUT_S)
+        try:
+            port = await asyncio.wait_for(asyncio.shield(link.listening), START_TIMEOUT_S)
+        except TimeoutError:
+            proc.kill()  # hung before it listened: not left behind
+            raise
+        link.started_at = asyncio.get_running_loop().time()
         log.info("front worker %d (pid %d) listening on port %d", index, proc.pid, port)
 
     async def _run(self, link: Link) -> None:
         await link.serve()
         code = await link.proc.wait()
+        self.retired = merge([self.retired, link.last_counts])  # counters never go back
         if self.stopping or self.links.get(link.index) is not link:
             return
+        loop = asyncio.get_running_loop()
+        healthy = link.started_at is not None and loop.time() - link.started_at > HEALTHY_S
+        delay = RESTART_AFTER_S if healthy else min(2 * self.delays.get(link.index, 0.5),
+                                                     RESTART_MAX_S)
+        self.delays[link.index] = delay
         log.warning("front worker %d (pid %d) exited with status %s; starting it again in "
-                    "%g s", link.index, link.proc.pid, code, RESTART_AFTER_S)
-        await asyncio.sleep(RESTART_AFTER_S)
+                    "%g s", link.index, link.proc.pid, code, delay)
+        await asyncio.sleep(delay)
         if not self.stopping:
             try:
                 await self._start(link.index)
-            except (OSError, RuntimeError, TimeoutError) as e:
+            except (OSError, RuntimeError, TimeoutError) as e:  # its own _run tries again
                 log.error("front worker %d could not be started again: %s", link.index, e)
+
+    async def _heartbeat(self) -> None:
+        """Ask every worker for its counts every HEARTBEAT_S: one that has answered none
+        for HUNG_AFTER_S is hung (stopped, or its loop stuck) and holds grants the
+        Scheduler waits for: it is killed, its tickets cancelled, and it starts again."""
+        loop = asyncio.get_running_loop()
+        while not self.stopping:
+            await asyncio.sleep(HEARTBEAT_S)
+            await self.counts()
+            for link in list(self.links.values()):
+                if (link.proc.returncode is None and link.started_at is not None
+                        and loop.time() - max(link.answered_at, link.started_at)
+                        > HUNG_AFTER_S):
+                    log.error("front worker %d (pid %d) has answered nothing for %g s; "
+                              "killing it", link.index, link.proc.pid, HUNG_AFTER_S)
+                    link.proc.kill()
 
     def notice(self, notice: Withdraw | Revoke) -> None:
         for link in self.links.values():
@@ -232,19 +280,26 @@ class Workers:
             link.send(NewRoutes(routes=routes))
 
     async def counts(self) -> list[FrontCounts]:
-        got = await asyncio.gather(*(link.ask_counts() for link in self.links.values()))
-        return [c for c in got if c is not None]
+        """Every worker's counts (the last known for one that is late), and those of the
+        workers that ended, so that no counter ever goes back."""
+        live = [link for link in self.links.values() if link.proc.returncode is None]
+        got = await asyncio.gather(*(link.ask_counts() for link in live))
+        return [self.retired, *(c if c is not None else link.last_counts
+                                for c, link in zip(got, live, strict=True))]
 
     def pids(self) -> list[int]:
         return [link.proc.pid for link in self.links.values()]
 
     async def drain(self, timeout_s: float) -> None:
         """Have every worker drain as corral's own front does, then end; one that outlasts
-        the drain by 5 s is killed."""
+        the drain by 5 s is killed. All at once: N workers take one drain, not N."""
         self.stopping = True
+        if self.beat is not None:
+            self.beat.cancel()
         for link in self.links.values():
             link.send(Drain(timeout_s=timeout_s))
-        for link in list(self.links.values()):
+
+        async def end(link: Link) -> None:
             try:
                 await asyncio.wait_for(link.proc.wait(), timeout_s + 5)
             except TimeoutError:
@@ -252,6 +307,7 @@ class Workers:
                             link.index)
                 link.proc.kill()
                 await link.proc.wait()
+        await asyncio.gather(*(end(link) for link in list(self.links.values())))
         for task in list(self.tasks):
             task.cancel()
 
@@ -271,15 +327,21 @@ class Fronts:
 
     async def listen(self, host: str, port: int) -> int:
         n = self.config.http.workers
-        port = await self.front.listen(host, port, reuse_port=n > 1)
+        port = await self.front.listen(host, port)
         if n > 1:
+            # The workers accept on corral's own listening sockets, inherited: nothing else
+            # can bind the port beside them (SO_REUSEPORT would let any process of the same
+            # user take a share of corral's clients), and a hung worker takes no new ones.
+            assert self.front.server is not None
+            fds = tuple(s.fileno() for s in self.front.server.sockets)
+
             def setup(index: int) -> Setup:
                 return Setup(index=index, log_level=logging.getLogger().getEffectiveLevel(),
-                             host=host, port=port, api_port=self.api_port,
+                             host=host, port=port, fds=list(fds), api_port=self.api_port,
                              api_key=self.config.api_key, api_secret=self.api_secret,
                              http=self.config.http, max_body_mib=self.config.max_body_mib,
                              routes=self.front.routes)
-            self.workers = Workers(n, setup, self.scheduler)
+            self.workers = Workers(n, setup, self.scheduler, fds)
             await self.workers.start()
         return port
 
