@@ -179,7 +179,8 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     answer (an SSE error event, or a cut connection) and counts one failed liveness check;
     0 waits for ever."""
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
-    """Front processes on corral's port (SO_REUSEPORT), one Scheduler for all: above 1,
+    """Front processes on corral's port (each accepts on its listening sockets), one
+    Scheduler for all: above 1,
     the proxy is no longer held to one core (actors/http/workers.py)."""
     lease_linger_ms: Annotated[float, Meta(ge=0)] = LEASE_LINGER_MS
     """How long the front keeps a model's grant after its last request, so that the next

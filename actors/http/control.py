@@ -1,11 +1,11 @@
 """What crosses between corral and its front workers (`http.workers`): msgspec Structs as
 msgpack, each frame a 4-byte length and its bytes, over the worker's stdin and stdout.
 
-A worker is a front in a process of its own, on corral's port (SO_REUSEPORT), with no
-Scheduler: it asks corral's for grants over this channel, as the front in corral's own
-process asks through the bridge. A request is named by an `id` the worker chose; corral
-holds a ticket for each (workers.RemoteTicket) and cancels every ticket of a worker that
-goes away, so none of its grants outlives it.
+A worker is a front in a process of its own, on corral's port (its listening sockets,
+inherited), with no Scheduler: it asks corral's for grants over this channel, as the
+front in corral's own process asks through the bridge. A request is named by an `id` the
+worker chose; corral holds a ticket for each (workers.RemoteTicket) and cancels every
+ticket of a worker that goes away, so none of its grants outlives it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A front worker: `python -m actors.http.worker`, started by corral (workers.py) with its
 `Setup` on stdin. It serves corral's port beside corral's own front and the other workers
-(SO_REUSEPORT) and asks corral's Scheduler for grants over stdin and stdout (control.py).
+(it accepts on corral's listening sockets, inherited) and asks corral's Scheduler for
+grants over stdin and stdout (control.py).
 When corral goes away (its channel ends), the worker drains and ends too.
 """
 

@@ -1,5 +1,5 @@
 """Front workers (`http.workers = N`): N - 1 more fronts, each a process of its own on
-corral's port (SO_REUSEPORT: the kernel spreads new connections over them), so that the
+corral's port (each accepts on corral's listening sockets, inherited), so that the
 proxy is not held to one core. There is still one Scheduler, in corral's process: a
 worker asks it for grants over a control channel (control.py), keeps and shares them as
 the front beside the Scheduler does (shares.py, leases included), and is told every
