@@ -130,11 +130,15 @@ def test_a_stalled_follower_is_dropped_and_holds_up_nobody(corral) -> None:
         assert got == list(range(len(got))) and (len(got) == n or "lost" in reader.events[-1])
         stalled.settimeout(30)
         got = bytearray()
-        while b"event: dropped" not in got[-(1 << 16):]:
+
+        def dechunked(data: bytes) -> str:
+            return re.sub(rb"\r\n[0-9a-f]+\r\n", b"", data).decode(errors="replace")
+        # Until the whole `dropped` event is in: its bytes may come in more than one read.
+        while not re.search(r"event: dropped\ndata: \{[^\n]*\}\n", dechunked(got[-(1 << 16):])):
             chunk = stalled.recv(1 << 20)
             assert chunk, got[-500:]
             got += chunk
-        text = re.sub(rb"\r\n[0-9a-f]+\r\n", b"", got).decode(errors="replace")  # dechunk
+        text = dechunked(got)
         seen = [int(i) for i in re.findall(r"fake_model: line (\d+) ", text)]
         assert seen == list(range(len(seen))) and len(seen) < n
         assert re.search(r'event: dropped\ndata: \{"lost":\d+,"reason":"this reader fell '
