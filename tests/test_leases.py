@@ -155,6 +155,14 @@ class World:
                 return
         raise AssertionError("messages never settled")
 
+    def granted(self, model: str) -> SharedGrant:
+        """A request for `model`, granted (its child loaded), still running."""
+        task = self.start(model)
+        self.settle()
+        share = task.result()
+        assert isinstance(share, SharedGrant)
+        return share
+
     def start(self, model: str) -> asyncio.Task[SharedGrant | Refusal]:
         task = self.loop.create_task(self.shares.acquire(model, True))
         self.spin()
@@ -169,10 +177,8 @@ class World:
 
 def test_a_lone_clients_next_request_joins_the_kept_grant_without_asking() -> None:
     w = World()
-    first = w.start("a")
-    w.settle()
-    share = first.result()
-    assert isinstance(share, SharedGrant) and w.acquires == 1
+    share = w.granted("a")
+    assert w.acquires == 1
     w.release(share)
     w.settle()
     assert not w.to_sched, "released at once: nothing was kept"
@@ -189,12 +195,15 @@ def test_a_lone_clients_next_request_joins_the_kept_grant_without_asking() -> No
 
 def test_a_kept_grant_is_released_when_its_linger_runs_out_with_its_idle_time() -> None:
     w = World(linger_s=0.05)
-    first = w.start("a")
-    w.settle()
-    share = first.result()
-    assert isinstance(share, SharedGrant)
+    share = w.granted("a")
     w.release(share)
-    w.run(asyncio.sleep(0.08))  # the linger runs out: the sweep releases it
+
+    async def swept() -> None:  # the linger runs out: the sweep releases it
+        for _ in range(200):
+            if w.to_sched:
+                return
+            await asyncio.sleep(0.005)
+    w.run(swept())
     assert len(w.to_sched) == 1
     release = w.to_sched[0]
     assert isinstance(release, Release) and release.ticket is share.ticket
@@ -209,10 +218,7 @@ def test_a_request_for_another_model_revokes_the_kept_grant_at_once() -> None:
     """models_max 1: b's request needs a's slot. The linger (here an hour) is not waited
     out: the Scheduler revokes a's grant, the front gives it back, a is evicted."""
     w = World(linger_s=3600)
-    first = w.start("a")
-    w.settle()
-    share = first.result()
-    assert isinstance(share, SharedGrant)
+    share = w.granted("a")
     w.release(share)
     b = w.start("b")
     w.settle()
@@ -226,10 +232,7 @@ def test_a_request_for_another_model_revokes_the_kept_grant_at_once() -> None:
 
 def test_a_revoked_grant_with_a_request_on_it_is_released_when_that_ends_not_kept() -> None:
     w = World(linger_s=3600)
-    first = w.start("a")
-    w.settle()
-    share = first.result()
-    assert isinstance(share, SharedGrant)
+    share = w.granted("a")
     b = w.start("b")
     w.settle(children=False)
     assert not b.done() and w.p.state.models["a"].state is S.LOADED  # a is busy: b waits
@@ -245,11 +248,7 @@ def test_a_revoked_grant_with_a_request_on_it_is_released_when_that_ends_not_kep
 def test_an_unload_or_reload_releases_a_kept_grant_at_once() -> None:
     w = World(models_max=2, linger_s=3600)
     for model in "ab":
-        task = w.start(model)
-        w.settle()
-        share = task.result()
-        assert isinstance(share, SharedGrant)
-        w.release(share)
+        w.release(w.granted(model))
     w.carry_out(w.p.unload("u", "a", w.now))
     effects, restarted = w.p.children.reconfigure({}, [], {"b": ModelRules(ttl_s=1)}, w.now)
     w.carry_out(effects)
@@ -263,10 +262,8 @@ def test_an_unload_or_reload_releases_a_kept_grant_at_once() -> None:
 
 def test_a_max_concurrency_model_never_keeps_its_grant() -> None:
     w = World(rules={"a": ModelRules(max_concurrency=2), "b": ModelRules()})
-    first = w.start("a")
-    w.settle()
-    share = first.result()
-    assert isinstance(share, SharedGrant) and not share.grant.shareable
+    share = w.granted("a")
+    assert not share.grant.shareable
     w.release(share)
     assert isinstance(w.to_sched[-1], Release)
     w.settle()
@@ -276,10 +273,7 @@ def test_a_max_concurrency_model_never_keeps_its_grant() -> None:
 
 def test_a_grant_whose_child_broke_is_neither_kept_nor_joined() -> None:
     w = World(linger_s=3600)
-    first = w.start("a")
-    w.settle()
-    share = first.result()
-    assert isinstance(share, SharedGrant)
+    share = w.granted("a")
     w.release(share, keep=False)
     assert "a" not in w.shares.open and isinstance(w.to_sched[-1], Release)
     w.close()
@@ -288,9 +282,8 @@ def test_a_grant_whose_child_broke_is_neither_kept_nor_joined() -> None:
 def test_drain_releases_every_kept_grant() -> None:
     w = World(models_max=2, linger_s=3600)
     for model in "ab":
-        task = w.start(model)
-        w.settle()
-        w.release(task.result())  # type: ignore[arg-type]
+        w.release(w.granted(model))
+
     async def on_loop() -> None:
         w.shares.stop_keeping()
     w.run(on_loop())

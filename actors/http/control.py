@@ -58,10 +58,14 @@ class FrontCounts(msgspec.Struct, frozen=True, kw_only=True):
     times: list[TimeRow] = []
 
 
+class Frame(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """A message on the channel, either way."""
+
+
 # ---------------------------------------------------------------- worker -> corral
 
 
-class Ask(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Ask(Frame, frozen=True):
     """Serve one request for `model` (an Acquire)."""
 
     id: int
@@ -69,7 +73,7 @@ class Ask(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     autoload: bool
 
 
-class Let(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Let(Frame, frozen=True):
     """The request `id` has finished (a Release)."""
 
     id: int
@@ -77,30 +81,30 @@ class Let(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     idle_s: float
 
 
-class LetAll(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class LetAll(Frame, frozen=True):
     """Grants a Revoke found idle, given back together (a Releases)."""
 
     lets: list[Let]
 
 
-class Drop(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Drop(Frame, frozen=True):
     """The client of request `id` went away (a Cancel)."""
 
     id: int
 
 
-class Late(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Late(Frame, frozen=True):
     late: AnswerLate
 
 
-class Counted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Counted(Frame, frozen=True):
     """The answer to CountAsk `reply`."""
 
     reply: int
     counts: FrontCounts
 
 
-class Listening(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Listening(Frame, frozen=True):
     """The worker's front listens on `port`."""
 
     port: int
@@ -112,24 +116,24 @@ FromWorker = Ask | Let | LetAll | Drop | Late | Counted | Listening
 # ---------------------------------------------------------------- corral -> worker
 
 
-class Answered(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Answered(Frame, frozen=True):
     id: int
     value: Grant | Refusal
 
 
-class Notice(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Notice(Frame, frozen=True):
     notice: Withdraw | Revoke
 
 
-class NewRoutes(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class NewRoutes(Frame, frozen=True):
     routes: Routes
 
 
-class CountAsk(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class CountAsk(Frame, frozen=True):
     reply: int
 
 
-class Drain(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Drain(Frame, frozen=True):
     timeout_s: float
 
 

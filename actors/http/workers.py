@@ -287,9 +287,6 @@ class Workers:
         return [self.retired, *(c if c is not None else link.last_counts
                                 for c, link in zip(got, live, strict=True))]
 
-    def pids(self) -> list[int]:
-        return [link.proc.pid for link in self.links.values()]
-
     async def drain(self, timeout_s: float) -> None:
         """Have every worker drain as corral's own front does, then end; one that outlasts
         the drain by 5 s is killed. All at once: N workers take one drain, not N."""
