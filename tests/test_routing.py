@@ -212,6 +212,8 @@ def test_a_load_that_fails_answers_its_waiter_and_the_next_request_retries(
         "model 'a' failed to load (attempt 1): exited with status 7")
     status, body = chat(c.port, "a")
     assert status == 200, body
+    # The answer can overtake the `loaded` event on its way to the listener: wait for it.
+    sse.wait_for(lambda e: e.get("model") == "a" and e.get("status") == "loaded")
     assert sse.statuses("a") == ["loading", "unloaded", "loading", "loaded"]
     failed = next(e for e in sse.events if e.get("failed"))
     assert failed["status"] == "unloaded" and failed["exit_code"] == 7
