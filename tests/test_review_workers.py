@@ -208,7 +208,8 @@ def test_a_reused_request_id_does_not_lose_a_ticket() -> None:
     scheduler = _Scheduler()
 
     async def go() -> None:
-        link = Link(1, _Proc(), lambda: scheduler)  # type: ignore[arg-type]
+        link = Link(1, _Proc(), lambda: scheduler,  # type: ignore[arg-type]
+                    lambda *_: None)
         link._on(Ask(id=7, model="a", autoload=True))
         with pytest.raises(ValueError, match="asked for twice"):  # serve() kills the worker
             link._on(Ask(id=7, model="a", autoload=True))
@@ -248,14 +249,13 @@ def own_front_connection(port: int, worker: int) -> http.client.HTTPConnection:
         stopped.resume()
 
 
-@pytest.mark.xfail(strict=True, reason="open: each front gives its kept grants back on its "
-                   "own, so the Scheduler may pick its victim before a worker's come")
 def test_a_revocation_evicts_the_least_recently_used_model(corral) -> None:
     """models_max 2, a long linger: a (used first) is kept by both fronts, c (used
     last) by corral's own front only. b needs a slot: both are revoked, and one front
     gives both back together (Releases, policy.release_all), so a, the least recently
-    used, is evicted. With workers corral's front gives its grants back first: c is
-    idle before the worker's LetAll for a arrives, and c, the most recently used, goes."""
+    used, is evicted. With workers, corral tells the Scheduler every front's releases in
+    one Releases once each has answered the Revoke: were its own front's told first, c
+    would be idle before the worker's for a came, and c, the most recently used, would go."""
     c = corral(toml_config({"a": {"cmd": fake_cmd()}, "c": {"cmd": fake_cmd()},
                             "b": {"cmd": fake_cmd()}},
                            models_max=2, http={"workers": 2, "lease_linger_ms": 3_600_000,
@@ -275,3 +275,57 @@ def test_a_revocation_evicts_the_least_recently_used_model(corral) -> None:
     assert chat(c.port, "b")[0] == 200
     states = {m: c.state(m) for m in "acb"}
     assert states == {"a": "unloaded", "c": "loaded", "b": "loaded"}, states
+
+
+class _Link:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.ended = False
+        self.sent: list[object] = []
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
+
+
+def test_a_revocation_round_waits_for_every_worker_but_not_for_ever(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One Releases once every worker has answered; one that went away counts as
+    answered; one that is late is not waited for past REVOKE_WAIT_S, and its releases
+    go on their own when they come."""
+    from actors.http import workers as w
+    from actors.messages import Release, Releases, Revoke
+
+    monkeypatch.setattr(w, "REVOKE_WAIT_S", 0.05)
+    scheduler = _Scheduler()
+
+    def rel(n: int) -> Release:
+        return Release(ticket=object(), shared=False, idle_s=float(n))
+
+    async def go() -> None:
+        workers = w.Workers(3, lambda i: None, lambda: scheduler, ())  # type: ignore[arg-type,return-value]
+        links = {1: _Link(1), 2: _Link(2)}
+        workers.links = links  # type: ignore[assignment]
+        revoke = Revoke(grants=(("a", 1),))
+        own, first, second, late = rel(0), rel(1), rel(2), rel(3)
+        workers.revoke(revoke, (own,))
+        assert [type(m).__name__ for m in links[1].sent] == ["RevokeAsk"]
+        workers.revoked(1, 1, (first,))
+        assert scheduler.told == [], "told before worker 2 answered"
+        workers.revoked(2, 1, ())  # it had nothing kept idle: still an answer
+        assert scheduler.told == [Releases(releases=(own, first))]
+        # worker 2 goes away in the next round: the round ends with what it has
+        workers.revoke(revoke, ())
+        workers.revoked(1, 2, (second,))
+        workers.revoked(2, 2, ())  # Workers._run, as the link's channel ends
+        assert scheduler.told[-1] == Releases(releases=(second,))
+        # worker 1 is late: the others' go after REVOKE_WAIT_S, its own when they come
+        workers.revoke(revoke, (own,))
+        workers.revoked(2, 3, ())
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(scheduler.told) < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert scheduler.told[-1] == Releases(releases=(own,))
+        workers.revoked(1, 3, (late,))
+        assert scheduler.told[-1] == Releases(releases=(late,))
+        assert not workers.revoking
+    asyncio.run(go())

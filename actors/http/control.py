@@ -87,6 +87,13 @@ class LetAll(Frame, frozen=True):
     lets: list[Let]
 
 
+class Revoked(Frame, frozen=True):
+    """The answer to RevokeAsk `round`: the grants it found kept idle (maybe none)."""
+
+    round: int
+    lets: list[Let]
+
+
 class Drop(Frame, frozen=True):
     """The client of request `id` went away (a Cancel)."""
 
@@ -110,7 +117,7 @@ class Listening(Frame, frozen=True):
     port: int
 
 
-FromWorker = Ask | Let | LetAll | Drop | Late | Counted | Listening
+FromWorker = Ask | Let | LetAll | Revoked | Drop | Late | Counted | Listening
 
 
 # ---------------------------------------------------------------- corral -> worker
@@ -122,7 +129,15 @@ class Answered(Frame, frozen=True):
 
 
 class Notice(Frame, frozen=True):
-    notice: Withdraw | Revoke
+    notice: Withdraw
+
+
+class RevokeAsk(Frame, frozen=True):
+    """Carry out `revoke` and answer (Revoked `round`), even with nothing kept idle:
+    corral tells the Scheduler every front's releases together, once all have answered."""
+
+    round: int
+    revoke: Revoke
 
 
 class NewRoutes(Frame, frozen=True):
@@ -137,7 +152,7 @@ class Drain(Frame, frozen=True):
     timeout_s: float
 
 
-ToWorker = Answered | Notice | NewRoutes | CountAsk | Drain
+ToWorker = Answered | Notice | RevokeAsk | NewRoutes | CountAsk | Drain
 
 _encoder = msgspec.msgpack.Encoder()
 _LENGTH = struct.Struct(">I")

@@ -213,6 +213,14 @@ class Shares:
     def revoke(self, message: Revoke) -> None:
         """The Scheduler: keep no grant of these models' generations idle; those kept idle
         now go back together (the Scheduler then picks among all of them)."""
+        idle = self.revoked_idle(message)
+        if idle:
+            self._tell(Releases(releases=idle))
+
+    def revoked_idle(self, message: Revoke) -> tuple[Release, ...]:
+        """`revoke`, with the releases of the grants kept idle returned, not told: a front
+        among several gives them to corral, which tells the Scheduler every front's in one
+        Releases (workers.Revoking)."""
         now = self._loop().time()
         idle = []
         for model, generation in message.grants:
@@ -224,8 +232,7 @@ class Shares:
             share.keep = False
             if not share.count:
                 idle.append(self._let_go(share, now - share.idle_since))
-        if idle:
-            self._tell(Releases(releases=tuple(idle)))
+        return tuple(idle)
 
     def kept_idle_s(self, model: str) -> float | None:
         """How long the front has kept `model`'s grant with no request on it (None: it

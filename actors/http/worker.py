@@ -41,6 +41,8 @@ from .control import (
     Listening,
     NewRoutes,
     Notice,
+    RevokeAsk,
+    Revoked,
     Setup,
     ToWorker,
     frame,
@@ -148,6 +150,9 @@ async def serve() -> int:
                 corral.answered(id_, value)
             case Notice(notice=notice):
                 front.grant_notice(notice)
+            case RevokeAsk(round=round_, revoke=revoke):
+                idle = front.shares.revoked_idle(revoke)
+                corral._send(Revoked(round=round_, lets=[corral._let(r) for r in idle]))
             case NewRoutes(routes=routes):
                 front.routes = routes
             case CountAsk(reply=reply):

@@ -6,6 +6,10 @@ the front beside the Scheduler does (shares.py, leases included), and is told ev
 Withdraw and Revoke. What is not a model's request a worker passes to the management API
 in corral's process, as any front does.
 
+A Revoke is answered by every front, with the grants it kept idle (maybe none), and corral
+tells the Scheduler all of them in one Releases (`Revoking`): it then picks its LRU victim
+among every front's, as it does with one front.
+
 corral holds one `RemoteTicket` per request a worker has asked for, so the Scheduler
 counts a worker's requests exactly as it counts its own front's. A worker that goes away
 has all its tickets cancelled (a grant among them is released) and is started again.
@@ -18,6 +22,7 @@ import itertools
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import pykka
@@ -40,6 +45,8 @@ from .control import (
     Listening,
     NewRoutes,
     Notice,
+    RevokeAsk,
+    Revoked,
     Setup,
     frame,
     merge,
@@ -60,6 +67,9 @@ wait (up to RESTART_MAX_S); one that ran longer, after RESTART_AFTER_S."""
 START_TIMEOUT_S = 30.0
 HEARTBEAT_S = 5.0
 HUNG_AFTER_S = 20.0
+REVOKE_WAIT_S = 1.0
+"""A worker that has not answered a Revoke within this is not waited for: the others'
+releases go to the Scheduler, and its own when they come."""
 
 
 class RemoteTicket:
@@ -83,10 +93,15 @@ class Link:
     """One worker process and its channel, on corral's loop."""
 
     def __init__(self, index: int, proc: asyncio.subprocess.Process,
-                 scheduler: Callable[[], SchedulerInbox]) -> None:
+                 scheduler: Callable[[], SchedulerInbox],
+                 revoked: Callable[[int, int, tuple[Release, ...]], None]) -> None:
         self.index = index
         self.proc = proc
         self.scheduler = scheduler
+        self.revoked = revoked
+        """Called with (index, round, releases) when it answers a RevokeAsk."""
+        self.ended = False
+        """Its channel has ended: it answers nothing any more."""
         self.loop = asyncio.get_running_loop()
         self.tickets: dict[int, RemoteTicket] = {}
         """The worker's requests that corral has asked the Scheduler for and that are
@@ -139,11 +154,11 @@ class Link:
                     self._tell(Release(ticket=ticket, shared=message.shared,
                                        idle_s=message.idle_s))
             case LetAll(lets=lets):
-                releases = tuple(Release(ticket=t, shared=let.shared, idle_s=let.idle_s)
-                                 for let in lets
-                                 if (t := self.tickets.pop(let.id, None)) is not None)
+                releases = self._releases(lets)
                 if releases:
                     self._tell(Releases(releases=releases))
+            case Revoked(round=round_, lets=lets):
+                self.revoked(self.index, round_, self._releases(lets))
             case Drop(id=id_):
                 ticket = self.tickets.pop(id_, None)
                 if ticket is not None:
@@ -159,13 +174,15 @@ class Link:
                 if not self.listening.done():
                     self.listening.set_result(port)
 
+    def _releases(self, lets: list[Let]) -> tuple[Release, ...]:
+        return tuple(Release(ticket=t, shared=let.shared, idle_s=let.idle_s)
+                     for let in lets if (t := self.tickets.pop(let.id, None)) is not None)
+
     def _tell(self, message: Acquire | Release | Releases | Cancel | Late | object) -> None:
-        try:
-            self.scheduler().tell(message)  # type: ignore[arg-type]
-        except pykka.ActorDeadError:
-            pass  # corral is stopping
+        tell(self.scheduler, message)
 
     def gone(self) -> None:
+        self.ended = True
         if self.tickets:
             log.warning("front worker %d went away with %d requests; they are cancelled",
                         self.index, len(self.tickets))
@@ -190,6 +207,24 @@ class Link:
             self.counts.pop(reply, None)
 
 
+def tell(scheduler: Callable[[], SchedulerInbox], message: object) -> None:
+    try:
+        scheduler().tell(message)  # type: ignore[arg-type]
+    except pykka.ActorDeadError:
+        pass  # corral is stopping
+
+
+@dataclass
+class Revoking:
+    """One Revoke, asked of every front: the releases of the grants they kept idle, told
+    to the Scheduler together once each has answered (or REVOKE_WAIT_S has passed)."""
+
+    releases: list[Release]
+    waiting: set[int]
+    """The workers that have not answered."""
+    timer: asyncio.TimerHandle | None = None
+
+
 class Workers:
     """corral's front workers: started, told, counted, drained, restarted."""
 
@@ -207,6 +242,8 @@ class Workers:
         """What the workers that ended had counted."""
         self.delays: dict[int, float] = {}
         self.beat: asyncio.Task[None] | None = None
+        self.revoking: dict[int, Revoking] = {}
+        self._rounds = itertools.count(1)
 
     async def start(self) -> None:
         """Start every worker and wait until each listens; raises OSError, with those
@@ -222,7 +259,7 @@ class Workers:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.http.worker", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, pass_fds=self.pass_fds)
-        link = self.links[index] = Link(index, proc, self.scheduler)
+        link = self.links[index] = Link(index, proc, self.scheduler, self.revoked)
         link.send(self.setup(index))
         task = asyncio.get_running_loop().create_task(self._run(link))
         self.tasks.add(task)
@@ -237,6 +274,8 @@ class Workers:
 
     async def _run(self, link: Link) -> None:
         await link.serve()
+        for round_ in list(self.revoking):  # it answers none of them now
+            self.revoked(link.index, round_, ())
         code = await link.proc.wait()
         self.retired = merge([self.retired, link.last_counts])  # counters never go back
         if self.stopping or self.links.get(link.index) is not link:
@@ -271,9 +310,52 @@ class Workers:
                               "killing it", link.index, link.proc.pid, HUNG_AFTER_S)
                     link.proc.kill()
 
-    def notice(self, notice: Withdraw | Revoke) -> None:
+    def notice(self, notice: Withdraw) -> None:
         for link in self.links.values():
             link.send(Notice(notice=notice))
+
+    def revoke(self, notice: Revoke, own: tuple[Release, ...]) -> None:
+        """Ask every worker to carry out `notice`; tell the Scheduler its releases and
+        `own` (corral's front's) in one Releases once all have answered."""
+        live = [link for link in self.links.values() if not link.ended]
+        if not live:
+            self._release(list(own))
+            return
+        round_ = next(self._rounds)
+        pending = self.revoking[round_] = Revoking(list(own), {link.index for link in live})
+        pending.timer = asyncio.get_running_loop().call_later(
+            REVOKE_WAIT_S, self._revoke_late, round_)
+        for link in live:
+            link.send(RevokeAsk(round=round_, revoke=notice))
+
+    def revoked(self, index: int, round_: int, releases: tuple[Release, ...]) -> None:
+        """Worker `index` answered RevokeAsk `round_` (or went away: no releases)."""
+        pending = self.revoking.get(round_)
+        if pending is None:  # after REVOKE_WAIT_S: on their own
+            self._release(list(releases))
+            return
+        pending.releases += releases
+        pending.waiting.discard(index)
+        if not pending.waiting:
+            self._end_round(round_)
+
+    def _revoke_late(self, round_: int) -> None:
+        pending = self.revoking.get(round_)
+        if pending is not None:
+            log.warning("front workers %s did not answer a revocation within %g s; the "
+                        "Scheduler gets the other fronts' releases without theirs",
+                        sorted(pending.waiting), REVOKE_WAIT_S)
+            self._end_round(round_)
+
+    def _end_round(self, round_: int) -> None:
+        pending = self.revoking.pop(round_)
+        if pending.timer is not None:
+            pending.timer.cancel()
+        self._release(pending.releases)
+
+    def _release(self, releases: list[Release]) -> None:
+        if releases:
+            tell(self.scheduler, Releases(releases=tuple(releases)))
 
     def routes(self, routes: Routes) -> None:
         for link in self.links.values():
@@ -343,8 +425,12 @@ class Fronts:
         return port
 
     def grant_notice(self, notice: Withdraw | Revoke) -> None:
-        self.front.grant_notice(notice)
-        if self.workers is not None:
+        if self.workers is None:
+            self.front.grant_notice(notice)
+        elif isinstance(notice, Revoke):
+            self.workers.revoke(notice, self.front.shares.revoked_idle(notice))
+        else:
+            self.front.grant_notice(notice)
             self.workers.notice(notice)
 
     def set_routes(self, routes: Routes) -> None:
