@@ -17,8 +17,8 @@ import pytest
 
 from actors.bridge import acquire
 from actors.http.control import Ask
+from actors.http.link import Link
 from actors.http.worker import Corral
-from actors.http.workers import Link
 from actors.messages import Cancel, Refusal
 from tests.helpers import chat, fake_cmd, toml_config, wait_until
 from tests.test_shares import metric

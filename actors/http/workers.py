@@ -10,9 +10,8 @@ A Revoke is answered by every front, with the grants it kept idle (maybe none), 
 tells the Scheduler all of them in one Releases (`Revoking`): it then picks its LRU victim
 among every front's, as it does with one front.
 
-corral holds one `RemoteTicket` per request a worker has asked for, so the Scheduler
-counts a worker's requests exactly as it counts its own front's. A worker that goes away
-has all its tickets cancelled (a grant among them is released) and is started again.
+corral's end of each worker's channel is a `Link` (link.py); a worker that goes away
+has all its requests cancelled there, and is started again here.
 """
 
 from __future__ import annotations
@@ -24,41 +23,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-import pykka
-
 from ..bridge import SchedulerInbox
 from ..config import Config
-from ..messages import Acquire, Cancel, Grant, Refusal, Release, Releases, Revoke, Withdraw
-from .control import (
-    Answered,
-    Ask,
-    CountAsk,
-    Counted,
-    Drain,
-    Drop,
-    FromWorker,
-    FrontCounts,
-    Late,
-    Let,
-    LetAll,
-    Listening,
-    NewRoutes,
-    Notice,
-    RevokeAsk,
-    Revoked,
-    Setup,
-    frame,
-    merge,
-    read_frame,
-)
+from ..messages import Release, Releases, Revoke, Withdraw
+from .control import Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
 from .edge import Routes
 from .front import Front
+from .link import Link, tell
 
 log = logging.getLogger("corral.workers")
 
-COUNTS_TIMEOUT_S = 1.0
-"""A worker that does not give its counts within this is left out of them (and logged)."""
 RESTART_AFTER_S = 1.0
 RESTART_MAX_S = 30.0
 HEALTHY_S = 60.0
@@ -70,148 +44,6 @@ HUNG_AFTER_S = 20.0
 REVOKE_WAIT_S = 1.0
 """A worker that has not answered a Revoke within this is not waited for: the others'
 releases go to the Scheduler, and its own when they come."""
-
-
-class RemoteTicket:
-    """A worker's request as the Scheduler sees it: its answer goes back over the channel.
-    Hashable by identity, as every ticket is."""
-
-    __slots__ = ("id", "link")
-
-    def __init__(self, link: Link, id_: int) -> None:
-        self.link = link
-        self.id = id_
-
-    def send(self, value: object) -> None:  # from the Scheduler's thread
-        try:
-            self.link.loop.call_soon_threadsafe(self.link.answer, self.id, value)
-        except RuntimeError:
-            pass  # the loop is closed: corral is gone
-
-
-class Link:
-    """One worker process and its channel, on corral's loop."""
-
-    def __init__(self, index: int, proc: asyncio.subprocess.Process,
-                 scheduler: Callable[[], SchedulerInbox],
-                 revoked: Callable[[int, int, tuple[Release, ...]], None]) -> None:
-        self.index = index
-        self.proc = proc
-        self.scheduler = scheduler
-        self.revoked = revoked
-        """Called with (index, round, releases) when it answers a RevokeAsk."""
-        self.ended = False
-        """Its channel has ended: it answers nothing any more."""
-        self.loop = asyncio.get_running_loop()
-        self.tickets: dict[int, RemoteTicket] = {}
-        """The worker's requests that corral has asked the Scheduler for and that are
-        neither released nor cancelled."""
-        self.listening: asyncio.Future[int] = self.loop.create_future()
-        self.counts: dict[int, asyncio.Future[FrontCounts]] = {}
-        self.last_counts = FrontCounts()
-        self.started_at: float | None = None
-        """When it listened (loop time)."""
-        self.answered_at = 0.0
-        """When it last answered a CountAsk (loop time)."""
-        self._replies = itertools.count()
-        self._decoder = msgspec.msgpack.Decoder(FromWorker)
-
-    def send(self, message: msgspec.Struct) -> None:
-        stdin = self.proc.stdin
-        if stdin is not None and not stdin.is_closing():
-            stdin.write(frame(message))
-
-    def answer(self, id_: int, value: object) -> None:
-        if id_ in self.tickets and isinstance(value, Grant | Refusal):
-            self.send(Answered(id=id_, value=value))
-            if isinstance(value, Refusal):
-                del self.tickets[id_]  # nothing to release
-
-    async def serve(self) -> None:
-        """Carry out what the worker sends until its channel ends; then cancel every
-        ticket it had."""
-        assert self.proc.stdout is not None
-        try:
-            while (data := await read_frame(self.proc.stdout)) is not None:
-                self._on(self._decoder.decode(data))
-        except (msgspec.DecodeError, ValueError) as e:
-            log.error("front worker %d sent what corral cannot read (%s); stopping it",
-                      self.index, e)
-            self.proc.kill()
-        finally:
-            self.gone()
-
-    def _on(self, message: FromWorker) -> None:
-        match message:
-            case Ask(id=id_, model=model, autoload=autoload):
-                if id_ in self.tickets:
-                    raise ValueError(f"request id {id_} asked for twice")
-                asked = self.tickets[id_] = RemoteTicket(self, id_)
-                self._tell(Acquire(ticket=asked, model=model, autoload=autoload))
-            case Let():
-                ticket = self.tickets.pop(message.id, None)
-                if ticket is not None:
-                    self._tell(Release(ticket=ticket, shared=message.shared,
-                                       idle_s=message.idle_s))
-            case LetAll(lets=lets):
-                releases = self._releases(lets)
-                if releases:
-                    self._tell(Releases(releases=releases))
-            case Revoked(round=round_, lets=lets):
-                self.revoked(self.index, round_, self._releases(lets))
-            case Drop(id=id_):
-                ticket = self.tickets.pop(id_, None)
-                if ticket is not None:
-                    self._tell(Cancel(ticket=ticket))
-            case Late(late=late):
-                self._tell(late)
-            case Counted(reply=reply, counts=counts):
-                self.last_counts, self.answered_at = counts, self.loop.time()
-                future = self.counts.pop(reply, None)
-                if future is not None and not future.done():
-                    future.set_result(counts)
-            case Listening(port=port):
-                if not self.listening.done():
-                    self.listening.set_result(port)
-
-    def _releases(self, lets: list[Let]) -> tuple[Release, ...]:
-        return tuple(Release(ticket=t, shared=let.shared, idle_s=let.idle_s)
-                     for let in lets if (t := self.tickets.pop(let.id, None)) is not None)
-
-    def _tell(self, message: Acquire | Release | Releases | Cancel | Late | object) -> None:
-        tell(self.scheduler, message)
-
-    def gone(self) -> None:
-        self.ended = True
-        if self.tickets:
-            log.warning("front worker %d went away with %d requests; they are cancelled",
-                        self.index, len(self.tickets))
-        for ticket in self.tickets.values():
-            self._tell(Cancel(ticket=ticket))
-        self.tickets.clear()
-        if not self.listening.done():
-            self.listening.set_exception(RuntimeError(
-                f"front worker {self.index} exited before it listened"))
-
-    async def ask_counts(self) -> FrontCounts | None:
-        reply = next(self._replies)
-        future = self.counts[reply] = self.loop.create_future()
-        self.send(CountAsk(reply=reply))
-        try:
-            return await asyncio.wait_for(future, COUNTS_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("front worker %d gave no counts within %g s; left out of them",
-                        self.index, COUNTS_TIMEOUT_S)
-            return None
-        finally:
-            self.counts.pop(reply, None)
-
-
-def tell(scheduler: Callable[[], SchedulerInbox], message: object) -> None:
-    try:
-        scheduler().tell(message)  # type: ignore[arg-type]
-    except pykka.ActorDeadError:
-        pass  # corral is stopping
 
 
 @dataclass
