@@ -194,6 +194,32 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     corral's own; `"*"` allows any. A web page of any other origin gets 403 (CSRF)."""
 
 
+class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One `[keys.NAME]` table: a named API key and what it may do (actors/keys.py). The
+    key itself is never in the config file: `key_file` or `key_env` holds it."""
+
+    key_file: str | None = None
+    """A file whose text is the key (the line break an editor adds is dropped)."""
+    key_env: str | None = None
+    """An environment variable whose value is the key."""
+    models: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    """Model names, aliases or globs (`llama-*`) it may use; others get 403."""
+    priority: str | None = None
+    """Its class, a name in [priorities] (default: the class `default`, or level 0)."""
+    max_concurrency: Annotated[int, Meta(ge=0)] = 0
+    """Most of its requests running at once; more wait in the queue (0: no limit)."""
+    requests_per_min: Annotated[int, Meta(ge=0)] = 0
+    """Most requests taken in any 60 s; more get 429 (0: no limit)."""
+    tokens_per_min: Annotated[int, Meta(ge=0)] = 0
+    """Most tokens (prompt and completion) used in any 60 s; once reached, 429 until
+    enough of them are older than that (0: no limit)."""
+    admin: bool = False
+    """May load, unload and reload models, and read logs, metrics and keys; a key that is
+    not may only call models (and list them)."""
+    digest: str = ""
+    """Set by corral: the SHA-256 of the key, hex (never in the file)."""
+
+
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The `[cluster]` table: corral across machines, on a Ray cluster (actors/cluster/)."""
 
@@ -230,6 +256,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     autoload: bool = True
     api_key: str | None = None
     api_key_file: str | None = None
+    keys: dict[str, KeyConfig] = {}
+    """Named keys, each with its models, class and limits; `api_key` beside them is one
+    more, an admin key named `api_key`."""
+    priorities: dict[str, int] = {}
+    """Priority classes: name -> level, a higher level served first."""
+    priority_aging_s: NonNegativeSeconds = 60.0
+    """A waiting request's level rises by 1 for every this long it has waited, so a lower
+    class is served in the end (0: no aging)."""
     restart_intensity: Annotated[int, Meta(ge=0)] = 3
     """More failures than this within restart_period_s start a backoff (R-3.7)..."""
     restart_period_s: PositiveSeconds = 60.0

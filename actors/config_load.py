@@ -7,16 +7,19 @@ Every error names the file, the key path and what was expected, e.g.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import tomllib
 from pathlib import Path
 
 import msgspec
 
-from .config import PLACEHOLDER, Config, ConfigError, ModelConfig
+from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_KEY_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _validate_devices(config: Config, source: str) -> None:
@@ -87,7 +90,49 @@ def _validate(config: Config, source: str) -> Config:
     if config.api_key_file is not None:
         key = read_key_file(config.api_key_file, f"{source}: api_key_file")
         config = msgspec.structs.replace(config, api_key=key, api_key_file=None)
-    return config
+    return _resolve_keys(config, source)
+
+
+def _resolve_keys(config: Config, source: str) -> Config:
+    """Check [keys] and [priorities], read each key from its file or environment variable
+    and keep only its SHA-256 (actors/keys.py compares digests)."""
+    resolved: dict[str, KeyConfig] = {}
+    owners: dict[str, str] = {}
+    if config.api_key is not None:
+        owners[hashlib.sha256(config.api_key.encode()).hexdigest()] = "api_key"
+    for name, entry in config.keys.items():
+        where = f"{source}: keys.{name}"
+        if not _KEY_NAME.fullmatch(name):
+            raise ConfigError(f"{where}: a key's name is letters, digits and '_.-' (it is "
+                              "shown in metrics and logs)")
+        if entry.digest:
+            raise ConfigError(f"{where}.digest: set by corral; give key_file or key_env")
+        if (entry.key_file is None) == (entry.key_env is None):
+            raise ConfigError(f"{where}: set key_file or key_env (one of them); the key "
+                              "itself never goes in the config file")
+        if entry.key_file is not None:
+            secret = read_key_file(entry.key_file, f"{where}.key_file")
+        else:
+            assert entry.key_env is not None
+            secret = os.environ.get(entry.key_env, "")
+            if not secret.strip():
+                raise ConfigError(f"{where}.key_env: the environment variable "
+                                  f"{entry.key_env} is not set or empty")
+            check_key(secret, f"{where}.key_env: {entry.key_env}")
+        if not entry.models:
+            raise ConfigError(f"{where}.models: empty, so the key could use nothing; "
+                              'list model names or globs, e.g. ["*"]')
+        if entry.priority is not None and entry.priority not in config.priorities:
+            known = ", ".join(sorted(config.priorities)) or "none are defined"
+            raise ConfigError(f"{where}.priority: {entry.priority!r} is not a class in "
+                              f"[priorities] ({known})")
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        if digest in owners:
+            raise ConfigError(f"{where}: the same key as {owners[digest]}; each key must "
+                              "be its own, or corral cannot tell who is calling")
+        owners[digest] = f"keys.{name}"
+        resolved[name] = msgspec.structs.replace(entry, digest=digest)
+    return msgspec.structs.replace(config, keys=resolved) if resolved else config
 
 
 def check_key(key: str, where: str) -> None:

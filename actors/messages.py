@@ -15,6 +15,7 @@ import msgspec
 from .base import Inbox
 from .childproc import LogRing
 from .config import ModelConfig
+from .keys import Tenant
 from .ledger import Breakdown, DeviceSample, MemoryInfo
 
 
@@ -227,6 +228,8 @@ class Acquire(Message, frozen=True, kw_only=True):
     ticket: Reply
     model: str
     autoload: bool = True
+    key: str = ""
+    """The name of the key it came with ("" without one): its class, share and limits."""
 
 
 class Release(Message, frozen=True, kw_only=True):
@@ -241,6 +244,8 @@ class Release(Message, frozen=True, kw_only=True):
     idle_s: float = 0.0
     """How long the grant sat idle in the front before this release (a lease kept after its
     last request: actors/http/shares.py); the model was last used that long ago."""
+    tokens: int = 0
+    """Tokens the request used (prompt and completion), for its key's tokens_per_min."""
 
 
 class Releases(Message, frozen=True, kw_only=True):
@@ -444,6 +449,9 @@ class Reconfigure(Message, frozen=True, kw_only=True):
     models: dict[str, ModelConfig]
     instances: dict[str, Inbox[InstanceMessage]]
     reply: Reply
+    tenants: dict[str, Tenant] | None = None
+    """The keys' classes and limits now (None: as they were)."""
+    aging_s: float | None = None
 
 
 class ReloadSummary(Message, frozen=True, kw_only=True):

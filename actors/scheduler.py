@@ -13,6 +13,7 @@ from typing import TypeVar, assert_never, cast
 
 from .base import BaseActor, CrashHandler, Inbox
 from .config import Config, ModelConfig
+from .keys import tenants_of
 from .ledger import MiB
 from .messages import (
     Acquire,
@@ -80,7 +81,8 @@ class Scheduler(BaseActor):
         self.policy = Policy(config.models_max, config.restart_intensity,
                              config.restart_period_s, int(config.memory_margin_mib * MiB),
                              config.account_host, config.restart_backoff_max_s,
-                             config.restart_healthy_s, config.models_max_per_node)
+                             config.restart_healthy_s, config.models_max_per_node,
+                             tenants_of(config), config.priority_aging_s)
         for name, model in config.models.items():
             self.policy.add_model(name, clock(), rules=config.rules_of(model))
         self.configs = dict(config.models)
@@ -100,13 +102,13 @@ class Scheduler(BaseActor):
         now = self.clock()
         p = self.policy
         match message:
-            case Acquire(ticket=ticket, model=model, autoload=autoload):
-                self._carry_out(p.acquire(ticket, model, now, autoload))
-            case Release(ticket=ticket, shared=shared, idle_s=idle_s):
-                self._carry_out(p.release(ticket, now, shared, idle_s))
+            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key):
+                self._carry_out(p.acquire(ticket, model, now, autoload, key))
+            case Release(ticket=ticket, shared=shared, idle_s=idle_s, tokens=tokens):
+                self._carry_out(p.release(ticket, now, shared, idle_s, tokens))
             case Releases(releases=releases):
                 self._carry_out(p.release_all(
-                    ((r.ticket, r.shared, r.idle_s) for r in releases), now))
+                    ((r.ticket, r.shared, r.idle_s, r.tokens) for r in releases), now))
             case Cancel(ticket=ticket):
                 self._carry_out(p.cancel(ticket, now))
             case LoadModel(model=model, reply=reply):
@@ -160,7 +162,12 @@ class Scheduler(BaseActor):
                 self._carry_out(p.children.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
                 self._carry_out(p.children.instance_exited(model, gen, rc, desc, now))
-            case Reconfigure(models=models, instances=instances, reply=reply):
+            case Reconfigure(models=models, instances=instances, reply=reply,
+                             tenants=tenants, aging_s=aging_s):
+                if tenants is not None:  # usage of the keys that stay is kept
+                    p.state.tenants.replace(tenants)
+                if aging_s is not None:
+                    p.state.queue.aging_s = aging_s
                 self.reconfigure(models, instances, reply, now)
             case GetDevices(reply=reply):
                 reply.send(p.children.devices_snapshot())

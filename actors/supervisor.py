@@ -20,6 +20,7 @@ from .config import Config, ConfigError, ModelConfig
 from .device import DeviceMonitor, discover
 from .health import Liveness
 from .instance import ModelInstance
+from .keys import tenants_of
 from .measure import MeasureWorker
 from .messages import (
     Acquire,
@@ -206,7 +207,9 @@ class Supervisor:
                 self.instances[name] = self._start_instance(name, model)
         done = ThreadReply()
         self.scheduler_ref.tell(Reconfigure(models=dict(config.models),
-                                        instances=dict(self.instances), reply=done))
+                                        instances=dict(self.instances), reply=done,
+                                        tenants=tenants_of(config),
+                                        aging_s=config.priority_aging_s))
         summary = done.wait(timeout_s)
         if not isinstance(summary, ReloadSummary):
             raise TimeoutError(f"the scheduler did not apply the reload within {timeout_s} s")

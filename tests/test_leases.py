@@ -85,7 +85,7 @@ class World:
             case Release(ticket=t, shared=sh, idle_s=idle):
                 effects = self.p.release(t, self.now, sh, idle)
             case Releases(releases=rs):
-                effects = self.p.release_all(((r.ticket, r.shared, r.idle_s) for r in rs),
+                effects = self.p.release_all(((r.ticket, r.shared, r.idle_s, r.tokens) for r in rs),
                                              self.now)
             case Cancel(ticket=t):
                 effects = self.p.cancel(t, self.now)
@@ -403,12 +403,12 @@ class LeaseMachine(RuleBasedStateMachine):
         assert not self.w.evicted_while_held, self.w.evicted_while_held
         for model, rec in self.w.p.state.models.items():
             mine = [s for s in self.running if s.grant.model == model]
-            on_the_way = sum(leases.get(r.ticket) == (model, rec.generation)
+            on_the_way = sum(leases.get(r.ticket) == (model, rec.generation, "")
                              for m in self.w.to_sched
                              for r in (m.releases if isinstance(m, Releases) else [m])
                              if isinstance(r, Release))
             known = {s.ticket for s in self.w.held() + self.running}
-            granted_on_the_way = sum(g == (model, rec.generation) and t not in known
+            granted_on_the_way = sum(g == (model, rec.generation, "") and t not in known
                                      for t, g in leases.items()) - on_the_way
             if rec.state.is_serving and all(s.grant.generation == rec.generation for s in mine):
                 shown = (rec.in_flight - on_the_way - granted_on_the_way

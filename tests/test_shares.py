@@ -145,7 +145,7 @@ class Sched:
             case Release(ticket=tk, shared=sh, idle_s=idle):
                 self.run(self.p.release(tk, self.t(), sh, idle))
             case Releases(releases=rs):
-                self.run(self.p.release_all(((r.ticket, r.shared, r.idle_s) for r in rs),
+                self.run(self.p.release_all(((r.ticket, r.shared, r.idle_s, r.tokens) for r in rs),
                                             self.t()))
             case Cancel(ticket=tk):
                 self.run(self.p.cancel(tk, self.t()))

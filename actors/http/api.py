@@ -23,6 +23,7 @@ from aiohttp import web
 
 from ..bridge import LoopReply
 from ..config import Config, ConfigError, ModelConfig
+from ..keys import KeyRule, Keys
 from ..ledger import node_of
 from ..messages import (
     Alive,
@@ -60,6 +61,17 @@ log = logging.getLogger("corral.api")
 
 ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
+MEMBER_GETS = frozenset({"/models", "/v1/models", "/props"})
+"""What a key that is not an admin may ask of corral's own API besides calling models
+(and /v1/models/{id}); everything else needs an admin key."""
+
+
+def may_call(rule: KeyRule | None, request: web.Request) -> bool:
+    """Whether the caller's key may make this request of the management API."""
+    if rule is None or rule.admin:
+        return True
+    return (request.method in ("GET", "HEAD") and "reload" not in request.query
+            and (request.path in MEMBER_GETS or request.path.startswith("/v1/models/")))
 
 
 class ModelName(msgspec.Struct, forbid_unknown_fields=False):
@@ -89,6 +101,8 @@ class ManagementApi:
         (Supervisor.reload says why no read tears)."""
         self.config = config
         self.names = config.resolve_aliases()
+        self.keys = Keys.of(config)
+        """Who may call (replaced on reload)."""
         self.reloader = reloader
         self.reloading = asyncio.Lock()
         """One at a time: two would each start an instance of a model both add."""
@@ -137,8 +151,7 @@ class ManagementApi:
         api_port = int(self.runner.addresses[0][1])
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler_ref, api_port,
-                           self.config.api_key, self.config.http, self.config.max_body_mib,
-                           self.front_secret)
+                           self.config.http, self.config.max_body_mib, self.front_secret)
         self.fronts = Fronts(self.front, self.config, api_port, self.front_secret,
                              lambda: self.sup.scheduler_ref)
         self.sup.watch_grants(loop, self.fronts.grant_notice)
@@ -184,11 +197,17 @@ class ManagementApi:
                                    self.front_secret):
             return error(403, "the management API is served on corral's own port only",
                          "permission_error")
-        key = self.config.api_key
-        refused = check_key(request.raw_headers,
-                            None if request.path in OPEN_PATHS or key is None else key.encode())
-        if refused is not None:
-            return answer_response(refused)
+        who = check_key(request.raw_headers,
+                        None if request.path in OPEN_PATHS else self.keys)
+        if isinstance(who, Answer):
+            return answer_response(who)
+        if not may_call(who, request):
+            assert who is not None
+            return error(403, f"key '{who.name}' may call models and list them, not "
+                         f"{request.method} {request.path}" + (
+                             "?reload" if "reload" in request.query else "")
+                         + ": that needs an admin key (admin = true)", "permission_error")
+        request["key"] = who
         return await handler(request)
 
     # ------------------------------------------------------------ scheduler calls
@@ -259,6 +278,7 @@ class ManagementApi:
             config = await asyncio.to_thread(self.reloader)
             summary = await asyncio.to_thread(self.sup.reload, config)
             self.names = config.resolve_aliases()
+            self.keys = Keys.of(config)
             if self.fronts is not None:
                 self.fronts.set_routes(Routes.of(config))
         return summary

@@ -26,10 +26,11 @@ from typing import Protocol, cast
 import httptools
 
 from ..config import HttpConfig
-from .edge import Answer, Origins
-from .exchange import Exchange, Phase, Services
+from .edge import Answer
+from .exchange import Exchange, Phase
 from .flow import WriteStall, cut
-from .request import Limits, Reader, Request
+from .request import Gate, Limits, Reader, Request
+from .services import Services
 
 log = logging.getLogger("corral.front")
 
@@ -39,14 +40,12 @@ MAX_PIPELINED = 32
 connection closes): one read of tiny pipelined requests made thousands of them."""
 
 
-class Hub(Services, Protocol):
+class Hub(Services, Gate, Protocol):
     """What a connection uses of the front that accepted it (front.Front), besides what
-    it hands on to its exchanges."""
+    it hands on to its exchanges and who may call (Gate)."""
 
     http: HttpConfig
     limits: Limits
-    origins: Origins | None
-    api_key: bytes | None
 
     def admit(self, conn: Connection) -> bool: ...
     def forget(self, conn: Connection) -> None: ...
@@ -72,7 +71,7 @@ class Connection(asyncio.Protocol):
         self.front = front
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.reader = Reader(self, front.limits, front.origins, front.api_key)
+        self.reader = Reader(self, front.limits, front)
         self.pending: collections.deque[Request] = collections.deque()
         """Whole requests behind the running exchange (bounded by one read: see module)."""
         self.exchange: Exchange | None = None

@@ -33,7 +33,6 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     fds: list[int]
     """corral's listening sockets, inherited: the worker accepts on them."""
     api_port: int
-    api_key: str | None
     api_secret: str
     http: HttpConfig
     max_body_mib: float
@@ -56,6 +55,8 @@ class FrontCounts(msgspec.Struct, frozen=True, kw_only=True):
     extra: dict[str, int] = {}
     kept_idle_s: dict[str, float] = {}
     times: list[TimeRow] = []
+    keys: dict[str, tuple[int, int, int]] = {}
+    """Named key -> (requests, prompt tokens, completion tokens) through this front."""
 
 
 class Frame(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -71,6 +72,7 @@ class Ask(Frame, frozen=True):
     id: int
     model: str
     autoload: bool
+    key: str = ""
 
 
 class Let(Frame, frozen=True):
@@ -79,6 +81,7 @@ class Let(Frame, frozen=True):
     id: int
     shared: bool
     idle_s: float
+    tokens: int = 0
 
 
 class LetAll(Frame, frozen=True):
@@ -179,10 +182,14 @@ def merge(counts: list[FrontCounts]) -> FrontCounts:
     """Several fronts' counts as one front's."""
     extra: dict[str, int] = {}
     kept: dict[str, float] = {}
+    keys: dict[str, tuple[int, int, int]] = {}
     times: dict[tuple[str, str], tuple[list[int], float, list[int], float]] = {}
     for c in counts:
         for model, n in c.extra.items():
             extra[model] = extra.get(model, 0) + n
+        for name, (n, p, t) in c.keys.items():
+            n0, p0, t0 = keys.get(name, (0, 0, 0))
+            keys[name] = (n0 + n, p0 + p, t0 + t)
         for model, idle in c.kept_idle_s.items():  # the latest use counts
             kept[model] = min(idle, kept.get(model, idle))
         for row in c.times:
@@ -196,7 +203,7 @@ def merge(counts: list[FrontCounts]) -> FrontCounts:
                           whole_sum + row.duration.sum)
     return FrontCounts(
         joined_total=sum(c.joined_total for c in counts),
-        extra={m: n for m, n in extra.items() if n}, kept_idle_s=kept,
+        extra={m: n for m, n in extra.items() if n}, kept_idle_s=kept, keys=keys,
         times=[TimeRow(model=m, status=s, first_byte=HistogramView(counts=f, sum=fs),
                        duration=HistogramView(counts=d, sum=ds))
                for (m, s), (f, fs, d, ds) in times.items()])

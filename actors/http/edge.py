@@ -7,7 +7,6 @@ on every request (`Routes`, replaced whole on reload, never mutated).
 
 from __future__ import annotations
 
-import hmac
 import http
 import ipaddress
 import math
@@ -18,6 +17,7 @@ from urllib.parse import parse_qsl
 import msgspec
 
 from ..config import Config
+from ..keys import KeyRule, Keys
 from ..llama import is_llama, llama_pool_cap
 from ..messages import Refusal
 
@@ -74,9 +74,9 @@ def error_body(status: int, message: str, type_: str) -> dict[str, Any]:
 
 def error_type(status: int) -> str:
     """The OpenAI error type that goes with a status corral answers itself."""
-    return {401: "authentication_error", 404: "not_found_error",
-            503: "unavailable_error"}.get(status, "server_error" if status >= 500
-                                          else "invalid_request_error")
+    known = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+             429: "rate_limit_error", 503: "unavailable_error"}
+    return known.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
 class Answer(msgspec.Struct, frozen=True):
@@ -121,8 +121,9 @@ def sse_error_event(what: str, exc: BaseException | str) -> bytes:
         502, f"{what} stopped mid-response: {exc}", "server_error")) + b"\n\n"
 
 
-def check_key(headers: Headers, key: bytes | None) -> Answer | None:
-    """None if the request may pass; else the 400 or 401 to answer (R-6.6).
+def check_key(headers: Headers, keys: Keys | None) -> Answer | KeyRule | None:
+    """Who is calling: the key's rule, or None when no key is needed (`keys` None); else
+    the 400 or 401 to answer (R-6.6).
 
     The key comes as `Authorization: Bearer KEY` or `x-api-key: KEY`. A request with two
     Authorization (or two x-api-key) headers is a 400 whatever the key: servers that pick
@@ -138,15 +139,16 @@ def check_key(headers: Headers, key: bytes | None) -> Answer | None:
             api_key.append(value)
     if len(bearer) > 1 or len(api_key) > 1:
         return Answer(400, "more than one Authorization or x-api-key header; send one")
-    if key is None:
+    if keys is None:
         return None
     given = b""
     if bearer and bearer[0][:7].lower() == b"bearer ":
         given = bearer[0][7:].strip()
     elif api_key:
         given = api_key[0].strip()
-    if given and hmac.compare_digest(given, key):
-        return None
+    rule = keys.find(given) if given else None
+    if rule is not None:
+        return rule
     return Answer(401, "invalid or missing API key (send Authorization: Bearer KEY)")
 
 
@@ -279,11 +281,12 @@ _PROXIED = frozenset(p.encode() for p in PROXIED_POST)
 _OWN_GET = frozenset(p.encode() for p in OWN_GET)
 
 
-def target(method: bytes, url: bytes, body: bytes,
-           routes: Routes) -> tuple[str, bool] | Answer | None:
+def target(method: bytes, url: bytes, body: bytes, routes: Routes,
+           key: KeyRule | None = None) -> tuple[str, bool] | Answer | None:
     """Where a request goes: to a model, as (its canonical name, autoload); to the
-    management API (None); or nowhere, with the 400 that says why. A model is named by a
-    proxied POST's JSON body, or by `?model=` on a GET of a path that is not corral's own."""
+    management API (None); or nowhere, with the 400 (or the 403: not for its `key`) that
+    says why. A model is named by a proxied POST's JSON body, or by `?model=` on a GET
+    of a path that is not corral's own."""
     path, _, query = url.partition(b"?")
     fields = parse_query(query.decode("latin-1")) if query else {}
     if method == b"POST" and path in _PROXIED:
@@ -297,6 +300,8 @@ def target(method: bytes, url: bytes, body: bytes,
     model = routes.names.get(name)
     if model is None:
         return Answer(400, f"model '{name}' not found")
+    if key is not None and not key.may_use(routes.known_as.get(model, (model,))):
+        return Answer(403, f"key '{key.name}' may not use model '{name}'")
     autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload
     return autoload if isinstance(autoload, Answer) else (model, autoload)
 
@@ -373,6 +378,10 @@ class Routes(msgspec.Struct, frozen=True):
     """Every name and alias -> the canonical model name."""
     models: dict[str, ModelRoute]
     autoload: bool
+    keys: Keys | None = None
+    """Who may call (None: anyone, R5 guards aside)."""
+    known_as: dict[str, tuple[str, ...]] = {}
+    """Model -> its name and aliases (what a key's `models` globs are matched with)."""
 
     @classmethod
     def of(cls, config: Config) -> Routes:
@@ -382,4 +391,6 @@ class Routes(msgspec.Struct, frozen=True):
                                    min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
                                    else linger_s)
                   for name, m in config.models.items()}
-        return cls(config.resolve_aliases(), models, config.autoload)
+        known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
+        return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
+                   known_as)

@@ -23,30 +23,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Protocol
 
 import pykka
 
-from ..bridge import SchedulerInbox
 from ..lifecycle import IllegalTransition, State
 from ..messages import AnswerLate, Refusal
 from .edge import (
     NOT_FORWARDED,
     TO_API_DROPPED,
     Answer,
-    Routes,
     interim_head,
     refusal_answer,
     relay_head,
     sse_error_event,
     target,
 )
-from .metrics import RequestTimes
-from .pool import Pool, Pools
+from .pool import Pool
 from .request import Request
-from .shares import SharedGrant, Shares
+from .services import Services
+from .shares import SharedGrant
 from .upstream import Broke, Upstream
+from .usage import Meter
 
 log = logging.getLogger("corral.front")
 
@@ -74,23 +72,6 @@ API = "corral's API"
 """What an exchange forwards to until it is given to a model."""
 
 
-class Services(Protocol):
-    """What an exchange uses of the front that runs it (front.Front): handed to it, so that
-    it never reaches through its connection to the connection's parent (uvicorn's
-    `RequestResponseCycle` habit)."""
-
-    routes: Routes
-    shares: Shares
-    pools: Pools
-    times: RequestTimes
-    stopped: dict[str, int]
-    draining: bool
-    to_api: tuple[bytes, ...]
-    scheduler: Callable[[], SchedulerInbox]
-
-    def api_pool(self) -> Pool: ...
-
-
 class Client(Protocol):
     """What an exchange writes its answer to: its client connection."""
 
@@ -105,8 +86,8 @@ class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
     __slots__ = ("broke", "broke_kind", "chunked", "client", "done", "first_at", "head_only",
-                 "keep_alive", "late", "loop", "may_replay", "may_retry", "out", "phase", "req",
-                 "services", "sse", "status", "task", "upstream", "what")
+                 "keep_alive", "late", "loop", "may_replay", "may_retry", "meter", "out",
+                 "phase", "req", "services", "sse", "status", "task", "upstream", "what")
 
     def __init__(self, services: Services, client: Client, req: Request) -> None:
         self.services = services
@@ -141,6 +122,8 @@ class Exchange:
         the model's next instance instead of answering 502."""
         self.may_retry = False
         """Whether a child that cannot be reached hands the request on (`Broke.REFUSED`)."""
+        self.meter: Meter | None = None
+        """The tokens of a model's answer to a request with a named key."""
         self.loop = client.loop
         self.task = client.loop.create_task(self.run())
 
@@ -175,7 +158,7 @@ class Exchange:
 
     async def _serve(self) -> None:
         front = self.services
-        to = target(self.req.method, self.req.url, self.req.body, front.routes)
+        to = target(self.req.method, self.req.url, self.req.body, front.routes, self.req.key)
         if to is None:
             await self.forward(front.api_pool(), TO_API_DROPPED, None, front.to_api)
             return
@@ -184,6 +167,7 @@ class Exchange:
             return
         model, autoload = to
         self.what = f"model '{model}'"
+        self.meter = Meter() if self.req.key is not None else None
         started = self.loop.time()
         try:
             await self._to_model(model, autoload)
@@ -192,6 +176,8 @@ class Exchange:
                 end = self.loop.time()
                 front.times.observe(model, self.status, (self.first_at or end) - started,
                                     end - started)
+            if self.meter is not None and self.req.key is not None:
+                front.key_uses.add(self.req.key.name, *self.meter.used())
 
     async def _to_model(self, model: str, autoload: bool) -> None:
         front = self.services
@@ -199,12 +185,13 @@ class Exchange:
         gone: tuple[int, Pool] | None = None  # the child that went away before answering
         replays = 0  # instances that went away with the request sent to them
         for tries in range(MAX_INSTANCES):
-            found: SharedGrant | Refusal | None = await front.shares.acquire(model, autoload)
+            found: SharedGrant | Refusal | None = await front.shares.acquire(
+                model, autoload, self.req.key)
             if gone is not None:
                 generation, pool = gone
                 found = await front.shares.acquire_past(
                     found, generation, autoload,
-                    pool if self.broke_kind is Broke.GONE else None)
+                    pool if self.broke_kind is Broke.GONE else None, self.req.key)
             if found is None:
                 self.answer(Answer(502, f"{self.what} is unreachable: {self.broke} (its "
                                    "child is still running and may have the request, so it "
@@ -222,12 +209,13 @@ class Exchange:
                 late = route.first_byte_timeout_s if route else None
                 self.may_retry = tries < MAX_INSTANCES - 1
                 self.may_replay = self.may_retry and replays < MAX_REPLAYS
-                key = grant.upstream_key  # a node child's own (R8); the client's is dropped
+                own = grant.upstream_key  # a node child's own (R8); the client's is dropped
                 await self.forward(pool, NOT_FORWARDED, late,
-                                   (b"Authorization: Bearer " + key.encode(),) if key else ())
+                                   (b"Authorization: Bearer " + own.encode(),) if own else ())
             finally:  # a child that broke with a request is not kept for the next
                 front.shares.release(share, route.lease_linger_s if route else 0.0,
-                                     keep=self.broke_kind is None)
+                                     keep=self.broke_kind is None,
+                                     tokens=sum(self.meter.used()) if self.meter else 0)
             if self.late is not None:
                 front.scheduler().tell(AnswerLate(model=grant.model, generation=grant.generation,
                                           detail=self.late))
@@ -344,8 +332,12 @@ class Exchange:
                           head_only=self.head_only, http10=self.req.http10)
         self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
         self.out.append(head.data)
+        if self.meter is not None:
+            self.meter.stream = head.sse
 
     def response_body(self, body: bytes) -> None:
+        if self.meter is not None:
+            self.meter.feed(body)
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
 
     def flush(self) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from ..bridge import SchedulerInbox
 from ..config import HttpConfig
+from ..keys import Keys
 from ..messages import Revoke, Withdraw
 from .connection import Connection
 from .control import FrontCounts, TimeRow
@@ -33,6 +34,7 @@ from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .request import Limits
 from .shares import Shares
+from .usage import KeyUses
 
 log = logging.getLogger("corral.front")
 
@@ -64,15 +66,15 @@ class Front:
     """Everything the client connections share."""
 
     def __init__(self, routes: Routes, scheduler: Callable[[], SchedulerInbox], api_port: int,
-                 api_key: str | None, http: HttpConfig, max_body_mib: float,
-                 api_secret: str = "") -> None:
+                 http: HttpConfig, max_body_mib: float, api_secret: str = "") -> None:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
         self.shares = Shares(scheduler)
         self.times = RequestTimes()
         """Time to first byte and duration of the proxied requests (GET /metrics)."""
-        self.api_key = api_key.encode() if api_key is not None else None
+        self.key_uses = KeyUses()
+        """What each named key used through this front (GET /metrics, GET /keys)."""
         self.http = http
         self.limits = Limits(http, max_body_mib)
         self.max_connections = http.max_connections or default_max_connections()
@@ -84,7 +86,7 @@ class Front:
         """Model -> the newest generation withdrawn to stop on purpose: a request its child
         dropped is not sent on to the next instance."""
         self.origins: Origins | None = None
-        """Without a key: the Host and Origin a request may carry (R5); set by `listen`."""
+        """Without keys: the Host and Origin a request may carry (R5); set by `listen`."""
         self.connections: set[Connection] = set()
         self.draining = False
         self.drained = asyncio.Event()
@@ -99,8 +101,7 @@ class Front:
         """Start accepting on host:port (0 picks one); return the port. `fds`: accept on
         these listening sockets instead (a front worker's, inherited from corral)."""
         loop = asyncio.get_running_loop()
-        if self.api_key is None:
-            self.origins = Origins(host, self.http.allowed_hosts, self.http.allowed_origins)
+        self.origins = Origins(host, self.http.allowed_hosts, self.http.allowed_origins)
         if fds:
             servers = [await loop.create_server(lambda: Connection(self),
                                                 sock=socket.socket(fileno=fd), backlog=BACKLOG)
@@ -112,6 +113,10 @@ class Front:
                                                backlog=BACKLOG)
         self._sweeper = loop.call_later(1.0, self._sweep)
         return int(self.server.sockets[0].getsockname()[1])
+
+    @property
+    def keys(self) -> Keys | None:
+        return self.routes.keys
 
     def grant_notice(self, message: Withdraw | Revoke) -> None:
         """The Scheduler: keep no grant of this child idle (Revoke); or let no request join
@@ -135,7 +140,7 @@ class Front:
                          duration=self.times.duration[(model, status)].view())
                  for (model, status), hist in self.times.first_byte.items()]
         return FrontCounts(joined_total=shares.joined_total, extra=dict(shares.extra),
-                           kept_idle_s=kept, times=times)
+                           kept_idle_s=kept, times=times, keys=dict(self.key_uses.counts))
 
     def api_pool(self) -> Pool:
         return self.pools.get(self.api_address, None)

@@ -110,16 +110,16 @@ class Link:
 
     def _on(self, message: FromWorker) -> None:
         match message:
-            case Ask(id=id_, model=model, autoload=autoload):
+            case Ask(id=id_, model=model, autoload=autoload, key=key):
                 if id_ in self.tickets:
                     raise ValueError(f"request id {id_} asked for twice")
                 asked = self.tickets[id_] = RemoteTicket(self, id_)
-                self._tell(Acquire(ticket=asked, model=model, autoload=autoload))
+                self._tell(Acquire(ticket=asked, model=model, autoload=autoload, key=key))
             case Let():
                 ticket = self.tickets.pop(message.id, None)
                 if ticket is not None:
                     self._tell(Release(ticket=ticket, shared=message.shared,
-                                       idle_s=message.idle_s))
+                                       idle_s=message.idle_s, tokens=message.tokens))
             case LetAll(lets=lets):
                 releases = self._releases(lets)
                 if releases:
@@ -142,7 +142,7 @@ class Link:
                     self.listening.set_result(port)
 
     def _releases(self, lets: list[Let]) -> tuple[Release, ...]:
-        return tuple(Release(ticket=t, shared=let.shared, idle_s=let.idle_s)
+        return tuple(Release(ticket=t, shared=let.shared, idle_s=let.idle_s, tokens=let.tokens)
                      for let in lets if (t := self.tickets.pop(let.id, None)) is not None)
 
     def _tell(self, message: Acquire | Release | Releases | Cancel | Late | object) -> None:

@@ -14,6 +14,7 @@ from typing import Protocol
 import httptools
 
 from ..config import HttpConfig
+from ..keys import KeyRule, Keys
 from .edge import OPEN_PATHS, Answer, Origins, check_key
 
 MAX_HEADERS = 100
@@ -45,7 +46,7 @@ class Request:
     """One request as parsed; `answer` is set when corral refuses it itself."""
 
     __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "continue_sent",
-                 "headers", "headers_done", "http10", "keep_alive", "method", "url",
+                 "headers", "headers_done", "http10", "keep_alive", "key", "method", "url",
                  "url_parts", "url_size", "wants_continue")
 
     def __init__(self) -> None:
@@ -64,13 +65,24 @@ class Request:
         self.answer: Answer | None = None
         self.wants_continue = False
         self.continue_sent = False
+        self.key: KeyRule | None = None
+        """The key it came with (None: no key is needed, or a path open to all)."""
 
 
-def screen(req: Request, limits: Limits, origins: Origins | None, key: bytes | None,
-           upgrade: bool) -> Answer | None:
+class Gate(Protocol):
+    """Who may call, as the front knows it now (a reload may change it)."""
+
+    origins: Origins | None
+    """Without keys: the Hosts and Origins a request may come from (R5)."""
+
+    @property
+    def keys(self) -> Keys | None: ...
+
+
+def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | None:
     """What must refuse this request before its body is read (R-6.7), or None: its size,
-    its framing, who may send it (R5: `origins`, None without a check) and its `key`,
-    whether corral can meet its Expect."""
+    its framing, who may send it (R5: without keys, the Host and Origin; with them, the
+    key, which is set as `req.key`), whether corral can meet its Expect."""
     size = req.url_size + sum(len(n) + len(v) + 4 for n, v in req.headers)
     if size > limits.max_header:
         return limits.header_too_big()
@@ -100,13 +112,15 @@ def screen(req: Request, limits: Limits, origins: Origins | None, key: bytes | N
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
     path = req.url.partition(b"?")[0]
-    if origins is not None and path not in _HEALTH:
-        refused = origins.check(host, origin, fetch_site)
+    keys = gate.keys
+    if keys is None and gate.origins is not None and path not in _HEALTH:
+        refused = gate.origins.check(host, origin, fetch_site)
         if refused is not None:
             return refused
-    refused = check_key(req.headers, None if path in _OPEN else key)
-    if refused is not None:
-        return refused
+    who = check_key(req.headers, None if path in _OPEN else keys)
+    if isinstance(who, Answer):
+        return who
+    req.key = who
     if length > limits.max_body:
         return limits.too_big()
     if expect is not None:
@@ -141,14 +155,12 @@ class Reader:
     arrive (the URL, the header fields and the body: R-6.7); its `Owner` decides what
     each request gets."""
 
-    __slots__ = ("head_bytes", "key", "limits", "origins", "owner", "parser", "req")
+    __slots__ = ("gate", "head_bytes", "limits", "owner", "parser", "req")
 
-    def __init__(self, owner: Owner, limits: Limits, origins: Origins | None,
-                 key: bytes | None) -> None:
+    def __init__(self, owner: Owner, limits: Limits, gate: Gate) -> None:
         self.owner = owner
         self.limits = limits
-        self.origins = origins
-        self.key = key
+        self.gate = gate
         self.parser = httptools.HttpRequestParser(self)
         self.req: Request | None = None
         """The request being parsed."""
@@ -203,7 +215,7 @@ class Reader:
         req.method = self.parser.get_method()
         req.http10 = self.parser.get_http_version() == "1.0"
         req.keep_alive = self.parser.should_keep_alive()
-        self.owner.request_head(req, screen(req, self.limits, self.origins, self.key,
+        self.owner.request_head(req, screen(req, self.limits, self.gate,
                                             self.parser.should_upgrade()))
 
     def on_body(self, body: bytes) -> None:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import pykka
 
 from ..bridge import LoopReply, SchedulerInbox, acquire
+from ..keys import KeyRule
 from ..messages import Grant, Refusal, Release, Releases, Revoke, Withdraw
 from .pool import Pool
 
@@ -49,7 +50,8 @@ it had is asked whether it is still there: a connect, which may take PROBE_TIMEO
 
 
 class SharedGrant:
-    __slots__ = ("count", "grant", "idle_since", "joined", "keep", "linger_s", "ticket")
+    __slots__ = ("count", "grant", "idle_since", "joined", "keep", "linger_s", "ticket",
+                 "tokens")
 
     def __init__(self, ticket: LoopReply, grant: Grant) -> None:
         self.ticket = ticket
@@ -64,6 +66,8 @@ class SharedGrant:
         """When its last request ended (loop time), while it is kept idle."""
         self.linger_s = 0.0
         """For how long from then."""
+        self.tokens = 0
+        """Tokens its requests used (told to the Scheduler with its release)."""
 
 
 class Shares:
@@ -96,9 +100,11 @@ class Shares:
             self._bound = asyncio.get_running_loop()
         return self._bound
 
-    async def acquire(self, model: str, autoload: bool) -> SharedGrant | Refusal:
-        """Join the model's open grant, or ask the Scheduler for one."""
-        share = self.open.get(model)
+    async def acquire(self, model: str, autoload: bool,
+                      key: KeyRule | None = None) -> SharedGrant | Refusal:
+        """Join the model's open grant, or ask the Scheduler for one. A request whose
+        `key` has limits always asks: the Scheduler counts each of them."""
+        share = self.open.get(model) if key is None or key.shares else None
         if share is not None:
             share.count += 1
             share.joined += 1
@@ -106,7 +112,8 @@ class Shares:
             self._shift(model, 1)
             return share
         revokes = self.revoked.get(model, (0, 0))[0]
-        ticket, answer = await acquire(self.scheduler(), model, autoload)
+        ticket, answer = await acquire(self.scheduler(), model, autoload,
+                                       key.name if key is not None else "")
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
@@ -118,7 +125,8 @@ class Shares:
         return share
 
     async def acquire_past(self, share: SharedGrant | Refusal | None, gone: int, autoload: bool,
-                           probe: Pool | None) -> SharedGrant | Refusal | None:
+                           probe: Pool | None, key: KeyRule | None = None,
+                           ) -> SharedGrant | Refusal | None:
         """A grant that is not for generation `gone`, whose child went away with a request:
         until the Scheduler has seen that child's exit (a few ms behind the connection's
         end), it may still grant it. None if that child still takes connections after
@@ -132,17 +140,19 @@ class Shares:
             if poll == probe_at and probe is not None and await probe.alive(PROBE_TIMEOUT_S):
                 return None
             await asyncio.sleep(RETRY_POLL_S)
-            share = await self.acquire(share.grant.model, autoload)
+            share = await self.acquire(share.grant.model, autoload, key)
         if isinstance(share, SharedGrant) and share.grant.generation == gone:
             self.release(share, keep=False)
             return None
         return share
 
-    def release(self, share: SharedGrant, linger_s: float = 0.0, keep: bool = True) -> None:
-        """A request on `share` ended; if it was the last, the grant is kept `linger_s`
-        (a lease). `keep=False`: its child broke with it, so no one joins the grant any
-        more and it is not kept idle."""
+    def release(self, share: SharedGrant, linger_s: float = 0.0, keep: bool = True,
+                tokens: int = 0) -> None:
+        """A request on `share` ended, having used `tokens`; if it was the last, the grant
+        is kept `linger_s` (a lease). `keep=False`: its child broke with it, so no one
+        joins the grant any more and it is not kept idle."""
         share.count -= 1
+        share.tokens += tokens
         model = share.grant.model
         self._shift(model, -1)
         if not keep:
@@ -167,7 +177,8 @@ class Shares:
         if self.open.get(model) is share:
             del self.open[model]
         self._shift(model, 1)  # the Scheduler's count of it drops by one
-        return Release(ticket=share.ticket, shared=share.joined > 0, idle_s=idle_s)
+        return Release(ticket=share.ticket, shared=share.joined > 0, idle_s=idle_s,
+                       tokens=share.tokens)
 
     def _tell(self, message: Release | Releases) -> None:
         try:

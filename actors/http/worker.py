@@ -71,12 +71,12 @@ class Corral:
         if self.closed:
             raise pykka.ActorDeadError("corral's process is gone")
         match message:
-            case Acquire(ticket=ticket, model=model, autoload=autoload):
+            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key):
                 assert isinstance(ticket, LoopReply)
                 id_ = next(self.ids)
                 self.tickets[id_] = ticket
                 self.id_of[ticket] = id_
-                self._send(Ask(id=id_, model=model, autoload=autoload))
+                self._send(Ask(id=id_, model=model, autoload=autoload, key=key))
             case Release():
                 self._send(self._let(message))
             case Releases(releases=releases):
@@ -94,7 +94,8 @@ class Corral:
     def _let(self, release: Release) -> Let:
         id_ = self.id_of.pop(release.ticket, 0)  # type: ignore[call-overload]
         self.tickets.pop(id_, None)
-        return Let(id=id_, shared=release.shared, idle_s=release.idle_s)
+        return Let(id=id_, shared=release.shared, idle_s=release.idle_s,
+                   tokens=release.tokens)
 
     def _send(self, message: msgspec.Struct) -> None:
         if not self.closed and not self.out.is_closing():
@@ -121,7 +122,7 @@ async def serve() -> int:
     setup = msgspec.msgpack.decode(data, type=Setup)
     logging.getLogger().setLevel(setup.log_level)
     corral = Corral(out)
-    front = Front(setup.routes, lambda: corral, setup.api_port, setup.api_key, setup.http,
+    front = Front(setup.routes, lambda: corral, setup.api_port, setup.http,
                   setup.max_body_mib, setup.api_secret)
     port = await front.listen(setup.host, setup.port, fds=setup.fds)
     corral._send(Listening(port=port))

@@ -249,7 +249,7 @@ class Fronts:
             def setup(index: int) -> Setup:
                 return Setup(index=index, log_level=logging.getLogger().getEffectiveLevel(),
                              host=host, port=port, fds=list(fds), api_port=self.api_port,
-                             api_key=self.config.api_key, api_secret=self.api_secret,
+                             api_secret=self.api_secret,
                              http=self.config.http, max_body_mib=self.config.max_body_mib,
                              routes=self.front.routes)
             self.workers = Workers(n, setup, self.scheduler, fds)

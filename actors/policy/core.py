@@ -17,6 +17,7 @@ import logging
 from collections.abc import Hashable, Iterable
 
 from ..config import ModelRules
+from ..keys import Tenant
 from ..lifecycle import ModelState
 from ..messages import (
     Done,
@@ -49,10 +50,11 @@ class Policy:
     def __init__(self, models_max: int, restart_intensity: int = 3,
                  restart_period_s: float = 60.0, memory_margin: int = 0,
                  account_host: bool = False, restart_backoff_max_s: float = 60.0,
-                 restart_healthy_s: float = 30.0, models_max_per_node: int = 0) -> None:
+                 restart_healthy_s: float = 30.0, models_max_per_node: int = 0,
+                 tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0) -> None:
         self.state = State(models_max, restart_intensity, restart_period_s, memory_margin,
                            account_host, restart_backoff_max_s, restart_healthy_s,
-                           models_max_per_node)
+                           models_max_per_node, tenants, aging_s)
         self.rules = Rules(self.state)
         self.children = Children(self.state, self.rules)
 
@@ -74,9 +76,11 @@ class Policy:
     # ------------------------------------------------------------ requests
 
     def acquire(self, ticket: Hashable, model: str, now: float,
-                autoload: bool = True) -> list[Effect]:
-        """A request for `model` arrived: grant it now, queue it, or refuse it."""
+                autoload: bool = True, key: str = "") -> list[Effect]:
+        """A request for `model` arrived (with `key`, "" for none): grant it now, queue
+        it, or refuse it."""
         rec = self.state.find(model)
+        tenants = self.state.tenants
         # 1. Nothing is served while shutting down, nor for a model that is not there.
         if self.state.shutting_down:
             self.rules.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0,
@@ -87,59 +91,83 @@ class Policy:
             return self.rules.flush()
         rules, breaker = rec.rules, rec.breaker
         entry = self.state.queue.entry(model)
-        # 2. A serving model with room takes it at once, unless others wait for it
-        #    (max_concurrency): nobody overtakes them (R-4.2).
-        if self.state.has_room(rec) and entry is None:
-            self.rules.grant(ticket, rec, now)
-        # 3. Without autoload, only a child that is there or on its way is worth a wait.
+        over = tenants.over_quota(key, now)
+        # 2. A key over its rate or token budget is told when to come back; not queued.
+        if over is not None:
+            self.rules.refuse(ticket, 429, f"{over.message}; try again in "
+                              f"{over.retry_after_s:.1f} s", "rate_limit_error",
+                              retry_after_s=over.retry_after_s, model=model,
+                              reason=over.reason, key=key)
+        # 3. A serving model with room takes it at once, unless others wait for it
+        #    (max_concurrency): nobody overtakes them (R-4.2); nor does a key at its own
+        #    max_concurrency.
+        elif self.state.has_room(rec) and entry is None and not tenants.at_limit(key):
+            tenants.take(key, now)
+            self.rules.grant(ticket, rec, now, key)
+        # 4. Without autoload, only a child that is there or on its way is worth a wait.
         elif not autoload and rec.state is not S.LOADING and not rec.state.is_serving:
             self.rules.refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
                          "load it with POST /models/load", "invalid_request_error")
-        # 4. A backoff that outlasts the request's patience: say when to come back.
+        # 5. A backoff that outlasts the request's patience: say when to come back.
         elif (breaker.is_open(now) and rules.queue_timeout_s
               and now + rules.queue_timeout_s < breaker.retry_at):
             self.rules.refuse(ticket, 503, self.rules.backoff_message(rec, now),
                          retry_after_s=breaker.retry_at - now, model=model, reason="backoff")
-        # 5. A full queue refuses at once (R-4.9).
+        # 6. A full queue refuses at once (R-4.9).
         elif rules.queue_max and entry is not None and len(entry.waiters) >= rules.queue_max:
             self.rules.refuse(ticket, 503, f"model '{model}' has {len(entry.waiters)} requests "
                          f"waiting already (queue_max {rules.queue_max}); try again later",
                          retry_after_s=1.0, model=model, reason="queue_full")
-        # 6. Otherwise it waits, at most queue_timeout_s.
+        # 7. Otherwise it waits, at most queue_timeout_s, in its class's order.
         else:
+            tenants.take(key, now)
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
-            entry = self.state.queue.add(ticket, model, now, deadline)
+            entry = self.state.queue.add(ticket, model, now, deadline, key,
+                                         tenants.of(key).level)
             if deadline is not None:
                 self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
             log.debug("request for %s queued (%d waiting for it, %d entries)",
                       model, len(entry.waiters), len(self.state.queue.entries))
+            if self.state.has_room(rec):  # others wait only for their keys' limits
+                self.rules.serve_waiters(rec, now)
             self.rules.pump(now)
         return self.rules.flush()
 
     def release(self, ticket: Hashable, now: float, shared: bool = False,
-                idle_s: float = 0.0) -> list[Effect]:
+                idle_s: float = 0.0, tokens: int = 0) -> list[Effect]:
         """The request of `ticket` finished (or was never granted: then it is a cancel).
         `shared`: other requests joined its grant; `idle_s`: the front kept it that long
-        after its last request (a lease), so that is when the model was last used."""
+        after its last request (a lease), so that is when the model was last used;
+        `tokens`: what it used, for its key's budget."""
         if ticket not in self.state.leases:
             return self.cancel(ticket, now) if ticket in self.state.queue else []
-        self._let_go(ticket, now, shared, idle_s)
+        self._let_go(ticket, now, shared, idle_s, tokens)
         self.rules.pump(now)
         return self.rules.flush()
 
-    def release_all(self, releases: Iterable[tuple[Hashable, bool, float]],
+    def release_all(self, releases: Iterable[tuple[Hashable, bool, float, int]],
                     now: float) -> list[Effect]:
-        """Grants given back together (ticket, shared, idle_s): the front's answer to a
-        Revoke. All are idle before the rules run, so the LRU victim is chosen among all
-        of them, not the first to arrive."""
-        for ticket, shared, idle_s in releases:
+        """Grants given back together (ticket, shared, idle_s, tokens): the front's answer
+        to a Revoke. All are idle before the rules run, so the LRU victim is chosen among
+        all of them, not the first to arrive."""
+        for ticket, shared, idle_s, tokens in releases:
             if ticket in self.state.leases:
-                self._let_go(ticket, now, shared, idle_s)
+                self._let_go(ticket, now, shared, idle_s, tokens)
         self.rules.pump(now)
         return self.rules.flush()
 
-    def _let_go(self, ticket: Hashable, now: float, shared: bool, idle_s: float) -> None:
-        name, generation = self.state.leases.pop(ticket)
+    def _let_go(self, ticket: Hashable, now: float, shared: bool, idle_s: float,
+                tokens: int = 0) -> None:
+        name, generation, key = self.state.leases.pop(ticket)
+        freed = self.state.tenants.released(key, tokens, now)
+        if tokens and self.state.tenants.of(key).tokens_per_min:
+            self.state.queue.served(name, key, tokens)
+        self._model_let_go(name, generation, now, shared, idle_s)
+        if freed:  # the key was at its max_concurrency: its waiters may go now
+            self.rules.serve_key(key, now)
+
+    def _model_let_go(self, name: str, generation: int, now: float, shared: bool,
+                      idle_s: float) -> None:
         rec = self.state.models.get(name)
         # Invariant: a crash or stop zeroes in_flight, and a reload bumps the generation,
         # so only leases of the live generation still count.
@@ -187,7 +215,7 @@ class Policy:
         self.rules.pump(now)
         self.rules.refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "
                      f"'{waiter.model}' (queue_timeout_s){why}", retry_after_s=1.0,
-                     model=waiter.model, reason="queue_timeout")
+                     model=waiter.model, reason="queue_timeout", key=waiter.key)
         return self.rules.flush()
 
     # ------------------------------------------------------------ management

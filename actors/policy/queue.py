@@ -3,6 +3,13 @@
 Entries keep arrival order, so the first entry that still needs a slot is the head
 (R-4.3). Every queued ticket is in exactly one entry and in `waiters`; the two change
 together here and nowhere else.
+
+With keys (issue 22) a waiter has a class level and a key, and the order is theirs: a
+higher level goes first, a waiter's level rising by one for every `aging_s` it has waited
+(so every request is served in the end); among the keys of the winning class, the key
+served least goes next (round robin, or by tokens for keys with a token budget); FIFO
+within a key. Each key's waiters of an entry are its *lane*. Without keys there is one
+lane, and the order is arrival order, at no extra cost.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ class Waiter:
     queued_at: float
     deadline: float | None = None
     """When it gives up (queue_timeout_s), or None to wait as long as it takes."""
+    key: str = ""
+    level: int = 0
+    """Its key's class level when it came."""
     kills_outlived: int = 0
     """Loads it waited on that were killed by a signal; past `KILLS_OUTLIVED_MAX` the next
     failure answers it."""
@@ -40,15 +50,43 @@ class QueueEntry:
     """Held by POST /models/load (or a permanent restart): it stays even with no waiter."""
     claimed: bool = False
     """A spawn was made for it (R-4.5: claimed-not-yet-ready)."""
+    lanes: dict[str, dict[Hashable, None]] = field(default_factory=dict)
+    """Key -> its waiters here, in arrival order. Invariant: together, `waiters`."""
+    served: dict[str, float] = field(default_factory=dict)
+    """Key -> what it has been served here (requests, or tokens for a key with a token
+    budget): the fair share's count. A key that comes back starts level with the least
+    served key that waits, so it cannot claim a backlog of turns."""
+
+    def put(self, ticket: Hashable, key: str) -> None:
+        self.waiters[ticket] = None
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = {}
+            floor = min((self.served.get(k, 0.0) for k in self.lanes if k != key),
+                        default=None)
+            if floor is not None:
+                self.served[key] = max(self.served.get(key, 0.0), floor)
+        lane[ticket] = None
+
+    def pull(self, ticket: Hashable, key: str) -> None:
+        del self.waiters[ticket]
+        lane = self.lanes[key]
+        del lane[ticket]
+        if not lane:
+            del self.lanes[key]
 
 
 class RequestQueue:
-    def __init__(self) -> None:
+    def __init__(self, aging_s: float = 0.0) -> None:
         self.entries: dict[str, QueueEntry] = {}
         """Model -> its entry, in arrival order."""
         self.waiters: dict[Hashable, Waiter] = {}
         self.changed: set[str] = set()
         """Models whose waiters changed since the policy last said so (a `queue` event)."""
+        self.aging_s = aging_s
+        """A waiter's level rises by one for every this long it waits (0: never)."""
+        self.levels: dict[int, int] = {}
+        """Class level -> waiters of it: with one level, entries keep arrival order."""
 
     def __len__(self) -> int:
         """Queued requests (not entries)."""
@@ -70,23 +108,83 @@ class RequestQueue:
             entry = self.entries[model] = QueueEntry(model)
         return entry
 
-    def add(self, ticket: Hashable, model: str, now: float,
-            deadline: float | None) -> QueueEntry:
+    def add(self, ticket: Hashable, model: str, now: float, deadline: float | None,
+            key: str = "", level: int = 0) -> QueueEntry:
         entry = self.open(model)
-        entry.waiters[ticket] = None
-        self.waiters[ticket] = Waiter(model, now, deadline)
+        entry.put(ticket, key)
+        self.waiters[ticket] = Waiter(model, now, deadline, key, level)
+        self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
         return entry
+
+    def _forget(self, ticket: Hashable) -> Waiter:
+        """Take `ticket` out of `waiters`, its entry and the level counts."""
+        waiter = self.waiters.pop(ticket)
+        self.entries[waiter.model].pull(ticket, waiter.key)
+        left = self.levels[waiter.level] - 1
+        if left:
+            self.levels[waiter.level] = left
+        else:
+            del self.levels[waiter.level]
+        self.changed.add(waiter.model)
+        return waiter
+
+    def rank(self, waiter: Waiter, now: float) -> float:
+        """A waiter's level now, with what its wait has added."""
+        if not self.aging_s:
+            return waiter.level
+        return waiter.level + (now - waiter.queued_at) / self.aging_s
+
+    def next_of(self, entry: QueueEntry, now: float,
+                skip: frozenset[str] | set[str] = frozenset()) -> Hashable | None:
+        """The waiter of `entry` to serve next, leaving out the keys in `skip` (at their
+        max_concurrency); None if there is none."""
+        lanes = entry.lanes
+        if len(lanes) == 1 and not skip:
+            return next(iter(entry.waiters), None)
+        best_rank: float | None = None
+        best_level = 0
+        heads: list[tuple[str, Hashable, Waiter]] = []
+        for key, lane in lanes.items():
+            if key in skip:
+                continue
+            head = next(iter(lane))
+            waiter = self.waiters[head]
+            heads.append((key, head, waiter))
+            rank = self.rank(waiter, now)
+            if best_rank is None or rank > best_rank:
+                best_rank, best_level = rank, waiter.level
+        if not heads:
+            return None
+        # the class that won; among its keys, the least served, then the longest waiting
+        _, ticket, _ = min(((k, t, w) for k, t, w in heads if w.level == best_level),
+                           key=lambda h: (entry.served.get(h[0], 0.0), h[2].queued_at))
+        return ticket
+
+    def served(self, model: str, key: str, amount: float) -> None:
+        """Count `amount` (a grant, or tokens) as served to `key` in `model`'s entry."""
+        entry = self.entries.get(model)
+        if entry is not None:
+            entry.served[key] = entry.served.get(key, 0.0) + amount
+
+    def ordered(self, now: float) -> list[QueueEntry] | Iterator[QueueEntry]:
+        """The entries in the order they claim slots: arrival order, unless waiters of
+        more than one class level wait; then the entry whose best waiter ranks highest
+        first (ties: arrival order)."""
+        if len(self.levels) <= 1:
+            return iter(self.entries.values())
+        def best(entry: QueueEntry) -> float:
+            return max((self.rank(self.waiters[next(iter(lane))], now)
+                        for lane in entry.lanes.values()), default=float("-inf"))
+        return sorted(self.entries.values(), key=best, reverse=True)
 
     def remove(self, ticket: Hashable) -> tuple[Waiter, bool] | None:
         """Take `ticket` out; return its waiter and whether its entry went with it (it was
         the last waiter of an entry no load holds)."""
-        waiter = self.waiters.pop(ticket, None)
-        if waiter is None:
+        if ticket not in self.waiters:
             return None
+        waiter = self._forget(ticket)
         entry = self.entries[waiter.model]
-        del entry.waiters[ticket]
-        self.changed.add(waiter.model)
         gone = not entry.waiters and not entry.explicit
         if gone:
             del self.entries[waiter.model]
@@ -94,19 +192,16 @@ class RequestQueue:
 
     def take(self, ticket: Hashable) -> Waiter:
         """Take `ticket` out of a non-empty entry that stays (it is being granted)."""
-        waiter = self.waiters.pop(ticket)
-        del self.entries[waiter.model].waiters[ticket]
-        self.changed.add(waiter.model)
-        return waiter
+        return self._forget(ticket)
 
     def drop(self, model: str) -> list[tuple[Hashable, Waiter]]:
         """Remove the model's entry; return its waiters, oldest first."""
-        entry = self.entries.pop(model, None)
+        entry = self.entries.get(model)
         if entry is None:
             return []
-        if entry.waiters:
-            self.changed.add(model)
-        return [(t, self.waiters.pop(t)) for t in entry.waiters]
+        out = [(t, self._forget(t)) for t in list(entry.waiters)]
+        del self.entries[model]
+        return out
 
     def keep_for_retries(self, model: str) -> list[tuple[Hashable, Waiter]]:
         """A load the entry waited on was killed by a signal: keep the waiters that have
@@ -115,12 +210,8 @@ class RequestQueue:
         entry = self.entries.get(model)
         if entry is None:
             return []
-        done = [(t, self.waiters[t]) for t in entry.waiters
+        done = [(t, self._forget(t)) for t in list(entry.waiters)
                 if self.waiters[t].kills_outlived >= KILLS_OUTLIVED_MAX]
-        for t, _ in done:
-            del self.waiters[t]
-            del entry.waiters[t]
-            self.changed.add(model)
         for t in entry.waiters:
             self.waiters[t].kills_outlived += 1
         self.close_if_empty(model)
@@ -138,6 +229,7 @@ class RequestQueue:
         tickets = list(self.waiters)
         self.entries.clear()
         self.waiters.clear()
+        self.levels.clear()
         return tickets
 
     def view(self, model: str, now: float) -> tuple[int, float | None]:
@@ -148,8 +240,15 @@ class RequestQueue:
         return len(entry.waiters), now - self.waiters[next(iter(entry.waiters))].queued_at
 
     def check(self) -> None:
+        levels: dict[int, int] = {}
         for ticket, waiter in self.waiters.items():
             assert ticket in self.entries[waiter.model].waiters, (ticket, waiter.model)
+            assert ticket in self.entries[waiter.model].lanes[waiter.key], (ticket, waiter.key)
+            levels[waiter.level] = levels.get(waiter.level, 0) + 1
+        assert levels == self.levels, (levels, self.levels)
+        for entry in self.entries.values():
+            assert sum(len(lane) for lane in entry.lanes.values()) == len(entry.waiters)
+            assert all(entry.lanes.values()), f"{entry.model}: an empty lane"
         for name, entry in self.entries.items():
             assert entry.waiters or entry.explicit, f"{name}: empty entry"
             for ticket in entry.waiters:

@@ -203,5 +203,9 @@ class Stats:
     """Model -> how long its granted requests waited in the queue."""
     load_time: dict[str, Histogram] = field(default_factory=dict)
     """Model -> spawn to ready, for the loads that succeeded."""
+    key_refusals: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(key, reason) -> requests of a named key answered with corral's own error."""
+    class_wait: dict[str, Histogram] = field(default_factory=dict)
+    """Priority class -> how long its granted requests waited in the queue (with keys)."""
 
 

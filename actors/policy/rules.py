@@ -91,7 +91,8 @@ class Rules:
         if self.pick_victim(now) is None and not pinned_out:
             self.revoke_kept()
             return  # every running model is busy, wanted or young: a release re-ticks
-        needing = [e.model for e in self.state.queue if self.state.needs_slot(e, now)]
+        needing = [e.model for e in self.state.queue.ordered(now)
+                   if self.state.needs_slot(e, now)]
         while free < len(needing):
             victim = self.pick_victim(now)
             if victim is None:
@@ -132,7 +133,8 @@ class Rules:
                                                       generation=rec.generation)))
 
     def claim(self, now: float) -> None:
-        """Spawn for queue heads, in order, while there is capacity (R-4.3).
+        """Spawn for queue heads, in order, while there is capacity (R-4.3); with
+        classes, the entry of the highest ranked waiter first (queue.ordered).
 
         Scans only up to the first head that must wait (claimed entries before it are
         at most models_max); a refusal changes the queue, and the scan starts over.
@@ -140,7 +142,7 @@ class Rules:
         rescan = True
         while rescan:
             rescan = False
-            for entry in self.state.queue:
+            for entry in self.state.queue.ordered(now):
                 verdict = self.claim_one(entry, now)
                 if verdict == "wait":
                     return  # the head waits, and nobody overtakes it
@@ -252,18 +254,37 @@ class Rules:
         self.state.out.append(Spawn(rec.name, rec.generation, rec.placement, rec.node))
 
     def serve_waiters(self, rec: ModelRecord, now: float) -> None:
-        """Grant the requests queued for a serving model, oldest first, while it has room."""
-        entry = self.state.queue.entry(rec.name)
+        """Grant the requests queued for a serving model while it has room: in arrival
+        order, or with keys, in their classes' and fair share's order (queue.next_of),
+        leaving those of keys at their max_concurrency to wait."""
+        queue, tenants = self.state.queue, self.state.tenants
+        entry = queue.entry(rec.name)
         if entry is None:
             return
+        blocked = {key for key in entry.lanes if tenants.at_limit(key)}
         while entry.waiters and self.state.has_room(rec):
-            ticket = next(iter(entry.waiters))
-            waiter = self.state.queue.take(ticket)
+            ticket = queue.next_of(entry, now, blocked)
+            if ticket is None:
+                break
+            waiter = queue.take(ticket)
+            waited = now - waiter.queued_at
             self.state.stats.queue_waits += 1
-            self.state.stats.queue_wait_s += now - waiter.queued_at
-            observe(self.state.stats.queue_wait, rec.name, now - waiter.queued_at)
-            self.grant(ticket, rec, now)
-        self.state.queue.close_if_empty(rec.name)
+            self.state.stats.queue_wait_s += waited
+            observe(self.state.stats.queue_wait, rec.name, waited)
+            if waiter.key:
+                observe(self.state.stats.class_wait, tenants.of(waiter.key).priority, waited)
+            self.grant(ticket, rec, now, waiter.key)
+            if tenants.at_limit(waiter.key):
+                blocked.add(waiter.key)
+        queue.close_if_empty(rec.name)
+
+    def serve_key(self, key: str, now: float) -> None:
+        """`key` is below its max_concurrency again: serve the models it waits for."""
+        for entry in list(self.state.queue):
+            if key in entry.lanes:
+                rec = self.state.models[entry.model]
+                if self.state.has_room(rec):
+                    self.serve_waiters(rec, now)
 
     def stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
               now: float, shortfalls: list[Shortfall] | None = None) -> None:
@@ -280,15 +301,20 @@ class Rules:
         self.state.out.append(Publish(rec.last_eviction))
         self.state.out.append(Stop(rec.name, rec.generation, reason))
 
-    def grant(self, ticket: Hashable, rec: ModelRecord, now: float) -> None:
+    def grant(self, ticket: Hashable, rec: ModelRecord, now: float, key: str = "") -> None:
         # The grant and the in-flight count happen in one step, so no tick can pick
         # this model as a victim between "ready" and "proxied" (llama.cpp #28698).
         assert rec.host is not None and rec.port is not None
         rec.in_flight += 1
         rec.last_used = now
         self.state.stats.granted += 1
-        self.state.leases[ticket] = (rec.name, rec.generation)
-        shareable = not rec.rules.max_concurrency
+        self.state.leases[ticket] = (rec.name, rec.generation, key)
+        tenants = self.state.tenants
+        tenants.granted(key)
+        if not tenants.of(key).tokens_per_min:
+            self.state.queue.served(rec.name, key, 1.0)
+        # a key with limits: the Scheduler must see each of its requests (shares.py)
+        shareable = not rec.rules.max_concurrency and not tenants.limited(key)
         if shareable and not rec.pinned:
             self.state.revocable[rec.name] = rec.generation
         self.state.out.append(Answer(ticket, Grant(
@@ -297,12 +323,15 @@ class Rules:
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,
-                model: str | None = None, reason: str | None = None) -> None:
+                model: str | None = None, reason: str | None = None, key: str = "") -> None:
         """Answer with corral's own error; a request for a model counts under `reason`
-        (queue_full, queue_timeout, backoff, load_failed, pinned, memory, ...)."""
+        (queue_full, queue_timeout, backoff, load_failed, pinned, memory, ...), and under
+        its `key`'s name too."""
+        stats = self.state.stats
         if model is not None and reason is not None:
-            key = (model, reason)
-            self.state.stats.refusals[key] = self.state.stats.refusals.get(key, 0) + 1
+            stats.refusals[(model, reason)] = stats.refusals.get((model, reason), 0) + 1
+            if key:
+                stats.key_refusals[(key, reason)] = stats.key_refusals.get((key, reason), 0) + 1
         self.state.out.append(Answer(ticket, Refusal(
             status=status, message=message, error_type=type_, retry_after_s=retry_after_s)))
 
@@ -311,9 +340,9 @@ class Rules:
         waiters = self.state.queue.drop(model)
         rec = self.state.models[model]
         self.idle(rec)
-        for ticket, _ in waiters:
+        for ticket, waiter in waiters:
             self.refuse(ticket, status, message, retry_after_s=retry_after_s, model=model,
-                         reason=reason)
+                        reason=reason, key=waiter.key)
 
     def backoff_message(self, rec: ModelRecord, now: float) -> str:
         return (f"model '{rec.name}' failed {len(rec.breaker.failures)} times in "

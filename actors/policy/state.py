@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from ..config import ModelRules
+from ..keys import Tenant
 from ..ledger import Ledger
 from ..lifecycle import ModelState
 from .breaker import Breaker
@@ -15,6 +16,7 @@ from .memory import Memory
 from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
 from .records import Effect, ModelRecord, Stats
+from .tenants import Tenants
 from .victims import Victims
 
 S = ModelState
@@ -29,14 +31,18 @@ class State:
     def __init__(self, models_max: int, restart_intensity: int = 3,
                  restart_period_s: float = 60.0, memory_margin: int = 0,
                  account_host: bool = False, restart_backoff_max_s: float = 60.0,
-                 restart_healthy_s: float = 30.0, models_max_per_node: int = 0) -> None:
+                 restart_healthy_s: float = 30.0, models_max_per_node: int = 0,
+                 tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0) -> None:
         self.models_max = models_max
         self.breaker_args = (restart_intensity, restart_period_s, restart_backoff_max_s,
                              restart_healthy_s)
         self.models: dict[str, ModelRecord] = {}
-        self.queue = RequestQueue()
-        self.leases: dict[Hashable, tuple[str, int]] = {}
-        """Ticket -> (model, generation), for every granted request not yet released."""
+        self.queue = RequestQueue(aging_s)
+        self.leases: dict[Hashable, tuple[str, int, str]] = {}
+        """Ticket -> (model, generation, key), for every granted request not yet
+        released."""
+        self.tenants = Tenants(tenants)
+        """Every key's class, limits and usage (issue 22)."""
         self.revocable: dict[str, int] = {}
         """Model -> generation, for the unpinned models granted a shareable grant since the
         last revocation: the front may be keeping it idle after its last request (a lease,

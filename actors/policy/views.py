@@ -48,17 +48,24 @@ def check(p: State) -> None:
         rec = p.models[name]
         if rec.state.is_serving:
             limit = rec.rules.max_concurrency
-            assert rec.retiring or (limit and rec.in_flight >= limit), \
+            assert rec.retiring or (limit and rec.in_flight >= limit) or all(
+                p.tenants.at_limit(key) for key in entry.lanes), \
                 f"{name}: queued while it could serve"
         if entry.claimed:
             assert rec.state in (S.LOADING, S.STOPPING), f"{name}: claim without child"
     for rec in p.models.values():
-        live = sum(1 for (n, g) in p.leases.values() if n == rec.name and g == rec.generation)
+        live = sum(1 for (n, g, _) in p.leases.values()
+                   if n == rec.name and g == rec.generation)
         if rec.state.is_running:
             assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
         else:
             assert rec.in_flight == 0
             assert rec.node is None and rec.upstream_key is None, f"{rec.name}: no child"
+    keyed: dict[str, int] = {}
+    for (_, _, key) in p.leases.values():
+        keyed[key] = keyed.get(key, 0) + 1
+    for key, usage in p.tenants.usage.items():
+        assert usage.in_flight == keyed.get(key, 0), f"key {key!r}: in_flight {usage.in_flight}"
     recs = list(p.models.values())
     assert p.n_running == sum(r.state.is_running for r in recs), "n_running"
     assert p.n_stopping == sum(r.state is S.STOPPING for r in recs), "n_stopping"

@@ -1,0 +1,31 @@
+"""What an exchange (exchange.py) uses of the front that runs it, handed to it so that it
+never reaches through its connection to the connection's parent (uvicorn's
+`RequestResponseCycle` habit)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ..bridge import SchedulerInbox
+from .edge import Routes
+from .metrics import RequestTimes
+from .pool import Pool, Pools
+from .shares import Shares
+from .usage import KeyUses
+
+
+class Services(Protocol):
+    """What an exchange uses of the front that runs it (front.Front)."""
+
+    routes: Routes
+    shares: Shares
+    pools: Pools
+    times: RequestTimes
+    stopped: dict[str, int]
+    key_uses: KeyUses
+    draining: bool
+    to_api: tuple[bytes, ...]
+    scheduler: Callable[[], SchedulerInbox]
+
+    def api_pool(self) -> Pool: ...

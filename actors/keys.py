@@ -1,0 +1,95 @@
+"""Named API keys (`[keys.NAME]`, and `api_key` as one admin key): who is calling, which
+models it may use, whether it may manage corral, and the rules the Scheduler keeps for
+it (policy/tenants.py).
+
+Only a key's SHA-256 is held (config_load reads the key and keeps its digest). A key a
+client sends is hashed and compared with every known digest in constant time, all of
+them every time, so neither the time taken nor where a match was found tells anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from fnmatch import fnmatchcase
+
+import msgspec
+
+from .config import Config
+
+API_KEY_NAME = "api_key"
+"""The name the single top-level `api_key` goes by (an admin key)."""
+DEFAULT_CLASS = "default"
+
+
+class KeyRule(msgspec.Struct, frozen=True, kw_only=True):
+    """One key as the edge sees it."""
+
+    name: str
+    digest: bytes
+    models: tuple[str, ...] = ("*",)
+    """Names, aliases or globs it may use."""
+    admin: bool = False
+    shares: bool = True
+    """Its requests may join a grant the front holds (shares.py). False for a key with
+    limits: the Scheduler must see each of its requests to count it."""
+
+    def may_use(self, names: tuple[str, ...]) -> bool:
+        """Whether it may call the model known as `names` (its name and aliases)."""
+        return any(fnmatchcase(name, p) for p in self.models for name in names)
+
+
+class Keys(msgspec.Struct, frozen=True):
+    """Every key of one config (replaced whole on reload)."""
+
+    rules: tuple[KeyRule, ...]
+
+    def find(self, given: bytes) -> KeyRule | None:
+        """The key `given` is, or None."""
+        digest = hashlib.sha256(given).digest()
+        found = None
+        for rule in self.rules:  # every one, whatever matched: no early exit to time
+            if hmac.compare_digest(digest, rule.digest):
+                found = rule
+        return found
+
+    @classmethod
+    def of(cls, config: Config) -> Keys | None:
+        """The keys of `config`; None when it has none (then corral is open: R5)."""
+        rules = [KeyRule(name=name, digest=bytes.fromhex(k.digest), models=tuple(k.models),
+                         admin=k.admin,
+                         shares=not (k.max_concurrency or k.requests_per_min
+                                     or k.tokens_per_min))
+                 for name, k in config.keys.items()]
+        if config.api_key is not None:
+            rules.append(KeyRule(name=API_KEY_NAME,
+                                 digest=hashlib.sha256(config.api_key.encode()).digest(),
+                                 admin=True))
+        return cls(tuple(rules)) if rules else None
+
+
+class Tenant(msgspec.Struct, frozen=True, kw_only=True):
+    """One key as the Scheduler sees it: its class and its limits."""
+
+    name: str
+    level: int = 0
+    """Its priority class's level (a higher one is served first)."""
+    priority: str = DEFAULT_CLASS
+    max_concurrency: int = 0
+    requests_per_min: int = 0
+    tokens_per_min: int = 0
+
+
+def tenants_of(config: Config) -> dict[str, Tenant]:
+    """Every key's class and limits, by name ("" is a request with no key)."""
+    default = config.priorities.get(DEFAULT_CLASS, 0)
+    out = {"": Tenant(name="", level=default)}
+    if config.api_key is not None:
+        out[API_KEY_NAME] = Tenant(name=API_KEY_NAME, level=default)
+    for name, k in config.keys.items():
+        out[name] = Tenant(
+            name=name, priority=k.priority or DEFAULT_CLASS,
+            level=config.priorities[k.priority] if k.priority is not None else default,
+            max_concurrency=k.max_concurrency, requests_per_min=k.requests_per_min,
+            tokens_per_min=k.tokens_per_min)
+    return out

@@ -1,0 +1,195 @@
+"""Keys in the pure policy (issue 22): quotas, a key's max_concurrency, priority classes
+with aging, and the fair share between keys of one class. Synchronous, a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.config import ModelRules
+from actors.keys import Tenant
+from actors.messages import Grant, Refusal
+from actors.policy import Policy
+from actors.policy.records import Answer, Effect, Spawn
+
+BATCH, INTERACTIVE = 1, 10
+
+
+class World:
+    def __init__(self, tenants: dict[str, Tenant], models: str = "ab", models_max: int = 2,
+                 aging_s: float = 0.0, max_concurrency: int = 0) -> None:
+        self.p = Policy(models_max, tenants={"": Tenant(name=""), **tenants}, aging_s=aging_s)
+        for m in models:
+            self.p.add_model(m, 0.0, rules=ModelRules(max_concurrency=max_concurrency))
+        self.now = 0.0
+        self.answers: dict[object, object] = {}
+        self.order: list[object] = []
+        """Tickets in the order they were granted."""
+
+    def run(self, effects: list[Effect]) -> None:
+        for e in effects:
+            if isinstance(e, Answer):
+                self.answers[e.ticket] = e.value
+                if isinstance(e.value, Grant):
+                    self.order.append(e.ticket)
+            elif isinstance(e, Spawn):
+                pass
+        self.p.check_invariants()
+
+    def acquire(self, ticket: object, model: str, key: str = "", at: float | None = None,
+                ) -> object:
+        self.now = self.now + 1.0 if at is None else at
+        self.run(self.p.acquire(ticket, model, self.now, True, key))
+        return self.answers.get(ticket)
+
+    def release(self, ticket: object, tokens: int = 0, at: float | None = None) -> None:
+        self.now = self.now + 1.0 if at is None else at
+        self.run(self.p.release(ticket, self.now, tokens=tokens))
+
+    def ready(self, model: str) -> None:
+        rec = self.p.state.models[model]
+        self.run(self.p.children.instance_ready(model, rec.generation, 100, "x", 1, self.now))
+
+    def serving(self, model: str) -> None:
+        """Load `model` and leave it idle."""
+        self.acquire(("warm", model), model)
+        self.ready(model)
+        self.release(("warm", model))
+        self.order.clear()
+
+
+def test_requests_per_min_is_exact_and_says_when_to_come_back() -> None:
+    w = World({"k": Tenant(name="k", requests_per_min=3)})
+    w.serving("a")
+    for i in range(3):
+        assert isinstance(w.acquire(i, "a", "k", at=10.0 + i), Grant)
+        w.release(i, at=10.5 + i)
+    refused = w.acquire("over", "a", "k", at=30.0)
+    assert isinstance(refused, Refusal) and refused.status == 429
+    assert refused.retry_after_s == pytest.approx(40.0)  # the first leaves the window at 70
+    assert "requests_per_min 3" in refused.message and "key 'k'" in refused.message
+    assert w.p.state.queue.waiters == {}, "a refused request is not queued"
+    assert isinstance(w.acquire("late", "a", "k", at=70.0), Grant)
+    assert w.p.state.stats.key_refusals == {("k", "requests_per_min"): 1}
+    # another key, and no key, are not limited by k's budget
+    assert isinstance(w.acquire("free", "a", "", at=70.5), Grant)
+
+
+def test_tokens_per_min_counts_what_releases_report() -> None:
+    w = World({"k": Tenant(name="k", tokens_per_min=100)})
+    w.serving("a")
+    w.acquire(1, "a", "k", at=10.0)
+    w.release(1, tokens=60, at=11.0)
+    assert isinstance(w.acquire(2, "a", "k", at=12.0), Grant)  # 60 < 100: one more may go
+    w.release(2, tokens=50, at=13.0)
+    refused = w.acquire(3, "a", "k", at=20.0)
+    assert isinstance(refused, Refusal) and refused.status == 429
+    # 110 used; below 100 once the 60 of t=11 leave the window, at 71
+    assert refused.retry_after_s == pytest.approx(51.0)
+    assert "tokens_per_min 100" in refused.message
+    assert isinstance(w.acquire(4, "a", "k", at=71.0), Grant)
+
+
+def test_a_key_at_its_max_concurrency_waits_without_holding_up_others() -> None:
+    w = World({"k": Tenant(name="k", max_concurrency=2)})
+    w.serving("a")
+    assert isinstance(w.acquire(1, "a", "k"), Grant)
+    assert isinstance(w.acquire(2, "a", "k"), Grant)
+    assert w.acquire(3, "a", "k") is None, "third of k waits"
+    assert isinstance(w.acquire("other", "a", ""), Grant), "another key is not held up"
+    w.release(1)
+    assert isinstance(w.answers[3], Grant)
+    assert not w.p.state.queue.entries
+
+
+def test_a_higher_class_is_served_first_fifo_within_it() -> None:
+    w = World({"batch": Tenant(name="batch", level=BATCH),
+               "inter": Tenant(name="inter", level=INTERACTIVE)}, max_concurrency=1)
+    w.serving("a")
+    w.acquire("busy", "a", "batch")
+    for t in ("b1", "b2"):
+        w.acquire(t, "a", "batch")
+    for t in ("i1", "i2"):
+        w.acquire(t, "a", "inter")
+    for t in ("busy", "i1", "i2", "b1"):
+        w.release(t)
+    assert w.order == ["busy", "i1", "i2", "b1", "b2"]
+
+
+def test_aging_serves_a_long_waiting_lower_class_before_fresh_higher_ones() -> None:
+    w = World({"batch": Tenant(name="batch", level=BATCH),
+               "inter": Tenant(name="inter", level=INTERACTIVE)}, max_concurrency=1,
+              aging_s=10.0)
+    w.serving("a")
+    w.acquire("busy", "a", "inter", at=0.0)
+    w.acquire("old-batch", "a", "batch", at=0.0)
+    w.acquire("new-inter", "a", "inter", at=85.0)
+    # at t=100: batch ranks 1 + 100/10 = 11, the interactive one 10 + 15/10 = 11.5
+    w.release("busy", at=100.0)
+    assert w.order[-1] == "new-inter"
+    w.acquire("newer-inter", "a", "inter", at=100.0)
+    # at t=101: batch 11.1, the fresh interactive 10.1: the batch request goes
+    w.release("new-inter", at=101.0)
+    assert w.order[-1] == "old-batch"
+
+
+def test_keys_of_one_class_share_turns_and_a_latecomer_claims_no_backlog() -> None:
+    keys = {k: Tenant(name=k, level=BATCH) for k in ("x", "y", "z")}
+    w = World(keys, max_concurrency=1)
+    w.serving("a")
+    w.acquire("busy", "a", "x")
+    for i in range(6):
+        w.acquire(("x", i), "a", "x")
+    for i in range(6):
+        w.acquire(("y", i), "a", "y")
+    served: list[object] = []
+    for _ in range(4):
+        w.release(w.order[-1])
+        served.append(w.order[-1])
+    assert [t[0] for t in served] == ["x", "y", "x", "y"], served  # turns, oldest first
+    for i in range(4):
+        w.acquire(("z", i), "a", "z")  # starts level with the least served, not at 0
+    for _ in range(6):
+        w.release(w.order[-1])
+        served.append(w.order[-1])
+    later = [t[0] for t in served[4:]]
+    assert sorted(later[:3]) == ["x", "y", "z"] and sorted(later[3:]) == ["x", "y", "z"]
+
+
+def test_the_entry_of_a_higher_class_claims_the_free_slot_first() -> None:
+    w = World({"batch": Tenant(name="batch", level=BATCH),
+               "inter": Tenant(name="inter", level=INTERACTIVE)}, models="abc",
+              models_max=1)
+    w.serving("a")
+    w.acquire("hold", "a", "")
+    w.acquire("b1", "b", "batch")  # came first
+    w.acquire("c1", "c", "inter")
+    w.release("hold")  # a is idle: it goes, for c's entry, not b's
+    assert w.p.state.models["a"].state.value == "stopping"
+    assert w.p.state.models["a"].last_eviction.for_model == "c"
+    rec = w.p.state.models["a"]
+    w.run(w.p.children.instance_exited("a", rec.generation, 0, "rc 0", w.now + 1))
+    assert w.p.state.models["c"].state.value == "loading"
+    assert w.p.state.models["b"].state.value == "unloaded"
+
+
+def test_a_limited_key_gets_grants_the_front_does_not_share() -> None:
+    w = World({"k": Tenant(name="k", requests_per_min=100), "free": Tenant(name="free")})
+    w.serving("a")
+    limited = w.acquire(1, "a", "k")
+    free = w.acquire(2, "a", "free")
+    assert isinstance(limited, Grant) and not limited.shareable
+    assert isinstance(free, Grant) and free.shareable
+
+
+def test_usage_of_the_keys_that_stay_survives_a_reload() -> None:
+    w = World({"k": Tenant(name="k", requests_per_min=1), "gone": Tenant(name="gone")})
+    w.serving("a")
+    w.acquire(1, "a", "k", at=10.0)
+    w.acquire(2, "a", "gone", at=10.0)
+    w.p.state.tenants.replace({"": Tenant(name=""), "k": Tenant(name="k", requests_per_min=1)})
+    assert w.p.state.tenants.usage["gone"].in_flight == 1, "kept while its request runs"
+    w.release(2, at=11.0)
+    w.p.state.tenants.replace({"": Tenant(name=""), "k": Tenant(name="k", requests_per_min=1)})
+    assert "gone" not in w.p.state.tenants.usage
+    refused = w.acquire(3, "a", "k", at=20.0)
+    assert isinstance(refused, Refusal) and refused.status == 429
