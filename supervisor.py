@@ -69,8 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--url", default="http://127.0.0.1:8080",
                          help="the corral to ask (default: %(default)s)")
         add_key_args(cmd, "its api_key, if it has one")
-        if name in ("load", "unload", "logs"):
+        if name in ("load", "unload", "logs", "plan"):
             cmd.add_argument("name")
+        if name == "plan":
+            cmd.add_argument("--for-key", metavar="NAME", default="",
+                             help="plan for the named key's class and limits (an admin may "
+                                  "name any key; another key plans for itself)")
         if name == "logs":
             cmd.add_argument("-f", "--follow", action="store_true",
                              help="keep printing new lines (across restarts of the model)")
@@ -289,7 +293,7 @@ def client(args: argparse.Namespace) -> int:
         print(f"corral: {e}", file=sys.stderr)
         return EXIT_CONFIG
     return http_client.run(args.url, key, args.command, getattr(args, "name", None),
-                           getattr(args, "follow", False))
+                           getattr(args, "follow", False), getattr(args, "for_key", ""))
 
 
 def main(argv: list[str] | None = None) -> int:

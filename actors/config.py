@@ -217,7 +217,8 @@ class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """May load, unload and reload models, and read logs, metrics and keys; a key that is
     not may only call models (and list them)."""
     digest: str = ""
-    """Set by corral: the SHA-256 of the key, hex (never in the file)."""
+    """The key's SHA-256 in hex, in place of key_file and key_env (`printf %s KEY |
+    sha256sum`); corral fills it in from them."""
 
 
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -20,6 +20,7 @@ from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _KEY_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def _validate_devices(config: Config, source: str) -> None:
@@ -105,12 +106,14 @@ def _resolve_keys(config: Config, source: str) -> Config:
         if not _KEY_NAME.fullmatch(name):
             raise ConfigError(f"{where}: a key's name is letters, digits and '_.-' (it is "
                               "shown in metrics and logs)")
-        if entry.digest:
-            raise ConfigError(f"{where}.digest: set by corral; give key_file or key_env")
-        if (entry.key_file is None) == (entry.key_env is None):
-            raise ConfigError(f"{where}: set key_file or key_env (one of them); the key "
-                              "itself never goes in the config file")
-        if entry.key_file is not None:
+        if entry.key_file is not None and entry.key_env is not None:
+            raise ConfigError(f"{where}: set key_file or key_env, not both")
+        if entry.key_file is None and entry.key_env is None:
+            if not _DIGEST.fullmatch(entry.digest):
+                raise ConfigError(f"{where}: set key_file or key_env (or digest, the key's "
+                                  "SHA-256 in hex); the key itself never goes in the file")
+            secret = None
+        elif entry.key_file is not None:
             secret = read_key_file(entry.key_file, f"{where}.key_file")
         else:
             assert entry.key_env is not None
@@ -126,7 +129,8 @@ def _resolve_keys(config: Config, source: str) -> Config:
             known = ", ".join(sorted(config.priorities)) or "none are defined"
             raise ConfigError(f"{where}.priority: {entry.priority!r} is not a class in "
                               f"[priorities] ({known})")
-        digest = hashlib.sha256(secret.encode()).hexdigest()
+        digest = (hashlib.sha256(secret.encode()).hexdigest() if secret is not None
+                  else entry.digest.lower())
         if digest in owners:
             raise ConfigError(f"{where}: the same key as {owners[digest]}; each key must "
                               "be its own, or corral cannot tell who is calling")
@@ -169,15 +173,16 @@ def _describe(error: msgspec.ValidationError, prefix: str = "") -> str:
 
 def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
     """Decode a TOML-shaped dict; raise ConfigError naming `source` and the key path."""
-    models = data.get("models")
-    if isinstance(models, dict):
-        # One model at a time first: msgspec names a dict key `[...]`, and the model's
-        # name is the part of the path a user needs.
-        for name, table in models.items():
-            try:
-                msgspec.convert(table, type=ModelConfig)
-            except msgspec.ValidationError as e:
-                raise ConfigError(f"{source}: {_describe(e, f'models.{name}')}") from None
+    for section, kind in (("models", ModelConfig), ("keys", KeyConfig)):
+        tables = data.get(section)
+        if isinstance(tables, dict):
+            # One table at a time first: msgspec names a dict key `[...]`, and the
+            # model's (or key's) name is the part of the path a user needs.
+            for name, table in tables.items():
+                try:
+                    msgspec.convert(table, type=kind)
+                except msgspec.ValidationError as e:
+                    raise ConfigError(f"{source}: {_describe(e, f'{section}.{name}')}") from None
     try:
         config = msgspec.convert(data, type=Config)
     except msgspec.ValidationError as e:

@@ -113,6 +113,21 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """Reason -> requests for it corral answered with an error of its own."""
 
 
+class KeyView(msgspec.Struct, frozen=True, kw_only=True):
+    """One named key as the Scheduler knows it (GET /keys, /metrics)."""
+
+    name: str
+    priority: str
+    level: int
+    in_flight: int
+    requests_last_min: int | None
+    """Requests taken in the last 60 s (None: the key has no requests_per_min)."""
+    tokens_last_min: int | None
+    """Tokens used in the last 60 s (None: the key has no tokens_per_min)."""
+    refusals: dict[str, int]
+    """Reason -> its requests answered with corral's own error."""
+
+
 class ModelsSnapshot(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: every model's state, in config order."""
 
@@ -122,6 +137,9 @@ class ModelsSnapshot(Message, frozen=True, kw_only=True):
     granted: int
     queue_waits: int
     queue_wait_s: float
+    keys: list[KeyView] = []
+    class_wait: dict[str, HistogramView] = {}
+    """Priority class -> how long its granted requests waited in the queue."""
 
 
 class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
@@ -278,6 +296,16 @@ class UnloadModel(Message, frozen=True, kw_only=True):
 class GetModels(Message, frozen=True, kw_only=True):
     """API -> Scheduler: answer with a ModelsSnapshot."""
 
+    reply: Reply
+
+
+class GetPlan(Message, frozen=True, kw_only=True):
+    """API -> Scheduler: answer with the RequestPlan (policy/plans.py) of one more request
+    for `model` with `key` now (GET /models/plan)."""
+
+    model: str
+    key: str = ""
+    autoload: bool = True
     reply: Reply
 
 
@@ -520,7 +548,8 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 
 SchedulerMessage = (
-    Acquire | Release | Releases | Cancel | LoadModel | UnloadModel | GetModels | Ping | Subscribe
+    Acquire | Release | Releases | Cancel | LoadModel | UnloadModel | GetModels | GetPlan | Ping
+    | Subscribe
     | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | AnswerLate | InstancesAttached
     | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
     | InstanceExited | NodeChanged

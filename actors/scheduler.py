@@ -24,6 +24,7 @@ from .messages import (
     Event,
     GetDevices,
     GetModels,
+    GetPlan,
     InstanceAdopted,
     InstanceExited,
     InstanceMessage,
@@ -117,6 +118,8 @@ class Scheduler(BaseActor):
                 self._carry_out(p.unload(reply, model, now))
             case GetModels(reply=reply):
                 reply.send(p.snapshot(now))
+            case GetPlan(model=model, key=key, autoload=autoload, reply=reply):
+                reply.send(p.plan(model, now, key, autoload))
             case Ping(reply=reply):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.state.queue)))
             case TtlDue(model=model, generation=gen):

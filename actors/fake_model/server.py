@@ -90,7 +90,9 @@ class FakeModel:
         n_tokens = int(body.get("max_tokens") or body.get("n_predict") or 16)
         chat = "chat" in request.path
         if body.get("stream"):
-            return await self._stream(request, n_tokens, chat)
+            options = body.get("stream_options")
+            usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            return await self._stream(request, n_tokens, chat, usage)
         try:
             await self._pace(n_tokens)
         except asyncio.CancelledError:  # its client (corral) closed the connection
@@ -125,8 +127,9 @@ class FakeModel:
         if self.args.tokens_per_s > 0:
             await asyncio.sleep(n_tokens / self.args.tokens_per_s)
 
-    async def _stream(self, request: web.Request, n_tokens: int,
-                      chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, n_tokens: int, chat: bool,
+                      usage: bool = False) -> web.StreamResponse:
+        """`usage`: a last event with the usage, as OpenAI's `stream_options` asks."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -139,6 +142,11 @@ class FakeModel:
                          else {"choices": [{"index": 0, "text": f"tok{i} "}]})
                 delta["model"] = self.args.model
                 await resp.write(f"data: {json.dumps(delta)}\n\n".encode())
+            if usage:
+                last = {"choices": [], "model": self.args.model,
+                        "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens,
+                                  "total_tokens": n_tokens + 1}}
+                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):

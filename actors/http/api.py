@@ -23,7 +23,7 @@ from aiohttp import web
 
 from ..bridge import LoopReply
 from ..config import Config, ConfigError, ModelConfig
-from ..keys import KeyRule, Keys
+from ..keys import Keys
 from ..ledger import node_of
 from ..messages import (
     Alive,
@@ -41,7 +41,7 @@ from ..messages import (
     UnloadModel,
 )
 from ..supervisor import Supervisor
-from . import dashboard, listing
+from . import dashboard, listing, tenancy
 from .control import FrontCounts
 from .edge import (
     JSON_DEPTH_LIMIT,
@@ -61,17 +61,6 @@ log = logging.getLogger("corral.api")
 
 ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
-MEMBER_GETS = frozenset({"/models", "/v1/models", "/props"})
-"""What a key that is not an admin may ask of corral's own API besides calling models
-(and /v1/models/{id}); everything else needs an admin key."""
-
-
-def may_call(rule: KeyRule | None, request: web.Request) -> bool:
-    """Whether the caller's key may make this request of the management API."""
-    if rule is None or rule.admin:
-        return True
-    return (request.method in ("GET", "HEAD") and "reload" not in request.query
-            and (request.path in MEMBER_GETS or request.path.startswith("/v1/models/")))
 
 
 class ModelName(msgspec.Struct, forbid_unknown_fields=False):
@@ -136,6 +125,9 @@ class ManagementApi:
         r.add_get("/metrics", self.metrics)
         r.add_get("/devices", self.devices)
         r.add_get("/nodes", self.nodes)
+        r.add_get("/keys", self.keys_list)
+        r.add_get("/models/plan", lambda q: tenancy.plan(q, self.names, self.sup.config,
+                                                         self._ask))
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -201,12 +193,8 @@ class ManagementApi:
                         None if request.path in OPEN_PATHS else self.keys)
         if isinstance(who, Answer):
             return answer_response(who)
-        if not may_call(who, request):
-            assert who is not None
-            return error(403, f"key '{who.name}' may call models and list them, not "
-                         f"{request.method} {request.path}" + (
-                             "?reload" if "reload" in request.query else "")
-                         + ": that needs an admin key (admin = true)", "permission_error")
+        if who is not None and not tenancy.may_call(who, request):
+            return error(403, tenancy.refused(who, request), "permission_error")
         request["key"] = who
         return await handler(request)
 
@@ -266,8 +254,14 @@ class ManagementApi:
         body, content_type = await asyncio.to_thread(
             render, snap, devices, counts.joined_total, counts.extra,
             request.headers.get("Accept"), views,
-            self.streams.counts())
+            self.streams.counts(), counts.keys)
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def keys_list(self, request: web.Request) -> web.Response:
+        snap = await self._ask(lambda r: GetModels(reply=r))
+        assert isinstance(snap, ModelsSnapshot)
+        counts = await self._counts()
+        return web.json_response(tenancy.keys_body(snap, counts, self.sup.config))
 
     async def reload(self) -> ReloadSummary:
         """Re-read the config and make its model table the live one; raises ConfigError
@@ -294,7 +288,8 @@ class ManagementApi:
         assert isinstance(snap, ModelsSnapshot)
         models = self.sup.config.models  # read once: every entry from the same table
         counts = await self._counts()
-        entries = (self._entry(view, models, counts) for view in snap.models)
+        entries = (self._entry(view, models, counts) for view in snap.models
+                   if tenancy.visible(request.get("key"), view.name, models))
         return web.json_response({"object": "list", "data": [e for e in entries if e]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:

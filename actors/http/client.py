@@ -1,5 +1,6 @@
 """The `corral` command's client side: the management commands (models, status, devices,
-load, unload, logs) talk to a running corral over HTTP and print what it says."""
+load, unload, logs, plan, keys) talk to a running corral over HTTP and print what it
+says."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ COMMANDS = {
     "load": ("load a model now (POST /models/load)", "corral load llama-8b"),
     "unload": ("stop a model's child now (POST /models/unload)", "corral unload llama-8b"),
     "logs": ("a model's recent output; with -f, follow it live", "corral logs llama-8b -f"),
+    "plan": ("what one more request for a model would get now: served, queued, a load "
+             "(and what it evicts) or refused", "corral plan llama-8b --for-key batch"),
+    "keys": ("named keys: class, limits and what each has used", "corral keys"),
 }
 """command -> (help, example), for the CLI's parser."""
 
 
 def run(url: str, key: str | None, command: str, name: str | None = None,
-        follow: bool = False) -> int:
+        follow: bool = False, for_key: str = "") -> int:
     """Run one of COMMANDS against the corral at `url`; the exit status."""
     base = url.rstrip("/")
     headers = {"Content-Type": "application/json"}
@@ -40,8 +44,11 @@ def run(url: str, key: str | None, command: str, name: str | None = None,
         req = urllib.request.Request(f"{base}/models/{command}", method="POST",
                                      data=json.dumps({"model": name}).encode(),
                                      headers=headers)
+    elif command == "plan":
+        query = urllib.parse.urlencode({"model": name, **({"key": for_key} if for_key else {})})
+        req = urllib.request.Request(f"{base}/models/plan?{query}", headers=headers)
     else:
-        path = "/devices" if command == "devices" else "/models"
+        path = {"devices": "/devices", "keys": "/keys"}.get(command, "/models")
         req = urllib.request.Request(base + path, headers=headers)
     return ask(base, req, lambda resp: show(command, name, base, headers, json.load(resp)))
 
@@ -71,6 +78,12 @@ def show(command: str, name: str | None, base: str, headers: dict[str, str],
         return 0
     if command == "status":
         return print_status(base, headers, data)
+    if command == "plan":
+        print(plan_text(data))
+        return 0
+    if command == "keys":
+        print_keys(data)
+        return 0
     for model in data["data"]:
         status = model["status"]
         extra = f"  ({status.get('exit')})" if status.get("failed") else ""
@@ -131,7 +144,56 @@ def print_status(base: str, headers: dict[str, str], models: dict[str, Any]) -> 
     with urllib.request.urlopen(req, timeout=10) as resp:
         print()
         print_devices(json.load(resp))
+    req = urllib.request.Request(base + "/keys", headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        keys = json.load(resp)
+    if keys["data"]:
+        print()
+        print_keys(keys)
     return 0
+
+
+def plan_text(p: dict[str, Any]) -> str:
+    """`corral plan`: GET /models/plan in one or a few lines."""
+    who = f" (key {p['key']})" if p.get("key") else ""
+    head = f"{p['model']}{who}: "
+    ahead = ", ".join(f"{n} {c}" for c, n in sorted(p.get("ahead", {}).items()))
+    place = f"position {p.get('position')}" + (f" behind {ahead}" if ahead else "")
+    match p["decision"]:
+        case "grant":
+            return head + f"served now by #{p['generation']} on {p['host']}:{p['port']}"
+        case "refuse":
+            retry = (f"; retry after {p['retry_after_s']:.1f} s"
+                     if p.get("retry_after_s") is not None else "")
+            return head + f"refused {p['status']}: {p['message']}{retry}"
+        case "queue":
+            why = f", waiting for {p['waiting_for']}" if p.get("waiting_for") else ""
+            return head + f"queued, {place}{why}"
+    lines = [head + f"a load, on {', '.join(p.get('devices') or []) or 'its default place'}"
+             f" ({place})"]
+    lines += [f"  evicts {e['model']} ({e['reason']}: {e['why']})" for e in p.get("evict", [])]
+    lines += [f"  {m['device']}: {m['free_mib_now']:.0f} MiB free now, "
+              f"{m['free_mib_after']:.0f} MiB after" for m in p.get("memory", [])]
+    return "\n".join(lines)
+
+
+def print_keys(data: dict[str, Any]) -> None:
+    rows = [("KEY", "CLASS", "IN FLIGHT", "REQ/MIN", "TOK/MIN", "REQUESTS", "TOKENS",
+             "REFUSED")]
+    for k in data["data"]:
+        limits = k["limits"]
+
+        def used(now: int | None, limit: int) -> str:
+            return f"{now}/{limit}" if limit else "-"
+        rows.append((k["name"] + (" (admin)" if k["admin"] else ""), str(k["priority"]),
+                     str(k["in_flight"]), used(k["requests_last_min"], limits["requests_per_min"]),
+                     used(k["tokens_last_min"], limits["tokens_per_min"]),
+                     str(k["requests_total"]),
+                     str(k["prompt_tokens_total"] + k["completion_tokens_total"]),
+                     str(sum(k["refusals"].values()))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 def print_devices(data: dict[str, Any]) -> None:

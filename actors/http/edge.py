@@ -47,7 +47,8 @@ PROXIED_POST = frozenset({
 })
 """POST paths whose body names the model (R-6.1)."""
 OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/sse",
-                     "/models/logs", "/devices", "/nodes", "/", "/ui"})
+                     "/models/logs", "/models/plan", "/devices", "/nodes", "/keys", "/",
+                     "/ui"})
 """corral's own GET paths: served by the management API even with ?model= (all other
 GETs that name a model, /props and /metrics included, go to the model, as in llama.cpp)."""
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/ui"})

@@ -58,9 +58,11 @@ Times = dict[str, dict[tuple[str, str], HistogramView]]
 
 class Snapshot(Collector):
     def __init__(self, models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
-                 extra: dict[str, int], times: Times, streams: dict[str, int]) -> None:
+                 extra: dict[str, int], times: Times, streams: dict[str, int],
+                 key_use: dict[str, tuple[int, int, int]] | None = None) -> None:
         self.models, self.devices, self.joined, self.extra = models, devices, joined, extra
         self.times, self.streams = times, streams
+        self.key_use = key_use or {}
 
     def collect(self) -> Iterator[Metric]:
         snap = self.models
@@ -125,6 +127,7 @@ class Snapshot(Collector):
             for (model, status), view in sorted(self.times.get(key, {}).items()):
                 family.add_metric([model, status], buckets(view), view.sum)
             yield family
+        yield from self.keys()
         dev = self.devices
         total = GaugeMetricFamily("corral_device_total_bytes", "A device's memory.",
                                   labels=["device"])
@@ -143,13 +146,46 @@ class Snapshot(Collector):
                 held.add_metric([d.name, model], size)
         yield from (total, external, available, held)
 
+    def keys(self) -> Iterator[Metric]:
+        """Per named key (by name, never its secret) and per priority class."""
+        snap = self.models
+        if not snap.keys and not self.key_use:
+            return
+        requests = CounterMetricFamily("corral_key_requests", "Requests a named key made "
+                                       "that reached a model.", labels=["key"])
+        tokens = CounterMetricFamily("corral_key_tokens", "Tokens a named key used, from "
+                                     "the children's usage (or its stream's events), by kind "
+                                     "(prompt, completion).", labels=["key", "kind"])
+        for key, (n, prompt, completion) in sorted(self.key_use.items()):
+            requests.add_metric([key], n)
+            tokens.add_metric([key, "prompt"], prompt)
+            tokens.add_metric([key, "completion"], completion)
+        in_flight = GaugeMetricFamily("corral_key_in_flight", "A named key's requests "
+                                      "granted and not yet finished (those joining a "
+                                      "shared grant not counted).", labels=["key"])
+        refusals = CounterMetricFamily("corral_key_refusals", "A named key's requests "
+                                       "answered with corral's own error, by reason "
+                                       "(requests_per_min, tokens_per_min, queue_timeout, "
+                                       "...).", labels=["key", "reason"])
+        for view in snap.keys:
+            in_flight.add_metric([view.name], view.in_flight)
+            for reason, n in sorted(view.refusals.items()):
+                refusals.add_metric([view.name, reason], n)
+        wait = HistogramMetricFamily("corral_class_queue_wait_seconds", "How long granted "
+                                     "requests of a priority class waited in the queue.",
+                                     labels=["class"])
+        for cls, view_ in sorted(snap.class_wait.items()):
+            wait.add_metric([cls], buckets(view_), view_.sum)
+        yield from (requests, tokens, in_flight, refusals, wait)
+
 
 def render(models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
            extra: dict[str, int], accept: str | None,
            times: Times | None = None, streams: dict[str, int] | None = None,
-           ) -> tuple[bytes, str]:
+           key_use: dict[str, tuple[int, int, int]] | None = None) -> tuple[bytes, str]:
     """The exposition and its content type, in the format `accept` asks for."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Snapshot(models, devices, joined, extra, times or {}, streams or {}))
+    registry.register(Snapshot(models, devices, joined, extra, times or {}, streams or {},
+                               key_use))
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type

@@ -25,8 +25,9 @@ from ..messages import (
     TtlDue,
     WaitDue,
 )
-from . import views
+from . import plans, views
 from .children import Children
+from .plans import RequestPlan
 from .queue import Waiter
 from .records import (
     Answer,
@@ -65,6 +66,11 @@ class Policy:
     def snapshot(self, now: float = 0.0) -> ModelsSnapshot:
         """GET /models."""
         return views.snapshot(self.state, now)
+
+    def plan(self, model: str, now: float, key: str = "", autoload: bool = True) -> RequestPlan:
+        """GET /models/plan: what `acquire` would do with one more request now, decided
+        on a copy of this policy (plans.py)."""
+        return plans.plan(self, model, now, key, autoload)
 
     def running_count(self) -> int:
         return self.state.n_running

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..lifecycle import ModelState
-from ..messages import ModelsSnapshot, ModelView
+from ..messages import KeyView, ModelsSnapshot, ModelView
 from .state import State
 
 S = ModelState
@@ -38,7 +38,26 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             queue_position=places.get(rec.name) if oldest is not None else None))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
-                          queue_wait_s=p.stats.queue_wait_s)
+                          queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
+                          class_wait={c: h.view() for c, h in p.stats.class_wait.items()})
+
+
+def key_views(p: State, now: float) -> list[KeyView]:
+    out = []
+    for name, rules in p.tenants.rules.items():
+        if not name:
+            continue
+        usage = p.tenants.usage.get(name)
+        if usage is not None:
+            usage.expire(now)
+        out.append(KeyView(
+            name=name, priority=rules.priority, level=rules.level,
+            in_flight=usage.in_flight if usage else 0,
+            requests_last_min=(len(usage.taken) if usage else 0) if rules.requests_per_min
+            else None,
+            tokens_last_min=(usage.spent_sum if usage else 0) if rules.tokens_per_min else None,
+            refusals={r: n for (k, r), n in p.stats.key_refusals.items() if k == name}))
+    return out
 
 
 def check(p: State) -> None:

@@ -1,0 +1,106 @@
+"""The management API's part for named keys (issue 22): what a key that is not an admin
+may ask of corral's own API, GET /keys (each key's class, limits and use; never its
+secret) and GET /models/plan (what one more request would get now: policy/plans.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from ..bridge import LoopReply
+from ..config import Config, ModelConfig
+from ..keys import KeyRule
+from ..messages import GetPlan, ModelsSnapshot, SchedulerMessage
+from ..policy.plans import RequestPlan
+from .control import FrontCounts
+
+MEMBER_GETS = frozenset({"/models", "/v1/models", "/props", "/models/plan"})
+"""What a key that is not an admin may ask of corral's own API besides calling models
+(and /v1/models/{id}); everything else needs an admin key."""
+
+
+def may_call(rule: KeyRule | None, request: web.Request) -> bool:
+    """Whether the caller's key may make this request of the management API."""
+    if rule is None or rule.admin:
+        return True
+    return (request.method in ("GET", "HEAD") and "reload" not in request.query
+            and (request.path in MEMBER_GETS or request.path.startswith("/v1/models/")))
+
+
+def refused(rule: KeyRule, request: web.Request) -> str:
+    reload = "?reload" if "reload" in request.query else ""
+    return (f"key '{rule.name}' may call models and list them, not {request.method} "
+            f"{request.path}{reload}: that needs an admin key (admin = true)")
+
+
+def visible(rule: KeyRule | None, name: str, models: dict[str, ModelConfig]) -> bool:
+    """Whether GET /models shows `name` to the caller: a member key sees what it may use."""
+    if rule is None or rule.admin:
+        return True
+    model = models.get(name)
+    return rule.may_use((name, *(model.aliases if model is not None else ())))
+
+
+def plan_target(request: web.Request, names: dict[str, str],
+                config: Config) -> tuple[str, str, bool] | str:
+    """(model, key, autoload) that GET /models/plan asks about, or what is wrong. A member
+    key plans for itself; an admin key for any (`key=NAME`, default: none)."""
+    asked = request.query.get("model", "")
+    if not asked:
+        return "name a model: GET /models/plan?model=NAME[&key=KEY]"
+    model = names.get(asked)
+    if model is None:
+        return f"model '{asked}' not found"
+    rule: KeyRule | None = request.get("key")
+    key = request.query.get("key", "")
+    if rule is not None and not rule.admin:
+        if key and key != rule.name:
+            return f"key '{rule.name}' may plan only for itself, not for key '{key}'"
+        if not visible(rule, model, config.models):
+            return f"model '{asked}' not found"
+        key = rule.name
+    elif key and key not in config.keys:
+        return f"no key named '{key}' (GET /keys lists them)"
+    autoload = request.query.get("autoload", "true").lower() not in ("0", "false")
+    return model, key, autoload
+
+
+async def plan(request: web.Request, names: dict[str, str], config: Config,
+               ask: Callable[[Callable[[LoopReply], SchedulerMessage]], Awaitable[object]],
+               ) -> web.Response:
+    target = plan_target(request, names, config)
+    if isinstance(target, str):
+        status = 404 if "not found" in target else 400
+        return web.json_response({"error": {"code": status, "message": target,
+                                            "type": "invalid_request_error"}}, status=status)
+    model, key, autoload = target
+    answer = await ask(lambda r: GetPlan(model=model, key=key, autoload=autoload, reply=r))
+    assert isinstance(answer, RequestPlan)
+    return web.json_response(msgspec.to_builtins(answer))
+
+
+def keys_body(snap: ModelsSnapshot, counts: FrontCounts, config: Config) -> dict[str, Any]:
+    """GET /keys: every named key, what it may do and what it has used."""
+    data = []
+    seen = {v.name: v for v in snap.keys}
+    for name, k in config.keys.items():
+        view = seen.get(name)
+        requests, prompt, completion = counts.keys.get(name, (0, 0, 0))
+        data.append({
+            "name": name, "admin": k.admin, "models": k.models,
+            "priority": view.priority if view else k.priority,
+            "level": view.level if view else None,
+            "limits": {"max_concurrency": k.max_concurrency,
+                       "requests_per_min": k.requests_per_min,
+                       "tokens_per_min": k.tokens_per_min},
+            "in_flight": view.in_flight if view else 0,
+            "requests_last_min": view.requests_last_min if view else None,
+            "tokens_last_min": view.tokens_last_min if view else None,
+            "requests_total": requests, "prompt_tokens_total": prompt,
+            "completion_tokens_total": completion,
+            "refusals": view.refusals if view else {}})
+    return {"object": "list", "data": data}

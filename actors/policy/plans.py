@@ -1,0 +1,214 @@
+"""What one more request would get now, without it happening (GET /models/plan).
+
+The plan is the policy's own decision, made on a copy of its state: a copy of the
+`Policy` is asked `acquire` for a probe ticket, and what that returns is read back. Made
+at the same instant on the same state, a real request gets the same decision, because
+it is the same code on the same data (the stateful tests check it at every step). The
+copy logs nothing: its decisions are not carried out.
+
+The tickets held in the state (requests queued or granted) are kept, not copied: the
+policy never looks inside one, and a front's ticket holds its event loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+from ..ledger import MiB
+from ..lifecycle import ModelState
+from ..messages import Evicted, Grant, Refusal, Revoke
+from .records import Answer, Effect, ModelRecord, Publish, Spawn
+
+if TYPE_CHECKING:
+    from .core import Policy
+
+Decision = Literal["grant", "queue", "load", "refuse"]
+
+
+class PlannedEviction(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    reason: str
+    why: str
+    """What the newcomer lacked, device by device (memory), or the slot it needs."""
+
+
+class PlannedMemory(msgspec.Struct, frozen=True, kw_only=True):
+    device: str
+    free_mib_now: float
+    free_mib_after: float
+    """Once the evictions are done and the model holds what it is expected to need."""
+
+
+class RequestPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The answer of GET /models/plan."""
+
+    decision: Decision
+    model: str
+    key: str = ""
+    generation: int | None = None
+    host: str | None = None
+    port: int | None = None
+    """grant: the instance that would serve it."""
+    position: int | None = None
+    """queue or load: its place among the requests waiting for the model (1: next)."""
+    ahead: dict[str, int] = {}
+    """Requests served before it, by priority class."""
+    waiting_for: str | None = None
+    """queue: what the model waits for, when the policy knows."""
+    devices: list[str] | None = None
+    node: str | None = None
+    evict: list[PlannedEviction] = []
+    memory: list[PlannedMemory] = []
+    """load: where it would start, what would be stopped for it, the memory around it."""
+    status: int | None = None
+    message: str | None = None
+    retry_after_s: float | None = None
+    """refuse: the answer it would get."""
+
+
+class _Quiet(logging.Filter):
+    """Drops the policy's log lines on the thread that is planning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planning = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.planning, "on", False)
+
+
+_quiet = _Quiet()
+logging.getLogger("corral.scheduler").addFilter(_quiet)
+
+
+class _Probe:
+    """The ticket of the request that is only planned."""
+
+    __slots__ = ()
+
+
+def twin(policy: Policy) -> Policy:
+    """A copy of `policy` that shares nothing mutable with it but the tickets."""
+    state = policy.state
+    tickets: list[Hashable] = [*state.leases, *state.queue.waiters]
+    memo: dict[int, object] = {id(t): t for t in tickets}
+    return copy.deepcopy(policy, memo)
+
+
+def decide(effects: list[Effect], ticket: Hashable, model: str) -> Decision:
+    """What `acquire`'s effects mean for the request `ticket` (for `model`)."""
+    for e in effects:
+        if isinstance(e, Answer) and e.ticket is ticket:
+            return "grant" if isinstance(e.value, Grant) else "refuse"
+    for e in effects:
+        if isinstance(e, Spawn) and e.model == model:
+            return "load"
+        if isinstance(e, Publish) and isinstance(e.event, Evicted) and e.event.for_model == model:
+            return "load"
+    return "queue"
+
+
+def plan(policy: Policy, model: str, now: float, key: str = "",
+         autoload: bool = True) -> RequestPlan:
+    """What a request for `model` with `key` would get at `now`."""
+    copy_ = twin(policy)
+    probe = _Probe()
+    _quiet.planning.on = True
+    try:
+        effects = copy_.acquire(probe, model, now, autoload, key)
+    finally:
+        _quiet.planning.on = False
+    decision = decide(effects, probe, model)
+    name = policy.state.models[model].name if model in policy.state.models else model
+    if decision in ("grant", "refuse"):
+        answer = next(e.value for e in effects if isinstance(e, Answer) and e.ticket is probe)
+        if isinstance(answer, Grant):
+            return RequestPlan(decision="grant", model=name, key=key,
+                               generation=answer.generation, host=answer.host,
+                               port=answer.port)
+        assert isinstance(answer, Refusal)
+        return RequestPlan(decision="refuse", model=name, key=key, status=answer.status,
+                           message=answer.message, retry_after_s=answer.retry_after_s)
+    position, ahead = _place(copy_, probe, model, now)
+    rec = copy_.state.models[model]
+    if decision == "queue":
+        return RequestPlan(decision="queue", model=name, key=key, position=position,
+                           ahead=ahead, waiting_for=_waiting_for(copy_, rec, effects))
+    spawn = next((e for e in effects if isinstance(e, Spawn) and e.model == model), None)
+    evictions = [e.event for e in effects if isinstance(e, Publish)
+                 and isinstance(e.event, Evicted) and e.event.for_model == model]
+    devices = spawn.devices if spawn is not None else rec.placement
+    return RequestPlan(
+        decision="load", model=name, key=key, position=position, ahead=ahead,
+        devices=devices, node=spawn.node if spawn is not None else rec.node,
+        evict=[PlannedEviction(model=e.model, reason=e.reason, why=_why(e)) for e in evictions],
+        memory=_memory(policy, copy_, devices or [], [e.model for e in evictions]))
+
+
+def _place(copy_: Policy, probe: _Probe, model: str, now: float) -> tuple[int, dict[str, int]]:
+    """The probe's place in its model's entry: the waiters the copy would serve first,
+    picked as serve_waiters picks them (its queue is a copy: it may be used up)."""
+    queue, tenants = copy_.state.queue, copy_.state.tenants
+    entry = queue.entry(model)
+    ahead: dict[str, int] = {}
+    if entry is None:
+        return 1, ahead
+    position = 1
+    blocked = {key for key in entry.lanes if tenants.at_limit(key)}
+    while entry.waiters:
+        ticket = queue.next_of(entry, now, blocked)
+        if ticket is None or ticket is probe:
+            break
+        waiter = queue.take(ticket)
+        queue.served(model, waiter.key, 1.0)
+        cls = tenants.of(waiter.key).priority
+        ahead[cls] = ahead.get(cls, 0) + 1
+        position += 1
+    return position, ahead
+
+
+def _waiting_for(copy_: Policy, rec: ModelRecord, effects: list[Effect]) -> str | None:
+    revoked = [m for e in effects if isinstance(e, Revoke) for m, _ in e.grants]
+    if revoked:
+        return (f"the fronts to give back the grants they keep idle ({', '.join(revoked)}: "
+                "http.lease_linger_ms), then a slot")
+    if rec.waiting_for:
+        return rec.waiting_for
+    state = copy_.state
+    if rec.state is ModelState.UNLOADED and not state.has_capacity():
+        busy = [r.name for r in state.models.values() if r.state.is_running]
+        return (f"a free slot (models_max {state.models_max}; running, none of them idle: "
+                f"{', '.join(busy)})")
+    if rec.state is ModelState.LOADING:
+        return "its child to be ready"
+    if rec.state.is_serving:
+        return "a request of its own to end (max_concurrency)"
+    return None
+
+
+def _why(event: Evicted) -> str:
+    if event.devices:
+        return ", ".join(f"{s.device}: needs {s.needed / MiB:.0f} MiB, "
+                         f"{s.available / MiB:.0f} MiB available" for s in event.devices)
+    return f"a slot (models_max), least recently used ({event.reason})"
+
+
+def _memory(before: Policy, after: Policy, devices: list[str],
+            leaving: list[str]) -> list[PlannedMemory]:
+    out = []
+    held = before.state.ledger.held
+    for device in devices:
+        now = before.state.ledger.available(device)
+        then = after.state.ledger.available(device)
+        if now is None or then is None:
+            continue
+        freed = sum(held.get(m, {}).get(device, 0) for m in leaving)
+        out.append(PlannedMemory(device=device, free_mib_now=round(now / MiB, 1),
+                                 free_mib_after=round((then + freed) / MiB, 1)))
+    return out

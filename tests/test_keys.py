@@ -1,0 +1,225 @@
+"""Named keys over real processes (issue 22): who may call what, quotas as the `openai`
+SDK sees them (AuthenticationError, PermissionDeniedError, RateLimitError), a key file
+changed under a running corral, and the config's checks."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.config import ConfigError
+from actors.config_load import parse_config
+from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
+
+openai = pytest.importorskip("openai")
+
+
+def key_file(tmp_path: Path, name: str, secret: str) -> str:
+    path = tmp_path / f"{name}.key"
+    path.write_text(secret + "\n")
+    return str(path)
+
+
+def config(tmp_path: Path, top: dict[str, Any] | None = None, **keys: dict[str, Any]) -> str:
+    return toml_config({"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd(), "aliases": ["bee"]}},
+                       keys={"root": {"key_file": key_file(tmp_path, "root", "root-secret"),
+                                      "admin": True}, **keys}, **(top or {}))
+
+
+def sdk(port: int, key: str) -> Any:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+
+def ask(client: Any, model: str, **extra: Any) -> Any:
+    return client.chat.completions.create(model=model, **{"max_tokens": 4, **extra},
+                                          messages=[{"role": "user", "content": "hi"}])
+
+
+def test_the_sdk_meets_401_403_and_429_as_its_own_errors(corral, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ALICE_KEY", "alice-secret")
+    c = corral(config(tmp_path, alice={"key_env": "ALICE_KEY", "models": ["a"],
+                                       "requests_per_min": 2}))
+    with pytest.raises(openai.AuthenticationError):
+        ask(sdk(c.port, "nobody"), "a")
+    alice = sdk(c.port, "alice-secret")
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        ask(alice, "b")
+    assert "key 'alice' may not use model 'b'" in str(denied.value)
+    assert "'a'" not in str(denied.value), "the models a key may use are not listed"
+    assert ask(alice, "a").choices[0].message.content
+    assert ask(alice, "a").choices[0].message.content
+    with pytest.raises(openai.RateLimitError) as limited:
+        ask(alice, "a")
+    retry_after = float(limited.value.response.headers["retry-after"])
+    assert 0 < retry_after <= 60
+    assert "requests_per_min 2" in str(limited.value)
+    assert ask(sdk(c.port, "root-secret"), "a").choices[0].message.content  # not alice's budget
+
+
+def test_a_member_key_may_call_and_list_its_models_but_not_manage(corral,
+                                                                   tmp_path: Path) -> None:
+    c = corral(config(tmp_path, bob={"key_file": key_file(tmp_path, "bob", "bob-secret"),
+                                     "models": ["bee"]}))
+    bob = {"Authorization": "Bearer bob-secret"}
+    root = {"Authorization": "Bearer root-secret"}
+    assert chat(c.port, "b", headers=bob)[0] == 200, "a glob matches the model's aliases"
+    status, body, _ = request(c.port, "GET", "/v1/models", headers=bob)
+    assert status == 200 and [m["id"] for m in body["data"]] == ["b"]
+    for method, path, payload in (("POST", "/models/unload", {"model": "b"}),
+                                  ("GET", "/models?reload=1", None), ("GET", "/metrics", None),
+                                  ("GET", "/models/logs?model=b", None)):
+        status, body, _ = request(c.port, method, path, payload, headers=bob)
+        assert status == 403, (path, body)
+        assert "key 'bob'" in body["error"]["message"] and "admin" in body["error"]["message"]
+        assert body["error"]["type"] == "permission_error"
+    assert request(c.port, "POST", "/models/unload", {"model": "b"}, headers=root)[0] == 200
+    status, body, _ = request(c.port, "GET", "/v1/models", headers=root)
+    assert sorted(m["id"] for m in body["data"]) == ["a", "b"]
+
+
+def test_tokens_per_min_counts_usage_and_streams(corral, tmp_path: Path) -> None:
+    c = corral(config(tmp_path, tok={"key_file": key_file(tmp_path, "tok", "tok-secret"),
+                                     "tokens_per_min": 40}))
+    client = sdk(c.port, "tok-secret")
+    # a stream with no usage: its events are counted (12 tokens, no prompt)
+    chunks = list(client.chat.completions.create(
+        model="a", max_tokens=12, stream=True, messages=[{"role": "user", "content": "hi"}]))
+    assert len(chunks) == 12
+    # one whose last event has the usage: 1 + 12
+    list(client.chat.completions.create(
+        model="a", max_tokens=12, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "hi"}]))
+    assert ask(client, "a", max_tokens=14).usage.total_tokens == 15  # 12 + 13 + 15 = 40
+    with pytest.raises(openai.RateLimitError) as limited:
+        ask(client, "a")
+    assert "has used 40 tokens" in str(limited.value)
+
+
+def test_a_changed_key_file_is_taken_by_a_reload_on_an_open_connection(
+        corral, tmp_path: Path) -> None:
+    path = key_file(tmp_path, "carol", "carol-old")
+    c = corral(config(tmp_path, carol={"key_file": path}))
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+
+    def call(secret: str) -> int:
+        conn.request("POST", "/v1/chat/completions", headers={
+            "Authorization": f"Bearer {secret}", "Content-Type": "application/json"},
+            body=json.dumps({"model": "a", "max_tokens": 2, "messages": []}))
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+
+    assert call("carol-old") == 200
+    Path(path).write_text("carol-new\n")
+    assert request(c.port, "GET", "/models?reload=1",
+                   headers={"Authorization": "Bearer root-secret"})[0] == 200
+    assert call("carol-old") == 401
+    assert call("carol-new") == 200, "the same connection, now with the new key"
+    conn.close()
+
+
+@pytest.mark.parametrize(("keys", "error"), [
+    ({"x": {"key_file": "/f", "key_env": "E"}}, "keys.x: set key_file or key_env, not both"),
+    ({"x": {}}, "keys.x: set key_file or key_env"),
+    ({"x": {"key_env": "CORRAL_TEST_UNSET_VARIABLE"}}, "CORRAL_TEST_UNSET_VARIABLE is not set"),
+    ({"x": {"key_env": "HOME", "priority": "gold"}}, "'gold' is not a class in [priorities]"),
+    ({"x": {"key_env": "HOME", "models": []}}, "keys.x.models: empty"),
+    ({"x": {"key_env": "HOME"}, "y": {"key_env": "HOME"}}, "keys.y: the same key as keys.x"),
+    ({"x": {"digest": "00"}}, "keys.x: set key_file or key_env (or digest"),
+    ({"bad name": {"key_env": "HOME"}}, "a key's name is letters"),
+    ({"x": {"key_env": "HOME", "requests_per_min": -1}}, "keys.x.requests_per_min"),
+    ({"x": {"key_env": "HOME", "admin": "yes"}}, "keys.x.admin"),
+])
+def test_a_wrong_keys_table_is_refused_naming_what_and_where(
+        keys: dict[str, Any], error: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config({"keys": keys, "priorities": {"batch": 1}}, "corral.toml")
+    assert error in str(e.value)
+    assert str(e.value).startswith("corral.toml: ")
+
+
+def test_a_key_is_held_only_as_its_digest(tmp_path: Path) -> None:
+    cfg = parse_config({"keys": {"x": {"key_file": key_file(tmp_path, "x", "sekrit")}}})
+    assert "sekrit" not in repr(cfg)
+    assert len(cfg.keys["x"].digest) == 64
+
+
+def test_keys_and_metrics_show_each_keys_use_by_name_never_its_secret(
+        corral, tmp_path: Path) -> None:
+    c = corral(config(tmp_path, {"priorities": {"batch": 1}},
+                      dave={"key_file": key_file(tmp_path, "dave", "dave-secret"),
+                            "requests_per_min": 5, "tokens_per_min": 1000,
+                            "priority": "batch"}))
+    dave = sdk(c.port, "dave-secret")
+    ask(dave, "a", max_tokens=6)
+    list(dave.chat.completions.create(model="a", max_tokens=3, stream=True,
+                                      messages=[{"role": "user", "content": "hi"}]))
+    root = {"Authorization": "Bearer root-secret"}
+    status, body, _ = request(c.port, "GET", "/keys", headers=root)
+    assert status == 200
+    rows = {k["name"]: k for k in body["data"]}
+    d = rows["dave"]
+    assert (d["requests_total"], d["prompt_tokens_total"], d["completion_tokens_total"]) == \
+        (2, 1, 9)
+    assert d["requests_last_min"] == 2 and d["tokens_last_min"] == 10 and d["in_flight"] == 0
+    assert d["limits"] == {"max_concurrency": 0, "requests_per_min": 5, "tokens_per_min": 1000}
+    text = json.dumps(body)
+    assert "dave-secret" not in text and "digest" not in text
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=10)
+    conn.request("GET", "/metrics", headers=root)
+    metrics = conn.getresponse().read().decode()
+    assert 'corral_key_requests_total{key="dave"} 2.0' in metrics
+    assert 'corral_key_tokens_total{key="dave",kind="completion"} 9.0' in metrics
+    assert "dave-secret" not in metrics
+    assert request(c.port, "GET", "/keys", headers={"Authorization": "Bearer dave-secret"})[0] \
+        == 403
+
+
+def test_a_plan_says_what_one_more_request_would_get(corral, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import supervisor
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd()}},
+                           models_max=1, keys={
+                               "root": {"key_file": key_file(tmp_path, "root", "root-secret"),
+                                        "admin": True},
+                               "eve": {"key_file": key_file(tmp_path, "eve", "eve-secret"),
+                                       "models": ["a"], "requests_per_min": 1}}))
+    root = {"Authorization": "Bearer root-secret"}
+    eve = {"Authorization": "Bearer eve-secret"}
+    c.key = "root-secret"
+
+    def plan(query: str, headers: dict[str, str] = root) -> dict[str, Any]:
+        status, body, _ = request(c.port, "GET", f"/models/plan?{query}", headers=headers)
+        assert status == 200, body
+        return body  # type: ignore[no-any-return]
+
+    assert plan("model=a")["decision"] == "load"
+    assert c.state("a") == "unloaded", "a plan changes nothing"
+    assert chat(c.port, "a", headers=root)[0] == 200
+    served = plan("model=a")
+    assert served["decision"] == "grant" and served["port"] == c.models()["a"]["port"]
+    # a's grant is kept for http.lease_linger_ms after its request: until the front gives
+    # it back, b would wait; then a is the victim
+    first = plan("model=b")
+    assert first["decision"] == "load" or "give back" in first["waiting_for"], first
+    swap = wait_until(lambda: (p := plan("model=b"))["decision"] == "load" and p, 10,
+                      "the linger to pass")
+    assert [e["model"] for e in swap["evict"]] == ["a"]
+    assert plan("model=a", eve)["decision"] == "grant" and plan("model=a", eve)["key"] == "eve"
+    assert chat(c.port, "a", headers=eve)[0] == 200
+    over = plan("model=a", eve)
+    assert over["decision"] == "refuse" and over["status"] == 429 and over["retry_after_s"] > 0
+    assert plan("model=a&key=eve")["decision"] == "refuse", "an admin plans for any key"
+    for query, status in (("model=b", 404), ("model=a&key=root", 400)):
+        assert request(c.port, "GET", f"/models/plan?{query}", headers=eve)[0] == status
+    assert request(c.port, "GET", "/models/plan?model=zz", headers=root)[0] == 404
+    assert request(c.port, "GET", "/models/plan?model=a&key=nobody", headers=root)[0] == 400
+    code = supervisor.main(["plan", "b", "--url", f"http://127.0.0.1:{c.port}",
+                            "--api-key-file", key_file(tmp_path, "cli", "root-secret")])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("b: a load") and "evicts a (lru" in out
