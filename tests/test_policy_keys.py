@@ -4,6 +4,8 @@ with aging, and the fair share between keys of one class. Synchronous, a fake cl
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.config import ModelRules
 from actors.keys import Tenant
@@ -193,3 +195,39 @@ def test_usage_of_the_keys_that_stay_survives_a_reload() -> None:
     assert "gone" not in w.p.state.tenants.usage
     refused = w.acquire(3, "a", "k", at=20.0)
     assert isinstance(refused, Refusal) and refused.status == 429
+
+
+@settings(max_examples=200, deadline=None)
+@given(levels=st.lists(st.sampled_from([0, 1, 5, 10]), min_size=10, max_size=160),
+       aging_s=st.sampled_from([1.0, 3.0, 10.0]))
+def test_no_request_starves_however_higher_classes_keep_coming(levels: list[int],
+                                                                aging_s: float) -> None:
+    """Two requests arrive and one is served each second, of classes drawn at random, so
+    the queue grows. A waiter of level l that found `found` waiting is served within
+    found + 2 (10 - l) aging_s + 1 seconds: requests that come later than (10 - l)
+    aging_s after it rank below it from their start, and no more than twice that many
+    come before."""
+    names = {lv: f"c{lv}" for lv in (0, 1, 5, 10)}
+    w = World({n: Tenant(name=n, level=lv, priority=n) for lv, n in names.items()},
+              aging_s=aging_s, max_concurrency=1)
+    w.serving("a")
+    w.acquire("busy", "a", at=1.0)
+    bound: dict[object, float] = {}
+    served: dict[object, float] = {}
+    held = "busy"
+    for i in range(0, len(levels) - 1, 2):
+        now = 2.0 + i // 2
+        for j in (i, i + 1):
+            found = len(w.p.state.queue.waiters)
+            w.acquire(j, "a", names[levels[j]], at=now)
+            bound[j] = now + found + 2 * (10 - levels[j]) * aging_s + 1
+        w.release(held, at=now + 0.5)
+        held = w.order[-1]
+        served[held] = w.now
+    while w.p.state.queue.waiters:  # the arrivals stop: the rest is served
+        w.release(held, at=w.now + 1.0)
+        held = w.order[-1]
+        served[held] = w.now
+    assert len(w.order) == 2 * (len(levels) // 2) + 1
+    late = {t: (served[t], bound[t]) for t in bound if served[t] > bound[t]}
+    assert not late, f"served past their bounds (at, bound): {late}"

@@ -7,6 +7,12 @@ the first for its ticket, and a load never overcommits the memory margin unless 
 model is alone. At the end, with the children answering and the clients finishing,
 every request has had exactly one answer.
 
+Requests come with keys (issue 22) of random classes, concurrency limits, rates and
+token budgets, and the queue ages them at a random pace. Before every request the plan
+for it (GET /models/plan) is taken, and must be the decision the policy then makes; the
+quotas are exact both ways: a request is taken only while its key's window has room,
+and refused for its quota only when it has none (the test keeps its own windows).
+
 CI runs 150 machines of up to 100 steps (about 13,000 steps in all); the environment
 variable CORRAL_STATEFUL_EXAMPLES sets the number of machines.
 """
@@ -29,14 +35,23 @@ from hypothesis.stateful import (
 )
 
 from actors.config import ModelRules
+from actors.keys import Tenant
 from actors.lifecycle import ModelState
+from actors.messages import Grant, Refusal
+from actors.policy.plans import decide
 from actors.policy.records import Answer, Effect, Spawn
+from actors.policy.tenants import WINDOW_S
 from tests.test_placement import GpuWorld
 from tests.test_policy import drain
 from tests.test_policy_memory import GiB, MemWorld, need
 
 S = ModelState
 NAMES = "abcd"
+KEYS = ("", "k1", "k2", "k3")
+
+tenant_rules = st.tuples(st.sampled_from([0, 1, 10]), st.sampled_from([0, 0, 1, 2]),
+                         st.sampled_from([0, 0, 2, 5]), st.sampled_from([0, 0, 20]))
+"""A key's (level, max_concurrency, requests_per_min, tokens_per_min)."""
 
 model_rules = st.builds(
     ModelRules,
@@ -97,16 +112,28 @@ class PolicyMachine(RuleBasedStateMachine):
         self.requests: list[int] = []
         self.cancelled: set[int] = set()
         """Clients that left: a request that left while queued gets no answer."""
+        self.taken: list[tuple[float, str]] = []
+        self.spent: list[tuple[float, str, int]] = []
+        """The test's own windows: requests taken, tokens spent, per key."""
 
     @initialize(models_max=st.sampled_from([0, 1, 2, 3]),
                 sizes=st.lists(st.sampled_from([1, 2, 3, 4, 6, 12]), min_size=4, max_size=4),
                 rules=st.lists(model_rules, min_size=4, max_size=4),
-                measured=st.booleans(), intensity=st.sampled_from([0, 1, 3]))
+                measured=st.booleans(), intensity=st.sampled_from([0, 1, 3]),
+                keys=st.lists(tenant_rules, min_size=3, max_size=3),
+                aging_s=st.sampled_from([0.0, 5.0, 30.0]))
     def setup(self, models_max: int, sizes: list[int], rules: list[ModelRules],
-              measured: bool, intensity: int) -> None:
+              measured: bool, intensity: int, keys: list[tuple[int, int, int, int]],
+              aging_s: float) -> None:
         self.sizes = dict(zip(NAMES, sizes, strict=True))
         self.w = StrictWorld(self.sizes, models_max=models_max, measured=False,
                              rules=dict(zip(NAMES, rules, strict=True)), intensity=intensity)
+        self.tenants = {"": Tenant(name="")} | {
+            name: Tenant(name=name, level=level, priority=f"level{level}",
+                         max_concurrency=mc, requests_per_min=rpm, tokens_per_min=tpm)
+            for name, (level, mc, rpm, tpm) in zip(KEYS[1:], keys, strict=True)}
+        self.w.p.state.tenants.replace(self.tenants)
+        self.w.p.state.queue.aging_s = aging_s
         if measured:  # a model runs at its max; its min is at the smallest context
             for m, size in self.sizes.items():
                 self.w.run(self.w.p.children.measured(m, True, need(size / 2), need(size), 0.0))
@@ -114,19 +141,51 @@ class PolicyMachine(RuleBasedStateMachine):
     def _models(self, state: ModelState) -> list[str]:
         return [m for m, r in self.w.p.state.models.items() if r.state is state]
 
-    @rule(target=tickets, model=st.sampled_from(NAMES), autoload=st.booleans())
-    def acquire(self, model: str, autoload: bool) -> int:
+    @rule(target=tickets, model=st.sampled_from(NAMES), autoload=st.booleans(),
+          key=st.sampled_from(KEYS))
+    def acquire(self, model: str, autoload: bool, key: str) -> int:
         self.next_ticket += 1
         t = self.next_ticket
         self.requests.append(t)
-        self.w.run(self.w.p.acquire(t, model, self.w.now, autoload))
+        now = self.w.now
+        plan = self.w.p.plan(model, now, key, autoload)
+        effects = self.w.p.acquire(t, model, now, autoload, key)
+        assert plan.decision == decide(effects, t, model), (plan, effects)
+        answer = next((e.value for e in effects if isinstance(e, Answer) and e.ticket == t),
+                      None)
+        if isinstance(answer, Grant):
+            assert (plan.generation, plan.port) == (answer.generation, answer.port)
+        elif isinstance(answer, Refusal):
+            assert (plan.status, plan.message) == (answer.status, answer.message)
+        spawn = next((e for e in effects if isinstance(e, Spawn) and e.model == model), None)
+        if spawn is not None:
+            assert plan.devices == spawn.devices
+        self.w.run(effects)
+        self._check_quota(key, now, answer)
         return t
 
-    @rule(t=consumes(tickets), shared=st.booleans())
-    def release(self, t: int, shared: bool) -> None:
+    def _check_quota(self, key: str, now: float, answer: object) -> None:
+        """Exact both ways: taken only with room in the window, 429 only without."""
+        rules = self.tenants[key]
+        since = now - WINDOW_S
+        taken = sum(1 for when, k in self.taken if k == key and when > since)
+        spent = sum(n for when, k, n in self.spent if k == key and when > since)
+        full = ((rules.requests_per_min and taken >= rules.requests_per_min)
+                or (rules.tokens_per_min and spent >= rules.tokens_per_min))
+        if isinstance(answer, Refusal) and answer.status == 429:
+            assert full, f"key {key!r} refused with room: {taken} requests, {spent} tokens"
+        elif not (isinstance(answer, Refusal)):
+            assert not full, f"key {key!r} taken over its quota: {taken} req, {spent} tok"
+            self.taken.append((now, key))
+
+    @rule(t=consumes(tickets), shared=st.booleans(), tokens=st.sampled_from([0, 5, 30]))
+    def release(self, t: int, shared: bool, tokens: int) -> None:
         if t not in self.w.answered:
             self.cancelled.add(t)  # a release before the grant is a cancel
-        self.w.run(self.w.p.release(t, self.w.now, shared))
+        lease = self.w.p.state.leases.get(t)
+        if lease is not None and tokens:
+            self.spent.append((self.w.now, lease[2], tokens))
+        self.w.run(self.w.p.release(t, self.w.now, shared, tokens=tokens))
 
     @rule(t=consumes(tickets))
     def cancel(self, t: int) -> None:
