@@ -341,6 +341,10 @@ class Repump(Message, frozen=True, kw_only=True):
     """Timer -> Scheduler: a backoff or a min_resident_s ended; look at the queue again."""
 
 
+class SaveBudgets(Message, frozen=True, kw_only=True):
+    """Timer -> Scheduler: save the keys' windows if they changed (budgets.py)."""
+
+
 class Unhealthy(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: the child of `generation` failed its liveness checks."""
 
@@ -549,8 +553,8 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 SchedulerMessage = (
     Acquire | Release | Releases | Cancel | LoadModel | UnloadModel | GetModels | GetPlan | Ping
-    | Subscribe
-    | WatchGrants | TtlDue | WaitDue | Repump | Unhealthy | AnswerLate | InstancesAttached
+    | Subscribe | WatchGrants | TtlDue | WaitDue | Repump | SaveBudgets | Unhealthy | AnswerLate
+    | InstancesAttached
     | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
     | InstanceExited | NodeChanged
     | Reconfigure

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar, assert_never, cast
 
+from . import budgets
 from .base import BaseActor, CrashHandler, Inbox
 from .config import Config, ModelConfig
 from .keys import tenants_of
@@ -50,6 +51,7 @@ from .messages import (
     Reply,
     Repump,
     Revoke,
+    SaveBudgets,
     SchedulerMessage,
     Shutdown,
     StartInstance,
@@ -95,6 +97,10 @@ class Scheduler(BaseActor):
         self.early_tracks: list[TrackModel] = []
         """Tracks before the monitor is attached (children adopted at a cluster start)."""
         self.measurer: Inbox[MeasureMessage] | None = None
+        self.budgets_dir = config.state_path()
+        kept, away_s = budgets.load(self.budgets_dir)
+        self.policy.state.tenants.restore(kept, clock(), away_s)
+        self.saved_changes = self.policy.state.tenants.changes
         self.subscribers: list[Callable[[Event], None]] = []
         self.grant_watchers: list[Callable[[Withdraw | Revoke], None]] = []
         self.shutdown_replies: list[Reply] = []
@@ -128,6 +134,10 @@ class Scheduler(BaseActor):
                 self._carry_out(p.wait_due(ticket, now))
             case Repump():
                 self._carry_out(p.repump(now))
+            case SaveBudgets():
+                self.save_budgets(now)
+                if self.timers is not None:
+                    self.timers.after(budgets.SAVE_EVERY_S, self.actor_ref, SaveBudgets())
             case Unhealthy(model=model, generation=gen, detail=detail):
                 self._carry_out(p.children.instance_unhealthy(model, gen, detail, now))
             case AnswerLate(model=model, generation=gen, detail=detail):
@@ -147,6 +157,8 @@ class Scheduler(BaseActor):
                 self._carry_out(p.children.start_measuring())
                 for name in self.startup_loads:
                     self._carry_out(p.load(None, name, now))
+                if self.timers is not None:
+                    self.timers.after(budgets.SAVE_EVERY_S, self.actor_ref, SaveBudgets())
             case InstanceStarted(model=model, generation=gen, pid=pid):
                 self._carry_out(p.children.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
@@ -182,6 +194,7 @@ class Scheduler(BaseActor):
             case DevicesReported(report=report):
                 self._carry_out(p.children.devices_reported(report, now))
             case Shutdown(reply=reply):
+                self.save_budgets(now)
                 self.shutdown_replies.append(reply)
                 self._carry_out(p.shutdown(now))
             case _:
@@ -190,6 +203,12 @@ class Scheduler(BaseActor):
             for reply in self.shutdown_replies:
                 reply.send(True)
             self.shutdown_replies.clear()
+
+    def save_budgets(self, now: float) -> None:
+        tenants = self.policy.state.tenants
+        if tenants.changes != self.saved_changes:
+            self.saved_changes = tenants.changes
+            budgets.save(self.budgets_dir, tenants.export(now))
 
     def reconfigure(self, models: dict[str, ModelConfig],
                     instances: dict[str, Inbox[InstanceMessage]], reply: Reply,

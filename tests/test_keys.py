@@ -223,3 +223,30 @@ def test_a_plan_says_what_one_more_request_would_get(corral, tmp_path: Path,
                             "--api-key-file", key_file(tmp_path, "cli", "root-secret")])
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("b: a load") and "evicts a (lru" in out
+
+
+def test_a_keys_budget_survives_a_restart(corral, tmp_path: Path) -> None:
+    cfg = config(tmp_path, {"state_dir": str(tmp_path / "state")},
+                 fay={"key_file": key_file(tmp_path, "fay", "fay-secret"),
+                      "requests_per_min": 2})
+    first = corral(cfg)
+    fay = sdk(first.port, "fay-secret")
+    ask(fay, "a")
+    ask(fay, "a")
+    assert first.stop() == 0
+    assert (tmp_path / "state" / "key-budgets.json").exists()
+    second = corral(cfg)
+    with pytest.raises(openai.RateLimitError) as limited:
+        ask(sdk(second.port, "fay-secret"), "a")
+    assert 0 < float(limited.value.response.headers["retry-after"]) <= 60
+
+
+def test_a_budgets_file_that_cannot_be_read_is_ignored_with_a_word(
+        corral, tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "key-budgets.json").write_text("{not json")
+    c = corral(config(tmp_path, {"state_dir": str(tmp_path / "state")},
+                      gil={"key_file": key_file(tmp_path, "gil", "gil-secret"),
+                           "requests_per_min": 2}))
+    assert ask(sdk(c.port, "gil-secret"), "a").choices
+    assert "ignoring the key budgets" in c.log()

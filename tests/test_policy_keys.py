@@ -231,3 +231,24 @@ def test_no_request_starves_however_higher_classes_keep_coming(levels: list[int]
     assert len(w.order) == 2 * (len(levels) // 2) + 1
     late = {t: (served[t], bound[t]) for t in bound if served[t] > bound[t]}
     assert not late, f"served past their bounds (at, bound): {late}"
+
+
+def test_windows_exported_and_restored_keep_their_ages_and_the_time_away() -> None:
+    from actors.policy.tenants import Tenants
+    rules = {"k": Tenant(name="k", requests_per_min=3, tokens_per_min=100)}
+    before = Tenants(rules)
+    for at in (100.0, 130.0):
+        before.take("k", at)
+        before.granted("k")
+        before.released("k", 40, at + 1)
+    kept = before.export(140.0)
+    after = Tenants(rules)
+    after.restore(kept, 1000.0, away_s=10.0)  # another clock, 10 s later
+    usage = after.usage["k"]
+    assert list(usage.taken) == [pytest.approx(950.0), pytest.approx(980.0)]
+    assert usage.spent_sum == 80
+    over = after.over_quota("k", 1000.0)
+    assert over is None  # 2 of 3 requests, 80 of 100 tokens
+    after.take("k", 1000.0)
+    assert after.over_quota("k", 1000.0) is not None
+    assert after.over_quota("k", 1009.5) is not None and after.over_quota("k", 1010.5) is None

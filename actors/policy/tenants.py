@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ..keys import Tenant
 
 WINDOW_S = 60.0
@@ -55,6 +57,8 @@ class Tenants:
     def __init__(self, tenants: dict[str, Tenant] | None = None) -> None:
         self.rules: dict[str, Tenant] = tenants or {"": Tenant(name="")}
         self.usage: dict[str, Usage] = {}
+        self.changes = 0
+        """Bumped when a window changes (what the budgets file keeps)."""
 
     def replace(self, tenants: dict[str, Tenant]) -> None:
         """A reload: new rules; the usage of keys that are gone is forgotten once they
@@ -104,6 +108,7 @@ class Tenants:
         usage.requests += 1
         if self.of(key).requests_per_min:
             usage.taken.append(now)
+            self.changes += 1
 
     def at_limit(self, key: str) -> bool:
         """Whether `key` has as many requests running as its max_concurrency allows."""
@@ -125,6 +130,7 @@ class Tenants:
             if self.of(key).tokens_per_min:
                 usage.spent.append((now, tokens))
                 usage.spent_sum += tokens
+                self.changes += 1
         return was_at_limit and not self.at_limit(key)
 
     def limited(self, key: str) -> bool:
@@ -132,3 +138,40 @@ class Tenants:
         grants are not shared by the front."""
         rules = self.of(key)
         return bool(rules.max_concurrency or rules.requests_per_min or rules.tokens_per_min)
+
+    # ------------------------------------------------------------ across restarts
+
+    def export(self, now: float) -> dict[str, KeptUsage]:
+        """The windows of the keys with a quota, as ages (seconds before `now`)."""
+        out = {}
+        for key, usage in self.usage.items():
+            rules = self.rules.get(key)
+            if rules is None or not (rules.requests_per_min or rules.tokens_per_min):
+                continue
+            usage.expire(now)
+            out[key] = KeptUsage(taken_ago=[now - t for t in usage.taken],
+                                 spent_ago=[(now - t, n) for t, n in usage.spent])
+        return out
+
+    def restore(self, kept: dict[str, KeptUsage], now: float, away_s: float) -> None:
+        """Windows exported `away_s` ago (wall time), for the keys that still have a quota."""
+        for key, k in kept.items():
+            rules = self.rules.get(key)
+            if rules is None:
+                continue
+            usage = self._usage(key)
+            if rules.requests_per_min:
+                usage.taken.extend(now - ago - away_s for ago in sorted(k.taken_ago,
+                                                                        reverse=True))
+            if rules.tokens_per_min:
+                for ago, n in sorted(k.spent_ago, reverse=True):
+                    usage.spent.append((now - ago - away_s, n))
+                    usage.spent_sum += n
+            usage.expire(now)
+
+
+class KeptUsage(msgspec.Struct, frozen=True):
+    """One key's windows as the budgets file keeps them."""
+
+    taken_ago: list[float] = []
+    spent_ago: list[tuple[float, int]] = []

@@ -1,0 +1,53 @@
+"""Key budgets kept across restarts: the windows of the keys with a requests_per_min or
+tokens_per_min (policy/tenants.py), in `STATE_DIR/key-budgets.json`, written atomically
+(a temporary file renamed over it) every SAVE_EVERY_S while they change, and at shutdown.
+A restart within a minute therefore does not hand a key a fresh budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+from .policy.tenants import KeptUsage
+
+log = logging.getLogger("corral.scheduler")
+
+SAVE_EVERY_S = 2.0
+FILE = "key-budgets.json"
+
+
+class Budgets(msgspec.Struct, frozen=True):
+    saved_at: float
+    """Wall time (time.time()) of the save."""
+    keys: dict[str, KeptUsage]
+
+
+def save(state_dir: Path, keys: dict[str, KeptUsage]) -> None:
+    path = state_dir / FILE
+    tmp = path.with_suffix(".tmp")
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(msgspec.json.encode(Budgets(saved_at=time.time(), keys=keys)))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not save the key budgets to %s: %s (a restart now would give "
+                    "every key a fresh window)", path, e)
+
+
+def load(state_dir: Path) -> tuple[dict[str, KeptUsage], float]:
+    """The saved windows and how long ago (wall time) they were saved; none if there is
+    no file, or one that cannot be read (said once in the log)."""
+    path = state_dir / FILE
+    try:
+        data = msgspec.json.decode(path.read_bytes(), type=Budgets)
+    except FileNotFoundError:
+        return {}, 0.0
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+        log.warning("ignoring the key budgets in %s: %s", path, e)
+        return {}, 0.0
+    return data.keys, max(0.0, time.time() - data.saved_at)
