@@ -17,6 +17,7 @@ from bench import (
     overhead,
     scheduler,
     swap,
+    tenants,
     tokenize_rate,
 )
 
@@ -24,7 +25,8 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main,
             "dashboard": dashboard.main, "cluster": cluster.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
-            "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main}
+            "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
+            "tenants": tenants.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -40,6 +42,8 @@ SUMMARY = {
     "exit-latency": "a child's end (seen by an observer process) to the Scheduler knowing it",
     "lease": "a lone client's requests with and without a kept grant (http.lease_linger_ms)",
     "ceiling": "how many streams and small requests one corral process carries per core",
+    "tenants": "an interactive key beside a flooding batch key, and two batch keys "
+               "flooding together: classes, fair share, throughput (issue 22)",
     "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
 }
 

@@ -81,6 +81,14 @@ def test_ceiling_bench_runs_with_workers(tmp_path) -> None:
         (1, "lean"), (2, "lean"), (1, "aiohttp"), (2, "aiohttp")]
 
 
+def test_tenants_bench_runs(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    bench("tenants", "--seconds", "1", "--rounds", "1", "--json", str(path))
+    s = json.loads(path.read_text())["summary"]
+    assert len(s["jain"]) == 1 and 0 < s["jain"][0] <= 1
+    assert s["keyed_rps"][0] > 0 and s["plain_rps"][0] > 0 and s["quiet_p99_ms"][0] > 0
+
+
 def test_swap_bench_runs(tmp_path) -> None:
     path = tmp_path / "w.json"
     bench("swap", "--runs", "2", "--json", str(path))
@@ -106,7 +114,8 @@ def test_bench_help_lists_every_bench() -> None:
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard",
-                 "cluster", "cluster-sim", "exit-latency", "gpu-check", "lease", "ceiling"):
+                 "cluster", "cluster-sim", "exit-latency", "gpu-check", "lease", "ceiling",
+                 "tenants"):
         assert f"\n  {name} " in out.stdout
     bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
