@@ -219,3 +219,35 @@ def test_many_tabs_of_one_browser_all_stay_live(corral, browser) -> None:
             pg.locator('#feed li[data-type="eviction"]').first.wait_for()
     finally:
         context.close()
+
+
+def test_the_keys_panel_and_the_what_if_button(corral, page, tmp_path: Path) -> None:
+    """With named keys, an admin's page shows each key's class, limits and use; a model's
+    "What if" button shows what one more request would get (GET /models/plan)."""
+    (tmp_path / "admin.key").write_text(KEY)
+    (tmp_path / "batch.key").write_text("batch-secret")
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd()}}, models_max=1,
+                           priorities={"batch": 1},
+                           keys={"admin": {"key_file": str(tmp_path / "admin.key"),
+                                           "admin": True},
+                                 "batchy": {"key_file": str(tmp_path / "batch.key"),
+                                            "priority": "batch", "requests_per_min": 50}}))
+    assert chat(c.port, "a", headers={"Authorization": "Bearer batch-secret"})[0] == 200
+    page.goto(f"http://127.0.0.1:{c.port}/ui")
+    page.locator("#key").fill(KEY)
+    page.locator("#key-form button").click()
+    wait_text(page.locator("#link"), "live")
+    row = page.locator('#keys tr[data-key="batchy"]')
+    row.wait_for()
+    cells = row.locator("td").all_inner_texts()
+    assert cells[:2] == ["batchy", "batch"] and cells[3] == "1 / 50" and cells[5] == "1", cells
+    wait_text(card(page, "a").locator('[data-field="state"]'), "loaded")
+    card(page, "a").locator('[data-action="plan"]').click()
+    wait_text(card(page, "a").locator('[data-field="plan"]'), "served now by #1")
+    card(page, "b").locator('[data-action="plan"]').click()
+    plan = card(page, "b").locator('[data-field="plan"]')
+    plan.filter(has_text="a").first.wait_for()
+    text = plan.inner_text()
+    assert text.startswith("a load") or "give back" in text, text
+    no_sideways_scroll(page, 400)
+    assert page.problems == []
