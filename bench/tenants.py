@@ -3,27 +3,34 @@ and two equal batch keys flooding together, through corral with keys and classes
 side by side, through corral without keys (everyone in one FIFO queue).
 
     python -m bench tenants [--seconds 10] [--rounds 3] [--slots 4] [--service-ms 100]
+                            [--batch-tokens 5 | 1-9]
 
 One fake model with `max_concurrency = --slots`, each request taking --service-ms: the
 box serves slots / service requests a second (its capacity). The interactive client sends
 2 requests a second, each on its own timer (an open loop); a flooding key keeps ten times
 the slots in flight (a closed loop: as soon as one answer comes, the next request goes),
-so its queue never empties. Cases, each --seconds long, every round in this order:
+so its queue never empties. Every request is 5 tokens (--service-ms), unless
+--batch-tokens gives the flood's a range (uniform, seeded): with all alike, the slots
+the flood holds end together, and a request that finds them all busy waits for the whole
+of one; lengths that differ, as real ones do, spread the ends out. Cases, each --seconds
+long, every round in this order:
 
     quiet      interactive alone (its wait with no flood)
     flood      interactive beside one flooding batch key
     fair       two batch keys flooding together
     plain      the flood and the interactive client through corral without keys
 
-Reported: the interactive p50 / p99 latency and queue wait (the latency less the fastest
+Reported: the interactive p99 latency and queue wait (the latency less the fastest
 answer of the quiet case: the service itself), Jain's fairness index of the requests
-served to the two batch keys, and the box's throughput with and without keys.
+served to the two batch keys (and their throughput), and the box's throughput under the
+same load (interactive beside one flood) with keys (the flood case) and without (plain).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -54,11 +61,12 @@ def config(home: Path, slots: int, service_ms: float, keys: bool) -> str:
                        http={"lease_linger_ms": 0})
 
 
-async def one(s: aiohttp.ClientSession, url: str, key: str) -> tuple[int, float]:
+async def one(s: aiohttp.ClientSession, url: str, key: str,
+              tokens: int = 5) -> tuple[int, float]:
     start = time.perf_counter()
     async with s.post(url + "/v1/chat/completions",
                       headers={"Authorization": f"Bearer {key}"},
-                      json={"model": "m", "max_tokens": 5,
+                      json={"model": "m", "max_tokens": tokens,
                             "messages": [{"role": "user", "content": "hi"}]}) as resp:
         await resp.read()
         return resp.status, time.perf_counter() - start
@@ -82,25 +90,28 @@ async def interactive(s: aiohttp.ClientSession, url: str, key: str, seconds: flo
 
 
 async def flood(s: aiohttp.ClientSession, url: str, key: str, in_flight: int,
-                until: asyncio.Event) -> list[float]:
-    """A closed loop of `in_flight` clients until `until` is set: when each answer came."""
+                until: asyncio.Event, tokens: tuple[int, int]) -> list[float]:
+    """A closed loop of `in_flight` clients until `until` is set, each request of a length
+    drawn from `tokens` (lo, hi), client i's from the same seeded sequence in every case
+    (so that corral with and without keys get the same lengths): when each answer came."""
     done: list[float] = []
 
-    async def client() -> None:
+    async def client(i: int) -> None:
+        rng = random.Random(i)
         while not until.is_set():
-            status, _ = await one(s, url, key)
+            status, _ = await one(s, url, key, rng.randint(*tokens))
             if status != 200:
                 raise RuntimeError(f"a flooding request failed: {status}")
             done.append(time.perf_counter())
-    await asyncio.gather(*(client() for _ in range(in_flight)))
+    await asyncio.gather(*(client(i) for i in range(in_flight)))
     return done
 
 
 async def case(url: str, seconds: float, slots: int, inter_key: str | None,
-               floods: list[str]) -> dict[str, Any]:
+               floods: list[str], tokens: tuple[int, int]) -> dict[str, Any]:
     async with session() as s:
         stop = asyncio.Event()
-        flooding = [asyncio.ensure_future(flood(s, url, key, 10 * slots, stop))
+        flooding = [asyncio.ensure_future(flood(s, url, key, 10 * slots, stop, tokens))
                     for key in floods]
         await asyncio.sleep(0.5 if floods else 0.0)  # the flood's queue builds up first
         start = time.perf_counter()
@@ -134,12 +145,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 async with session() as s:
                     for url, key in ((c.url, KEYS["inter"]), (p.url, "x")):
                         assert (await one(s, url, key))[0] == 200  # loaded
-                out["quiet"] = await case(c.url, args.seconds, args.slots, KEYS["inter"], [])
+                t = args.batch_tokens
+                out["quiet"] = await case(c.url, args.seconds, args.slots, KEYS["inter"],
+                                          [], t)
                 out["flood"] = await case(c.url, args.seconds, args.slots, KEYS["inter"],
-                                          [KEYS["batch1"]])
+                                          [KEYS["batch1"]], t)
                 out["fair"] = await case(c.url, args.seconds, args.slots, None,
-                                         [KEYS["batch1"], KEYS["batch2"]])
-                out["plain"] = await case(p.url, args.seconds, args.slots, "x", ["x"])
+                                         [KEYS["batch1"], KEYS["batch2"]], t)
+                out["plain"] = await case(p.url, args.seconds, args.slots, "x", ["x"], t)
         rounds.append(out)
         print(summary_line(r, out, capacity), flush=True)
     return {"rounds": rounds, "capacity_rps": capacity, "summary": summarize(rounds)}
@@ -162,9 +175,15 @@ def figures(out: dict[str, Any]) -> dict[str, float]:
         "quiet_wait_p99_ms": waits(quiet, service)["p99_ms"],
         "flood_wait_p99_ms": waits(flooded, service)["p99_ms"],
         "jain": jain(fair["served"]),
-        "keyed_rps": sum(fair["served"]) / fair["wall_s"],
-        "plain_rps": sum(out["plain"]["served"]) / out["plain"]["wall_s"],
+        "fair_rps": sum(fair["served"]) / fair["wall_s"],
+        "keyed_rps": served_rps(out["flood"]),
+        "plain_rps": served_rps(out["plain"]),
     }
+
+
+def served_rps(case_: dict[str, Any]) -> float:
+    """Requests the box served a second in a case: the flood's and the interactive's."""
+    return (sum(case_["served"]) + len(case_["latencies"])) / case_["wall_s"]
 
 
 def summary_line(r: int, out: dict[str, Any], capacity: float) -> str:
@@ -188,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--slots", type=int, default=4, help="the model's max_concurrency")
     ap.add_argument("--service-ms", type=float, default=100.0, help="one request's time")
+    ap.add_argument("--batch-tokens", type=lambda v: tuple(int(x) for x in
+                                                           (v.split("-") * 2)[:2]),
+                    default=(5, 5), help="the flood's request lengths: N or LO-HI")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     data = loop.run(run(args))

@@ -250,3 +250,18 @@ def test_a_budgets_file_that_cannot_be_read_is_ignored_with_a_word(
                            "requests_per_min": 2}))
     assert ask(sdk(c.port, "gil-secret"), "a").choices
     assert "ignoring the key budgets" in c.log()
+
+
+def test_quotas_hold_across_front_workers(corral, tmp_path: Path) -> None:
+    """With http.workers = 3, a key's requests reach corral through different fronts; its
+    quota is still exact (each asks the one Scheduler), and GET /keys sums every front's
+    count of what it used."""
+    c = corral(config(tmp_path, {"http": {"workers": 3}},
+                      hal={"key_file": key_file(tmp_path, "hal", "hal-secret"),
+                           "requests_per_min": 7}))
+    statuses = [chat(c.port, "a", headers={"Authorization": "Bearer hal-secret"})[0]
+                for _ in range(12)]  # a connection each: the kernel spreads them
+    assert statuses == [200] * 7 + [429] * 5
+    _, body, _ = request(c.port, "GET", "/keys", headers={"Authorization": "Bearer root-secret"})
+    hal = next(k for k in body["data"] if k["name"] == "hal")
+    assert hal["requests_total"] == 7 and hal["refusals"] == {"requests_per_min": 5}

@@ -176,7 +176,7 @@ class Exchange:
                 end = self.loop.time()
                 front.times.observe(model, self.status, (self.first_at or end) - started,
                                     end - started)
-            if self.meter is not None and self.req.key is not None:
+            if self.meter is not None and self.meter.answered and self.req.key is not None:
                 front.key_uses.add(self.req.key.name, *self.meter.used())
 
     async def _to_model(self, model: str, autoload: bool) -> None:
@@ -333,7 +333,7 @@ class Exchange:
         self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
         self.out.append(head.data)
         if self.meter is not None:
-            self.meter.stream = head.sse
+            self.meter.stream, self.meter.answered = head.sse, True
 
     def response_body(self, body: bytes) -> None:
         if self.meter is not None:

@@ -31,9 +31,11 @@ _decode = msgspec.json.Decoder(_Answer).decode
 class Meter:
     """One answer's tokens, fed its body as it is relayed."""
 
-    __slots__ = ("events", "parts", "result", "size", "stream", "tail")
+    __slots__ = ("answered", "events", "parts", "result", "size", "stream", "tail")
 
     def __init__(self) -> None:
+        self.answered = False
+        """A child answered (its head came): the request counts as the key's."""
         self.result: tuple[int, int] | None = None
         self.stream = False
         self.parts: list[bytes] = []
