@@ -97,7 +97,7 @@ class Policy:
             return self.rules.flush()
         rules, breaker = rec.rules, rec.breaker
         entry = self.state.queue.entry(model)
-        over = tenants.over_quota(key, now)
+        over = tenants.over_quota(key, now) if key else None
         # 2. A key over its rate or token budget is told when to come back; not queued.
         if over is not None:
             self.rules.refuse(ticket, 429, f"{over.message}; try again in "
@@ -107,8 +107,9 @@ class Policy:
         # 3. A serving model with room takes it at once, unless others wait for it
         #    (max_concurrency): nobody overtakes them; nor does a key at its own
         #    max_concurrency.
-        elif self.state.has_room(rec) and entry is None and not tenants.at_limit(key):
-            tenants.take(key, now)
+        elif self.state.has_room(rec) and entry is None and not (key and tenants.at_limit(key)):
+            if key:
+                tenants.take(key, now)
             self.rules.grant(ticket, rec, now, key)
         # 4. Without autoload, only a child that is there or on its way is worth a wait.
         elif not autoload and rec.state is not S.LOADING and not rec.state.is_serving:
@@ -126,10 +127,11 @@ class Policy:
                          retry_after_s=1.0, model=model, reason="queue_full")
         # 7. Otherwise it waits, at most queue_timeout_s, in its class's order.
         else:
-            tenants.take(key, now)
+            if key:
+                tenants.take(key, now)
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
             entry = self.state.queue.add(ticket, model, now, deadline, key,
-                                         tenants.of(key).level)
+                                         tenants.of(key).level if key else tenants.level)
             if deadline is not None:
                 self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
             log.debug("request for %s queued (%d waiting for it, %d entries)",
@@ -165,9 +167,11 @@ class Policy:
     def _let_go(self, ticket: Hashable, now: float, shared: bool, idle_s: float,
                 tokens: int = 0) -> None:
         name, generation, key = self.state.leases.pop(ticket)
-        freed = self.state.tenants.released(key, tokens, now)
-        if tokens and self.state.tenants.of(key).tokens_per_min:
-            self.state.queue.served(name, key, tokens)
+        freed = False
+        if key:  # a request with no key (corral has none) has no rules to keep
+            freed = self.state.tenants.released(key, tokens, now)
+            if tokens and self.state.tenants.of(key).tokens_per_min:
+                self.state.queue.served(name, key, tokens)
         self._model_let_go(name, generation, now, shared, idle_s)
         if freed:  # the key was at its max_concurrency: its waiters may go now
             self.rules.serve_key(key, now)

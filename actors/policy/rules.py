@@ -261,7 +261,7 @@ class Rules:
         entry = queue.entry(rec.name)
         if entry is None:
             return
-        blocked = {key for key in entry.lanes if tenants.at_limit(key)}
+        blocked = {key for key in entry.lanes if key and tenants.at_limit(key)}
         while entry.waiters and self.state.has_room(rec):
             ticket = queue.next_of(entry, now, blocked)
             if ticket is None:
@@ -274,7 +274,7 @@ class Rules:
             if waiter.key:
                 observe(self.state.stats.class_wait, tenants.of(waiter.key).priority, waited)
             self.grant(ticket, rec, now, waiter.key)
-            if tenants.at_limit(waiter.key):
+            if waiter.key and tenants.at_limit(waiter.key):
                 blocked.add(waiter.key)
         queue.close_if_empty(rec.name)
 
@@ -310,11 +310,13 @@ class Rules:
         self.state.stats.granted += 1
         self.state.leases[ticket] = (rec.name, rec.generation, key)
         tenants = self.state.tenants
-        tenants.granted(key)
-        if not tenants.of(key).tokens_per_min:
-            self.state.queue.served(rec.name, key, 1.0)
-        # a key with limits: the Scheduler must see each of its requests (shares.py)
-        shareable = not rec.rules.max_concurrency and not tenants.limited(key)
+        shareable = not rec.rules.max_concurrency
+        if key:
+            tenants.granted(key)
+            if not tenants.of(key).tokens_per_min:
+                self.state.queue.served(rec.name, key, 1.0)
+            # a key with limits: the Scheduler must see each of its requests (shares.py)
+            shareable = shareable and not tenants.limited(key)
         if shareable and not rec.pinned:
             self.state.revocable[rec.name] = rec.generation
         self.state.out.append(Answer(ticket, Grant(

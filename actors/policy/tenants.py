@@ -56,6 +56,8 @@ class Tenants:
 
     def __init__(self, tenants: dict[str, Tenant] | None = None) -> None:
         self.rules: dict[str, Tenant] = tenants or {"": Tenant(name="")}
+        self.level = self.of("").level
+        """The class level of a request with no key (corral has none: only one class)."""
         self.usage: dict[str, Usage] = {}
         self.changes = 0
         """Bumped when a window changes (what the budgets file keeps)."""
@@ -64,6 +66,7 @@ class Tenants:
         """A reload: new rules; the usage of keys that are gone is forgotten once they
         have no request running (until then, theirs count as requests with no key's)."""
         self.rules = tenants
+        self.level = self.of("").level
         self.usage = {k: u for k, u in self.usage.items() if k in tenants or u.in_flight}
 
     def of(self, key: str) -> Tenant:
