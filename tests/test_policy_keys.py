@@ -252,3 +252,26 @@ def test_windows_exported_and_restored_keep_their_ages_and_the_time_away() -> No
     after.take("k", 1000.0)
     assert after.over_quota("k", 1000.0) is not None
     assert after.over_quota("k", 1009.5) is not None and after.over_quota("k", 1010.5) is None
+
+
+def test_a_plan_changes_nothing_in_the_policy_it_copies() -> None:
+    import msgspec
+
+    w = World({"k": Tenant(name="k", level=BATCH, requests_per_min=5)}, models="abc",
+              models_max=1, max_concurrency=1)
+    w.serving("a")
+    w.acquire("busy", "a", "k")
+    w.acquire("waiting", "a", "k")
+    w.acquire("other", "b", "")
+    before = msgspec.json.encode(w.p.snapshot(w.now))
+    queue = dict(w.p.state.queue.waiters)
+    records = dict(w.p.state.models)
+    for model in "abc":
+        for key in ("", "k"):
+            w.p.plan(model, w.now, key)
+    assert msgspec.json.encode(w.p.snapshot(w.now)) == before
+    assert w.p.state.queue.waiters == queue and all(
+        w.p.state.queue.waiters[t] is queue[t] for t in queue)
+    assert all(w.p.state.models[m] is records[m] for m in records)
+    assert len(w.p.state.tenants.usage["k"].taken) == 2, "a plan takes no request"
+    w.p.check_invariants()

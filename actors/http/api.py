@@ -126,8 +126,9 @@ class ManagementApi:
         r.add_get("/devices", self.devices)
         r.add_get("/nodes", self.nodes)
         r.add_get("/keys", self.keys_list)
+        planning = asyncio.Lock()
         r.add_get("/models/plan", lambda q: tenancy.plan(q, self.names, self.sup.config,
-                                                         self._ask))
+                                                         self._ask, planning))
         return app
 
     async def start(self, host: str, port: int) -> int:

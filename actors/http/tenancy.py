@@ -5,6 +5,7 @@ secret) and GET /models/plan (what one more request would get now: policy/plans.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -71,14 +72,17 @@ def plan_target(request: web.Request, names: dict[str, str],
 
 async def plan(request: web.Request, names: dict[str, str], config: Config,
                ask: Callable[[Callable[[LoopReply], SchedulerMessage]], Awaitable[object]],
-               ) -> web.Response:
+               one_at_a_time: asyncio.Lock) -> web.Response:
+    """`one_at_a_time`: each plan copies the policy's state in the Scheduler's thread (38
+    ms at 1,000 models with 10,000 waiting), so a flood of plans queues here, not there."""
     target = plan_target(request, names, config)
     if isinstance(target, str):
         status = 404 if "not found" in target else 400
         return web.json_response({"error": {"code": status, "message": target,
                                             "type": "invalid_request_error"}}, status=status)
     model, key, autoload = target
-    answer = await ask(lambda r: GetPlan(model=model, key=key, autoload=autoload, reply=r))
+    async with one_at_a_time:
+        answer = await ask(lambda r: GetPlan(model=model, key=key, autoload=autoload, reply=r))
     assert isinstance(answer, RequestPlan)
     return web.json_response(msgspec.to_builtins(answer))
 

@@ -57,6 +57,10 @@ class QueueEntry:
     budget): the fair share's count. A key that comes back starts level with the least
     served key that waits, so it cannot claim a backlog of turns."""
 
+    def copy(self) -> QueueEntry:
+        return QueueEntry(self.model, dict(self.waiters), self.explicit, self.claimed,
+                          {k: dict(lane) for k, lane in self.lanes.items()}, dict(self.served))
+
     def put(self, ticket: Hashable, key: str) -> None:
         self.waiters[ticket] = None
         lane = self.lanes.get(key)
@@ -91,6 +95,18 @@ class RequestQueue:
     def __len__(self) -> int:
         """Queued requests (not entries)."""
         return len(self.waiters)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> RequestQueue:
+        """A copy for a plan (plans.py), made here in one pass: the generic deep copy
+        of 10,000 waiters took a quarter of a second. The tickets are kept, not copied."""
+        new = RequestQueue(self.aging_s)
+        memo[id(self)] = new
+        new.waiters = {t: Waiter(w.model, w.queued_at, w.deadline, w.key, w.level,
+                                 w.kills_outlived) for t, w in self.waiters.items()}
+        new.entries = {m: e.copy() for m, e in self.entries.items()}
+        new.changed = set(self.changed)
+        new.levels = dict(self.levels)
+        return new
 
     def __contains__(self, ticket: Hashable) -> bool:
         return ticket in self.waiters

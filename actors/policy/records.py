@@ -5,6 +5,7 @@ Plain data: the rules that change it are in rules.py and the event methods.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -172,6 +173,18 @@ class ModelRecord:
     """Ready, and the next device report tells its real usage (R-5.6)."""
     releasing: bool = False
     """Exited; its hold stays until a device report no longer tracks it (R-5.6)."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ModelRecord:
+        """A copy for a plan (plans.py): its fields are values (numbers, strings, frozen
+        Structs) but for the breaker and three containers, copied here; the generic deep
+        copy of a thousand records took most of a plan's time."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.breaker = copy.deepcopy(self.breaker, memo)
+        new.placement = list(self.placement) if self.placement is not None else None
+        new.info = dict(self.info) if self.info is not None else None
+        new.progress = dict(self.progress) if self.progress is not None else None
+        return new
 
     @property
     def pinned(self) -> bool:
