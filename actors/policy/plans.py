@@ -16,7 +16,7 @@ import copy
 import logging
 import threading
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -24,11 +24,18 @@ from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Evicted, Grant, Refusal, Revoke
 from .records import Answer, Effect, ModelRecord, Publish, Spawn
-
-if TYPE_CHECKING:
-    from .core import Policy
+from .state import State
 
 Decision = Literal["grant", "queue", "load", "refuse"]
+
+
+class Policy(Protocol):
+    """What a plan uses of core.Policy (which calls this module: no import back)."""
+
+    state: State
+
+    def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
+                key: str = "") -> list[Effect]: ...
 
 
 class PlannedEviction(msgspec.Struct, frozen=True, kw_only=True):
