@@ -13,14 +13,18 @@ then streamed to and from the child; everything else goes to the management API.
 | parsing and screening requests as they arrive    | `Reader`, `screen`       | request.py    |
 | a client that takes nothing: the watch, the cut  | `WriteStall`, `cut`      | flow.py       |
 | one request and its answer, in phases            | `Exchange`               | exchange.py   |
-| what an exchange may use, what it writes to      | `Services`, `Client`     | exchange.py   |
+| what an exchange may use of its front            | `Services`               | services.py   |
+| what an exchange writes to: its connection       | `Client`                 | exchange.py   |
+| a keyed request's tokens; each key's use         | `Meter`, `KeyUses`       | usage.py      |
 | joining a held grant; keeping it (a lease)       | `Shares`, `SharedGrant`  | shares.py     |
 | connections to one child; all pools              | `Pool`, `Pools`          | pool.py       |
 | one connection to a child and its answers        | `Upstream`, `Broke`      | upstream.py   |
 | the rules both servers share; the routing table  | `Routes`, `Answer`, ...  | edge.py       |
 | corral's own endpoints (aiohttp, loopback only)  | `ManagementApi`          | api.py        |
 | a model's entry in GET /models                   | `entry`                  | listing.py    |
+| what a key may ask; GET /keys, /models/plan      | `may_call`, `plan`       | tenancy.py    |
 | more fronts in processes of their own            | `Fronts`, `Workers`      | workers.py    |
+| corral's end of one worker's channel             | `Link`, `RemoteTicket`   | link.py       |
 | a front worker's process                         | `serve`, `Corral`        | worker.py     |
 | what crosses between corral and its workers      | `Setup`, `FrontCounts`   | control.py    |
 | its event and log streams (/models/sse, /logs)   | `Streams`                | events.py     |
@@ -31,7 +35,8 @@ then streamed to and from the child; everything else goes to the management API.
 Conventions that cross files:
 
 - Objects are handed what they use, typed by a Protocol of just that: a `Connection` gets
-  a `Hub` (the front as its connections see it), an `Exchange` gets `Services` and a
+  a `Hub` (the front as its connections see it, and its `Gate`: who may call, read at
+  each request so that a reload applies), an `Exchange` gets `Services` and a
   `Client` (uvicorn's `RequestResponseCycle`), a `Reader` gets its `Owner`; none imports
   the class above it.
 - An answer to a request goes out once, through its exchange; a connection to a child is

@@ -9,9 +9,11 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | the decisions events end in: tick, claim, spawn, stop | `Rules`               | rules.py    |
 | what the policy knows, and the queries on it          | `State`               | state.py    |
 | model records, effects, counters                      | `ModelRecord`, `Spawn`| records.py  |
-| who waits for which model, and since when             | `RequestQueue`        | queue.py    |
+| who waits for which model, in which order           | `RequestQueue`        | queue.py    |
 | the least recently used model that may go             | `Victims`             | victims.py  |
 | the ledger, and a plan for each load                  | `Memory`, `Plan`      | memory.py   |
+| keys: classes, limits, exact quota windows            | `Tenants`             | tenants.py  |
+| what one more request would get (GET /models/plan)    | `plan`, `RequestPlan` | plans.py    |
 | cluster nodes that are up; models_max_per_node        | `NodeSlots`           | nodes.py    |
 | restart intensity, backoff, half-open, per model      | `Breaker`             | breaker.py  |
 | GET /models and the invariants                        | `snapshot`, `check`   | views.py    |
