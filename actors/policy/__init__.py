@@ -9,7 +9,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | the decisions events end in: tick, claim, spawn, stop | `Rules`               | rules.py    |
 | what the policy knows, and the queries on it          | `State`               | state.py    |
 | model records, effects, counters                      | `ModelRecord`, `Spawn`| records.py  |
-| who waits for which model, in which order           | `RequestQueue`        | queue.py    |
+| who waits for which model, in which order             | `RequestQueue`        | queue.py    |
 | the least recently used model that may go             | `Victims`             | victims.py  |
 | the ledger, and a plan for each load                  | `Memory`, `Plan`      | memory.py   |
 | keys: classes, limits, exact quota windows            | `Tenants`             | tenants.py  |
