@@ -79,7 +79,7 @@ class Fanout:
 
 
 async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
-                  key: str = "") -> tuple[LoopReply, Grant | Refusal]:
+                  key: str = "", retry: bool = False) -> tuple[LoopReply, Grant | Refusal]:
     """Ask the Scheduler for `model` and wait for the answer, without blocking the loop.
 
     Returns the ticket (to Release after a Grant) and the answer. If the wait is
@@ -87,7 +87,8 @@ async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
     the cancel, is released.
     """
     ticket = LoopReply(asyncio.get_running_loop())
-    scheduler.tell(Acquire(ticket=ticket, model=model, autoload=autoload, key=key))
+    scheduler.tell(Acquire(ticket=ticket, model=model, autoload=autoload, key=key,
+                           retry=retry))
     try:
         answer = await ticket.future
     except BaseException:

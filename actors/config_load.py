@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig
+from .keys import API_KEY_NAME
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -103,6 +104,9 @@ def _resolve_keys(config: Config, source: str) -> Config:
         owners[hashlib.sha256(config.api_key.encode()).hexdigest()] = "api_key"
     for name, entry in config.keys.items():
         where = f"{source}: keys.{name}"
+        if name == API_KEY_NAME:
+            raise ConfigError(f"{where}: the name of the top-level api_key (an admin key); "
+                              "name this one otherwise")
         if not _KEY_NAME.fullmatch(name):
             raise ConfigError(f"{where}: a key's name is letters, digits and '_.-' (it is "
                               "shown in metrics and logs)")

@@ -248,6 +248,9 @@ class Acquire(Message, frozen=True, kw_only=True):
     autoload: bool = True
     key: str = ""
     """The name of the key it came with ("" without one): its class, share and limits."""
+    retry: bool = False
+    """The same client request again (its child went away with it): its key's quota
+    counted it when it first came."""
 
 
 class Release(Message, frozen=True, kw_only=True):

@@ -109,8 +109,8 @@ class Scheduler(BaseActor):
         now = self.clock()
         p = self.policy
         match message:
-            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key):
-                self._carry_out(p.acquire(ticket, model, now, autoload, key))
+            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry):
+                self._carry_out(p.acquire(ticket, model, now, autoload, key, retry))
             case Release(ticket=ticket, shared=shared, idle_s=idle_s, tokens=tokens):
                 self._carry_out(p.release(ticket, now, shared, idle_s, tokens))
             case Releases(releases=releases):
@@ -179,11 +179,9 @@ class Scheduler(BaseActor):
                 self._carry_out(p.children.instance_exited(model, gen, rc, desc, now))
             case Reconfigure(models=models, instances=instances, reply=reply,
                              tenants=tenants, aging_s=aging_s):
-                if tenants is not None:  # usage of the keys that stay is kept
-                    p.state.tenants.replace(tenants)
-                if aging_s is not None:
-                    p.state.queue.aging_s = aging_s
                 self.reconfigure(models, instances, reply, now)
+                if tenants is not None:
+                    self._carry_out(p.set_tenants(tenants, aging_s or 0.0, now))
             case GetDevices(reply=reply):
                 reply.send(p.children.devices_snapshot())
             case MeasureStarted(model=model):

@@ -275,3 +275,36 @@ def test_a_plan_changes_nothing_in_the_policy_it_copies() -> None:
     assert all(w.p.state.models[m] is records[m] for m in records)
     assert len(w.p.state.tenants.usage["k"].taken) == 2, "a plan takes no request"
     w.p.check_invariants()
+
+
+def test_a_key_at_its_limit_does_not_take_a_slot_for_a_model_it_waits_for() -> None:
+    """Review finding: a waiter whose key is at its max_concurrency made the model load,
+    evicting another's idle model, and then held the slot with nobody served."""
+    w = World({"k": Tenant(name="k", max_concurrency=1)}, models="abc", models_max=2)
+    w.serving("a")
+    w.serving("c")
+    w.acquire("k1", "a", "k")
+    assert w.acquire("k2", "b", "k") is None
+    assert {m: r.state.value for m, r in w.p.state.models.items()} == {
+        "a": "loaded", "b": "unloaded", "c": "loaded"}, "nothing stops for a blocked key"
+    assert isinstance(w.acquire("u", "c", ""), Grant), "c is still there for another"
+    w.release("u")
+    w.release("k1")  # k may go again: b is loaded for it, the LRU model evicted
+    stopping = [m for m, r in w.p.state.models.items() if r.state.value == "stopping"]
+    assert stopping == ["a"], stopping  # a's last grant is older than c's
+    rec = w.p.state.models["a"]
+    w.run(w.p.children.instance_exited("a", rec.generation, 0, "rc 0", w.now + 1))
+    w.ready("b")
+    assert isinstance(w.answers["k2"], Grant)
+
+
+def test_a_reload_that_lifts_a_keys_limit_lets_its_waiters_go() -> None:
+    w = World({"k": Tenant(name="k", max_concurrency=1)})
+    w.serving("a")
+    w.acquire("k1", "a", "k")
+    assert w.acquire("k2", "a", "k") is None
+    w.run(w.p.set_tenants({"": Tenant(name=""), "k": Tenant(name="k")}, 0.0, w.now + 1))
+    assert isinstance(w.answers["k2"], Grant)
+    w.acquire("k3", "a", "k")
+    w.run(w.p.set_tenants({"": Tenant(name="")}, 0.0, w.now + 1))  # k removed: no limit
+    assert isinstance(w.answers["k3"], Grant)

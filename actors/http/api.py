@@ -291,13 +291,17 @@ class ManagementApi:
         counts = await self._counts()
         entries = (self._entry(view, models, counts) for view in snap.models
                    if tenancy.visible(request.get("key"), view.name, models))
-        return web.json_response({"object": "list", "data": [e for e in entries if e]})
+        return web.json_response({"object": "list", "data": [
+            tenancy.shown(e, request.get("key")) for e in entries if e]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of
         GET /v1/models; an alias answers its model's entry."""
         given = request.match_info["id"]
         name = self.names.get(given)
+        if name is not None and not tenancy.visible(request.get("key"), name,
+                                                    self.sup.config.models):
+            name = None  # not one the caller's key may use: as if there were none
         snap = await self._ask(lambda r: GetModels(reply=r)) if name is not None else None
         assert snap is None or isinstance(snap, ModelsSnapshot)
         view = next((v for v in snap.models if v.name == name), None) if snap else None
@@ -306,7 +310,7 @@ class ManagementApi:
         if entry is None:
             return error(404, f"model '{given}' not found; GET /v1/models lists the models "
                          "and their aliases", "not_found_error")
-        return web.json_response(entry)
+        return web.json_response(tenancy.shown(entry, request.get("key")))
 
     def _entry(self, view: ModelView, models: dict[str, ModelConfig],
                counts: FrontCounts) -> dict[str, Any] | None:

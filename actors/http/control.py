@@ -73,6 +73,7 @@ class Ask(Frame, frozen=True):
     model: str
     autoload: bool
     key: str = ""
+    retry: bool = False
 
 
 class Let(Frame, frozen=True):

@@ -51,6 +51,7 @@ OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/
                      "/ui"})
 """corral's own GET paths: served by the management API even with ?model= (all other
 GETs that name a model, /props and /metrics included, go to the model, as in llama.cpp)."""
+MEMBER_GETS = frozenset({b"/props", b"/lora-adapters"})  # of a child: /slots shows prompts
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/ui"})
 """The only paths served without the key (R-6.6): health, and the dashboard page, which
 holds no data (it fetches everything with the key)."""
@@ -284,10 +285,9 @@ _OWN_GET = frozenset(p.encode() for p in OWN_GET)
 
 def target(method: bytes, url: bytes, body: bytes, routes: Routes,
            key: KeyRule | None = None) -> tuple[str, bool] | Answer | None:
-    """Where a request goes: to a model, as (its canonical name, autoload); to the
-    management API (None); or nowhere, with the 400 (or the 403: not for its `key`) that
-    says why. A model is named by a proxied POST's JSON body, or by `?model=` on a GET
-    of a path that is not corral's own."""
+    """Where a request goes: to a model, as (its canonical name, autoload: named by a
+    POST's body, or `?model=` on a GET not of corral's own), the management API (None),
+    or nowhere, with the 400 (or the 403: not for its `key`) that says why."""
     path, _, query = url.partition(b"?")
     fields = parse_query(query.decode("latin-1")) if query else {}
     if method == b"POST" and path in _PROXIED:
@@ -303,6 +303,9 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
         return Answer(400, f"model '{name}' not found")
     if key is not None and not key.may_use(routes.known_as.get(model, (model,))):
         return Answer(403, f"key '{key.name}' may not use model '{name}'")
+    if key is not None and not key.admin and method != b"POST" and path not in MEMBER_GETS:
+        return Answer(403, f"key '{key.name}' may not GET {path.decode('latin-1')} of a "
+                      "model (it may show others' requests): that needs an admin key")
     autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload
     return autoload if isinstance(autoload, Answer) else (model, autoload)
 

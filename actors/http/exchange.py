@@ -167,7 +167,7 @@ class Exchange:
             return
         model, autoload = to
         self.what = f"model '{model}'"
-        self.meter = Meter() if self.req.key is not None else None
+        self.meter = Meter(len(self.req.body)) if self.req.key is not None else None
         started = self.loop.time()
         try:
             await self._to_model(model, autoload)
@@ -186,7 +186,7 @@ class Exchange:
         replays = 0  # instances that went away with the request sent to them
         for tries in range(MAX_INSTANCES):
             found: SharedGrant | Refusal | None = await front.shares.acquire(
-                model, autoload, self.req.key)
+                model, autoload, self.req.key, retry=tries > 0)
             if gone is not None:
                 generation, pool = gone
                 found = await front.shares.acquire_past(
@@ -215,7 +215,8 @@ class Exchange:
             finally:  # a child that broke with a request is not kept for the next
                 front.shares.release(share, route.lease_linger_s if route else 0.0,
                                      keep=self.broke_kind is None,
-                                     tokens=sum(self.meter.used()) if self.meter else 0)
+                                     tokens=sum(self.meter.used())
+                                     if self.meter and self.meter.answered else 0)
             if self.late is not None:
                 front.scheduler().tell(AnswerLate(model=grant.model, generation=grant.generation,
                                           detail=self.late))

@@ -100,10 +100,11 @@ class Shares:
             self._bound = asyncio.get_running_loop()
         return self._bound
 
-    async def acquire(self, model: str, autoload: bool,
-                      key: KeyRule | None = None) -> SharedGrant | Refusal:
+    async def acquire(self, model: str, autoload: bool, key: KeyRule | None = None,
+                      retry: bool = False) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one. A request whose
-        `key` has limits always asks: the Scheduler counts each of them."""
+        `key` has limits always asks: the Scheduler counts each of them (once: `retry`
+        says it asked before)."""
         share = self.open.get(model) if key is None or key.shares else None
         if share is not None:
             share.count += 1
@@ -113,7 +114,7 @@ class Shares:
             return share
         revokes = self.revoked.get(model, (0, 0))[0]
         ticket, answer = await acquire(self.scheduler(), model, autoload,
-                                       key.name if key is not None else "")
+                                       key.name if key is not None else "", retry)
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
@@ -140,7 +141,7 @@ class Shares:
             if poll == probe_at and probe is not None and await probe.alive(PROBE_TIMEOUT_S):
                 return None
             await asyncio.sleep(RETRY_POLL_S)
-            share = await self.acquire(share.grant.model, autoload, key)
+            share = await self.acquire(share.grant.model, autoload, key, retry=True)
         if isinstance(share, SharedGrant) and share.grant.generation == gone:
             self.release(share, keep=False)
             return None

@@ -14,10 +14,11 @@ from aiohttp import web
 
 from ..bridge import LoopReply
 from ..config import Config, ModelConfig
-from ..keys import KeyRule
+from ..keys import API_KEY_NAME, KeyRule
 from ..messages import GetPlan, ModelsSnapshot, SchedulerMessage
 from ..policy.plans import RequestPlan
 from .control import FrontCounts
+from .edge import Answer, parse_autoload
 
 MEMBER_GETS = frozenset({"/models", "/v1/models", "/props", "/models/plan"})
 """What a key that is not an admin may ask of corral's own API besides calling models
@@ -46,6 +47,14 @@ def visible(rule: KeyRule | None, name: str, models: dict[str, ModelConfig]) -> 
     return rule.may_use((name, *(model.aliases if model is not None else ())))
 
 
+def shown(entry: dict[str, Any], rule: KeyRule | None) -> dict[str, Any]:
+    """A model's GET /models entry as the caller may see it: a member key is not shown
+    the child's command line (it may hold the child's own key)."""
+    if rule is None or rule.admin:
+        return entry
+    return {**entry, "status": {k: v for k, v in entry["status"].items() if k != "args"}}
+
+
 def plan_target(request: web.Request, names: dict[str, str],
                 config: Config) -> tuple[str, str, bool] | str:
     """(model, key, autoload) that GET /models/plan asks about, or what is wrong. A member
@@ -57,16 +66,17 @@ def plan_target(request: web.Request, names: dict[str, str],
     if model is None:
         return f"model '{asked}' not found"
     rule: KeyRule | None = request.get("key")
-    key = request.query.get("key", "")
+    key = request.query.get("key", rule.name if rule is not None else "")
     if rule is not None and not rule.admin:
-        if key and key != rule.name:
+        if key != rule.name:
             return f"key '{rule.name}' may plan only for itself, not for key '{key}'"
         if not visible(rule, model, config.models):
             return f"model '{asked}' not found"
-        key = rule.name
-    elif key and key not in config.keys:
+    elif key and key not in config.keys and not (key == API_KEY_NAME and config.api_key):
         return f"no key named '{key}' (GET /keys lists them)"
-    autoload = request.query.get("autoload", "true").lower() not in ("0", "false")
+    autoload = parse_autoload(dict(request.query), config.autoload)
+    if isinstance(autoload, Answer):
+        return autoload.message
     return model, key, autoload
 
 

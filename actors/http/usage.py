@@ -1,9 +1,12 @@
 """What a request used, in tokens, read from its answer as it is relayed (only for a
 request that came with a named key: its tokens_per_min, and its use in /metrics).
 
-A child's `usage` is taken when the answer has one (the JSON answer, or a stream's last
-event when the client asked for it with `stream_options.include_usage`); a stream without
-one counts its events, each a token, and its prompt as none.
+A child's `usage` is taken when the answer has one: the JSON answer's (from its last
+TAIL bytes when it is longer than MAX_BODY), or a stream's last event's (a client asks
+for it with `stream_options.include_usage`). A stream without one counts its events as
+the completion, each a token, and its prompt as the request body's bytes / 4 (OpenAI's
+rule of thumb), so that a long prompt is not free. Every figure is bounded to
+[0, MAX_TOKENS]: a child cannot make corral count what it cannot carry.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from __future__ import annotations
 import msgspec
 
 MAX_BODY = 1 << 20
-"""A JSON answer longer than this is not read for its usage (it counts as none)."""
+"""A JSON answer longer than this is not parsed whole: its usage is found in its tail."""
 TAIL = 4096
-"""How much of the end of a stream is kept to find its usage event in."""
+"""How much of the end of an answer is kept to find its usage in."""
+MAX_TOKENS = 1 << 31
+BYTES_PER_TOKEN = 4
+_CARRY = len(b"[DONE]") - 1
+"""Bytes of one read kept for the next, so that a marker cut in two is counted once."""
 
 
 class _Usage(msgspec.Struct):
@@ -26,16 +33,23 @@ class _Answer(msgspec.Struct):
 
 
 _decode = msgspec.json.Decoder(_Answer).decode
+_decode_usage = msgspec.json.Decoder(_Usage).decode
+
+
+def _bound(n: int) -> int:
+    return min(max(n, 0), MAX_TOKENS)
 
 
 class Meter:
     """One answer's tokens, fed its body as it is relayed."""
 
-    __slots__ = ("answered", "events", "parts", "result", "size", "stream", "tail")
+    __slots__ = ("answered", "events", "parts", "prompt_guess", "result", "size", "stream",
+                 "tail")
 
-    def __init__(self) -> None:
+    def __init__(self, request_bytes: int = 0) -> None:
         self.answered = False
         """A child answered (its head came): the request counts as the key's."""
+        self.prompt_guess = request_bytes // BYTES_PER_TOKEN
         self.result: tuple[int, int] | None = None
         self.stream = False
         self.parts: list[bytes] = []
@@ -44,12 +58,18 @@ class Meter:
         self.tail = b""
 
     def feed(self, body: bytes) -> None:
+        carry = self.tail[-_CARRY:]
         if self.stream:
-            self.events += body.count(b"data:") - body.count(b"[DONE]")
-            self.tail = (self.tail + body)[-TAIL:]
-        elif self.size <= MAX_BODY:
+            seen = carry + body
+            self.events += (seen.count(b"data:") - carry.count(b"data:")
+                            - seen.count(b"[DONE]") + carry.count(b"[DONE]"))
+        else:
             self.size += len(body)
-            self.parts.append(body)
+            if self.size <= MAX_BODY:
+                self.parts.append(body)
+            else:
+                self.parts.clear()
+        self.tail = (self.tail + body)[-TAIL:]
 
     def used(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens), once the answer is over."""
@@ -58,17 +78,14 @@ class Meter:
         return self.result
 
     def _read(self) -> tuple[int, int]:
+        if not self.stream and self.size <= MAX_BODY:
+            return _usage(b"".join(self.parts))
+        found = _tail_usage(self.tail)
+        if found is not None and found != (0, 0):
+            return found
         if not self.stream:
-            return _usage(b"".join(self.parts)) if self.size <= MAX_BODY else (0, 0)
-        at = self.tail.rfind(b'"usage"')
-        if at >= 0:
-            start = self.tail.rfind(b"data:", 0, at)
-            end = self.tail.find(b"\n", at)
-            if start >= 0:
-                found = _usage(self.tail[start + 5:end if end >= 0 else None])
-                if found != (0, 0):
-                    return found
-        return 0, max(self.events, 0)
+            return 0, 0
+        return _bound(self.prompt_guess), _bound(self.events)
 
 
 def _usage(data: bytes) -> tuple[int, int]:
@@ -76,7 +93,21 @@ def _usage(data: bytes) -> tuple[int, int]:
         usage = _decode(data).usage
     except (msgspec.DecodeError, msgspec.ValidationError):
         return 0, 0
-    return (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+    return (_bound(usage.prompt_tokens), _bound(usage.completion_tokens)) if usage else (0, 0)
+
+
+def _tail_usage(tail: bytes) -> tuple[int, int] | None:
+    """The last `"usage": {...}` object in `tail`, if whole and readable."""
+    at = tail.rfind(b'"usage"')
+    start = tail.find(b"{", at) if at >= 0 else -1
+    end = tail.find(b"}", start) if start >= 0 else -1
+    if end < 0:
+        return None
+    try:
+        usage = _decode_usage(tail[start:end + 1])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return _bound(usage.prompt_tokens), _bound(usage.completion_tokens)
 
 
 class KeyUses:

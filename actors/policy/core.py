@@ -81,10 +81,12 @@ class Policy:
 
     # ------------------------------------------------------------ requests
 
-    def acquire(self, ticket: Hashable, model: str, now: float,
-                autoload: bool = True, key: str = "") -> list[Effect]:
+    def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
+                key: str = "", retry: bool = False) -> list[Effect]:
         """A request for `model` arrived (with `key`, "" for none): grant it now, queue
-        it, or refuse it."""
+        it, or refuse it. `retry`: it came before (its child went away with it), and its
+        key's quota counted it then."""
+        counted = bool(key) and not retry
         rec = self.state.find(model)
         tenants = self.state.tenants
         # 1. Nothing is served while shutting down, nor for a model that is not there.
@@ -97,7 +99,7 @@ class Policy:
             return self.rules.flush()
         rules, breaker = rec.rules, rec.breaker
         entry = self.state.queue.entry(model)
-        over = tenants.over_quota(key, now) if key else None
+        over = tenants.over_quota(key, now) if counted else None
         # 2. A key over its rate or token budget is told when to come back; not queued.
         if over is not None:
             self.rules.refuse(ticket, 429, f"{over.message}; try again in "
@@ -108,7 +110,7 @@ class Policy:
         #    (max_concurrency): nobody overtakes them (R-4.2); nor does a key at its own
         #    max_concurrency.
         elif self.state.has_room(rec) and entry is None and not (key and tenants.at_limit(key)):
-            if key:
+            if counted:
                 tenants.take(key, now)
             self.rules.grant(ticket, rec, now, key)
         # 4. Without autoload, only a child that is there or on its way is worth a wait.
@@ -127,7 +129,7 @@ class Policy:
                          retry_after_s=1.0, model=model, reason="queue_full")
         # 7. Otherwise it waits, at most queue_timeout_s, in its class's order.
         else:
-            if key:
+            if counted:
                 tenants.take(key, now)
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
             entry = self.state.queue.add(ticket, model, now, deadline, key,
@@ -170,8 +172,6 @@ class Policy:
         freed = False
         if key:  # a request with no key (corral has none) has no rules to keep
             freed = self.state.tenants.released(key, tokens, now)
-            if tokens and self.state.tenants.of(key).tokens_per_min:
-                self.state.queue.served(name, key, tokens)
         self._model_let_go(name, generation, now, shared, idle_s)
         if freed:  # the key was at its max_concurrency: its waiters may go now
             self.rules.serve_key(key, now)
@@ -229,6 +229,19 @@ class Policy:
         return self.rules.flush()
 
     # ------------------------------------------------------------ management
+
+    def set_tenants(self, tenants: dict[str, Tenant], aging_s: float,
+                    now: float) -> list[Effect]:
+        """A reload's keys: new classes and limits (the windows of the keys that stay are
+        kept); a waiter whose key's max_concurrency rose or went may go now."""
+        self.state.tenants.replace(tenants)
+        self.state.queue.aging_s = aging_s
+        for entry in list(self.state.queue):
+            rec = self.state.models[entry.model]
+            if self.state.has_room(rec):
+                self.rules.serve_waiters(rec, now)
+        self.rules.pump(now)
+        return self.rules.flush()
 
     def load(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
         """POST /models/load: queue a load with no request behind it; ends a backoff."""

@@ -35,7 +35,7 @@ class Policy(Protocol):
     state: State
 
     def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
-                key: str = "") -> list[Effect]: ...
+                key: str = "", retry: bool = False) -> list[Effect]: ...
 
 
 class PlannedEviction(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,12 +150,15 @@ def plan(policy: Policy, model: str, now: float, key: str = "",
     spawn = next((e for e in effects if isinstance(e, Spawn) and e.model == model), None)
     evictions = [e.event for e in effects if isinstance(e, Publish)
                  and isinstance(e.event, Evicted) and e.event.for_model == model]
-    devices = spawn.devices if spawn is not None else rec.placement
+    # not started yet (it waits for its victims to stop): where it lacked memory
+    devices = (spawn.devices if spawn is not None
+               else sorted({s.device for e in evictions for s in e.devices}) or None)
     return RequestPlan(
         decision="load", model=name, key=key, position=position, ahead=ahead,
         devices=devices, node=spawn.node if spawn is not None else rec.node,
         evict=[PlannedEviction(model=e.model, reason=e.reason, why=_why(e)) for e in evictions],
-        memory=_memory(policy, copy_, devices or [], [e.model for e in evictions]))
+        memory=_memory(policy, copy_, rec, devices or [], [e.model for e in evictions],
+                       reserved=spawn is not None))
 
 
 def _place(copy_: Policy, probe: _Probe, model: str, now: float) -> tuple[int, dict[str, int]]:
@@ -206,16 +209,21 @@ def _why(event: Evicted) -> str:
     return f"a slot (models_max), least recently used ({event.reason})"
 
 
-def _memory(before: Policy, after: Policy, devices: list[str],
-            leaving: list[str]) -> list[PlannedMemory]:
+def _memory(before: Policy, after: Policy, rec: ModelRecord, devices: list[str],
+            leaving: list[str], reserved: bool) -> list[PlannedMemory]:
+    """Free memory on `devices` now, and once `leaving` have stopped and `rec` holds what
+    it is expected to need (the copy's ledger holds it already if it was `reserved`)."""
     out = []
     held = before.state.ledger.held
+    need = None if reserved else after.state.memory.placed_need(rec, devices)
     for device in devices:
         now = before.state.ledger.available(device)
         then = after.state.ledger.available(device)
         if now is None or then is None:
             continue
         freed = sum(held.get(m, {}).get(device, 0) for m in leaving)
+        if need is not None:
+            freed -= sum(r.self_bytes for r in need.devices if r.name == device)
         out.append(PlannedMemory(device=device, free_mib_now=round(now / MiB, 1),
                                  free_mib_after=round((then + freed) / MiB, 1)))
     return out

@@ -7,9 +7,10 @@ together here and nowhere else.
 With keys (issue 22) a waiter has a class level and a key, and the order is theirs: a
 higher level goes first, a waiter's level rising by one for every `aging_s` it has waited
 (so every request is served in the end); among the keys of the winning class, the key
-served least goes next (round robin, or by tokens for keys with a token budget); FIFO
-within a key. Each key's waiters of an entry are its *lane*. Without keys there is one
-lane, and the order is arrival order, at no extra cost.
+served least goes next (round robin, by requests: one unit for all, so that keys with and
+without a token budget can be weighed together); FIFO within a key. Each key's waiters
+of an entry are its *lane*. Without keys there is one lane, and the order is arrival
+order, at no extra cost.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ class QueueEntry:
     lanes: dict[str, dict[Hashable, None]] = field(default_factory=dict)
     """Key -> its waiters here, in arrival order. Invariant: together, `waiters`."""
     served: dict[str, float] = field(default_factory=dict)
-    """Key -> what it has been served here (requests, or tokens for a key with a token
-    budget): the fair share's count. A key that comes back starts level with the least
-    served key that waits, so it cannot claim a backlog of turns."""
+    """Key -> the requests granted to it here: the fair share's count. A key that comes
+    back starts level with the least served key that waits, so it cannot claim a backlog
+    of turns."""
 
     def copy(self) -> QueueEntry:
         return QueueEntry(self.model, dict(self.waiters), self.explicit, self.claimed,
@@ -178,7 +179,7 @@ class RequestQueue:
         return ticket
 
     def served(self, model: str, key: str, amount: float) -> None:
-        """Count `amount` (a grant, or tokens) as served to `key` in `model`'s entry."""
+        """Count `amount` (grants) as served to `key` in `model`'s entry."""
         entry = self.entries.get(model)
         if entry is not None:
             entry.served[key] = entry.served.get(key, 0.0) + amount

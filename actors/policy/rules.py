@@ -313,8 +313,7 @@ class Rules:
         shareable = not rec.rules.max_concurrency
         if key:
             tenants.granted(key)
-            if not tenants.of(key).tokens_per_min:
-                self.state.queue.served(rec.name, key, 1.0)
+            self.state.queue.served(rec.name, key, 1.0)
             # a key with limits: the Scheduler must see each of its requests (shares.py)
             shareable = shareable and not tenants.limited(key)
         if shareable and not rec.pinned:

@@ -101,7 +101,15 @@ class State:
     def needs_slot(self, entry: QueueEntry, now: float) -> bool:
         rec = self.models[entry.model]
         return (not entry.claimed and rec.state in (S.UNLOADED, S.STOPPING)
-                and not rec.breaker.is_open(now))
+                and not rec.breaker.is_open(now) and not self.only_blocked(entry))
+
+    def only_blocked(self, entry: QueueEntry) -> bool:
+        """Every waiter of `entry` is of a key at its max_concurrency: a load for them
+        would take a slot (and evict for it) that nobody could use until one of those
+        keys' requests ends; the release that ends it runs the rules again."""
+        lanes = entry.lanes
+        return (bool(lanes) and "" not in lanes
+                and all(self.tenants.at_limit(key) for key in lanes))
 
     def has_capacity(self) -> bool:
         return self.models_max <= 0 or self.n_running < self.models_max
