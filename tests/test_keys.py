@@ -94,16 +94,19 @@ def test_tokens_per_min_counts_usage_and_streams(corral, tmp_path: Path) -> None
         return row["prompt_tokens_total"], row["completion_tokens_total"], \
             row["tokens_last_min"]
 
-    # a stream with no usage: its events are counted, its prompt guessed from its bytes
+    # a stream with no usage: its events are counted, its prompt guessed from its bytes.
+    # The SDK stops at `[DONE]`, before the stream's last chunk: the front counts the
+    # request when that has come, so the counts are waited for.
     chunks = list(client.chat.completions.create(
         model="a", max_tokens=12, stream=True, messages=[{"role": "user", "content": "hi"}]))
     assert len(chunks) == 12
-    guess, completion, window = used()
+    guess, completion, window = wait_until(lambda: (u := used())[1] and u, 10, "the count")
     assert completion == 12 and 10 < guess < 40 and window == guess + 12
     # one whose last event has the usage: 1 + 12
     list(client.chat.completions.create(
         model="a", max_tokens=12, stream=True, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "hi"}]))
+    wait_until(lambda: used()[1] == 24, 10, "the second stream's count")
     assert used() == (guess + 1, 24, guess + 25)
     left = 60 - (guess + 25)
     if left > 0:  # use up the budget exactly, from a JSON answer's usage
@@ -174,16 +177,19 @@ def test_keys_and_metrics_show_each_keys_use_by_name_never_its_secret(
     list(dave.chat.completions.create(model="a", max_tokens=3, stream=True,
                                       messages=[{"role": "user", "content": "hi"}]))
     root = {"Authorization": "Bearer root-secret"}
-    status, body, _ = request(c.port, "GET", "/keys", headers=root)
-    assert status == 200
-    rows = {k["name"]: k for k in body["data"]}
-    d = rows["dave"]
+
+    def dave_row() -> dict[str, Any]:
+        status, body, _ = request(c.port, "GET", "/keys", headers=root)
+        assert status == 200
+        return next(k for k in body["data"] if k["name"] == "dave")  # type: ignore[no-any-return]
+    # the SDK stops at `[DONE]`, before the stream's last chunk: wait for its count
+    d = wait_until(lambda: (row := dave_row())["requests_total"] == 2 and row, 10, "2")
     guess = d["prompt_tokens_total"] - 1  # the stream had no usage: its prompt is guessed
     assert (d["requests_total"], d["completion_tokens_total"]) == (2, 9) and guess > 0
     assert d["requests_last_min"] == 2 and d["tokens_last_min"] == 10 + guess
     assert d["in_flight"] == 0
     assert d["limits"] == {"max_concurrency": 0, "requests_per_min": 5, "tokens_per_min": 1000}
-    text = json.dumps(body)
+    text = json.dumps(request(c.port, "GET", "/keys", headers=root)[1])
     assert "dave-secret" not in text and "digest" not in text
     conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=10)
     conn.request("GET", "/metrics", headers=root)

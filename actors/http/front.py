@@ -107,12 +107,12 @@ class Front:
                                                 sock=socket.socket(fileno=fd), backlog=BACKLOG)
                        for fd in fds]
             self.server, self.more_servers = servers[0], servers[1:]
-            self._sweeper = loop.call_later(1.0, self._sweep)
-            return port
-        self.server = await loop.create_server(lambda: Connection(self), host, port,
-                                               backlog=BACKLOG)
+        else:
+            self.server = await loop.create_server(lambda: Connection(self), host, port,
+                                                   backlog=BACKLOG)
+            port = int(self.server.sockets[0].getsockname()[1])
         self._sweeper = loop.call_later(1.0, self._sweep)
-        return int(self.server.sockets[0].getsockname()[1])
+        return port
 
     @property
     def keys(self) -> Keys | None:
@@ -191,9 +191,7 @@ class Front:
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting, let running answers finish (up to timeout_s), answer nothing
         new (503 + close), then close what is left — uvicorn's order."""
-        for server in [self.server, *self.more_servers]:
-            if server is not None:
-                server.close()
+        self._stop_accepting()
         self.draining = True
         busy = sum(c.exchange is not None for c in self.connections)
         log.info("draining: %d answers running, %d connections open; new requests get 503",
@@ -223,10 +221,13 @@ class Front:
         if self.draining and not any(c.exchange is not None for c in self.connections):
             self.drained.set()
 
-    def close(self) -> None:
+    def _stop_accepting(self) -> None:
         for server in [self.server, *self.more_servers]:
             if server is not None:
                 server.close()
+
+    def close(self) -> None:
+        self._stop_accepting()
         if self._sweeper is not None:
             self._sweeper.cancel()
         self.shares.stop_keeping()

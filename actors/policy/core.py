@@ -174,7 +174,7 @@ class Policy:
             freed = self.state.tenants.released(key, tokens, now)
         self._model_let_go(name, generation, now, shared, idle_s)
         if freed:  # the key was at its max_concurrency: its waiters may go now
-            self.rules.serve_key(key, now)
+            self.rules.serve_queued(now, key)
 
     def _model_let_go(self, name: str, generation: int, now: float, shared: bool,
                       idle_s: float) -> None:
@@ -236,10 +236,7 @@ class Policy:
         kept); a waiter whose key's max_concurrency rose or went may go now."""
         self.state.tenants.replace(tenants)
         self.state.queue.aging_s = aging_s
-        for entry in list(self.state.queue):
-            rec = self.state.models[entry.model]
-            if self.state.has_room(rec):
-                self.rules.serve_waiters(rec, now)
+        self.rules.serve_queued(now)
         self.rules.pump(now)
         return self.rules.flush()
 

@@ -278,10 +278,11 @@ class Rules:
                 blocked.add(waiter.key)
         queue.close_if_empty(rec.name)
 
-    def serve_key(self, key: str, now: float) -> None:
-        """`key` is below its max_concurrency again: serve the models it waits for."""
+    def serve_queued(self, now: float, key: str | None = None) -> None:
+        """Serve the waiters of every serving model with room (of those `key` waits for):
+        a key's limit has been lifted, or it is below its max_concurrency again."""
         for entry in list(self.state.queue):
-            if key in entry.lanes:
+            if key is None or key in entry.lanes:
                 rec = self.state.models[entry.model]
                 if self.state.has_room(rec):
                     self.serve_waiters(rec, now)

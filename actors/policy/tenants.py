@@ -29,9 +29,6 @@ class Usage:
     spent: deque[tuple[float, int]] = field(default_factory=deque)
     """(when, tokens) of each release in the window, oldest first."""
     spent_sum: int = 0
-    requests: int = 0
-    tokens: int = 0
-    """Every request taken, and every token spent, ever (metrics)."""
 
     def expire(self, now: float) -> None:
         since = now - WINDOW_S
@@ -107,10 +104,8 @@ class Tenants:
 
     def take(self, key: str, now: float) -> None:
         """A request of `key` was taken (granted or queued)."""
-        usage = self._usage(key)
-        usage.requests += 1
         if self.of(key).requests_per_min:
-            usage.taken.append(now)
+            self._usage(key).taken.append(now)
             self.changes += 1
 
     def at_limit(self, key: str) -> bool:
@@ -128,12 +123,10 @@ class Tenants:
         usage = self._usage(key)
         was_at_limit = self.at_limit(key)
         usage.in_flight -= 1
-        if tokens > 0:
-            usage.tokens += tokens
-            if self.of(key).tokens_per_min:
-                usage.spent.append((now, tokens))
-                usage.spent_sum += tokens
-                self.changes += 1
+        if tokens > 0 and self.of(key).tokens_per_min:
+            usage.spent.append((now, tokens))
+            usage.spent_sum += tokens
+            self.changes += 1
         return was_at_limit and not self.at_limit(key)
 
     def limited(self, key: str) -> bool:
