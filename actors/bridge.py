@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 from .base import Inbox
-from .messages import Acquire, Cancel, Grant, Refusal, SchedulerMessage
+from .messages import Acquire, Cancel, Cut, Grant, Refusal, Requeue, SchedulerMessage
 
 SchedulerInbox = Inbox[SchedulerMessage]
 """The Scheduler's ref, as the loop side holds it."""
@@ -26,20 +27,32 @@ def _resolve(future: asyncio.Future[object], value: object) -> None:
 class LoopReply:
     """An answer slot that resolves an asyncio future on its loop, from any thread.
 
-    Hashable by identity, so the instance itself serves as the request's ticket.
+    Hashable by identity, so the instance itself serves as the request's ticket. A `Cut`
+    sent after its grant sets `cut` and calls `on_cut`, on the loop.
     """
 
-    __slots__ = ("_loop", "future")
+    __slots__ = ("_loop", "cut", "future", "on_cut")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.future: asyncio.Future[object] = loop.create_future()
+        self.cut = False
+        """A Cut came for its grant (policy/cuts.py), not yet acted on."""
+        self.on_cut: Callable[[], None] | None = None
 
     def send(self, value: object) -> None:
         try:
-            self._loop.call_soon_threadsafe(_resolve, self.future, value)
+            if isinstance(value, Cut):
+                self._loop.call_soon_threadsafe(self._cut)
+            else:
+                self._loop.call_soon_threadsafe(_resolve, self.future, value)
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
+
+    def _cut(self) -> None:
+        self.cut = True
+        if self.on_cut is not None:
+            self.on_cut()
 
 
 class ThreadReply:
@@ -52,6 +65,8 @@ class ThreadReply:
         self._value: object = None
 
     def send(self, value: object) -> None:
+        if isinstance(value, Cut):
+            return  # a thread's request cannot be cut: it runs to its end
         self._value = value
         self._event.set()
 
@@ -87,12 +102,26 @@ async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
     the cancel, is released.
     """
     ticket = LoopReply(asyncio.get_running_loop())
-    scheduler.tell(Acquire(ticket=ticket, model=model, autoload=autoload, key=key,
-                           retry=retry))
+    return ticket, await _ask(scheduler, ticket, Acquire(
+        ticket=ticket, model=model, autoload=autoload, key=key, retry=retry))
+
+
+async def requeue(scheduler: SchedulerInbox, ticket: LoopReply) -> Grant | Refusal:
+    """Give back the slot of `ticket`, cut for a higher class with nothing sent to its
+    client, and wait for its next answer (on a fresh future of the same ticket); a
+    cancelled wait leaves the queue, as in `acquire`."""
+    ticket.future = ticket._loop.create_future()
+    ticket.cut = False
+    return await _ask(scheduler, ticket, Requeue(ticket=ticket))
+
+
+async def _ask(scheduler: SchedulerInbox, ticket: LoopReply,
+               message: Acquire | Requeue) -> Grant | Refusal:
+    scheduler.tell(message)
     try:
         answer = await ticket.future
     except BaseException:
         scheduler.tell(Cancel(ticket=ticket))
         raise
     assert isinstance(answer, Grant | Refusal)
-    return ticket, answer
+    return answer

@@ -265,6 +265,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     priority_aging_s: NonNegativeSeconds = 60.0
     """A waiting request's level rises by 1 for every this long it has waited, so a lower
     class is served in the end (0: no aging)."""
+    priority_preempt: bool = False
+    """A waiter of a higher class may cut a lower class's request on a model at its
+    max_concurrency, if that request's client has had no byte of the answer yet: the
+    child drops it, and it waits again, first in its key's lane (each at most once)."""
     restart_intensity: Annotated[int, Meta(ge=0)] = 3
     """More failures than this within restart_period_s start a backoff (R-3.7)..."""
     restart_period_s: PositiveSeconds = 60.0

@@ -64,6 +64,12 @@ class Refusal(Message, frozen=True, kw_only=True):
     retry_after_s: float | None = None
 
 
+class Cut(Message, frozen=True, kw_only=True):
+    """Scheduler -> caller, on a ticket already granted: a waiter of a higher class needs
+    this request's slot (`priority_preempt`). If its client has had no byte of the answer,
+    the front drops the child's connection and answers `Requeue`; else `NotCut`."""
+
+
 class Done(Message, frozen=True, kw_only=True):
     """Scheduler -> caller: a management command was accepted."""
 
@@ -126,6 +132,8 @@ class KeyView(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens used in the last 60 s (None: the key has no tokens_per_min)."""
     refusals: dict[str, int]
     """Reason -> its requests answered with corral's own error."""
+    cuts: int = 0
+    """Its requests cut for a higher class before their answers began (priority_preempt)."""
 
 
 class ModelsSnapshot(Message, frozen=True, kw_only=True):
@@ -139,6 +147,8 @@ class ModelsSnapshot(Message, frozen=True, kw_only=True):
     queue_wait_s: float
     keys: list[KeyView] = []
     class_wait: dict[str, HistogramView] = {}
+    cuts: int = 0
+    """Requests cut for a higher class, with a key or without (priority_preempt)."""
     """Priority class -> how long its granted requests waited in the queue."""
 
 
@@ -274,6 +284,20 @@ class Releases(Message, frozen=True, kw_only=True):
     the Scheduler picks its LRU victim among all of them, not the first to arrive."""
 
     releases: tuple[Release, ...]
+
+
+class Requeue(Message, frozen=True, kw_only=True):
+    """Front -> Scheduler, for a `Cut`: the request of `ticket` gave its slot back with
+    nothing sent to its client; it waits again (the same ticket gets its next answer)."""
+
+    ticket: Reply
+
+
+class NotCut(Message, frozen=True, kw_only=True):
+    """Front -> Scheduler, for a `Cut`: the request of `ticket` has begun its answer (or
+    cannot be cut): it runs to its end, and another may be cut in its place."""
+
+    ticket: Reply
 
 
 class Cancel(Message, frozen=True, kw_only=True):
@@ -487,6 +511,8 @@ class Reconfigure(Message, frozen=True, kw_only=True):
     tenants: dict[str, Tenant] | None = None
     """The keys' classes and limits now (None: as they were)."""
     aging_s: float | None = None
+    preempt: bool | None = None
+    """`priority_preempt` now (None: as it was)."""
 
 
 class ReloadSummary(Message, frozen=True, kw_only=True):
@@ -555,7 +581,8 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 
 SchedulerMessage = (
-    Acquire | Release | Releases | Cancel | LoadModel | UnloadModel | GetModels | GetPlan | Ping
+    Acquire | Release | Releases | Requeue | NotCut | Cancel | LoadModel | UnloadModel
+    | GetModels | GetPlan | Ping
     | Subscribe | WatchGrants | TtlDue | WaitDue | Repump | SaveBudgets | Unhealthy | AnswerLate
     | InstancesAttached
     | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported

@@ -21,6 +21,7 @@ from .messages import (
     Alive,
     AnswerLate,
     Cancel,
+    Cut,
     DevicesReported,
     Event,
     GetDevices,
@@ -42,6 +43,7 @@ from .messages import (
     MeasureStarted,
     MonitorMessage,
     NodeChanged,
+    NotCut,
     Ping,
     Reconfigure,
     Release,
@@ -50,6 +52,7 @@ from .messages import (
     Remember,
     Reply,
     Repump,
+    Requeue,
     Revoke,
     SaveBudgets,
     SchedulerMessage,
@@ -66,10 +69,23 @@ from .messages import (
     Withdraw,
 )
 from .policy import Policy
-from .policy.records import Answer, Effect, Later, Learned, Measure, Publish, Spawn, Stop, Track
+from .policy.records import (
+    Answer,
+    Effect,
+    Later,
+    Learned,
+    Measure,
+    Preempt,
+    Publish,
+    Spawn,
+    Stop,
+    Track,
+)
 from .timers import Timers
 
 T = TypeVar("T")
+
+CUT = Cut()
 
 
 class Scheduler(BaseActor):
@@ -85,7 +101,8 @@ class Scheduler(BaseActor):
                              config.restart_period_s, int(config.memory_margin_mib * MiB),
                              config.account_host, config.restart_backoff_max_s,
                              config.restart_healthy_s, config.models_max_per_node,
-                             tenants_of(config), config.priority_aging_s)
+                             tenants_of(config), config.priority_aging_s,
+                             config.priority_preempt)
         for name, model in config.models.items():
             self.policy.add_model(name, clock(), rules=config.rules_of(model))
         self.configs = dict(config.models)
@@ -118,6 +135,10 @@ class Scheduler(BaseActor):
                     ((r.ticket, r.shared, r.idle_s, r.tokens) for r in releases), now))
             case Cancel(ticket=ticket):
                 self._carry_out(p.cancel(ticket, now))
+            case Requeue(ticket=ticket):
+                self._carry_out(p.cuts.requeue(ticket, now))
+            case NotCut(ticket=ticket):
+                self._carry_out(p.cuts.not_cut(ticket, now))
             case LoadModel(model=model, reply=reply):
                 self._carry_out(p.load(reply, model, now))
             case UnloadModel(model=model, reply=reply):
@@ -178,10 +199,10 @@ class Scheduler(BaseActor):
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
                 self._carry_out(p.children.instance_exited(model, gen, rc, desc, now))
             case Reconfigure(models=models, instances=instances, reply=reply,
-                             tenants=tenants, aging_s=aging_s):
+                             tenants=tenants, aging_s=aging_s, preempt=preempt):
                 self.reconfigure(models, instances, reply, now)
                 if tenants is not None:
-                    self._carry_out(p.set_tenants(tenants, aging_s or 0.0, now))
+                    self._carry_out(p.set_tenants(tenants, aging_s or 0.0, now, preempt))
             case GetDevices(reply=reply):
                 reply.send(p.children.devices_snapshot())
             case MeasureStarted(model=model):
@@ -242,6 +263,8 @@ class Scheduler(BaseActor):
                 case Answer(ticket=ticket, value=value):
                     if ticket is not None:  # None: a load nobody waits on (load_on_startup)
                         cast(Reply, ticket).send(value)  # the tickets it was given: replies
+                case Preempt(ticket=ticket):
+                    cast(Reply, ticket).send(CUT)
                 case Spawn(model=model, generation=gen, devices=devices, node=node):
                     self.instances[model].tell(StartInstance(
                         generation=gen, config=self.configs[model], devices=devices, node=node))

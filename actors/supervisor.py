@@ -209,7 +209,8 @@ class Supervisor:
         self.scheduler_ref.tell(Reconfigure(models=dict(config.models),
                                         instances=dict(self.instances), reply=done,
                                         tenants=tenants_of(config),
-                                        aging_s=config.priority_aging_s))
+                                        aging_s=config.priority_aging_s,
+                                        preempt=config.priority_preempt))
         summary = done.wait(timeout_s)
         if not isinstance(summary, ReloadSummary):
             raise TimeoutError(f"the scheduler did not apply the reload within {timeout_s} s")

@@ -17,13 +17,17 @@ long, every round in this order:
 
     quiet      interactive alone (its wait with no flood)
     flood      interactive beside one flooding batch key
+    cut        the same through corral with `priority_preempt`: an interactive request
+               cuts a batch request that has sent nothing yet, which is sent again
     fair       two batch keys flooding together
     plain      the flood and the interactive client through corral without keys
 
 Reported: the interactive p99 latency and queue wait (the latency less the fastest
 answer of the quiet case: the service itself), Jain's fairness index of the requests
 served to the two batch keys (and their throughput), and the box's throughput under the
-same load (interactive beside one flood) with keys (the flood case) and without (plain).
+same load (interactive beside one flood) with keys (the flood case), with cuts (the work
+a cut request had done is lost: counted as the child's cancelled requests) and without
+keys (plain).
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ from actors import loop
 from bench.common import machine, pct, session, write_json
 from bench.support import Corral, fake_cmd, toml_config
 
-KEYS = {"inter": "inter-secret", "batch1": "batch1-secret", "batch2": "batch2-secret"}
+KEYS = {"inter": "inter-secret", "batch1": "batch1-secret", "batch2": "batch2-secret",
+        "root": "root-secret"}
 
 
-def config(home: Path, slots: int, service_ms: float, keys: bool) -> str:
+def config(home: Path, slots: int, service_ms: float, keys: bool, cuts: bool = False) -> str:
     tokens_per_s = 5 / (service_ms / 1000)  # a request is 5 tokens
     models = {"m": {"cmd": fake_cmd("--tokens-per-s", str(tokens_per_s)),
                     "max_concurrency": slots}}
@@ -55,10 +60,20 @@ def config(home: Path, slots: int, service_ms: float, keys: bool) -> str:
     for name, secret in KEYS.items():
         path = home / f"{name}.key"
         path.write_text(secret)
-        tables[name] = {"key_file": str(path),
-                        "priority": "interactive" if name == "inter" else "batch"}
+        tables[name] = ({"key_file": str(path), "admin": True} if name == "root" else
+                        {"key_file": str(path),
+                         "priority": "interactive" if name == "inter" else "batch"})
     return toml_config(models, keys=tables, priorities={"interactive": 10, "batch": 1},
-                       http={"lease_linger_ms": 0})
+                       priority_preempt=cuts, http={"lease_linger_ms": 0})
+
+
+async def cancelled(s: aiohttp.ClientSession, url: str) -> int:
+    """The requests the child of model m saw cancelled (cut, with priority_preempt)."""
+    auth = {"Authorization": f"Bearer {KEYS['root']}"}
+    async with s.get(url + "/models", headers=auth) as resp:
+        port = next(m for m in (await resp.json())["data"] if m["id"] == "m")["port"]
+    async with s.get(f"http://127.0.0.1:{port}/debug/stats") as resp:
+        return int((await resp.json())["cancelled"])
 
 
 async def one(s: aiohttp.ClientSession, url: str, key: str,
@@ -139,17 +154,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {}
         with tempfile.TemporaryDirectory() as tmp:
             keyed = config(Path(tmp), args.slots, args.service_ms, keys=True)
+            cutting = config(Path(tmp), args.slots, args.service_ms, keys=True, cuts=True)
             plain = config(Path(tmp), args.slots, args.service_ms, keys=False)
             with Corral(keyed, log_level="WARNING") as c, \
+                    Corral(cutting, log_level="WARNING") as k, \
                     Corral(plain, log_level="WARNING") as p:
                 async with session() as s:
-                    for url, key in ((c.url, KEYS["inter"]), (p.url, "x")):
+                    for url, key in ((c.url, KEYS["inter"]), (k.url, KEYS["inter"]),
+                                     (p.url, "x")):
                         assert (await one(s, url, key))[0] == 200  # loaded
                 t = args.batch_tokens
                 out["quiet"] = await case(c.url, args.seconds, args.slots, KEYS["inter"],
                                           [], t)
                 out["flood"] = await case(c.url, args.seconds, args.slots, KEYS["inter"],
                                           [KEYS["batch1"]], t)
+                out["cut"] = await case(k.url, args.seconds, args.slots, KEYS["inter"],
+                                        [KEYS["batch1"]], t)
+                async with session() as s:
+                    out["cut"]["cancelled"] = await cancelled(s, k.url)
                 out["fair"] = await case(c.url, args.seconds, args.slots, None,
                                          [KEYS["batch1"], KEYS["batch2"]], t)
                 out["plain"] = await case(p.url, args.seconds, args.slots, "x", ["x"], t)
@@ -166,10 +188,16 @@ def waits(latencies: list[float], service_s: float) -> dict[str, float]:
 def figures(out: dict[str, Any]) -> dict[str, float]:
     service = min(out["quiet"]["latencies"])
     quiet, flooded = out["quiet"]["latencies"], out["flood"]["latencies"]
+    cut = out["cut"]["latencies"]
     fair = out["fair"]
     return {
         "quiet_p99_ms": pct(quiet, 0.99) * 1e3,
         "flood_p99_ms": pct(flooded, 0.99) * 1e3,
+        "cut_p99_ms": pct(cut, 0.99) * 1e3,
+        "cut_ratio": pct(cut, 0.99) / pct(quiet, 0.99),
+        "cut_wait_p99_ms": waits(cut, service)["p99_ms"],
+        "cuts": out["cut"]["cancelled"],
+        "cut_rps": served_rps(out["cut"]),
         "plain_p99_ms": pct(out["plain"]["latencies"], 0.99) * 1e3,
         "p99_ratio": pct(flooded, 0.99) / pct(quiet, 0.99),
         "quiet_wait_p99_ms": waits(quiet, service)["p99_ms"],
@@ -190,8 +218,10 @@ def summary_line(r: int, out: dict[str, Any], capacity: float) -> str:
     f = figures(out)
     return (f"round {r + 1}: interactive p99 {f['quiet_p99_ms']:.0f} ms alone, "
             f"{f['flood_p99_ms']:.0f} ms beside the flood ({f['p99_ratio']:.2f}x), "
+            f"{f['cut_p99_ms']:.0f} ms with cuts ({f['cut_ratio']:.2f}x, {f['cuts']:.0f} cut), "
             f"{f['plain_p99_ms']:.0f} ms without keys; Jain {f['jain']:.3f}; throughput "
-            f"{f['keyed_rps']:.1f} req/s with keys, {f['plain_rps']:.1f} without "
+            f"{f['keyed_rps']:.1f} req/s with keys, {f['cut_rps']:.1f} with cuts, "
+            f"{f['plain_rps']:.1f} without "
             f"(capacity {capacity:.0f})")
 
 
@@ -215,10 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     data = loop.run(run(args))
     s = data["summary"]
     print("spread over rounds (min - max): interactive p99 ratio "
-          f"{min(s['p99_ratio']):.2f} - {max(s['p99_ratio']):.2f}, Jain "
+          f"{min(s['p99_ratio']):.2f} - {max(s['p99_ratio']):.2f}, with cuts "
+          f"{min(s['cut_ratio']):.2f} - {max(s['cut_ratio']):.2f}, Jain "
           f"{min(s['jain']):.3f} - {max(s['jain']):.3f}, throughput with / without keys "
           f"{min(a / b for a, b in zip(s['keyed_rps'], s['plain_rps'], strict=True)):.3f} - "
-          f"{max(a / b for a, b in zip(s['keyed_rps'], s['plain_rps'], strict=True)):.3f}")
+          f"{max(a / b for a, b in zip(s['keyed_rps'], s['plain_rps'], strict=True)):.3f}, "
+          "with cuts / without keys "
+          f"{min(a / b for a, b in zip(s['cut_rps'], s['plain_rps'], strict=True)):.3f} - "
+          f"{max(a / b for a, b in zip(s['cut_rps'], s['plain_rps'], strict=True)):.3f}")
     write_json(args.json, {"bench": "tenants", "machine": machine(),
                            "params": vars(args) | {"json": None},
                            "summary": s, "capacity_rps": data["capacity_rps"]})

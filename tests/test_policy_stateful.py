@@ -7,7 +7,8 @@ the first for its ticket, and a load never overcommits the memory margin unless 
 model is alone. At the end, with the children answering and the clients finishing,
 every request has had exactly one answer.
 
-Requests come with keys (issue 22) of random classes, concurrency limits, rates and
+Requests come with keys (issue 22) of random classes (whose waiters may cut the requests
+of lower classes: priority_preempt, answered by the front at random), concurrency limits, rates and
 token budgets, and the queue ages them at a random pace. Before every request the plan
 for it (GET /models/plan) is taken, and must be the decision the policy then makes; the
 quotas are exact both ways: a request is taken only while its key's window has room,
@@ -39,7 +40,7 @@ from actors.keys import Tenant
 from actors.lifecycle import ModelState
 from actors.messages import Grant, Refusal
 from actors.policy.plans import decide
-from actors.policy.records import Answer, Effect, Spawn
+from actors.policy.records import Answer, Effect, Preempt, Spawn
 from actors.policy.tenants import WINDOW_S
 from tests.test_placement import GpuWorld
 from tests.test_policy import drain
@@ -69,6 +70,8 @@ class StrictWorld(MemWorld):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         self.answered: dict[object, int] = {}
+        self.asked_cuts: list[object] = []
+        """Tickets the policy asked to cut (priority_preempt), in order."""
         self.unreported = False
         """A child grew since the last device report (the policy cannot know yet)."""
         super().__init__(*args, **kw)
@@ -82,6 +85,10 @@ class StrictWorld(MemWorld):
             if isinstance(e, Answer) and e.ticket is not None:
                 self.answered[e.ticket] = self.answered.get(e.ticket, 0) + 1
                 assert self.answered[e.ticket] == 1, f"{e.ticket!r} answered twice"
+            elif isinstance(e, Preempt):
+                assert e.ticket in self.p.state.leases, f"{e.ticket!r} cut, not granted"
+                assert e.ticket not in self.asked_cuts, f"{e.ticket!r} cut twice"
+                self.asked_cuts.append(e.ticket)
         super().run(effects)
         for e in effects:
             if isinstance(e, Spawn):
@@ -121,10 +128,10 @@ class PolicyMachine(RuleBasedStateMachine):
                 rules=st.lists(model_rules, min_size=4, max_size=4),
                 measured=st.booleans(), intensity=st.sampled_from([0, 1, 3]),
                 keys=st.lists(tenant_rules, min_size=3, max_size=3),
-                aging_s=st.sampled_from([0.0, 5.0, 30.0]))
+                aging_s=st.sampled_from([0.0, 5.0, 30.0]), preempt=st.booleans())
     def setup(self, models_max: int, sizes: list[int], rules: list[ModelRules],
               measured: bool, intensity: int, keys: list[tuple[int, int, int, int]],
-              aging_s: float) -> None:
+              aging_s: float, preempt: bool) -> None:
         self.sizes = dict(zip(NAMES, sizes, strict=True))
         self.w = StrictWorld(self.sizes, models_max=models_max, measured=False,
                              rules=dict(zip(NAMES, rules, strict=True)), intensity=intensity)
@@ -134,6 +141,7 @@ class PolicyMachine(RuleBasedStateMachine):
             for name, (level, mc, rpm, tpm) in zip(KEYS[1:], keys, strict=True)}
         self.w.p.state.tenants.replace(self.tenants)
         self.w.p.state.queue.aging_s = aging_s
+        self.w.p.state.cuts.on = preempt
         if measured:  # a model runs at its max; its min is at the smallest context
             for m, size in self.sizes.items():
                 self.w.run(self.w.p.children.measured(m, True, need(size / 2), need(size), 0.0))
@@ -186,6 +194,21 @@ class PolicyMachine(RuleBasedStateMachine):
         if lease is not None and tokens:
             self.spent.append((self.w.now, lease[2], tokens))
         self.w.run(self.w.p.release(t, self.w.now, shared, tokens=tokens))
+
+    @rule(i=st.integers(0, 5), cut=st.booleans())
+    def answer_cut(self, i: int, cut: bool) -> None:
+        """The front answers a Cut: the request gave its slot back and waits again, or
+        its answer had begun."""
+        asked = [t for t in self.w.asked_cuts if t in self.w.p.state.leases]
+        if not asked:
+            return
+        t = asked[i % len(asked)]
+        if cut:
+            self.w.answered[t] -= 1  # it waits again: one more answer is its due
+            del self.w.answers[t]
+            self.w.run(self.w.p.cuts.requeue(t, self.w.now))
+        else:
+            self.w.run(self.w.p.cuts.not_cut(t, self.w.now))
 
     @rule(t=consumes(tickets))
     def cancel(self, t: int) -> None:

@@ -16,7 +16,7 @@ import struct
 import msgspec
 
 from ..config import HttpConfig
-from ..messages import AnswerLate, Grant, HistogramView, Refusal, Revoke, Withdraw
+from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .edge import Routes
 
 MAX_FRAME = 64 << 20
@@ -104,6 +104,18 @@ class Drop(Frame, frozen=True):
     id: int
 
 
+class Again(Frame, frozen=True):
+    """The request `id` was cut and waits again (a Requeue)."""
+
+    id: int
+
+
+class Uncut(Frame, frozen=True):
+    """The request `id` could not be cut: its answer had begun (a NotCut)."""
+
+    id: int
+
+
 class Late(Frame, frozen=True):
     late: AnswerLate
 
@@ -121,7 +133,7 @@ class Listening(Frame, frozen=True):
     port: int
 
 
-FromWorker = Ask | Let | LetAll | Revoked | Drop | Late | Counted | Listening
+FromWorker = Ask | Let | LetAll | Revoked | Again | Uncut | Drop | Late | Counted | Listening
 
 
 # ---------------------------------------------------------------- corral -> worker
@@ -129,7 +141,7 @@ FromWorker = Ask | Let | LetAll | Revoked | Drop | Late | Counted | Listening
 
 class Answered(Frame, frozen=True):
     id: int
-    value: Grant | Refusal
+    value: Grant | Refusal | Cut
 
 
 class Notice(Frame, frozen=True):

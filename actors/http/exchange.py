@@ -9,14 +9,8 @@ leak into the next on the same client connection (issue 10). Its phases:
 
 waiting: for the Scheduler's grant and a pooled connection; forwarding: the request is
 sent, no answer head yet (a 502/504 can still be given); streaming: the child's head has
-gone to the client (from here a failure can only end the stream); done.
-
-A request is sent again only where that cannot run it twice on one child (issue 19): on a
-fresh connection to the same child when a reused one broke before a byte of the answer
-came back (`Broke.UNSENT`), and to the model's next instance when its child went away
-before the client got a byte of the final answer (`Broke.GONE`, at most `MAX_REPLAYS`
-times, once per instance). A child that answered badly, or that is still there after its
-connection broke, gets a 502 instead.
+gone to the client (from here a failure can only end the stream); done. Which instance
+it goes to, and when it goes again, is tries.py's.
 """
 
 from __future__ import annotations
@@ -27,14 +21,13 @@ from typing import Protocol
 
 import pykka
 
+from ..bridge import LoopReply
 from ..lifecycle import IllegalTransition, State
-from ..messages import AnswerLate, Refusal
+from ..messages import NotCut
 from .edge import (
-    NOT_FORWARDED,
     TO_API_DROPPED,
     Answer,
     interim_head,
-    refusal_answer,
     relay_head,
     sse_error_event,
     target,
@@ -42,17 +35,12 @@ from .edge import (
 from .pool import Pool
 from .request import Request
 from .services import Services
-from .shares import SharedGrant
+from .tries import to_model
 from .upstream import Broke, Upstream
 from .usage import Meter
 
 log = logging.getLogger("corral.front")
 
-MAX_REPLAYS = 2
-"""How many next instances a request whose child went away with it may be sent to."""
-MAX_INSTANCES = 6
-"""How many instances a request may try in all: those that could not be reached (they
-never had it) do not count as replays, but a limit there must be."""
 
 
 class Phase(State):
@@ -85,9 +73,10 @@ class Client(Protocol):
 class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("broke", "broke_kind", "chunked", "client", "done", "first_at", "head_only",
-                 "keep_alive", "late", "loop", "may_replay", "may_retry", "meter", "out",
-                 "phase", "req", "services", "sse", "status", "task", "upstream", "what")
+    __slots__ = ("broke", "broke_kind", "chunked", "client", "cut", "done", "first_at",
+                 "head_only", "keep_alive", "late", "loop", "may_replay", "may_retry", "meter",
+                 "out", "phase", "req", "services", "sse", "status", "task", "ticket",
+                 "upstream", "what")
 
     def __init__(self, services: Services, client: Client, req: Request) -> None:
         self.services = services
@@ -124,6 +113,10 @@ class Exchange:
         """Whether a child that cannot be reached hands the request on (`Broke.REFUSED`)."""
         self.meter: Meter | None = None
         """The tokens of a model's answer to a request with a named key."""
+        self.ticket: LoopReply | None = None
+        """The ticket of its grant while the Scheduler may cut it (a grant of its own)."""
+        self.cut = False
+        """It was cut for a higher class before its answer began: it waits again."""
         self.loop = client.loop
         self.task = client.loop.create_task(self.run())
 
@@ -170,7 +163,7 @@ class Exchange:
         self.meter = Meter(len(self.req.body)) if self.req.key is not None else None
         started = self.loop.time()
         try:
-            await self._to_model(model, autoload)
+            await to_model(self, model, autoload)
         finally:  # an answer begun or given: how long it took, for /metrics
             if self.status:
                 end = self.loop.time()
@@ -178,66 +171,6 @@ class Exchange:
                                     end - started)
             if self.meter is not None and self.meter.answered and self.req.key is not None:
                 front.key_uses.add(self.req.key.name, *self.meter.used())
-
-    async def _to_model(self, model: str, autoload: bool) -> None:
-        front = self.services
-        routes = front.routes
-        gone: tuple[int, Pool] | None = None  # the child that went away before answering
-        replays = 0  # instances that went away with the request sent to them
-        for tries in range(MAX_INSTANCES):
-            found: SharedGrant | Refusal | None = await front.shares.acquire(
-                model, autoload, self.req.key, retry=tries > 0)
-            if gone is not None:
-                generation, pool = gone
-                found = await front.shares.acquire_past(
-                    found, generation, autoload,
-                    pool if self.broke_kind is Broke.GONE else None, self.req.key)
-            if found is None:
-                self.answer(Answer(502, f"{self.what} is unreachable: {self.broke} (its "
-                                   "child is still running and may have the request, so it "
-                                   "is not sent again)"))
-                return
-            if isinstance(found, Refusal):
-                self.answer(refusal_answer(found))
-                return
-            share, grant = found, found.grant
-            try:
-                route = routes.models.get(grant.model)
-                pool = front.pools.get((grant.host, grant.port,
-                                        f"{grant.model}#{grant.generation}"),
-                                       route.pool_cap if route else None)
-                late = route.first_byte_timeout_s if route else None
-                self.may_retry = tries < MAX_INSTANCES - 1
-                self.may_replay = self.may_retry and replays < MAX_REPLAYS
-                own = grant.upstream_key  # a node child's own (R8); the client's is dropped
-                await self.forward(pool, NOT_FORWARDED, late,
-                                   (b"Authorization: Bearer " + own.encode(),) if own else ())
-            finally:  # a child that broke with a request is not kept for the next
-                front.shares.release(share, route.lease_linger_s if route else 0.0,
-                                     keep=self.broke_kind is None,
-                                     tokens=sum(self.meter.used())
-                                     if self.meter and self.meter.answered else 0)
-            if self.late is not None:
-                front.scheduler().tell(AnswerLate(model=grant.model, generation=grant.generation,
-                                          detail=self.late))
-            if self.phase is Phase.DONE:
-                return
-            # Nothing of the final answer was sent: the next instance gets the request,
-            # unless its child is still there (Shares.acquire_past) or was stopped on
-            # purpose (unloaded, unhealthy, corral stopping): an operator's stop is not
-            # undone by a request that comes back for the model.
-            if grant.generation <= front.stopped.get(model, 0):
-                self.answer(Answer(503, f"{self.what} was stopped while it had this request "
-                                   f"({self.broke}); not sent again",
-                                   headers=(("Retry-After", "1"),)))
-                return
-            replays += self.broke_kind is Broke.GONE
-            log.warning("%s#%d went away before answering (%s); the request goes to its next "
-                        "instance, unless that child is still there", self.what,
-                        grant.generation, self.broke)
-            gone = (grant.generation, pool)
-            if self.phase is Phase.FORWARDING:  # not when it failed as it connected
-                self._to(Phase.WAITING)
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
                       first_byte_timeout_s: float | None, extra: tuple[bytes, ...] = ()) -> None:
@@ -279,6 +212,28 @@ class Exchange:
             log.info("%s closed a kept-alive connection as a request went in (%s); sending "
                      "it again on a fresh connection", self.what, self.broke)
             fresh = True
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.DONE
+
+    def wait_again(self) -> None:
+        """The request goes again: for a grant (it was sent, or cut)."""
+        if self.phase is Phase.FORWARDING:
+            self._to(Phase.WAITING)
+
+    def cut_off(self) -> None:
+        """A higher class wants this request's slot (a Cut, policy/cuts.py): before its
+        answer's head, drop the child's connection (the child drops the work) and wait
+        again; after, it runs to its end (NotCut)."""
+        if self.phase is Phase.FORWARDING and self.upstream is not None:
+            self.cut = True
+            self.upstream.detach()
+            self.upstream = None
+            self.out.clear()  # interim answers only
+            self._resolve()
+        elif self.ticket is not None:
+            self.services.scheduler().tell(NotCut(ticket=self.ticket))
 
     def _unreachable(self, why: str, kind: Broke) -> None:
         """The request's connection broke before the final answer's head: send it again

@@ -15,8 +15,9 @@ import msgspec
 import pykka
 
 from ..bridge import SchedulerInbox
-from ..messages import Acquire, Cancel, Grant, Refusal, Release, Releases
+from ..messages import Acquire, Cancel, Cut, Grant, NotCut, Refusal, Release, Releases, Requeue
 from .control import (
+    Again,
     Answered,
     Ask,
     CountAsk,
@@ -29,6 +30,7 @@ from .control import (
     LetAll,
     Listening,
     Revoked,
+    Uncut,
     frame,
     read_frame,
 )
@@ -89,7 +91,7 @@ class Link:
             stdin.write(frame(message))
 
     def answer(self, id_: int, value: object) -> None:
-        if id_ in self.tickets and isinstance(value, Grant | Refusal):
+        if id_ in self.tickets and isinstance(value, Grant | Refusal | Cut):
             self.send(Answered(id=id_, value=value))
             if isinstance(value, Refusal):
                 del self.tickets[id_]  # nothing to release
@@ -127,6 +129,12 @@ class Link:
                     self._tell(Releases(releases=releases))
             case Revoked(round=round_, lets=lets):
                 self.revoked(self.index, round_, self._releases(lets))
+            case Again(id=id_):  # it waits again, for an answer on the same ticket
+                if (ticket := self.tickets.get(id_)) is not None:
+                    self._tell(Requeue(ticket=ticket))
+            case Uncut(id=id_):
+                if (ticket := self.tickets.get(id_)) is not None:
+                    self._tell(NotCut(ticket=ticket))
             case Drop(id=id_):
                 ticket = self.tickets.pop(id_, None)
                 if ticket is not None:

@@ -74,6 +74,9 @@ class Snapshot(Collector):
         yield CounterMetricFamily("corral_requests_granted", "Requests let through to a "
                                   "child (those that joined a running grant included).",
                                   value=snap.granted + self.joined)
+        yield CounterMetricFamily("corral_requests_cut", "Requests cut for a higher "
+                                  "class before their answers began, and sent again "
+                                  "(priority_preempt).", value=snap.cuts)
         yield CounterMetricFamily("corral_requests_joined", "Requests that joined a running "
                                   "grant without a Scheduler round trip.", value=self.joined)
         streams = GaugeMetricFamily("corral_event_streams", "Open event streams of corral's "
@@ -167,8 +170,12 @@ class Snapshot(Collector):
                                        "answered with corral's own error, by reason "
                                        "(requests_per_min, tokens_per_min, queue_timeout, "
                                        "...).", labels=["key", "reason"])
+        cuts = CounterMetricFamily("corral_key_cuts", "A named key's requests cut for a "
+                                   "higher class before their answers began, sent again "
+                                   "(priority_preempt).", labels=["key"])
         for view in snap.keys:
             in_flight.add_metric([view.name], view.in_flight)
+            cuts.add_metric([view.name], view.cuts)
             for reason, n in sorted(view.refusals.items()):
                 refusals.add_metric([view.name, reason], n)
         wait = HistogramMetricFamily("corral_class_queue_wait_seconds", "How long granted "
@@ -176,7 +183,7 @@ class Snapshot(Collector):
                                      labels=["class"])
         for cls, view_ in sorted(snap.class_wait.items()):
             wait.add_metric([cls], buckets(view_), view_.sum)
-        yield from (requests, tokens, in_flight, refusals, wait)
+        yield from (requests, tokens, in_flight, refusals, cuts, wait)
 
 
 def render(models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,

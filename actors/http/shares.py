@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import pykka
 
-from ..bridge import LoopReply, SchedulerInbox, acquire
+from ..bridge import LoopReply, SchedulerInbox, acquire, requeue
 from ..keys import KeyRule
 from ..messages import Grant, Refusal, Release, Releases, Revoke, Withdraw
 from .pool import Pool
@@ -124,6 +124,12 @@ class Shares:
         if answer.shareable and answer.generation > self.withdrawn.get(model, 0):
             self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
+
+    async def requeue(self, share: SharedGrant) -> SharedGrant | Refusal:
+        """The grant of a request cut for a higher class (policy/cuts.py; never a shared
+        one): its slot goes back and the request waits again, for its next grant."""
+        answer = await requeue(self.scheduler(), share.ticket)
+        return answer if isinstance(answer, Refusal) else SharedGrant(share.ticket, answer)
 
     async def acquire_past(self, share: SharedGrant | Refusal | None, gone: int, autoload: bool,
                            probe: Pool | None, key: KeyRule | None = None,

@@ -116,5 +116,5 @@ def keys_body(snap: ModelsSnapshot, counts: FrontCounts, config: Config) -> dict
             "tokens_last_min": view.tokens_last_min if view else None,
             "requests_total": requests, "prompt_tokens_total": prompt,
             "completion_tokens_total": completion,
-            "refusals": view.refusals if view else {}})
+            "refusals": view.refusals if view else {}, "cuts": view.cuts if view else 0})
     return {"object": "list", "data": data}

@@ -23,12 +23,15 @@ from ..messages import (
     Acquire,
     AnswerLate,
     Cancel,
+    NotCut,
     Refusal,
     Release,
     Releases,
+    Requeue,
     SchedulerMessage,
 )
 from .control import (
+    Again,
     Answered,
     Ask,
     CountAsk,
@@ -45,6 +48,7 @@ from .control import (
     Revoked,
     Setup,
     ToWorker,
+    Uncut,
     frame,
     read_frame,
 )
@@ -86,6 +90,10 @@ class Corral:
                 if id_ is not None:
                     del self.tickets[id_]
                     self._send(Drop(id=id_))
+            case Requeue(ticket=ticket):
+                self._send(Again(id=self.id_of.get(ticket, 0)))  # type: ignore[call-overload]
+            case NotCut(ticket=ticket):
+                self._send(Uncut(id=self.id_of.get(ticket, 0)))  # type: ignore[call-overload]
             case AnswerLate():
                 self._send(Late(late=message))
             case _:

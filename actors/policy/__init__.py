@@ -13,12 +13,15 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | the least recently used model that may go             | `Victims`             | victims.py  |
 | the ledger, and a plan for each load                  | `Memory`, `Plan`      | memory.py   |
 | keys: classes, limits, exact quota windows            | `Tenants`             | tenants.py  |
+| which running request a higher class may cut          | `Cuts`, `Slot`        | cuts.py     |
+| the events of cuts: asked, requeued, refused          | `Preemption`          | preempt.py  |
 | what one more request would get (GET /models/plan)    | `plan`, `RequestPlan` | plans.py    |
 | cluster nodes that are up; models_max_per_node        | `NodeSlots`           | nodes.py    |
 | restart intensity, backoff, half-open, per model      | `Breaker`             | breaker.py  |
 | GET /models and the invariants                        | `snapshot`, `check`   | views.py    |
 
-`Policy` holds one `State`, one `Rules` on it and one `Children` (`policy.children`); each
+`Policy` holds one `State`, one `Rules` on it, one `Children` (`policy.children`) and one
+`Preemption` (`policy.cuts`); each
 event method reads top-down and calls named steps on `self.rules`, so go-to-definition
 finds every one. Conventions that cross files:
 

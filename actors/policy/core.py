@@ -28,6 +28,7 @@ from ..messages import (
 from . import plans, views
 from .children import Children
 from .plans import RequestPlan
+from .preempt import Preemption
 from .queue import Waiter
 from .records import (
     Answer,
@@ -52,12 +53,15 @@ class Policy:
                  restart_period_s: float = 60.0, memory_margin: int = 0,
                  account_host: bool = False, restart_backoff_max_s: float = 60.0,
                  restart_healthy_s: float = 30.0, models_max_per_node: int = 0,
-                 tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0) -> None:
+                 tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0,
+                 preempt: bool = False) -> None:
         self.state = State(models_max, restart_intensity, restart_period_s, memory_margin,
                            account_host, restart_backoff_max_s, restart_healthy_s,
                            models_max_per_node, tenants, aging_s)
+        self.state.cuts.on = preempt
         self.rules = Rules(self.state)
         self.children = Children(self.state, self.rules)
+        self.cuts = Preemption(self.state, self.rules, self._model_let_go)
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -141,6 +145,7 @@ class Policy:
             if self.state.has_room(rec):  # others wait only for their keys' limits
                 self.rules.serve_waiters(rec, now)
             self.rules.pump(now)
+            self.cuts.ask(rec, now)
         return self.rules.flush()
 
     def release(self, ticket: Hashable, now: float, shared: bool = False,
@@ -169,12 +174,15 @@ class Policy:
     def _let_go(self, ticket: Hashable, now: float, shared: bool, idle_s: float,
                 tokens: int = 0) -> None:
         name, generation, key = self.state.leases.pop(ticket)
+        if self.state.cuts.of:
+            self.state.cuts.forget(ticket)
         freed = False
         if key:  # a request with no key (corral has none) has no rules to keep
             freed = self.state.tenants.released(key, tokens, now)
         self._model_let_go(name, generation, now, shared, idle_s)
         if freed:  # the key was at its max_concurrency: its waiters may go now
             self.rules.serve_queued(now, key)
+            self.cuts.where(now, key)
 
     def _model_let_go(self, name: str, generation: int, now: float, shared: bool,
                       idle_s: float) -> None:
@@ -231,12 +239,15 @@ class Policy:
     # ------------------------------------------------------------ management
 
     def set_tenants(self, tenants: dict[str, Tenant], aging_s: float,
-                    now: float) -> list[Effect]:
+                    now: float, preempt: bool | None = None) -> list[Effect]:
         """A reload's keys: new classes and limits (the windows of the keys that stay are
         kept); a waiter whose key's max_concurrency rose or went may go now."""
         self.state.tenants.replace(tenants)
         self.state.queue.aging_s = aging_s
+        if preempt is not None:
+            self.state.cuts.on = preempt
         self.rules.serve_queued(now)
+        self.cuts.where(now)
         self.rules.pump(now)
         return self.rules.flush()
 

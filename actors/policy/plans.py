@@ -23,7 +23,7 @@ import msgspec
 from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Evicted, Grant, Refusal, Revoke
-from .records import Answer, Effect, ModelRecord, Publish, Spawn
+from .records import Answer, Effect, ModelRecord, Preempt, Publish, Spawn
 from .state import State
 
 Decision = Literal["grant", "queue", "load", "refuse"]
@@ -68,6 +68,9 @@ class RequestPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     """Requests served before it, by priority class."""
     waiting_for: str | None = None
     """queue: what the model waits for, when the policy knows."""
+    cut: list[str] = []
+    """queue: the classes of the running requests that would be cut for it
+    (priority_preempt)."""
     devices: list[str] | None = None
     node: str | None = None
     evict: list[PlannedEviction] = []
@@ -145,8 +148,11 @@ def plan(policy: Policy, model: str, now: float, key: str = "",
     position, ahead = _place(copy_, probe, model, now)
     rec = copy_.state.models[model]
     if decision == "queue":
+        cut = [copy_.state.tenants.of(copy_.state.cuts.of[e.ticket].key).priority
+               for e in effects if isinstance(e, Preempt)]
         return RequestPlan(decision="queue", model=name, key=key, position=position,
-                           ahead=ahead, waiting_for=_waiting_for(copy_, rec, effects))
+                           ahead=ahead, waiting_for=_waiting_for(copy_, rec, effects, cut),
+                           cut=cut)
     spawn = next((e for e in effects if isinstance(e, Spawn) and e.model == model), None)
     evictions = [e.event for e in effects if isinstance(e, Publish)
                  and isinstance(e.event, Evicted) and e.event.for_model == model]
@@ -183,7 +189,11 @@ def _place(copy_: Policy, probe: _Probe, model: str, now: float) -> tuple[int, d
     return position, ahead
 
 
-def _waiting_for(copy_: Policy, rec: ModelRecord, effects: list[Effect]) -> str | None:
+def _waiting_for(copy_: Policy, rec: ModelRecord, effects: list[Effect],
+                 cut: list[str]) -> str | None:
+    if cut:
+        return (f"a running request of class {', '.join(cut)} to give back its slot: it is "
+                "cut for a higher class (priority_preempt)")
     revoked = [m for e in effects if isinstance(e, Revoke) for m, _ in e.grants]
     if revoked:
         return (f"the fronts to give back the grants they keep idle ({', '.join(revoked)}: "

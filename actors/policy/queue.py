@@ -38,6 +38,8 @@ class Waiter:
     kills_outlived: int = 0
     """Loads it waited on that were killed by a signal; past `KILLS_OUTLIVED_MAX` the next
     failure answers it."""
+    cut: bool = False
+    """It was granted once and cut for a higher class (cuts.py): it is not cut again."""
 
 
 @dataclass(eq=False)
@@ -62,8 +64,12 @@ class QueueEntry:
         return QueueEntry(self.model, dict(self.waiters), self.explicit, self.claimed,
                           {k: dict(lane) for k, lane in self.lanes.items()}, dict(self.served))
 
-    def put(self, ticket: Hashable, key: str) -> None:
-        self.waiters[ticket] = None
+    def put(self, ticket: Hashable, key: str, first: bool = False) -> None:
+        """Add `ticket` at the back of its lane, or at its front (`first`)."""
+        if first:
+            self.waiters = {ticket: None, **self.waiters}
+        else:
+            self.waiters[ticket] = None
         lane = self.lanes.get(key)
         if lane is None:
             lane = self.lanes[key] = {}
@@ -71,7 +77,10 @@ class QueueEntry:
                         default=None)
             if floor is not None:
                 self.served[key] = max(self.served.get(key, 0.0), floor)
-        lane[ticket] = None
+        if first:
+            self.lanes[key] = {ticket: None, **lane}
+        else:
+            lane[ticket] = None
 
     def pull(self, ticket: Hashable, key: str) -> None:
         del self.waiters[ticket]
@@ -103,7 +112,7 @@ class RequestQueue:
         new = RequestQueue(self.aging_s)
         memo[id(self)] = new
         new.waiters = {t: Waiter(w.model, w.queued_at, w.deadline, w.key, w.level,
-                                 w.kills_outlived) for t, w in self.waiters.items()}
+                                 w.kills_outlived, w.cut) for t, w in self.waiters.items()}
         new.entries = {m: e.copy() for m, e in self.entries.items()}
         new.changed = set(self.changed)
         new.levels = dict(self.levels)
@@ -126,10 +135,12 @@ class RequestQueue:
         return entry
 
     def add(self, ticket: Hashable, model: str, now: float, deadline: float | None,
-            key: str = "", level: int = 0) -> QueueEntry:
+            key: str = "", level: int = 0, cut: bool = False) -> QueueEntry:
+        """Queue `ticket`, come at `now`; a request `cut` from its slot goes first in
+        its key's lane."""
         entry = self.open(model)
-        entry.put(ticket, key)
-        self.waiters[ticket] = Waiter(model, now, deadline, key, level)
+        entry.put(ticket, key, first=cut)
+        self.waiters[ticket] = Waiter(model, now, deadline, key, level, cut=cut)
         self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
         return entry

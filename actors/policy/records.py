@@ -54,6 +54,12 @@ class Answer(msgspec.Struct, frozen=True):
     value: Grant | Refusal | Done
 
 
+class Preempt(msgspec.Struct, frozen=True):
+    """Tell the caller behind `ticket` (granted) that its slot is wanted back (a `Cut`)."""
+
+    ticket: Hashable
+
+
 class Publish(msgspec.Struct, frozen=True):
     """Hand `event` to every subscriber."""
 
@@ -89,8 +95,8 @@ class Later(msgspec.Struct, frozen=True):
     message: SchedulerMessage
 
 
-Effect = (Spawn | Stop | Answer | Publish | Measure | Track | Withdraw | Revoke | Later
-          | Learned)
+Effect = (Spawn | Stop | Answer | Preempt | Publish | Measure | Track | Withdraw | Revoke
+          | Later | Learned)
 """Withdraw and Revoke go to the front: no new request may join a grant of that generation
 (Withdraw), or none may be kept idle after its last request (Revoke)."""
 
@@ -220,5 +226,7 @@ class Stats:
     """(key, reason) -> requests of a named key answered with corral's own error."""
     class_wait: dict[str, Histogram] = field(default_factory=dict)
     """Priority class -> how long its granted requests waited in the queue (with keys)."""
+    cuts: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(model, key) -> requests of the key cut for a higher class (priority_preempt)."""
 
 

@@ -27,7 +27,8 @@ from ..messages import (
     TtlDue,
     Withdraw,
 )
-from .queue import QueueEntry
+from .cuts import Slot
+from .queue import QueueEntry, Waiter
 from .records import (
     Answer,
     Effect,
@@ -273,7 +274,7 @@ class Rules:
             observe(self.state.stats.queue_wait, rec.name, waited)
             if waiter.key:
                 observe(self.state.stats.class_wait, tenants.of(waiter.key).priority, waited)
-            self.grant(ticket, rec, now, waiter.key)
+            self.grant(ticket, rec, now, waiter.key, waiter)
             if waiter.key and tenants.at_limit(waiter.key):
                 blocked.add(waiter.key)
         queue.close_if_empty(rec.name)
@@ -302,7 +303,9 @@ class Rules:
         self.state.out.append(Publish(rec.last_eviction))
         self.state.out.append(Stop(rec.name, rec.generation, reason))
 
-    def grant(self, ticket: Hashable, rec: ModelRecord, now: float, key: str = "") -> None:
+    def grant(self, ticket: Hashable, rec: ModelRecord, now: float, key: str = "",
+              waiter: Waiter | None = None) -> None:
+        """Proxy `ticket` (`waiter`, when it was queued) into `rec`."""
         # The grant and the in-flight count happen in one step, so no tick can pick
         # this model as a victim between "ready" and "proxied" (llama.cpp #28698).
         assert rec.host is not None and rec.port is not None
@@ -312,6 +315,11 @@ class Rules:
         self.state.leases[ticket] = (rec.name, rec.generation, key)
         tenants = self.state.tenants
         shareable = not rec.rules.max_concurrency
+        if not shareable and self.state.cuts.on:  # one request a grant: it may be cut
+            self.state.cuts.granted(ticket, Slot(
+                rec.name, rec.generation, key, waiter.level if waiter else
+                tenants.of(key).level, now, waiter.queued_at if waiter else now,
+                cut=waiter is not None and waiter.cut))
         if key:
             tenants.granted(key)
             self.state.queue.served(rec.name, key, 1.0)

@@ -12,6 +12,7 @@ from ..keys import Tenant
 from ..ledger import Ledger
 from ..lifecycle import ModelState
 from .breaker import Breaker
+from .cuts import Cuts
 from .memory import Memory
 from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
@@ -47,6 +48,8 @@ class State:
         """Model -> generation, for the unpinned models granted a shareable grant since the
         last revocation: the front may be keeping it idle after its last request (a lease,
         actors/http/shares.py)."""
+        self.cuts = Cuts()
+        """The requests that may be cut for a higher class (priority_preempt)."""
         self.nodes = NodeSlots(models_max_per_node)
         """The cluster's nodes that are up, and the models_max_per_node rule."""
         self.memory = Memory(memory_margin, account_host, self.nodes)

@@ -39,7 +39,8 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
                           queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
-                          class_wait={c: h.view() for c, h in p.stats.class_wait.items()})
+                          class_wait={c: h.view() for c, h in p.stats.class_wait.items()},
+                          cuts=sum(p.stats.cuts.values()))
 
 
 def key_views(p: State, now: float) -> list[KeyView]:
@@ -56,7 +57,8 @@ def key_views(p: State, now: float) -> list[KeyView]:
             requests_last_min=(len(usage.taken) if usage else 0) if rules.requests_per_min
             else None,
             tokens_last_min=(usage.spent_sum if usage else 0) if rules.tokens_per_min else None,
-            refusals={r: n for (k, r), n in p.stats.key_refusals.items() if k == name}))
+            refusals={r: n for (k, r), n in p.stats.key_refusals.items() if k == name},
+            cuts=sum(n for (_, k), n in p.stats.cuts.items() if k == name)))
     return out
 
 
@@ -85,6 +87,10 @@ def check(p: State) -> None:
         keyed[key] = keyed.get(key, 0) + 1
     for key, usage in p.tenants.usage.items():
         assert usage.in_flight == keyed.get(key, 0), f"key {key!r}: in_flight {usage.in_flight}"
+    for ticket, slot in p.cuts.of.items():
+        assert p.leases.get(ticket, ("",))[0] == slot.model, f"cut slot {ticket!r}: no lease"
+        assert p.cuts.slots[slot.model][ticket] is slot
+    assert sum(map(len, p.cuts.slots.values())) == len(p.cuts.of), "cut slots"
     recs = list(p.models.values())
     assert p.n_running == sum(r.state.is_running for r in recs), "n_running"
     assert p.n_stopping == sum(r.state is S.STOPPING for r in recs), "n_stopping"

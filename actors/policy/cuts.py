@@ -1,0 +1,102 @@
+"""Cutting a lower class's request for a higher class's waiter (`priority_preempt`).
+
+A model at its max_concurrency serves its queue only as its requests end, so a waiter of
+a higher class, first in line, still waits for the first running request to end: beside a
+flood of long batch requests, most of one. With `priority_preempt` the policy takes a slot
+back instead. For each waiter of a class above the lowest running one (beyond the cuts
+already asked for), it asks the front to cut one running request (`Preempt`, a `Cut` on
+its ticket):
+
+- of the lowest class below the waiter's, the most recently granted (the least work lost);
+- never one cut before: a request is cut at most once, so every request still ends;
+- never one whose client has had a byte of its answer: only the front knows, and it says
+  so (`NotCut`); the policy then asks for another.
+
+The front drops the child's connection (the child drops the work) and gives the slot
+back (`Requeue`): the request waits again, first in its key's lane, with the time it first
+came (its aging goes on) and a fresh queue_timeout_s. The slot goes to the waiter it was
+cut for, as any slot does (queue.next_of).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from .queue import QueueEntry, Waiter
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    """A granted request of a max_concurrency model, as a victim."""
+
+    model: str
+    generation: int
+    key: str
+    level: int
+    granted_at: float
+    came_at: float
+    """When it first came (its place when it waits again)."""
+    cut: bool = False
+    """It was cut before, or its answer had begun when asked: never asked again."""
+    asked: bool = False
+    """A Cut is out for it, not answered yet."""
+
+
+class Cuts:
+    """The granted requests that may be cut, by model, while `priority_preempt` is on."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.slots: dict[str, dict[Hashable, Slot]] = {}
+        self.of: dict[Hashable, Slot] = {}
+
+    def granted(self, ticket: Hashable, slot: Slot) -> None:
+        self.slots.setdefault(slot.model, {})[ticket] = slot
+        self.of[ticket] = slot
+
+    def forget(self, ticket: Hashable) -> Slot | None:
+        """The request of `ticket` ended, or gave its slot back."""
+        slot = self.of.pop(ticket, None)
+        if slot is not None:
+            running = self.slots[slot.model]
+            del running[ticket]
+            if not running:
+                del self.slots[slot.model]
+        return slot
+
+    def wanted(self, model: str, generation: int, entry: QueueEntry,
+               waiters: dict[Hashable, Waiter], skip: Iterable[str]) -> list[Hashable]:
+        """The requests of `model` to cut now for the waiters of `entry` (leaving out the
+        keys in `skip`, at their max_concurrency); each is marked asked."""
+        running = [(t, s) for t, s in self.slots.get(model, {}).items()
+                   if s.generation == generation]
+        asked = sum(s.asked for _, s in running)
+        # the lowest class first, and in it the most recently granted
+        open_ = sorted(((t, s) for t, s in running if not (s.cut or s.asked)),
+                       key=lambda ts: (ts[1].level, -ts[1].granted_at))
+        if not open_:
+            return []
+        floor = open_[0][1].level
+        skipped = set(skip)
+        levels: list[int] = []
+        for key, lane in entry.lanes.items():  # a lane's waiters are of one key
+            if key in skipped or waiters[next(iter(lane))].level <= floor:
+                continue
+            levels.extend(waiters[t].level for t in lane)
+        levels.sort(reverse=True)
+        out: list[Hashable] = []
+        for level, (ticket, slot) in zip(levels[asked:], open_, strict=False):
+            if slot.level >= level:
+                break
+            slot.asked = True
+            out.append(ticket)
+        return out
+
+    def refused(self, ticket: Hashable) -> Slot | None:
+        """The front could not cut `ticket` (its answer had begun): never asked again."""
+        slot = self.of.get(ticket)
+        if slot is None or not slot.asked:
+            return None
+        slot.asked, slot.cut = False, True
+        return slot

@@ -1,0 +1,89 @@
+"""The events of cuts (`priority_preempt`; the rule is cuts.py's): asking for them when
+a waiter of a higher class comes, and what the front answers, a request cut and waiting
+again (`Requeue`) or one whose answer had begun (`NotCut`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+
+from ..messages import WaitDue
+from .records import Effect, Later, ModelRecord, Preempt
+from .rules import Rules
+from .state import State
+
+log = logging.getLogger("corral.scheduler")
+
+
+class Preemption:
+    """Cuts, on one `State`; `let_go` frees a request's slot in its model (core.py)."""
+
+    def __init__(self, state: State, rules: Rules,
+                 let_go: Callable[[str, int, float, bool, float], None]) -> None:
+        self.state = state
+        self.rules = rules
+        self.let_go = let_go
+
+    def ask(self, rec: ModelRecord, now: float) -> None:
+        """Ask for the cuts that the waiters of a full `rec` of a higher class need."""
+        state = self.state
+        entry = state.queue.entry(rec.name)
+        if (not state.cuts.on or entry is None or state.has_room(rec)
+                or not rec.state.is_serving or not rec.rules.max_concurrency):
+            return
+        skip = [key for key in entry.lanes if key and state.tenants.at_limit(key)]
+        for ticket in state.cuts.wanted(rec.name, rec.generation, entry,
+                                        state.queue.waiters, skip):
+            slot = state.cuts.of[ticket]
+            log.info("asking the front to cut a request of %s (class %s) on %s for a "
+                     "waiter of a higher class (priority_preempt)", slot.key or "no key",
+                     state.tenants.of(slot.key).priority, rec.name)
+            state.out.append(Preempt(ticket))
+
+    def where(self, now: float, key: str | None = None) -> None:
+        """`ask` for every model `key` waits for (None: every model): its waiters
+        may want cuts now (its max_concurrency let them go, or a reload's classes)."""
+        if self.state.cuts.on:
+            for entry in list(self.state.queue):
+                if key is None or key in entry.lanes:
+                    self.ask(self.state.models[entry.model], now)
+
+    def requeue(self, ticket: Hashable, now: float) -> list[Effect]:
+        """The front cut the request of `ticket` (nothing was sent to its client): its
+        slot goes to the queue's next, and it waits again, first of its key's lane."""
+        slot = self.state.cuts.forget(ticket)
+        if slot is None or ticket not in self.state.leases:
+            return []
+        name, generation, key = self.state.leases.pop(ticket)
+        stats = self.state.stats
+        stats.cuts[(name, key)] = stats.cuts.get((name, key), 0) + 1
+        rec = self.state.find(name)
+        if rec is None:
+            self.rules.refuse(ticket, 503, f"model '{name}' was removed while its request "
+                              "waited to be served again", retry_after_s=1.0)
+        else:
+            timeout_s = rec.rules.queue_timeout_s
+            self.state.queue.add(ticket, name, slot.came_at,
+                                 now + timeout_s if timeout_s else None, key, slot.level,
+                                 cut=True)
+            if timeout_s:
+                self.state.out.append(Later(timeout_s, WaitDue(ticket=ticket)))
+        freed = bool(key) and self.state.tenants.released(key, 0, now)
+        self.let_go(name, generation, now, False, 0.0)
+        if rec is not None:  # an instance since the cut request's may serve or cut
+            if self.state.has_room(rec):
+                self.rules.serve_waiters(rec, now)
+            self.ask(rec, now)
+        if freed:
+            self.rules.serve_queued(now, key)
+            self.where(now, key)
+        self.rules.pump(now)
+        return self.rules.flush()
+
+    def not_cut(self, ticket: Hashable, now: float) -> list[Effect]:
+        """The front could not cut `ticket` (its answer had begun): cut another."""
+        slot = self.state.cuts.refused(ticket)
+        if slot is not None and (rec := self.state.find(slot.model)) is not None:
+            self.ask(rec, now)
+        return self.rules.flush()
