@@ -94,7 +94,8 @@ class Fanout:
 
 
 async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
-                  key: str = "", retry: bool = False) -> tuple[LoopReply, Grant | Refusal]:
+                  key: str = "", retry: bool = False, cuttable: bool = False,
+                  ) -> tuple[LoopReply, Grant | Refusal]:
     """Ask the Scheduler for `model` and wait for the answer, without blocking the loop.
 
     Returns the ticket (to Release after a Grant) and the answer. If the wait is
@@ -103,7 +104,8 @@ async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
     """
     ticket = LoopReply(asyncio.get_running_loop())
     return ticket, await _ask(scheduler, ticket, Acquire(
-        ticket=ticket, model=model, autoload=autoload, key=key, retry=retry))
+        ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
+        cuttable=cuttable))
 
 
 async def requeue(scheduler: SchedulerInbox, ticket: LoopReply) -> Grant | Refusal:

@@ -147,9 +147,9 @@ class ModelsSnapshot(Message, frozen=True, kw_only=True):
     queue_wait_s: float
     keys: list[KeyView] = []
     class_wait: dict[str, HistogramView] = {}
+    """Priority class -> how long its granted requests waited in the queue."""
     cuts: int = 0
     """Requests cut for a higher class, with a key or without (priority_preempt)."""
-    """Priority class -> how long its granted requests waited in the queue."""
 
 
 class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,6 +261,9 @@ class Acquire(Message, frozen=True, kw_only=True):
     retry: bool = False
     """The same client request again (its child went away with it): its key's quota
     counted it when it first came."""
+    cuttable: bool = False
+    """Its grant may be cut for a higher class (policy/cuts.py): the front's requests not
+    cut before; never an embedding's lease, which could not act on a Cut."""
 
 
 class Release(Message, frozen=True, kw_only=True):

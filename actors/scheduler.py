@@ -126,8 +126,9 @@ class Scheduler(BaseActor):
         now = self.clock()
         p = self.policy
         match message:
-            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry):
-                self._carry_out(p.acquire(ticket, model, now, autoload, key, retry))
+            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
+                         cuttable=cuttable):
+                self._carry_out(p.acquire(ticket, model, now, autoload, key, retry, cuttable))
             case Release(ticket=ticket, shared=shared, idle_s=idle_s, tokens=tokens):
                 self._carry_out(p.release(ticket, now, shared, idle_s, tokens))
             case Releases(releases=releases):

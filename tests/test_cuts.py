@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from actors.messages import Cut, Grant
+from tests.helpers import ROOT as ROOT_DIR
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
 ROOT = {"Authorization": "Bearer root-secret"}
@@ -21,14 +26,16 @@ INTER = {"Authorization": "Bearer inter-secret"}
 BATCH = {"Authorization": "Bearer batch-secret"}
 
 
-def config(tmp_path: Path, workers: int = 1, preempt: bool = True) -> str:
+def config(tmp_path: Path, workers: int = 1, preempt: bool = True,
+           knobs: tuple[str, ...] = ()) -> str:
     keys = {}
     for name, cls in (("root", None), ("inter", "interactive"), ("batch", "batch")):
         path = tmp_path / f"{name}.key"
         path.write_text(f"{name}-secret")
         keys[name] = {"key_file": str(path), "admin": name == "root",
                       **({"priority": cls} if cls else {})}
-    return toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "10"), "max_concurrency": 1}},
+    return toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "10", *knobs),
+                              "max_concurrency": 1}},
                        keys=keys, priorities={"interactive": 10, "batch": 1},
                        priority_preempt=preempt, http={"workers": workers})
 
@@ -81,6 +88,12 @@ def test_a_batch_request_with_nothing_sent_is_cut_and_sent_again(corral, tmp_pat
     _, metrics, _ = request(c.port, "GET", "/metrics", headers=ROOT)
     assert 'corral_key_cuts_total{key="batch"} 1.0' in metrics
     assert "corral_requests_cut_total 1.0" in metrics
+    keys_cli = subprocess.run(
+        [sys.executable, str(ROOT_DIR / "supervisor.py"), "keys", "--url",
+         f"http://127.0.0.1:{c.port}"], capture_output=True, text=True, timeout=30,
+        env={**os.environ, "CORRAL_API_KEY": "root-secret"})
+    rows = [line.split() for line in keys_cli.stdout.splitlines()]
+    assert rows[0][-1] == "CUT" and rows[-1][0] == "batch" and rows[-1][-1] == "1", rows
 
 
 def test_a_stream_whose_client_has_a_byte_runs_to_its_end(corral, tmp_path: Path) -> None:
@@ -110,3 +123,95 @@ def test_without_priority_preempt_nothing_is_cut(corral, tmp_path: Path) -> None
     assert batch.join()[0] == 200 and inter.join()[0] == 200
     assert inter.at >= batch.at, "the interactive one waited for the batch one"
     assert child_stats(c)["cancelled"] == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_cut_request_whose_child_then_dies_with_it_is_answered(corral, tmp_path: Path,
+                                                                 workers: int) -> None:
+    """Review finding: after a cut, the request's next try went on asking to wait again on
+    its released ticket when the child it was sent to then died with it: it hung."""
+    # requests: 1 the load check, 2 the batch one (cut), 3 the interactive one, 4 the
+    # batch one sent again: the child crashes as it arrives.
+    c = start(corral, config(tmp_path, workers, knobs=("--crash-after-requests", "3")))
+    batch = InThread(lambda: request(c.port, "POST", "/v1/chat/completions",
+                                     {"model": "a", "max_tokens": 30,
+                                      "messages": [{"role": "user", "content": "hi"}]},
+                                     headers=BATCH, timeout_s=25)[:2])
+    wait_until(lambda: child_stats(c)["started"] == 2, what="the child to start the batch one")
+    status, _ = chat(c.port, "a", max_tokens=2, headers=INTER)
+    assert status == 200
+    batch.thread.join(30)
+    assert batch.result is not None, "the cut request got no answer (its client timed out)"
+    assert batch.result[0] == 200, batch.result
+    wait_until(lambda: c.models()["a"]["in_flight"] == 0, 5, "nothing in flight")
+
+
+def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
+    """Review finding: a client that closed in the loop turn its request was cut in
+    (between Exchange.cut_off and the task's resuming) left its grant held for good: no
+    Requeue, no Release. The real Exchange, Shares and tries on a loop, with a scheduler
+    inbox and a pool that only record."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from actors.http.exchange import Exchange, Phase
+    from actors.http.shares import Shares
+    from actors.http.tries import to_model
+    from actors.messages import Acquire, Cancel, Release, Requeue
+
+    class Up:
+        def send(self, sink: object, data: bytes, head_only: bool) -> None:
+            pass
+
+        def detach(self) -> None:
+            pass
+
+    class FakePool:
+        key = ("127.0.0.1", 1, "a#1")
+
+        async def lease(self, fresh: bool) -> Up:
+            return Up()
+
+    async def main() -> list[object]:
+        loop = asyncio.get_running_loop()
+        told: list[object] = []
+
+        class Inbox:
+            def tell(self, m: object) -> None:
+                told.append(m)
+                if isinstance(m, Acquire):
+                    m.ticket.send(Grant(model="a", generation=1, host="127.0.0.1", port=1,
+                                        shareable=False))
+
+        inbox = Inbox()
+        services = SimpleNamespace(
+            routes=SimpleNamespace(models={}), shares=Shares(lambda: inbox),
+            pools=SimpleNamespace(get=lambda key, cap: FakePool()), stopped={},
+            scheduler=lambda: inbox, draining=False)
+        ex = Exchange.__new__(Exchange)
+        for name, value in dict(
+                services=services, client=None, loop=loop, phase=Phase.WAITING,
+                req=SimpleNamespace(method=b"POST", url=b"/v1/chat/completions",
+                                    headers=[], body=b"{}", key=None, http10=False),
+                keep_alive=True, head_only=False, chunked=False, sse=False,
+                what="model 'a'", upstream=None, out=[], done=None, status=0,
+                first_at=None, late=None, broke=None, broke_kind=None, may_replay=False,
+                may_retry=False, meter=None, ticket=None, cut=False).items():
+            setattr(ex, name, value)
+        ex.task = loop.create_task(to_model(ex, "a", True))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert ex.phase is Phase.FORWARDING and ex.ticket is not None
+        ticket = ex.ticket
+        ticket.send(Cut())  # the Scheduler's Cut (call_soon_threadsafe) ...
+        loop.call_soon(ex.client_gone)  # ... and the client's close, in the same turn
+        try:
+            await ex.task
+        except asyncio.CancelledError:
+            pass
+        return [m for m in told if getattr(m, "ticket", None) is ticket]
+
+    told = asyncio.run(main())
+    kinds = [type(m).__name__ for m in told]
+    assert any(isinstance(m, Release | Cancel | Requeue) for m in told), (
+        f"the Scheduler got only {kinds} for the cut ticket: its grant is never given back")

@@ -18,9 +18,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from actors.bridge import ThreadReply
 from actors.config import ModelRules
 from actors.keys import Tenant
-from actors.messages import Grant, Refusal, Repump, TtlDue, WaitDue
+from actors.messages import Cut, Grant, Refusal, Repump, TtlDue, WaitDue
 from actors.policy import Policy
 from actors.policy.plans import decide
 from actors.policy.records import Answer, Effect, Later, Preempt
@@ -77,8 +78,8 @@ class World:
         self.now += 1.0
         return self.now
 
-    def acquire(self, ticket: object, key: str) -> object:
-        self.run(self.p.acquire(ticket, "m", self.tick(), True, key))
+    def acquire(self, ticket: object, key: str, cuttable: bool = True) -> object:
+        self.run(self.p.acquire(ticket, "m", self.tick(), True, key, cuttable=cuttable))
         return self.answers.get(ticket)
 
     def requeue(self, ticket: object) -> None:
@@ -112,11 +113,21 @@ def test_a_cut_request_waits_first_in_its_lane_and_keeps_its_age() -> None:
     w.acquire("i", "inter")
     w.requeue("b1")
     waiter = w.p.state.queue.waiters["b1"]
-    assert waiter.queued_at == 2.0 and waiter.cut, "it came at 2 and keeps that age"
+    assert waiter.queued_at == 2.0 and waiter.again and not waiter.cuttable, (
+        "it came at 2 and waits again aged from then, not to be cut again")
     assert list(w.p.state.queue.entries["m"].lanes["batch"]) == ["b1", "later"]
     w.release("b0")
     assert isinstance(w.answers["b1"], Grant), "before the batch request that came after"
     assert "later" in w.p.state.queue.waiters
+
+
+def test_with_aging_a_request_that_has_run_long_is_not_cut() -> None:
+    w = World(slots=1)
+    w.p.state.queue.aging_s = 1.0
+    full_of_batch(w, 1)  # came and granted at 1
+    w.now = 20.0  # once waiting again it would rank 1 + 19 + 1: above an interactive 10
+    assert w.acquire("i", "inter") is None
+    assert w.cuts == [], "the longer it ran, the more work a cut would lose"
 
 
 def test_a_request_is_cut_at_most_once() -> None:
@@ -237,6 +248,81 @@ def test_a_reload_turns_cuts_on_and_the_waiters_ask_for_them() -> None:
     assert w.cuts == ["b2"], "granted after the reload: it may be cut"
 
 
+def test_with_aging_no_cut_is_asked_for_a_slot_an_aged_waiter_would_take() -> None:
+    """Review finding: cuts compared class levels, but a freed slot goes to the waiter
+    that ranks highest, its age counted (priority_aging_s): a batch request was cut for an
+    interactive waiter and the slot went to an aged batch waiter."""
+    w = World(slots=1)
+    w.run(w.p.set_tenants(TENANTS, 0.0, 1.0))
+    w.p.state.queue.aging_s = 1.0
+    full_of_batch(w, 1)  # b0 granted at 1
+    assert w.acquire("b-old", "batch2") is None  # waits from 2
+    w.now = 30.0  # b-old ranks 1 + 28; an interactive one ranks 10 when it comes
+    assert w.acquire("i", "inter") is None
+    assert w.cuts == [], "the slot would go to b-old first: a cut would only lose work"
+    w.release("b0")
+    assert isinstance(w.answers["b-old"], Grant)
+    assert w.cuts == [], "b-old waited 29 s for its grant: it would rank first again"
+    w.release("b-old")
+    assert isinstance(w.answers["i"], Grant)
+    assert w.acquire("b1", "batch") is None
+    w.release("i")  # b1 granted after a wait of 1 s: it ranks 1 + 2 as i2 comes
+    w.acquire("i2", "inter")
+    assert w.cuts == ["b1"]
+    w.requeue("b1")
+    assert isinstance(w.answers["i2"], Grant), "the slot went to the waiter it was cut for"
+
+
+def test_a_draining_model_cuts_every_lower_request_for_one_waiter() -> None:
+    """A model retiring for a reload has no room (state.has_room) whatever its in_flight,
+    so Preemption.ask cuts though the model is below its max_concurrency, and the freed
+    slot never reaches the waiter: it still waits, so each Requeue asks for one more cut,
+    until every batch request is cut for one interactive waiter."""
+    w = World(slots=4)
+    full_of_batch(w, 3)  # 3 of 4: below max_concurrency
+    w.run(w.p.children.reconfigure({}, [], {"m": ModelRules(max_concurrency=4)}, w.tick())[0])
+    assert w.p.state.models["m"].retiring
+    assert w.acquire("i", "inter") is None
+    done: list[object] = []
+    while len(done) < len(w.cuts):  # the front cuts each as asked
+        t = w.cuts[len(done)]
+        w.requeue(t)
+        done.append(t)
+    assert len(w.cuts) <= 1, (f"one waiter, {len(w.cuts)} cuts of a model below its "
+                              f"max_concurrency: {w.cuts}")
+
+
+def test_a_cut_sent_to_a_request_that_cannot_be_cut_blocks_the_waiter_s_cut() -> None:
+    """An embedding lease (Supervisor.lease: a ThreadReply; lease_async: a LoopReply with
+    no on_cut) is granted a Slot like any request; its Cut is dropped and no NotCut comes,
+    so the slot stays `asked` until the lease ends, and the waiter's cut is never asked of
+    the batch request that could give it."""
+    w = World()
+    lease = ThreadReply()  # an embedding's lease: it comes not cuttable
+    assert isinstance(w.acquire(lease, "", cuttable=False), Grant)
+    full_of_batch(w, 1)
+    w.acquire("i", "inter")
+    for t in w.cuts:
+        if isinstance(t, ThreadReply):
+            t.send(Cut())  # what scheduler.py does with a Preempt: dropped, no answer
+    assert "b0" in w.cuts or isinstance(w.answers.get("i"), Grant), (
+        f"cuts asked {w.cuts}: the lease's Cut went nowhere, and the batch request "
+        "that could be cut never is")
+
+
+def test_a_request_cut_as_corral_shuts_down_is_answered() -> None:
+    """Preemption.requeue queues the cut request whatever the state: after shutdown()
+    has refused every waiter, one whose Requeue comes later waits in a queue nothing
+    serves any more (no answer; forever with queue_timeout_s = 0) instead of a 503."""
+    w = World()
+    full_of_batch(w)
+    w.acquire("i", "inter")
+    assert w.cuts == ["b1"]
+    w.run(w.p.shutdown(w.tick()))  # the Cut is on its way to the front meanwhile
+    w.requeue("b1")
+    assert "b1" in w.answers, "the cut request waits in the queue of a stopped corral"
+
+
 # ---------------------------------------------------------------- a state machine
 
 LEVELS = {"": 0, "low": 1, "low2": 1, "mid": 5, "high": 10}
@@ -253,13 +339,14 @@ class CutMachine(RuleBasedStateMachine):
     tickets = Bundle("tickets")
 
     @initialize(slots=st.sampled_from([1, 2, 3]), timeout=st.sampled_from([0.0, 3.0]),
-                limit=st.sampled_from([0, 1]))
-    def setup(self, slots: int, timeout: float, limit: int) -> None:
+                limit=st.sampled_from([0, 1]), aging_s=st.sampled_from([0.0, 0.0, 2.0, 20.0]))
+    def setup(self, slots: int, timeout: float, limit: int, aging_s: float) -> None:
         tenants = {name: Tenant(name=name, level=level, priority=f"level{level}",
                                 max_concurrency=limit if name == "high" else 0)
                    for name, level in LEVELS.items()}
         self.w = World(slots=slots, queue_timeout_s=timeout, tenants=tenants)
         self.p = self.w.p
+        self.p.state.queue.aging_s = aging_s
         self.p.add_model("n", 0.0, rules=ModelRules(max_concurrency=1))
         self.w.run(self.p.load(None, "n", self.w.tick()))
         self.w.run(self.p.children.instance_ready("n", 1, 101, "x", 1, self.w.now))
@@ -277,11 +364,12 @@ class CutMachine(RuleBasedStateMachine):
                 self.ever_cut.append(e.ticket)
         self.w.run(effects)
 
-    @rule(target=tickets, model=st.sampled_from("mn"), key=st.sampled_from(list(LEVELS)))
-    def acquire(self, model: str, key: str) -> int:
+    @rule(target=tickets, model=st.sampled_from("mn"), key=st.sampled_from(list(LEVELS)),
+          cuttable=st.sampled_from([True, True, False]))
+    def acquire(self, model: str, key: str, cuttable: bool) -> int:
         self.n += 1
         plan = self.p.plan(model, self.w.tick(), key)
-        effects = self.p.acquire(self.n, model, self.w.now, True, key)
+        effects = self.p.acquire(self.n, model, self.w.now, True, key, cuttable=cuttable)
         assert plan.decision == decide(effects, self.n, model), (plan, effects)
         assert len(plan.cut) == sum(isinstance(e, Preempt) for e in effects)
         self.run(effects)
@@ -325,10 +413,12 @@ class CutMachine(RuleBasedStateMachine):
         state = copy.deepcopy(self.p.state)
         for name, rec in state.models.items():
             entry = state.queue.entry(name)
-            if entry is None or state.has_room(rec) or not rec.state.is_serving:
+            if (entry is None or not rec.state.is_serving or rec.retiring
+                    or rec.in_flight < rec.rules.max_concurrency):
                 continue
             skip = [k for k in entry.lanes if k and state.tenants.at_limit(k)]
-            wanted = state.cuts.wanted(name, rec.generation, entry, state.queue.waiters, skip)
+            wanted = state.cuts.wanted(name, rec.generation, entry, state.queue, skip,
+                                       self.w.now)
             assert not wanted, f"{name}: cuts wanted and not asked: {wanted}"
         for t in self.ever_cut:
             slot = self.p.state.cuts.of.get(t)

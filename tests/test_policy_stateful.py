@@ -157,7 +157,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.requests.append(t)
         now = self.w.now
         plan = self.w.p.plan(model, now, key, autoload)
-        effects = self.w.p.acquire(t, model, now, autoload, key)
+        effects = self.w.p.acquire(t, model, now, autoload, key, cuttable=True)
         assert plan.decision == decide(effects, t, model), (plan, effects)
         answer = next((e.value for e in effects if isinstance(e, Answer) and e.ticket == t),
                       None)

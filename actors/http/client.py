@@ -179,7 +179,7 @@ def plan_text(p: dict[str, Any]) -> str:
 
 def print_keys(data: dict[str, Any]) -> None:
     rows = [("KEY", "CLASS", "IN FLIGHT", "REQ/MIN", "TOK/MIN", "REQUESTS", "TOKENS",
-             "REFUSED")]
+             "REFUSED", "CUT")]
     for k in data["data"]:
         limits = k["limits"]
 
@@ -190,7 +190,7 @@ def print_keys(data: dict[str, Any]) -> None:
                      used(k["tokens_last_min"], limits["tokens_per_min"]),
                      str(k["requests_total"]),
                      str(k["prompt_tokens_total"] + k["completion_tokens_total"]),
-                     str(sum(k["refusals"].values()))))
+                     str(sum(k["refusals"].values())), str(k.get("cuts", 0))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -74,6 +74,7 @@ class Ask(Frame, frozen=True):
     autoload: bool
     key: str = ""
     retry: bool = False
+    cuttable: bool = False
 
 
 class Let(Frame, frozen=True):

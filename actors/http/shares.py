@@ -101,10 +101,10 @@ class Shares:
         return self._bound
 
     async def acquire(self, model: str, autoload: bool, key: KeyRule | None = None,
-                      retry: bool = False) -> SharedGrant | Refusal:
+                      retry: bool = False, cuttable: bool = True) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one. A request whose
         `key` has limits always asks: the Scheduler counts each of them (once: `retry`
-        says it asked before)."""
+        says it asked before); one cut before is not `cuttable` again."""
         share = self.open.get(model) if key is None or key.shares else None
         if share is not None:
             share.count += 1
@@ -114,7 +114,7 @@ class Shares:
             return share
         revokes = self.revoked.get(model, (0, 0))[0]
         ticket, answer = await acquire(self.scheduler(), model, autoload,
-                                       key.name if key is not None else "", retry)
+                                       key.name if key is not None else "", retry, cuttable)
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)

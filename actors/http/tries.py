@@ -71,11 +71,14 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
     routes = front.routes
     gone: tuple[int, Pool] | None = None  # the child that went away before answering
     replays = 0  # instances that went away with the request sent to them
-    cut: SharedGrant | None = None  # the grant it was cut from
+    cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
+    was_cut = False  # a request is cut at most once
     for tries in range(MAX_INSTANCES):
         found: SharedGrant | Refusal | None = await (
             front.shares.requeue(cut) if cut is not None else
-            front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0))
+            front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0,
+                                 cuttable=not was_cut))
+        cut = None
         if gone is not None:
             generation, pool = gone
             found = await front.shares.acquire_past(
@@ -92,9 +95,10 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
         share, grant = found, found.grant
         if not grant.shareable:  # a grant of its own: the Scheduler may cut it
             if share.ticket.cut:  # before it was sent: nothing is lost
-                cut = share
+                cut, was_cut = share, True
                 continue
             ex.ticket, share.ticket.on_cut = share.ticket, ex.cut_off
+        sent = False
         try:
             route = routes.models.get(grant.model)
             pool = front.pools.get((grant.host, grant.port, f"{grant.model}#{grant.generation}"),
@@ -105,8 +109,11 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
             own = grant.upstream_key  # a node child's own (R8); the client's is dropped
             await ex.forward(pool, NOT_FORWARDED, late,
                              (b"Authorization: Bearer " + own.encode(),) if own else ())
+            sent = True
         finally:  # a child that broke with a request is not kept for the next
             share.ticket.on_cut = ex.ticket = None
+            if not sent:  # its client left, or a bug: no Requeue follows a cut
+                ex.cut = False
             if not ex.cut:
                 front.shares.release(share, route.lease_linger_s if route else 0.0,
                                      keep=ex.broke_kind is None,
@@ -115,7 +122,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
         if ex.cut:
             log.info("%s: a request was cut for a higher class before its answer began; it "
                      "waits again (priority_preempt)", ex.what)
-            ex.cut, cut = False, share
+            ex.cut, cut, was_cut = False, share, True
             ex.wait_again()
             continue
         if ex.late is not None:

@@ -75,12 +75,14 @@ class Corral:
         if self.closed:
             raise pykka.ActorDeadError("corral's process is gone")
         match message:
-            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry):
+            case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
+                         cuttable=cuttable):
                 assert isinstance(ticket, LoopReply)
                 id_ = next(self.ids)
                 self.tickets[id_] = ticket
                 self.id_of[ticket] = id_
-                self._send(Ask(id=id_, model=model, autoload=autoload, key=key, retry=retry))
+                self._send(Ask(id=id_, model=model, autoload=autoload, key=key, retry=retry,
+                               cuttable=cuttable))
             case Release():
                 self._send(self._let(message))
             case Releases(releases=releases):

@@ -86,10 +86,10 @@ class Policy:
     # ------------------------------------------------------------ requests
 
     def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
-                key: str = "", retry: bool = False) -> list[Effect]:
+                key: str = "", retry: bool = False, cuttable: bool = False) -> list[Effect]:
         """A request for `model` arrived (with `key`, "" for none): grant it now, queue
         it, or refuse it. `retry`: it came before (its child went away with it), and its
-        key's quota counted it then."""
+        key's quota counted it then; `cuttable`: a front may cut it (cuts.py)."""
         counted = bool(key) and not retry
         rec = self.state.find(model)
         tenants = self.state.tenants
@@ -116,7 +116,7 @@ class Policy:
         elif self.state.has_room(rec) and entry is None and not (key and tenants.at_limit(key)):
             if counted:
                 tenants.take(key, now)
-            self.rules.grant(ticket, rec, now, key)
+            self.rules.grant(ticket, rec, now, key, cuttable=cuttable)
         # 4. Without autoload, only a child that is there or on its way is worth a wait.
         elif not autoload and rec.state is not S.LOADING and not rec.state.is_serving:
             self.rules.refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
@@ -137,7 +137,8 @@ class Policy:
                 tenants.take(key, now)
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
             entry = self.state.queue.add(ticket, model, now, deadline, key,
-                                         tenants.of(key).level if key else tenants.level)
+                                         tenants.of(key).level if key else tenants.level,
+                                         cuttable)
             if deadline is not None:
                 self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
             log.debug("request for %s queued (%d waiting for it, %d entries)",

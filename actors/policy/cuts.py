@@ -12,10 +12,13 @@ its ticket):
 - never one whose client has had a byte of its answer: only the front knows, and it says
   so (`NotCut`); the policy then asks for another.
 
+Only a front's request may be cut (`Acquire.cuttable`: not one cut before, nor an
+embedding's lease, which nothing could cut), and only for a waiter the freed slot would go
+to (with `priority_aging_s`, an aged waiter of a lower class may rank first: then no cut).
 The front drops the child's connection (the child drops the work) and gives the slot
-back (`Requeue`): the request waits again, first in its key's lane, with the time it first
-came (its aging goes on) and a fresh queue_timeout_s. The slot goes to the waiter it was
-cut for, as any slot does (queue.next_of).
+back (`Requeue`): the request waits again, first in its key's lane, aged from when it
+first came (so a request that has run long is the less likely to be cut) and with a fresh
+queue_timeout_s.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from .queue import QueueEntry, Waiter
+from .queue import QueueEntry, RequestQueue
 
 
 @dataclass(eq=False, slots=True)
@@ -65,10 +68,16 @@ class Cuts:
                 del self.slots[slot.model]
         return slot
 
-    def wanted(self, model: str, generation: int, entry: QueueEntry,
-               waiters: dict[Hashable, Waiter], skip: Iterable[str]) -> list[Hashable]:
+    def wanted(self, model: str, generation: int, entry: QueueEntry, queue: RequestQueue,
+               skip: Iterable[str], now: float) -> list[Hashable]:
         """The requests of `model` to cut now for the waiters of `entry` (leaving out the
-        keys in `skip`, at their max_concurrency); each is marked asked."""
+        keys in `skip`, at their max_concurrency); each is marked asked.
+
+        A freed slot goes to the waiter that ranks highest (queue.next_of: its level and
+        what its wait has added), so a cut is asked only for a waiter of a higher class
+        that would get it: one that outranks every waiter no cut is for, and the request
+        cut, waiting again aged from when it first came. Every rank grows at one pace, so
+        what is wanted changes only with events, never with the time alone."""
         running = [(t, s) for t, s in self.slots.get(model, {}).items()
                    if s.generation == generation]
         asked = sum(s.asked for _, s in running)
@@ -79,15 +88,24 @@ class Cuts:
             return []
         floor = open_[0][1].level
         skipped = set(skip)
-        levels: list[int] = []
+        cutters: list[tuple[float, int]] = []  # (rank, level) of the waiters cuts are for
+        first = float("-inf")  # the best rank of the others: served before any cut's
         for key, lane in entry.lanes.items():  # a lane's waiters are of one key
-            if key in skipped or waiters[next(iter(lane))].level <= floor:
+            if key in skipped:
                 continue
-            levels.extend(waiters[t].level for t in lane)
-        levels.sort(reverse=True)
+            head = queue.waiters[next(iter(lane))]
+            if head.level <= floor:
+                first = max(first, queue.rank(head, now))  # a lane's head ranks highest
+                continue
+            cutters.extend((queue.rank(w, now), w.level)
+                           for w in (queue.waiters[t] for t in lane))
+        cutters.sort(reverse=True)
         out: list[Hashable] = []
-        for level, (ticket, slot) in zip(levels[asked:], open_, strict=False):
-            if slot.level >= level:
+        aging_s = queue.aging_s
+        for (rank, level), (ticket, slot) in zip(cutters[asked:], open_, strict=False):
+            back = slot.level + ((now - slot.came_at) / aging_s if aging_s else 0)
+            first = max(first, back)
+            if slot.level >= level or rank <= first:
                 break
             slot.asked = True
             out.append(ticket)

@@ -26,15 +26,18 @@ class Preemption:
         self.let_go = let_go
 
     def ask(self, rec: ModelRecord, now: float) -> None:
-        """Ask for the cuts that the waiters of a full `rec` of a higher class need."""
+        """Ask for the cuts that the waiters of a higher class need from `rec`, serving
+        and at its max_concurrency (one draining for a reload has no room either, but a
+        slot it frees goes to nobody)."""
         state = self.state
         entry = state.queue.entry(rec.name)
-        if (not state.cuts.on or entry is None or state.has_room(rec)
-                or not rec.state.is_serving or not rec.rules.max_concurrency):
+        if (not state.cuts.on or entry is None or not rec.state.is_serving or rec.retiring
+                or not rec.rules.max_concurrency
+                or rec.in_flight < rec.rules.max_concurrency):
             return
         skip = [key for key in entry.lanes if key and state.tenants.at_limit(key)]
-        for ticket in state.cuts.wanted(rec.name, rec.generation, entry,
-                                        state.queue.waiters, skip):
+        for ticket in state.cuts.wanted(rec.name, rec.generation, entry, state.queue, skip,
+                                        now):
             slot = state.cuts.of[ticket]
             log.info("asking the front to cut a request of %s (class %s) on %s for a "
                      "waiter of a higher class (priority_preempt)", slot.key or "no key",
@@ -51,22 +54,25 @@ class Preemption:
 
     def requeue(self, ticket: Hashable, now: float) -> list[Effect]:
         """The front cut the request of `ticket` (nothing was sent to its client): its
-        slot goes to the queue's next, and it waits again, first of its key's lane."""
+        slot goes to the queue's next, and it waits again, first of its key's lane, aged
+        from when it first came."""
         slot = self.state.cuts.forget(ticket)
         if slot is None or ticket not in self.state.leases:
             return []
         name, generation, key = self.state.leases.pop(ticket)
-        stats = self.state.stats
-        stats.cuts[(name, key)] = stats.cuts.get((name, key), 0) + 1
         rec = self.state.find(name)
-        if rec is None:
-            self.rules.refuse(ticket, 503, f"model '{name}' was removed while its request "
-                              "waited to be served again", retry_after_s=1.0)
+        if rec is None or self.state.shutting_down:
+            why = ("corral is shutting down" if rec is not None else
+                   f"model '{name}' was removed")
+            self.rules.refuse(ticket, 503, f"{why} while a request was cut to be sent again",
+                              retry_after_s=1.0)
         else:
+            stats = self.state.stats
+            stats.cuts[(name, key)] = stats.cuts.get((name, key), 0) + 1
             timeout_s = rec.rules.queue_timeout_s
             self.state.queue.add(ticket, name, slot.came_at,
                                  now + timeout_s if timeout_s else None, key, slot.level,
-                                 cut=True)
+                                 again=True)
             if timeout_s:
                 self.state.out.append(Later(timeout_s, WaitDue(ticket=ticket)))
         freed = bool(key) and self.state.tenants.released(key, 0, now)

@@ -38,8 +38,11 @@ class Waiter:
     kills_outlived: int = 0
     """Loads it waited on that were killed by a signal; past `KILLS_OUTLIVED_MAX` the next
     failure answers it."""
-    cut: bool = False
-    """It was granted once and cut for a higher class (cuts.py): it is not cut again."""
+    cuttable: bool = False
+    """Once granted, it may be cut for a higher class (cuts.py): a front's request, not
+    cut before."""
+    again: bool = False
+    """It waits again, cut from its slot: first of its lane, its wait counted once."""
 
 
 @dataclass(eq=False)
@@ -112,7 +115,8 @@ class RequestQueue:
         new = RequestQueue(self.aging_s)
         memo[id(self)] = new
         new.waiters = {t: Waiter(w.model, w.queued_at, w.deadline, w.key, w.level,
-                                 w.kills_outlived, w.cut) for t, w in self.waiters.items()}
+                                 w.kills_outlived, w.cuttable, w.again)
+                       for t, w in self.waiters.items()}
         new.entries = {m: e.copy() for m, e in self.entries.items()}
         new.changed = set(self.changed)
         new.levels = dict(self.levels)
@@ -135,12 +139,14 @@ class RequestQueue:
         return entry
 
     def add(self, ticket: Hashable, model: str, now: float, deadline: float | None,
-            key: str = "", level: int = 0, cut: bool = False) -> QueueEntry:
-        """Queue `ticket`, come at `now`; a request `cut` from its slot goes first in
-        its key's lane."""
+            key: str = "", level: int = 0, cuttable: bool = False,
+            again: bool = False) -> QueueEntry:
+        """Queue `ticket`, come at `now`; a request cut from its slot waits `again`,
+        first of its key's lane."""
         entry = self.open(model)
-        entry.put(ticket, key, first=cut)
-        self.waiters[ticket] = Waiter(model, now, deadline, key, level, cut=cut)
+        entry.put(ticket, key, first=again)
+        self.waiters[ticket] = Waiter(model, now, deadline, key, level, cuttable=cuttable,
+                                      again=again)
         self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
         return entry

@@ -269,11 +269,13 @@ class Rules:
                 break
             waiter = queue.take(ticket)
             waited = now - waiter.queued_at
-            self.state.stats.queue_waits += 1
-            self.state.stats.queue_wait_s += waited
-            observe(self.state.stats.queue_wait, rec.name, waited)
-            if waiter.key:
-                observe(self.state.stats.class_wait, tenants.of(waiter.key).priority, waited)
+            if not waiter.again:  # one cut and waiting again: its wait is counted once
+                self.state.stats.queue_waits += 1
+                self.state.stats.queue_wait_s += waited
+                observe(self.state.stats.queue_wait, rec.name, waited)
+                if waiter.key:
+                    observe(self.state.stats.class_wait, tenants.of(waiter.key).priority,
+                            waited)
             self.grant(ticket, rec, now, waiter.key, waiter)
             if waiter.key and tenants.at_limit(waiter.key):
                 blocked.add(waiter.key)
@@ -304,7 +306,7 @@ class Rules:
         self.state.out.append(Stop(rec.name, rec.generation, reason))
 
     def grant(self, ticket: Hashable, rec: ModelRecord, now: float, key: str = "",
-              waiter: Waiter | None = None) -> None:
+              waiter: Waiter | None = None, cuttable: bool = False) -> None:
         """Proxy `ticket` (`waiter`, when it was queued) into `rec`."""
         # The grant and the in-flight count happen in one step, so no tick can pick
         # this model as a victim between "ready" and "proxied" (llama.cpp #28698).
@@ -315,11 +317,10 @@ class Rules:
         self.state.leases[ticket] = (rec.name, rec.generation, key)
         tenants = self.state.tenants
         shareable = not rec.rules.max_concurrency
-        if not shareable and self.state.cuts.on:  # one request a grant: it may be cut
-            self.state.cuts.granted(ticket, Slot(
+        if (waiter.cuttable if waiter else cuttable) and not shareable and self.state.cuts.on:
+            self.state.cuts.granted(ticket, Slot(  # one request a grant: it may be cut
                 rec.name, rec.generation, key, waiter.level if waiter else
-                tenants.of(key).level, now, waiter.queued_at if waiter else now,
-                cut=waiter is not None and waiter.cut))
+                tenants.of(key).level, now, waiter.queued_at if waiter else now))
         if key:
             tenants.granted(key)
             self.state.queue.served(rec.name, key, 1.0)
