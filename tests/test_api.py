@@ -206,6 +206,7 @@ def test_metrics_are_valid_prometheus_exposition(corral) -> None:
         "corral_models_running": "gauge", "corral_queue_depth": "gauge",
         "corral_event_streams": "gauge",
         "corral_requests_granted": "counter", "corral_requests_joined": "counter",
+        "corral_requests_cut": "counter",
         "corral_model_state": "gauge", "corral_model_failed": "gauge",
         "corral_model_in_flight": "gauge", "corral_model_waiting": "gauge",
         "corral_model_loads": "counter", "corral_evictions": "counter",

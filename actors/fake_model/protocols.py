@@ -41,8 +41,11 @@ def register_memory(mib: float) -> list[str]:
     for device in sim_devices():
         path = os.path.join(ledger, device, str(os.getpid()))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        # written aside and renamed over: a reader between a truncate and its write saw
+        # an empty file, 0 bytes, and corral charged a loaded child nothing
+        with open(path + ".new", "w") as f:
             f.write(str(int(mib * MiB)))
+        os.replace(path + ".new", path)
         paths.append(path)
     return paths
 
