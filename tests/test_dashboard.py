@@ -241,6 +241,7 @@ def test_the_keys_panel_and_the_what_if_button(corral, page, tmp_path: Path) -> 
     row.wait_for()
     cells = row.locator("td").all_inner_texts()
     assert cells[:2] == ["batchy", "batch"] and cells[3] == "1 / 50" and cells[5] == "1", cells
+    assert cells[8] == "0", "none of its requests was cut"
     wait_text(card(page, "a").locator('[data-field="state"]'), "loaded")
     card(page, "a").locator('[data-action="plan"]').click()
     wait_text(card(page, "a").locator('[data-field="plan"]'), "served now by #1")
