@@ -12,6 +12,8 @@ Memory (simulated devices): with `--device-mib N` it registers N MiB on every de
 in CORRAL_DEVICES by writing `$CORRAL_SIM_LEDGER/<device>/<pid>` at start. Started with
 CORRAL_ROLE=measure it serves nothing: it prints one `corral:measure:{json}` line with
 those figures (or fails, hangs or garbles as the --measure-* knobs say) and exits.
+With `--sleep-mode` it has vLLM's sleep endpoints: its device memory goes to host RAM
+(really allocated) and comes back in `--wake-s` (suspend.py).
 """
 
 from __future__ import annotations
@@ -145,6 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use more of the simulated devices, from --device-mib to N ...")
     p.add_argument("--grow-s", type=float, default=1.0, metavar="S",
                    help="... over S seconds from the start (a load filling its memory)")
+    p.add_argument("--sleep-mode", action="store_true",
+                   help="vLLM's sleep endpoints: POST /sleep?level=1|2, POST /wake_up, "
+                        "GET /is_sleeping (the device memory goes to host RAM and back)")
+    p.add_argument("--wake-s", type=float, default=0.5, metavar="S",
+                   help="with --sleep-mode: a wake from level 1 takes S seconds")
+    p.add_argument("--sleep-device-mib", type=float, default=0.0, metavar="N",
+                   help="with --sleep-mode: MiB left on each device while asleep")
     p.add_argument("--measure-min-mib", type=float, default=None, metavar="N",
                    help="the measured min (smallest context); default: as --measure-mib")
     p.add_argument("--measure-mib", type=float, default=None, metavar="N",

@@ -32,10 +32,21 @@ def sim_devices() -> list[str]:
     return [d for d in os.environ.get("CORRAL_DEVICES", "").split(",") if d]
 
 
-def register_memory(mib: float) -> list[str]:
-    """Write this process's use of every simulated device; return the files written."""
+_registered = 0.0
+
+
+def registered_mib() -> float:
+    """What this process said it uses on each simulated device, last."""
+    return _registered
+
+
+def register_memory(mib: float, zero_ok: bool = False) -> list[str]:
+    """Write this process's use of every simulated device (nothing for 0, unless
+    `zero_ok`: it gave its memory back); return the files written."""
+    global _registered
+    _registered = max(0.0, mib)
     ledger = os.environ.get("CORRAL_SIM_LEDGER")
-    if not ledger or mib <= 0:
+    if not ledger or (mib <= 0 and not zero_ok):
         return []
     paths = []
     for device in sim_devices():
@@ -44,7 +55,7 @@ def register_memory(mib: float) -> list[str]:
         # written aside and renamed over: a reader between a truncate and its write saw
         # an empty file, 0 bytes, and corral charged a loaded child nothing
         with open(path + ".new", "w") as f:
-            f.write(str(int(mib * MiB)))
+            f.write(str(int(_registered * MiB)))
         os.replace(path + ".new", path)
         paths.append(path)
     return paths

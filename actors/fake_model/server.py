@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from .protocols import llama_state
+from .suspend import Sleep
 
 ECHO_PATHS = ["/v1/responses", "/v1/messages", "/rerank", "/v1/rerank", "/reranking",
               "/infill", "/apply-template"]
@@ -30,6 +31,8 @@ class FakeModel:
         self.sleeping = False
         self.sleeper: asyncio.Task[None] | None = None
         self.grower: asyncio.Task[None] | None = None
+        self.vllm_sleep = Sleep(args) if args.sleep_mode else None
+        """vLLM's sleep mode (--sleep-mode), not llama-server's idle sleep above."""
 
     # ------------------------------------------------------------ helpers
 
@@ -58,7 +61,7 @@ class FakeModel:
 
     def _not_ready(self) -> web.Response | None:
         if self.ready:
-            return None
+            return self.vllm_sleep.refusal() if self.vllm_sleep is not None else None
         return web.json_response({"error": {"code": 503, "message": "Loading model",
                                              "type": "unavailable_error"}}, status=503)
 
@@ -80,7 +83,9 @@ class FakeModel:
                                   "pid": os.getpid(), "total_slots": 1})
 
     async def debug_stats(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.stats, "pid": os.getpid()})
+        sleep = self.vllm_sleep
+        slept = {"sleeps": sleep.sleeps, "wakes": sleep.wakes} if sleep is not None else {}
+        return web.json_response({**self.stats, **slept, "pid": os.getpid()})
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._not_ready()) is not None:
@@ -226,4 +231,6 @@ class FakeModel:
         r.add_post("/detokenize", self.detokenize)
         for path in ECHO_PATHS:
             r.add_post(path, self.echo)
+        if self.vllm_sleep is not None:
+            self.vllm_sleep.routes(app)
         return app
