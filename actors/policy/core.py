@@ -146,6 +146,8 @@ class Policy:
             if self.state.has_room(rec):  # others wait only for their keys' limits
                 self.rules.serve_waiters(rec, now)
             self.rules.pump(now)
+            if counted and ticket not in self.state.queue and ticket not in self.state.leases:
+                tenants.untake(key)  # refused as it came (every slot pinned): not counted
             self.cuts.ask(rec, now)
         return self.rules.flush()
 

@@ -108,6 +108,14 @@ class Tenants:
             self._usage(key).taken.append(now)
             self.changes += 1
 
+    def untake(self, key: str) -> None:
+        """The request last taken for `key` was refused in the same event (its queue
+        entry was: no slot will ever come for it): it does not count."""
+        usage = self.usage.get(key)
+        if usage is not None and usage.taken and self.of(key).requests_per_min:
+            usage.taken.pop()
+            self.changes += 1
+
     def at_limit(self, key: str) -> bool:
         """Whether `key` has as many requests running as its max_concurrency allows."""
         limit = self.of(key).max_concurrency
