@@ -49,6 +49,11 @@ class LoopReply:
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
 
+    def rearm(self) -> None:
+        """A fresh future for the ticket's next answer (it waits again after a cut)."""
+        self.future = self._loop.create_future()
+        self.cut = False
+
     def _cut(self) -> None:
         self.cut = True
         if self.on_cut is not None:
@@ -112,8 +117,7 @@ async def requeue(scheduler: SchedulerInbox, ticket: LoopReply) -> Grant | Refus
     """Give back the slot of `ticket`, cut for a higher class with nothing sent to its
     client, and wait for its next answer (on a fresh future of the same ticket); a
     cancelled wait leaves the queue, as in `acquire`."""
-    ticket.future = ticket._loop.create_future()
-    ticket.cut = False
+    ticket.rearm()
     return await _ask(scheduler, ticket, Requeue(ticket=ticket))
 
 

@@ -199,7 +199,9 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 may_retry=False, meter=None, ticket=None, cut=False).items():
             setattr(ex, name, value)
         ex.task = loop.create_task(to_model(ex, "a", True))
-        for _ in range(20):
+        for _ in range(1000):  # loop turns until the request is sent
+            if ex.phase is Phase.FORWARDING:
+                break
             await asyncio.sleep(0)
         assert ex.phase is Phase.FORWARDING and ex.ticket is not None
         ticket = ex.ticket
