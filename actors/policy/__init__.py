@@ -6,7 +6,8 @@ and carries out the effects it returns; tests drive the same methods synchronous
 |-------------------------------------------------------|-----------------------|-------------|
 | requests, management, timers: what each event means   | `Policy`              | core.py     |
 | what children, measurements and reloads report        | `Children`            | children.py |
-| the decisions events end in: tick, claim, spawn, stop | `Rules`               | rules.py    |
+| the decisions events end in: tick, claim, serve       | `Rules`               | rules.py    |
+| the moves they are made of: transition, spawn, stop   | `Moves`               | moves.py    |
 | what the policy knows, and the queries on it          | `State`               | state.py    |
 | model records, effects, counters                      | `ModelRecord`, `Spawn`| records.py  |
 | who waits for which model, in which order             | `RequestQueue`        | queue.py    |
@@ -20,7 +21,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | restart intensity, backoff, half-open, per model      | `Breaker`             | breaker.py  |
 | GET /models and the invariants                        | `snapshot`, `check`   | views.py    |
 
-`Policy` holds one `State`, one `Rules` on it, one `Children` (`policy.children`) and one
+`Policy` holds one `State`, one `Rules` on it (a `Moves`), one `Children` (`policy.children`) and one
 `Preemption` (`policy.cuts`); each
 event method reads top-down and calls named steps on `self.rules`, so go-to-definition
 finds every one. Conventions that cross files:
