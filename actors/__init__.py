@@ -14,8 +14,9 @@ The embedding API (R-7.1): build a `Config` in code (or `load_config`), start a
     sup.stop()
 """
 
-from .config import Config, ConfigError, ModelConfig, demo_config
+from .config import Config, ConfigError, ModelConfig
 from .config_load import load_config
+from .demo import demo_config
 from .messages import Event, Evicted, StatusChanged
 from .supervisor import LeaseError, Supervisor
 

@@ -277,3 +277,15 @@ class ChildProcess:
             except OSError:
                 pass
         return self.returncode
+
+
+def placement_env(devices: list[str] | None) -> dict[str, str]:
+    """What tells a child where it was placed: CUDA_VISIBLE_DEVICES for NVML's `CUDA<n>`
+    devices, CORRAL_DEVICES for simulated ones (the fake model registers its use there)."""
+    if not devices:
+        return {}
+    env = {"CORRAL_DEVICES": ",".join(devices)}
+    cuda = [d[4:] for d in devices if d.startswith("CUDA") and d[4:].isdigit()]
+    if cuda and len(cuda) == len(devices):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda)
+    return env

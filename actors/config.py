@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
+
+from .suspend import Suspend
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
@@ -50,6 +51,10 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     nodes: list[str] | None = None
     """The cluster nodes it may run on (their devices are `NODE/DEVICE`); None: only the
     devices of corral's own machine."""
+    suspend: bool = False
+    """It has a `suspend` method: to make room, it may be suspended instead of stopped."""
+    ttl_suspend_s: float = 0.0
+    """Suspend it after this long with no request (0: only to make room)."""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -101,6 +106,15 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     nodes: Annotated[list[str], Meta(min_length=1)] | None = None
     """With a `[cluster]`: the nodes it may run on, in order of preference (default: the
     machine corral runs on)."""
+    suspend: Suspend | None = None
+    """How its child gives its devices back and keeps its process (actors/suspend.py):
+    `"vllm"`, `{ sleep = [cmd...], wake = [cmd...] }` or `{ sleep_http = "POST /path",
+    wake_http = "POST /path" }`. To make room, corral then suspends it while host memory
+    allows, and wakes it for its next request (issue 23); None: it is stopped."""
+    ttl_suspend_s: NonNegativeSeconds = 0.0
+    """Suspend it after this long with no request (0: only to make room); ttl_s stops it."""
+    suspend_timeout_s: PositiveSeconds = 120.0
+    """A suspend or a wake that takes longer fails: the child is stopped."""
     key_flag: str | None = None
     """The flag its server takes an API key with: on a cluster node the child listens on
     the network, so corral starts it with `KEY_FLAG <a key only the head knows>` and the
@@ -293,6 +307,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     """Kept free on every device; 0 turns memory accounting off (R-5)."""
     account_host: bool = False
     """Count host memory too (otherwise it is unlimited)."""
+    host_memory_margin_mib: Annotated[float, Meta(ge=0)] = 2048.0
+    """Host RAM kept available beside suspended models' host copies: a suspend that would
+    leave less stops the model instead, and suspended models are stopped, least recently
+    used first, while less is available."""
+    suspended_max: Annotated[int, Meta(ge=0)] = 0
+    """Most suspended models at once (0: as many as host memory allows)."""
     measure_timeout_s: PositiveSeconds = 300.0
     device_poll_s: PositiveSeconds = 2.0
     """How often the DeviceMonitor samples the devices."""
@@ -318,7 +338,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
                             else model.min_resident_s),
             permanent=model.restart == "permanent", devices=model.devices,
             devices_per_instance=model.devices_per_instance,
-            placeable=not model.placed_by_env, nodes=model.nodes)
+            placeable=not model.placed_by_env, nodes=model.nodes,
+            suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""
@@ -326,6 +347,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             return 0.0
         return (self.liveness_interval_s if model.liveness_interval_s is None
                 else model.liveness_interval_s)
+
+    @property
+    def suspends(self) -> bool:
+        """Some model has a suspended tier: host memory is watched."""
+        return any(m.suspend is not None for m in self.models.values())
 
     @property
     def memory_accounting(self) -> bool:
@@ -356,22 +382,3 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             for alias in model.aliases:
                 names[alias] = name
         return names
-
-
-def demo_config() -> Config:
-    """The built-in demo: three models backed by the bundled fake model server, on two
-    simulated 3.5 GiB GPUs with memory accounting on: small and medium are placed one on
-    each, and large (3 GiB) makes room by evicting the least recently used."""
-    def fake(load_delay_s: float, tokens_per_s: float, mib: int) -> ModelConfig:
-        return ModelConfig(cmd=[sys.executable, "-m", "actors.fake_model", "--host", "{host}",
-                                "--port", "{port}", "--model", "{model}",
-                                "--load-delay", str(load_delay_s),
-                                "--tokens-per-s", str(tokens_per_s), "--device-mib", str(mib)])
-    return Config(models_max=3, memory_margin_mib=512, device_poll_s=1.0,
-                  devices=[DeviceConfig(name=f"demo-gpu{i}", kind="simulated",
-                                        total_mib=3584) for i in (0, 1)],
-                  models={
-                      "demo-small": fake(0.3, 200, 1024),
-                      "demo-medium": fake(0.8, 80, 2048),
-                      "demo-large": fake(1.5, 30, 3072),
-                  })

@@ -17,6 +17,7 @@ import msgspec
 
 from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig
 from .keys import API_KEY_NAME
+from .suspend import check as check_suspend
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -42,6 +43,20 @@ def _validate_devices(config: Config, source: str) -> None:
                 raise ConfigError(
                     f"{source}: models.{name}.memory_mib: unknown device {key!r}; "
                     f"declared devices: {', '.join(sorted(names))} (or 'host')")
+
+
+def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
+    if model.suspend is None:
+        if model.ttl_suspend_s:
+            raise ConfigError(f"{source}: models.{name}.ttl_suspend_s: the model has no "
+                              "`suspend` method to suspend it with; set one, or use ttl_s")
+        return
+    wrong = check_suspend(model.suspend)
+    if wrong is not None:
+        raise ConfigError(f"{source}: models.{name}.suspend: {wrong}")
+    if model.nodes:
+        raise ConfigError(f"{source}: models.{name}.suspend: not supported yet for a model "
+                          "on cluster nodes (nodes); remove one of the two")
 
 
 def _validate(config: Config, source: str) -> Config:
@@ -73,6 +88,7 @@ def _validate(config: Config, source: str) -> Config:
                 "to the flag its server takes an API key with (e.g. \"--api-key\"), or "
                 "key_flag = \"\" to run it there with none (anyone who can reach the "
                 "node can use it)")
+        _validate_suspend(name, model, source)
         if not model.health_path.startswith("/"):
             raise ConfigError(f"{source}: models.{name}.health_path: must start with '/', "
                               f"got {model.health_path!r}")

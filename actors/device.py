@@ -191,7 +191,7 @@ def discover(config: Config) -> list[Backend]:
         else:
             log.info("nvml: %d device(s)", len(nvml.handles))
             backends.append(nvml)
-    if config.account_host:
+    if config.account_host or config.suspends:  # suspended models' copies are in host RAM
         backends.append(HostBackend())
     return backends
 
@@ -212,6 +212,8 @@ class DeviceMonitor(BaseActor):
         """Model -> device -> free bytes when its child was spawned."""
         self.ready: set[str] = set()
         """Tracked models whose child is ready."""
+        self.suspended: set[str] = set()
+        """Tracked models whose child is suspended (its devices given back)."""
         self.charged: dict[str, dict[str, int]] = {}
         """Model -> device -> what its load took on a device with no per-process figures:
         the free memory lost between its spawn and its ready (loads on one device run
@@ -237,12 +239,20 @@ class DeviceMonitor(BaseActor):
                 assert_never(message)
 
     def track(self, model: str, event: str, pid: int | None) -> None:
-        if event == "spawned" and pid is not None:
+        if event in ("spawned", "waking") and pid is not None:  # a wake is a load
             devices, _ = self.sample(set())
             self.baseline[model] = {d.name: d.free for d in devices}
             self.tracked[model] = pid
-        elif event == "ready" and pid is not None:
+            self.ready.discard(model)
+            self.suspended.discard(model)
+        elif event == "suspended":  # it gave its devices back
+            self.charged[model] = dict.fromkeys(self.charged.get(model, {}), 0)
+            self.suspended.add(model)
+        elif event == "woken" and model not in self.tracked:
+            self.suspended.discard(model)  # not tracked: no memory accounting
+        elif event in ("ready", "woken") and pid is not None:
             self.tracked[model] = pid
+            self.suspended.discard(model)
             self.ready.add(model)
             devices, _ = self.sample(set())
             before = self.baseline.pop(model, {})
@@ -253,6 +263,7 @@ class DeviceMonitor(BaseActor):
             self.baseline.pop(model, None)
             self.charged.pop(model, None)
             self.ready.discard(model)
+            self.suspended.discard(model)
         self.report()
 
     def sample(self, pids: set[int]) -> tuple[list[DeviceSample], ProcessTable]:
@@ -293,4 +304,5 @@ class DeviceMonitor(BaseActor):
         managed = {device: sum(u.get(device, 0) for u in usage.values()) for device in table}
         self.scheduler.tell(DevicesReported(report=DeviceReport(
             devices=devices, managed=managed, usage=usage, tracked=sorted(self.tracked),
-            backends=[b.name for b in self.backends], ready=sorted(self.ready))))
+            backends=[b.name for b in self.backends], ready=sorted(self.ready),
+            suspended=sorted(self.suspended))))

@@ -19,80 +19,42 @@ from typing import Any, Literal, assert_never
 
 import msgspec
 
+from . import suspend
 from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
-from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
+from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, placement_env, port_in_use
 from .config import ModelConfig
 from .health import Liveness, probe_health, wait_ready_http
-from .lifecycle import IllegalTransition, State, describe_exit
+from .lifecycle import IllegalTransition, describe_exit
 from .llama import LLAMA_EXIT, LLAMA_STATE, LlamaState, is_llama, split_args
 from .messages import (
     ChildExited,
     ChildLine,
     ChildReady,
+    ChildSwitched,
     ChildTimedOut,
     InstanceExited,
     InstanceMessage,
     InstanceReady,
     InstanceReported,
     InstanceStarted,
+    InstanceSuspended,
+    InstanceWoken,
     LivenessMiss,
     LivenessResult,
     LivenessTick,
     SchedulerMessage,
     StartInstance,
     StopInstance,
+    SuspendInstance,
     Unhealthy,
+    WakeInstance,
 )
+from .phases import TRANSITIONS, Phase, StopStep, said, stop_steps
+from .suspend import Step
 from .timers import Timers
 
 BIND_RETRIES = 3
 """A child that exits while its port is taken by someone else is respawned on a new port."""
-KILL_GRACE_S = 2.0
-"""After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
-
-
-class Phase(State):
-    IDLE = "idle"
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-
-
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.IDLE: frozenset({Phase.STARTING}),
-    Phase.STARTING: frozenset({Phase.READY, Phase.STOPPING, Phase.IDLE}),
-    Phase.READY: frozenset({Phase.STOPPING, Phase.IDLE}),
-    Phase.STOPPING: frozenset({Phase.IDLE}),
-}
-"""Its child's phases: IDLE (none), STARTING (spawned, not ready), READY, STOPPING (told
-to go); any of the last three ends in IDLE when the child exits."""
-
-StopStep = tuple[str, float]
-"""One step of a stop: what is sent ("exit", "SIGTERM", "SIGKILL"), then how long the
-child has to exit before the next step."""
-
-
-def said(what: str) -> str:
-    return "the exit command" if what == "exit" else what
-
-
-def stop_steps(llama: bool, stop_timeout_s: float) -> tuple[StopStep, ...]:
-    """How a ready child is stopped (R-3.4): a llama child is asked to exit first."""
-    if llama:
-        return (("exit", stop_timeout_s), ("SIGTERM", KILL_GRACE_S), ("SIGKILL", 0.0))
-    return (("SIGTERM", stop_timeout_s), ("SIGKILL", 0.0))
-
-
-def placement_env(devices: list[str] | None) -> dict[str, str]:
-    """What tells a child where it was placed: CUDA_VISIBLE_DEVICES for NVML's `CUDA<n>`
-    devices, CORRAL_DEVICES for simulated ones (the fake model registers its use there)."""
-    if not devices:
-        return {}
-    env = {"CORRAL_DEVICES": ",".join(devices)}
-    cuda = [d[4:] for d in devices if d.startswith("CUDA") and d[4:].isdigit()]
-    if cuda and len(cuda) == len(devices):
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda)
-    return env
 
 
 class ModelInstance(BaseActor):
@@ -150,6 +112,13 @@ class ModelInstance(BaseActor):
                 self.handle_start(generation, config, devices, key)
             case StopInstance(generation=generation, reason=reason):
                 self.handle_stop(generation, reason)
+            case SuspendInstance(generation=generation):
+                self.handle_switch(generation, "sleep")
+            case WakeInstance(generation=generation):
+                self.handle_switch(generation, "wake")
+            case ChildSwitched(spawn_id=spawn_id, step=step, failure=failure,
+                               host_bytes=host_bytes):
+                self.handle_switched(spawn_id, step, failure, host_bytes)
             case ChildReady(spawn_id=spawn_id):
                 if spawn_id == self.spawn_id and self.phase is Phase.STARTING:
                     self.become_ready(None)
@@ -319,6 +288,46 @@ class ModelInstance(BaseActor):
         if self.stop_steps:
             self.timers.after(wait_s, self.actor_ref,
                               ChildTimedOut(spawn_id=self.spawn_id, stage="stop"))
+
+    def handle_switch(self, generation: int, step: Step) -> None:
+        """Suspend (`sleep`) or wake the child by its config's `suspend` method, on a
+        helper thread that tells a ChildSwitched back (issue 23)."""
+        start = Phase.READY if step == "sleep" else Phase.SUSPENDED
+        how = self.config.suspend
+        if generation != self.generation or self.phase is not start or how is None:
+            return  # stale, or gone meanwhile: its exit tells the Scheduler
+        assert self.child is not None
+        self._to(Phase.SUSPENDING if step == "sleep" else Phase.WAKING)
+        ref, spawn_id, pid = self.actor_ref, self.spawn_id, self.child.pid
+        model, host, port = self.model, self.host, self.port
+        timeout_s, ring = self.config.suspend_timeout_s, self.log_ring
+
+        self.log.info("%s#%d: %s", model, generation,
+                      "suspending" if step == "sleep" else "waking")
+        threading.Thread(target=suspend.switch, daemon=True, name=f"{model}-{step}", kwargs=dict(
+            how=how, step=step, model=model, host=host, port=port, pid=pid,
+            timeout_s=timeout_s, say=ring.append,
+            done=lambda failure, grew: tell_or_drop(ref, ChildSwitched(
+                spawn_id=spawn_id, step=step, failure=failure, host_bytes=grew)))).start()
+
+    def handle_switched(self, spawn_id: int, step: Step, failure: str | None,
+                        host_bytes: int) -> None:
+        switching = Phase.SUSPENDING if step == "sleep" else Phase.WAKING
+        if spawn_id != self.spawn_id or self.phase is not switching:
+            return  # stopped or gone meanwhile
+        done = Phase.SUSPENDED if step == "sleep" else Phase.READY
+        self._to(done if failure is None else Phase.READY if step == "sleep"
+                 else Phase.SUSPENDED)
+        if step == "sleep":
+            self.scheduler.tell(InstanceSuspended(
+                model=self.model, generation=self.generation, ok=failure is None,
+                detail=failure or "", host_bytes=host_bytes))
+        else:
+            self.scheduler.tell(InstanceWoken(model=self.model, generation=self.generation,
+                                              ok=failure is None, detail=failure or ""))
+            if failure is None and self.liveness.interval_s and not self.llama:
+                self.timers.after(self.liveness.interval_s, self.actor_ref,
+                                  LivenessTick(spawn_id=self.spawn_id))
 
     def handle_liveness_tick(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.READY:

@@ -22,11 +22,30 @@ class ModelState(State):
     LOADED = "loaded"
     SLEEPING = "sleeping"
     STOPPING = "stopping"
+    SUSPENDING = "suspending"
+    SUSPENDED = "suspended"
+    WAKING = "waking"
+    """corral's suspended tier (issue 23): a child told to give its devices back (to host
+    RAM, by its `suspend` method), kept asleep, and told to take them back. Shown as
+    llama.cpp's words (`shown`): suspending and suspended are `sleeping`, waking is
+    `loading`."""
 
     @property
     def is_running(self) -> bool:
-        """Holds a slot: a child process exists (R-4.1; stopping counts until reaped)."""
+        """A child process exists (R-4.1; stopping counts until reaped)."""
         return self in _RUNNING
+
+    @property
+    def holds_slot(self) -> bool:
+        """Counts against models_max: a running child that is not suspended (suspended
+        ones count against suspended_max)."""
+        return self in _RUNNING and self is not ModelState.SUSPENDED
+
+    @property
+    def shown(self) -> str:
+        """The state as GET /models, SSE and /metrics show it: llama.cpp's router's words,
+        and corral's `stopping`."""
+        return _SHOWN.get(self, self.value)
 
     @property
     def is_serving(self) -> bool:
@@ -35,16 +54,22 @@ class ModelState(State):
 
 
 _RUNNING = frozenset({ModelState.LOADING, ModelState.LOADED, ModelState.SLEEPING,
-                      ModelState.STOPPING})
+                      ModelState.STOPPING, ModelState.SUSPENDING, ModelState.SUSPENDED,
+                      ModelState.WAKING})
 _SERVING = frozenset({ModelState.LOADED, ModelState.SLEEPING})
+_SHOWN = {ModelState.SUSPENDING: "sleeping", ModelState.SUSPENDED: "sleeping",
+          ModelState.WAKING: "loading"}
 
 S = ModelState
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
     S.UNLOADED: frozenset({S.LOADING}),
     S.LOADING: frozenset({S.LOADED, S.STOPPING, S.UNLOADED}),  # unloaded: the load failed
-    S.LOADED: frozenset({S.SLEEPING, S.STOPPING, S.UNLOADED}),  # unloaded: it crashed
+    S.LOADED: frozenset({S.SLEEPING, S.SUSPENDING, S.STOPPING, S.UNLOADED}),  # unloaded: crashed
     S.SLEEPING: frozenset({S.LOADED, S.STOPPING, S.UNLOADED}),
     S.STOPPING: frozenset({S.UNLOADED}),
+    S.SUSPENDING: frozenset({S.SUSPENDED, S.STOPPING, S.UNLOADED}),
+    S.SUSPENDED: frozenset({S.WAKING, S.STOPPING, S.UNLOADED}),
+    S.WAKING: frozenset({S.LOADED, S.STOPPING, S.UNLOADED}),
 }
 """A crash or a failed load is `unloaded` with the record's `failed` flag, as llama.cpp's
 router shows it."""

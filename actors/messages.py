@@ -117,6 +117,13 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     load_time: HistogramView | None = None
     refusals: dict[str, int] = {}
     """Reason -> requests for it corral answered with an error of its own."""
+    phase: str | None = None
+    """corral's own word where `state` shows llama.cpp's: `suspending`, `suspended` (both
+    shown as `sleeping`), `waking` (shown as `loading`)."""
+    host_bytes: int | None = None
+    """Host RAM its suspended child holds (its resident memory's growth at the suspend)."""
+    suspends: int = 0
+    wakes: int = 0
 
 
 class KeyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,6 +157,9 @@ class ModelsSnapshot(Message, frozen=True, kw_only=True):
     """Priority class -> how long its granted requests waited in the queue."""
     cuts: int = 0
     """Requests cut for a higher class, with a key or without (priority_preempt)."""
+    suspended: int = 0
+    """Models suspended (or being suspended): their children kept, their devices given
+    back; `running` counts the others."""
 
 
 class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,7 +194,10 @@ class Alive(Message, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- events (sent as JSON)
 
 EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "shutdown",
-                         "unhealthy"]
+                         "unhealthy", "host_memory", "suspended_max", "suspend_failed",
+                         "wake_failed", "wake_elsewhere"]
+"""The last five are of suspended models (issue 23): host RAM ran short, too many are
+suspended, a suspend or wake failed, or it no longer fits where it slept."""
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -226,6 +239,11 @@ class Evicted(Event, frozen=True, tag="eviction", kw_only=True):
     for_model: str | None = None
     devices: list[Shortfall] = []
     """For `memory` evictions: the newcomer's need and what was available, per device."""
+    action: Literal["stop", "suspend"] = "stop"
+    """What was done to it: stopped, or suspended (its child kept, its devices given back:
+    issue 23)."""
+    why: str | None = None
+    """Why that and not the other, for a model that has a `suspend` method."""
 
 
 class QueueChanged(Event, frozen=True, tag="queue", kw_only=True):
@@ -495,6 +513,28 @@ class InstanceReported(Message, frozen=True, kw_only=True):
     payload: dict[str, Any]
 
 
+class InstanceSuspended(Message, frozen=True, kw_only=True):
+    """ModelInstance -> Scheduler: the suspend of the child of `generation` is done (`ok`),
+    its process' resident memory having grown by `host_bytes`; else `detail` says why not
+    (the Scheduler then stops it)."""
+
+    model: str
+    generation: int
+    ok: bool
+    detail: str = ""
+    host_bytes: int = 0
+
+
+class InstanceWoken(Message, frozen=True, kw_only=True):
+    """ModelInstance -> Scheduler: the child of `generation` is awake and serves again
+    (`ok`), or `detail` says why its wake failed."""
+
+    model: str
+    generation: int
+    ok: bool
+    detail: str = ""
+
+
 class InstanceExited(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: the child of `generation` has exited and been reaped."""
 
@@ -569,6 +609,8 @@ class DeviceReport(msgspec.Struct, frozen=True, kw_only=True):
     """The tracked models whose child the monitor knew to be ready when it sampled: a
     sample taken before that (a poll that crossed the ready) shows a load half done.
     None: not said (every tracked model counts)."""
+    suspended: list[str] = []
+    """The tracked models whose suspend the monitor knew to be done when it sampled."""
 
 
 class DevicesReported(Message, frozen=True, kw_only=True):
@@ -589,7 +631,7 @@ SchedulerMessage = (
     | Subscribe | WatchGrants | TtlDue | WaitDue | Repump | SaveBudgets | Unhealthy | AnswerLate
     | InstancesAttached
     | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
-    | InstanceExited | NodeChanged
+    | InstanceExited | InstanceSuspended | InstanceWoken | NodeChanged
     | Reconfigure
     | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
@@ -620,6 +662,20 @@ class StopInstance(Message, frozen=True, kw_only=True):
     reason: str
 
 
+class SuspendInstance(Message, frozen=True, kw_only=True):
+    """Scheduler -> ModelInstance: suspend the ready child of `generation` by its model's
+    `suspend` method; answered by an InstanceSuspended."""
+
+    generation: int
+
+
+class WakeInstance(Message, frozen=True, kw_only=True):
+    """Scheduler -> ModelInstance: wake the suspended child of `generation`; answered by an
+    InstanceWoken."""
+
+    generation: int
+
+
 # ---------------------------------------------------------------- child facts
 # What the threads around one child process tell the actor that owns it (a ModelInstance,
 # or the MeasureWorker), each stamped with the `spawn_id` of the child it is about: a fact
@@ -638,6 +694,17 @@ class ChildExited(Message, frozen=True, kw_only=True):
     """Exit watcher -> child's owner: the child of spawn `spawn_id` exited (not yet reaped)."""
 
     spawn_id: int
+
+
+class ChildSwitched(Message, frozen=True, kw_only=True):
+    """Helper thread -> ModelInstance: the suspend (`sleep`) or wake of spawn `spawn_id`
+    ended: `failure` says why it failed (None: it did not); `host_bytes`: what the
+    process' resident memory grew by."""
+
+    spawn_id: int
+    step: Literal["sleep", "wake"]
+    failure: str | None = None
+    host_bytes: int = 0
 
 
 class ChildTimedOut(Message, frozen=True, kw_only=True):
@@ -677,8 +744,8 @@ class LivenessMiss(Message, frozen=True, kw_only=True):
 
 
 InstanceMessage = (
-    StartInstance | StopInstance | ChildReady | ChildLine | ChildExited | ChildTimedOut
-    | LivenessTick | LivenessResult | LivenessMiss
+    StartInstance | StopInstance | SuspendInstance | WakeInstance | ChildReady | ChildLine
+    | ChildExited | ChildSwitched | ChildTimedOut | LivenessTick | LivenessResult | LivenessMiss
 )
 
 
@@ -714,11 +781,12 @@ class TrackModel(Message, frozen=True, kw_only=True):
 
     Each one triggers a sample. "spawned" starts attributing the tree of `pid` to the
     model and notes free memory as a baseline (for attribution where process ids cannot
-    be matched); "exited" stops it.
+    be matched); "exited" stops it. A wake is a load: "waking" and "woken" as "spawned"
+    and "ready"; "suspended": it gave its devices back.
     """
 
     model: str
-    event: Literal["spawned", "ready", "exited"]
+    event: Literal["spawned", "ready", "exited", "suspended", "waking", "woken"]
     pid: int | None = None
 
 

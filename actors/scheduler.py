@@ -35,6 +35,8 @@ from .messages import (
     InstancesAttached,
     InstanceSeen,
     InstanceStarted,
+    InstanceSuspended,
+    InstanceWoken,
     LivenessMiss,
     LoadModel,
     Measured,
@@ -60,11 +62,13 @@ from .messages import (
     StartInstance,
     StopInstance,
     Subscribe,
+    SuspendInstance,
     TrackModel,
     TtlDue,
     Unhealthy,
     UnloadModel,
     WaitDue,
+    WakeInstance,
     WatchGrants,
     Withdraw,
 )
@@ -79,7 +83,9 @@ from .policy.records import (
     Publish,
     Spawn,
     Stop,
+    Suspend,
     Track,
+    Wake,
 )
 from .timers import Timers
 
@@ -102,7 +108,8 @@ class Scheduler(BaseActor):
                              config.account_host, config.restart_backoff_max_s,
                              config.restart_healthy_s, config.models_max_per_node,
                              tenants_of(config), config.priority_aging_s,
-                             config.priority_preempt)
+                             config.priority_preempt,
+                             int(config.host_memory_margin_mib * MiB), config.suspended_max)
         for name, model in config.models.items():
             self.policy.add_model(name, clock(), rules=config.rules_of(model))
         self.configs = dict(config.models)
@@ -151,7 +158,7 @@ class Scheduler(BaseActor):
             case Ping(reply=reply):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.state.queue)))
             case TtlDue(model=model, generation=gen):
-                self._carry_out(p.ttl_due(model, gen, now))
+                self._carry_out(p.tiers.ttl_due(model, gen, now))
             case WaitDue(ticket=ticket):
                 self._carry_out(p.wait_due(ticket, now))
             case Repump():
@@ -199,6 +206,11 @@ class Scheduler(BaseActor):
                 self._carry_out(p.children.instance_reported(model, gen, state, payload, now))
             case InstanceExited(model=model, generation=gen, returncode=rc, description=desc):
                 self._carry_out(p.children.instance_exited(model, gen, rc, desc, now))
+            case InstanceSuspended(model=model, generation=gen, ok=ok, detail=detail,
+                                   host_bytes=host_bytes):
+                self._carry_out(p.tiers.suspended(model, gen, ok, detail, host_bytes, now))
+            case InstanceWoken(model=model, generation=gen, ok=ok, detail=detail):
+                self._carry_out(p.tiers.woken(model, gen, ok, detail, now))
             case Reconfigure(models=models, instances=instances, reply=reply,
                              tenants=tenants, aging_s=aging_s, preempt=preempt):
                 self.reconfigure(models, instances, reply, now)
@@ -271,6 +283,10 @@ class Scheduler(BaseActor):
                         generation=gen, config=self.configs[model], devices=devices, node=node))
                 case Stop(model=model, generation=gen, reason=reason):
                     self.instances[model].tell(StopInstance(generation=gen, reason=reason))
+                case Suspend(model=model, generation=gen):
+                    self.instances[model].tell(SuspendInstance(generation=gen))
+                case Wake(model=model, generation=gen):
+                    self.instances[model].tell(WakeInstance(generation=gen))
                 case Publish(event=event):
                     for sink in self.subscribers:
                         self._hand(sink, event)

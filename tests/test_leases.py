@@ -526,7 +526,7 @@ def test_the_ttl_counts_from_the_end_of_a_request_not_its_start() -> None:
     delays = [e.delay_s for e in effects if isinstance(e, Later)
               and isinstance(e.message, TtlDue)]
     assert delays and min(delays) >= 59.9, delays
-    assert not [e for e in p.ttl_due("a", rec.generation, 303.0) if isinstance(e, Stop)]
+    assert not [e for e in p.tiers.ttl_due("a", rec.generation, 303.0) if isinstance(e, Stop)]
     assert p.snapshot(303.0).models[0].expires_in_s == pytest.approx(59.0)
 
 

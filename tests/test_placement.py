@@ -121,8 +121,8 @@ def test_a_model_over_two_gpus_is_split_over_both() -> None:
 
 
 def test_a_child_is_told_where_it_was_placed() -> None:
+    from actors.childproc import placement_env
     from actors.config_load import parse_config
-    from actors.instance import placement_env
 
     config = parse_config({"models": {"m": {
         "cmd": ["llama-server", "--device", "{devices}", "--main", "{device}", "{port}"],

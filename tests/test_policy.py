@@ -58,7 +58,7 @@ class World:
         for _, message in due:
             match message:
                 case TtlDue(model=model, generation=gen):
-                    self.run(self.p.ttl_due(model, gen, self.now))
+                    self.run(self.p.tiers.ttl_due(model, gen, self.now))
                 case WaitDue(ticket=ticket):
                     self.run(self.p.wait_due(ticket, self.now))
                 case Repump():

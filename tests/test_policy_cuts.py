@@ -71,7 +71,7 @@ class World:
                 case Repump():
                     out += self.p.repump(self.now)
                 case TtlDue(model=model, generation=gen):
-                    out += self.p.ttl_due(model, gen, self.now)
+                    out += self.p.tiers.ttl_due(model, gen, self.now)
         return out
 
     def tick(self) -> float:

@@ -12,6 +12,8 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | model records, effects, counters                      | `ModelRecord`, `Spawn`| records.py  |
 | who waits for which model, in which order             | `RequestQueue`        | queue.py    |
 | the least recently used model that may go             | `Victims`             | victims.py  |
+| suspends and wakes that ended; the TTL timers         | `Tiers`               | tiers.py    |
+| host RAM for suspended models, suspended_max          | `HostTier`            | host.py     |
 | the ledger, and a plan for each load                  | `Memory`, `Plan`      | memory.py   |
 | keys: classes, limits, exact quota windows            | `Tenants`             | tenants.py  |
 | which running request a higher class may cut          | `Cuts`, `Slot`        | cuts.py     |
@@ -21,8 +23,8 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | restart intensity, backoff, half-open, per model      | `Breaker`             | breaker.py  |
 | GET /models and the invariants                        | `snapshot`, `check`   | views.py    |
 
-`Policy` holds one `State`, one `Rules` on it (a `Moves`), one `Children` (`policy.children`) and one
-`Preemption` (`policy.cuts`); each
+`Policy` holds one `State`, one `Rules` on it (a `Moves`), one `Children`
+(`policy.children`), one `Preemption` (`policy.cuts`) and one `Tiers` (`policy.tiers`); each
 event method reads top-down and calls named steps on `self.rules`, so go-to-definition
 finds every one. Conventions that cross files:
 

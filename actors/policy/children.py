@@ -52,7 +52,7 @@ class Children:
         if rec is None or rec.generation != generation or rec.state is not S.LOADING:
             return []
         rec.pid = pid
-        if self.state.memory_on:
+        if self.state.watched(rec):
             self.state.out.append(Track(model, "spawned", pid))
         return self.rules.flush()
 
@@ -75,7 +75,7 @@ class Children:
         rec.ready_at = rec.last_used = now
         rec.breaker.ready()
         self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
-        if self.state.memory_on:
+        if self.state.watched(rec):
             rec.awaiting_usage = True
             self.state.out.append(Track(model, "ready", pid))
         entry = self.state.queue.entry(model)
@@ -187,7 +187,8 @@ class Children:
         rec.mem_effective = None
         rec.info = rec.progress = None
         rec.awaiting_usage = False
-        if self.state.memory_on:
+        self.state.host.gone(rec)
+        if self.state.watched(rec):
             rec.releasing = model in self.state.ledger.held
             self.state.out.append(Track(model, "exited"))
         entry = self.state.queue.entry(model)
@@ -259,6 +260,7 @@ class Children:
 
     def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
         self.state.out.extend(self.state.memory.reported(report, self.state.models))
+        self.state.host.reported(report, self.state.models)
         self.rules.pump(now)
         return self.rules.flush()
 

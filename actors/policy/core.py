@@ -22,7 +22,6 @@ from ..lifecycle import ModelState
 from ..messages import (
     Done,
     ModelsSnapshot,
-    TtlDue,
     WaitDue,
 )
 from . import plans, views
@@ -37,6 +36,7 @@ from .records import (
 )
 from .rules import Rules
 from .state import State
+from .tiers import Tiers
 
 log = logging.getLogger("corral.scheduler")
 
@@ -47,21 +47,24 @@ S = ModelState
 class Policy:
     """The scheduling state of one corral and the rules that change it: what a request,
     a person and a timer cause, each event method reading top-down. What children, the
-    memory actors and a reload report goes to `children`."""
+    memory actors and a reload report goes to `children`, what suspends and wakes report
+    and the TTL timers to `tiers`."""
 
     def __init__(self, models_max: int, restart_intensity: int = 3,
                  restart_period_s: float = 60.0, memory_margin: int = 0,
                  account_host: bool = False, restart_backoff_max_s: float = 60.0,
                  restart_healthy_s: float = 30.0, models_max_per_node: int = 0,
                  tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0,
-                 preempt: bool = False) -> None:
+                 preempt: bool = False, host_margin: int = 0,
+                 suspended_max: int = 0) -> None:
         self.state = State(models_max, restart_intensity, restart_period_s, memory_margin,
                            account_host, restart_backoff_max_s, restart_healthy_s,
-                           models_max_per_node, tenants, aging_s)
+                           models_max_per_node, tenants, aging_s, host_margin, suspended_max)
         self.state.cuts.on = preempt
         self.rules = Rules(self.state)
         self.children = Children(self.state, self.rules)
         self.cuts = Preemption(self.state, self.rules, self._model_let_go)
+        self.tiers = Tiers(self.state, self.rules)
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -259,7 +262,7 @@ class Policy:
         rec = self.state.find(model)
         if rec is None:
             self.rules.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
-        elif rec.state.is_running and rec.state is not S.STOPPING:
+        elif rec.state.is_running and rec.state not in (S.STOPPING, S.SUSPENDED):
             self.rules.refuse(ticket, 400, f"model '{model}' is already running",
                          "invalid_request_error")
         elif self.state.shutting_down:
@@ -311,24 +314,6 @@ class Policy:
         return not any(rec.state.is_running for rec in self.state.models.values())
 
     # ------------------------------------------------------------ timers
-
-    def ttl_due(self, model: str, generation: int, now: float) -> list[Effect]:
-        """A model's idle TTL may have run out: stop it if it has really been idle that
-        long, else look again when it would have (R-3.6)."""
-        rec = self.state.models.get(model)
-        if rec is None or rec.generation != generation:
-            return []
-        rec.ttl_armed = False
-        if not self.state.evictable(rec) or not rec.rules.ttl_s:
-            return []  # busy, wanted or pinned now: armed again once idle
-        due = rec.idle_from + rec.rules.ttl_s
-        if now >= due:
-            self.rules.stop(rec, "ttl", None, now)
-            self.rules.pump(now)
-        else:
-            rec.ttl_armed = True
-            self.state.out.append(Later(due - now, TtlDue(model=model, generation=generation)))
-        return self.rules.flush()
 
     def repump(self, now: float) -> list[Effect]:
         """A backoff or a min_resident_s ended."""

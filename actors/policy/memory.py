@@ -275,7 +275,8 @@ class Memory:
 
     def _around(self, models: dict[str, ModelRecord]) -> Around:
         """What every place a plan weighs shares, computed once for all of them."""
-        going = [r.name for r in models.values() if r.state is S.STOPPING or r.releasing]
+        going = [r.name for r in models.values()
+                 if r.state in (S.STOPPING, S.SUSPENDING) or r.releasing]
         holders: dict[str, list[ModelRecord]] = {}
         for name, devices in self.ledger.held.items():
             holder = models.get(name)
@@ -323,6 +324,33 @@ class Memory:
                 f"memory_margin_mib, and the models holding memory are pinned "
                 f"({', '.join(r.name for r in others)}); unload one"))
         return plan  # busy models finish, stops complete: both re-pump
+
+    # ------------------------------------------------------------ waking (issue 23)
+
+    def wake_need(self, rec: ModelRecord) -> Breakdown | None:
+        """What a wake of `rec` holds until it is charged its real use: what it was seen
+        using before its suspend, else its need where it was placed."""
+        return rec.mem_effective or self.placed_need(rec, rec.placement)
+
+    def plan_wake(self, rec: ModelRecord, models: dict[str, ModelRecord],
+                  victims: list[ModelRecord], busy: set[str]) -> Plan:
+        """May the suspended `rec` wake now, where it sleeps? A load's plan on its
+        devices, for its need less what its sleeping child holds there still: go, wait
+        (after evicting idle models there), or refuse (only pinned models hold the
+        memory: it is stopped, and loaded anew, elsewhere if it may)."""
+        on = self.devices_of(rec)
+        if not busy.isdisjoint(on):
+            return Plan("wait")  # one load per device at a time
+        need = self.wake_need(rec)
+        own = self.ledger.held.get(rec.name, {})
+        extra = need and Breakdown(need.n_ctx, [
+            DeviceUse(kind=row.kind, name=row.name, total=row.total, free=row.free,
+                      model=max(0, row.self_bytes - own.get(row.name, 0)))
+            for row in need.devices])
+        useful = [v for v in victims if not on.isdisjoint(self.ledger.held.get(v.name, {}))]
+        plan = self._fit(rec, extra, models, useful, on or None)
+        plan.devices = rec.placement
+        return plan
 
     # ------------------------------------------------------------ view
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Literal
 
 from ..ledger import MiB
 from ..lifecycle import ModelState, check_transition
@@ -25,7 +25,7 @@ from ..messages import (
     Withdraw,
 )
 from .cuts import Slot
-from .queue import Waiter
+from .queue import QueueEntry, Waiter
 from .records import (
     Answer,
     Effect,
@@ -34,12 +34,16 @@ from .records import (
     Publish,
     Spawn,
     Stop,
+    Suspend,
+    Track,
+    Wake,
 )
 from .state import State
 
 log = logging.getLogger("corral.scheduler")
 
 S = ModelState
+SUSPENDED = frozenset({S.SUSPENDING, S.SUSPENDED})
 
 
 class Moves:
@@ -64,12 +68,28 @@ class Moves:
         """`rec` may have become idle: offer it as a victim, and arm its TTL (due from
         its last use, when `now` is given)."""
         self.state.victims.offer(rec)
-        if (rec.rules.ttl_s and not rec.ttl_armed and self.state.evictable(rec)):
+        after = self.ttl_after(rec)
+        if after is not None and not rec.ttl_armed:
             rec.ttl_armed = True
-            delay = (rec.rules.ttl_s if now is None
-                     else max(0.0, rec.idle_from + rec.rules.ttl_s - now))
+            delay = after if now is None else max(0.0, rec.idle_from + after - now)
             self.state.out.append(Later(delay, TtlDue(model=rec.name,
                                                       generation=rec.generation)))
+
+    def ttl_after(self, rec: ModelRecord) -> float | None:
+        """How long after its last use the idle `rec` is due for its TTL: ttl_suspend_s to
+        be suspended, then ttl_s to be stopped (R-3.6, issue 23); None: never, or not
+        idle."""
+        rules = rec.rules
+        if rec.state is S.SUSPENDED:
+            idle = rec.name not in self.state.queue.entries and not rec.removed
+            return rules.ttl_s or None if idle else None
+        if not self.state.evictable(rec):
+            return None
+        if (rules.ttl_suspend_s and rules.suspend and rec.state is S.LOADED
+                and rec.ttl_skipped != rec.idle_from
+                and (not rules.ttl_s or rules.ttl_suspend_s < rules.ttl_s)):
+            return rules.ttl_suspend_s
+        return rules.ttl_s or None
 
     def spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
         rec.generation += 1
@@ -86,24 +106,67 @@ class Moves:
         elif rec.node is not None:
             cause += f", on node {rec.node}"
         self.transition(rec, S.LOADING, cause, now)
-        if self.state.memory_on:
+        if self.state.watched(rec):
             self.state.memory.spawning(rec)
         self.state.out.append(Spawn(rec.name, rec.generation, rec.placement, rec.node))
 
     def stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
-              now: float, shortfalls: list[Shortfall] | None = None) -> None:
+             now: float, shortfalls: list[Shortfall] | None = None,
+             why: str | None = None) -> None:
+        """Stop `rec`'s child; `why`: why it was not suspended instead."""
+        cause = self.eviction_cause(reason, for_model, shortfalls)
+        if why:
+            cause += f"; not suspended: {why}"
+        self.transition(rec, S.STOPPING, cause, now)
+        self.evicted(rec, reason, for_model, shortfalls, "stop", why)
+        key = (rec.name, reason)
+        self.state.stats.evictions[key] = self.state.stats.evictions.get(key, 0) + 1
+        self.state.out.append(Stop(rec.name, rec.generation, reason))
+
+    def suspend(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
+                now: float, shortfalls: list[Shortfall] | None = None) -> None:
+        """Suspend `rec`'s child (issue 23): its slot and devices come free once it is
+        done, and its host copy is counted until then at its estimate."""
+        host = self.state.host
+        host.suspending(rec, self.state.ledger)
+        cause = self.eviction_cause(reason, for_model, shortfalls)
+        why = f"suspended to host RAM (about {rec.host_bytes / MiB:.0f} MiB)"
+        self.transition(rec, S.SUSPENDING, f"{cause}; {why}", now)
+        self.evicted(rec, reason, for_model, shortfalls, "suspend", why)
+        key = (rec.name, reason)
+        self.state.stats.suspends[key] = self.state.stats.suspends.get(key, 0) + 1
+        self.state.out.append(Suspend(rec.name, rec.generation))
+
+    def wake(self, rec: ModelRecord, entry: QueueEntry, now: float) -> None:
+        """Wake the suspended `rec` for `entry`'s waiters: a load, so its devices hold
+        its need from now on (the need it was last seen using)."""
+        entry.claimed = True
+        rec.waiting_for = None
+        rec.ttl_armed = False
+        cause = f"wake for {len(entry.waiters)} waiting request(s)" + (
+            f", on {', '.join(rec.placement)}" if rec.placement else "")
+        self.transition(rec, S.WAKING, cause, now)
+        if self.state.watched(rec):
+            self.state.ledger.reserve(rec.name, self.state.memory.wake_need(rec))
+            self.state.out.append(Track(rec.name, "waking", rec.pid))
+        self.state.out.append(Wake(rec.name, rec.generation))
+
+    @staticmethod
+    def eviction_cause(reason: EvictionReason, for_model: str | None,
+                       shortfalls: list[Shortfall] | None) -> str:
         cause = f"{reason} eviction" + (f" for {for_model}" if for_model else "")
         if shortfalls:
             cause += " (" + ", ".join(f"{s.device}: needs {s.needed / MiB:.0f} MiB, "
                                       f"{s.available / MiB:.0f} MiB available"
                                       for s in shortfalls) + ")"
-        self.transition(rec, S.STOPPING, cause, now)
+        return cause
+
+    def evicted(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
+                shortfalls: list[Shortfall] | None, action: Literal["stop", "suspend"],
+                why: str | None) -> None:
         rec.last_eviction = Evicted(model=rec.name, reason=reason, for_model=for_model,
-                                    devices=shortfalls or [])
-        key = (rec.name, reason)
-        self.state.stats.evictions[key] = self.state.stats.evictions.get(key, 0) + 1
+                                    devices=shortfalls or [], action=action, why=why)
         self.state.out.append(Publish(rec.last_eviction))
-        self.state.out.append(Stop(rec.name, rec.generation, reason))
 
     def grant(self, ticket: Hashable, rec: ModelRecord, now: float, key: str = "",
               waiter: Waiter | None = None, cuttable: bool = False) -> None:
@@ -166,10 +229,16 @@ class Moves:
     def transition(self, rec: ModelRecord, new: ModelState, cause: str, now: float,
                     exit_code: int | None = None, info: dict[str, Any] | None = None) -> None:
         check_transition(rec.name, rec.state, new)
-        running = int(new.is_running) - int(rec.state.is_running)
-        self.state.n_running += running
-        self.state.n_running_pinned += running * rec.pinned
-        self.state.n_stopping += int(new is S.STOPPING) - int(rec.state is S.STOPPING)
+        state, old = self.state, rec.state
+        held = rec.holds_slot
+        rec.slotless = new is S.STOPPING and (old is S.SUSPENDED or rec.slotless)
+        holds = new.holds_slot and not rec.slotless
+        running = int(holds) - int(held)
+        state.n_running += running
+        state.n_running_pinned += running * rec.pinned
+        state.n_stopping += int(new is S.STOPPING and holds) - int(old is S.STOPPING and held)
+        state.n_suspending += int(new is S.SUSPENDING) - int(old is S.SUSPENDING)
+        state.n_suspended += int(new in SUSPENDED) - int(old in SUSPENDED)
         took = now - rec.state_since
         log.info("model %s#%d: %s -> %s (%s, after %.2f s)", rec.name, rec.generation,
                  rec.state.value, new.value, cause, took)
@@ -187,7 +256,7 @@ class Moves:
         failed = rec.failed and rec.state is S.UNLOADED
         retry = rec.breaker.retry_at - now if rec.breaker.is_open(now) else None
         self.state.out.append(Publish(StatusChanged(
-            model=rec.name, status=rec.state.value, cause=cause, exit_code=exit_code, info=info,
+            model=rec.name, status=rec.state.shown, cause=cause, exit_code=exit_code, info=info,
             failed=failed, exit=rec.last_exit if failed else None, retry_after_s=retry)))
 
     def flush(self) -> list[Effect]:

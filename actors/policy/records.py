@@ -46,6 +46,20 @@ class Stop(msgspec.Struct, frozen=True):
     reason: str
 
 
+class Suspend(msgspec.Struct, frozen=True):
+    """Suspend the child of `generation` of `model` (its `suspend` method)."""
+
+    model: str
+    generation: int
+
+
+class Wake(msgspec.Struct, frozen=True):
+    """Wake the suspended child of `generation` of `model`."""
+
+    model: str
+    generation: int
+
+
 class Answer(msgspec.Struct, frozen=True):
     """Send `value` to the caller behind `ticket` (None: nobody waits, as for a load at
     startup)."""
@@ -77,7 +91,7 @@ class Track(msgspec.Struct, frozen=True):
     """Tell the DeviceMonitor that `model`'s child was spawned, is ready or is gone."""
 
     model: str
-    event: Literal["spawned", "ready", "exited"]
+    event: Literal["spawned", "ready", "exited", "suspended", "waking", "woken"]
     pid: int | None = None
 
 
@@ -95,8 +109,8 @@ class Later(msgspec.Struct, frozen=True):
     message: SchedulerMessage
 
 
-Effect = (Spawn | Stop | Answer | Preempt | Publish | Measure | Track | Withdraw | Revoke
-          | Later | Learned)
+Effect = (Spawn | Stop | Suspend | Wake | Answer | Preempt | Publish | Measure | Track
+          | Withdraw | Revoke | Later | Learned)
 """Withdraw and Revoke go to the front: no new request may join a grant of that generation
 (Withdraw), or none may be kept idle after its last request (Revoke)."""
 
@@ -179,6 +193,18 @@ class ModelRecord:
     """Ready, and the next device report tells its real usage (R-5.6)."""
     releasing: bool = False
     """Exited; its hold stays until a device report no longer tracks it (R-5.6)."""
+    host_bytes: int = 0
+    """Host RAM its suspended child holds: estimated while it suspends, then what its
+    resident memory grew by (issue 23)."""
+    host_last: int = 0
+    """What its last suspend took in host RAM (measured)."""
+    slotless: bool = False
+    """Stopping from the suspended tier: it holds no slot (models_max) while it goes."""
+    suspends: int = 0
+    wakes: int = 0
+    ttl_skipped: float | None = None
+    """The idle_from whose ttl_suspend_s found no room to suspend in: its TTL goes on
+    to ttl_s (a use since makes it count again)."""
 
     def __deepcopy__(self, memo: dict[int, object]) -> ModelRecord:
         """A copy for a plan (plans.py): its fields are values (numbers, strings, frozen
@@ -191,6 +217,11 @@ class ModelRecord:
         new.info = dict(self.info) if self.info is not None else None
         new.progress = dict(self.progress) if self.progress is not None else None
         return new
+
+    @property
+    def holds_slot(self) -> bool:
+        """Counts against models_max (SPEC R-4.1, issue 23)."""
+        return self.state.holds_slot and not self.slotless
 
     @property
     def pinned(self) -> bool:
@@ -228,5 +259,9 @@ class Stats:
     """Priority class -> how long its granted requests waited in the queue (with keys)."""
     cuts: dict[tuple[str, str], int] = field(default_factory=dict)
     """(model, key) -> requests of the key cut for a higher class (priority_preempt)."""
+    suspends: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(model, reason) -> suspends done in place of a stop (issue 23)."""
+    wake_time: dict[str, Histogram] = field(default_factory=dict)
+    """Model -> how long its wakes took, for those that succeeded."""
 
 

@@ -11,9 +11,9 @@ import logging
 from typing import Literal
 
 from ..histogram import observe
-from ..ledger import node_of
+from ..ledger import MiB, node_of
 from ..lifecycle import ModelState
-from ..messages import Repump
+from ..messages import EvictionReason, Repump, Shortfall
 from .moves import Moves
 from .queue import QueueEntry
 from .records import Later, Measure, ModelRecord
@@ -31,8 +31,27 @@ class Rules(Moves):
         self.state.now = now
         if self.state.shutting_down:
             return
+        if self.state.n_suspended:
+            self.relieve_host(now)
         self.tick(now)
         self.claim(now)
+
+    def relieve_host(self, now: float) -> None:
+        """Less host RAM than host_memory_margin_mib is available: stop suspended models,
+        least recently used first, until what they give back covers it (issue 23)."""
+        state = self.state
+        if not state.host.short([]):
+            return  # O(1) the common case: nothing coming back is needed
+        stopping = state.stopping_suspended()
+        while state.host.short(stopping):
+            victim = min((r for r in state.models.values() if r.state is S.SUSPENDED),
+                         key=lambda r: r.last_used, default=None)
+            if victim is None:
+                return
+            self.stop(victim, "host_memory", None, now, why=(
+                f"host RAM available is below host_memory_margin_mib "
+                f"({state.host.margin / MiB:.0f} MiB)"))
+            stopping.append(victim)
 
     def tick(self, now: float) -> None:
         """Stop idle LRU victims until every entry that needs a slot can have one.
@@ -45,12 +64,13 @@ class Rules(Moves):
             return
         # Stopping children free their slot once reaped, so they count as free already:
         # this is what stops two waiters from evicting two victims for one need.
-        free = self.state.models_max - self.state.n_running + self.state.n_stopping
+        free = (self.state.models_max - self.state.n_running + self.state.n_stopping
+                + self.state.n_suspending)
         if free >= len(self.state.queue.entries):
             return
         state = self.state
         pinned_out = state.n_running > 0 and state.n_running_pinned == state.n_running \
-            and self.state.n_stopping == 0
+            and self.state.n_stopping == 0 and self.state.n_suspending == 0
         if self.pick_victim(now) is None and not pinned_out:
             self.revoke_kept()
             return  # every running model is busy, wanted or young: a release re-ticks
@@ -62,7 +82,7 @@ class Rules(Moves):
                 if pinned_out:
                     self.refuse_pinned_out(needing[max(free, 0):])
                 return
-            self.stop(victim, "lru", needing[max(free, 0)], now)
+            self.evict(victim, "lru", needing[max(free, 0)], now)
             free += 1
 
     def refuse_pinned_out(self, models: list[str]) -> None:
@@ -120,18 +140,21 @@ class Rules(Moves):
             if rec.node is None:
                 self.revoke_kept()
                 return "wait"
-        # 4. One load per device at a time, as in the reference.
+        # 4. A suspended model wakes where it sleeps, if it fits there.
+        if rec.state is S.SUSPENDED:
+            return self.claim_wake(entry, rec, now)
+        # 5. One load per device at a time, as in the reference.
         busy = self.loading_devices(rec) if state.memory_on else set()
         if busy and not state.memory.candidates(rec) \
                 and not busy.isdisjoint(state.memory.devices_of(rec)):
             return "wait"
-        # 5. With memory accounting, the plan decides: evict, measure first, wait or refuse.
+        # 6. With memory accounting, the plan decides: evict, measure first, wait or refuse.
         if state.memory_on:
             victims = state.victims.ranked(state.models, now, state.resident_until)
             plan = state.memory.plan(rec, state.models, victims, busy)
             for victim, shortfalls in plan.evict:  # none: a node's slot
-                self.stop(victim, "memory" if shortfalls else "lru", rec.name, now,
-                          shortfalls)
+                self.evict(victim, "memory" if shortfalls else "lru", rec.name, now,
+                           shortfalls)
             if plan.measure:
                 rec.measure_requested_first = True
                 state.out.append(Measure(rec.name, front=True))
@@ -146,10 +169,55 @@ class Rules(Moves):
                 log.warning("%s", plan.note)  # said once, by the plan that was carried out
             rec.placement = plan.devices
             rec.node = node_of(plan.devices[0]) if plan.devices else None
-        # 6. It goes.
+        # 7. It goes.
         entry.claimed = True
         self.spawn(rec, len(entry.waiters), now)
         return "spawned"
+
+    def claim_wake(self, entry: QueueEntry, rec: ModelRecord,
+                   now: float) -> Literal["spawned", "wait"]:
+        """Wake the suspended `rec` for `entry`, making room on its devices as a load
+        does; where only pinned models hold that room it is stopped, and the entry waits
+        for its exit to load it anew (elsewhere, if it may go elsewhere)."""
+        state = self.state
+        if state.memory_on:
+            victims = state.victims.ranked(state.models, now, state.resident_until)
+            plan = state.memory.plan_wake(rec, state.models, victims,
+                                          self.loading_devices(rec))
+            for victim, shortfalls in plan.evict:
+                self.evict(victim, "memory", rec.name, now, shortfalls)
+            if plan.verdict == "refuse":
+                self.stop(rec, "wake_elsewhere", None, now, why=plan.refusal)
+                return "wait"
+            if plan.verdict == "wait":
+                self.revoke_kept()
+                return "wait"
+        self.wake(rec, entry, now)
+        return "spawned"
+
+    def evict(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
+              now: float, shortfalls: list[Shortfall] | None = None) -> None:
+        """Make room with the idle `rec`: suspend it if it has a way to and host memory
+        allows (at suspended_max, the least recently used suspended model is stopped for
+        it), else stop it; the event says which, and why (issue 23)."""
+        state = self.state
+        if not rec.rules.suspend:
+            self.stop(rec, reason, for_model, now, shortfalls)
+            return
+        why = state.host.why_not(rec, state.ledger, state.stopping_suspended())
+        if why is None and state.host.suspended_max \
+                and state.n_suspended >= state.host.suspended_max:
+            oldest = min((r for r in state.models.values() if r.state is S.SUSPENDED),
+                         key=lambda r: r.last_used, default=None)
+            if oldest is None or oldest.last_used > rec.last_used:
+                why = f"suspended_max ({state.host.suspended_max}) models are suspended"
+            else:
+                self.stop(oldest, "suspended_max", rec.name, now,
+                          why=f"suspended_max ({state.host.suspended_max}) reached")
+        if why is None:
+            self.suspend(rec, reason, for_model, now, shortfalls)
+        else:
+            self.stop(rec, reason, for_model, now, shortfalls, why=why)
 
     def claim_node(self, rec: ModelRecord, now: float) -> bool:
         """Choose the node of `rec` (a model with `nodes`, no memory accounting): sets

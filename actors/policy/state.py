@@ -13,6 +13,7 @@ from ..ledger import Ledger
 from ..lifecycle import ModelState
 from .breaker import Breaker
 from .cuts import Cuts
+from .host import HostTier
 from .memory import Memory
 from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
@@ -33,7 +34,8 @@ class State:
                  restart_period_s: float = 60.0, memory_margin: int = 0,
                  account_host: bool = False, restart_backoff_max_s: float = 60.0,
                  restart_healthy_s: float = 30.0, models_max_per_node: int = 0,
-                 tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0) -> None:
+                 tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0,
+                 host_margin: int = 0, suspended_max: int = 0) -> None:
         self.models_max = models_max
         self.breaker_args = (restart_intensity, restart_period_s, restart_backoff_max_s,
                              restart_healthy_s)
@@ -53,13 +55,19 @@ class State:
         self.nodes = NodeSlots(models_max_per_node)
         """The cluster's nodes that are up, and the models_max_per_node rule."""
         self.memory = Memory(memory_margin, account_host, self.nodes)
+        self.host = HostTier(host_margin, suspended_max)
+        """Host RAM for suspended models (issue 23)."""
         self.victims = Victims(self.evictable)
         self.stats = Stats()
         self.shutting_down = False
         self.n_running = 0
         self.n_stopping = 0
         self.n_running_pinned = 0
-        """Counts kept by `Rules.transition` (and a pin change), so a decision is O(1)."""
+        self.n_suspending = 0
+        self.n_suspended = 0
+        """Counts kept by `Moves.transition` (and a pin change), so a decision is O(1):
+        `n_running` counts the children that hold a slot (models_max), `n_suspended` the
+        suspended and suspending ones (suspended_max)."""
         self.last_generation: dict[str, int] = {}
         """Model -> the generation of its record when a reload dropped it: a model added
         back goes on counting from there, so a late lease or event of its old record is
@@ -78,6 +86,11 @@ class State:
     @property
     def memory_on(self) -> bool:
         return self.memory.on
+
+    def watched(self, rec: ModelRecord) -> bool:
+        """The DeviceMonitor follows `rec`'s child: with memory accounting, or for a model
+        that may be suspended (what its suspend moves to the host is what it holds)."""
+        return self.memory.on or rec.rules.suspend
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -102,8 +115,9 @@ class State:
     # ------------------------------------------------------------ queries
 
     def needs_slot(self, entry: QueueEntry, now: float) -> bool:
+        """A slot (models_max) would go to `entry`'s model: a load, or a wake."""
         rec = self.models[entry.model]
-        return (not entry.claimed and rec.state in (S.UNLOADED, S.STOPPING)
+        return (not entry.claimed and rec.state in (S.UNLOADED, S.STOPPING, S.SUSPENDED)
                 and not rec.breaker.is_open(now) and not self.only_blocked(entry))
 
     def only_blocked(self, entry: QueueEntry) -> bool:
@@ -126,6 +140,10 @@ class State:
     def evictable(self, rec: ModelRecord) -> bool:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
                 and rec.name not in self.queue.entries and not rec.removed)
+
+    def stopping_suspended(self) -> list[ModelRecord]:
+        """Suspended children being stopped: their host copies are coming back."""
+        return [r for r in self.models.values() if r.state is S.STOPPING and r.host_bytes]
 
     def resident_until(self, rec: ModelRecord) -> float:
         return (rec.ready_at or rec.state_since) + rec.rules.min_resident_s

@@ -21,7 +21,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
         expires = (rec.idle_from + rec.rules.ttl_s - now
                    if rec.rules.ttl_s and p.evictable(rec) else None)
         views.append(ModelView(
-            name=rec.name, state=rec.state.value, generation=rec.generation,
+            name=rec.name, state=rec.state.shown, generation=rec.generation,
             in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,
             pid=rec.pid, port=rec.port, exit_code=rec.exit_code, last_exit=rec.last_exit,
             last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
@@ -35,12 +35,14 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             queue_wait=(h.view() if (h := p.stats.queue_wait.get(rec.name)) else None),
             load_time=(h.view() if (h := p.stats.load_time.get(rec.name)) else None),
             refusals={r: n for (m, r), n in p.stats.refusals.items() if m == rec.name},
-            queue_position=places.get(rec.name) if oldest is not None else None))
+            queue_position=places.get(rec.name) if oldest is not None else None,
+            phase=rec.state.value if rec.state.value != rec.state.shown else None,
+            host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
                           queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
                           class_wait={c: h.view() for c, h in p.stats.class_wait.items()},
-                          cuts=sum(p.stats.cuts.values()))
+                          cuts=sum(p.stats.cuts.values()), suspended=p.n_suspended)
 
 
 def key_views(p: State, now: float) -> list[KeyView]:
@@ -73,7 +75,8 @@ def check(p: State) -> None:
                 p.tenants.at_limit(key) for key in entry.lanes), \
                 f"{name}: queued while it could serve"
         if entry.claimed:
-            assert rec.state in (S.LOADING, S.STOPPING), f"{name}: claim without child"
+            assert rec.state in (S.LOADING, S.STOPPING, S.WAKING), \
+                f"{name}: claim without child"
     for rec in p.models.values():
         live = sum(1 for (n, g, _) in p.leases.values()
                    if n == rec.name and g == rec.generation)
@@ -92,10 +95,19 @@ def check(p: State) -> None:
         assert p.cuts.slots[slot.model][ticket] is slot
     assert sum(map(len, p.cuts.slots.values())) == len(p.cuts.of), "cut slots"
     recs = list(p.models.values())
-    assert p.n_running == sum(r.state.is_running for r in recs), "n_running"
-    assert p.n_stopping == sum(r.state is S.STOPPING for r in recs), "n_stopping"
-    assert p.n_running_pinned == sum(r.state.is_running and r.pinned for r in recs)
+    assert p.n_running == sum(r.holds_slot for r in recs), "n_running"
+    assert p.n_stopping == sum(r.state is S.STOPPING and r.holds_slot for r in recs)
+    assert p.n_running_pinned == sum(r.holds_slot and r.pinned for r in recs)
+    assert p.n_suspending == sum(r.state is S.SUSPENDING for r in recs), "n_suspending"
+    assert p.n_suspended == sum(r.state in (S.SUSPENDING, S.SUSPENDED) for r in recs)
+    for rec in recs:
+        if rec.state in (S.SUSPENDING, S.SUSPENDED):
+            assert rec.rules.suspend and not rec.in_flight, f"{rec.name}: suspended busy"
+        assert rec.name not in p.host.unseen or rec.state in (
+            S.SUSPENDING, S.SUSPENDED, S.WAKING, S.STOPPING), \
+            f"{rec.name}: host bytes of no suspend"
     assert p.models_max <= 0 or p.n_running <= p.models_max, "over models_max"
+    assert not p.host.suspended_max or p.n_suspended <= p.host.suspended_max, "suspended_max"
     p.victims.check(p.models)
     for name in p.ledger.held:
         rec = p.models[name]

@@ -1,0 +1,47 @@
+"""A ModelInstance's phases, their transition table, and the steps of a child's stop."""
+
+from __future__ import annotations
+
+from .lifecycle import State
+
+KILL_GRACE_S = 2.0
+"""After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
+
+
+class Phase(State):
+    IDLE = "idle"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    SUSPENDING = "suspending"
+    SUSPENDED = "suspended"
+    WAKING = "waking"
+
+
+_GONE = frozenset({Phase.STOPPING, Phase.IDLE})
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.STARTING}),
+    Phase.STARTING: frozenset({Phase.READY, *_GONE}),
+    Phase.READY: frozenset({Phase.SUSPENDING, *_GONE}),
+    Phase.STOPPING: frozenset({Phase.IDLE}),
+    Phase.SUSPENDING: frozenset({Phase.SUSPENDED, Phase.READY, *_GONE}),  # ready: it failed
+    Phase.SUSPENDED: frozenset({Phase.WAKING, *_GONE}),
+    Phase.WAKING: frozenset({Phase.READY, Phase.SUSPENDED, *_GONE}),  # suspended: it failed
+}
+"""Its child's phases: IDLE (none), STARTING (spawned, not ready), READY, STOPPING (told
+to go), and the suspended tier's; any but IDLE ends in IDLE when the child exits."""
+
+StopStep = tuple[str, float]
+"""One step of a stop: what is sent ("exit", "SIGTERM", "SIGKILL"), then how long the
+child has to exit before the next step."""
+
+
+def said(what: str) -> str:
+    return "the exit command" if what == "exit" else what
+
+
+def stop_steps(llama: bool, stop_timeout_s: float) -> tuple[StopStep, ...]:
+    """How a ready child is stopped (R-3.4): a llama child is asked to exit first."""
+    if llama:
+        return (("exit", stop_timeout_s), ("SIGTERM", KILL_GRACE_S), ("SIGKILL", 0.0))
+    return (("SIGTERM", stop_timeout_s), ("SIGKILL", 0.0))

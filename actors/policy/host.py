@@ -1,0 +1,110 @@
+"""The host tier's accounts (issue 23): what host RAM the DeviceMonitor saw available,
+what suspends since then have taken or will take, and the two bounds a suspend must
+keep: host_memory_margin_mib and suspended_max.
+
+The host is not a ledger device (that is `account_host`'s job, for loads): a suspended
+child's host copy is real resident memory, so the monitor's figure of available host RAM
+holds every suspend it has seen. What it has not seen yet is counted here: a suspend
+under way at its estimate (the device memory the child holds), one done at what the
+child's resident memory grew by, until a report taken after it; a suspended child being
+stopped counts as coming back until a report no longer tracks it.
+"""
+
+from __future__ import annotations
+
+from ..ledger import Ledger, MiB
+from ..lifecycle import ModelState
+from ..messages import DeviceReport
+from .records import ModelRecord
+
+S = ModelState
+
+
+class HostTier:
+    """Host RAM for suspended models, and the rules that bound it."""
+
+    def __init__(self, margin: int, suspended_max: int) -> None:
+        self.margin = margin
+        """Bytes of host RAM kept available (host_memory_margin_mib)."""
+        self.suspended_max = suspended_max
+        """Most models suspended or suspending at once (0: no limit)."""
+        self.available: int | None = None
+        """Host RAM available at the last report (None: none has come yet: unlimited)."""
+        self.unseen: dict[str, int] = {}
+        """Model -> host bytes its suspend takes that no report has seen yet."""
+        self.freeing: dict[str, int] = {}
+        """Model -> host bytes of a suspended child that exited, until no report tracks it."""
+
+    def estimate(self, rec: ModelRecord, ledger: Ledger) -> int:
+        """What a suspend of `rec` moves to the host: the device memory it holds (vLLM's
+        level 1 keeps the weights and drops the KV cache, so this is an upper bound), or
+        what its last suspend took if that was more. A child on no device the monitor
+        sees, suspended for the first time, is judged by the margin alone."""
+        held = ledger.held.get(rec.name, {})
+        return max(rec.host_last, sum(
+            size for d, size in held.items()
+            if (dev := ledger.devices.get(d)) is not None and dev.kind == "device"))
+
+    def room(self, stopping: list[ModelRecord]) -> int | None:
+        """Host bytes a new suspend may take, keeping the margin (None: unlimited);
+        `stopping`: suspended models being stopped (theirs comes back)."""
+        if self.available is None:
+            return None
+        coming = sum(self.freeing.values()) + sum(r.host_bytes for r in stopping)
+        return self.available + coming - sum(self.unseen.values()) - self.margin
+
+    def why_not(self, rec: ModelRecord, ledger: Ledger,
+                stopping: list[ModelRecord]) -> str | None:
+        """Why `rec` may not be suspended now (None: it may); suspended_max is for the
+        caller, who may stop another suspended model for it."""
+        if not rec.rules.suspend:
+            return "it has no suspend method"
+        if rec.state is not S.LOADED:
+            return f"it is {rec.state.value}"
+        if rec.awaiting_usage and not ledger.held.get(rec.name) and not rec.host_last:
+            return "what it holds is not known yet (no device report since it got ready)"
+        room = self.room(stopping)
+        need = self.estimate(rec, ledger)
+        if room is not None and need > room:
+            return (f"host memory: its {need / MiB:.0f} MiB would leave less than "
+                    f"host_memory_margin_mib ({self.margin / MiB:.0f} MiB) available "
+                    f"(room for {max(room, 0) / MiB:.0f} MiB)")
+        return None
+
+    def suspending(self, rec: ModelRecord, ledger: Ledger) -> None:
+        rec.host_bytes = self.unseen[rec.name] = self.estimate(rec, ledger)
+
+    def suspended(self, rec: ModelRecord, host_bytes: int) -> None:
+        """The suspend is done: it took `host_bytes` (measured) in place of the estimate."""
+        rec.host_bytes = self.unseen[rec.name] = rec.host_last = host_bytes
+
+    def awake(self, rec: ModelRecord) -> None:
+        """Woken: its host copy is given back (the next report shows it)."""
+        rec.host_bytes = 0
+        self.unseen.pop(rec.name, None)
+
+    def gone(self, rec: ModelRecord) -> None:
+        """Its child exited: what it held on the host comes back."""
+        self.unseen.pop(rec.name, None)
+        if rec.host_bytes:
+            self.freeing[rec.name] = rec.host_bytes
+        rec.host_bytes = 0
+
+    def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> None:
+        """Fresh figures: a suspend the monitor had seen done when it sampled is in them,
+        and so is the exit of a child it no longer tracks."""
+        for sample in report.devices:
+            if sample.kind == "host":
+                self.available = sample.free
+        for name in report.suspended:
+            rec = models.get(name)
+            if rec is not None and rec.state is S.SUSPENDED:
+                self.unseen.pop(name, None)
+        tracked = set(report.tracked)
+        for name in [n for n in self.freeing if n not in tracked]:
+            del self.freeing[name]
+
+    def short(self, stopping: list[ModelRecord]) -> bool:
+        """Less than the margin is available, counting what is coming back."""
+        room = self.room(stopping)
+        return room is not None and room < 0

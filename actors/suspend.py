@@ -1,0 +1,154 @@
+"""How a child is suspended and woken (corral's suspended tier, issue 23): the `suspend`
+key of a model, and the blocking calls that carry it out on a ModelInstance's helper
+thread. A suspended child keeps its process and gives its devices back, its memory moved
+to host RAM by whatever its method does; a wake brings it back.
+
+- `"vllm"`: vLLM's sleep mode (`POST /sleep?level=1`, `POST /wake_up`, checked with
+  `GET /is_sleeping`); vLLM needs `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1`.
+- `{ sleep = [...], wake = [...] }`: commands, with `{pid}`, `{port}` and `{model}`
+  filled in; e.g. NVIDIA's `cuda-checkpoint --toggle --pid {pid}` for any CUDA process.
+- `{ sleep_http = "METHOD PATH", wake_http = "METHOD PATH" }`: one request each, to the
+  child; any 2xx answer is success.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import subprocess
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+import psutil
+
+Step = Literal["sleep", "wake"]
+HTTP_STEP = re.compile(r"(GET|POST|PUT|PATCH|DELETE) (/\S*)")
+PLACEHOLDER = re.compile(r"\{(pid|port|model)\}")
+
+
+class SuspendCommands(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A `suspend = { ... }` table: commands, or requests to the child (one pair)."""
+
+    sleep: list[str] | None = None
+    wake: list[str] | None = None
+    sleep_http: str | None = None
+    wake_http: str | None = None
+
+
+Suspend = Literal["vllm"] | SuspendCommands
+"""What a model's `suspend` key holds."""
+
+
+def check(how: Suspend) -> str | None:
+    """What is wrong with a `suspend` value (None: nothing)."""
+    if isinstance(how, str):
+        return None
+    commands = (how.sleep, how.wake)
+    requests = (how.sleep_http, how.wake_http)
+    if any(c is not None for c in commands) == any(r is not None for r in requests):
+        return ("set either sleep and wake (commands) or sleep_http and wake_http "
+                '(e.g. "POST /sleep"), one pair')
+    if any(c is not None for c in commands):
+        if not how.sleep or not how.wake:
+            return "sleep and wake must both be commands (non-empty lists)"
+        return None
+    for name, value in (("sleep_http", how.sleep_http), ("wake_http", how.wake_http)):
+        if value is None or not HTTP_STEP.fullmatch(value):
+            return f'{name} must be "METHOD /path", e.g. "POST /sleep", not {value!r}'
+    return None
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and its descendants (0 if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+def run(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: int,
+        timeout_s: float, say: Callable[[str], None]) -> str | None:
+    """Suspend (`sleep`) or wake the child; None when it did, else why not. `say`: a
+    line for the model's log."""
+    if how == "vllm":
+        path = "/sleep?level=1" if step == "sleep" else "/wake_up"
+        why = _request(host, port, "POST", path, timeout_s)
+        if why is not None:
+            return why
+        return _check_vllm(host, port, step == "sleep", timeout_s)
+    assert isinstance(how, SuspendCommands)
+    target = how.sleep_http if step == "sleep" else how.wake_http
+    if target is not None:
+        method, path = target.split(" ", 1)
+        return _request(host, port, method, path, timeout_s)
+    argv = how.sleep if step == "sleep" else how.wake
+    assert argv is not None
+    values = {"pid": str(pid), "port": str(port), "model": model}
+    argv = [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in argv]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        return f"{argv[0]} did not finish within suspend_timeout_s={timeout_s:g}"
+    except OSError as e:
+        return f"cannot run {argv[0]}: {e.strerror or e}"
+    for line in (done.stdout + done.stderr).splitlines():
+        say(f"corral: {step}: {line}")
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()
+        return (f"{argv[0]} exited with status {done.returncode}"
+                + (f": {last[-1][:200]}" if last else ""))
+    return None
+
+
+def switch(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: int,
+           timeout_s: float, say: Callable[[str], None],
+           done: Callable[[str | None, int], None]) -> None:
+    """`run`, then `done(failure, grew)`: what the process' resident memory grew by
+    (measured for a `sleep` only). On a ModelInstance's helper thread."""
+    before = tree_rss(pid) if step == "sleep" else 0
+    failure = run(how, step, model=model, host=host, port=port, pid=pid,
+                  timeout_s=timeout_s, say=say)
+    done(failure, max(0, tree_rss(pid) - before) if step == "sleep" else 0)
+
+
+def _request(host: str, port: int, method: str, path: str, timeout_s: float) -> str | None:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request(method, path)
+        answer = conn.getresponse()
+        body = answer.read(300)
+    except (OSError, http.client.HTTPException) as e:
+        return f"{method} {path}: {type(e).__name__}: {e}"
+    finally:
+        conn.close()
+    if not 200 <= answer.status < 300:
+        return f"{method} {path} answered {answer.status}: {body.decode(errors='replace')}"
+    return None
+
+
+def _check_vllm(host: str, port: int, asleep: bool, timeout_s: float) -> str | None:
+    """vLLM answers /sleep and /wake_up before it is done on some versions: its
+    /is_sleeping says whether it is."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/is_sleeping")
+        answer = conn.getresponse()
+        said = json.loads(answer.read(1000) or b"{}")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        return f"GET /is_sleeping: {type(e).__name__}: {e}"
+    finally:
+        conn.close()
+    if not isinstance(said, dict) or said.get("is_sleeping") is not asleep:
+        return f"GET /is_sleeping said {said!r} after the {'sleep' if asleep else 'wake'}"
+    return None
