@@ -199,6 +199,12 @@ def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
             # One table at a time first: msgspec names a dict key `[...]`, and the
             # model's (or key's) name is the part of the path a user needs.
             for name, table in tables.items():
+                how = table.get("suspend") if isinstance(table, dict) else None
+                if section == "models" and isinstance(how, str) and how != "vllm":
+                    raise ConfigError(
+                        f"{source}: models.{name}.suspend: {how!r} is not a method; use "
+                        '"vllm", { sleep = [...], wake = [...] } or { sleep_http = '
+                        '"POST /path", wake_http = "POST /path" }')
                 try:
                     msgspec.convert(table, type=kind)
                 except msgspec.ValidationError as e:

@@ -68,7 +68,8 @@ def test_load_and_unload(corral) -> None:
     assert sse.statuses("a") == ["loading", "loaded", "stopping", "unloaded"]
     evicted = [e for e in sse.events if e["type"] == "eviction"]
     assert evicted == [{"type": "eviction", "model": "a", "reason": "manual",
-                        "for_model": None, "devices": []}]
+                        "for_model": None, "devices": [], "action": "stop",
+                        "why": None}]
     status, body, _ = request(c.port, "POST", "/models/load", raw=b"{}")
     assert status == 400 and "missing required field `model`" in body["error"]["message"]
 

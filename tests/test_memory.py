@@ -60,7 +60,8 @@ def test_two_4gib_models_coexist_and_a_third_evicts_the_lru(corral, tmp_path) ->
     assert eviction == {"type": "eviction", "model": "a", "reason": "memory",
                         "for_model": "c",
                         "devices": [{"device": "gpu0", "needed": 4 * GiB,
-                                     "available": 2 * GiB}]}
+                                     "available": 2 * GiB}],
+                        "action": "stop", "why": None}
     assert models["a"]["last_eviction"] == eviction
     memory = models["c"]["memory"]
     assert memory["min"]["devices"][0]["model"] == 4 * GiB

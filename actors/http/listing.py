@@ -46,6 +46,10 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
         status["expires_in_s"] = round(expires, 3)
     if view.progress is not None:
         status["progress"] = view.progress
+    if view.phase is not None:  # corral's suspended tier: `sleeping` is llama.cpp's word
+        status["phase"] = view.phase
+    if view.host_bytes:
+        status["host_bytes"] = view.host_bytes
     out: dict[str, Any] = {
         "id": view.name, "object": "model", "owned_by": "corral",
         "created": created, "aliases": model.aliases, "status": status,

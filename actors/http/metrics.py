@@ -66,9 +66,12 @@ class Snapshot(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.models
-        yield GaugeMetricFamily("corral_models_running", "Children running (loading, loaded, "
-                                "sleeping or stopping); models_max bounds it.",
-                                value=snap.running)
+        yield GaugeMetricFamily("corral_models_running", "Children holding a slot (loading, "
+                                "loaded, sleeping or stopping, not suspended); models_max "
+                                "bounds it.", value=snap.running)
+        yield GaugeMetricFamily("corral_models_suspended", "Children suspended or being "
+                                "suspended (shown as sleeping); suspended_max bounds it.",
+                                value=snap.suspended)
         yield GaugeMetricFamily("corral_queue_depth", "Requests waiting for a model.",
                                 value=snap.queue_depth)
         yield CounterMetricFamily("corral_requests_granted", "Requests let through to a "
@@ -106,7 +109,17 @@ class Snapshot(Collector):
                                      "requests waited in the queue.", labels=["model"])
         load = HistogramMetricFamily("corral_model_load_seconds", "Spawn to ready, for the "
                                      "loads that succeeded.", labels=["model"])
+        suspends = CounterMetricFamily("corral_model_suspends", "Times a model's child was "
+                                       "suspended (its devices given back, kept in host "
+                                       "RAM).", labels=["model"])
+        wakes = CounterMetricFamily("corral_model_wakes", "Times a model's suspended child "
+                                    "was woken.", labels=["model"])
+        host = GaugeMetricFamily("corral_model_host_bytes", "Host RAM a model's suspended "
+                                 "child holds.", labels=["model"])
         for v in snap.models:
+            suspends.add_metric([v.name], v.suspends)
+            wakes.add_metric([v.name], v.wakes)
+            host.add_metric([v.name], v.host_bytes or 0)
             for s in STATES:
                 state.add_metric([v.name, s], float(v.state == s))
             failed.add_metric([v.name], float(v.failed))
@@ -120,7 +133,8 @@ class Snapshot(Collector):
             for family, view in ((wait, v.queue_wait), (load, v.load_time)):
                 if view is not None:
                     family.add_metric([v.name], buckets(view), view.sum)
-        yield from (state, failed, in_flight, waiting, loads, evictions, refusals, wait, load)
+        yield from (state, failed, in_flight, waiting, loads, evictions, refusals, wait, load,
+                    suspends, wakes, host)
         for key, name, what in (
                 ("first_byte", "corral_request_first_byte_seconds", "to the answer's head"),
                 ("duration", "corral_request_duration_seconds", "to the answer's end")):

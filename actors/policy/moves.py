@@ -68,28 +68,12 @@ class Moves:
         """`rec` may have become idle: offer it as a victim, and arm its TTL (due from
         its last use, when `now` is given)."""
         self.state.victims.offer(rec)
-        after = self.ttl_after(rec)
+        after = self.state.ttl_after(rec)
         if after is not None and not rec.ttl_armed:
             rec.ttl_armed = True
             delay = after if now is None else max(0.0, rec.idle_from + after - now)
             self.state.out.append(Later(delay, TtlDue(model=rec.name,
                                                       generation=rec.generation)))
-
-    def ttl_after(self, rec: ModelRecord) -> float | None:
-        """How long after its last use the idle `rec` is due for its TTL: ttl_suspend_s to
-        be suspended, then ttl_s to be stopped (R-3.6, issue 23); None: never, or not
-        idle."""
-        rules = rec.rules
-        if rec.state is S.SUSPENDED:
-            idle = rec.name not in self.state.queue.entries and not rec.removed
-            return rules.ttl_s or None if idle else None
-        if not self.state.evictable(rec):
-            return None
-        if (rules.ttl_suspend_s and rules.suspend and rec.state is S.LOADED
-                and rec.ttl_skipped != rec.idle_from
-                and (not rules.ttl_s or rules.ttl_suspend_s < rules.ttl_s)):
-            return rules.ttl_suspend_s
-        return rules.ttl_s or None
 
     def spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
         rec.generation += 1

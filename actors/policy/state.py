@@ -145,5 +145,21 @@ class State:
         """Suspended children being stopped: their host copies are coming back."""
         return [r for r in self.models.values() if r.state is S.STOPPING and r.host_bytes]
 
+    def ttl_after(self, rec: ModelRecord) -> float | None:
+        """How long after its last use the idle `rec` is due for its TTL: ttl_suspend_s to
+        be suspended, then ttl_s to be stopped (R-3.6, issue 23); None: never, or not
+        idle."""
+        rules = rec.rules
+        if rec.state is S.SUSPENDED:
+            idle = rec.name not in self.queue.entries and not rec.removed
+            return rules.ttl_s or None if idle else None
+        if not self.evictable(rec):
+            return None
+        if (rules.ttl_suspend_s and rules.suspend and rec.state is S.LOADED
+                and rec.ttl_skipped != rec.idle_from
+                and (not rules.ttl_s or rules.ttl_suspend_s < rules.ttl_s)):
+            return rules.ttl_suspend_s
+        return rules.ttl_s or None
+
     def resident_until(self, rec: ModelRecord) -> float:
         return (rec.ready_at or rec.state_since) + rec.rules.min_resident_s

@@ -99,7 +99,7 @@ class Tiers:
         if rec is None or rec.generation != generation:
             return []
         rec.ttl_armed = False
-        after = self.rules.ttl_after(rec)
+        after = self.state.ttl_after(rec)
         if after is None:
             return []  # busy, wanted or pinned now: armed again once idle
         due = rec.idle_from + after

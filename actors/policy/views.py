@@ -18,8 +18,8 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
         entry = p.queue.entry(rec.name)
         oldest = (now - p.queue.waiters[next(iter(entry.waiters))].queued_at
                   if entry is not None and entry.waiters else None)
-        expires = (rec.idle_from + rec.rules.ttl_s - now
-                   if rec.rules.ttl_s and p.evictable(rec) else None)
+        after = p.ttl_after(rec)
+        expires = rec.idle_from + after - now if after is not None else None
         views.append(ModelView(
             name=rec.name, state=rec.state.shown, generation=rec.generation,
             in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,

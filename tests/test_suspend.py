@@ -1,0 +1,160 @@
+"""The suspended tier with real processes (issue 23): fake children with vLLM's sleep
+endpoints on a simulated 1 GiB device, each using 600 MiB of it, so two never fit
+together. An eviction suspends one (its process kept, its host copy really allocated),
+a request wakes it in place, and every way out (host RAM short, a failed suspend, an
+unload) stops the child for good."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from actors.config import ConfigError
+from actors.config_load import parse_config
+from tests.helpers import SSE, chat, fake_cmd, pid_alive, request, toml_config, wait_until
+
+MiB = 1024**2
+GPU = [{"name": "gpu0", "kind": "simulated", "total_mib": 1024}]
+SLEEPY = fake_cmd("--device-mib", "600", "--sleep-mode", "--wake-s", "0.2",
+                  "--load-delay", "1.0")
+
+
+def config(tmp: Path, models: dict[str, dict[str, Any]], **top: Any) -> str:
+    settings: dict[str, Any] = {"models_max": 2, "memory_margin_mib": 64,
+                                "state_dir": str(tmp / "state"), "device_poll_s": 0.2, **top}
+    return toml_config(models, devices=GPU, **settings)
+
+
+def sleepy(**keys: Any) -> dict[str, Any]:
+    return {"cmd": SLEEPY, "suspend": "vllm", **keys}
+
+
+def measured(c: Any, *models: str) -> None:
+    for m in models:
+        wait_until(lambda m=m: c.models()[m]["memory"]["status"] == "measured", 15,
+                   f"{m} to be measured")
+
+
+def stats(port: int) -> dict[str, Any]:
+    status, body, _ = request(port, "GET", "/debug/stats")
+    assert status == 200, body
+    return body  # type: ignore[no-any-return]
+
+
+def test_an_eviction_suspends_and_a_request_wakes_the_same_child(corral, tmp_path) -> None:
+    c = corral(config(tmp_path, {"a": sleepy(), "b": sleepy()}))
+    measured(c, "a", "b")
+    sse = SSE(c.port)
+    assert chat(c.port, "a")[0] == 200
+    a = c.models()["a"]
+    assert chat(c.port, "b")[0] == 200
+    eviction = sse.wait_for(lambda e: e["type"] == "eviction")
+    assert (eviction["model"], eviction["reason"], eviction["action"]) == ("a", "memory",
+                                                                          "suspend")
+    asleep = c.models()["a"]
+    assert asleep["status"]["value"] == "sleeping" and asleep["status"]["phase"] == "suspended"
+    assert asleep["pid"] == a["pid"] and pid_alive(a["pid"])
+    # its host copy is real: what the child's resident memory grew by, about 600 MiB
+    assert 500 * MiB < asleep["status"]["host_bytes"] < 700 * MiB
+    assert stats(a["port"])["sleeps"] == 1
+    assert chat(c.port, "a")[0] == 200, "a request wakes it"
+    woken = c.models()["a"]
+    assert woken["status"]["value"] == "loaded" and woken["pid"] == a["pid"]
+    assert stats(a["port"])["wakes"] == 1
+    assert c.models()["b"]["status"].get("phase") == "suspended", "b went to the host for a"
+    assert sse.statuses("a")[-3:] == ["sleeping", "loading", "loaded"]
+    _, text, _ = request(c.port, "GET", "/metrics")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("corral_model_suspends_total", (("model", "a"),))] == 1
+    assert samples[("corral_model_wakes_total", (("model", "a"),))] == 1
+    assert samples[("corral_models_suspended", ())] == 1
+    sse.close()
+
+
+def test_without_host_room_the_victim_is_stopped_saying_why(corral, tmp_path) -> None:
+    c = corral(config(tmp_path, {"a": sleepy(), "b": sleepy()},
+                      host_memory_margin_mib=100_000_000))
+    measured(c, "a", "b")
+    sse = SSE(c.port)
+    assert chat(c.port, "a")[0] == 200
+    pid = c.models()["a"]["pid"]
+    assert chat(c.port, "b")[0] == 200
+    eviction = sse.wait_for(lambda e: e["type"] == "eviction")
+    assert eviction["action"] == "stop" and "host memory" in eviction["why"]
+    wait_until(lambda: not pid_alive(pid), 10, "a's child to be gone")
+    sse.close()
+
+
+def test_a_failed_suspend_stops_the_child_and_the_newcomer_still_loads(corral,
+                                                                       tmp_path) -> None:
+    broken = {"sleep_http": "POST /no-such-path", "wake_http": "POST /wake_up"}
+    c = corral(config(tmp_path, {"a": sleepy(suspend=broken), "b": sleepy()}))
+    measured(c, "a", "b")
+    sse = SSE(c.port)
+    assert chat(c.port, "a")[0] == 200
+    pid = c.models()["a"]["pid"]
+    assert chat(c.port, "b")[0] == 200
+    failed = sse.wait_for(lambda e: e["type"] == "eviction" and e["reason"] == "suspend_failed")
+    assert failed["model"] == "a" and "404" in failed["why"]
+    wait_until(lambda: not pid_alive(pid), 10, "a's child to be gone")
+    assert c.state("b") == "loaded"
+    sse.close()
+
+
+def test_suspend_by_commands_with_placeholders_and_unload_of_a_suspended_model(
+        corral, tmp_path) -> None:
+    post = ("import sys, urllib.request; urllib.request.urlopen(urllib.request.Request("
+            "'http://127.0.0.1:' + sys.argv[1] + sys.argv[2], method='POST'), timeout=30)")
+    commands = {"sleep": [sys.executable, "-c", post, "{port}", "/sleep?level=1"],
+                "wake": [sys.executable, "-c", post, "{port}", "/wake_up"]}
+    c = corral(config(tmp_path, {"a": sleepy(suspend=commands), "b": sleepy()}))
+    measured(c, "a", "b")
+    assert chat(c.port, "a")[0] == 200
+    a = c.models()["a"]
+    assert chat(c.port, "b")[0] == 200
+    assert c.models()["a"]["status"].get("phase") == "suspended"
+    assert stats(a["port"])["sleeps"] == 1
+    assert chat(c.port, "a")[0] == 200
+    assert stats(a["port"])["wakes"] == 1
+    b = c.models()["b"]
+    assert b["status"].get("phase") == "suspended"
+    status, body, _ = request(c.port, "POST", "/models/unload", {"model": "b"})
+    assert status == 200, body
+    c.wait_state("b", "unloaded")
+    assert not pid_alive(b["pid"])
+
+
+def test_ttl_suspends_an_idle_model_then_stops_it(corral, tmp_path) -> None:
+    c = corral(config(tmp_path, {"a": sleepy(ttl_suspend_s=0.5, ttl_s=2.0)}))
+    measured(c, "a")
+    sse = SSE(c.port)
+    assert chat(c.port, "a")[0] == 200
+    pid = c.models()["a"]["pid"]
+    sse.wait_for(lambda e: e["type"] == "eviction" and e["action"] == "suspend")
+    wait_until(lambda: c.models()["a"]["status"].get("phase") == "suspended", 10,
+               "a to be suspended")
+    stop = sse.wait_for(lambda e: e["type"] == "eviction" and e["action"] == "stop", 15)
+    assert stop["reason"] == "ttl"
+    c.wait_state("a", "unloaded")
+    assert not pid_alive(pid)
+    sse.close()
+
+
+def test_a_bad_suspend_config_is_refused_naming_the_key(tmp_path) -> None:
+    for suspend, words in (({"sleep": ["x"]}, "sleep and wake"),
+                           ({"sleep_http": "SLEEP /x", "wake_http": "POST /y"},
+                            "METHOD /path"),
+                           ({"sleep": ["x"], "wake": ["y"], "sleep_http": "POST /x"},
+                            "one pair"),
+                           ("cuda", "not a method")):
+        data = {"models": {"m": {"cmd": ["x"], "suspend": suspend}}}
+        with pytest.raises(ConfigError, match=words) as e:
+            parse_config(data, "c.toml")
+        assert "models.m.suspend" in str(e.value)
+    with pytest.raises(ConfigError, match="ttl_suspend_s"):
+        parse_config({"models": {"m": {"cmd": ["x"], "ttl_suspend_s": 5}}}, "c.toml")
