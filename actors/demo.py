@@ -10,12 +10,16 @@ from .config import Config, DeviceConfig, ModelConfig
 def demo_config() -> Config:
     """The built-in demo: three models backed by the bundled fake model server, on two
     simulated 3.5 GiB GPUs with memory accounting on: small and medium are placed one on
-    each, and large (3 GiB) makes room by evicting the least recently used."""
+    each, and large (3 GiB) makes room by evicting the least recently used. They have
+    vLLM's sleep mode (faked), so that eviction suspends the model to host RAM while host
+    memory allows, and its next request wakes it in 0.1 s instead of loading it again."""
     def fake(load_delay_s: float, tokens_per_s: float, mib: int) -> ModelConfig:
         return ModelConfig(cmd=[sys.executable, "-m", "actors.fake_model", "--host", "{host}",
                                 "--port", "{port}", "--model", "{model}",
                                 "--load-delay", str(load_delay_s),
-                                "--tokens-per-s", str(tokens_per_s), "--device-mib", str(mib)])
+                                "--tokens-per-s", str(tokens_per_s), "--device-mib", str(mib),
+                                "--sleep-mode", "--wake-s", "0.1"],
+                           suspend="vllm")
     return Config(models_max=3, memory_margin_mib=512, device_poll_s=1.0,
                   devices=[DeviceConfig(name=f"demo-gpu{i}", kind="simulated",
                                         total_mib=3584) for i in (0, 1)],

@@ -2,6 +2,7 @@
 
     python -m bench swap [--runs 20] [--json FILE]
     python -m bench swap --llama-server BIN     # also corral vs llama-server's router
+    python -m bench swap --suspend [--rounds 3] [--runs 8]
 
 1. Cold start: request -> first byte for an unloaded model through corral, against the
    same child started by the bench itself (spawn -> its readiness -> the same request),
@@ -12,15 +13,21 @@
    every request stops one child and starts the other.
 With --llama-server: both, on real llama-server children with tiny GGUF models, through
 corral and through llama-server's own router (same models, same requests).
+With --suspend (issue 23): the swap of 2., with models_max 2 and two fake vLLM children
+that do not fit on one simulated device together (a cold load takes --load-s, a wake
+--wake-s), on two corrals at once: one that stops the model it evicts, one that suspends
+it (`suspend = "vllm"`); their swaps alternate, one at a time, --runs of each a round.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -145,13 +152,76 @@ async def llama_runs(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def suspend_config(args: argparse.Namespace, home: Path, suspend: bool) -> str:
+    cmd = fake_cmd("--device-mib", str(args.device_mib), "--load-delay", str(args.load_s),
+                   "--sleep-mode", "--wake-s", str(args.wake_s))
+    model: dict[str, Any] = {"cmd": cmd, **({"suspend": "vllm"} if suspend else {})}
+    return toml_config({"a": model, "b": model}, models_max=2, memory_margin_mib=64,
+                       device_poll_s=0.5, state_dir=str(home / "state"),
+                       devices=[{"name": "gpu0", "kind": "simulated",
+                                 "total_mib": args.device_mib * 1.7}])
+
+
+async def suspend_runs(args: argparse.Namespace) -> dict[str, Any]:
+    rounds: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        corrals = {}
+        for label, suspend in (("stop", False), ("suspend", True)):
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corral-")))
+            corrals[label] = stack.enter_context(Corral(
+                suspend_config(args, home, suspend), home=home, log_level="WARNING"))
+        async with session() as s:
+            for c in corrals.values():  # each model's first load, and measure, off the clock
+                await wait_measured(s, c.url, ["a", "b"])
+            await asyncio.gather(*(send(s, c.url, m) for c in corrals.values() for m in "ab"))
+            for r in range(args.rounds):
+                samples: dict[str, list[float]] = {k: [] for k in corrals}
+                for i in range(args.runs):
+                    for label, c in corrals.items():
+                        result = await send(s, c.url, "ab"[(i + r) % 2])
+                        assert result.status == 200, result
+                        samples[label].append(result.ttfb_s)
+                p50 = {k: statistics.median(v) for k, v in samples.items()}
+                rounds.append({k: summary_ms(v) for k, v in samples.items()}
+                              | {"ratio": p50["suspend"] / p50["stop"]})
+                print(f"round {r + 1}: swap p50 stopping {p50['stop'] * 1e3:8.1f} ms, "
+                      f"suspending {p50['suspend'] * 1e3:7.1f} ms "
+                      f"(p99 {summary_ms(samples['suspend'])['p99']:.1f} ms): "
+                      f"{p50['suspend'] / p50['stop']:.3f} of it")
+    ratios = [r["ratio"] for r in rounds]
+    print(f"suspend/stop swap p50 over {len(rounds)} rounds: "
+          f"{min(ratios):.3f}-{max(ratios):.3f}")
+    return {"suspend_swap": rounds}
+
+
+async def wait_measured(s: aiohttp.ClientSession, url: str, models: list[str]) -> None:
+    for _ in range(3000):
+        listing = await get_json(s, url + "/models")
+        if all(m["memory"]["status"] == "measured" for m in listing["data"]
+               if m["id"] in models):
+            return
+        await asyncio.sleep(0.02)
+    raise RuntimeError("the models were not measured in 60 s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench swap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--llama-server", metavar="BIN")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--suspend", action="store_true",
+                    help="stopping against suspending, side by side (issue 23)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--load-s", type=float, default=10.0)
+    ap.add_argument("--wake-s", type=float, default=0.5)
+    ap.add_argument("--device-mib", type=int, default=600)
     args = ap.parse_args(argv)
+    if args.suspend:
+        result = loop.run(suspend_runs(args))
+        write_json(args.json, {"bench": "swap --suspend", "machine": machine(),
+                               "params": vars(args) | {"json": None}, **result})
+        return 0
     result = loop.run(fake_runs(args))
     if args.llama_server:
         result.update(loop.run(llama_runs(args)))
