@@ -20,8 +20,6 @@ from aiohttp import web
 
 from .protocols import register_memory, registered_mib
 
-PAGE = mmap.PAGESIZE
-
 
 class Sleep:
     """The sleep state of one fake child."""
@@ -30,7 +28,7 @@ class Sleep:
         self.args = args
         self.asleep = False
         self.level = 0
-        self.host: bytearray | None = None
+        self.host: mmap.mmap | None = None
         """The weights' host copy while asleep at level 1."""
         self.device_mib = 0.0
         """What the device held when it went to sleep."""
@@ -46,9 +44,9 @@ class Sleep:
         async with self.lock:
             if not self.asleep:
                 self.device_mib = registered_mib()
-                if level == "1":
-                    self.host = bytearray(int(self.device_mib * 2**20))
-                    self.host[::PAGE] = b"\x01" * len(range(0, len(self.host), PAGE))
+                if level == "1" and self.device_mib > 0:  # faulted in at once: resident
+                    self.host = mmap.mmap(-1, int(self.device_mib * 2**20), flags=(
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)))
                 register_memory(self.args.sleep_device_mib, zero_ok=True)
                 self.asleep, self.level = True, int(level)
                 self.sleeps += 1
@@ -62,6 +60,8 @@ class Sleep:
                 await asyncio.sleep(self.args.wake_s if self.level == 1
                                     else self.args.load_delay)
                 register_memory(self.device_mib, zero_ok=True)
+                if self.host is not None:
+                    self.host.close()
                 self.host = None
                 self.asleep = False
                 self.wakes += 1

@@ -42,11 +42,10 @@ class Tiers:
             self.state.host.awake(rec)  # nothing went to the host
             self._failed(rec, "suspend_failed", f"its suspend failed: {detail}", now)
         else:
-            took = now - rec.state_since
             self.state.host.suspended(rec, host_bytes)
             rec.suspends += 1
             self.rules.transition(rec, S.SUSPENDED, f"suspended, {host_bytes / MiB:.0f} MiB "
-                                  f"to host RAM, after {took:.2f} s", now)
+                                  "to host RAM", now)
             if self.state.watched(rec):
                 # Its devices hold what the monitor still sees until its next report.
                 self.state.ledger.unreserve(model)
@@ -73,7 +72,7 @@ class Tiers:
             self.state.host.awake(rec)
             rec.wakes += 1
             rec.ready_at = rec.last_used = now
-            self.rules.transition(rec, S.LOADED, f"woken, after {took:.2f} s", now)
+            self.rules.transition(rec, S.LOADED, "woken", now)
             rec.awaiting_usage = self.state.watched(rec)
             self.state.out.append(Track(model, "woken", rec.pid))
             if entry is not None:
