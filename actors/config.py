@@ -115,6 +115,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Suspend it after this long with no request (0: only to make room); ttl_s stops it."""
     suspend_timeout_s: PositiveSeconds = 120.0
     """A suspend or a wake that takes longer fails: the child is stopped."""
+    keep_prompt_cache: bool = False
+    """llama-server children: save the slots' prompt caches before corral stops the child,
+    restore them after its next ready (actors/prompt_cache.py)."""
     key_flag: str | None = None
     """The flag its server takes an API key with: on a cluster node the child listens on
     the network, so corral starts it with `KEY_FLAG <a key only the head knows>` and the
@@ -313,6 +316,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     used first, while less is available."""
     suspended_max: Annotated[int, Meta(ge=0)] = 0
     """Most suspended models at once (0: as many as host memory allows)."""
+    prompt_cache_max_mib: Annotated[float, Meta(ge=0)] = 4096.0
+    """Most disk the saved prompt caches take (STATE_DIR/prompt-cache); oldest go first."""
     measure_timeout_s: PositiveSeconds = 300.0
     device_poll_s: PositiveSeconds = 2.0
     """How often the DeviceMonitor samples the devices."""

@@ -17,6 +17,7 @@ import msgspec
 
 from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig
 from .keys import API_KEY_NAME
+from .llama import is_llama
 from .suspend import check as check_suspend
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
@@ -46,6 +47,12 @@ def _validate_devices(config: Config, source: str) -> None:
 
 
 def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
+    if model.keep_prompt_cache and not is_llama(model.cmd, model.health):
+        raise ConfigError(f"{source}: models.{name}.keep_prompt_cache: only for llama-server "
+                          "children (their slots are saved and restored)")
+    if model.keep_prompt_cache and model.nodes:
+        raise ConfigError(f"{source}: models.{name}.keep_prompt_cache: not supported yet for "
+                          "a model on cluster nodes (nodes)")
     if model.suspend is None:
         if model.ttl_suspend_s:
             raise ConfigError(f"{source}: models.{name}.ttl_suspend_s: the model has no "

@@ -8,25 +8,25 @@ so a stop arriving mid-start is handled at once.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, assert_never
+from pathlib import Path
+from typing import Any, assert_never
 
 import msgspec
 
-from . import suspend
 from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, placement_env, port_in_use
 from .config import ModelConfig
-from .health import Liveness, probe_health, wait_ready_http
+from .health import Liveness, wait_ready_http
 from .lifecycle import IllegalTransition, describe_exit
-from .llama import LLAMA_EXIT, LLAMA_STATE, LlamaState, is_llama, split_args
+from .llama import LLAMA_STATE, LlamaState, is_llama, split_args, state_change
 from .messages import (
+    ChildCached,
     ChildExited,
     ChildLine,
     ChildReady,
@@ -49,7 +49,8 @@ from .messages import (
     Unhealthy,
     WakeInstance,
 )
-from .phases import TRANSITIONS, Phase, StopStep, said, stop_steps
+from .phases import TRANSITIONS, Phase, StopSequence
+from .sidejobs import SideJobs
 from .suspend import Step
 from .timers import Timers
 
@@ -65,8 +66,12 @@ class ModelInstance(BaseActor):
                  log_ring: LogRing, on_crash: CrashHandler,
                  extra_env: dict[str, str] | None = None, router_port: int = 0,
                  liveness: Callable[[ModelConfig], Liveness] | None = None,
-                 host: str = CHILD_HOST) -> None:
+                 host: str = CHILD_HOST, prompt_cache: tuple[Path, int] | None = None,
+                 ) -> None:
         super().__init__(f"instance-{model}", on_crash)
+        self.jobs = SideJobs(model, lambda m: tell_or_drop(self.actor_ref, m), log_ring,
+                             prompt_cache)
+        """Suspends, wakes, prompt caches and liveness checks, on helper threads."""
         self.liveness_of = liveness or (lambda _: Liveness())
         """The liveness rule of a config (top-level defaults filled in)."""
         self.liveness = Liveness()
@@ -100,10 +105,7 @@ class ModelInstance(BaseActor):
         self.llama = config.health == "llama"
         self.asleep = False
         """A llama child said `sleeping` (and has not said `ready` since)."""
-        self.stop_steps: tuple[StopStep, ...] = ()
-        """The steps of the stop under way not taken yet (`stop_steps`)..."""
-        self.stop_taken: StopStep = ("", 0.0)
-        """... and the last one taken."""
+        self.stopping = StopSequence()
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
@@ -121,7 +123,9 @@ class ModelInstance(BaseActor):
                 self.handle_switched(spawn_id, step, failure, host_bytes)
             case ChildReady(spawn_id=spawn_id):
                 if spawn_id == self.spawn_id and self.phase is Phase.STARTING:
-                    self.become_ready(None)
+                    self.ready(None)
+            case ChildCached(spawn_id=spawn_id, step=step, tokens=tokens):
+                self.handle_cached(spawn_id, step, tokens)
             case ChildLine(spawn_id=spawn_id, line=line):
                 if spawn_id == self.spawn_id and self.phase in (Phase.STARTING, Phase.READY):
                     self.handle_state_line(line)
@@ -177,6 +181,7 @@ class ModelInstance(BaseActor):
         self.cause = None
         argv = self.config.argv(self.model, self.host, self.port, devices=self.devices)
         argv += split_args(argv, self.devices, is_llama(self.config.cmd, self.config.health))
+        argv += self.jobs.cache_args(self.config)
         shown = list(argv)
         if self.key is not None and (flag := self.config.key_argument) is not None:
             argv += [flag, self.key]
@@ -209,7 +214,7 @@ class ModelInstance(BaseActor):
         self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
                       self.child.pid, self.port, " ".join(shown))
         self.abandon_probe = threading.Event()
-        self.asleep = False
+        self.asleep = self.jobs.restoring = False
         if not self.llama:  # a llama child says `ready` itself (R-3.3)
             threading.Thread(
                 target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
@@ -217,6 +222,25 @@ class ModelInstance(BaseActor):
                       lambda: tell_or_drop(ref, ChildReady(spawn_id=spawn_id)))).start()
         self.timers.after(self.config.load_timeout_s, ref,
                           ChildTimedOut(spawn_id=spawn_id, stage="load"))
+
+    def ready(self, info: dict[str, Any] | None) -> None:
+        """The child answers: it is ready once its saved prompt cache, if any, is back."""
+        if self.jobs.restoring:
+            return
+        if not self.jobs.cached:
+            self.become_ready(info)
+            return
+        self.jobs.restore(self.spawn_id, self.host, self.port, self.config.stop_timeout_s,
+                          info)
+
+    def handle_cached(self, spawn_id: int, step: str, tokens: int) -> None:
+        if spawn_id != self.spawn_id:
+            return
+        self.log.info("%s#%d: %d prompt tokens %sd", self.model, self.generation, tokens, step)
+        if step == "restore" and self.jobs.restoring and self.phase is Phase.STARTING:
+            self.become_ready(self.jobs.restored())
+        elif step == "save" and self.jobs.saving is not None and self.phase is Phase.STOPPING:
+            self.begin_stop_steps(self.jobs.saved())
 
     def become_ready(self, info: dict[str, Any] | None) -> None:
         assert self.child is not None
@@ -228,6 +252,10 @@ class ModelInstance(BaseActor):
             model=self.model, generation=self.generation, pid=self.child.pid, port=self.port,
             info=info, host=self.host, upstream_key=self.key))
         self.missed = 0
+        self.arm_liveness()
+
+    def arm_liveness(self) -> None:
+        """The next liveness check of a ready `http` child that has them."""
         if self.liveness.interval_s and not self.llama:
             self.timers.after(self.liveness.interval_s, self.actor_ref,
                               LivenessTick(spawn_id=self.spawn_id))
@@ -241,22 +269,14 @@ class ModelInstance(BaseActor):
                              self.generation, e, line)
             return
         payload = said.payload if isinstance(said.payload, dict) else {}
-        starting = self.phase is Phase.STARTING
-        if said.state in ("loading", "downloading") and starting:
-            self.report("loading", payload)
-        elif said.state == "ready" and starting:
-            self.become_ready(payload or None)
-        elif said.state == "ready" and self.asleep:  # a request woke it
-            self.asleep = False
-            self.report("awake", payload)
-        elif said.state == "sleeping" and not starting and not self.asleep:
-            self.asleep = True
-            self.report("sleeping", payload)
-
-    def report(self, state: Literal["loading", "sleeping", "awake"],
-               payload: dict[str, Any]) -> None:
-        self.scheduler.tell(InstanceReported(model=self.model, generation=self.generation,
-                                             state=state, payload=payload))
+        change = state_change(said.state, self.phase is Phase.STARTING, self.asleep)
+        if change == "ready":
+            self.ready(payload or None)
+        elif change is not None:
+            if change != "loading":
+                self.asleep = change == "sleeping"
+            self.scheduler.tell(InstanceReported(model=self.model, generation=self.generation,
+                                                 state=change, payload=payload))
 
     def handle_stop(self, generation: int, reason: str) -> None:
         if generation != self.generation or self.phase in (Phase.IDLE, Phase.STOPPING):
@@ -268,24 +288,25 @@ class ModelInstance(BaseActor):
             self.log.info("stopping %s#%d while loading (%s): SIGKILL", self.model,
                           generation, reason)
             self.child.signal_group(signal.SIGKILL)
+        elif (self.jobs.here is not None and self.phase is Phase.READY
+              and reason not in ("unhealthy", "reload")):  # a reload: another model
+            # its stop steps begin once the slots are saved
+            self.jobs.save(self.spawn_id, self.host, self.port, self.config.stop_timeout_s,
+                           reason)
         else:
-            self.stop_steps = steps = stop_steps(self.llama, self.config.stop_timeout_s)
-            self.log.info("stopping %s#%d (%s): %s", self.model, generation, reason, ", ".join(
-                [said(steps[0][0])] + [f"{said(what)} after {wait_s:g} s"
-                                       for (_, wait_s), (what, _) in itertools.pairwise(steps)]))
-            self.next_stop_step()
+            self.begin_stop_steps(reason)
         self._to(Phase.STOPPING)
+
+    def begin_stop_steps(self, reason: str) -> None:
+        plan = self.stopping.begin(self.llama, self.config.stop_timeout_s)
+        self.log.info("stopping %s#%d (%s): %s", self.model, self.generation, reason, plan)
+        self.next_stop_step()
 
     def next_stop_step(self) -> None:
         """Take the next step of the stop, and give the child its time to exit."""
         assert self.child is not None
-        self.stop_taken, self.stop_steps = self.stop_steps[0], self.stop_steps[1:]
-        what, wait_s = self.stop_taken
-        if what == "exit":
-            self.child.write_stdin(LLAMA_EXIT)
-        else:
-            self.child.signal_group(getattr(signal, what))
-        if self.stop_steps:
+        wait_s = self.stopping.take(self.child)
+        if wait_s is not None:
             self.timers.after(wait_s, self.actor_ref,
                               ChildTimedOut(spawn_id=self.spawn_id, stage="stop"))
 
@@ -298,47 +319,30 @@ class ModelInstance(BaseActor):
             return  # stale, or gone meanwhile: its exit tells the Scheduler
         assert self.child is not None
         self._to(Phase.SUSPENDING if step == "sleep" else Phase.WAKING)
-        ref, spawn_id, pid = self.actor_ref, self.spawn_id, self.child.pid
-        model, host, port = self.model, self.host, self.port
-        timeout_s, ring = self.config.suspend_timeout_s, self.log_ring
-
-        self.log.info("%s#%d: %s", model, generation,
+        self.log.info("%s#%d: %s", self.model, generation,
                       "suspending" if step == "sleep" else "waking")
-        threading.Thread(target=suspend.switch, daemon=True, name=f"{model}-{step}", kwargs=dict(
-            how=how, step=step, model=model, host=host, port=port, pid=pid,
-            timeout_s=timeout_s, say=ring.append,
-            done=lambda failure, grew: tell_or_drop(ref, ChildSwitched(
-                spawn_id=spawn_id, step=step, failure=failure, host_bytes=grew)))).start()
+        self.jobs.switch(self.spawn_id, how, step, self.host, self.port, self.child.pid,
+                         self.config.suspend_timeout_s)
 
     def handle_switched(self, spawn_id: int, step: Step, failure: str | None,
                         host_bytes: int) -> None:
-        switching = Phase.SUSPENDING if step == "sleep" else Phase.WAKING
-        if spawn_id != self.spawn_id or self.phase is not switching:
+        sleep, ok = step == "sleep", failure is None
+        if spawn_id != self.spawn_id or self.phase is not (
+                Phase.SUSPENDING if sleep else Phase.WAKING):
             return  # stopped or gone meanwhile
-        done = Phase.SUSPENDED if step == "sleep" else Phase.READY
-        self._to(done if failure is None else Phase.READY if step == "sleep"
-                 else Phase.SUSPENDED)
-        if step == "sleep":
-            self.scheduler.tell(InstanceSuspended(
-                model=self.model, generation=self.generation, ok=failure is None,
-                detail=failure or "", host_bytes=host_bytes))
-        else:
-            self.scheduler.tell(InstanceWoken(model=self.model, generation=self.generation,
-                                              ok=failure is None, detail=failure or ""))
-            if failure is None and self.liveness.interval_s and not self.llama:
-                self.timers.after(self.liveness.interval_s, self.actor_ref,
-                                  LivenessTick(spawn_id=self.spawn_id))
+        self._to(Phase.SUSPENDED if sleep == ok else Phase.READY)  # a failure: as it was
+        gen, detail = self.generation, failure or ""
+        self.scheduler.tell(InstanceSuspended(
+            model=self.model, generation=gen, ok=ok, detail=detail, host_bytes=host_bytes)
+            if sleep else InstanceWoken(model=self.model, generation=gen, ok=ok, detail=detail))
+        if ok and not sleep:
+            self.arm_liveness()
 
     def handle_liveness_tick(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.READY:
             return
-        ref, port, path = self.actor_ref, self.port, self.config.health_path
-        threading.Thread(
-            target=probe_health, daemon=True, name=f"{self.model}-liveness",
-            args=(self.host, port, path, min(self.liveness.interval_s, 5.0),
-                  lambda ok, detail: tell_or_drop(
-                      ref, LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail)))
-        ).start()
+        self.jobs.probe(spawn_id, self.host, self.port, self.config.health_path,
+                        min(self.liveness.interval_s, 5.0))
 
     def handle_liveness_result(self, spawn_id: int, ok: bool, detail: str,
                                rearm: bool) -> None:
@@ -353,8 +357,7 @@ class ModelInstance(BaseActor):
                 f"{self.missed} liveness checks failed in a row, the last: {detail}")))
             return  # the Scheduler stops it
         if rearm:  # a poll's result: the next poll (a late answer is no poll)
-            self.timers.after(self.liveness.interval_s, self.actor_ref,
-                              LivenessTick(spawn_id=spawn_id))
+            self.arm_liveness()
 
     def handle_load_timeout(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:
@@ -366,11 +369,10 @@ class ModelInstance(BaseActor):
         self.child.signal_group(signal.SIGKILL)
 
     def handle_stop_timeout(self, spawn_id: int) -> None:
-        if spawn_id != self.spawn_id or self.phase is not Phase.STOPPING or not self.stop_steps:
+        if spawn_id != self.spawn_id or self.phase is not Phase.STOPPING \
+                or not self.stopping.left:
             return
-        what, wait_s = self.stop_taken
-        self.log.warning("%s#%d ignored %s for %g s; %s", self.model, self.generation,
-                         said(what), wait_s, said(self.stop_steps[0][0]))
+        self.log.warning("%s#%d %s", self.model, self.generation, self.stopping.ignored())
         self.next_stop_step()
 
     def handle_exited(self, spawn_id: int) -> None:

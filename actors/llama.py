@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -29,6 +29,18 @@ class LlamaState(msgspec.Struct, frozen=True):
 def is_llama(cmd: Sequence[str], health: str) -> bool:
     """A child that runs llama-server (its connections are capped: `llama_pool_cap`)."""
     return health == "llama" or Path(cmd[0]).name == "llama-server"
+
+
+def state_change(state: str, starting: bool, asleep: bool
+                 ) -> Literal["loading", "ready", "awake", "sleeping"] | None:
+    """What a child's state line means, for a child loading (`starting`) or loaded
+    (`asleep` or not): progress, ready, a request woke it, it went to sleep, or nothing."""
+    if starting:
+        return ("loading" if state in ("loading", "downloading")
+                else "ready" if state == "ready" else None)
+    if state == "ready" and asleep:
+        return "awake"
+    return "sleeping" if state == "sleeping" and not asleep else None
 
 
 LLAMA_NP_AUTO = 4

@@ -707,6 +707,15 @@ class ChildSwitched(Message, frozen=True, kw_only=True):
     host_bytes: int = 0
 
 
+class ChildCached(Message, frozen=True, kw_only=True):
+    """Helper thread -> ModelInstance: spawn `spawn_id`'s prompt cache was saved or
+    restored (`tokens` of it; 0 when there was nothing or it failed, said in its log)."""
+
+    spawn_id: int
+    step: Literal["save", "restore"]
+    tokens: int = 0
+
+
 class ChildTimedOut(Message, frozen=True, kw_only=True):
     """Timer -> child's owner: spawn `spawn_id` had its time for `stage`: load_timeout_s to
     become ready, the stop step's wait to exit, or measure_timeout_s to report."""
@@ -745,7 +754,8 @@ class LivenessMiss(Message, frozen=True, kw_only=True):
 
 InstanceMessage = (
     StartInstance | StopInstance | SuspendInstance | WakeInstance | ChildReady | ChildLine
-    | ChildExited | ChildSwitched | ChildTimedOut | LivenessTick | LivenessResult | LivenessMiss
+    | ChildExited | ChildSwitched | ChildCached | ChildTimedOut | LivenessTick | LivenessResult
+    | LivenessMiss
 )
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+import signal
+
+from .childproc import ChildProcess
 from .lifecycle import State
+from .llama import LLAMA_EXIT
 
 KILL_GRACE_S = 2.0
 """After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
@@ -45,3 +50,34 @@ def stop_steps(llama: bool, stop_timeout_s: float) -> tuple[StopStep, ...]:
     if llama:
         return (("exit", stop_timeout_s), ("SIGTERM", KILL_GRACE_S), ("SIGKILL", 0.0))
     return (("SIGTERM", stop_timeout_s), ("SIGKILL", 0.0))
+
+
+class StopSequence:
+    """The steps of a stop under way (R-3.4): the one taken last, and those left."""
+
+    def __init__(self) -> None:
+        self.left: tuple[StopStep, ...] = ()
+        self.taken: StopStep = ("", 0.0)
+
+    def begin(self, llama: bool, stop_timeout_s: float) -> str:
+        """Start a stop; returns its plan in words."""
+        self.left = steps = stop_steps(llama, stop_timeout_s)
+        return ", ".join([said(steps[0][0])] + [
+            f"{said(what)} after {wait_s:g} s"
+            for (_, wait_s), (what, _) in itertools.pairwise(steps)])
+
+    def take(self, child: ChildProcess) -> float | None:
+        """Take the next step; returns how long the child has before the one after it
+        (None: that was the last)."""
+        self.taken, self.left = self.left[0], self.left[1:]
+        what, wait_s = self.taken
+        if what == "exit":
+            child.write_stdin(LLAMA_EXIT)
+        else:
+            child.signal_group(getattr(signal, what))
+        return wait_s if self.left else None
+
+    def ignored(self) -> str:
+        """What the child ignored, and what comes next."""
+        what, wait_s = self.taken
+        return f"ignored {said(what)} for {wait_s:g} s; {said(self.left[0][0])}"

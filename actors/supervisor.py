@@ -21,6 +21,7 @@ from .device import DeviceMonitor, discover
 from .health import Liveness
 from .instance import ModelInstance
 from .keys import tenants_of
+from .ledger import MiB
 from .measure import MeasureWorker
 from .messages import (
     Acquire,
@@ -177,7 +178,9 @@ class Supervisor:
         return self._started(ModelInstance.start(
             name, model, self.scheduler, self.timers, self.logs[name], self._crash,
             extra_env=config.child_env(), router_port=config.port,
-            liveness=lambda m: Liveness(config.liveness_of(m), config.liveness_failures)))
+            liveness=lambda m: Liveness(config.liveness_of(m), config.liveness_failures),
+            prompt_cache=(config.state_path() / "prompt-cache",
+                          int(config.prompt_cache_max_mib * MiB))))
 
     def reload(self, config: Config, timeout_s: float = 10.0) -> ReloadSummary:
         """Make `config`'s model table the live one (R-2.6): new models appear, removed

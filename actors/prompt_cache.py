@@ -1,0 +1,143 @@
+"""Prompt caches that survive a swap, for llama-server children (`keep_prompt_cache`,
+issue 23). The blocking calls run on a ModelInstance's helper thread.
+
+A child is started with `--slot-save-path` in a folder of its own model's, named by the
+digest of its config and its model file (`folder`), so a changed model never restores
+a cache that might not match it. Before corral stops it for an eviction, a TTL, an
+unload or a reload, every slot that holds a prompt is saved there; after its next
+`ready`, before its first request, they are restored. The files are bounded by
+prompt_cache_max_mib, the least recently written dropped first. A failed save or
+restore only costs the cache: it is logged, and the child stops or serves as it would.
+
+llama.cpp's known limits (its server, tools/server): a slot of a multimodal model cannot
+be saved; a restore fails when the file holds more tokens than the new slot's context
+(a smaller `-c` or more `-np`) or when the file is not one of its own; a speculative
+draft's cache is not saved; restored tokens are not listed by GET /slots until a request
+uses the slot, but the request's `timings.cache_n` shows them used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import itertools
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+SLOT_FILE = re.compile(r"slot(\d+)\.bin")
+MODEL_FLAGS = ("-m", "--model", "-md", "--model-draft", "--mmproj", "--lora")
+
+
+def digest(config: msgspec.Struct, argv: list[str]) -> str:
+    """What a cache is keyed by: the model's config, and the size and modification time
+    of each model file its arguments name (a file replaced under the same name is
+    another model)."""
+    h = hashlib.sha256(msgspec.json.encode(config))
+    for flag, value in itertools.pairwise(argv):
+        if flag in MODEL_FLAGS:
+            try:
+                st = os.stat(value)
+            except OSError:
+                continue
+            h.update(f"\0{value}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def folder(root: Path, model: str, key: str) -> Path:
+    """The cache folder of `model` for digest `key`; the folders of its other digests
+    are dropped (they can never be used again)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)
+    base = root / safe
+    here = base / key
+    here.mkdir(parents=True, exist_ok=True)
+    for other in base.iterdir():
+        if other != here and other.is_dir():
+            for f in other.iterdir():
+                f.unlink(missing_ok=True)
+            other.rmdir()
+    return here
+
+
+def _call(host: str, port: int, method: str, path: str, body: dict[str, Any] | None,
+          timeout_s: float) -> tuple[int, object]:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read() or b"null")
+    finally:
+        conn.close()
+
+
+def save(host: str, port: int, here: Path, root: Path, max_bytes: int, timeout_s: float,
+         say: Callable[[str], None]) -> int:
+    """Save every slot that holds a prompt into `here`; then keep `root` within
+    `max_bytes`. Returns the tokens saved; never raises."""
+    saved = 0
+    try:
+        status, slots = _call(host, port, "GET", "/slots", None, timeout_s)
+        if status != 200 or not isinstance(slots, list):
+            say(f"corral: prompt cache not saved: GET /slots answered {status}")
+            return 0
+        for slot in slots:
+            if not isinstance(slot, dict) or not slot.get("n_prompt_tokens"):
+                continue  # an empty slot: nothing to keep
+            sid = int(slot["id"])
+            status, said = _call(host, port, "POST", f"/slots/{sid}?action=save",
+                                 {"filename": f"slot{sid}.bin"}, timeout_s)
+            if status == 200 and isinstance(said, dict):
+                saved += int(said.get("n_saved", 0))
+            else:
+                say(f"corral: prompt cache of slot {sid} not saved: {status} {said}")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        say(f"corral: prompt cache not saved: {type(e).__name__}: {e}")
+    prune(root, max_bytes)
+    return saved
+
+
+def restore(host: str, port: int, here: Path, timeout_s: float,
+            say: Callable[[str], None]) -> int:
+    """Restore every slot file in `here` into its slot. Returns the tokens restored;
+    never raises (a file llama-server refuses is dropped)."""
+    restored = 0
+    for path in sorted(here.glob("slot*.bin")):
+        match = SLOT_FILE.fullmatch(path.name)
+        if match is None:
+            continue
+        try:
+            status, said = _call(host, port, "POST", f"/slots/{match[1]}?action=restore",
+                                 {"filename": path.name}, timeout_s)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            say(f"corral: prompt cache of slot {match[1]} not restored: {e}")
+            continue
+        if status == 200 and isinstance(said, dict):
+            restored += int(said.get("n_restored", 0))
+        else:
+            say(f"corral: prompt cache of slot {match[1]} not restored ({status}: {said}); "
+                "dropping it")
+            path.unlink(missing_ok=True)
+    return restored
+
+
+def prune(root: Path, max_bytes: int) -> None:
+    """Drop the least recently written cache files under `root` until the rest fit."""
+    files = []
+    for path in root.rglob("slot*.bin"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        files.append((st.st_mtime_ns, st.st_size, path))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files):
+        if total <= max_bytes:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
