@@ -15,6 +15,7 @@ from bench import (
     lease,
     load,
     overhead,
+    prompt_cache,
     scheduler,
     swap,
     tenants,
@@ -26,11 +27,14 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "dashboard": dashboard.main, "cluster": cluster.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
             "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
-            "tenants": tenants.main}
+            "tenants": tenants.main, "prompt-cache": prompt_cache.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
-    "swap": "corral's share of a cold start, and swap latency at models_max 1",
+    "swap": "corral's share of a cold start, and swap latency at models_max 1 (--suspend: "
+            "stopping against suspending)",
+    "prompt-cache": "a conversation's next turn after its llama-server model was swapped "
+                    "out and back, with and without keep_prompt_cache",
     "scheduler": "pure scheduler decisions per second by size, and actor round trips",
     "tokenize": "the proxy's ceiling on a real llama-server child, against its own router",
     "chaos": "children SIGKILLed under load: corral and llama-server's router in turn",
