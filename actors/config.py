@@ -53,6 +53,9 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     devices of corral's own machine."""
     suspend: bool = False
     """It has a `suspend` method: to make room, it may be suspended instead of stopped."""
+    warm: bool = False
+    """Loaded (or woken) in the background whenever there is room for it, never by an
+    eviction, giving way to any request."""
     ttl_suspend_s: float = 0.0
     """Suspend it after this long with no request (0: only to make room)."""
 
@@ -115,6 +118,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Suspend it after this long with no request (0: only to make room); ttl_s stops it."""
     suspend_timeout_s: PositiveSeconds = 120.0
     """A suspend or a wake that takes longer fails: the child is stopped."""
+    warm: bool = False
+    """Load (or wake) it in the background whenever a slot and memory are free for it,
+    at the lowest priority: never evicting for it, giving way to any request."""
     keep_prompt_cache: bool = False
     """llama-server children: save the slots' prompt caches before corral stops the child,
     restore them after its next ready (actors/prompt_cache.py)."""
@@ -344,7 +350,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             permanent=model.restart == "permanent", devices=model.devices,
             devices_per_instance=model.devices_per_instance,
             placeable=not model.placed_by_env, nodes=model.nodes,
-            suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s)
+            suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s,
+            warm=model.warm)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""

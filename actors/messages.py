@@ -195,9 +195,10 @@ class Alive(Message, frozen=True, kw_only=True):
 
 EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "shutdown",
                          "unhealthy", "host_memory", "suspended_max", "suspend_failed",
-                         "wake_failed", "wake_elsewhere"]
+                         "wake_failed", "wake_elsewhere", "warm"]
 """The last five are of suspended models (issue 23): host RAM ran short, too many are
-suspended, a suspend or wake failed, or it no longer fits where it slept."""
+suspended, a suspend or wake failed, or it no longer fits where it slept; `warm`: a background load
+of a warm model gave way to a request."""
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):

@@ -414,12 +414,67 @@ def test_a_suspended_child_that_crashes_is_unloaded_failed_and_its_host_copy_fre
     w.load_idle("a")
     w.acquire("t1", "b")
     w.suspended("a")
+    w.report()  # its host copy is in the figures now
     w.exited("a", rc=1)
     rec = w.p.state.models["a"]
     assert rec.state.value == "unloaded" and rec.failed and rec.host_bytes == 0
     assert w.p.state.host.freeing == {"a": 3 * GiB}
     w.report()
     assert w.p.state.host.freeing == {}
+
+
+def test_a_warm_model_comes_back_when_the_big_one_leaves_and_never_evicts() -> None:
+    warm = ModelRules(warm=True)
+    w = TierWorld({"small": 3, "big": 8}, rules={"small": warm, "big": ModelRules()})
+    assert w.state("small") == "loading", "room at once: it loads with no request"
+    w.ready("small")
+    assert w.p.state.models["small"].last_used == 0.0, "the first victim"
+    w.acquire("t", "big")
+    assert w.state("small") == "stopping", "a request takes its place"
+    w.exited("small")
+    w.report()
+    w.ready("big")
+    w.release("t")
+    w.report()
+    assert w.state("small") == "unloaded", "no room: it never evicts for itself"
+    w.run(w.p.unload("U", "big", w.tick()))
+    w.exited("big")
+    w.report()
+    assert w.state("small") == "loading", "the big one left: it comes back"
+
+
+def test_a_warm_load_gives_way_to_a_request_that_needs_its_place() -> None:
+    warm = ModelRules(warm=True)
+    w = TierWorld({"small": 3, "other": 3}, models_max=1,
+                  rules={"small": warm, "other": ModelRules()})
+    assert w.state("small") == "loading"
+    w.acquire("t", "other")
+    assert w.state("small") == "stopping"
+    assert w.evictions()[-1].reason == "warm"
+    w.exited("small")
+    assert w.state("other") == "loading"
+    w.ready("other")
+    assert isinstance(w.answers["t"], Grant)
+    assert w.state("small") == "unloaded", "models_max is full: it waits"
+
+
+def test_a_suspended_warm_model_is_woken_when_there_is_room() -> None:
+    warm = ModelRules(warm=True, suspend=True)
+    w = TierWorld({"small": 3, "big": 8}, host_gib=16,
+                  rules={"small": warm, "big": ModelRules()})
+    w.ready("small")
+    w.acquire("t", "big")
+    assert w.state("small") == "suspending"
+    w.suspended("small")
+    w.report()
+    w.ready("big")
+    w.release("t")
+    w.run(w.p.unload("U", "big", w.tick()))
+    w.exited("big")
+    w.report()
+    assert w.state("small") == "waking"
+    w.woken("small")
+    assert w.state("small") == "loaded"
 
 
 # -------------------------------------------------------------------- the state machine
@@ -442,13 +497,13 @@ class TierMachine(RuleBasedStateMachine):
     @rule(models_max=st.sampled_from([0, 1, 2]), suspended_max=st.sampled_from([0, 1, 2]),
           ttl=st.sampled_from([(0.0, 0.0), (3.0, 0.0), (3.0, 8.0), (0.0, 8.0)]),
           host_gib=st.sampled_from([4.0, 8.0, 16.0]), memory=st.booleans(),
-          plain=st.sampled_from(["", "c"]))
+          plain=st.sampled_from(["", "c"]), warm=st.sampled_from(["", "a", "ab"]))
     @precondition(lambda self: self.w is None)
     def start(self, models_max: int, suspended_max: int, ttl: tuple[float, float],
-              host_gib: float, memory: bool, plain: str) -> None:
+              host_gib: float, memory: bool, plain: str, warm: str) -> None:
         suspend_s, ttl_s = ttl
         rules = {m: ModelRules(suspend=m not in plain, ttl_suspend_s=suspend_s if m not in
-                               plain else 0.0, ttl_s=ttl_s) for m in "abc"}
+                               plain else 0.0, ttl_s=ttl_s, warm=m in warm) for m in "abc"}
         self.w = TierWorld({"a": 3, "b": 4, "c": 5}, models_max, rules=rules,
                            suspended_max=suspended_max, host_gib=host_gib, memory=memory)
 

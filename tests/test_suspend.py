@@ -158,3 +158,18 @@ def test_a_bad_suspend_config_is_refused_naming_the_key(tmp_path) -> None:
         assert "models.m.suspend" in str(e.value)
     with pytest.raises(ConfigError, match="ttl_suspend_s"):
         parse_config({"models": {"m": {"cmd": ["x"], "ttl_suspend_s": 5}}}, "c.toml")
+
+
+def test_a_warm_model_loads_alone_gives_way_and_comes_back(corral, tmp_path) -> None:
+    small = {"cmd": fake_cmd("--device-mib", "300"), "warm": True}
+    big = {"cmd": fake_cmd("--device-mib", "800")}
+    c = corral(config(tmp_path, {"small": small, "big": big}))
+    c.wait_state("small", "loaded")  # no request asked for it
+    sse = SSE(c.port)
+    assert chat(c.port, "big")[0] == 200
+    eviction = sse.wait_for(lambda e: e["type"] == "eviction")
+    assert (eviction["model"], eviction["reason"]) == ("small", "memory")
+    status, body, _ = request(c.port, "POST", "/models/unload", {"model": "big"})
+    assert status == 200, body
+    c.wait_state("small", "loaded")  # the big one left: it is back
+    sse.close()

@@ -72,7 +72,10 @@ class Children:
         observe(self.state.stats.load_time, model, now - rec.state_since)
         rec.info, rec.progress = info, None
         rec.failed = False
-        rec.ready_at = rec.last_used = now
+        rec.ready_at = now
+        rec.last_used = 0.0 if rec.warming else now  # a warm-up: the first victim
+        rec.ended_at = now
+        rec.warming = False
         rec.breaker.ready()
         self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
         if self.state.watched(rec):
@@ -186,7 +189,7 @@ class Children:
         rec.last_exit = description
         rec.mem_effective = None
         rec.info = rec.progress = None
-        rec.awaiting_usage = False
+        rec.awaiting_usage = rec.warming = False
         self.state.host.gone(rec)
         if self.state.watched(rec):
             rec.releasing = model in self.state.ledger.held
@@ -316,6 +319,7 @@ class Children:
         if rec.state.is_running:
             self.state.n_running_pinned += int(rules.pinned) - int(rec.pinned)
         rec.rules = rules
+        self.state.rewarm()
         self.rules.idle(rec)
 
     def _retire(self, rec: ModelRecord, now: float) -> None:

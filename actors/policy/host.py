@@ -84,9 +84,10 @@ class HostTier:
         self.unseen.pop(rec.name, None)
 
     def gone(self, rec: ModelRecord) -> None:
-        """Its child exited: what it held on the host comes back."""
-        self.unseen.pop(rec.name, None)
-        if rec.host_bytes:
+        """Its child exited: what it held on the host comes back (what no report saw it
+        take is not in `available`: it comes back from nothing)."""
+        unseen = self.unseen.pop(rec.name, None)
+        if rec.host_bytes and unseen is None:
             self.freeing[rec.name] = rec.host_bytes
         rec.host_bytes = 0
 

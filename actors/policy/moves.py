@@ -82,7 +82,8 @@ class Moves:
         rec.retiring = rec.ttl_armed = False
         rec.waiting_for = None
         attempt = rec.breaker.loading()
-        cause = f"spawn for {n_waiting} waiting request(s)"
+        cause = ("warm-up load" if rec.warming
+                 else f"spawn for {n_waiting} waiting request(s)")
         if attempt > 1:
             cause += f", attempt {attempt}"
         if rec.placement:
@@ -121,13 +122,16 @@ class Moves:
         self.state.stats.suspends[key] = self.state.stats.suspends.get(key, 0) + 1
         self.state.out.append(Suspend(rec.name, rec.generation))
 
-    def wake(self, rec: ModelRecord, entry: QueueEntry, now: float) -> None:
-        """Wake the suspended `rec` for `entry`'s waiters: a load, so its devices hold
-        its need from now on (the need it was last seen using)."""
-        entry.claimed = True
+    def wake(self, rec: ModelRecord, entry: QueueEntry | None, now: float) -> None:
+        """Wake the suspended `rec` for `entry`'s waiters (None: to keep it warm): a
+        load, so its devices hold its need from now on (the need it was last seen
+        using)."""
+        if entry is not None:
+            entry.claimed = True
         rec.waiting_for = None
         rec.ttl_armed = False
-        cause = f"wake for {len(entry.waiters)} waiting request(s)" + (
+        cause = (f"wake for {len(entry.waiters)} waiting request(s)" if entry is not None
+                 else "wake to keep it warm") + (
             f", on {', '.join(rec.placement)}" if rec.placement else "")
         self.transition(rec, S.WAKING, cause, now)
         if self.state.watched(rec):

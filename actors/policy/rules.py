@@ -35,6 +35,42 @@ class Rules(Moves):
             self.relieve_host(now)
         self.tick(now)
         self.claim(now)
+        if self.state.warm and not self.state.queue.entries:
+            self.warm_up(now)
+
+    def warm_up(self, now: float) -> None:
+        """Load or wake the `warm` models that have room as things are: a free slot, and
+        memory free on their devices with no eviction (issue 23). Once it serves it is
+        the least recently used model, the first to go when anything needs its place."""
+        state = self.state
+        for name in state.warm:
+            rec = state.models[name]
+            if not state.has_capacity():
+                return
+            if rec.state not in (S.UNLOADED, S.SUSPENDED) or rec.breaker.is_open(now) \
+                    or rec.failed or rec.removed:
+                continue
+            if state.memory_on:
+                busy = self.loading_devices(rec)
+                plan = (state.memory.plan_wake(rec, state.models, [], busy)
+                        if rec.state is S.SUSPENDED
+                        else state.memory.plan(rec, state.models, [], busy))
+                if plan.verdict != "go" or plan.note or plan.evict:
+                    continue
+                if rec.state is S.UNLOADED:
+                    rec.placement = plan.devices
+                    rec.node = node_of(plan.devices[0]) if plan.devices else None
+            rec.warming = True
+            if rec.state is S.SUSPENDED:
+                self.wake(rec, None, now)
+            else:
+                self.spawn(rec, 0, now)
+
+    def yield_warm(self, now: float) -> None:
+        """A request waits for a place: background loads of warm models give it up."""
+        for rec in self.state.models.values():
+            if rec.warming and rec.state is S.LOADING:
+                self.stop(rec, "warm", None, now, why="a request needs its place")
 
     def relieve_host(self, now: float) -> None:
         """Less host RAM than host_memory_margin_mib is available: stop suspended models,
@@ -73,6 +109,7 @@ class Rules(Moves):
             and self.state.n_stopping == 0 and self.state.n_suspending == 0
         if self.pick_victim(now) is None and not pinned_out:
             self.revoke_kept()
+            self.yield_warm(now)
             return  # every running model is busy, wanted or young: a release re-ticks
         needing = [e.model for e in self.state.queue.ordered(now)
                    if self.state.needs_slot(e, now)]
@@ -164,6 +201,7 @@ class Rules(Moves):
                 return "rescan"
             if plan.verdict == "wait":
                 self.revoke_kept()
+                self.yield_warm(now)
                 return "wait"
             if plan.note:
                 log.warning("%s", plan.note)  # said once, by the plan that was carried out

@@ -72,6 +72,8 @@ class State:
         """Model -> the generation of its record when a reload dropped it: a model added
         back goes on counting from there, so a late lease or event of its old record is
         never taken for one of its new."""
+        self.warm: list[str] = []
+        """The models with `warm`, in config order (kept by `rewarm`)."""
         self.now = 0.0
         """The time of the latest event (what a `queue` event's waits are measured at)."""
         self.wake_at: float | None = None
@@ -92,11 +94,16 @@ class State:
         that may be suspended (what its suspend moves to the host is what it holds)."""
         return self.memory.on or rec.rules.suspend
 
+    def rewarm(self) -> None:
+        """The model table or a model's rules changed: list the `warm` ones again."""
+        self.warm = [name for name, rec in self.models.items() if rec.rules.warm]
+
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
         self.models[name] = ModelRecord(name=name, rules=rules or ModelRules(pinned=pinned),
                                         breaker=Breaker(*self.breaker_args), state_since=now,
                                         generation=self.last_generation.pop(name, 0))
+        self.rewarm()
 
     def drop(self, name: str) -> None:
         """Forget a model a reload removed (its child, if any, is reaped)."""
@@ -104,6 +111,7 @@ class State:
         self.last_generation[name] = rec.generation
         self.victims.forget(name)
         self.ledger.release(name)
+        self.rewarm()
 
     def find(self, model: str) -> ModelRecord | None:
         rec = self.models.get(model)
@@ -150,6 +158,8 @@ class State:
         be suspended, then ttl_s to be stopped (R-3.6, issue 23); None: never, or not
         idle."""
         rules = rec.rules
+        if rules.warm:
+            return None  # it would be back at once
         if rec.state is S.SUSPENDED:
             idle = rec.name not in self.queue.entries and not rec.removed
             return rules.ttl_s or None if idle else None

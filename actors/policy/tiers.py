@@ -71,7 +71,10 @@ class Tiers:
             observe(self.state.stats.wake_time, model, took)
             self.state.host.awake(rec)
             rec.wakes += 1
-            rec.ready_at = rec.last_used = now
+            rec.ready_at = now
+            rec.last_used = 0.0 if rec.warming else now  # a warm-up: the first victim
+            rec.ended_at = now
+            rec.warming = False
             self.rules.transition(rec, S.LOADED, "woken", now)
             rec.awaiting_usage = self.state.watched(rec)
             self.state.out.append(Track(model, "woken", rec.pid))
