@@ -1,6 +1,7 @@
 """Check corral's nvml backend against a real NVIDIA GPU (SPEC R-5.8).
 
     python -m bench gpu-check [--alloc-mib 1024] [--device 0] [--json FILE]
+    python -m bench gpu-check --suspend [--cuda-checkpoint PATH]
 
 On a machine with an NVIDIA driver it
   1. reads every device through corral's NvmlBackend and compares total and free memory
@@ -11,8 +12,14 @@ On a machine with an NVIDIA driver it
      container where NVML's pids are the host's, that free memory dropped by as much;
   3. kills the child and measures how long the driver takes to show the memory free
      again (the bounded wait corral allows before it stops counting a dead child).
+With --suspend (issue 23), between 2. and 3.: suspends the child with NVIDIA's
+`cuda-checkpoint --toggle --pid PID` through corral's own suspend code (actors/suspend.py),
+checks that NVML shows its memory leave the GPU and the child's resident host memory
+grow by about as much (what corral charges the host tier), wakes it with the same
+command, checks that the memory is back on the GPU and that the child reads back what
+it wrote there before. Skipped, with the reason, where cuda-checkpoint is not installed.
 It prints what it saw and exits 0 when everything matched, 1 on a mismatch, and 77
-(skipped) where there is no NVIDIA driver.
+(skipped) where there is no NVIDIA driver (or, with --suspend, no cuda-checkpoint).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.device import DeviceMonitor, NvmlBackend, process_tree
+from actors.suspend import SuspendCommands, run, tree_rss
 
 MiB = 1024 * 1024
 SKIP = 77
@@ -45,7 +53,10 @@ check(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
 check(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(sys.argv[2]))), "cuMemAlloc")
 check(cuda.cuMemsetD8_v2(ptr, 1, ctypes.c_size_t(int(sys.argv[2]))), "cuMemsetD8")
 print("allocated", flush=True)
-sys.stdin.read()
+for line in sys.stdin:  # "check": read the first bytes back from the device
+    back = (ctypes.c_ubyte * 64)()
+    check(cuda.cuMemcpyDtoH_v2(back, ptr, ctypes.c_size_t(64)), "cuMemcpyDtoH")
+    print("intact" if all(b == 1 for b in back) else "changed", flush=True)
 """
 
 
@@ -81,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alloc-mib", type=int, default=1024)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--suspend", action="store_true",
+                   help="also suspend and wake the child with cuda-checkpoint")
+    p.add_argument("--cuda-checkpoint", default=None, metavar="PATH")
     args = p.parse_args(argv)
     report: dict[str, Any] = {"checks": []}
     problems: list[str] = []
@@ -150,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                 report["attributed_bytes"] = seen
                 check(bool(used), f"the monitor attributes {seen // MiB} MiB on {name} to the "
                       f"child's pid tree (>= {args.alloc_mib} MiB; seen after {took:.3f} s)")
+            if args.suspend:
+                skipped = suspend_check(args, backend, child, size, check)
+                if skipped:
+                    report["suspend_skipped"] = skipped
     finally:
         child.kill()
         child.wait()
@@ -162,7 +180,52 @@ def main(argv: list[str] | None = None) -> int:
             name, {}), 10.0)
         check(bool(gone), f"NVML stopped listing the dead child after {took:.3f} s")
     backend.close()
-    return finish(report, problems, args.json)
+    code = finish(report, problems, args.json)
+    return SKIP if code == 0 and report.get("suspend_skipped") else code
+
+
+def suspend_check(args: argparse.Namespace, backend: NvmlBackend, child: subprocess.Popen[str],
+                  size: int, check: Any) -> str | None:
+    """Suspend and wake `child` (holding `size` bytes on the GPU) with cuda-checkpoint,
+    as corral does; returns why it was skipped, if it was."""
+    tool = args.cuda_checkpoint or shutil.which("cuda-checkpoint")
+    if tool is None:
+        why = "cuda-checkpoint is not installed (NVIDIA's tool, driver 550 or later)"
+        print(f"skipped suspend: {why}")
+        return why
+    how = SuspendCommands(sleep=[tool, "--toggle", "--pid", "{pid}"],
+                          wake=[tool, "--toggle", "--pid", "{pid}"])
+    name = f"CUDA{args.device}"
+    on_gpu = backend.sample()[args.device].free
+    rss = tree_rss(child.pid)
+    start = time.monotonic()
+    failure = run(how, "sleep", model="check", host="127.0.0.1", port=0, pid=child.pid,
+                  timeout_s=120, say=print)
+    took = time.monotonic() - start
+    check(failure is None, f"cuda-checkpoint suspended the child in {took:.2f} s "
+          f"({failure or 'ok'})")
+    if failure is not None:
+        return None
+    freed, _ = poll(lambda: backend.sample()[args.device].free - on_gpu >= size * 0.9, 10.0)
+    check(bool(freed), f"NVML shows {size // MiB} MiB left {name} "
+          f"(free {(backend.sample()[args.device].free - on_gpu) // MiB} MiB more)")
+    grew = tree_rss(child.pid) - rss
+    check(grew >= size * 0.9, f"the child's resident host memory grew by {grew // MiB} MiB "
+          "(what corral charges the host tier)")
+    start = time.monotonic()
+    failure = run(how, "wake", model="check", host="127.0.0.1", port=0, pid=child.pid,
+                  timeout_s=120, say=print)
+    took = time.monotonic() - start
+    check(failure is None, f"cuda-checkpoint woke the child in {took:.2f} s "
+          f"({failure or 'ok'})")
+    back, _ = poll(lambda: backend.sample()[args.device].free - on_gpu <= 64 * MiB, 10.0)
+    check(bool(back), f"NVML shows the memory back on {name}")
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write("check\n")
+    child.stdin.flush()
+    said = child.stdout.readline().strip()
+    check(said == "intact", f"the child reads back what it wrote before the suspend ({said})")
+    return None
 
 
 def finish(report: dict[str, Any], problems: list[str], path: Path | None) -> int:
