@@ -129,12 +129,15 @@ def print_status(base: str, headers: dict[str, str], models: dict[str, Any]) -> 
     for m in models["data"]:
         status = m["status"]
         state = status["value"] + (" (failed)" if status.get("failed") else "")
+        if status.get("phase"):  # corral's suspended tier
+            state += f" ({status['phase']})"
         if status.get("retry_after_s"):
             state += f" retry in {status['retry_after_s']:.0f}s"
         eviction = m.get("last_eviction") or {}
         rows.append((m["id"], state, str(m["in_flight"]), str(m["waiting"]),
                      ",".join(m.get("devices") or []) or "-", m["memory"]["status"],
-                     eviction.get("reason", "-")))
+                     (("suspended, " if eviction.get("action") == "suspend" else "")
+                      + eviction.get("reason", "-"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
