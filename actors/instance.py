@@ -288,8 +288,8 @@ class ModelInstance(BaseActor):
             self.log.info("stopping %s#%d while loading (%s): SIGKILL", self.model,
                           generation, reason)
             self.child.signal_group(signal.SIGKILL)
-        elif (self.jobs.here is not None and self.phase is Phase.READY
-              and reason not in ("unhealthy", "reload")):  # a reload: another model
+        elif self.jobs.here is not None and self.phase is Phase.READY \
+                and reason != "unhealthy":
             # its stop steps begin once the slots are saved
             self.jobs.save(self.spawn_id, self.host, self.port, self.config.stop_timeout_s,
                            reason)

@@ -2,8 +2,8 @@
 issue 23). The blocking calls run on a ModelInstance's helper thread.
 
 A child is started with `--slot-save-path` in a folder of its own model's, named by the
-digest of its config and its model file (`folder`), so a changed model never restores
-a cache that might not match it. Before corral stops it for an eviction, a TTL, an
+digest of its command, environment and model files (`digest`), so a changed model never
+restores a cache that might not match it. Before corral stops it for an eviction, a TTL, an
 unload or a reload, every slot that holds a prompt is saved there; after its next
 `ready`, before its first request, they are restored. The files are bounded by
 prompt_cache_max_mib, the least recently written dropped first. A failed save or
@@ -34,12 +34,13 @@ SLOT_FILE = re.compile(r"slot(\d+)\.bin")
 MODEL_FLAGS = ("-m", "--model", "-md", "--model-draft", "--mmproj", "--lora")
 
 
-def digest(config: msgspec.Struct, argv: list[str]) -> str:
-    """What a cache is keyed by: the model's config, and the size and modification time
-    of each model file its arguments name (a file replaced under the same name is
-    another model)."""
-    h = hashlib.sha256(msgspec.json.encode(config))
-    for flag, value in itertools.pairwise(argv):
+def digest(cmd: list[str], env: dict[str, str]) -> str:
+    """What a cache is keyed by: the child's command and environment (what decides the
+    model and its context; a reload that changed only corral's rules for it, a TTL or a
+    queue limit, keeps the cache), and the size and modification time of each model file
+    its arguments name (a file replaced under the same name is another model)."""
+    h = hashlib.sha256(msgspec.json.encode([cmd, sorted(env.items())]))
+    for flag, value in itertools.pairwise(cmd):
         if flag in MODEL_FLAGS:
             try:
                 st = os.stat(value)

@@ -47,7 +47,7 @@ class SideJobs:
             return []
         try:
             self.here = prompt_cache.folder(self.cache[0], self.model,
-                                            prompt_cache.digest(config, config.cmd))
+                                            prompt_cache.digest(config.cmd, config.env))
         except OSError as e:
             self.ring.append(f"corral: no prompt cache: {e}")
             return []

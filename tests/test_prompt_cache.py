@@ -15,7 +15,7 @@ from actors import prompt_cache
 from actors.config import ConfigError
 from actors.config_load import parse_config
 from scripts.tiny_gguf import write_tiny_gguf
-from tests.helpers import request, toml_config
+from tests.helpers import request, toml_config, wait_until
 from tests.test_llama_server import BINARY
 
 pytestmark = pytest.mark.skipif(
@@ -107,3 +107,18 @@ def test_keep_prompt_cache_is_for_llama_server_children_only() -> None:
     with pytest.raises(ConfigError, match=r"models\.m\.keep_prompt_cache: only for llama-server"):
         parse_config({"models": {"m": {"cmd": [sys.executable], "keep_prompt_cache": True}}},
                      "c.toml")
+
+
+def test_a_reload_that_changed_only_a_rule_keeps_the_cache(corral, tmp_path) -> None:
+    c, _ = setup(tmp_path, corral)
+    turn(c.port, "a")
+    models = {"a": {**llama(tmp_path / "a.gguf"), "ttl_s": 600},
+              "b": llama(tmp_path / "b.gguf")}
+    (Path(c.log_path).parent / "corral.toml").write_text(toml_config(
+        models, models_max=1, state_dir=str(tmp_path / "state")))
+    status, body, _ = request(c.port, "GET", "/models?reload=1")
+    assert status == 200, body
+    wait_until(lambda: c.models()["a"]["status"]["value"] == "unloaded", 10,
+               "a to restart for its new rules")
+    again = turn(c.port, "a")
+    assert again["timings"]["cache_n"] > 0, "its cache came back after the restart"
