@@ -48,6 +48,14 @@ class Grant(Message, frozen=True, kw_only=True):
     upstream_key: str | None = None
     """The key the child requires (a child on a cluster node: issue 19, R8): sent to it as
     `Authorization: Bearer KEY`; None: send none."""
+    epoch: int = 0
+    """The child's wakes so far (issue 23): a woken child serves its generation anew, so
+    its grants may be shared again after the Withdraw of its suspend."""
+
+    @property
+    def serving(self) -> tuple[int, int]:
+        """What a Withdraw is compared with: (generation, epoch)."""
+        return (self.generation, self.epoch)
 
     @property
     def base_url(self) -> str:
@@ -427,6 +435,12 @@ class Withdraw(Message, frozen=True, kw_only=True):
     gone: bool = False
     """The child is gone (exited, or its node lost): the front ends its connections to it
     at once, as a node that vanished never closes them (R7)."""
+    epoch: int = 0
+    """Grants of this generation and an epoch up to this one (Grant.epoch)."""
+
+    @property
+    def serving(self) -> tuple[int, int]:
+        return (self.generation, self.epoch)
 
 
 class Revoke(Message, frozen=True, kw_only=True):

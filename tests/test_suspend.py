@@ -39,6 +39,12 @@ def measured(c: Any, *models: str) -> None:
                    f"{m} to be measured")
 
 
+def metric(port: int, name: str) -> float:
+    _, text, _ = request(port, "GET", "/metrics")
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name)
+
+
 def stats(port: int) -> dict[str, Any]:
     status, body, _ = request(port, "GET", "/debug/stats")
     assert status == 200, body
@@ -67,6 +73,10 @@ def test_an_eviction_suspends_and_a_request_wakes_the_same_child(corral, tmp_pat
     assert stats(a["port"])["wakes"] == 1
     assert c.models()["b"]["status"].get("phase") == "suspended", "b went to the host for a"
     assert sse.statuses("a")[-3:] == ["sleeping", "loading", "loaded"]
+    joined = metric(c.port, "corral_requests_joined_total")
+    assert chat(c.port, "a")[0] == 200 and chat(c.port, "a")[0] == 200
+    assert metric(c.port, "corral_requests_joined_total") > joined, \
+        "the woken child's grant is kept and joined again, as before its suspend"
     _, text, _ = request(c.port, "GET", "/metrics")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}

@@ -22,7 +22,7 @@ class Services(Protocol):
     shares: Shares
     pools: Pools
     times: RequestTimes
-    stopped: dict[str, int]
+    stopped: dict[str, tuple[int, int]]
     key_uses: KeyUses
     draining: bool
     to_api: tuple[bytes, ...]

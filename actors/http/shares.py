@@ -78,7 +78,7 @@ class Shares:
         self.keeping = True
         """Whether grants are kept after their last request at all (not while draining)."""
         self.open: dict[str, SharedGrant] = {}
-        self.withdrawn: dict[str, int] = {}
+        self.withdrawn: dict[str, tuple[int, int]] = {}
         """Model -> the newest generation withdrawn. A grant can reach its request after
         its withdrawal did (both come through the loop, and a resumed request runs after
         the callbacks of its turn): such a grant is used, never opened to others."""
@@ -121,7 +121,7 @@ class Shares:
         seen, newest = self.revoked.get(model, (0, 0))
         if seen != revokes and answer.generation <= newest:
             share.keep = False
-        if answer.shareable and answer.generation > self.withdrawn.get(model, 0):
+        if answer.shareable and answer.serving > self.withdrawn.get(model, (0, 0)):
             self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
 
@@ -219,10 +219,10 @@ class Shares:
 
     def withdraw(self, message: Withdraw) -> None:
         """The Scheduler: no new request may join grants of this model's generation."""
-        model, generation = message.model, message.generation
-        self.withdrawn[model] = max(self.withdrawn.get(model, 0), generation)
+        model, serving = message.model, message.serving
+        self.withdrawn[model] = max(self.withdrawn.get(model, (0, 0)), serving)
         share = self.open.get(model)
-        if share is not None and share.grant.generation <= generation:
+        if share is not None and share.grant.serving <= serving:
             del self.open[model]
             share.keep = False
             if not share.count:

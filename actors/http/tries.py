@@ -134,7 +134,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
         # unless its child is still there (Shares.acquire_past) or was stopped on
         # purpose (unloaded, unhealthy, corral stopping): an operator's stop is not
         # undone by a request that comes back for the model.
-        if grant.generation <= front.stopped.get(model, 0):
+        if grant.serving <= front.stopped.get(model, (0, 0)):
             ex.answer(Answer(503, f"{ex.what} was stopped while it had this request "
                              f"({ex.broke}); not sent again", headers=(("Retry-After", "1"),)))
             return

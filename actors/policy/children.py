@@ -330,4 +330,5 @@ class Children:
             self.rules.stop(rec, "reload", None, now)
         else:
             rec.retiring = True
-            self.state.out.append(Withdraw(model=rec.name, generation=rec.generation))
+            self.state.out.append(Withdraw(model=rec.name, generation=rec.generation,
+                                           epoch=rec.wakes))

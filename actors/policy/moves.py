@@ -181,7 +181,7 @@ class Moves:
             self.state.revocable[rec.name] = rec.generation
         self.state.out.append(Answer(ticket, Grant(
             model=rec.name, generation=rec.generation, host=rec.host, port=rec.port,
-            shareable=shareable, upstream_key=rec.upstream_key)))
+            shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes)))
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,
@@ -233,6 +233,7 @@ class Moves:
         if (rec.state.is_serving and not new.is_serving) or (
                 rec.state is S.STOPPING and new is S.UNLOADED):
             self.state.out.append(Withdraw(model=rec.name, generation=rec.generation,
+                                           epoch=rec.wakes,
                                            gone=new is S.UNLOADED))
         rec.state = new
         rec.state_since = now
