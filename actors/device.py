@@ -191,8 +191,9 @@ def discover(config: Config) -> list[Backend]:
         else:
             log.info("nvml: %d device(s)", len(nvml.handles))
             backends.append(nvml)
-    if config.account_host or config.suspends:  # suspended models' copies are in host RAM
-        backends.append(HostBackend())
+    # Always: suspended models' copies are in host RAM, and a reload may add the first
+    # model with a suspend method (counted only with account_host in the ledger).
+    backends.append(HostBackend())
     return backends
 
 

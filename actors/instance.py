@@ -49,7 +49,7 @@ from .messages import (
     Unhealthy,
     WakeInstance,
 )
-from .phases import TRANSITIONS, Phase, StopSequence
+from .phases import SWITCHING, TRANSITIONS, Phase, StopSequence
 from .sidejobs import SideJobs
 from .suspend import Step
 from .timers import Timers
@@ -335,10 +335,11 @@ class ModelInstance(BaseActor):
         self.scheduler.tell(InstanceSuspended(
             model=self.model, generation=gen, ok=ok, detail=detail, host_bytes=host_bytes)
             if sleep else InstanceWoken(model=self.model, generation=gen, ok=ok, detail=detail))
-        if ok and not sleep:
-            self.arm_liveness()
 
     def handle_liveness_tick(self, spawn_id: int) -> None:
+        if spawn_id == self.spawn_id and self.phase in SWITCHING:
+            self.arm_liveness()  # no check while suspended; the one chain goes on
+            return
         if spawn_id != self.spawn_id or self.phase is not Phase.READY:
             return
         self.jobs.probe(spawn_id, self.host, self.port, self.config.health_path,

@@ -119,7 +119,8 @@ class Ledger:
     """Device -> bytes held by all models: summed when asked, dropped when `held`
     changes (a plan asks once per place it weighs; there can be thousands)."""
 
-    def _counts(self, kind: str) -> bool:
+    def counted(self, kind: str) -> bool:
+        """Memory of this kind is accounted (host RAM only with account_host)."""
         return kind == "device" or self.account_host
 
     def _held_by_others(self, device: str, model: str | None) -> int:
@@ -142,7 +143,7 @@ class Ledger:
         fresher than a measurement's).
         """
         for row in mem.devices:
-            if row.total <= 0 or not self._counts(row.kind):
+            if row.total <= 0 or not self.counted(row.kind):
                 continue
             if unknown_only and row.name in self.devices:
                 continue
@@ -160,7 +161,7 @@ class Ledger:
         None when the backend cannot attribute memory to processes, and then whatever
         the models hold is assumed to be in use (the reference's rule).
         """
-        if not self._counts(sample.kind):
+        if not self.counted(sample.kind):
             return
         if sample.total <= 0:  # gone (a lost node's device): nothing is placed on it
             dev = self.devices.setdefault(sample.name, DeviceMemory(0, sample.kind))
@@ -179,13 +180,13 @@ class Ledger:
         if mem is None:
             return
         self.reserved[model] = {row.name: row.self_bytes for row in mem.devices
-                                if self._counts(row.kind)}
+                                if self.counted(row.kind)}
         self._hold(model)
 
     def saw(self, model: str, use: dict[str, int]) -> None:
         """`model`'s child was seen using `use` (device -> bytes)."""
         self.observed[model] = {d: b for d, b in use.items() if b > 0
-                                and d in self.devices and self._counts(self.devices[d].kind)}
+                                and d in self.devices and self.counted(self.devices[d].kind)}
         self._hold(model)
 
     def unreserve(self, model: str) -> None:
@@ -226,7 +227,7 @@ class Ledger:
             return {}
         short: dict[str, int] = {}
         for row in need.devices:
-            avail = self.available(row.name) if self._counts(row.kind) else None
+            avail = self.available(row.name) if self.counted(row.kind) else None
             if avail is None:
                 continue
             avail += (give_back or {}).get(row.name, 0)

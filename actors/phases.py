@@ -35,6 +35,8 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 """Its child's phases: IDLE (none), STARTING (spawned, not ready), READY, STOPPING (told
 to go), and the suspended tier's; any but IDLE ends in IDLE when the child exits."""
+SWITCHING = frozenset({Phase.SUSPENDING, Phase.SUSPENDED, Phase.WAKING})
+"""Suspended, or on the way there or back."""
 
 StopStep = tuple[str, float]
 """One step of a stop: what is sent ("exit", "SIGTERM", "SIGKILL"), then how long the

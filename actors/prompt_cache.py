@@ -97,9 +97,9 @@ def save(host: str, port: int, here: Path, root: Path, max_bytes: int, timeout_s
                 saved += int(said.get("n_saved", 0))
             else:
                 say(f"corral: prompt cache of slot {sid} not saved: {status} {said}")
+        prune(root, max_bytes)
     except (OSError, http.client.HTTPException, ValueError) as e:
         say(f"corral: prompt cache not saved: {type(e).__name__}: {e}")
-    prune(root, max_bytes)
     return saved
 
 
@@ -130,12 +130,16 @@ def restore(host: str, port: int, here: Path, timeout_s: float,
 def prune(root: Path, max_bytes: int) -> None:
     """Drop the least recently written cache files under `root` until the rest fit."""
     files = []
-    for path in root.rglob("slot*.bin"):
-        try:
-            st = path.stat()
-        except OSError:
-            continue
-        files.append((st.st_mtime_ns, st.st_size, path))
+    for base, _, names in os.walk(root):  # a folder another model drops meanwhile: skipped
+        for name in names:
+            if not SLOT_FILE.fullmatch(name):
+                continue
+            path = Path(base) / name
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime_ns, st.st_size, path))
     total = sum(size for _, size, _ in files)
     for _, size, path in sorted(files):
         if total <= max_bytes:

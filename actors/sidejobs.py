@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from . import prompt_cache, suspend
 from .childproc import LogRing
@@ -46,8 +46,9 @@ class SideJobs:
         if not config.keep_prompt_cache or self.cache is None:
             return []
         try:
+            argv = config.argv(self.model, "host", 0)  # {model} filled in, as it runs
             self.here = prompt_cache.folder(self.cache[0], self.model,
-                                            prompt_cache.digest(config.cmd, config.env))
+                                            prompt_cache.digest(argv, config.env))
         except OSError as e:
             self.ring.append(f"corral: no prompt cache: {e}")
             return []
@@ -72,9 +73,8 @@ class SideJobs:
         here, cache = self.here, self.cache
         assert here is not None and cache is not None
         self.saving = reason
-        self._thread("save", lambda: self.tell(ChildCached(
-            spawn_id=spawn_id, step="save", tokens=prompt_cache.save(
-                host, port, here, cache[0], cache[1], timeout_s, self.warn))))
+        self._cached(spawn_id, "save", lambda: prompt_cache.save(
+            host, port, here, cache[0], cache[1], timeout_s, self.warn))
 
     def saved(self) -> str:
         """The save is over: the reason of the stop that waited for it."""
@@ -87,9 +87,8 @@ class SideJobs:
         here = self.here
         assert here is not None
         self.restoring, self.ready_info = True, ready_info
-        self._thread("restore", lambda: self.tell(ChildCached(
-            spawn_id=spawn_id, step="restore", tokens=prompt_cache.restore(
-                host, port, here, timeout_s, self.warn))))
+        self._cached(spawn_id, "restore", lambda: prompt_cache.restore(
+            host, port, here, timeout_s, self.warn))
 
     def restored(self) -> dict[str, Any] | None:
         """The restore is over: what the child said when it got ready."""
@@ -101,6 +100,19 @@ class SideJobs:
         self._thread("liveness", lambda: probe_health(
             host, port, path, timeout_s, lambda ok, detail: self.tell(
                 LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail))))
+
+    def _cached(self, spawn_id: int, step: Literal["save", "restore"],
+                job: Callable[[], int]) -> None:
+        """Run a save or restore; its answer always comes (a stop waits for a save)."""
+        def run() -> None:
+            tokens = 0
+            try:
+                tokens = job()
+            except Exception as e:  # the cache is lost, never the stop or the ready
+                self.warn(f"corral: prompt cache not {step}d: {type(e).__name__}: {e}")
+            finally:
+                self.tell(ChildCached(spawn_id=spawn_id, step=step, tokens=tokens))
+        self._thread(step, run)
 
     def warn(self, line: str) -> None:
         """A job went wrong: said in the model's log and in corral's."""

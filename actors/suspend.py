@@ -24,7 +24,8 @@ import msgspec
 import psutil
 
 Step = Literal["sleep", "wake"]
-HTTP_STEP = re.compile(r"(GET|POST|PUT|PATCH|DELETE) (/\S*)")
+HTTP_STEP = re.compile(r"(GET|POST|PUT|PATCH|DELETE) (/[!-~]*)")
+"""A method and a path of printable ASCII (what HTTP/1.1 sends as it is)."""
 PLACEHOLDER = re.compile(r"\{(pid|port|model)\}")
 
 
@@ -117,9 +118,12 @@ def switch(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: i
     """`run`, then `done(failure, grew)`: what the process' resident memory grew by
     (measured for a `sleep` only). On a ModelInstance's helper thread."""
     before = tree_rss(pid) if step == "sleep" else 0
-    failure = run(how, step, model=model, host=host, port=port, pid=pid,
-                  timeout_s=timeout_s, say=say)
-    done(failure, max(0, tree_rss(pid) - before) if step == "sleep" else 0)
+    try:
+        failure = run(how, step, model=model, host=host, port=port, pid=pid,
+                      timeout_s=timeout_s, say=say)
+    except Exception as e:  # never leave the instance waiting for an answer
+        failure = f"{type(e).__name__}: {e}"
+    done(failure, max(0, tree_rss(pid) - before) if step == "sleep" and not failure else 0)
 
 
 def _request(host: str, port: int, method: str, path: str, timeout_s: float) -> str | None:

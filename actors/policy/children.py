@@ -73,7 +73,8 @@ class Children:
         rec.info, rec.progress = info, None
         rec.failed = False
         rec.ready_at = now
-        rec.last_used = 0.0 if rec.warming else now  # a warm-up: the first victim
+        # A warm-up nobody asked for since: the first victim.
+        rec.last_used = 0.0 if rec.warming and model not in self.state.queue.entries else now
         rec.ended_at = now
         rec.warming = False
         rec.breaker.ready()
@@ -316,7 +317,7 @@ class Children:
         return self.rules.flush(), restarted
 
     def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
-        if rec.state.is_running:
+        if rec.holds_slot:  # (a suspended child holds none: issue 23)
             self.state.n_running_pinned += int(rules.pinned) - int(rec.pinned)
         rec.rules = rules
         self.state.rewarm()

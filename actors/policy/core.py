@@ -120,8 +120,9 @@ class Policy:
             if counted:
                 tenants.take(key, now)
             self.rules.grant(ticket, rec, now, key, cuttable=cuttable)
-        # 4. Without autoload, only a child that is there or on its way is worth a wait.
-        elif not autoload and rec.state is not S.LOADING and not rec.state.is_serving:
+        # 4. Without autoload, only a child that is there or on its way is worth a wait
+        #    (a suspended one is there: it is woken).
+        elif not autoload and rec.state in (S.UNLOADED, S.STOPPING):
             self.rules.refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
                          "load it with POST /models/load", "invalid_request_error")
         # 5. A backoff that outlasts the request's patience: say when to come back.

@@ -101,6 +101,7 @@ class HostTier:
             rec = models.get(name)
             if rec is not None and rec.state is S.SUSPENDED:
                 self.unseen.pop(name, None)
+                rec.draining = False
         tracked = set(report.tracked)
         for name in [n for n in self.freeing if n not in tracked]:
             del self.freeing[name]

@@ -104,7 +104,9 @@ class Memory:
             self.ledger.observe(sample, report.managed.get(sample.name))
         seen = {d.name: d for d in report.devices}
         out: list[Effect] = []
-        for name, usage in report.usage.items():
+        for name, all_usage in report.usage.items():
+            usage = {d: b for d, b in all_usage.items()  # host RAM with account_host only
+                     if d not in seen or self.ledger.counted(seen[d].kind)}
             user = models.get(name)
             if user is None or not user.state.is_running:
                 continue
@@ -276,7 +278,7 @@ class Memory:
     def _around(self, models: dict[str, ModelRecord]) -> Around:
         """What every place a plan weighs shares, computed once for all of them."""
         going = [r.name for r in models.values()
-                 if r.state in (S.STOPPING, S.SUSPENDING) or r.releasing]
+                 if r.state in (S.STOPPING, S.SUSPENDING) or r.releasing or r.draining]
         holders: dict[str, list[ModelRecord]] = {}
         for name, devices in self.ledger.held.items():
             holder = models.get(name)

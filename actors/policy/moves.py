@@ -219,6 +219,7 @@ class Moves:
         check_transition(rec.name, rec.state, new)
         state, old = self.state, rec.state
         held = rec.holds_slot
+        rec.draining = rec.draining and new is S.SUSPENDED
         rec.slotless = new is S.STOPPING and (old is S.SUSPENDED or rec.slotless)
         holds = new.holds_slot and not rec.slotless
         running = int(holds) - int(held)

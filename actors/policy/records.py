@@ -193,6 +193,9 @@ class ModelRecord:
     """Ready, and the next device report tells its real usage (R-5.6)."""
     releasing: bool = False
     """Exited; its hold stays until a device report no longer tracks it (R-5.6)."""
+    draining: bool = False
+    """Suspended, and no device report since shows what it gave back: until one does,
+    what it held counts as coming back, as a stopping child's does."""
     host_bytes: int = 0
     """Host RAM its suspended child holds: estimated while it suspends, then what its
     resident memory grew by (issue 23)."""

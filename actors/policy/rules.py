@@ -69,7 +69,8 @@ class Rules(Moves):
     def yield_warm(self, now: float) -> None:
         """A request waits for a place: background loads of warm models give it up."""
         for rec in self.state.models.values():
-            if rec.warming and rec.state is S.LOADING:
+            if rec.warming and rec.state is S.LOADING \
+                    and rec.name not in self.state.queue.entries:
                 self.stop(rec, "warm", None, now, why="a request needs its place")
 
     def relieve_host(self, now: float) -> None:
@@ -109,7 +110,8 @@ class Rules(Moves):
             and self.state.n_stopping == 0 and self.state.n_suspending == 0
         if self.pick_victim(now) is None and not pinned_out:
             self.revoke_kept()
-            self.yield_warm(now)
+            if any(self.state.needs_slot(e, now) for e in self.state.queue.entries.values()):
+                self.yield_warm(now)
             return  # every running model is busy, wanted or young: a release re-ticks
         needing = [e.model for e in self.state.queue.ordered(now)
                    if self.state.needs_slot(e, now)]
@@ -187,7 +189,7 @@ class Rules(Moves):
             return "wait"
         # 6. With memory accounting, the plan decides: evict, measure first, wait or refuse.
         if state.memory_on:
-            victims = state.victims.ranked(state.models, now, state.resident_until)
+            victims = self.memory_victims(now)
             plan = state.memory.plan(rec, state.models, victims, busy)
             for victim, shortfalls in plan.evict:  # none: a node's slot
                 self.evict(victim, "memory" if shortfalls else "lru", rec.name, now,
@@ -219,7 +221,7 @@ class Rules(Moves):
         for its exit to load it anew (elsewhere, if it may go elsewhere)."""
         state = self.state
         if state.memory_on:
-            victims = state.victims.ranked(state.models, now, state.resident_until)
+            victims = self.memory_victims(now)
             plan = state.memory.plan_wake(rec, state.models, victims,
                                           self.loading_devices(rec))
             for victim, shortfalls in plan.evict:
@@ -233,13 +235,25 @@ class Rules(Moves):
         self.wake(rec, entry, now)
         return "spawned"
 
+    def memory_victims(self, now: float) -> list[ModelRecord]:
+        """What may be evicted for memory, in order: the idle models, least recently used
+        first, then the suspended ones that still hold some of a device (a CUDA context
+        left behind), least recently used first (issue 23: they are stopped)."""
+        state = self.state
+        victims = state.victims.ranked(state.models, now, state.resident_until)
+        if state.n_suspended:
+            victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
+                               and not r.draining and state.ledger.held.get(r.name)),
+                              key=lambda r: r.last_used)
+        return victims
+
     def evict(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
               now: float, shortfalls: list[Shortfall] | None = None) -> None:
         """Make room with the idle `rec`: suspend it if it has a way to and host memory
         allows (at suspended_max, the least recently used suspended model is stopped for
         it), else stop it; the event says which, and why (issue 23)."""
         state = self.state
-        if not rec.rules.suspend:
+        if not rec.rules.suspend or rec.state is S.SUSPENDED:
             self.stop(rec, reason, for_model, now, shortfalls)
             return
         why = state.host.why_not(rec, state.ledger, state.stopping_suspended())

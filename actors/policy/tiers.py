@@ -44,6 +44,7 @@ class Tiers:
         else:
             self.state.host.suspended(rec, host_bytes)
             rec.suspends += 1
+            rec.draining = self.state.watched(rec)
             self.rules.transition(rec, S.SUSPENDED, f"suspended, {host_bytes / MiB:.0f} MiB "
                                   "to host RAM", now)
             if self.state.watched(rec):
@@ -72,7 +73,7 @@ class Tiers:
             self.state.host.awake(rec)
             rec.wakes += 1
             rec.ready_at = now
-            rec.last_used = 0.0 if rec.warming else now  # a warm-up: the first victim
+            rec.last_used = 0.0 if rec.warming and entry is None else now  # unasked: first victim
             rec.ended_at = now
             rec.warming = False
             self.rules.transition(rec, S.LOADED, "woken", now)

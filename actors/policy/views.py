@@ -103,6 +103,7 @@ def check(p: State) -> None:
     for rec in recs:
         if rec.state in (S.SUSPENDING, S.SUSPENDED):
             assert rec.rules.suspend and not rec.in_flight, f"{rec.name}: suspended busy"
+        assert not rec.draining or rec.state is S.SUSPENDED, f"{rec.name}: draining"
         assert rec.name not in p.host.unseen or rec.state in (
             S.SUSPENDING, S.SUSPENDED, S.WAKING, S.STOPPING), \
             f"{rec.name}: host bytes of no suspend"
