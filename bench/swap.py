@@ -182,7 +182,8 @@ async def suspend_runs(args: argparse.Namespace) -> dict[str, Any]:
                         assert result.status == 200, result
                         samples[label].append(result.ttfb_s)
                 p50 = {k: statistics.median(v) for k, v in samples.items()}
-                rounds.append({k: summary_ms(v) for k, v in samples.items()}
+                rounds.append({k: summary_ms(v) | {"median": p50[k] * 1e3}
+                               for k, v in samples.items()}
                               | {"ratio": p50["suspend"] / p50["stop"]})
                 print(f"round {r + 1}: swap p50 stopping {p50['stop'] * 1e3:8.1f} ms, "
                       f"suspending {p50['suspend'] * 1e3:7.1f} ms "
