@@ -30,6 +30,7 @@ from actors.messages import (
     WaitDue,
 )
 from actors.policy import Policy
+from actors.policy.plans import decide
 from actors.policy.records import (
     Answer,
     Effect,
@@ -482,7 +483,8 @@ def test_a_suspended_warm_model_is_woken_when_there_is_room() -> None:
 
 class TierMachine(RuleBasedStateMachine):
     """Requests, releases, loads, suspends and wakes that succeed or fail, crashes,
-    unloads, device and host reports, and TTL timers. After every step: the policy's
+    unloads, device and host reports, and TTL timers; every request's plan is the decision
+    then made. After every step: the policy's
     invariants; the device never holds more than its total less the margin, nor the
     host more than its RAM less the margin (its outside use is fixed); every Suspend
     is for an awake child and every Wake for a suspended one (TierWorld.run)."""
@@ -514,7 +516,12 @@ class TierMachine(RuleBasedStateMachine):
         self.n += 1
         self.open.append(self.n)
         self.asked.append(self.n)
-        self.w.acquire(self.n, model)
+        w = self.w
+        w.now += 1.0
+        planned = w.p.plan(model, w.now)  # GET /models/plan: what acquire then decides
+        effects = w.p.acquire(self.n, model, w.now)
+        w.run(effects)
+        assert planned.decision == decide(effects, self.n, model), (planned, effects)
 
     @rule(i=st.integers(0, 50))
     @precondition(lambda self: self.w is not None and self.open)
@@ -601,3 +608,18 @@ TierMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("CORRAL_TIER_EXAMPLES", "150")), stateful_step_count=60,
     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestTierMachine = TierMachine.TestCase
+
+
+def test_the_plan_of_a_request_for_a_suspended_model_is_a_wake_that_suspends_the_other() -> None:
+    w = TierWorld({"a": 5, "b": 5}, host_gib=16)
+    w.load_idle("a")
+    w.acquire("t1", "b")
+    w.suspended("a")
+    w.report()
+    w.ready("b")
+    w.release("t1")
+    plan = w.p.plan("a", w.tick())
+    assert plan.decision == "load" and plan.wake and plan.devices == ["gpu0"]
+    assert [(e.model, e.action) for e in plan.evict] == [("b", "suspend")]
+    w.acquire("t2", "a")
+    assert w.state("b") == "suspending", "the plan was the decision"

@@ -172,9 +172,11 @@ def plan_text(p: dict[str, Any]) -> str:
         case "queue":
             why = f", waiting for {p['waiting_for']}" if p.get("waiting_for") else ""
             return head + f"queued, {place}{why}"
-    lines = [head + f"a load, on {', '.join(p.get('devices') or []) or 'its default place'}"
+    what = "a wake of its suspended child" if p.get("wake") else "a load"
+    lines = [head + f"{what}, on {', '.join(p.get('devices') or []) or 'its default place'}"
              f" ({place})"]
-    lines += [f"  evicts {e['model']} ({e['reason']}: {e['why']})" for e in p.get("evict", [])]
+    lines += [f"  {'suspends' if e.get('action') == 'suspend' else 'evicts'} {e['model']} "
+              f"({e['reason']}: {e['why']})" for e in p.get("evict", [])]
     lines += [f"  {m['device']}: {m['free_mib_now']:.0f} MiB free now, "
               f"{m['free_mib_after']:.0f} MiB after" for m in p.get("memory", [])]
     return "\n".join(lines)

@@ -23,7 +23,7 @@ import msgspec
 from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Evicted, Grant, Refusal, Revoke
-from .records import Answer, Effect, ModelRecord, Preempt, Publish, Spawn
+from .records import Answer, Effect, ModelRecord, Preempt, Publish, Spawn, Wake
 from .state import State
 
 Decision = Literal["grant", "queue", "load", "refuse"]
@@ -43,6 +43,8 @@ class PlannedEviction(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     why: str
     """What the newcomer lacked, device by device (memory), or the slot it needs."""
+    action: str = "stop"
+    """`suspend`: it would be suspended, not stopped (issue 23)."""
 
 
 class PlannedMemory(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +78,8 @@ class RequestPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     evict: list[PlannedEviction] = []
     memory: list[PlannedMemory] = []
     """load: where it would start, what would be stopped for it, the memory around it."""
+    wake: bool = False
+    """load: the load is a wake of the model's suspended child (issue 23)."""
     status: int | None = None
     message: str | None = None
     retry_after_s: float | None = None
@@ -117,7 +121,7 @@ def decide(effects: list[Effect], ticket: Hashable, model: str) -> Decision:
         if isinstance(e, Answer) and e.ticket is ticket:
             return "grant" if isinstance(e.value, Grant) else "refuse"
     for e in effects:
-        if isinstance(e, Spawn) and e.model == model:
+        if isinstance(e, Spawn | Wake) and e.model == model:
             return "load"
         if isinstance(e, Publish) and isinstance(e.event, Evicted) and e.event.for_model == model:
             return "load"
@@ -154,17 +158,20 @@ def plan(policy: Policy, model: str, now: float, key: str = "",
                            ahead=ahead, waiting_for=_waiting_for(copy_, rec, effects, cut),
                            cut=cut)
     spawn = next((e for e in effects if isinstance(e, Spawn) and e.model == model), None)
+    woken = rec.state in (ModelState.SUSPENDED, ModelState.WAKING)  # a wake, now or later
     evictions = [e.event for e in effects if isinstance(e, Publish)
                  and isinstance(e.event, Evicted) and e.event.for_model == model]
     # not started yet (it waits for its victims to stop): where it lacked memory
-    devices = (spawn.devices if spawn is not None
+    devices = (spawn.devices if spawn is not None else rec.placement if woken and rec.placement
                else sorted({s.device for e in evictions for s in e.devices}) or None)
     return RequestPlan(
         decision="load", model=name, key=key, position=position, ahead=ahead,
         devices=devices, node=spawn.node if spawn is not None else rec.node,
-        evict=[PlannedEviction(model=e.model, reason=e.reason, why=_why(e)) for e in evictions],
+        evict=[PlannedEviction(model=e.model, reason=e.reason, why=_why(e), action=e.action)
+               for e in evictions],
         memory=_memory(policy, copy_, rec, devices or [], [e.model for e in evictions],
-                       reserved=spawn is not None))
+                       reserved=spawn is not None or rec.state is ModelState.WAKING),
+        wake=woken)
 
 
 def _place(copy_: Policy, probe: _Probe, model: str, now: float) -> tuple[int, dict[str, int]]:
@@ -201,12 +208,16 @@ def _waiting_for(copy_: Policy, rec: ModelRecord, effects: list[Effect],
     if rec.waiting_for:
         return rec.waiting_for
     state = copy_.state
-    if rec.state is ModelState.UNLOADED and not state.has_capacity():
+    if rec.state in (ModelState.UNLOADED, ModelState.SUSPENDED) and not state.has_capacity():
         busy = [r.name for r in state.models.values() if r.state.is_running]
         return (f"a free slot (models_max {state.models_max}; running, none of them idle: "
                 f"{', '.join(busy)})")
     if rec.state is ModelState.LOADING:
         return "its child to be ready"
+    if rec.state is ModelState.SUSPENDING:
+        return "its child's suspend to end, then its wake"
+    if rec.state is ModelState.WAKING:
+        return "its child to wake"
     if rec.state.is_serving:
         return "a request of its own to end (max_concurrency)"
     return None
