@@ -11,8 +11,8 @@ def demo_config() -> Config:
     """The built-in demo: three models backed by the bundled fake model server, on two
     simulated 3.5 GiB GPUs with memory accounting on: small and medium are placed one on
     each, and large (3 GiB) makes room by evicting the least recently used. They have
-    vLLM's sleep mode (faked), so that eviction suspends the model to host RAM while host
-    memory allows, and its next request wakes it in 0.1 s instead of loading it again."""
+    vLLM's sleep mode (faked: a wake takes 0.1 s), so that eviction suspends the model to
+    host RAM while host memory allows, and its next request wakes it where it slept."""
     def fake(load_delay_s: float, tokens_per_s: float, mib: int) -> ModelConfig:
         return ModelConfig(cmd=[sys.executable, "-m", "actors.fake_model", "--host", "{host}",
                                 "--port", "{port}", "--model", "{model}",
