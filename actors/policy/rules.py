@@ -21,6 +21,9 @@ from .records import Later, Measure, ModelRecord
 log = logging.getLogger("corral.scheduler")
 
 S = ModelState
+WARM_RETRY_S = 0.5
+"""A warm model that found no room is looked at again this long after, not at every
+event (a memory plan each time a request comes and goes would be paid by requests)."""
 
 
 class Rules(Moves):
@@ -43,9 +46,16 @@ class Rules(Moves):
         memory free on their devices with no eviction (issue 23). Once it serves it is
         the least recently used model, the first to go when anything needs its place."""
         state = self.state
+        if now < state.warm_after:  # tried just now: once more after, not at every event
+            if not state.warm_due:
+                state.warm_due = True
+                state.out.append(Later(state.warm_after - now, Repump()))
+            return
+        state.warm_due = False
         for name in state.warm:
             rec = state.models[name]
             if not state.has_capacity():
+                state.warm_after = now + WARM_RETRY_S
                 return
             if rec.state not in (S.UNLOADED, S.SUSPENDED) or rec.breaker.is_open(now) \
                     or rec.failed or rec.removed:
@@ -56,6 +66,7 @@ class Rules(Moves):
                         if rec.state is S.SUSPENDED
                         else state.memory.plan(rec, state.models, [], busy))
                 if plan.verdict != "go" or plan.note or plan.evict:
+                    state.warm_after = now + WARM_RETRY_S
                     continue
                 if rec.state is S.UNLOADED:
                     rec.placement = plan.devices

@@ -74,6 +74,9 @@ class State:
         never taken for one of its new."""
         self.warm: list[str] = []
         """The models with `warm`, in config order (kept by `rewarm`)."""
+        self.warm_after = 0.0
+        self.warm_due = False
+        """No warm-up is tried before `warm_after`; a Repump for then is pending."""
         self.now = 0.0
         """The time of the latest event (what a `queue` event's waits are measured at)."""
         self.wake_at: float | None = None
