@@ -38,7 +38,11 @@ def test_demo_serves_on_demand_and_evicts_lru(corral) -> None:
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
     models = c.models()
-    assert models["demo-small"]["status"]["value"] == "unloaded"
+    small = models["demo-small"]
+    # the demo's models can be suspended: small is, unless host RAM is short here
+    expected = (("sleeping", "suspended") if small["last_eviction"]["action"] == "suspend"
+                else ("unloaded", None))
+    assert (small["status"]["value"], small["status"].get("phase")) == expected
     assert models["demo-small"]["last_eviction"]["reason"] == "memory"
     assert models["demo-small"]["last_eviction"]["for_model"] == "demo-large"
     assert {models[m]["status"]["value"] for m in ("demo-medium", "demo-large")} == {"loaded"}
