@@ -211,6 +211,16 @@ class TierWorld:
             assert isinstance(self.answers[t], Grant), self.answers[t]
             self.release(t)
 
+    def swap_out(self, old: str, new: str) -> None:
+        """`old` loaded and used, then suspended for `new`, which serves one request and
+        is idle again."""
+        self.load_idle(old)
+        self.acquire(("swap", new), new)
+        self.suspended(old)
+        self.report()
+        self.ready(new)
+        self.release(("swap", new))
+
     def state(self, model: str) -> str:
         return self.p.state.models[model].state.value
 
@@ -243,12 +253,7 @@ def test_an_lru_eviction_suspends_and_the_newcomer_loads_once_the_devices_are_se
 
 def test_a_request_wakes_a_suspended_model_in_place_and_makes_room_as_a_load_does() -> None:
     w = TierWorld({"a": 5, "b": 5}, host_gib=16)
-    w.load_idle("a")
-    w.acquire("t1", "b")
-    w.suspended("a")
-    w.report()
-    w.ready("b")
-    w.release("t1")
+    w.swap_out("a", "b")
     gen = w.children["a"].generation
     w.acquire("t2", "a")
     assert w.state("b") == "suspending", "b is idle: it goes to the host for a"
@@ -276,12 +281,7 @@ def test_without_host_room_the_victim_is_stopped_and_the_event_says_why() -> Non
 
 def test_at_suspended_max_the_least_recently_used_suspended_model_is_stopped() -> None:
     w = TierWorld({"a": 3, "b": 3, "c": 3}, models_max=1, suspended_max=1)
-    w.load_idle("a")
-    w.acquire("t1", "b")
-    w.suspended("a")
-    w.report()
-    w.ready("b")
-    w.release("t1")
+    w.swap_out("a", "b")
     w.acquire("t2", "c")
     assert (w.state("a"), w.state("b")) == ("stopping", "suspending")
     reasons = [(e.model, e.reason, e.action) for e in w.evictions()[-2:]]
@@ -395,12 +395,7 @@ def test_without_memory_accounting_a_slot_eviction_suspends_and_a_request_wakes(
 
 def test_unload_stops_a_suspended_model_and_load_wakes_one() -> None:
     w = TierWorld({"a": 3, "b": 3}, models_max=1)
-    w.load_idle("a")
-    w.acquire("t1", "b")
-    w.suspended("a")
-    w.report()
-    w.ready("b")
-    w.release("t1")
+    w.swap_out("a", "b")
     w.run(w.p.load("L", "a", w.tick()))
     assert w.state("b") == "suspending"
     w.suspended("b")
@@ -612,12 +607,7 @@ TestTierMachine = TierMachine.TestCase
 
 def test_the_plan_of_a_request_for_a_suspended_model_is_a_wake_that_suspends_the_other() -> None:
     w = TierWorld({"a": 5, "b": 5}, host_gib=16)
-    w.load_idle("a")
-    w.acquire("t1", "b")
-    w.suspended("a")
-    w.report()
-    w.ready("b")
-    w.release("t1")
+    w.swap_out("a", "b")
     plan = w.p.plan("a", w.tick())
     assert plan.decision == "load" and plan.wake and plan.devices == ["gpu0"]
     assert [(e.model, e.action) for e in plan.evict] == [("b", "suspend")]
