@@ -399,6 +399,23 @@ class PlacementMachine(RuleBasedStateMachine):
         self.w.now += dt
         self.w.fire_timers()
 
+    @invariant()
+    def pruned_plans_are_the_plans(self) -> None:
+        """The memory plan weighs only the places that may win (memory.py `bound`): it
+        must choose what weighing every place chooses."""
+        if self.w is None:
+            return
+        state = self.w.p.state
+        victims = state.victims.ranked(state.models, self.w.now, state.resident_until)
+        for rec in state.models.values():
+            if rec.state is not S.UNLOADED:
+                continue
+            plans = [state.memory.plan(rec, state.models, victims, set(), exhaustive=full)
+                     for full in (False, True)]
+            pruned, every = ((p.verdict, p.devices, [v.name for v, _ in p.evict])
+                             for p in plans)
+            assert pruned == every, (rec.name, pruned, every)
+
 
 PlacementMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("CORRAL_STATEFUL_EXAMPLES", "150")) // 3,

@@ -196,7 +196,8 @@ class Memory:
     # ------------------------------------------------------------ the rule
 
     def plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
-             victims: list[ModelRecord], busy: set[str] | None = None) -> Plan:
+             victims: list[ModelRecord], busy: set[str] | None = None,
+             exhaustive: bool = False) -> Plan:
         """R-5.7: may `rec` spawn now, and where? `victims`: idle models, least recently
         used first. With several places it may go, the cheapest wins: one where it fits
         as things are, then one where it fits once the children already stopping are
@@ -237,20 +238,23 @@ class Memory:
             plan = Plan("go")
             plan.devices = free_places[-max(fits)[1]]
             return plan
-        best: tuple[tuple[float, ...], Plan] | None = None
         around = self._around(models)
         rank_of = {v.name: i for i, v in enumerate(victims)}
         on_device: dict[str, list[ModelRecord]] = {}  # the victims holding memory there
         for v in victims:
             for d in self.ledger.held.get(v.name, {}):
                 on_device.setdefault(d, []).append(v)
-        for devices, need in zip(free_places, needs, strict=True):
+
+        def weigh(i: int) -> tuple[tuple[float, ...], Plan] | None:
+            """The plan at place i, and its cost: what it takes, how recently used its
+            victims were, less free memory; None where the node's slots are all busy."""
+            devices, need = free_places[i], needs[i]
             on = set(devices)
             useful = sorted({v.name: v for d in devices for v in on_device.get(d, [])}
                             .values(), key=lambda v: rank_of[v.name])
             room = full.get(node_of(devices[0]) or "")
             if room is not None and room.kind == "busy":
-                continue  # the node has models_max_per_node running, none of them idle
+                return None  # the node has models_max_per_node running, none of them idle
             if room is None:
                 plan = self._fit(rec, need, models, useful, on, around)
             elif room.victim is None:  # "freeing": a child stopping there frees the slot
@@ -269,10 +273,32 @@ class Memory:
                     else 1 if plan.fits_once_freed and not plan.evict
                     else 2 if plan.evict else 3 if plan.verdict != "refuse" else 4)
             recency = max((v.last_used for v, _ in plan.evict), default=0.0)
-            free = sum(self.ledger.available(d) or 0 for d in devices)
-            key = (rank, recency, -free)
-            if best is None or key < best[0]:
-                best = (key, plan)
+            return (rank, recency, -frees[i], i), plan
+
+        def bound(i: int) -> tuple[float, ...]:
+            """No cost at place i is below this (cheap: weigh() only where it may win).
+            Short even with what is coming back, a place costs an eviction (its first
+            victim's use at least) or a wait, unless nothing else holds memory there
+            (then it goes anyway)."""
+            devices = free_places[i]
+            if not any(r is not rec for d in devices for r in around.holders.get(d, [])):
+                return (0, 0.0, -frees[i], i)
+            if not self.ledger.deficit(needs[i], around.coming_back):
+                return (1, 0.0, -frees[i], i)
+            room = full.get(node_of(devices[0]) or "")
+            firsts = [on_device[d][0].last_used for d in devices if on_device.get(d)]
+            if room is not None and room.victim is not None:
+                firsts = [room.victim.last_used]
+            return (2, min(firsts), -frees[i], i) if firsts else (3, 0.0, -frees[i], i)
+
+        frees = [sum(self.ledger.available(d) or 0 for d in devices) for devices in free_places]
+        best: tuple[tuple[float, ...], Plan] | None = None
+        for low, i in sorted((bound(i), i) for i in range(len(free_places))):
+            if best is not None and best[0] <= low and not exhaustive:
+                break  # no place left can cost less (R-5.9: the same choice, weighed less)
+            weighed = weigh(i)
+            if weighed is not None and (best is None or weighed[0] < best[0]):
+                best = weighed
         return best[1] if best is not None else Plan("wait")
 
     def _around(self, models: dict[str, ModelRecord]) -> Around:
