@@ -115,6 +115,9 @@ class Ledger:
     first observed use once ready."""
     observed: dict[str, dict[str, int]] = field(default_factory=dict)
     """Model -> device -> bytes its child was last seen using (DeviceMonitor reports)."""
+    shape: int = 0
+    """Bumped when a device appears or its kind or emptiness changes (a lost node's
+    devices report 0 bytes): what a placement's candidates are computed from."""
     _per_device: dict[str, int] | None = None
     """Device -> bytes held by all models: summed when asked, dropped when `held`
     changes (a plan asks once per place it weighs; there can be thousands)."""
@@ -148,8 +151,7 @@ class Ledger:
             if unknown_only and row.name in self.devices:
                 continue
             own = row.self_bytes if reporter is not None else 0
-            dev = self.devices.setdefault(row.name, DeviceMemory(row.total, row.kind))
-            dev.total = row.total
+            dev = self._device(row.name, row.total, row.kind)
             dev.free = row.free
             dev.external = max(0, row.total - row.free - own
                                - self._held_by_others(row.name, reporter))
@@ -164,15 +166,25 @@ class Ledger:
         if not self.counted(sample.kind):
             return
         if sample.total <= 0:  # gone (a lost node's device): nothing is placed on it
-            dev = self.devices.setdefault(sample.name, DeviceMemory(0, sample.kind))
-            dev.total = dev.free = 0
+            dev = self._device(sample.name, 0, sample.kind)
+            dev.free = 0
             return
         ours = self._held_by_others(sample.name, None) if managed is None else managed
-        dev = self.devices.setdefault(sample.name, DeviceMemory(sample.total, sample.kind))
-        dev.total = sample.total
-        dev.kind = sample.kind
+        dev = self._device(sample.name, sample.total, sample.kind)
         dev.free = sample.free
         dev.external = max(0, sample.total - sample.free - ours)
+
+    def _device(self, name: str, total: int, kind: str) -> DeviceMemory:
+        """The device `name`, created if new, with its total and kind as reported now;
+        `shape` is bumped when what a placement can choose from changed."""
+        dev = self.devices.get(name)
+        if dev is None:
+            dev = self.devices[name] = DeviceMemory(total, kind)
+            self.shape += 1
+        elif dev.kind != kind or (dev.total > 0) != (total > 0):
+            self.shape += 1
+        dev.total, dev.kind = total, kind
+        return dev
 
     def reserve(self, model: str, mem: Breakdown | None) -> None:
         """Set `mem` aside for `model`, in place of its earlier reservation (a no-op if

@@ -19,6 +19,7 @@ from ..messages import (
     StatusChanged,
     Withdraw,
 )
+from . import views
 from .records import (
     Effect,
     Later,
@@ -269,7 +270,7 @@ class Children:
         return self.rules.flush()
 
     def devices_snapshot(self) -> DevicesSnapshot:
-        return self.state.memory.snapshot()
+        return views.devices(self.state)
 
     # ------------------------------------------------------------ reload
 

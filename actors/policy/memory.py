@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..config import ModelRules
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB, node_of
 from ..lifecycle import ModelState
-from ..messages import DeviceReport, DevicesSnapshot, DeviceView, ModelMemory, Shortfall
+from ..messages import DeviceReport, ModelMemory, Shortfall
 from .nodes import NodeSlots
 from .records import Effect, Learned, Measure, ModelRecord, Publish
 
@@ -61,6 +62,9 @@ class Memory:
         """Memory accounting decides loads; off at margin 0, as in the reference."""
         self.ledger = Ledger(margin, account_host)
         self.nodes = nodes or NodeSlots()
+        self._candidates: dict[str, tuple[int, ModelRules, list[list[str]]]] = {}
+        """Model -> its candidate places, for the ledger's shape and its rules then
+        (weighing them all at each plan cost most of a full cluster's decision)."""
         """The cluster's nodes and models_max_per_node (shared with the core)."""
         self.backends: list[str] = []
 
@@ -171,6 +175,14 @@ class Memory:
         rules = rec.rules
         if not rules.placeable:
             return []
+        cached = self._candidates.get(rec.name)
+        if cached is not None and cached[0] == self.ledger.shape and cached[1] is rules:
+            return cached[2]
+        places = self._places(rules)
+        self._candidates[rec.name] = (self.ledger.shape, rules, places)
+        return places
+
+    def _places(self, rules: ModelRules) -> list[list[str]]:
         gpus = sorted(n for n, d in self.ledger.devices.items()
                       if d.kind == "device" and d.total > 0  # 0: a lost node's
                       and (node_of(n) in rules.nodes if rules.nodes is not None
@@ -236,7 +248,7 @@ class Memory:
                 if node_of(devices[0]) not in full and not self.ledger.deficit(needs[i])]
         if fits:  # the cheapest there is: the most free memory of those, the first of equals
             plan = Plan("go")
-            plan.devices = free_places[-max(fits)[1]]
+            plan.devices = list(free_places[-max(fits)[1]])  # (the cached lists are shared)
             return plan
         around = self._around(models)
         rank_of = {v.name: i for i, v in enumerate(victims)}
@@ -268,7 +280,7 @@ class Memory:
                 plan.evict.insert(0, (slot, []))
                 if plan.verdict == "go":
                     plan.verdict = "wait"  # for the slot: its exit re-pumps
-            plan.devices = devices
+            plan.devices = list(devices)
             rank = (0 if plan.verdict == "go" and not plan.evict
                     else 1 if plan.fits_once_freed and not plan.evict
                     else 2 if plan.evict else 3 if plan.verdict != "refuse" else 4)
@@ -379,17 +391,3 @@ class Memory:
         plan = self._fit(rec, extra, models, useful, on or None)
         plan.devices = rec.placement
         return plan
-
-    # ------------------------------------------------------------ view
-
-    def snapshot(self) -> DevicesSnapshot:
-        led = self.ledger
-        views = []
-        for name, dev in led.devices.items():
-            held = {m: devs[name] for m, devs in led.held.items() if name in devs}
-            views.append(DeviceView(name=name, kind=dev.kind, total=dev.total, free=dev.free,
-                                    external=dev.external, held=held,
-                                    available=led.available(name) or 0))
-        return DevicesSnapshot(memory_accounting=self.on, margin=led.margin,
-                               account_host=led.account_host, backends=self.backends,
-                               devices=views)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..lifecycle import ModelState
-from ..messages import KeyView, ModelsSnapshot, ModelView
+from ..messages import DevicesSnapshot, DeviceView, KeyView, ModelsSnapshot, ModelView
 from .state import State
 
 S = ModelState
@@ -43,6 +43,20 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
                           queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
                           class_wait={c: h.view() for c, h in p.stats.class_wait.items()},
                           cuts=sum(p.stats.cuts.values()), suspended=p.n_suspended)
+
+
+def devices(p: State) -> DevicesSnapshot:
+    """GET /devices."""
+    led, memory = p.ledger, p.memory
+    views = []
+    for name, dev in led.devices.items():
+        held = {m: devs[name] for m, devs in led.held.items() if name in devs}
+        views.append(DeviceView(name=name, kind=dev.kind, total=dev.total, free=dev.free,
+                                external=dev.external, held=held,
+                                available=led.available(name) or 0))
+    return DevicesSnapshot(memory_accounting=memory.on, margin=led.margin,
+                           account_host=led.account_host, backends=memory.backends,
+                           devices=views)
 
 
 def key_views(p: State, now: float) -> list[KeyView]:
