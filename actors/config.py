@@ -361,11 +361,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
                 else model.liveness_interval_s)
 
     @property
-    def suspends(self) -> bool:
-        """Some model has a suspended tier: host memory is watched."""
-        return any(m.suspend is not None for m in self.models.values())
-
-    @property
     def memory_accounting(self) -> bool:
         return self.memory_margin_mib > 0
 

@@ -246,7 +246,7 @@ def test_a_prompt_cache_is_not_restored_after_the_model_file_changed_in_place(
 
 def test_a_reload_that_adds_the_first_suspend_model_watches_host_memory(
         tmp_path: Path) -> None:
-    """device.discover adds the host backend when `config.suspends`, but only at start:
+    """device.discover added the host backend only for configs with a suspend model, at start:
     a reload that adds the first model with `suspend` leaves the DeviceMonitor without
     it, so no report ever says what host RAM is available, HostTier.available stays None
     ("unlimited", host.py room) and every eviction suspends, with neither
