@@ -12,7 +12,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from .rules import ModelRules, Replicas, replica_name
 from .suspend import Suspend
+
+__all__ = ["Config", "ConfigError", "ModelConfig", "ModelRules", "Replicas"]
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
@@ -22,42 +25,14 @@ LEASE_LINGER_MS = 1000.0
 PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
 
 
+def copies(models: dict[str, ModelConfig]) -> dict[str, tuple[str, ModelConfig]]:
+    """Instance name -> (the model it is a copy of, "" for a model's own, its config)."""
+    return {replica_name(name, i): ("" if i == 1 else name, model)
+            for name, model in models.items() for i in range(1, model.copies + 1)}
+
+
 class ConfigError(Exception):
     """A config that cannot be used; the message says where and what to fix."""
-
-
-class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
-    """A model's operating rules, as the policy needs them (from its config, top-level
-    defaults filled in)."""
-
-    pinned: bool = False
-    ttl_s: float = 0.0
-    """Stop the model after this long with no request (0: never)."""
-    queue_max: int = 0
-    """Most requests waiting for it; more get 503 at once (0: no limit)."""
-    queue_timeout_s: float = 0.0
-    """A request waits at most this long, then gets 503 (0: no limit)."""
-    max_concurrency: int = 0
-    """Most requests in flight to its child; more wait (0: no limit)."""
-    min_resident_s: float = 0.0
-    """Not an LRU victim until it has been loaded this long."""
-    permanent: bool = False
-    """restart = "permanent": reload at once after a crash."""
-    devices: list[str] | None = None
-    """Where it may be placed (None: any GPU)."""
-    devices_per_instance: int = 1
-    placeable: bool = True
-    """False when its env pins CUDA_VISIBLE_DEVICES: it runs where that says."""
-    nodes: list[str] | None = None
-    """The cluster nodes it may run on (their devices are `NODE/DEVICE`); None: only the
-    devices of corral's own machine."""
-    suspend: bool = False
-    """It has a `suspend` method: to make room, it may be suspended instead of stopped."""
-    warm: bool = False
-    """Loaded (or woken) in the background whenever there is room for it, never by an
-    eviction, giving way to any request."""
-    ttl_suspend_s: float = 0.0
-    """Suspend it after this long with no request (0: only to make room)."""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -124,12 +99,28 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     keep_prompt_cache: bool = False
     """llama-server children: save the slots' prompt caches before corral stops the child,
     restore them after its next ready (actors/prompt_cache.py)."""
+    replicas: Annotated[int, Meta(ge=1, le=64)] | Replicas = 1
+    """Copies of it that may run at once behind its one name (issue 24): `N`, or a table
+    (actors/rules.py): `{ min = 1, max = 4, route = "prefix" }`."""
     key_flag: str | None = None
     """The flag its server takes an API key with: on a cluster node the child listens on
     the network, so corral starts it with `KEY_FLAG <a key only the head knows>` and the
     front sends that key (issue 19, R8). Default: `--api-key` for llama-server, vLLM and
     corral's fake model; "" runs it on nodes with no key (anyone who reaches the node can
     use it)."""
+
+    @property
+    def replica_rules(self) -> Replicas | None:
+        """Its replica rules; None: it runs as one child."""
+        rules = self.replicas if isinstance(self.replicas, Replicas) else Replicas(
+            min=self.replicas)
+        return rules if rules.most > 1 else None
+
+    @property
+    def copies(self) -> int:
+        """Most children it runs as at once."""
+        rules = self.replica_rules
+        return rules.most if rules is not None else 1
 
     @property
     def key_argument(self) -> str | None:
@@ -336,8 +327,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     cluster: ClusterConfig = ClusterConfig()
     models: dict[str, ModelConfig] = {}
 
-    def rules_of(self, model: ModelConfig) -> ModelRules:
-        """What the policy needs of `model`, with the top-level defaults filled in."""
+    def instances(self) -> dict[str, ModelConfig]:
+        """Every child a model may run as, by the name of its instance (its replicas'
+        too: `NAME@2` ...), with that model's config."""
+        return {name: model for name, (_, model) in copies(self.models).items()}
+
+    def rules_of(self, model: ModelConfig, group: str = "") -> ModelRules:
+        """What the policy needs of `model`, with the top-level defaults filled in;
+        `group`: the model an instance is a replica of."""
         return ModelRules(
             pinned=model.pinned,
             ttl_s=self.ttl_s if model.ttl_s is None else model.ttl_s,
@@ -351,7 +348,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             devices_per_instance=model.devices_per_instance,
             placeable=not model.placed_by_env, nodes=model.nodes,
             suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s,
-            warm=model.warm)
+            warm=model.warm, replicas=model.replica_rules, group=group)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import msgspec
 
-from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig
+from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig, Replicas
 from .keys import API_KEY_NAME
 from .llama import is_llama
+from .rules import replica_name
 from .suspend import check as check_suspend
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
@@ -66,8 +67,25 @@ def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
                           "on cluster nodes (nodes); remove one of the two")
 
 
+def _validate_replicas(config: Config, source: str) -> None:
+    names = config.instances()
+    if len(names) < sum(m.copies for m in config.models.values()):  # a name met twice
+        clash = next(n for n in config.models if config.models[n].copies > 1
+                     and any(replica_name(n, i) in config.models
+                             for i in range(2, config.models[n].copies + 1)))
+        raise ConfigError(f"{source}: models.{clash}.replicas: its copies are named "
+                          f"{replica_name(clash, 2)} ... and another model has one of "
+                          "those names; rename that model")
+    for name, model in config.models.items():
+        rules = model.replicas
+        if isinstance(rules, Replicas) and rules.max is not None and rules.max < rules.min:
+            raise ConfigError(f"{source}: models.{name}.replicas: max ({rules.max}) is "
+                              f"below min ({rules.min})")
+
+
 def _validate(config: Config, source: str) -> Config:
     _validate_devices(config, source)
+    _validate_replicas(config, source)
     seen: dict[str, str] = {}
     for name, model in config.models.items():
         if not name or name != name.strip():

@@ -62,8 +62,7 @@ class ModelInstance(BaseActor):
     """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
 
     def __init__(self, model: str, config: ModelConfig, scheduler: Inbox[SchedulerMessage],
-                 timers: Timers,
-                 log_ring: LogRing, on_crash: CrashHandler,
+                 timers: Timers, log_ring: LogRing, on_crash: CrashHandler,
                  extra_env: dict[str, str] | None = None, router_port: int = 0,
                  liveness: Callable[[ModelConfig], Liveness] | None = None,
                  host: str = CHILD_HOST, prompt_cache: tuple[Path, int] | None = None,
@@ -82,6 +81,8 @@ class ModelInstance(BaseActor):
         self.missed = 0
         """Liveness checks failed in a row."""
         self.model = model
+        self.serves = model
+        """`{model}` in its argv: its own name, or the model a replica copies (issue 24)."""
         self.host = host
         """Where its children listen: loopback, or this node's address on a Ray node."""
         self.config = config
@@ -92,8 +93,7 @@ class ModelInstance(BaseActor):
         self.timers = timers
         self.log_ring = log_ring
         self.phase = Phase.IDLE
-        self.generation = 0
-        """The Scheduler's generation of the current (or last) child."""
+        self.generation = 0  # the Scheduler's, of the current (or last) child
         self.spawn_id = 0
         """Bumped at every spawn, bind retries included; stamps helper-thread messages."""
         self.child: ChildProcess | None = None
@@ -109,9 +109,9 @@ class ModelInstance(BaseActor):
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
-            case StartInstance(generation=generation, config=config, devices=devices,
-                               key=key):
-                self.handle_start(generation, config, devices, key)
+            case StartInstance(generation=gen, config=config, devices=devices, key=key,
+                               serves=serves):
+                self.handle_start(gen, config, devices, key, serves)
             case StopInstance(generation=generation, reason=reason):
                 self.handle_stop(generation, reason)
             case SuspendInstance(generation=generation):
@@ -161,12 +161,12 @@ class ModelInstance(BaseActor):
     # ------------------------------------------------------------ handlers
 
     def handle_start(self, generation: int, config: ModelConfig,
-                     devices: list[str] | None = None, key: str | None = None) -> None:
+                     devices: list[str] | None = None, key: str | None = None,
+                     serves: str | None = None) -> None:
         if self.phase is not Phase.IDLE:
             raise RuntimeError(f"{self.model}: StartInstance#{generation} while "
                                f"{self.phase.value} (#{self.generation})")
-        self.generation = generation
-        self.config = config
+        self.generation, self.config, self.serves = generation, config, serves or self.model
         self.llama = config.health == "llama"
         self.liveness = self.liveness_of(config)
         self.devices = devices
@@ -179,7 +179,7 @@ class ModelInstance(BaseActor):
         spawn_id = self.spawn_id
         self.port = pick_port(self.host)
         self.cause = None
-        argv = self.config.argv(self.model, self.host, self.port, devices=self.devices)
+        argv = self.config.argv(self.serves, self.host, self.port, devices=self.devices)
         argv += split_args(argv, self.devices, is_llama(self.config.cmd, self.config.health))
         argv += self.jobs.cache_args(self.config)
         shown = list(argv)

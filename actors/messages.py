@@ -90,6 +90,22 @@ class HistogramView(msgspec.Struct, frozen=True, kw_only=True):
     sum: float
 
 
+class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
+    """One copy of a model with replicas, in its GET /models entry (issue 24)."""
+
+    name: str
+    state: str
+    phase: str | None
+    generation: int
+    in_flight: int
+    pid: int | None
+    port: int | None
+    devices: list[str] | None
+    node: str | None
+    loads: int
+    last_exit: str | None
+
+
 class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """One model as shown by GET /models (a snapshot, not live state)."""
 
@@ -132,6 +148,9 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """Host RAM its suspended child holds (its resident memory's growth at the suspend)."""
     suspends: int = 0
     wakes: int = 0
+    replicas: list[ReplicaView] | None = None
+    """A model with replicas: each copy (the model's own fields sum or pick from them:
+    `state` the most available, `in_flight` the total)."""
 
 
 class KeyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,6 +249,9 @@ class StatusChanged(Event, frozen=True, tag="status_change", omit_defaults=True,
     """... and corral says how the child ended..."""
     retry_after_s: float | None = None
     """... and, in a backoff, how long until the next load may start."""
+    replica: str | None = None
+    """For a model with replicas: the copy that changed (`NAME`, `NAME@2` ...); `status`
+    is then the model's, the most available of its copies' (issue 24)."""
 
 
 class Shortfall(msgspec.Struct, frozen=True, kw_only=True):
@@ -291,6 +313,8 @@ class Acquire(Message, frozen=True, kw_only=True):
     cuttable: bool = False
     """Its grant may be cut for a higher class (policy/cuts.py): the front's requests not
     cut before; never an embedding's lease, which could not act on a Cut."""
+    affinity: int = 0
+    """A hash of its prompt's start, for a model with copies routed by prefix (0: none)."""
 
 
 class Release(Message, frozen=True, kw_only=True):
@@ -668,6 +692,8 @@ class StartInstance(Message, frozen=True, kw_only=True):
     key: str | None = None
     """A key the child must require, passed with its engine's own flag (a child on a
     cluster node: issue 19, R8); None: none."""
+    serves: str | None = None
+    """The model a replica is a copy of: `{model}` in its argv (issue 24)."""
 
 
 class StopInstance(Message, frozen=True, kw_only=True):

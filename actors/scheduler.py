@@ -13,7 +13,7 @@ from typing import TypeVar, assert_never, cast
 
 from . import budgets
 from .base import BaseActor, CrashHandler, Inbox
-from .config import Config, ModelConfig
+from .config import Config, ModelConfig, ModelRules, copies
 from .keys import tenants_of
 from .ledger import MiB
 from .messages import (
@@ -110,9 +110,11 @@ class Scheduler(BaseActor):
                              tenants_of(config), config.priority_aging_s,
                              config.priority_preempt,
                              int(config.host_memory_margin_mib * MiB), config.suspended_max)
-        for name, model in config.models.items():
-            self.policy.add_model(name, clock(), rules=config.rules_of(model))
-        self.configs = dict(config.models)
+        for name, (group, model) in copies(config.models).items():
+            self.policy.add_model(name, clock(), rules=config.rules_of(model, group))
+        self.configs = config.instances()
+        self.models = dict(config.models)
+        """The model table as configured (`configs`: by instance, copies included)."""
         """The current model table: a spawn or a measure uses the config of its moment."""
         self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
         self.instances: dict[str, Inbox[InstanceMessage]] = {}
@@ -134,8 +136,9 @@ class Scheduler(BaseActor):
         p = self.policy
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
-                         cuttable=cuttable):
-                self._carry_out(p.acquire(ticket, model, now, autoload, key, retry, cuttable))
+                         cuttable=cuttable, affinity=affinity):
+                self._carry_out(p.acquire(ticket, model, now, autoload, key, retry, cuttable,
+                                          affinity))
             case Release(ticket=ticket, shared=shared, idle_s=idle_s, tokens=tokens):
                 self._carry_out(p.release(ticket, now, shared, idle_s, tokens))
             case Releases(releases=releases):
@@ -245,16 +248,24 @@ class Scheduler(BaseActor):
     def reconfigure(self, models: dict[str, ModelConfig],
                     instances: dict[str, Inbox[InstanceMessage]], reply: Reply,
                     now: float) -> None:
-        old, self.configs = self.configs, dict(models)
+        was, self.models = self.models, dict(models)
+        old, table = self.configs, copies(models)
+        self.configs = {n: model for n, (_, model) in table.items()}
         self.instances.update(instances)
-        added = [n for n in models if n not in old]
-        removed = [n for n in old if n not in models]
-        changed = [n for n in models if n in old and models[n] != old[n]]
-        rules = self.config.rules_of
+
+        def rules(name: str) -> ModelRules:
+            return self.config.rules_of(table[name][1], table[name][0])
+
         effects, restarted = self.policy.children.reconfigure(
-            {n: rules(models[n]) for n in added}, removed,
-            {n: rules(models[n]) for n in changed}, now)
+            {n: rules(n) for n in table if n not in old},
+            [n for n in old if n not in table],
+            {n: rules(n) for n in table if n in old and table[n][1] != old[n]}, now)
         self._carry_out(effects)
+        # said of models, not of their copies
+        added = [n for n in models if n not in was]
+        removed = [n for n in was if n not in models]
+        changed = [n for n in models if n in was and models[n] != was[n]]
+        restarted = list(dict.fromkeys(table[n][0] or n for n in restarted))
         summary = ReloadSummary(added=added, removed=removed, changed=changed, restarted=restarted)
         self.log.info("reload: added %s, removed %s, changed %s (restarting %s), %d unchanged",
                       added or "none", removed or "none", changed or "none",
@@ -278,9 +289,11 @@ class Scheduler(BaseActor):
                         cast(Reply, ticket).send(value)  # the tickets it was given: replies
                 case Preempt(ticket=ticket):
                     cast(Reply, ticket).send(CUT)
-                case Spawn(model=model, generation=gen, devices=devices, node=node):
+                case Spawn(model=model, generation=gen, devices=devices, node=node,
+                           serves=serves):
                     self.instances[model].tell(StartInstance(
-                        generation=gen, config=self.configs[model], devices=devices, node=node))
+                        generation=gen, config=self.configs[model], devices=devices, node=node,
+                        serves=serves))
                 case Stop(model=model, generation=gen, reason=reason):
                     self.instances[model].tell(StopInstance(generation=gen, reason=reason))
                 case Suspend(model=model, generation=gen):

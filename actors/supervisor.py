@@ -90,7 +90,7 @@ class Supervisor:
         self._on_event = on_event
         self._on_crash = on_crash
         self.crashed = threading.Event()
-        self.logs = {name: LogRing() for name in config.models}
+        self.logs = {name: LogRing() for name in config.instances()}
         """Each model's recent child output (GET /models/logs)."""
         self.timers: Timers | None = None
         self.scheduler: pykka.ActorRef[Scheduler] | None = None
@@ -151,7 +151,7 @@ class Supervisor:
             backends, reports_to, timers, config.device_poll_s, self._crash))
         self.measurer = self._started(MeasureWorker.start(
             config, scheduler, timers, device_names, self._crash))
-        for name, model in config.models.items():
+        for name, model in config.instances().items():  # a model's copies each have one
             self.instances[name] = self._start_instance(name, model)
         monitor: Inbox[MonitorMessage] = self.monitor
         measurer: Inbox[MeasureMessage] = self.measurer
@@ -205,7 +205,7 @@ class Supervisor:
             if model.nodes and self.cluster is None:
                 raise ConfigError(f"models.{name}.nodes: this corral has joined no Ray "
                                   "cluster ([cluster] ray_address, or --ray)")
-        for name, model in config.models.items():
+        for name, model in config.instances().items():
             if name not in self.instances:
                 self.instances[name] = self._start_instance(name, model)
         done = ThreadReply()

@@ -88,7 +88,7 @@ def test_llama_children_get_a_capped_pool_others_an_uncapped_one(corral) -> None
 
 def test_llama_pool_cap_follows_the_childs_http_threads() -> None:
     from actors import Config, ModelConfig
-    from actors.http.edge import Routes
+    from actors.http.routes import Routes
     from actors.llama import llama_pool_cap
 
     assert llama_pool_cap(["llama-server", "-m", "x"], cpus=2) == 6  # np auto 4: 8 threads

@@ -146,7 +146,7 @@ class ClusterHead(BaseActor):
         placed = self.models[model]
         match message:
             case StartInstance(generation=generation, config=config, devices=devices,
-                               node=node):
+                               node=node, serves=serves):
                 # The policy chose the node (models_max_per_node is its rule alone); by
                 # fit, the devices say it.
                 placed.generation, placed.config = generation, config
@@ -164,7 +164,7 @@ class ClusterHead(BaseActor):
                 self.send(placed.node, model, StartInstance(
                     generation=generation, config=config,
                     devices=[local_name(d) for d in devices] if devices else None,
-                    key=self.key))
+                    key=self.key, serves=serves))
             case StopInstance(generation=generation, reason="shutdown") if (
                     self.cluster.keep_on_exit and placed.node is not None
                     and generation == placed.generation):

@@ -47,7 +47,6 @@ from .edge import (
     JSON_DEPTH_LIMIT,
     OPEN_PATHS,
     Answer,
-    Routes,
     check_key,
     error_body,
     refusal_answer,
@@ -55,6 +54,7 @@ from .edge import (
 from .events import Streams, log_text
 from .front import Front
 from .metrics import render
+from .routes import Routes
 from .workers import Fronts
 
 log = logging.getLogger("corral.api")

@@ -17,7 +17,7 @@ import msgspec
 
 from ..config import HttpConfig
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
-from .edge import Routes
+from .routes import Routes
 
 MAX_FRAME = 64 << 20
 """A frame larger than this is a broken channel, not a message."""

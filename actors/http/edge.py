@@ -16,10 +16,9 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
-from ..config import Config
 from ..keys import KeyRule, Keys
-from ..llama import is_llama, llama_pool_cap
 from ..messages import Refusal
+from .routes import Routes
 
 Headers = Sequence[tuple[bytes, bytes]]
 
@@ -361,40 +360,3 @@ def relay_head(status: int, headers: list[tuple[bytes, bytes]], *, from_child: b
         keep_alive = False  # an HTTP/1.0 client reads to the close
     out.append(b"Connection: keep-alive" if keep_alive else b"Connection: close")
     return RelayHead(b"\r\n".join(out) + b"\r\n\r\n", keep_alive, chunked, sse)
-
-
-class ModelRoute(msgspec.Struct, frozen=True):
-    """How the front talks to one model's children."""
-
-    pool_cap: int | None
-    """Most connections open to one child at once (None: no cap)."""
-    first_byte_timeout_s: float | None
-    """No answer head by then: 504 (None: wait as long as the child takes)."""
-    lease_linger_s: float = 0.0
-    """How long its grant is kept after its last request (http.lease_linger_ms, never
-    longer than its ttl_s, so that the TTL is not held up by it)."""
-
-
-class Routes(msgspec.Struct, frozen=True):
-    """The model table as the front sees it: one immutable value, replaced on reload."""
-
-    names: dict[str, str]
-    """Every name and alias -> the canonical model name."""
-    models: dict[str, ModelRoute]
-    autoload: bool
-    keys: Keys | None = None
-    """Who may call (None: anyone, R5 guards aside)."""
-    known_as: dict[str, tuple[str, ...]] = {}
-    """Model -> its name and aliases (what a key's `models` globs are matched with)."""
-
-    @classmethod
-    def of(cls, config: Config) -> Routes:
-        linger_s = config.http.lease_linger_ms / 1000
-        models = {name: ModelRoute(llama_pool_cap(m.cmd) if is_llama(m.cmd, m.health) else None,
-                                   m.first_byte_timeout_s,
-                                   min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
-                                   else linger_s)
-                  for name, m in config.models.items()}
-        known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
-        return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
-                   known_as)

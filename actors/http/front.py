@@ -29,10 +29,11 @@ from ..keys import Keys
 from ..messages import Revoke, Withdraw
 from .connection import Connection
 from .control import FrontCounts, TimeRow
-from .edge import FRONT_HEADER, Origins, Routes
+from .edge import FRONT_HEADER, Origins
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .request import Limits
+from .routes import Routes
 from .shares import Shares
 from .usage import KeyUses
 

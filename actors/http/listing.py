@@ -63,6 +63,8 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
         "last_eviction": msgspec.to_builtins(view.last_eviction),
         "memory": msgspec.to_builtins(view.memory),
     }
+    if view.replicas is not None:  # issue 24: each copy, as the Scheduler sees it
+        out["replicas"] = [msgspec.to_builtins(r) for r in view.replicas]
     # as llama.cpp does: what a running child said about its model, beside ours
     for key, value in (view.info or {}).items():
         out.setdefault(key, value)

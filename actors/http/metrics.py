@@ -116,7 +116,17 @@ class Snapshot(Collector):
                                     "was woken.", labels=["model"])
         host = GaugeMetricFamily("corral_model_host_bytes", "Host RAM a model's suspended "
                                  "child holds.", labels=["model"])
+        copies = GaugeMetricFamily("corral_replica_state", "1 for the state each copy of "
+                                   "a model with replicas is in.",
+                                   labels=["model", "replica", "state"])
+        copy_in_flight = GaugeMetricFamily("corral_replica_in_flight", "Requests granted "
+                                           "to each copy of a model with replicas.",
+                                           labels=["model", "replica"])
         for v in snap.models:
+            for c in v.replicas or []:
+                copy_in_flight.add_metric([v.name, c.name], c.in_flight)
+                for s in STATES:
+                    copies.add_metric([v.name, c.name, s], float(c.state == s))
             suspends.add_metric([v.name], v.suspends)
             wakes.add_metric([v.name], v.wakes)
             host.add_metric([v.name], v.host_bytes or 0)
@@ -134,7 +144,7 @@ class Snapshot(Collector):
                 if view is not None:
                     family.add_metric([v.name], buckets(view), view.sum)
         yield from (state, failed, in_flight, waiting, loads, evictions, refusals, wait, load,
-                    suspends, wakes, host)
+                    suspends, wakes, host, copies, copy_in_flight)
         for key, name, what in (
                 ("first_byte", "corral_request_first_byte_seconds", "to the answer's head"),
                 ("duration", "corral_request_duration_seconds", "to the answer's end")):

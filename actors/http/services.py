@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..bridge import SchedulerInbox
-from .edge import Routes
 from .metrics import RequestTimes
 from .pool import Pool, Pools
+from .routes import Routes
 from .shares import Shares
 from .usage import KeyUses
 

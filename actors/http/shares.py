@@ -101,10 +101,12 @@ class Shares:
         return self._bound
 
     async def acquire(self, model: str, autoload: bool, key: KeyRule | None = None,
-                      retry: bool = False, cuttable: bool = True) -> SharedGrant | Refusal:
+                      retry: bool = False, cuttable: bool = True,
+                      affinity: int = 0) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one. A request whose
         `key` has limits always asks: the Scheduler counts each of them (once: `retry`
-        says it asked before); one cut before is not `cuttable` again."""
+        says it asked before); one cut before is not `cuttable` again; `affinity`: its
+        prompt's hash, for a model with copies (their grants are never shared)."""
         share = self.open.get(model) if key is None or key.shares else None
         if share is not None:
             share.count += 1
@@ -114,7 +116,8 @@ class Shares:
             return share
         revokes = self.revoked.get(model, (0, 0))[0]
         ticket, answer = await acquire(self.scheduler(), model, autoload,
-                                       key.name if key is not None else "", retry, cuttable)
+                                       key.name if key is not None else "", retry, cuttable,
+                                       affinity)
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
@@ -133,7 +136,7 @@ class Shares:
 
     async def acquire_past(self, share: SharedGrant | Refusal | None, gone: int, autoload: bool,
                            probe: Pool | None, key: KeyRule | None = None,
-                           ) -> SharedGrant | Refusal | None:
+                           affinity: int = 0) -> SharedGrant | Refusal | None:
         """A grant that is not for generation `gone`, whose child went away with a request:
         until the Scheduler has seen that child's exit (a few ms behind the connection's
         end), it may still grant it. None if that child still takes connections after
@@ -147,7 +150,8 @@ class Shares:
             if poll == probe_at and probe is not None and await probe.alive(PROBE_TIMEOUT_S):
                 return None
             await asyncio.sleep(RETRY_POLL_S)
-            share = await self.acquire(share.grant.model, autoload, key, retry=True)
+            share = await self.acquire(share.grant.model, autoload, key, retry=True,
+                                       affinity=affinity)
         if isinstance(share, SharedGrant) and share.grant.generation == gone:
             self.release(share, keep=False)
             return None

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from ..bridge import LoopReply
 from ..messages import AnswerLate, Refusal
+from .affinity import affinity
 from .edge import NOT_FORWARDED, Answer, refusal_answer
 from .pool import Pool
 from .request import Request
@@ -73,17 +74,19 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
     replays = 0  # instances that went away with the request sent to them
     cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
     was_cut = False  # a request is cut at most once
+    route = routes.models.get(model)
+    near = affinity(ex.req.body, route.prefix_bytes) if route and route.prefix_bytes else 0
     for tries in range(MAX_INSTANCES):
         found: SharedGrant | Refusal | None = await (
             front.shares.requeue(cut) if cut is not None else
             front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0,
-                                 cuttable=not was_cut))
+                                 cuttable=not was_cut, affinity=near))
         cut = None
         if gone is not None:
             generation, pool = gone
             found = await front.shares.acquire_past(
                 found, generation, autoload,
-                pool if ex.broke_kind is Broke.GONE else None, ex.req.key)
+                pool if ex.broke_kind is Broke.GONE else None, ex.req.key, near)
         if found is None:
             ex.answer(Answer(502, f"{ex.what} is unreachable: {ex.broke} (its child is "
                              "still running and may have the request, so it is not sent "

@@ -27,9 +27,9 @@ from ..bridge import SchedulerInbox
 from ..config import Config
 from ..messages import Release, Releases, Revoke, Withdraw
 from .control import Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
-from .edge import Routes
 from .front import Front
 from .link import Link, tell
+from .routes import Routes
 
 log = logging.getLogger("corral.workers")
 

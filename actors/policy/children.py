@@ -75,7 +75,7 @@ class Children:
         rec.failed = False
         rec.ready_at = now
         # A warm-up nobody asked for since: the first victim.
-        rec.last_used = 0.0 if rec.warming and model not in self.state.queue.entries else now
+        rec.last_used = 0.0 if rec.warming and rec.group not in self.state.queue.entries else now
         rec.ended_at = now
         rec.warming = False
         rec.breaker.ready()
@@ -83,7 +83,7 @@ class Children:
         if self.state.watched(rec):
             rec.awaiting_usage = True
             self.state.out.append(Track(model, "ready", pid))
-        entry = self.state.queue.entry(model)
+        entry = self.state.queue.entry(rec.group)
         if entry is not None:
             entry.claimed = entry.explicit = False
             self.rules.serve_waiters(rec, now)
@@ -196,8 +196,8 @@ class Children:
         if self.state.watched(rec):
             rec.releasing = model in self.state.ledger.held
             self.state.out.append(Track(model, "exited"))
-        entry = self.state.queue.entry(model)
-        if entry is not None:
+        entry = self.state.queue.entry(rec.group)
+        if entry is not None and not self.state.groups.extra(rec):
             entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
         if rec.removed:
             self.rules.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
@@ -222,22 +222,24 @@ class Children:
                       f"{rec.breaker.period_s:g} s, no load for {backoff:g} s")
             self.state.out.append(Later(backoff, Repump()))
         self.rules.transition(rec, S.UNLOADED, cause, now, returncode)
-        if was is S.LOADING:
+        if was is S.LOADING and self.state.groups.extra(rec):
+            pass  # another copy serves its model, or will: its waiters wait for that
+        elif was is S.LOADING:
             # R-4.8: the requests that waited on this load get one error each. A load
             # killed by a signal (the OOM killer, an operator) may have been no fault of
             # the model's: its waiters get two more tries, and the next failure answers
             # them (as the front sends a request whose child died on, twice: issue 19).
-            message = f"model '{rec.name}' failed to load (attempt {attempt}): {description}"
+            message = f"model '{rec.group}' failed to load (attempt {attempt}): {description}"
             if killed:
-                for ticket, _ in self.state.queue.keep_for_retries(rec.name):
+                for ticket, _ in self.state.queue.keep_for_retries(rec.group):
                     self.rules.refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0),
-                                 model=rec.name, reason="load_failed")
+                                 model=rec.group, reason="load_failed")
                 self.rules.idle(rec)
             else:
-                self.rules.refuse_entry(rec.name, 503, message, retry_after_s=max(backoff, 1.0),
-                                   reason="load_failed")
-        if rec.rules.permanent:
-            self.state.queue.open(rec.name).explicit = True  # R-3.7: back at once (or after it)
+                self.rules.refuse_entry(rec.group, 503, message,
+                                        retry_after_s=max(backoff, 1.0), reason="load_failed")
+        if rec.rules.permanent and not self.state.groups.extra(rec):
+            self.state.queue.open(rec.group).explicit = True  # R-3.7: back at once (or after it)
 
     # ------------------------------------------------------------ memory facts
 
@@ -247,8 +249,8 @@ class Children:
 
     def measure_started(self, model: str) -> list[Effect]:
         rec = self.state.models.get(model)
-        if rec is not None:
-            rec.memory = "measuring"
+        for copy in self.state.groups.of(rec) if rec is not None else []:
+            copy.memory = "measuring"
         return []
 
     def measured(self, model: str, ok: bool, min_: Breakdown | None,
@@ -257,9 +259,11 @@ class Children:
         rec = self.state.models.get(model)
         if rec is None:
             return []
-        if at_load and rec.state.is_serving:
-            return []  # it runs already: the running child is sampled instead
-        self.state.out.extend(self.state.memory.measured(rec, ok, min_, max_, error, at_load))
+        for copy in self.state.groups.of(rec):  # a model's figures are its copies'
+            if at_load and copy.state.is_serving:
+                continue  # it runs already: the running child is sampled instead
+            self.state.out.extend(self.state.memory.measured(copy, ok, min_, max_, error,
+                                                             at_load))
         self.rules.pump(now)
         return self.rules.flush()
 
@@ -291,13 +295,14 @@ class Children:
                 self._set_rules(old, rules)
             else:
                 self.state.add_model(name, now, rules=rules)
-            if self.state.memory_on:
+            if self.state.memory_on and not rules.group:  # a copy is measured as its model
                 self.state.out.append(Measure(name, front=False))
         for name in removed:
             rec = self.state.models[name]
             rec.removed = True
-            self.rules.refuse_entry(name, 400, f"model '{name}' was removed by a reload",
-                               reason="removed")
+            if not rec.rules.group:
+                self.rules.refuse_entry(name, 400, f"model '{name}' was removed by a reload",
+                                        reason="removed")
             if rec.state.is_running:
                 self._retire(rec, now)
             else:
@@ -310,7 +315,8 @@ class Children:
             rec.breaker.reset()
             if self.state.memory_on:  # new arguments, new figures
                 rec.memory, rec.mem_min, rec.mem_max = "unmeasured", None, None
-                self.state.out.append(Measure(name, front=False))
+                if not rec.rules.group:
+                    self.state.out.append(Measure(name, front=False))
             if rec.state.is_running and rec.state is not S.STOPPING:
                 restarted.append(name)
                 self._retire(rec, now)
@@ -332,5 +338,5 @@ class Children:
             self.rules.stop(rec, "reload", None, now)
         else:
             rec.retiring = True
-            self.state.out.append(Withdraw(model=rec.name, generation=rec.generation,
+            self.state.out.append(Withdraw(model=rec.group, generation=rec.generation,
                                            epoch=rec.wakes))

@@ -89,10 +89,12 @@ class Policy:
     # ------------------------------------------------------------ requests
 
     def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
-                key: str = "", retry: bool = False, cuttable: bool = False) -> list[Effect]:
+                key: str = "", retry: bool = False, cuttable: bool = False,
+                affinity: int = 0) -> list[Effect]:
         """A request for `model` arrived (with `key`, "" for none): grant it now, queue
         it, or refuse it. `retry`: it came before (its child went away with it), and its
-        key's quota counted it then; `cuttable`: a front may cut it (cuts.py)."""
+        key's quota counted it then; `cuttable`: a front may cut it (cuts.py);
+        `affinity`: a hash of its prompt's start (a model with copies routed by prefix)."""
         counted = bool(key) and not retry
         rec = self.state.find(model)
         tenants = self.state.tenants
@@ -116,13 +118,16 @@ class Policy:
         # 3. A serving model with room takes it at once, unless others wait for it
         #    (max_concurrency): nobody overtakes them (R-4.2); nor does a key at its own
         #    max_concurrency.
-        elif self.state.has_room(rec) and entry is None and not (key and tenants.at_limit(key)):
+        elif entry is None and not (key and tenants.at_limit(key)) \
+                and (into := self.state.route(rec, affinity)) is not None:
             if counted:
                 tenants.take(key, now)
-            self.rules.grant(ticket, rec, now, key, cuttable=cuttable)
+            self.rules.grant(ticket, into, now, key, cuttable=cuttable)
+            if rules.replicas is not None:  # busier copies: one more may be due
+                self.rules.scale(now)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
         #    (a suspended one is there: it is woken).
-        elif not autoload and rec.state in (S.UNLOADED, S.STOPPING):
+        elif not autoload and self.state.absent(rec):
             self.rules.refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
                          "load it with POST /models/load", "invalid_request_error")
         # 5. A backoff that outlasts the request's patience: say when to come back.
@@ -142,13 +147,13 @@ class Policy:
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
             entry = self.state.queue.add(ticket, model, now, deadline, key,
                                          tenants.of(key).level if key else tenants.level,
-                                         cuttable)
+                                         cuttable, affinity=affinity)
             if deadline is not None:
                 self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
             log.debug("request for %s queued (%d waiting for it, %d entries)",
                       model, len(entry.waiters), len(self.state.queue.entries))
-            if self.state.has_room(rec):  # others wait only for their keys' limits
-                self.rules.serve_waiters(rec, now)
+            if (into := self.state.route(rec, affinity)) is not None:
+                self.rules.serve_waiters(into, now)  # others wait only for their keys' limits
             self.rules.pump(now)
             if counted and ticket not in self.state.queue and ticket not in self.state.leases:
                 tenants.untake(key)  # refused as it came (every slot pinned): not counted
@@ -224,7 +229,8 @@ class Policy:
         if gone:
             # Its claim (if any) goes with it: the load goes on, and the model then
             # sits idle, evictable; nothing is evicted on its behalf any more.
-            self.rules.idle(self.state.models[waiter.model])
+            for rec in self.state.groups.of(self.state.models[waiter.model]):
+                self.rules.idle(rec)
         return waiter
 
     def wait_due(self, ticket: Hashable, now: float) -> list[Effect]:
@@ -263,7 +269,8 @@ class Policy:
         rec = self.state.find(model)
         if rec is None:
             self.rules.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
-        elif rec.state.is_running and rec.state not in (S.STOPPING, S.SUSPENDED):
+        elif any(r.state.is_running and r.state not in (S.STOPPING, S.SUSPENDED)
+                 for r in self.state.groups.of(rec)):
             self.rules.refuse(ticket, 400, f"model '{model}' is already running",
                          "invalid_request_error")
         elif self.state.shutting_down:
@@ -290,12 +297,14 @@ class Policy:
             rec.failed = False
             rec.breaker.reset()
             self.rules.publish_state(rec, "failure cleared by unload", now)
-        elif not rec.state.is_running or rec.state is S.STOPPING:
+        elif self.state.absent(rec):
             self.rules.refuse(ticket, 400, f"model '{model}' is not running",
                          "invalid_request_error")
             return self.rules.flush()
         else:
-            self.rules.stop(rec, "manual", None, now)
+            for copy in self.state.groups.of(rec):
+                if copy.state.is_running and copy.state is not S.STOPPING:
+                    self.rules.stop(copy, "manual", None, now)
         self.state.out.append(Answer(ticket, Done()))
         self.rules.pump(now)
         return self.rules.flush()

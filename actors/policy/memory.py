@@ -74,7 +74,8 @@ class Memory:
         """Queue every unmeasured model at the back of the measure queue (R-5.2)."""
         if not self.on:
             return []
-        return [Measure(rec.name, front=False) for rec in models if rec.memory == "unmeasured"]
+        return [Measure(rec.name, front=False) for rec in models
+                if rec.memory == "unmeasured" and not rec.rules.group]  # a copy: as its model
 
     def measured(self, rec: ModelRecord, ok: bool, min_: Breakdown | None,
                  max_: Breakdown | None, error: str | None,

@@ -18,6 +18,7 @@ from ..messages import (
     Grant,
     QueueChanged,
     Refusal,
+    Repump,
     Revoke,
     Shortfall,
     StatusChanged,
@@ -44,6 +45,16 @@ log = logging.getLogger("corral.scheduler")
 
 S = ModelState
 SUSPENDED = frozenset({S.SUSPENDING, S.SUSPENDED})
+
+
+def shown(copies: list[ModelRecord]) -> str:
+    """What a model is shown as, from its copies (llama.cpp's words): the most available
+    of theirs (one copy: its own)."""
+    if len(copies) == 1:
+        return copies[0].state.shown
+    words = {r.state.shown for r in copies}
+    return next((w for w in ("loaded", "loading", "sleeping", "stopping") if w in words),
+                copies[0].state.shown)
 
 
 class Moves:
@@ -75,15 +86,17 @@ class Moves:
             self.state.out.append(Later(delay, TtlDue(model=rec.name,
                                                       generation=rec.generation)))
 
-    def spawn(self, rec: ModelRecord, n_waiting: int, now: float) -> None:
-        rec.generation += 1
+    def spawn(self, rec: ModelRecord, n_waiting: int, now: float,
+              why: str | None = None) -> None:
+        """Start `rec`'s next child, for `n_waiting` requests (or `why`)."""
+        rec.generation = self.state.groups.next_generation(rec)
         rec.loads += 1
         rec.last_used = now
         rec.retiring = rec.ttl_armed = False
         rec.waiting_for = None
         attempt = rec.breaker.loading()
-        cause = ("warm-up load" if rec.warming
-                 else f"spawn for {n_waiting} waiting request(s)")
+        cause = why or ("warm-up load" if rec.warming
+                        else f"spawn for {n_waiting} waiting request(s)")
         if attempt > 1:
             cause += f", attempt {attempt}"
         if rec.placement:
@@ -93,7 +106,8 @@ class Moves:
         self.transition(rec, S.LOADING, cause, now)
         if self.state.watched(rec):
             self.state.memory.spawning(rec)
-        self.state.out.append(Spawn(rec.name, rec.generation, rec.placement, rec.node))
+        self.state.out.append(Spawn(rec.name, rec.generation, rec.placement, rec.node,
+                                    rec.rules.group or None))
 
     def stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
              now: float, shortfalls: list[Shortfall] | None = None,
@@ -139,6 +153,77 @@ class Moves:
             self.state.out.append(Track(rec.name, "waking", rec.pid))
         self.state.out.append(Wake(rec.name, rec.generation))
 
+    def pick_victim(self, now: float) -> ModelRecord | None:
+        """The least recently used model that is idle, serving, unpinned, not wanted and
+        resident for its min_resident_s; if only young ones are left, wake up when the
+        first comes of age (R-4.4)."""
+        extra = self.extra_victim(now)
+        if extra is not None:
+            return extra
+        victim, wake = self.state.victims.pick(self.state.models, now, self.state.resident_until)
+        if wake is not None and (self.state.wake_at is None or wake < self.state.wake_at):
+            self.state.wake_at = wake
+            self.state.out.append(Later(wake - now, Repump()))
+        return victim
+
+    def extra_victim(self, now: float) -> ModelRecord | None:
+        """The least recently used idle copy of a model that another copy keeps up: the
+        first victim for a slot or memory, before any model's last copy (issue 24)."""
+        groups = self.state.groups
+        if not groups.members:
+            return None
+        return min((r for group in groups.members.values() for r in group
+                    if self.state.evictable(r) and self.state.resident_until(r) <= now
+                    and groups.extra(r)), key=lambda r: r.last_used, default=None)
+
+    def memory_victims(self, now: float) -> list[ModelRecord]:
+        """What may be evicted for memory, in order: the idle models, least recently used
+        first, then the suspended ones that still hold some of a device (a CUDA context
+        left behind), least recently used first (issue 23: they are stopped)."""
+        state = self.state
+        victims = state.victims.ranked(state.models, now, state.resident_until)
+        if state.groups.members:  # copies another copy keeps up go first (issue 24)
+            victims.sort(key=lambda r: not state.groups.extra(r))
+        if state.n_suspended:
+            victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
+                               and not r.draining and state.ledger.held.get(r.name)),
+                              key=lambda r: r.last_used)
+        return victims
+
+    def evict(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
+              now: float, shortfalls: list[Shortfall] | None = None) -> None:
+        """Make room with the idle `rec`: suspend it if it has a way to and host memory
+        allows (at suspended_max, the least recently used suspended model is stopped for
+        it), else stop it; the event says which, and why (issue 23)."""
+        state = self.state
+        if not rec.rules.suspend or rec.state is S.SUSPENDED:
+            self.stop(rec, reason, for_model, now, shortfalls)
+            return
+        why = state.host.why_not(rec, state.ledger, state.stopping_suspended())
+        if why is None and state.host.suspended_max \
+                and state.n_suspended >= state.host.suspended_max:
+            oldest = min((r for r in state.models.values() if r.state is S.SUSPENDED),
+                         key=lambda r: r.last_used, default=None)
+            if oldest is None or oldest.last_used > rec.last_used:
+                why = f"suspended_max ({state.host.suspended_max}) models are suspended"
+            else:
+                self.stop(oldest, "suspended_max", rec.name, now,
+                          why=f"suspended_max ({state.host.suspended_max}) reached")
+        if why is None:
+            self.suspend(rec, reason, for_model, now, shortfalls)
+        else:
+            self.stop(rec, reason, for_model, now, shortfalls, why=why)
+
+    def loading_devices(self, rec: ModelRecord) -> set[str]:
+        """The devices of the loads not yet charged their real use (still loading, or
+        ready but not yet in a device report): judging another load on them before that
+        would judge it against figures that do not hold the last one yet."""
+        busy: set[str] = set()
+        for other in self.state.models.values():
+            if other is not rec and (other.state is S.LOADING or other.awaiting_usage):
+                busy |= self.state.memory.devices_of(other)
+        return busy
+
     @staticmethod
     def eviction_cause(reason: EvictionReason, for_model: str | None,
                        shortfalls: list[Shortfall] | None) -> str:
@@ -167,20 +252,23 @@ class Moves:
         self.state.stats.granted += 1
         self.state.leases[ticket] = (rec.name, rec.generation, key)
         tenants = self.state.tenants
-        shareable = not rec.rules.max_concurrency
-        if (waiter.cuttable if waiter else cuttable) and not shareable and self.state.cuts.on:
+        # One grant of a model with copies serves one request: the front would send the
+        # requests that join a grant to its copy, past the routing (replicas.py).
+        shareable = not rec.rules.max_concurrency and rec.rules.replicas is None
+        if (waiter.cuttable if waiter else cuttable) and rec.rules.max_concurrency \
+                and self.state.cuts.on:
             self.state.cuts.granted(ticket, Slot(  # one request a grant: it may be cut
                 rec.name, rec.generation, key, waiter.level if waiter else
                 tenants.of(key).level, now, waiter.queued_at if waiter else now))
         if key:
             tenants.granted(key)
-            self.state.queue.served(rec.name, key, 1.0)
+            self.state.queue.served(rec.group, key, 1.0)
             # a key with limits: the Scheduler must see each of its requests (shares.py)
             shareable = shareable and not tenants.limited(key)
         if shareable and not rec.pinned:
             self.state.revocable[rec.name] = rec.generation
         self.state.out.append(Answer(ticket, Grant(
-            model=rec.name, generation=rec.generation, host=rec.host, port=rec.port,
+            model=rec.group, generation=rec.generation, host=rec.host, port=rec.port,
             shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes)))
 
     def refuse(self, ticket: Hashable, status: int, message: str,
@@ -233,7 +321,7 @@ class Moves:
                  rec.state.value, new.value, cause, took)
         if (rec.state.is_serving and not new.is_serving) or (
                 rec.state is S.STOPPING and new is S.UNLOADED):
-            self.state.out.append(Withdraw(model=rec.name, generation=rec.generation,
+            self.state.out.append(Withdraw(model=rec.group, generation=rec.generation,
                                            epoch=rec.wakes,
                                            gone=new is S.UNLOADED))
         rec.state = new
@@ -245,9 +333,11 @@ class Moves:
                        info: dict[str, Any] | None = None) -> None:
         failed = rec.failed and rec.state is S.UNLOADED
         retry = rec.breaker.retry_at - now if rec.breaker.is_open(now) else None
+        copy = rec.name if rec.rules.replicas is not None else None  # said of the model
         self.state.out.append(Publish(StatusChanged(
-            model=rec.name, status=rec.state.shown, cause=cause, exit_code=exit_code, info=info,
-            failed=failed, exit=rec.last_exit if failed else None, retry_after_s=retry)))
+            model=rec.group, status=shown(self.state.groups.of(rec)), cause=cause,
+            exit_code=exit_code, info=info, failed=failed,
+            exit=rec.last_exit if failed else None, retry_after_s=retry, replica=copy)))
 
     def flush(self) -> list[Effect]:
         for model in self.state.queue.changed:

@@ -30,7 +30,7 @@ class Preemption:
         and at its max_concurrency (one draining for a reload has no room either, but a
         slot it frees goes to nobody)."""
         state = self.state
-        entry = state.queue.entry(rec.name)
+        entry = state.queue.entry(rec.group)
         if (not state.cuts.on or entry is None or not rec.state.is_serving or rec.retiring
                 or not rec.rules.max_concurrency
                 or rec.in_flight < rec.rules.max_concurrency):
@@ -50,7 +50,8 @@ class Preemption:
         if self.state.cuts.on:
             for entry in list(self.state.queue):
                 if key is None or key in entry.lanes:
-                    self.ask(self.state.models[entry.model], now)
+                    for rec in self.state.groups.of(self.state.models[entry.model]):
+                        self.ask(rec, now)
 
     def requeue(self, ticket: Hashable, now: float) -> list[Effect]:
         """The front cut the request of `ticket` (nothing was sent to its client): its
@@ -68,9 +69,9 @@ class Preemption:
                               retry_after_s=1.0)
         else:
             stats = self.state.stats
-            stats.cuts[(name, key)] = stats.cuts.get((name, key), 0) + 1
+            stats.cuts[(rec.group, key)] = stats.cuts.get((rec.group, key), 0) + 1
             timeout_s = rec.rules.queue_timeout_s
-            self.state.queue.add(ticket, name, slot.came_at,
+            self.state.queue.add(ticket, rec.group, slot.came_at,
                                  now + timeout_s if timeout_s else None, key, slot.level,
                                  again=True)
             if timeout_s:

@@ -43,6 +43,8 @@ class Waiter:
     cut before."""
     again: bool = False
     """It waits again, cut from its slot: first of its lane, its wait counted once."""
+    affinity: int = 0
+    """A hash of its prompt's start, for a model with copies routed by `prefix`."""
 
 
 @dataclass(eq=False)
@@ -140,13 +142,13 @@ class RequestQueue:
 
     def add(self, ticket: Hashable, model: str, now: float, deadline: float | None,
             key: str = "", level: int = 0, cuttable: bool = False,
-            again: bool = False) -> QueueEntry:
+            again: bool = False, affinity: int = 0) -> QueueEntry:
         """Queue `ticket`, come at `now`; a request cut from its slot waits `again`,
         first of its key's lane."""
         entry = self.open(model)
         entry.put(ticket, key, first=again)
         self.waiters[ticket] = Waiter(model, now, deadline, key, level, cuttable=cuttable,
-                                      again=again)
+                                      again=again, affinity=affinity)
         self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
         return entry

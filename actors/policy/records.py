@@ -36,6 +36,8 @@ class Spawn(msgspec.Struct, frozen=True):
     generation: int
     devices: list[str] | None = None
     node: str | None = None
+    serves: str | None = None
+    """For a replica: the model it is a copy of (its `{model}`)."""
 
 
 class Stop(msgspec.Struct, frozen=True):
@@ -222,6 +224,12 @@ class ModelRecord:
         new.info = dict(self.info) if self.info is not None else None
         new.progress = dict(self.progress) if self.progress is not None else None
         return new
+
+    @property
+    def group(self) -> str:
+        """The model it serves: its own name, or for a replica the model it copies (its
+        queue, and the name its grants carry)."""
+        return self.rules.group or self.name
 
     @property
     def holds_slot(self) -> bool:

@@ -13,10 +13,10 @@ from typing import Literal
 from ..histogram import observe
 from ..ledger import MiB, node_of
 from ..lifecycle import ModelState
-from ..messages import EvictionReason, Repump, Shortfall
-from .moves import Moves
+from ..messages import Repump
 from .queue import QueueEntry
 from .records import Later, Measure, ModelRecord
+from .scale import Scaling
 
 log = logging.getLogger("corral.scheduler")
 
@@ -26,7 +26,7 @@ WARM_RETRY_S = 0.5
 event (a memory plan each time a request comes and goes would be paid by requests)."""
 
 
-class Rules(Moves):
+class Rules(Scaling):
     """The decisions every event ends in, on one `State`."""
 
     def pump(self, now: float) -> None:
@@ -38,6 +38,8 @@ class Rules(Moves):
             self.relieve_host(now)
         self.tick(now)
         self.claim(now)
+        if self.state.groups.members:
+            self.scale(now)
         if self.state.warm and not self.state.queue.entries:
             self.warm_up(now)
 
@@ -81,7 +83,7 @@ class Rules(Moves):
         """A request waits for a place: background loads of warm models give it up."""
         for rec in self.state.models.values():
             if rec.warming and rec.state is S.LOADING \
-                    and rec.name not in self.state.queue.entries:
+                    and rec.group not in self.state.queue.entries:
                 self.stop(rec, "warm", None, now, why="a request needs its place")
 
     def relieve_host(self, now: float) -> None:
@@ -144,16 +146,6 @@ class Rules(Moves):
                 f"are held by pinned models ({names}); unload one or raise models_max"),
                 reason="pinned")
 
-    def pick_victim(self, now: float) -> ModelRecord | None:
-        """The least recently used model that is idle, serving, unpinned, not wanted and
-        resident for its min_resident_s; if only young ones are left, wake up when the
-        first comes of age (R-4.4)."""
-        victim, wake = self.state.victims.pick(self.state.models, now, self.state.resident_until)
-        if wake is not None and (self.state.wake_at is None or wake < self.state.wake_at):
-            self.state.wake_at = wake
-            self.state.out.append(Later(wake - now, Repump()))
-        return victim
-
     def claim(self, now: float) -> None:
         """Spawn for queue heads, in order, while there is capacity (R-4.3); with
         classes, the entry of the highest ranked waiter first (queue.ordered).
@@ -179,7 +171,8 @@ class Rules(Moves):
         # 1. An entry that needs no slot (claimed, served, or in backoff) is passed over.
         if not state.needs_slot(entry, now):
             return "passed"
-        rec = state.models[entry.model]
+        rec = state.groups.target(state.models[entry.model])
+        assert rec is not None  # (needs_slot)
         # 2. Its last child is still stopping, or every slot (models_max) is taken.
         if rec.state is S.STOPPING or not state.has_capacity():
             return "wait"
@@ -207,10 +200,10 @@ class Rules(Moves):
                            shortfalls)
             if plan.measure:
                 rec.measure_requested_first = True
-                state.out.append(Measure(rec.name, front=True))
+                state.out.append(Measure(rec.group, front=True))
             if plan.verdict == "refuse":
                 assert plan.refusal is not None
-                self.refuse_entry(rec.name, 503, plan.refusal, reason="memory")
+                self.refuse_entry(entry.model, 503, plan.refusal, reason="memory")
                 return "rescan"
             if plan.verdict == "wait":
                 self.revoke_kept()
@@ -246,42 +239,6 @@ class Rules(Moves):
         self.wake(rec, entry, now)
         return "spawned"
 
-    def memory_victims(self, now: float) -> list[ModelRecord]:
-        """What may be evicted for memory, in order: the idle models, least recently used
-        first, then the suspended ones that still hold some of a device (a CUDA context
-        left behind), least recently used first (issue 23: they are stopped)."""
-        state = self.state
-        victims = state.victims.ranked(state.models, now, state.resident_until)
-        if state.n_suspended:
-            victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
-                               and not r.draining and state.ledger.held.get(r.name)),
-                              key=lambda r: r.last_used)
-        return victims
-
-    def evict(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
-              now: float, shortfalls: list[Shortfall] | None = None) -> None:
-        """Make room with the idle `rec`: suspend it if it has a way to and host memory
-        allows (at suspended_max, the least recently used suspended model is stopped for
-        it), else stop it; the event says which, and why (issue 23)."""
-        state = self.state
-        if not rec.rules.suspend or rec.state is S.SUSPENDED:
-            self.stop(rec, reason, for_model, now, shortfalls)
-            return
-        why = state.host.why_not(rec, state.ledger, state.stopping_suspended())
-        if why is None and state.host.suspended_max \
-                and state.n_suspended >= state.host.suspended_max:
-            oldest = min((r for r in state.models.values() if r.state is S.SUSPENDED),
-                         key=lambda r: r.last_used, default=None)
-            if oldest is None or oldest.last_used > rec.last_used:
-                why = f"suspended_max ({state.host.suspended_max}) models are suspended"
-            else:
-                self.stop(oldest, "suspended_max", rec.name, now,
-                          why=f"suspended_max ({state.host.suspended_max}) reached")
-        if why is None:
-            self.suspend(rec, reason, for_model, now, shortfalls)
-        else:
-            self.stop(rec, reason, for_model, now, shortfalls, why=why)
-
     def claim_node(self, rec: ModelRecord, now: float) -> bool:
         """Choose the node of `rec` (a model with `nodes`, no memory accounting): sets
         `rec.node` when it may spawn now; else it waits, after stopping the LRU idle model
@@ -301,55 +258,50 @@ class Rules(Moves):
                 self.state.out.append(Later(self.state.wake_at - now, Repump()))
         if choice.verdict != "refuse":
             return False
-        self.refuse_entry(rec.name, 503, f"model '{rec.name}' cannot be started: "
+        self.refuse_entry(rec.group, 503, f"model '{rec.group}' cannot be started: "
                            f"{choice.why}", retry_after_s=1.0,
                            reason="node_lost" if (choice.why or "").startswith("node lost")
                            else "node_cap")
         return True
 
-    def loading_devices(self, rec: ModelRecord) -> set[str]:
-        """The devices of the loads not yet charged their real use (still loading, or
-        ready but not yet in a device report): judging another load on them before that
-        would judge it against figures that do not hold the last one yet."""
-        busy: set[str] = set()
-        for other in self.state.models.values():
-            if other is not rec and (other.state is S.LOADING or other.awaiting_usage):
-                busy |= self.state.memory.devices_of(other)
-        return busy
-
     def serve_waiters(self, rec: ModelRecord, now: float) -> None:
         """Grant the requests queued for a serving model while it has room: in arrival
         order, or with keys, in their classes' and fair share's order (queue.next_of),
-        leaving those of keys at their max_concurrency to wait."""
+        leaving those of keys at their max_concurrency to wait. A model with copies
+        routes each to one of them (replicas.py)."""
         queue, tenants = self.state.queue, self.state.tenants
-        entry = queue.entry(rec.name)
+        entry = queue.entry(rec.group)
         if entry is None:
             return
         blocked = {key for key in entry.lanes if key and tenants.at_limit(key)}
+        copies = rec.rules.replicas is not None
         while entry.waiters and self.state.has_room(rec):
             ticket = queue.next_of(entry, now, blocked)
             if ticket is None:
+                break
+            into = self.state.route(rec, queue.waiters[ticket].affinity) if copies else rec
+            if into is None:
                 break
             waiter = queue.take(ticket)
             waited = now - waiter.queued_at
             if not waiter.again:  # one cut and waiting again: its wait is counted once
                 self.state.stats.queue_waits += 1
                 self.state.stats.queue_wait_s += waited
-                observe(self.state.stats.queue_wait, rec.name, waited)
+                observe(self.state.stats.queue_wait, rec.group, waited)
                 if waiter.key:
                     observe(self.state.stats.class_wait, tenants.of(waiter.key).priority,
                             waited)
-            self.grant(ticket, rec, now, waiter.key, waiter)
+            self.grant(ticket, into, now, waiter.key, waiter)
             if waiter.key and tenants.at_limit(waiter.key):
                 blocked.add(waiter.key)
-        queue.close_if_empty(rec.name)
+        queue.close_if_empty(rec.group)
 
     def serve_queued(self, now: float, key: str | None = None) -> None:
         """Serve the waiters of every serving model with room (of those `key` waits for):
         a key's limit has been lifted, or it is below its max_concurrency again."""
         for entry in list(self.state.queue):
             if key is None or key in entry.lanes:
-                rec = self.state.models[entry.model]
-                if self.state.has_room(rec):
-                    self.serve_waiters(rec, now)
+                for rec in self.state.groups.of(self.state.models[entry.model]):
+                    if self.state.has_room(rec):
+                        self.serve_waiters(rec, now)
 

@@ -18,6 +18,7 @@ from .memory import Memory
 from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
 from .records import Effect, ModelRecord, Stats
+from .replicas import UP, Groups
 from .tenants import Tenants
 from .victims import Victims
 
@@ -58,6 +59,8 @@ class State:
         self.host = HostTier(host_margin, suspended_max)
         """Host RAM for suspended models (issue 23)."""
         self.victims = Victims(self.evictable)
+        self.groups = Groups()
+        """The models that run as several copies (issue 24)."""
         self.stats = Stats()
         self.shutting_down = False
         self.n_running = 0
@@ -103,14 +106,17 @@ class State:
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
-        self.models[name] = ModelRecord(name=name, rules=rules or ModelRules(pinned=pinned),
-                                        breaker=Breaker(*self.breaker_args), state_since=now,
-                                        generation=self.last_generation.pop(name, 0))
+        self.models[name] = rec = ModelRecord(
+            name=name, rules=rules or ModelRules(pinned=pinned),
+            breaker=Breaker(*self.breaker_args), state_since=now,
+            generation=self.last_generation.pop(name, 0))
+        self.groups.add(rec)
         self.rewarm()
 
     def drop(self, name: str) -> None:
         """Forget a model a reload removed (its child, if any, is reaped)."""
         rec = self.models.pop(name)
+        self.groups.drop(rec)
         self.last_generation[name] = rec.generation
         self.victims.forget(name)
         self.ledger.release(name)
@@ -127,9 +133,18 @@ class State:
 
     def needs_slot(self, entry: QueueEntry, now: float) -> bool:
         """A slot (models_max) would go to `entry`'s model: a load, or a wake."""
-        rec = self.models[entry.model]
-        return (not entry.claimed and rec.state in (S.UNLOADED, S.STOPPING, S.SUSPENDED)
+        rec = self.groups.target(self.models[entry.model])
+        return (not entry.claimed and rec is not None
+                and rec.state in (S.UNLOADED, S.STOPPING, S.SUSPENDED)
                 and not rec.breaker.is_open(now) and not self.only_blocked(entry))
+
+    def route(self, rec: ModelRecord, affinity: int = 0) -> ModelRecord | None:
+        """The copy of `rec`'s model a request may be proxied into now (replicas.py)."""
+        return self.groups.route(rec, affinity, self.has_room)
+
+    def absent(self, rec: ModelRecord) -> bool:
+        """No copy of `rec`'s model runs, or all are stopping."""
+        return all(r.state in (S.UNLOADED, S.STOPPING) for r in self.groups.of(rec))
 
     def only_blocked(self, entry: QueueEntry) -> bool:
         """Every waiter of `entry` is of a key at its max_concurrency: a load for them
@@ -150,7 +165,7 @@ class State:
 
     def evictable(self, rec: ModelRecord) -> bool:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
-                and rec.name not in self.queue.entries and not rec.removed)
+                and rec.group not in self.queue.entries and not rec.removed)
 
     def stopping_suspended(self) -> list[ModelRecord]:
         """Suspended children being stopped: their host copies are coming back."""
@@ -164,15 +179,24 @@ class State:
         if rules.warm:
             return None  # it would be back at once
         if rec.state is S.SUSPENDED:
-            idle = rec.name not in self.queue.entries and not rec.removed
+            idle = rec.group not in self.queue.entries and not rec.removed
             return rules.ttl_s or None if idle else None
         if not self.evictable(rec):
             return None
+        copies = rules.replicas
+        if copies is not None and copies.scale_down_idle_s and self.above_min(rec):
+            return min(copies.scale_down_idle_s, rules.ttl_s or copies.scale_down_idle_s)
         if (rules.ttl_suspend_s and rules.suspend and rec.state is S.LOADED
                 and rec.ttl_skipped != rec.idle_from
                 and (not rules.ttl_s or rules.ttl_suspend_s < rules.ttl_s)):
             return rules.ttl_suspend_s
         return rules.ttl_s or None
+
+    def above_min(self, rec: ModelRecord) -> bool:
+        """`rec` is a copy its model may do without: more than `min` of them are up."""
+        copies = rec.rules.replicas
+        return copies is not None and rec.state in UP and \
+            sum(r.state in UP for r in self.groups.of(rec)) > copies.min
 
     def resident_until(self, rec: ModelRecord) -> float:
         return (rec.ready_at or rec.state_since) + rec.rules.min_resident_s

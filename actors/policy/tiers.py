@@ -62,7 +62,7 @@ class Tiers:
         rec = self.state.models.get(model)
         if rec is None or rec.generation != generation or rec.state is not S.WAKING:
             return []
-        entry = self.state.queue.entry(model)
+        entry = self.state.queue.entry(rec.group)
         if entry is not None:
             entry.claimed = False
         if not ok:
@@ -109,7 +109,8 @@ class Tiers:
         if now < due:
             rec.ttl_armed = True
             self.state.out.append(Later(due - now, TtlDue(model=model, generation=generation)))
-        elif rec.state is S.SUSPENDED or after == rec.rules.ttl_s:
+        elif rec.state is S.SUSPENDED or after == rec.rules.ttl_s \
+                or self.state.above_min(rec):  # a copy above min (scale_down_idle_s)
             self.rules.stop(rec, "ttl", None, now)
             self.rules.pump(now)
         else:  # ttl_suspend_s: suspend if it may; else it stays until ttl_s

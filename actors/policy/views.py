@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from ..lifecycle import ModelState
-from ..messages import DevicesSnapshot, DeviceView, KeyView, ModelsSnapshot, ModelView
+from ..messages import (
+    DevicesSnapshot,
+    DeviceView,
+    KeyView,
+    ModelsSnapshot,
+    ModelView,
+    ReplicaView,
+)
+from .moves import shown
+from .records import ModelRecord
+from .replicas import UP
 from .state import State
 
 S = ModelState
@@ -13,20 +23,27 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
     views = []
     places = {name: i for i, name in enumerate(p.queue.entries)}
     for rec in p.models.values():
-        if rec.removed:
-            continue
+        if rec.removed or rec.rules.group:
+            continue  # a replica is shown in its model's entry
+        copies = p.groups.members.get(rec.name)
         entry = p.queue.entry(rec.name)
         oldest = (now - p.queue.waiters[next(iter(entry.waiters))].queued_at
                   if entry is not None and entry.waiters else None)
         after = p.ttl_after(rec)
         expires = rec.idle_from + after - now if after is not None else None
+        if copies is not None:  # when the first of its idle copies goes
+            dues = [r.idle_from + a - now for r in copies
+                    if r.state in UP and (a := p.ttl_after(r)) is not None]
+            expires = min(dues) if dues else None
         views.append(ModelView(
-            name=rec.name, state=rec.state.shown, generation=rec.generation,
-            in_flight=rec.in_flight, waiting=len(entry.waiters) if entry else 0,
+            name=rec.name, state=shown(copies or [rec]), generation=rec.generation,
+            in_flight=sum(r.in_flight for r in copies or [rec]),
+            waiting=len(entry.waiters) if entry else 0,
             pid=rec.pid, port=rec.port, exit_code=rec.exit_code, last_exit=rec.last_exit,
-            last_eviction=rec.last_eviction, loads=rec.loads, loads_ok=rec.loads_ok,
-            load_s_total=rec.load_s_total,
-            evictions={r: n for (m, r), n in p.stats.evictions.items() if m == rec.name},
+            last_eviction=rec.last_eviction, loads=sum(r.loads for r in copies or [rec]),
+            loads_ok=sum(r.loads_ok for r in copies or [rec]),
+            load_s_total=sum(r.load_s_total for r in copies or [rec]),
+            evictions=evictions(p, [r.name for r in copies or [rec]]),
             memory=rec.memory_info(), info=rec.info, progress=rec.progress,
             failed=rec.failed and rec.state is S.UNLOADED,
             retry_after_s=rec.breaker.retry_at - now if rec.breaker.is_open(now) else None,
@@ -37,12 +54,30 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             refusals={r: n for (m, r), n in p.stats.refusals.items() if m == rec.name},
             queue_position=places.get(rec.name) if oldest is not None else None,
             phase=rec.state.value if rec.state.value != rec.state.shown else None,
-            host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes))
+            host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
+            replicas=[replica_view(r) for r in copies] if copies is not None else None))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
                           queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
                           class_wait={c: h.view() for c, h in p.stats.class_wait.items()},
                           cuts=sum(p.stats.cuts.values()), suspended=p.n_suspended)
+
+
+def evictions(p: State, names: list[str]) -> dict[str, int]:
+    """Reason -> children of these records stopped for it."""
+    out: dict[str, int] = {}
+    for (m, r), n in p.stats.evictions.items():
+        if m in names:
+            out[r] = out.get(r, 0) + n
+    return out
+
+
+def replica_view(rec: ModelRecord) -> ReplicaView:
+    return ReplicaView(
+        name=rec.name, state=rec.state.shown,
+        phase=rec.state.value if rec.state.value != rec.state.shown else None,
+        generation=rec.generation, in_flight=rec.in_flight, pid=rec.pid, port=rec.port,
+        devices=rec.placement, node=rec.node, loads=rec.loads, last_exit=rec.last_exit)
 
 
 def devices(p: State) -> DevicesSnapshot:
@@ -82,14 +117,15 @@ def check(p: State) -> None:
     """Raise AssertionError if the state is inconsistent (tests run it after every step)."""
     p.queue.check()
     for name, entry in p.queue.entries.items():
-        rec = p.models[name]
-        if rec.state.is_serving:
-            limit = rec.rules.max_concurrency
-            assert rec.retiring or (limit and rec.in_flight >= limit) or all(
-                p.tenants.at_limit(key) for key in entry.lanes), \
-                f"{name}: queued while it could serve"
+        copies = p.groups.of(p.models[name])
+        for rec in copies:
+            if rec.state.is_serving:
+                limit = rec.rules.max_concurrency
+                assert rec.retiring or (limit and rec.in_flight >= limit) or all(
+                    p.tenants.at_limit(key) for key in entry.lanes), \
+                    f"{rec.name}: {name} queued while it could serve"
         if entry.claimed:
-            assert rec.state in (S.LOADING, S.STOPPING, S.WAKING), \
+            assert any(r.state in (S.LOADING, S.STOPPING, S.WAKING) for r in copies), \
                 f"{name}: claim without child"
     for rec in p.models.values():
         live = sum(1 for (n, g, _) in p.leases.values()
@@ -114,6 +150,12 @@ def check(p: State) -> None:
     assert p.n_running_pinned == sum(r.holds_slot and r.pinned for r in recs)
     assert p.n_suspending == sum(r.state is S.SUSPENDING for r in recs), "n_suspending"
     assert p.n_suspended == sum(r.state in (S.SUSPENDING, S.SUSPENDED) for r in recs)
+    for name, group in p.groups.members.items():
+        most = group[0].rules.replicas
+        assert most is not None and group[0].name == name, f"{name}: group"
+        assert sum(not r.removed for r in group) <= most.most, f"{name}: above max"
+        generations = [r.generation for r in group if r.state.is_running]
+        assert len(set(generations)) == len(generations), f"{name}: a generation twice"
     for rec in recs:
         if rec.state in (S.SUSPENDING, S.SUSPENDED):
             assert rec.rules.suspend and not rec.in_flight, f"{rec.name}: suspended busy"

@@ -1,0 +1,60 @@
+"""Which copy a prompt belongs to (issue 24, `route = "prefix"`): a hash of the first
+`prefix_bytes` of the prompt as the child will see it begin: each message's role and
+text in order (a chat), or `prompt` (a completion). Requests whose prompts begin alike
+get the same hash, and the Scheduler sends them to the same copy (policy/replicas.py),
+whose prompt cache then holds that beginning already.
+
+Only the fields that make the prompt are decoded; a body that has none of them, or that
+is not what a chat or completion body is, gets 0 (no affinity: least loaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+
+class _Part(msgspec.Struct):
+    text: str | None = None
+
+
+class _Message(msgspec.Struct):
+    role: str | None = None
+    content: str | list[_Part] | None = None
+
+
+class _Prompt(msgspec.Struct):
+    messages: list[_Message] | None = None
+    prompt: str | list[str] | None = None
+
+
+_decode = msgspec.json.Decoder(_Prompt).decode
+
+
+def affinity(body: bytes, prefix_bytes: int) -> int:
+    """The prompt's start hashed to 64 bits, never 0; 0 when it has none."""
+    try:
+        head = _decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+    text = bytearray()
+    if head.messages:
+        for message in head.messages:
+            text += (message.role or "").encode() + b"\n"
+            content = message.content
+            if isinstance(content, str):
+                text += content.encode()
+            elif content:
+                text += "".join(p.text or "" for p in content).encode()
+            text += b"\n"
+            if len(text) >= prefix_bytes:
+                break
+    elif isinstance(head.prompt, str):
+        text += head.prompt.encode()
+    elif head.prompt:
+        text += head.prompt[0].encode()
+    if not text:
+        return 0
+    digest = hashlib.blake2b(bytes(text[:prefix_bytes]), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1

@@ -1,0 +1,51 @@
+"""The model table as the front sees it (`Routes`): names and aliases, how to talk to
+each model's children, and who may call. One immutable value, replaced on reload."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..config import Config
+from ..keys import Keys
+from ..llama import is_llama, llama_pool_cap
+
+
+class ModelRoute(msgspec.Struct, frozen=True):
+    """How the front talks to one model's children."""
+
+    pool_cap: int | None
+    """Most connections open to one child at once (None: no cap)."""
+    first_byte_timeout_s: float | None
+    """No answer head by then: 504 (None: wait as long as the child takes)."""
+    lease_linger_s: float = 0.0
+    """How long its grant is kept after its last request (http.lease_linger_ms, never
+    longer than its ttl_s, so that the TTL is not held up by it)."""
+    prefix_bytes: int = 0
+    """Copies routed by prompt prefix: how much of it names the copy (0: not so routed)."""
+
+
+class Routes(msgspec.Struct, frozen=True):
+    """The model table as the front sees it: one immutable value, replaced on reload."""
+
+    names: dict[str, str]
+    """Every name and alias -> the canonical model name."""
+    models: dict[str, ModelRoute]
+    autoload: bool
+    keys: Keys | None = None
+    """Who may call (None: anyone, R5 guards aside)."""
+    known_as: dict[str, tuple[str, ...]] = {}
+    """Model -> its name and aliases (what a key's `models` globs are matched with)."""
+
+    @classmethod
+    def of(cls, config: Config) -> Routes:
+        linger_s = config.http.lease_linger_ms / 1000
+        models = {name: ModelRoute(llama_pool_cap(m.cmd) if is_llama(m.cmd, m.health) else None,
+                                   m.first_byte_timeout_s,
+                                   min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
+                                   else linger_s,
+                                   c.prefix_bytes if (c := m.replica_rules) and
+                                   c.route == "prefix" else 0)
+                  for name, m in config.models.items()}
+        known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
+        return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
+                   known_as)

@@ -1,0 +1,119 @@
+"""A model's copies (issue 24): which records are the replicas of one model, which of them
+a request goes to, and which one a load of the model starts.
+
+Each replica is a record of its own (`NAME`, `NAME@2` ...: actors/rules.py), so a replica
+loads, serves, is evicted, suspended and reaped as any model is. What they share is kept
+on the model's own record, the first: its queue (requests wait for the model, not for a
+copy), its breaker, its figures, and the generation count, so that `(model, generation)`
+names one child however many copies there are and a grant can carry the model's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+
+from ..lifecycle import ModelState
+from .records import ModelRecord
+
+S = ModelState
+UP = frozenset({S.LOADING, S.WAKING, S.LOADED, S.SLEEPING})
+"""A copy that serves, or will once its load or wake ends."""
+
+
+class Groups:
+    """The models that run as several copies: model -> its records, the first the model's
+    own. A model with one copy has no group (every query here is then about one record)."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, list[ModelRecord]] = {}
+        self.rng = random.Random(0)
+        """For the two random choices of least_loaded (seeded: the policy is a function
+        of its events)."""
+        self.busy_since: dict[str, float] = {}
+        """Model -> since when its copies have averaged more than target_in_flight."""
+        self.due: dict[str, float] = {}
+        """Model -> when a Repump is pending for its scaling."""
+
+    def add(self, rec: ModelRecord) -> None:
+        if rec.rules.replicas is None:
+            return
+        group = self.members.setdefault(rec.group, [])
+        if group and rec.group == rec.name:
+            group.insert(0, rec)
+        else:
+            group.append(rec)
+        if rec.group != rec.name and group[0].name == rec.group:
+            rec.breaker = group[0].breaker  # one breaker for the model
+
+    def drop(self, rec: ModelRecord) -> None:
+        group = self.members.get(rec.group)
+        if group is not None and rec in group:
+            group.remove(rec)
+            if not group:
+                del self.members[rec.group]
+                self.busy_since.pop(rec.group, None)
+                self.due.pop(rec.group, None)
+
+    def of(self, rec: ModelRecord) -> list[ModelRecord]:
+        """`rec` and the other copies of its model."""
+        return self.members.get(rec.group) or [rec]
+
+    def up(self, rec: ModelRecord) -> list[ModelRecord]:
+        """The copies of `rec`'s model that serve or are on their way."""
+        return [r for r in self.of(rec) if r.state in UP]
+
+    def extra(self, rec: ModelRecord) -> bool:
+        """Another copy of its model serves or is on its way: stopping `rec` leaves the
+        model up (the first victims, issue 24)."""
+        group = self.members.get(rec.group)
+        return group is not None and any(r is not rec and r.state in UP for r in group)
+
+    def next_generation(self, rec: ModelRecord) -> int:
+        """The generation `rec`'s next child gets: above every copy's."""
+        return 1 + max(r.generation for r in self.of(rec))
+
+    def target(self, rec: ModelRecord) -> ModelRecord | None:
+        """The copy a load of `rec`'s model starts (a suspended one wakes first, else the
+        first unloaded one); a stopping one when nothing else is free; None when a copy
+        serves or is on its way already (the model needs no load)."""
+        group = self.members.get(rec.group)
+        if group is None:
+            return rec
+        if any(r.state in UP for r in group):
+            return None
+        for wanted in (S.SUSPENDED, S.UNLOADED, S.STOPPING):
+            for r in group:
+                if r.state is wanted and not r.removed:
+                    return r
+        return None
+
+    def route(self, rec: ModelRecord, affinity: int,
+              has_room: Callable[[ModelRecord], bool]) -> ModelRecord | None:
+        """The copy of `rec`'s model a request goes to now, None if none has room:
+        `least_loaded`, the less busy of two picked at random; `prefix`, the copy
+        `affinity` (a hash of the prompt's start) ranks first among those with room
+        (rendezvous hashing: a copy that comes or goes moves only its own share), unless
+        it has more than prefix_overload requests above the least busy."""
+        group = self.members.get(rec.group)
+        if group is None:
+            return rec if has_room(rec) else None
+        ready = [r for r in group if has_room(r)]
+        if len(ready) < 2:
+            return ready[0] if ready else None
+        rules = rec.rules.replicas
+        assert rules is not None
+        if rules.route == "prefix" and affinity:
+            least = min(ready, key=lambda r: r.in_flight)
+            best = max(ready, key=lambda r: rank(affinity, r.name))
+            return best if best.in_flight - least.in_flight <= rules.prefix_overload else least
+        a, b = self.rng.sample(ready, 2)
+        return a if a.in_flight <= b.in_flight else b
+
+
+def rank(affinity: int, name: str) -> int:
+    """Rendezvous weight of copy `name` for a prompt of `affinity`."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8,
+                             key=affinity.to_bytes(8, "little")).digest()
+    return int.from_bytes(digest, "little")

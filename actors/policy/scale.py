@@ -1,0 +1,124 @@
+"""Copies added by demand (issue 24): a model with `replicas` gets another copy while it
+has fewer than `min` up, or fewer than `max` and its copies are busy (more than
+`target_in_flight` requests in flight each, for `scale_up_after_s`) or a request has
+waited in its queue for `scale_up_wait_s`. Copies above `min` go after
+`scale_down_idle_s` idle (state.ttl_after), and are the first victims of any model's need
+(Moves.extra_victim).
+
+The rule for what a copy may take: a free slot and free memory; else the idle copy of
+another model that keeps another copy up; else a model's last copy only if that model has
+been idle longer than this model's demand has lasted (its oldest request's wait, or how
+long its copies have been busy). One copy loads at a time per model; a request for a model
+that has none waits before any copy is added (tick and claim run first).
+"""
+
+from __future__ import annotations
+
+from ..ledger import node_of
+from ..lifecycle import ModelState
+from ..messages import Repump
+from ..rules import Replicas
+from .moves import Moves
+from .records import Later, ModelRecord
+from .replicas import UP
+
+S = ModelState
+
+
+class Scaling(Moves):
+    """The scaling step of every decision (Rules.pump)."""
+
+    def scale(self, now: float) -> None:
+        state = self.state
+        if state.shutting_down:
+            return
+        for name, group in state.groups.members.items():
+            base, copies = group[0], group[0].rules.replicas
+            up = [r for r in group if r.state in UP]
+            if not up or (copies is not None and len(up) >= copies.most):
+                state.groups.busy_since.pop(name, None)
+                continue  # down (a request loads its first copy), or all up
+            if copies is None or base.removed \
+                    or any(r.state in (S.LOADING, S.WAKING) for r in up):
+                continue  # one is on its way
+            why, waited = ((f"replicas min {copies.min}", 0.0) if len(up) < copies.min
+                           else self.demand(name, up, copies, now))
+            if why is not None:
+                self.add_copy(group, why, waited, now)
+
+    def demand(self, name: str, up: list[ModelRecord], copies: Replicas,
+               now: float) -> tuple[str | None, float]:
+        """Why `name` needs one more copy now (None: it does not), and how long that
+        demand has lasted; sets a timer for when it would."""
+        groups, serving = self.state.groups, [r for r in up if r.state.is_serving]
+        busy = sum(r.in_flight for r in serving) / max(len(serving), 1)
+        lasted = 0.0
+        if busy > copies.target_in_flight:
+            lasted = now - groups.busy_since.setdefault(name, now)
+            if lasted >= copies.scale_up_after_s:
+                return (f"{busy:.1f} requests in flight per copy for {lasted:.1f} s "
+                        f"(target_in_flight {copies.target_in_flight})"), lasted
+            self.look_again(name, now + copies.scale_up_after_s - lasted, now)
+        else:
+            groups.busy_since.pop(name, None)
+        _, oldest = self.state.queue.view(name, now)
+        if oldest is not None:
+            if oldest >= copies.scale_up_wait_s:
+                return (f"a request has waited {oldest:.1f} s "
+                        f"(scale_up_wait_s {copies.scale_up_wait_s:g})"), max(oldest, lasted)
+            self.look_again(name, now + copies.scale_up_wait_s - oldest, now)
+        return None, lasted
+
+    def look_again(self, name: str, at: float, now: float) -> None:
+        due = self.state.groups.due
+        if due.get(name, 0.0) > now and due[name] <= at:
+            return  # one is pending, no later than that
+        due[name] = at
+        self.state.out.append(Later(max(at - now, 0.0), Repump()))
+
+    def add_copy(self, group: list[ModelRecord], why: str, waited: float, now: float) -> None:
+        """Load (or wake) one more copy of `group`'s model, if the rule allows a place."""
+        state = self.state
+        rec = next((r for r in group if r.state is S.SUSPENDED and not r.removed), None) \
+            or next((r for r in group if r.state is S.UNLOADED and not r.removed), None)
+        if rec is None or rec.breaker.is_open(now):
+            return
+        if not state.has_capacity():
+            if any(state.needs_slot(e, now) for e in state.queue.entries.values()) \
+                    or state.n_stopping or state.n_suspending:
+                return  # a request for a model that is down goes first; or a slot is coming
+            victim = next(iter(self.copy_victims(rec, waited, now)), None)
+            if victim is not None:
+                self.evict(victim, "lru", rec.group, now)
+            return  # the next decision after its exit adds the copy
+        if state.memory_on:
+            allowed = self.copy_victims(rec, waited, now)
+            busy = self.loading_devices(rec)
+            plan = (state.memory.plan_wake(rec, state.models, allowed, busy)
+                    if rec.state is S.SUSPENDED
+                    else state.memory.plan(rec, state.models, allowed, busy))
+            for victim, shortfalls in plan.evict:
+                self.evict(victim, "memory" if shortfalls else "lru", rec.group, now,
+                           shortfalls)
+            if plan.measure:
+                rec.measure_requested_first = True
+            if plan.verdict != "go":
+                return
+            if rec.state is S.UNLOADED:
+                rec.placement = plan.devices
+                rec.node = node_of(plan.devices[0]) if plan.devices else None
+        if rec.state is S.SUSPENDED:
+            self.wake(rec, None, now)
+        else:
+            self.spawn(rec, 0, now, why=f"replica for {why}")
+
+    def copy_victims(self, rec: ModelRecord, waited: float, now: float) -> list[ModelRecord]:
+        """What a copy of `rec`'s model may evict, in order: idle copies of other models
+        that another copy keeps up, then the last copies of models idle longer than
+        `waited` (least recently used first)."""
+        groups = self.state.groups
+        return [v for v in self.memory_victims(now)
+                if v.group != rec.group and v.state.is_serving
+                and (groups.extra(v) or now - v.idle_from > waited)]
+
+

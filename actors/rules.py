@@ -1,0 +1,89 @@
+"""What the policy needs of a model: its operating rules (`ModelRules`, from its config with
+the top-level defaults filled in) and its replica rules (`Replicas`, issue 24).
+
+A model with `replicas` above one runs as several children behind its one name. Each is a
+record of its own in the policy, named `NAME` for the first and `NAME@2`, `NAME@3` ... for
+the others (`replica_name`); the group's queue, breaker and figures are those of `NAME`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+SEPARATOR = "@"
+"""Between a model's name and a replica's number: `NAME@2`."""
+
+
+class Replicas(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A model's `replicas = { ... }` table: how many copies of it may run, how requests
+    are routed among them, and when copies are added and stopped (`replicas = N` is
+    `{ min = N }`)."""
+
+    min: Annotated[int, Meta(ge=1, le=64)] = 1
+    """Copies loaded together whenever the model is loaded."""
+    max: Annotated[int, Meta(ge=1, le=64)] | None = None
+    """Most copies at once (default: min); above min they are added by demand."""
+    route: Literal["least_loaded", "prefix"] = "least_loaded"
+    """`least_loaded`: the less busy of two copies picked at random (in flight);
+    `prefix`: requests whose prompts begin alike go to the same copy (its prompt cache),
+    unless it has `prefix_overload` more in flight than the least busy."""
+    prefix_bytes: Annotated[int, Meta(ge=1)] = 2048
+    """How much of a prompt (its messages' text, or `prompt`) names its copy."""
+    prefix_overload: Annotated[int, Meta(ge=0)] = 4
+    target_in_flight: Annotated[int, Meta(ge=1)] = 4
+    """A copy is added when the copies average more requests in flight than this..."""
+    scale_up_after_s: Annotated[float, Meta(ge=0)] = 5.0
+    """... for this long, or when a request has waited in the model's queue for..."""
+    scale_up_wait_s: Annotated[float, Meta(ge=0)] = 2.0
+    scale_down_idle_s: Annotated[float, Meta(ge=0)] = 60.0
+    """A copy above min with no request for this long is stopped (0: only to make room)."""
+
+    @property
+    def most(self) -> int:
+        return self.max if self.max is not None else self.min
+
+
+def replica_name(model: str, number: int) -> str:
+    """The policy's and the instances' name of `model`'s replica `number` (from 1)."""
+    return model if number == 1 else f"{model}{SEPARATOR}{number}"
+
+
+class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's operating rules, as the policy needs them (from its config, top-level
+    defaults filled in)."""
+
+    pinned: bool = False
+    ttl_s: float = 0.0
+    """Stop the model after this long with no request (0: never)."""
+    queue_max: int = 0
+    """Most requests waiting for it; more get 503 at once (0: no limit)."""
+    queue_timeout_s: float = 0.0
+    """A request waits at most this long, then gets 503 (0: no limit)."""
+    max_concurrency: int = 0
+    """Most requests in flight to its child; more wait (0: no limit)."""
+    min_resident_s: float = 0.0
+    """Not an LRU victim until it has been loaded this long."""
+    permanent: bool = False
+    """restart = "permanent": reload at once after a crash."""
+    devices: list[str] | None = None
+    """Where it may be placed (None: any GPU)."""
+    devices_per_instance: int = 1
+    placeable: bool = True
+    """False when its env pins CUDA_VISIBLE_DEVICES: it runs where that says."""
+    nodes: list[str] | None = None
+    """The cluster nodes it may run on (their devices are `NODE/DEVICE`); None: only the
+    devices of corral's own machine."""
+    suspend: bool = False
+    """It has a `suspend` method: to make room, it may be suspended instead of stopped."""
+    warm: bool = False
+    """Loaded (or woken) in the background whenever there is room for it, never by an
+    eviction, giving way to any request."""
+    ttl_suspend_s: float = 0.0
+    """Suspend it after this long with no request (0: only to make room)."""
+    replicas: Replicas | None = None
+    """Its replica rules, when it may run as more than one child (issue 24)."""
+    group: str = ""
+    """For a replica record: the model it is a copy of ("" for a model's own record)."""

@@ -1,0 +1,289 @@
+"""Replicas (issue 24), pure: a model with copies loads, routes, scales up by demand, scales
+down when idle, gives up its extra copies first, and never refuses for capacity while one
+copy serves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from actors.config import Config, ModelRules
+from actors.lifecycle import ModelState
+from actors.messages import Grant, Refusal, StatusChanged
+from actors.policy.records import Publish
+from actors.rules import Replicas, replica_name
+from tests.test_policy import World
+
+S = ModelState
+
+
+def world(models_max: int = 4, others: str = "bc", model: dict[str, Any] | None = None,
+          **copies: Any) -> World:
+    """Models `others` plus `a` with `replicas = {copies}`, added as the Scheduler adds a
+    config's instances."""
+    w = World(models_max=models_max, names=others)
+    replicas = Replicas(**copies)
+    for i in range(1, replicas.most + 1):
+        w.p.add_model(replica_name("a", i), 0.0, rules=ModelRules(
+            replicas=replicas, group="a" if i > 1 else "", **(model or {})))
+    return w
+
+
+def up(w: World) -> list[str]:
+    return [r.name for r in w.p.state.groups.members["a"] if r.state is S.LOADED]
+
+
+def settle(w: World) -> None:
+    while w.settle():
+        pass
+
+
+def granted_into(w: World, ticket: object) -> str:
+    """The copy a granted ticket runs on."""
+    return w.p.state.leases[ticket][0]
+
+
+def test_a_config_expands_into_one_instance_per_copy_with_the_models_rules() -> None:
+    import msgspec
+
+    config = msgspec.convert({"models": {
+        "a": {"cmd": ["x"], "replicas": {"min": 1, "max": 3, "route": "prefix"}},
+        "b": {"cmd": ["y"], "replicas": 2}, "c": {"cmd": ["z"]}}}, Config)
+    assert list(config.instances()) == ["a", "a@2", "a@3", "b", "b@2", "c"]
+    rules = config.rules_of(config.models["a"], "a")
+    assert rules.replicas is not None and rules.replicas.route == "prefix"
+    assert rules.replicas.most == 3 and rules.group == "a"
+    assert config.models["c"].replica_rules is None
+
+
+def test_min_copies_load_one_after_another_with_generations_of_their_own() -> None:
+    w = world(min=2)
+    assert isinstance(w.acquire(1, "a"), type(None))  # queued: no copy is up
+    assert w.spawns == [("a", 1)]
+    w.ready("a")
+    assert isinstance(w.answers[1], Grant) and w.answers[1].model == "a"
+    assert w.spawns == [("a", 1), ("a@2", 2)]  # min 2: the second once the first is up
+    w.ready("a@2")
+    assert up(w) == ["a", "a@2"]
+
+
+def test_least_loaded_spreads_requests_and_every_grant_names_the_model() -> None:
+    w = world(min=2)
+    w.acquire(0, "a")
+    settle(w)
+    for t in range(1, 8):
+        w.acquire(t, "a")
+    into = [granted_into(w, t) for t in range(8)]
+    assert sorted(into.count(c) for c in ("a", "a@2")) == [4, 4]
+    assert all(isinstance(w.answers[t], Grant) and w.answers[t].model == "a"  # type: ignore[union-attr]
+               and not w.answers[t].shareable for t in range(8))  # type: ignore[union-attr]
+    view = w.p.snapshot(w.now).models[-1]
+    assert view.name == "a" and view.in_flight == 8 and view.state == "loaded"
+    assert [c.name for c in view.replicas or []] == ["a", "a@2"]
+    assert [c.in_flight for c in view.replicas or []] == [4, 4]
+    assert [v.name for v in w.p.snapshot(w.now).models] == ["b", "c", "a"]
+
+
+def test_prefix_routing_keeps_a_prompt_on_its_copy_until_the_load_guard() -> None:
+    w = world(min=2, route="prefix", prefix_overload=2)
+    w.acquire(0, "a")
+    settle(w)
+    w.release(0)
+    homes = {}
+    for affinity in range(1, 40):
+        w.run(w.p.acquire(("p", affinity), "a", w.tick(), affinity=affinity))
+        homes[affinity] = granted_into(w, ("p", affinity))
+        w.release(("p", affinity))
+    assert set(homes.values()) == {"a", "a@2"}  # the prompts are spread over both copies
+    for affinity in range(1, 40):  # and each comes back to its own
+        w.run(w.p.acquire(("q", affinity), "a", w.tick(), affinity=affinity))
+        assert granted_into(w, ("q", affinity)) == homes[affinity]
+        w.release(("q", affinity))
+    hot = 1
+    sent = []
+    for t in range(6):  # one prompt, many at once: its copy takes 2 more than the other
+        w.run(w.p.acquire(("h", t), "a", w.tick(), affinity=hot))
+        sent.append(granted_into(w, ("h", t)))
+    loads = {c: sent.count(c) for c in ("a", "a@2")}
+    assert loads[homes[hot]] - loads[next(c for c in loads if c != homes[hot])] <= 3
+    assert loads[homes[hot]] > 3
+
+
+def test_busy_copies_add_one_after_scale_up_after_s() -> None:
+    w = world(max=3, target_in_flight=2, scale_up_after_s=5)
+    for t in range(3):
+        w.acquire(t, "a")
+    settle(w)
+    w.acquire(3, "a")  # 4 in flight on 1 copy: busy from now
+    assert w.spawns == [("a", 1)]
+    w.now += 5
+    w.fire_timers()
+    assert w.spawns == [("a", 1), ("a@2", 2)]
+    change = [e.event for e in w.run(w.p.children.instance_ready("a@2", 2, 7, "x", 2, w.tick()))
+              if isinstance(e, Publish) and isinstance(e.event, StatusChanged)]
+    assert change and change[0].model == "a" and change[0].replica == "a@2"
+    assert change[0].status == "loaded" and "replica for 4.0 requests" not in change[0].cause
+    assert w.p.state.models["a@2"].last_eviction is None
+    # 4 on 2 copies is 2 each: not above target_in_flight, no third
+    w.now += 60
+    w.fire_timers()
+    assert len(w.spawns) == 2
+
+
+def test_a_queue_that_waits_scale_up_wait_s_adds_a_copy_that_serves_it() -> None:
+    w = world(max=2, scale_up_wait_s=2, model={"max_concurrency": 1})
+    w.acquire(1, "a")
+    settle(w)
+    w.acquire(2, "a")  # waits: a is at its max_concurrency
+    assert 2 in w.p.state.queue.waiters
+    w.now += 2
+    w.fire_timers()
+    assert w.spawns[-1] == ("a@2", 2)
+    w.ready("a@2")
+    assert granted_into(w, 2) == "a@2"
+
+
+def test_an_idle_copy_above_min_goes_after_scale_down_idle_s_and_min_stays() -> None:
+    w = world(min=1, max=2, target_in_flight=1, scale_up_after_s=0, scale_down_idle_s=30)
+    for t in range(3):
+        w.acquire(t, "a")
+    settle(w)
+    assert up(w) == ["a", "a@2"]
+    for t in range(3):
+        w.release(t)
+    w.now += 31
+    w.fire_timers()
+    assert len(w.stops) == 1 and w.stops[0][1] == "ttl"
+    settle(w)
+    w.now += 1000
+    w.fire_timers()
+    assert len(up(w)) == 1  # min 1: the last copy keeps the model's own ttl_s (none)
+
+
+def test_an_extra_copy_is_the_first_victim_before_a_less_recently_used_model() -> None:
+    w = world(models_max=3, others="bc", min=2)
+    w.load_idle("b")  # b: used first, the LRU model
+    w.load_idle("a")
+    settle(w)
+    assert up(w) == ["a", "a@2"]
+    w.acquire("c1", "c")  # a slot for c: an a copy goes, not b
+    assert len(w.stops) == 1 and w.stops[0][0].startswith("a")
+    assert w.p.state.models["b"].state is S.LOADED
+
+
+def test_a_copy_evicts_a_last_copy_only_if_idle_longer_than_the_demand_lasted() -> None:
+    w = world(models_max=2, others="b", max=2, target_in_flight=1, scale_up_after_s=5)
+    for t in range(3):
+        w.acquire(t, "a")
+    settle(w)
+    w.acquire(3, "a")  # a busy from now...
+    w.load_idle("b")  # ... and b used since: idle for less than a's demand has lasted
+    for _ in range(3):
+        w.now += 5
+        w.fire_timers()
+        w.run(w.p.repump(w.now))
+        assert w.stops == [] and w.spawns[-1][0] == "b"
+    w2 = world(models_max=2, others="b", max=2, target_in_flight=1, scale_up_after_s=5)
+    w2.load_idle("b")
+    w2.now += 500  # b idle for 500 s before a's demand begins
+    for t in range(3):
+        w2.acquire(t, "a")
+    settle(w2)
+    w2.now += 6
+    w2.fire_timers()
+    assert w2.stops == [("b", "lru")]
+    settle(w2)
+    assert w2.spawns[-1][0] == "a@2"
+
+
+def test_a_copy_that_fails_or_dies_refuses_nothing_while_another_serves() -> None:
+    w = world(min=2, model={"max_concurrency": 1})
+    w.acquire(1, "a")
+    settle(w)
+    w.acquire(2, "a")
+    w.acquire(3, "a")  # both copies busy: 3 waits
+    w.exited("a@2", rc=-9)  # a@2 crashes with request 2 on it
+    assert not any(isinstance(v, Refusal) for v in w.answers.values())
+    w.release(1)
+    assert granted_into(w, 3) == "a"
+    assert w.spawns[-1][0] == "a@2"  # min 2: replaced
+    w.exited("a@2", rc=1)  # its load fails: nobody is refused for it
+    assert not any(isinstance(v, Refusal) for v in w.answers.values())
+
+
+def test_unload_stops_every_copy_and_the_next_request_loads_one() -> None:
+    w = world(min=2)
+    w.acquire(1, "a")
+    settle(w)
+    w.release(1)
+    w.run(w.p.unload("u", "a", w.tick()))
+    assert sorted(s[0] for s in w.stops) == ["a", "a@2"]
+    settle(w)
+    w.acquire(2, "a")
+    assert w.spawns[-1] == ("a", 3)  # past both copies' generations
+
+
+# ---------------------------------------------------------------- state machine
+
+
+class CopiesMachine(RuleBasedStateMachine):
+    """Random requests, releases, readies, crashes and time on a model with 1-3 copies and
+    two others, 3 slots: the invariants hold after every step (views.check: at most
+    `max` copies, one generation per child), and no request for the model is refused
+    while one of its copies serves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = world(models_max=3, others="bc", min=1, max=3, target_in_flight=1,
+                       scale_up_after_s=2, scale_up_wait_s=1, scale_down_idle_s=5,
+                       route="prefix", prefix_overload=1)
+        self.open: list[object] = []
+        self.n = 0
+
+    @rule(model=st.sampled_from("aab"), affinity=st.integers(0, 5))
+    def acquire(self, model: str, affinity: int) -> None:
+        self.n += 1
+        serving = any(r.state.is_serving for r in self.w.p.state.groups.members["a"])
+        self.w.run(self.w.p.acquire(self.n, model, self.w.tick(), affinity=affinity))
+        answer = self.w.answers.get(self.n)
+        if model == "a" and serving:
+            assert isinstance(answer, Grant), answer
+        if not isinstance(answer, Refusal):
+            self.open.append(self.n)
+
+    @precondition(lambda self: self.open)
+    @rule(i=st.integers(0, 100))
+    def release(self, i: int) -> None:
+        self.w.release(self.open.pop(i % len(self.open)))
+
+    @rule(i=st.integers(0, 10))
+    def ready(self, i: int) -> None:
+        loading = [n for n, r in self.w.p.state.models.items() if r.state is S.LOADING]
+        if loading:
+            self.w.ready(loading[i % len(loading)])
+
+    @rule(i=st.integers(0, 10), rc=st.sampled_from([0, 1, -9]))
+    def exit(self, i: int, rc: int) -> None:
+        running = [n for n, r in self.w.p.state.models.items() if r.state.is_running]
+        if running:
+            name = running[i % len(running)]
+            self.w.exited(name, rc if self.w.p.state.models[name].state is not S.STOPPING
+                          else 0)
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 10.0]))
+    def time(self, dt: float) -> None:
+        self.w.now += dt
+        self.w.fire_timers()
+
+    @invariant()
+    def copies_within_max(self) -> None:
+        running = [r for r in self.w.p.state.groups.members["a"] if r.state.is_running]
+        assert len(running) <= 3
+        assert self.w.p.state.n_running <= 3
+
+
+TestCopies = CopiesMachine.TestCase
+TestCopies.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
