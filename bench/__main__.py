@@ -16,6 +16,7 @@ from bench import (
     load,
     overhead,
     prompt_cache,
+    replicas,
     scheduler,
     swap,
     tenants,
@@ -27,7 +28,8 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "dashboard": dashboard.main, "cluster": cluster.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
             "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
-            "tenants": tenants.main, "prompt-cache": prompt_cache.main}
+            "tenants": tenants.main, "prompt-cache": prompt_cache.main,
+            "replicas": replicas.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -48,6 +50,8 @@ SUMMARY = {
     "ceiling": "how many streams and small requests one corral process carries per core",
     "tenants": "an interactive key beside a flooding batch key, and two batch keys "
                "flooding together: classes, fair share, throughput (issue 22)",
+    "replicas": "one model, two copies on real llama-server children: tokens/s of 1 "
+                "and 2 copies, and time to first token routed by prompt prefix or load",
     "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
 }
 

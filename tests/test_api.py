@@ -210,6 +210,7 @@ def test_metrics_are_valid_prometheus_exposition(corral) -> None:
         "corral_requests_cut": "counter", "corral_models_suspended": "gauge",
         "corral_model_suspends": "counter", "corral_model_wakes": "counter",
         "corral_model_host_bytes": "gauge",
+        "corral_replica_state": "gauge", "corral_replica_in_flight": "gauge",
         "corral_model_state": "gauge", "corral_model_failed": "gauge",
         "corral_model_in_flight": "gauge", "corral_model_waiting": "gauge",
         "corral_model_loads": "counter", "corral_evictions": "counter",

@@ -163,15 +163,32 @@ def test_an_idle_copy_above_min_goes_after_scale_down_idle_s_and_min_stays() -> 
     assert len(up(w)) == 1  # min 1: the last copy keeps the model's own ttl_s (none)
 
 
-def test_an_extra_copy_is_the_first_victim_before_a_less_recently_used_model() -> None:
-    w = world(models_max=3, others="bc", min=2)
+def test_a_spare_copy_is_the_first_victim_before_a_less_recently_used_model() -> None:
+    w = world(models_max=3, others="bc", max=2, target_in_flight=1, scale_up_after_s=0)
     w.load_idle("b")  # b: used first, the LRU model
-    w.load_idle("a")
+    for t in range(3):
+        w.acquire(t, "a")
     settle(w)
-    assert up(w) == ["a", "a@2"]
+    assert up(w) == ["a", "a@2"]  # a@2 above min 1: a spare once idle
+    for t in range(3):
+        w.release(t)
     w.acquire("c1", "c")  # a slot for c: an a copy goes, not b
     assert len(w.stops) == 1 and w.stops[0][0].startswith("a")
     assert w.p.state.models["b"].state is S.LOADED
+
+
+def test_copies_that_fill_their_min_never_evict_each_other() -> None:
+    w = World(models_max=3, names="")
+    for model in "xy":  # 4 copies wanted, 3 slots
+        for i in (1, 2):
+            w.p.add_model(replica_name(model, i), 0.0, rules=ModelRules(
+                replicas=Replicas(min=2), group=model if i > 1 else ""))
+    w.load_idle("x", "y")
+    for _ in range(5):
+        settle(w)
+        w.now += 10
+        w.run(w.p.repump(w.now))
+    assert w.stops == [] and len(w.spawns) == 3
 
 
 def test_a_copy_evicts_a_last_copy_only_if_idle_longer_than_the_demand_lasted() -> None:

@@ -197,7 +197,7 @@ class Children:
             rec.releasing = model in self.state.ledger.held
             self.state.out.append(Track(model, "exited"))
         entry = self.state.queue.entry(rec.group)
-        if entry is not None and not self.state.groups.extra(rec):
+        if entry is not None and not self.state.groups.others_up(rec):
             entry.claimed = False  # a dead child's claim is void; the head retries
         if rec.removed:
             self.rules.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
@@ -222,7 +222,7 @@ class Children:
                       f"{rec.breaker.period_s:g} s, no load for {backoff:g} s")
             self.state.out.append(Later(backoff, Repump()))
         self.rules.transition(rec, S.UNLOADED, cause, now, returncode)
-        if was is S.LOADING and self.state.groups.extra(rec):
+        if was is S.LOADING and self.state.groups.others_up(rec):
             pass  # another copy serves its model, or will: its waiters wait for that
         elif was is S.LOADING:
             # the requests that waited on this load get one error each. A load
@@ -238,7 +238,7 @@ class Children:
             else:
                 self.rules.refuse_entry(rec.group, 503, message,
                                         retry_after_s=max(backoff, 1.0), reason="load_failed")
-        if rec.rules.permanent and not self.state.groups.extra(rec):
+        if rec.rules.permanent and not self.state.groups.others_up(rec):
             self.state.queue.open(rec.group).explicit = True  # back at once (or after it)
 
     # ------------------------------------------------------------ memory facts

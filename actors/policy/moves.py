@@ -167,14 +167,14 @@ class Moves:
         return victim
 
     def extra_victim(self, now: float) -> ModelRecord | None:
-        """The least recently used idle copy of a model that another copy keeps up: the
-        first victim for a slot or memory, before any model's last copy (issue 24)."""
-        groups = self.state.groups
-        if not groups.members:
+        """The least recently used idle copy above its model's `min` (a spare): the first
+        victim for a slot or memory, before any model's last copy (issue 24)."""
+        state = self.state
+        if not state.groups.members:
             return None
-        return min((r for group in groups.members.values() for r in group
-                    if self.state.evictable(r) and self.state.resident_until(r) <= now
-                    and groups.extra(r)), key=lambda r: r.last_used, default=None)
+        return min((r for group in state.groups.members.values() for r in group
+                    if state.evictable(r) and state.resident_until(r) <= now
+                    and state.above_min(r)), key=lambda r: r.last_used, default=None)
 
     def memory_victims(self, now: float) -> list[ModelRecord]:
         """What may be evicted for memory, in order: the idle models, least recently used
@@ -183,7 +183,7 @@ class Moves:
         state = self.state
         victims = state.victims.ranked(state.models, now, state.resident_until)
         if state.groups.members:  # copies another copy keeps up go first (issue 24)
-            victims.sort(key=lambda r: not state.groups.extra(r))
+            victims.sort(key=lambda r: not state.above_min(r))
         if state.n_suspended:
             victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
                                and not r.draining and state.ledger.held.get(r.name)),

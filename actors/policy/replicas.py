@@ -64,9 +64,9 @@ class Groups:
         """The copies of `rec`'s model that serve or are on their way."""
         return [r for r in self.of(rec) if r.state in UP]
 
-    def extra(self, rec: ModelRecord) -> bool:
-        """Another copy of its model serves or is on its way: stopping `rec` leaves the
-        model up (the first victims, issue 24)."""
+    def others_up(self, rec: ModelRecord) -> bool:
+        """Another copy of its model serves or is on its way: `rec` going leaves the
+        model up."""
         group = self.members.get(rec.group)
         return group is not None and any(r is not rec and r.state in UP for r in group)
 

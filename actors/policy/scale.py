@@ -5,14 +5,17 @@ waited in its queue for `scale_up_wait_s`. Copies above `min` go after
 `scale_down_idle_s` idle (state.ttl_after), and are the first victims of any model's need
 (Moves.extra_victim).
 
-The rule for what a copy may take: a free slot and free memory; else the idle copy of
-another model that keeps another copy up; else a model's last copy only if that model has
-been idle longer than this model's demand has lasted (its oldest request's wait, or how
-long its copies have been busy). One copy loads at a time per model; a request for a model
-that has none waits before any copy is added (tick and claim run first).
+The rule for what a copy may take: a free slot and free memory; else an idle spare copy
+of another model (above its `min`); else another model only if it has been idle longer
+than this model's demand has lasted (its oldest request's wait, or how long its copies
+have been busy). A copy that `min` asks for takes only what is free or spare. One copy
+loads at a time per model; a request for a model that has none waits before any copy is
+added (tick and claim run first).
 """
 
 from __future__ import annotations
+
+import math
 
 from ..ledger import node_of
 from ..lifecycle import ModelState
@@ -41,7 +44,7 @@ class Scaling(Moves):
             if copies is None or base.removed \
                     or any(r.state in (S.LOADING, S.WAKING) for r in up):
                 continue  # one is on its way
-            why, waited = ((f"replicas min {copies.min}", 0.0) if len(up) < copies.min
+            why, waited = ((f"replicas min {copies.min}", math.inf) if len(up) < copies.min
                            else self.demand(name, up, copies, now))
             if why is not None:
                 self.add_copy(group, why, waited, now)
@@ -113,12 +116,13 @@ class Scaling(Moves):
             self.spawn(rec, 0, now, why=f"replica for {why}")
 
     def copy_victims(self, rec: ModelRecord, waited: float, now: float) -> list[ModelRecord]:
-        """What a copy of `rec`'s model may evict, in order: idle copies of other models
-        that another copy keeps up, then the last copies of models idle longer than
-        `waited` (least recently used first)."""
-        groups = self.state.groups
+        """What a copy of `rec`'s model may evict, in order: idle spare copies of other
+        models (above their `min`), then models idle longer than `waited` (least recently
+        used first; `waited` is infinite for a copy that `min` asks for: it takes only
+        what is free or spare, so models that fill their `min` never evict each other)."""
+        state = self.state
         return [v for v in self.memory_victims(now)
                 if v.group != rec.group and v.state.is_serving
-                and (groups.extra(v) or now - v.idle_from > waited)]
+                and (state.above_min(v) or now - v.idle_from > waited)]
 
 
