@@ -5,10 +5,11 @@
 
 One corral, real llama-server children on this machine's CPU, each `-t 1` (one core).
 
-- **Throughput.** `one` (one copy) and `two` (`replicas = 2`) serve the same random-weight
-  GGUF. Each round sends --streams concurrent completions of --tokens tokens each
-  (`ignore_eos`, not streamed: the copies' work, not the proxy's relay, is measured) to
-  `one`, then to `two`; the ratio of generated tokens per second is the figure.
+- **Throughput.** `one` (one copy) and `two` (`replicas = 2`) serve the same tiny
+  random-weight GGUF, --streams slots each. Each round sends --streams concurrent
+  completions of --tokens tokens each (`ignore_eos`, not streamed: the copies' work, not
+  the proxy's relay, is measured) to `one`, then to `two`; the ratio of generated tokens
+  per second is the figure.
 - **Prefix routing.** `pfx` (`route = "prefix"`) and `ll` (`least_loaded`), two copies
   each, serve a smaller GGUF. Each round plays the same trace on each: --conversations
   conversations, each with its own system prompt of --system-tokens (one token a byte)
@@ -42,19 +43,24 @@ from scripts.tiny_gguf import write_tiny_gguf
 FILLER = "the quick brown fox jumps over the lazy dog. "
 WORKERS = 4
 """Conversations played at once in the prefix trace."""
+SLOTS = 8
+"""Each copy's llama-server slots (-np) there: each keeps one conversation's prompt, so a
+copy holds 8 of the 16 in its KV cache (the prompts beyond go to llama-server's own
+host-RAM prompt cache, --cache-ram, as configured by default)."""
 
 
-def config(binary: str, tiny: Path, small: Path, streams: int, system_tokens: int) -> str:
+def config(binary: str, tiny: Path, small: Path, streams: int, tokens: int,
+           system_tokens: int) -> str:
     def model(path: Path, copies: dict[str, Any], slots: int, ctx: int) -> dict[str, Any]:
         return {"cmd": [binary, "-m", str(path), "--host", "{host}", "--port", "{port}",
                         "-c", str(ctx * slots), "-np", str(slots), "-t", "1", "--no-warmup"],
                 "health": "llama", "replicas": copies, "load_on_startup": True}
     ctx = system_tokens + 512
     return toml_config({
-        "one": model(tiny, {"min": 1}, streams, 512),
-        "two": model(tiny, {"min": 2}, streams, 512),
-        "pfx": model(small, {"min": 2, "route": "prefix"}, WORKERS, ctx),
-        "ll": model(small, {"min": 2, "route": "least_loaded"}, WORKERS, ctx)},
+        "one": model(tiny, {"min": 1}, streams, tokens + 64),
+        "two": model(tiny, {"min": 2}, streams, tokens + 64),
+        "pfx": model(small, {"min": 2, "route": "prefix"}, SLOTS, ctx),
+        "ll": model(small, {"min": 2, "route": "least_loaded"}, SLOTS, ctx)},
         models_max=7)
 
 
@@ -137,11 +143,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds = []
     with tempfile.TemporaryDirectory(prefix="corral-replicas-") as tmp:
         home = Path(tmp)
-        write_tiny_gguf(home / "tiny.gguf", seed=3, context=1024)
+        write_tiny_gguf(home / "tiny.gguf", seed=3, context=args.tokens + 64)
         write_tiny_gguf(home / "small.gguf", seed=5, layers=4, embd=256, heads=4, ff=768,
                         context=args.system_tokens + 512)
         text = config(binary, home / "tiny.gguf", home / "small.gguf", args.streams,
-                      args.system_tokens)
+                      args.tokens, args.system_tokens)
         with Corral(text, home=home, log_level="WARNING") as corral:
             async with session() as s:
                 await wait_loaded(s, corral.url)
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=128, help="per completion")
+    ap.add_argument("--tokens", type=int, default=1024, help="per completion")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--system-tokens", type=int, default=2000)

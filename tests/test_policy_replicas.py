@@ -304,3 +304,25 @@ class CopiesMachine(RuleBasedStateMachine):
 
 TestCopies = CopiesMachine.TestCase
 TestCopies.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_copies_spread_over_their_nodes_and_a_lost_nodes_copy_comes_back_elsewhere() -> None:
+    from actors.policy import Policy
+
+    w = World(names="")
+    w.p = Policy(4, 3, 60.0)
+    for i in (1, 2):
+        w.p.add_model(replica_name("a", i), 0.0, rules=ModelRules(
+            replicas=Replicas(min=2), nodes=["n1", "n2"], group="a" if i > 1 else ""))
+    for node in ("n1", "n2"):
+        w.run(w.p.children.node_changed(node, True, "", w.tick()))
+    w.acquire(1, "a")
+    settle(w)
+    nodes = {r.name: r.node for r in w.p.state.groups.members["a"]}
+    assert nodes == {"a": "n1", "a@2": "n2"}  # the second copy goes where none runs
+    w.run(w.p.children.node_changed("n2", False, "agent lost", w.tick()))
+    w.exited("a@2", rc=-1)  # the head reports its child gone with the node
+    for t in range(2, 6):  # the copy left serves every request meanwhile
+        assert isinstance(w.acquire(t, "a"), Grant)
+    assert w.spawns[-1][0] == "a@2"
+    assert w.p.state.models["a@2"].node == "n1"  # replaced on the node that is up

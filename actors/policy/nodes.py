@@ -87,11 +87,12 @@ class NodeSlots:
         return Room("busy", pinned=pinned)
 
     def choose(self, rec: ModelRecord, models: dict[str, ModelRecord],
-               victims: list[ModelRecord]) -> NodeChoice:
-        """The first of `rec`'s nodes that is up and has a free slot; else the node whose
-        least recently used idle model was used least recently, once that one is stopped;
-        else a wait (a stop or a release re-pumps), or a refusal when no slot can come."""
-        nodes = rec.rules.nodes or []
+               victims: list[ModelRecord], avoid: set[str | None] | None = None) -> NodeChoice:
+        """The first of `rec`'s nodes that is up and has a free slot (those in `avoid`
+        last: where other copies of its model run); else the node whose least recently
+        used idle model was used least recently, once that one is stopped; else a wait
+        (a stop or a release re-pumps), or a refusal when no slot can come."""
+        nodes = sorted(rec.rules.nodes or [], key=lambda n: n in (avoid or ()))
         up = [n for n in nodes if n in self.up]
         if not up:
             unheard = [n for n in nodes if n not in self.down]

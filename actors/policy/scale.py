@@ -94,6 +94,15 @@ class Scaling(Moves):
             if victim is not None:
                 self.evict(victim, "lru", rec.group, now)
             return  # the next decision after its exit adds the copy
+        if rec.rules.nodes is not None and not state.memory_on:  # a node's slot
+            allowed = self.copy_victims(rec, waited, now)
+            choice = state.nodes.choose(rec, state.models, allowed,
+                                        avoid={r.node for r in group if r.state in UP})
+            if choice.verdict != "go":
+                if choice.victim is not None:
+                    self.evict(choice.victim, "lru", rec.group, now)
+                return
+            rec.node = choice.node
         if state.memory_on:
             allowed = self.copy_victims(rec, waited, now)
             busy = self.loading_devices(rec)
