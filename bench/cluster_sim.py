@@ -39,6 +39,7 @@ from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.messages import DeviceReport, Grant, Refusal, Repump, TtlDue, WaitDue
 from actors.policy import Policy
 from actors.policy.records import Answer, Later, Spawn, Stop
+from actors.rules import Replicas, replica_name
 from bench.common import machine, pct, write_json
 
 GiB = 1 << 30
@@ -105,16 +106,26 @@ class Tally:
 
 
 class PolicySim:
-    """The Scheduler's part, played by hand: the Policy decides, this plays the effects."""
+    """The Scheduler's part, played by hand: the Policy decides, this plays the effects.
+    `concurrency`: each child answers at most that many requests at once (max_concurrency;
+    0: any number); `replicas`: each model may run as up to that many copies, added by
+    demand (issue 24)."""
 
-    def __init__(self, world: World, service_s: float) -> None:
+    def __init__(self, world: World, service_s: float, concurrency: int = 0,
+                 replicas: int = 1) -> None:
         self.world = world
         self.service_s = service_s
         self.p = Policy(0, 3, 60.0, memory_margin=MARGIN_GIB * GiB)
         self.nodes = [f"n{i}" for i in range(world.nodes)]
+        copies = (Replicas(max=replicas, target_in_flight=max(concurrency, 1),
+                           scale_up_after_s=5.0, scale_up_wait_s=2.0, scale_down_idle_s=60.0)
+                  if replicas > 1 else None)
         for name in world.sizes:
-            self.p.add_model(name, 0.0, rules=ModelRules(
-                nodes=self.nodes, devices_per_instance=world.per_instance(name)))
+            for i in range(1, replicas + 1):
+                self.p.add_model(replica_name(name, i), 0.0, rules=ModelRules(
+                    nodes=self.nodes, devices_per_instance=world.per_instance(name),
+                    max_concurrency=concurrency, replicas=copies,
+                    group=name if i > 1 else ""))
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
         self.used: dict[str, dict[str, int]] = {}
@@ -151,10 +162,10 @@ class PolicySim:
             elif isinstance(e, Spawn):
                 self.tally.loads += 1
                 devices = e.devices or []
-                share = int(self.world.sizes[e.model] * GiB) // max(1, len(devices))
+                gib = self.world.sizes[e.serves or e.model]
+                share = int(gib * GiB) // max(1, len(devices))
                 self.used[e.model] = {d: share for d in devices}
-                self._at(self.now + self.world.sizes[e.model] / LOAD_GIB_PER_S, "ready",
-                         (e.model, e.generation))
+                self._at(self.now + gib / LOAD_GIB_PER_S, "ready", (e.model, e.generation))
             elif isinstance(e, Stop):
                 self.tally.evictions += 1
                 self._at(self.now + STOP_S, "exited", (e.model, e.generation))
@@ -201,7 +212,7 @@ class PolicySim:
             elif kind == "timer":
                 match payload:
                     case TtlDue(model=model, generation=generation):
-                        self._call(self.p.ttl_due, model, generation, self.now)
+                        self._call(self.p.tiers.ttl_due, model, generation, self.now)
                     case WaitDue(ticket=ticket):
                         self._call(self.p.wait_due, ticket, self.now)
                     case Repump():
@@ -275,6 +286,16 @@ class Baseline:
         return self.tally
 
 
+def simulate(args: argparse.Namespace, world: World, requests: list[tuple[float, str]],
+             replicas: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    sim = PolicySim(world, args.service_s, args.concurrency, replicas)
+    row = sim.run(requests).row(args.minutes, len(requests))
+    row["decisions_per_s"] = sim.calls / sim.cpu_s if sim.cpu_s else 0.0
+    row["wall_s"] = time.perf_counter() - start
+    return row
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench cluster-sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,6 +307,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--minutes", type=float, default=10.0, help="simulated, per run")
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--service-s", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="requests a child answers at once (default 0: any number)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="above 1: a third run where each model may run as this many "
+                    "copies, added by demand (target_in_flight = --concurrency)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -293,14 +319,20 @@ def main(argv: list[str]) -> int:
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
         requests = arrivals(args, world, rate)
-        start = time.perf_counter()
-        sim = PolicySim(world, args.service_s)
-        corral = sim.run(requests).row(args.minutes, len(requests))
-        corral["decisions_per_s"] = sim.calls / sim.cpu_s if sim.cpu_s else 0.0
-        corral["wall_s"] = time.perf_counter() - start
+        corral = simulate(args, world, requests, 1)
         base = Baseline(world, args.service_s, args.seed).run(requests).row(
             args.minutes, len(requests))
         rows.append({"rate": rate, "corral": corral, "baseline": base})
+        if args.replicas > 1:
+            copies = rows[-1]["replicas"] = simulate(args, world, requests, args.replicas)
+            print(f"rate {rate:g}/s with up to {args.replicas} copies a model: hit "
+                  f"{copies['hit_ratio']:.3f} vs {corral['hit_ratio']:.3f} with one, "
+                  f"loads/min {copies['loads_per_min']:.1f} vs "
+                  f"{corral['loads_per_min']:.1f}, wait p50 {copies['wait_p50_s']:.2f} vs "
+                  f"{corral['wait_p50_s']:.2f} s, p99 {copies['wait_p99_s']:.1f} vs "
+                  f"{corral['wait_p99_s']:.1f} s, refused {copies['refused']} vs "
+                  f"{corral['refused']}, {copies['decisions_per_s']:.0f} decisions/s",
+                  flush=True)
         print(f"rate {rate:g}/s, {len(requests)} requests: "
               f"hit {corral['hit_ratio']:.3f} vs {base['hit_ratio']:.3f}, "
               f"loads/min {corral['loads_per_min']:.1f} vs {base['loads_per_min']:.1f}, "

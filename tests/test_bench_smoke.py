@@ -139,3 +139,19 @@ def test_bench_cluster_sim_runs_both_sides(tmp_path: Path) -> None:
         assert row[side]["requests"] > 100 and 0 < row[side]["hit_ratio"] <= 1
         assert row[side]["loads_per_min"] > 0
     assert row["corral"]["decisions_per_s"] > 0
+
+
+def test_replicas_bench_runs_on_a_real_llama_server(tmp_path) -> None:
+    import pytest
+
+    from tests.test_llama_server import BINARY
+
+    if BINARY is None:
+        pytest.skip("no llama-server here: run `bash scripts/llama-server.sh`")
+    path = tmp_path / "r.json"
+    bench("replicas", "--rounds", "1", "--tokens", "16", "--conversations", "4",
+          "--turns", "2", "--system-tokens", "300", "--llama-server", BINARY,
+          "--json", str(path))
+    (r,) = json.loads(path.read_text())["rounds"]
+    assert r["one_tok_s"] > 0 and r["two_tok_s"] > 0
+    assert r["prefix"]["cache_n"] > 0  # the second turns reused their first's prompt

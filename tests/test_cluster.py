@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -141,6 +142,32 @@ def memory_config(namespace: str, nodes: tuple[str, ...] = ("node_a", "node_b"))
     return cluster_config({"big1": big, "big2": big}, namespace, memory_margin_mib=512,
                           device_poll_s=0.5,
                           devices=[{"name": "gpu0", "kind": "simulated", "total_mib": 3584}])
+
+
+@inside
+def test_copies_on_both_nodes_survive_the_loss_of_one(corral, ray_address: str) -> None:
+    """Replicas (issue 24): one copy a node; a node's agent killed while requests run;
+    every request is answered (by the copy left), and the lost copy comes back on the
+    node that is up."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"m": {"cmd": fake_cmd("--tokens-per-s", "100"),
+                                     "nodes": ["node_a", "node_b"], "replicas": 2}}, ns),
+               "--ray", ray_address)
+    assert chat(c.port, "m")[0] == 200
+    wait_until(lambda: [r["state"] for r in c.models()["m"]["replicas"]] == ["loaded"] * 2,
+               30, "both copies loaded")
+    agents = Agents(ray_address, ns)
+    on_a, on_b = agents.children("node_a"), agents.children("node_b")
+    assert len(on_a) == 1 and len(on_b) == 1, (on_a, on_b)  # one copy a node
+    lost = next(iter(on_b))
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(chat, c.port, "m", 8) for _ in range(24)]
+        os.kill(agents.pid("node_b"), signal.SIGKILL)
+        answers = [f.result() for f in running]
+    assert [s for s, _ in answers] == [200] * 24, answers
+    wait_until(lambda: sorted(agents.children("node_a")) == ["m", "m@2"], 30,
+               f"{lost} back on node_a")
+    assert [r["node"] for r in c.models()["m"]["replicas"]] == ["node_a", "node_a"]
 
 
 @inside
