@@ -118,6 +118,8 @@ class Ledger:
     shape: int = 0
     """Bumped when a device appears or its kind or emptiness changes (a lost node's
     devices report 0 bytes): what a placement's candidates are computed from."""
+    _samples: dict[str, tuple[DeviceSample, int | None]] = field(default_factory=dict)
+    """Device -> its last sample and managed bytes: an identical one changes nothing."""
     _per_device: dict[str, int] | None = None
     """Device -> bytes held by all models: summed when asked, dropped when `held`
     changes (a plan asks once per place it weighs; there can be thousands)."""
@@ -152,6 +154,7 @@ class Ledger:
                 continue
             own = row.self_bytes if reporter is not None else 0
             dev = self._device(row.name, row.total, row.kind)
+            self._samples.pop(row.name, None)  # the next sample is applied, as it is
             dev.free = row.free
             dev.external = max(0, row.total - row.free - own
                                - self._held_by_others(row.name, reporter))
@@ -165,6 +168,10 @@ class Ledger:
         """
         if not self.counted(sample.kind):
             return
+        last = self._samples.get(sample.name)
+        if managed is not None and last == (sample, managed):
+            return  # as the last time: nothing to recompute (most of a large report)
+        self._samples[sample.name] = (sample, managed)
         if sample.total <= 0:  # gone (a lost node's device): nothing is placed on it
             dev = self._device(sample.name, 0, sample.kind)
             dev.free = 0
@@ -197,9 +204,11 @@ class Ledger:
 
     def saw(self, model: str, use: dict[str, int]) -> None:
         """`model`'s child was seen using `use` (device -> bytes)."""
-        self.observed[model] = {d: b for d, b in use.items() if b > 0
-                                and d in self.devices and self.counted(self.devices[d].kind)}
-        self._hold(model)
+        seen = {d: b for d, b in use.items()
+                if b > 0 and d in self.devices and self.counted(self.devices[d].kind)}
+        if self.observed.get(model) != seen:  # most reports see most children as before
+            self.observed[model] = seen
+            self._hold(model)
 
     def unreserve(self, model: str) -> None:
         """Drop the reservation but keep what the child is still seen using (it sleeps)."""
@@ -216,11 +225,12 @@ class Ledger:
     def _hold(self, model: str) -> None:
         res, seen = self.reserved.get(model, {}), self.observed.get(model, {})
         hold = {d: max(res.get(d, 0), seen.get(d, 0)) for d in res.keys() | seen.keys()}
-        self._per_device = None
         if hold or model in self.reserved:
-            self.held[model] = hold
-        else:
-            self.held.pop(model, None)
+            if self.held.get(model) != hold:
+                self.held[model] = hold
+                self._per_device = None
+        elif self.held.pop(model, None) is not None:
+            self._per_device = None
 
     def available(self, device: str) -> int | None:
         """Bytes not used by anyone on `device`; None if the device was never reported."""

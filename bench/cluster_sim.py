@@ -3,6 +3,7 @@ cannot host, beside a baseline with random placement and per-node LRU (as ModelM
 places models), fed the same requests.
 
     python -m bench cluster-sim [--nodes 100] [--gpus 8] [--models 2000] [--rates 5,10,20,40]
+                                [--concurrency 4 --replicas 4]
 
 Each node has `--gpus` GPUs of `--gpu-gib` GiB (2 GiB margin each). Models are 4-140 GiB
 (log-uniform, fixed seed); one over a GPU's room is spread over two GPUs of one node.
@@ -15,6 +16,12 @@ would (spawns become ready after their load time, stops exit after 1 s, the devi
 reported after each), the CPU time of its calls measured. Baseline: a request for a model
 that is not loaded picks a node at random and evicts that node's least recently used idle
 models until it fits; freed memory is free at once (which flatters it).
+
+With --concurrency C each child answers at most C requests at once (max_concurrency; the
+baseline serves each model's requests first come, first served on C slots), and with
+--replicas N a third run gives every model `replicas = { max = N, target_in_flight = C,
+scale_up_after_s = 5, scale_up_wait_s = 2, scale_down_idle_s = 60 }`: popular models get
+copies by demand, placed by fit like any load (issue 24).
 
 Reported per rate: hit ratio (answered with no load waited for), loads and evictions per
 minute, p50 and p99 queue wait (arrival to grant), refusals, and for corral decisions per
@@ -226,9 +233,13 @@ class PolicySim:
 class Baseline:
     """Random node, per-node LRU, first fit on that node's GPUs."""
 
-    def __init__(self, world: World, service_s: float, seed: int) -> None:
+    def __init__(self, world: World, service_s: float, seed: int,
+                 concurrency: int = 0) -> None:
         self.world = world
         self.service_s = service_s
+        self.concurrency = concurrency
+        self.slots: dict[str, list[float]] = {}
+        """Model -> when each of its `concurrency` answering slots comes free."""
         self.rng = random.Random(seed)
         self.free = {d: (world.gpu_gib - MARGIN_GIB) * GiB for d in world.devices()}
         self.where: dict[str, list[str]] = {}
@@ -278,6 +289,10 @@ class Baseline:
                 self.ready_at[model] = t + self.world.sizes[model] / LOAD_GIB_PER_S
                 self.tally.loads += 1
             start = max(t, self.ready_at[model])
+            if self.concurrency:  # first come, first served on its slots
+                slots = self.slots.setdefault(model, [0.0] * self.concurrency)
+                start = max(start, heapq.heappop(slots))
+                heapq.heappush(slots, start + self.service_s)
             self.tally.waits.append(start - t)
             self.tally.hits += start == t
             self.in_flight[model] = self.in_flight.get(model, 0) + 1
@@ -320,8 +335,8 @@ def main(argv: list[str]) -> int:
     for rate in (float(r) for r in args.rates.split(",")):
         requests = arrivals(args, world, rate)
         corral = simulate(args, world, requests, 1)
-        base = Baseline(world, args.service_s, args.seed).run(requests).row(
-            args.minutes, len(requests))
+        base = Baseline(world, args.service_s, args.seed, args.concurrency).run(
+            requests).row(args.minutes, len(requests))
         rows.append({"rate": rate, "corral": corral, "baseline": base})
         if args.replicas > 1:
             copies = rows[-1]["replicas"] = simulate(args, world, requests, args.replicas)

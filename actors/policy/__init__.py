@@ -15,6 +15,9 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | suspends and wakes that ended; the TTL timers         | `Tiers`               | tiers.py    |
 | host RAM for suspended models, suspended_max          | `HostTier`            | host.py     |
 | the ledger, and a plan for each load                  | `Memory`, `Plan`      | memory.py   |
+| the device sets a model may be placed on              | `Places`              | places.py   |
+| a model's copies: which serve, which a request takes  | `Groups`              | replicas.py |
+| copies added by demand (a step of every decision)     | `Scaling`             | scale.py    |
 | keys: classes, limits, exact quota windows            | `Tenants`             | tenants.py  |
 | which running request a higher class may cut          | `Cuts`, `Slot`        | cuts.py     |
 | the events of cuts: asked, requeued, refused          | `Preemption`          | preempt.py  |

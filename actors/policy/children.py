@@ -82,6 +82,7 @@ class Children:
         self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
         if self.state.watched(rec):
             rec.awaiting_usage = True
+            self.state.unsettled.add(rec)
             self.state.out.append(Track(model, "ready", pid))
         entry = self.state.queue.entry(rec.group)
         if entry is not None:
@@ -122,6 +123,7 @@ class Children:
         self.rules.transition(rec, S.LOADED, f"adopted, pid {pid}", now)
         if self.state.memory_on:
             rec.awaiting_usage = True
+            self.state.unsettled.add(rec)
             self.state.out.append(Track(model, "ready", pid))
         self.rules.idle(rec)
         self.rules.pump(now)
@@ -195,6 +197,8 @@ class Children:
         self.state.host.gone(rec)
         if self.state.watched(rec):
             rec.releasing = model in self.state.ledger.held
+            if rec.releasing:
+                self.state.memory.releasing.add(rec)
             self.state.out.append(Track(model, "exited"))
         entry = self.state.queue.entry(rec.group)
         if entry is not None and not self.state.groups.others_up(rec):

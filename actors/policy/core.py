@@ -145,6 +145,8 @@ class Policy:
             if counted:
                 tenants.take(key, now)
             deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
+            if rules.replicas is not None:  # its queue: a copy may be due
+                self.state.groups.wanting.add(model)
             entry = self.state.queue.add(ticket, model, now, deadline, key,
                                          tenants.of(key).level if key else tenants.level,
                                          cuttable, affinity=affinity)

@@ -5,17 +5,16 @@ evict these first, or refuse. It decides; the core carries the plan out.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..config import ModelRules
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB, node_of
 from ..lifecycle import ModelState
 from ..messages import DeviceReport, ModelMemory, Shortfall
 from .nodes import NodeSlots
+from .places import Places, shortage
 from .records import Effect, Learned, Measure, ModelRecord, Publish
 
 log = logging.getLogger("corral.scheduler")
@@ -62,10 +61,10 @@ class Memory:
         """Memory accounting decides loads; off at margin 0, as in the reference."""
         self.ledger = Ledger(margin, account_host)
         self.nodes = nodes or NodeSlots()
-        self._candidates: dict[str, tuple[int, ModelRules, list[list[str]]]] = {}
-        """Model -> its candidate places, for the ledger's shape and its rules then
-        (weighing them all at each plan cost most of a full cluster's decision)."""
         """The cluster's nodes and models_max_per_node (shared with the core)."""
+        self.places = Places()
+        self.releasing: set[ModelRecord] = set()
+        """The records whose `releasing` was set (a superset of those it still is)."""
         self.backends: list[str] = []
 
     # ------------------------------------------------------------ facts
@@ -98,11 +97,14 @@ class Memory:
         """Fresh device figures: finish releases, calibrate, learn real usage (R-5.5, R-5.6)."""
         self.backends = report.backends
         tracked = set(report.tracked)
-        for rec in models.values():
-            if rec.releasing and rec.name not in tracked:
+        for rec in list(self.releasing):
+            if not rec.releasing or models.get(rec.name) is not rec:
+                self.releasing.discard(rec)  # spawned again, or dropped, meanwhile
+            elif rec.name not in tracked:
                 # Sampled after the monitor forgot the child: from now on whatever the
                 # device still shows for it is counted as external.
                 rec.releasing = False
+                self.releasing.discard(rec)
                 if not rec.state.is_running:
                     self.ledger.release(rec.name)
         for sample in report.devices:
@@ -171,29 +173,8 @@ class Memory:
     # ------------------------------------------------------------ placement (R-5.9)
 
     def candidates(self, rec: ModelRecord) -> list[list[str]]:
-        """The device sets `rec` may be placed on; none when there is nothing to choose
-        (one GPU and no `devices` key) or its env pins CUDA_VISIBLE_DEVICES."""
-        rules = rec.rules
-        if not rules.placeable:
-            return []
-        cached = self._candidates.get(rec.name)
-        if cached is not None and cached[0] == self.ledger.shape and cached[1] is rules:
-            return cached[2]
-        places = self._places(rules)
-        self._candidates[rec.name] = (self.ledger.shape, rules, places)
-        return places
-
-    def _places(self, rules: ModelRules) -> list[list[str]]:
-        gpus = sorted(n for n, d in self.ledger.devices.items()
-                      if d.kind == "device" and d.total > 0  # 0: a lost node's
-                      and (node_of(n) in rules.nodes if rules.nodes is not None
-                           else node_of(n) is None))
-        if rules.devices is None and len(gpus) <= 1 and rules.nodes is None:
-            return []
-        allowed = sorted((d for d in (rules.devices or gpus) if d in gpus),
-                         key=lambda d: node_of(d) or "")  # one child, one node
-        return [list(c) for _, on_node in itertools.groupby(allowed, node_of)
-                for c in itertools.combinations(on_node, rules.devices_per_instance)]
+        """The device sets `rec` may be placed on (places.py)."""
+        return self.places.of(rec.rules, self.ledger)
 
     def placed_need(self, rec: ModelRecord, devices: list[str] | None) -> Breakdown | None:
         """`rec`'s need moved onto `devices`: what it measured on GPUs, split evenly over
@@ -237,20 +218,29 @@ class Memory:
                     f"{rec.rules.devices_per_instance} of {rec.rules.devices or 'any GPU'} "
                     f"(devices, devices_per_instance), and the GPUs seen are {gpus}"))
             return self._fit(rec, self.need(rec), models, victims)
-        free_places = [p for p in places if not set(p) & (busy or set())]
+        free_places = [p for p in places if not set(p) & busy] if busy else places
         if not free_places:
             return Plan("wait")  # each place has a load in flight: one per device at a time
         rooms = {node: self.nodes.room(node, rec, models, victims)
                  for node in {node_of(p[0]) for p in free_places} if node is not None}
         full = {node: room for node, room in rooms.items() if room.kind != "free"}
-        needs = [self.placed_need(rec, devices) for devices in free_places]
-        fits = [(sum(self.ledger.available(d) or 0 for d in devices), -i)
-                for i, devices in enumerate(free_places)
-                if node_of(devices[0]) not in full and not self.ledger.deficit(needs[i])]
-        if fits:  # the cheapest there is: the most free memory of those, the first of equals
-            plan = Plan("go")
-            plan.devices = list(free_places[-max(fits)[1]])  # (the cached lists are shared)
-            return plan
+        available = {d: self.ledger.available(d) for d in self.ledger.devices}
+        frees = [sum(available.get(d) or 0 for d in devices) for devices in free_places]
+        short_at = shortage(self.need(rec), len(free_places[0]), available, self.ledger)
+        placed: dict[int, Breakdown | None] = {}
+
+        def need_at(i: int) -> Breakdown | None:
+            if i not in placed:
+                placed[i] = self.placed_need(rec, free_places[i])
+            return placed[i]
+
+        # The cheapest there is: where it fits as things are, the most free memory of
+        # those, the first of equals; tried in that order, so the first fit is the one.
+        for i in sorted(range(len(free_places)), key=lambda i: (-frees[i], i)):
+            if node_of(free_places[i][0]) not in full and not short_at(free_places[i], None):
+                plan = Plan("go")
+                plan.devices = list(free_places[i])  # (the cached lists are shared)
+                return plan
         around = self._around(models)
         rank_of = {v.name: i for i, v in enumerate(victims)}
         on_device: dict[str, list[ModelRecord]] = {}  # the victims holding memory there
@@ -261,7 +251,7 @@ class Memory:
         def weigh(i: int) -> tuple[tuple[float, ...], Plan] | None:
             """The plan at place i, and its cost: what it takes, how recently used its
             victims were, less free memory; None where the node's slots are all busy."""
-            devices, need = free_places[i], needs[i]
+            devices, need = free_places[i], need_at(i)
             on = set(devices)
             useful = sorted({v.name: v for d in devices for v in on_device.get(d, [])}
                             .values(), key=lambda v: rank_of[v.name])
@@ -296,7 +286,7 @@ class Memory:
             devices = free_places[i]
             if not any(r is not rec for d in devices for r in around.holders.get(d, [])):
                 return (0, 0.0, -frees[i], i)
-            if not self.ledger.deficit(needs[i], around.coming_back):
+            if not short_at(devices, around.coming_back):
                 return (1, 0.0, -frees[i], i)
             room = full.get(node_of(devices[0]) or "")
             firsts = [on_device[d][0].last_used for d in devices if on_device.get(d)]
@@ -304,7 +294,6 @@ class Memory:
                 firsts = [room.victim.last_used]
             return (2, min(firsts), -frees[i], i) if firsts else (3, 0.0, -frees[i], i)
 
-        frees = [sum(self.ledger.available(d) or 0 for d in devices) for devices in free_places]
         best: tuple[tuple[float, ...], Plan] | None = None
         for low, i in sorted((bound(i), i) for i in range(len(free_places))):
             if best is not None and best[0] <= low and not exhaustive:

@@ -104,6 +104,7 @@ class Moves:
         elif rec.node is not None:
             cause += f", on node {rec.node}"
         self.transition(rec, S.LOADING, cause, now)
+        self.state.unsettled.add(rec)
         if self.state.watched(rec):
             self.state.memory.spawning(rec)
         self.state.out.append(Spawn(rec.name, rec.generation, rec.placement, rec.node,
@@ -170,9 +171,9 @@ class Moves:
         """The least recently used idle copy above its model's `min` (a spare): the first
         victim for a slot or memory, before any model's last copy (issue 24)."""
         state = self.state
-        if not state.groups.members:
+        if not state.groups.active:
             return None
-        return min((r for group in state.groups.members.values() for r in group
+        return min((r for group in state.groups.active.values() for r in group
                     if state.evictable(r) and state.resident_until(r) <= now
                     and state.above_min(r)), key=lambda r: r.last_used, default=None)
 
@@ -219,8 +220,11 @@ class Moves:
         ready but not yet in a device report): judging another load on them before that
         would judge it against figures that do not hold the last one yet."""
         busy: set[str] = set()
-        for other in self.state.models.values():
-            if other is not rec and (other.state is S.LOADING or other.awaiting_usage):
+        unsettled = self.state.unsettled
+        for other in list(unsettled):
+            if other.state is not S.LOADING and not other.awaiting_usage:
+                unsettled.discard(other)  # charged since
+            elif other is not rec:
                 busy |= self.state.memory.devices_of(other)
         return busy
 
@@ -267,6 +271,8 @@ class Moves:
             shareable = shareable and not tenants.limited(key)
         if shareable and not rec.pinned:
             self.state.revocable[rec.name] = rec.generation
+        if rec.rules.replicas is not None:  # busier copies: one more may be due
+            self.state.groups.wanting.add(rec.group)
         self.state.out.append(Answer(ticket, Grant(
             model=rec.group, generation=rec.generation, host=rec.host, port=rec.port,
             shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes)))
@@ -326,6 +332,8 @@ class Moves:
                                            gone=new is S.UNLOADED))
         rec.state = new
         rec.state_since = now
+        if rec.rules.replicas is not None:
+            state.groups.moved(rec)
         self.publish_state(rec, cause, now, exit_code, info)
 
     def publish_state(self, rec: ModelRecord, cause: str, now: float,

@@ -35,6 +35,11 @@ class Groups:
         """Model -> since when its copies have averaged more than target_in_flight."""
         self.due: dict[str, float] = {}
         """Model -> when a Repump is pending for its scaling."""
+        self.wanting: set[str] = set()
+        """The active groups to look at for scaling at the next decision (scale.py)."""
+        self.active: dict[str, list[ModelRecord]] = {}
+        """The groups with a copy up (only they may scale, or have spare copies): kept
+        by `moved`, so a decision looks at those, not at every model with replicas."""
 
     def add(self, rec: ModelRecord) -> None:
         if rec.rules.replicas is None:
@@ -55,6 +60,17 @@ class Groups:
                 del self.members[rec.group]
                 self.busy_since.pop(rec.group, None)
                 self.due.pop(rec.group, None)
+            self.moved(rec)
+
+    def moved(self, rec: ModelRecord) -> None:
+        """A copy changed state: its group is active while one of its copies is up."""
+        group = self.members.get(rec.group)
+        if group is not None and any(r.state in UP for r in group):
+            self.active[rec.group] = group
+            self.wanting.add(rec.group)
+        else:
+            self.active.pop(rec.group, None)
+            self.busy_since.pop(rec.group, None)
 
     def of(self, rec: ModelRecord) -> list[ModelRecord]:
         """`rec` and the other copies of its model."""
@@ -81,7 +97,7 @@ class Groups:
         group = self.members.get(rec.group)
         if group is None:
             return rec
-        if any(r.state in UP for r in group):
+        if rec.group in self.active:  # a copy is up
             return None
         for wanted in (S.SUSPENDED, S.UNLOADED, S.STOPPING):
             for r in group:

@@ -38,7 +38,7 @@ class Rules(Scaling):
             self.relieve_host(now)
         self.tick(now)
         self.claim(now)
-        if self.state.groups.members:
+        if self.state.groups.wanting:
             self.scale(now)
         if self.state.warm and not self.state.queue.entries:
             self.warm_up(now)

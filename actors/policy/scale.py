@@ -32,22 +32,33 @@ class Scaling(Moves):
     """The scaling step of every decision (Rules.pump)."""
 
     def scale(self, now: float) -> None:
-        state = self.state
-        if state.shutting_down:
+        """Look at the models that may want a copy (`Groups.wanting`: a copy of theirs
+        moved or was granted since, or they wanted one and have not got it yet)."""
+        groups = self.state.groups
+        if self.state.shutting_down:
             return
-        for name, group in state.groups.members.items():
-            base, copies = group[0], group[0].rules.replicas
-            up = [r for r in group if r.state in UP]
-            if not up or (copies is not None and len(up) >= copies.most):
-                state.groups.busy_since.pop(name, None)
-                continue  # down (a request loads its first copy), or all up
-            if copies is None or base.removed \
-                    or any(r.state in (S.LOADING, S.WAKING) for r in up):
-                continue  # one is on its way
-            why, waited = ((f"replicas min {copies.min}", math.inf) if len(up) < copies.min
-                           else self.demand(name, up, copies, now))
-            if why is not None:
-                self.add_copy(group, why, waited, now)
+        for name in list(groups.wanting):
+            group = groups.active.get(name)
+            if group is None or not self.scale_one(name, group, now):
+                groups.wanting.discard(name)
+
+    def scale_one(self, name: str, group: list[ModelRecord], now: float) -> bool:
+        """Add a copy to `name` if it wants one and may have it; whether to look again
+        at the next decision (it wants one, or its demand is being timed)."""
+        state = self.state
+        base, copies = group[0], group[0].rules.replicas
+        up = [r for r in group if r.state in UP]
+        if copies is None or base.removed or len(up) >= copies.most:
+            state.groups.busy_since.pop(name, None)
+            return False  # all up (or being removed)
+        if any(r.state in (S.LOADING, S.WAKING) for r in up):
+            return False  # one is on its way: its ready or exit looks again
+        why, waited = ((f"replicas min {copies.min}", math.inf) if len(up) < copies.min
+                       else self.demand(name, up, copies, now))
+        if why is None:
+            return name in state.groups.busy_since or name in state.queue.entries
+        self.add_copy(group, why, waited, now)
+        return True  # added (its transition looks again), or no room yet
 
     def demand(self, name: str, up: list[ModelRecord], copies: Replicas,
                now: float) -> tuple[str | None, float]:

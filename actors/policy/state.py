@@ -59,6 +59,9 @@ class State:
         self.host = HostTier(host_margin, suspended_max)
         """Host RAM for suspended models (issue 23)."""
         self.victims = Victims(self.evictable)
+        self.unsettled: set[ModelRecord] = set()
+        """Records that were loading or not yet charged their real use (awaiting_usage)
+        when last looked at: a superset of those that are (Moves.loading_devices)."""
         self.groups = Groups()
         """The models that run as several copies (issue 24)."""
         self.stats = Stats()

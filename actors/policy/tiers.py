@@ -78,6 +78,7 @@ class Tiers:
             rec.warming = False
             self.rules.transition(rec, S.LOADED, "woken", now)
             rec.awaiting_usage = self.state.watched(rec)
+            self.state.unsettled.add(rec)
             self.state.out.append(Track(model, "woken", rec.pid))
             if entry is not None:
                 entry.explicit = False

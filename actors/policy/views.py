@@ -156,7 +156,12 @@ def check(p: State) -> None:
         assert sum(not r.removed for r in group) <= most.most, f"{name}: above max"
         generations = [r.generation for r in group if r.state.is_running]
         assert len(set(generations)) == len(generations), f"{name}: a generation twice"
+        assert (name in p.groups.active) == any(r.state in UP for r in group), \
+            f"{name}: active {name in p.groups.active}"
     for rec in recs:
+        assert not rec.releasing or rec in p.memory.releasing, f"{rec.name}: releasing"
+        if rec.state is S.LOADING or rec.awaiting_usage:
+            assert rec in p.unsettled, f"{rec.name}: unsettled, not listed"
         if rec.state in (S.SUSPENDING, S.SUSPENDED):
             assert rec.rules.suspend and not rec.in_flight, f"{rec.name}: suspended busy"
         assert not rec.draining or rec.state is S.SUSPENDED, f"{rec.name}: draining"
