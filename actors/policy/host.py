@@ -7,7 +7,8 @@ child's host copy is real resident memory, so the monitor's figure of available 
 holds every suspend it has seen. What it has not seen yet is counted here: a suspend
 under way at its estimate (the device memory the child holds), one done at what the
 child's resident memory grew by, until a report taken after it; a suspended child being
-stopped counts as coming back until a report no longer tracks it.
+stopped counts as coming back until a report no longer tracks it (when too little is
+available, so as to stop no more than needed; a new suspend never counts on it).
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ class HostTier:
             size for d, size in held.items()
             if (dev := ledger.devices.get(d)) is not None and dev.kind == "device"))
 
-    def room(self, stopping: list[ModelRecord]) -> int | None:
-        """Host bytes a new suspend may take, keeping the margin (None: unlimited);
-        `stopping`: suspended models being stopped (theirs comes back)."""
+    def room(self, stopping: list[ModelRecord], back: bool = True) -> int | None:
+        """Host bytes available beyond the margin once what suspends take is counted
+        (None: unlimited); `back`: counting what comes back too, from exited children
+        and from `stopping` (suspended models being stopped)."""
         if self.available is None:
             return None
-        coming = sum(self.freeing.values()) + sum(r.host_bytes for r in stopping)
+        coming = (sum(self.freeing.values()) + sum(r.host_bytes for r in stopping)
+                  if back else 0)
         return self.available + coming - sum(self.unseen.values()) - self.margin
 
     def why_not(self, rec: ModelRecord, ledger: Ledger,
@@ -63,7 +66,9 @@ class HostTier:
             return f"it is {rec.state.value}"
         if rec.awaiting_usage and not ledger.held.get(rec.name) and not rec.host_last:
             return "what it holds is not known yet (no device report since it got ready)"
-        room = self.room(stopping)
+        # Not what is coming back: a stopping child holds its host copy until it is
+        # gone, and a suspend done before that would overshoot the margin meanwhile.
+        room = self.room(stopping, back=False)
         need = self.estimate(rec, ledger)
         if room is not None and need > room:
             return (f"host memory: its {need / MiB:.0f} MiB would leave less than "
