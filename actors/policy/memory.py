@@ -305,8 +305,9 @@ class Memory:
 
     def _around(self, models: dict[str, ModelRecord]) -> Around:
         """What every place a plan weighs shares, computed once for all of them."""
-        going = [r.name for r in models.values()
-                 if r.state in (S.STOPPING, S.SUSPENDING) or r.releasing or r.draining]
+        going = [name for name in self.ledger.held  # (only what they hold counts)
+                 if (r := models.get(name)) is not None
+                 and (r.state in (S.STOPPING, S.SUSPENDING) or r.releasing or r.draining)]
         holders: dict[str, list[ModelRecord]] = {}
         for name, devices in self.ledger.held.items():
             holder = models.get(name)

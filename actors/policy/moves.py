@@ -39,6 +39,7 @@ from .records import (
     Track,
     Wake,
 )
+from .replicas import UP
 from .state import State
 
 log = logging.getLogger("corral.scheduler")
@@ -183,8 +184,11 @@ class Moves:
         left behind), least recently used first (issue 23: they are stopped)."""
         state = self.state
         victims = state.victims.ranked(state.models, now, state.resident_until)
-        if state.groups.members:  # copies another copy keeps up go first (issue 24)
-            victims.sort(key=lambda r: not state.above_min(r))
+        if state.groups.active:  # spare copies (above their min) go first (issue 24)
+            spare = {name for name, group in state.groups.active.items()
+                     if (c := group[0].rules.replicas) is not None
+                     and sum(r.state in UP for r in group) > c.min}
+            victims.sort(key=lambda r: not (r.group in spare and r.state in UP))
         if state.n_suspended:
             victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
                                and not r.draining and state.ledger.held.get(r.name)),

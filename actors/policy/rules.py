@@ -81,7 +81,7 @@ class Rules(Scaling):
 
     def yield_warm(self, now: float) -> None:
         """A request waits for a place: background loads of warm models give it up."""
-        for rec in self.state.models.values():
+        for rec in list(self.state.unsettled):  # (every loading record is there)
             if rec.warming and rec.state is S.LOADING \
                     and rec.group not in self.state.queue.entries:
                 self.stop(rec, "warm", None, now, why="a request needs its place")
