@@ -70,6 +70,8 @@ def test_two_copies_take_one_name_and_a_killed_copy_loses_no_request(corral, tmp
     key = ("corral_replica_state", (("model", "a"), ("replica", "a@2"), ("state", "loaded")))
     assert samples[key] == 1.0
     assert len([m for m in c.models() if m.startswith("a")]) == 1  # one model, not two
+    status, text, _ = request(c.port, "GET", "/models/logs?model=a@2")
+    assert status == 200 and "a@2#" in text, text  # each copy's own log
 
 
 def test_prefix_routing_keeps_each_prompt_on_one_copy(corral, tmp_path) -> None:

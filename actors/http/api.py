@@ -383,8 +383,8 @@ class ManagementApi:
         given = request.query.get("model", "")
         if not given:
             return error(400, "name a configured model with ?model=")
-        name = self.names.get(given)
-        if name is None:
+        name = self.names.get(given) or (given if given in self.sup.logs else None)
+        if name is None:  # (a copy by its own name too: NAME@2)
             return error(404, f"model '{given}' not found", "not_found_error")
         ring = self.sup.logs[name]
         follow = request.query.get("follow", "0")
