@@ -34,6 +34,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+START_S = 120
+"""How long a corral may take to say it listens."""
+
+
 def fake_cmd(*knobs: str) -> list[str]:
     """argv of the bundled fake model server, with corral's placeholders."""
     return [sys.executable, "-m", "actors.fake_model", "--host", "{host}", "--port", "{port}",
@@ -130,10 +134,10 @@ class Corral:
                                      stdin=subprocess.DEVNULL, cwd=root, env=env)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
-        try:
-            line = lines.get(timeout=30)
+        try:  # (joining a Ray cluster on a busy machine can take most of a minute)
+            line = lines.get(timeout=START_S)
         except queue.Empty:
-            line = "nothing within 30 s"
+            line = f"nothing within {START_S} s"
         if "listening on " not in line:
             self.stop(keep_home=True)  # its log is read before the home goes
             log = self.log()

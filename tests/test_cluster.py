@@ -77,7 +77,7 @@ def cluster_config(models: dict[str, dict[str, Any]], namespace: str, retry_s: f
                    **top: Any) -> str:
     return toml_config(models, **top) + (
         f'\n[cluster]\nnamespace = "{namespace}"\nnodes = ["node_a", "node_b"]\n'
-        f"agent_retry_s = {retry_s}\n")
+        f"agent_retry_s = {retry_s}\nconnect_timeout_s = 120\n")
 
 
 class Agents:

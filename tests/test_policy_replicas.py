@@ -260,10 +260,14 @@ class CopiesMachine(RuleBasedStateMachine):
         self.open: list[object] = []
         self.n = 0
 
+    def copies(self) -> list[Any]:
+        return [r for n, r in self.w.p.state.models.items()
+                if (n == "a" or r.rules.group == "a") and not r.removed]
+
     @rule(model=st.sampled_from("aab"), affinity=st.integers(0, 5))
     def acquire(self, model: str, affinity: int) -> None:
         self.n += 1
-        serving = any(r.state.is_serving for r in self.w.p.state.groups.members["a"])
+        serving = any(r.state.is_serving and not r.retiring for r in self.copies())
         self.w.run(self.w.p.acquire(self.n, model, self.w.tick(), affinity=affinity))
         answer = self.w.answers.get(self.n)
         if model == "a" and serving:
@@ -295,10 +299,26 @@ class CopiesMachine(RuleBasedStateMachine):
         self.w.now += dt
         self.w.fire_timers()
 
+    @rule(most=st.sampled_from([1, 2, 3]))
+    def reload(self, most: int) -> None:
+        """A reload that sets a's replicas max (1: none), as the Scheduler expands it."""
+        p = self.w.p
+        live = [r.name for r in self.copies()]
+        copies = Replicas(min=1, max=most, target_in_flight=1, scale_up_after_s=2,
+                          scale_up_wait_s=1, scale_down_idle_s=5, route="prefix",
+                          prefix_overload=1) if most > 1 else None
+        names = [replica_name("a", i) for i in range(1, most + 1)]
+        added = {n: ModelRules(replicas=copies, group="a") for n in names if n not in live}
+        removed = [n for n in live if n not in names]
+        changed = ({"a": ModelRules(replicas=copies)}
+                   if p.state.models["a"].rules.replicas != copies else {})
+        self.w.run(p.children.reconfigure(added, removed, changed, self.w.tick())[0])
+        self.most = most
+
     @invariant()
     def copies_within_max(self) -> None:
-        running = [r for r in self.w.p.state.groups.members["a"] if r.state.is_running]
-        assert len(running) <= 3
+        running = [r for r in self.copies() if r.state.is_running]
+        assert len(running) <= getattr(self, "most", 3)
         assert self.w.p.state.n_running <= 3
 
 
@@ -326,3 +346,48 @@ def test_copies_spread_over_their_nodes_and_a_lost_nodes_copy_comes_back_elsewhe
         assert isinstance(w.acquire(t, "a"), Grant)
     assert w.spawns[-1][0] == "a@2"
     assert w.p.state.models["a@2"].node == "n1"  # replaced on the node that is up
+
+
+def test_a_reload_that_gives_or_takes_copies_keeps_one_generation_per_child() -> None:
+    """1 -> 3 copies while serving, then 3 -> 1: the model's own record stays first in
+    its group, generations stay unique, and the model loads again as one child."""
+    w = world(max=1)  # a: one copy (its rules have replicas, max 1: no group)
+    w.acquire(1, "a")
+    settle(w)
+    three = Replicas(min=3)
+    copies = {replica_name("a", i): ModelRules(replicas=three, group="a") for i in (2, 3)}
+    w.run(w.p.children.reconfigure(copies, [], {"a": ModelRules(replicas=three)},
+                                   w.tick())[0])
+    assert [r.name for r in w.p.state.groups.members["a"]] == ["a", "a@2", "a@3"]
+    w.release(1)  # a restarts for its new rules; the copies come as it does
+    for _ in range(4):
+        settle(w)
+    assert up(w) == ["a", "a@2", "a@3"]
+    gens = [r.generation for r in w.p.state.groups.members["a"]]
+    assert len(set(gens)) == 3
+    w.run(w.p.children.reconfigure({}, ["a@2", "a@3"], {"a": ModelRules()}, w.tick())[0])
+    for _ in range(4):
+        settle(w)
+    assert "a" not in w.p.state.groups.members and "a" not in w.p.state.groups.active
+    assert isinstance(w.acquire(2, "a"), Grant) or w.p.state.models["a"].state is S.LOADING
+    settle(w)
+    assert isinstance(w.answers[2], Grant)
+
+
+def test_a_warm_model_keeps_min_copies_warm_and_scales_the_rest_down() -> None:
+    w = world(min=1, max=3, target_in_flight=1, scale_up_after_s=0, scale_down_idle_s=5,
+              model={"warm": True})
+    w.run(w.p.repump(w.tick()))
+    settle(w)
+    assert up(w) == ["a"]  # warm: the model, not every copy
+    for t in range(4):
+        w.acquire(t, "a")
+    for _ in range(4):
+        settle(w)
+    assert len(up(w)) >= 2
+    for t in range(4):
+        w.release(t)
+    w.now += 100
+    w.fire_timers()
+    settle(w)
+    assert len(up(w)) == 1

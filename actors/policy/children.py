@@ -304,6 +304,7 @@ class Children:
         for name in removed:
             rec = self.state.models[name]
             rec.removed = True
+            self.state.groups.drop(rec)  # a copy going: no longer one of its model's
             if not rec.rules.group:
                 self.rules.refuse_entry(name, 400, f"model '{name}' was removed by a reload",
                                         reason="removed")
@@ -330,7 +331,11 @@ class Children:
     def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
         if rec.holds_slot:  # (a suspended child holds none: issue 23)
             self.state.n_running_pinned += int(rules.pinned) - int(rec.pinned)
+        groups = self.state.groups
+        groups.drop(rec)  # a reload may give or take its copies (issue 24)
         rec.rules = rules
+        groups.add(rec)
+        groups.moved(rec)
         self.state.rewarm()
         self.rules.idle(rec)
 

@@ -132,7 +132,8 @@ class Policy:
                          "load it with POST /models/load", "invalid_request_error")
         # 5. A backoff that outlasts the request's patience: say when to come back.
         elif (breaker.is_open(now) and rules.queue_timeout_s
-              and now + rules.queue_timeout_s < breaker.retry_at):
+              and now + rules.queue_timeout_s < breaker.retry_at
+              and rec.group not in self.state.groups.active):  # (no copy of it is up)
             self.rules.refuse(ticket, 503, self.rules.backoff_message(rec, now),
                          retry_after_s=breaker.retry_at - now, model=model, reason="backoff")
         # 6. A full queue refuses at once.

@@ -178,6 +178,19 @@ class Moves:
                     if state.evictable(r) and state.resident_until(r) <= now
                     and state.above_min(r)), key=lambda r: r.last_used, default=None)
 
+    def spares(self, victims: list[ModelRecord]) -> set[ModelRecord]:
+        """The copies among `victims` (least recently used first) that their models can
+        do without: of each model, as many as it has up above its `min`."""
+        left = {name: sum(r.state in UP for r in group) - c.min
+                for name, group in self.state.groups.active.items()
+                if (c := group[0].rules.replicas) is not None}
+        spare = set()
+        for r in victims:
+            if left.get(r.group, 0) > 0 and r.state in UP:
+                spare.add(r)
+                left[r.group] -= 1
+        return spare
+
     def memory_victims(self, now: float) -> list[ModelRecord]:
         """What may be evicted for memory, in order: the idle models, least recently used
         first, then the suspended ones that still hold some of a device (a CUDA context
@@ -185,10 +198,8 @@ class Moves:
         state = self.state
         victims = state.victims.ranked(state.models, now, state.resident_until)
         if state.groups.active:  # spare copies (above their min) go first (issue 24)
-            spare = {name for name, group in state.groups.active.items()
-                     if (c := group[0].rules.replicas) is not None
-                     and sum(r.state in UP for r in group) > c.min}
-            victims.sort(key=lambda r: not (r.group in spare and r.state in UP))
+            spare = self.spares(victims)
+            victims.sort(key=lambda r: r not in spare)
         if state.n_suspended:
             victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
                                and not r.draining and state.ledger.held.get(r.name)),

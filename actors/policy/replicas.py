@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable
 
 from ..lifecycle import ModelState
+from ..rules import SEPARATOR
 from .records import ModelRecord
 
 S = ModelState
@@ -35,6 +36,8 @@ class Groups:
         """Model -> since when its copies have averaged more than target_in_flight."""
         self.due: dict[str, float] = {}
         """Model -> when a Repump is pending for its scaling."""
+        self.given: dict[str, int] = {}
+        """Model (with copies, now or once) -> the last generation given to one of them."""
         self.wanting: set[str] = set()
         """The active groups to look at for scaling at the next decision (scale.py)."""
         self.active: dict[str, list[ModelRecord]] = {}
@@ -42,15 +45,14 @@ class Groups:
         by `moved`, so a decision looks at those, not at every model with replicas."""
 
     def add(self, rec: ModelRecord) -> None:
-        if rec.rules.replicas is None:
+        if rec.rules.replicas is None or rec.removed:
             return
         group = self.members.setdefault(rec.group, [])
-        if group and rec.group == rec.name:
-            group.insert(0, rec)
-        else:
-            group.append(rec)
-        if rec.group != rec.name and group[0].name == rec.group:
-            rec.breaker = group[0].breaker  # one breaker for the model
+        group.append(rec)
+        group.sort(key=number)  # the model's own record first
+        if group[0].name == rec.group:
+            for copy in group[1:]:
+                copy.breaker = group[0].breaker  # one breaker for the model
 
     def drop(self, rec: ModelRecord) -> None:
         group = self.members.get(rec.group)
@@ -63,7 +65,8 @@ class Groups:
             self.moved(rec)
 
     def moved(self, rec: ModelRecord) -> None:
-        """A copy changed state: its group is active while one of its copies is up."""
+        """A copy changed state (or joined or left): its group is active while one of its
+        copies is up."""
         group = self.members.get(rec.group)
         if group is not None and any(r.state in UP for r in group):
             self.active[rec.group] = group
@@ -87,8 +90,13 @@ class Groups:
         return group is not None and any(r is not rec and r.state in UP for r in group)
 
     def next_generation(self, rec: ModelRecord) -> int:
-        """The generation `rec`'s next child gets: above every copy's."""
-        return 1 + max(r.generation for r in self.of(rec))
+        """The generation `rec`'s next child gets: above every copy's, those a reload took
+        out of the group while their children still run included (a model's count only
+        grows, so one taken out and added back never meets its own generation again)."""
+        given = 1 + max(self.given.get(rec.group, 0), *(r.generation for r in self.of(rec)))
+        if rec.rules.replicas is not None or rec.group in self.given:
+            self.given[rec.group] = given
+        return given
 
     def target(self, rec: ModelRecord) -> ModelRecord | None:
         """The copy a load of `rec`'s model starts (a suspended one wakes first, else the
@@ -126,6 +134,11 @@ class Groups:
             return best if best.in_flight - least.in_flight <= rules.prefix_overload else least
         a, b = self.rng.sample(ready, 2)
         return a if a.in_flight <= b.in_flight else b
+
+
+def number(rec: ModelRecord) -> int:
+    """A copy's number: 1 for the model's own record, N for `NAME@N`."""
+    return 1 if rec.name == rec.group else int(rec.name.rpartition(SEPARATOR)[2])
 
 
 def rank(affinity: int, name: str) -> int:

@@ -140,9 +140,9 @@ class Scaling(Moves):
         models (above their `min`), then models idle longer than `waited` (least recently
         used first; `waited` is infinite for a copy that `min` asks for: it takes only
         what is free or spare, so models that fill their `min` never evict each other)."""
-        state = self.state
-        return [v for v in self.memory_victims(now)
-                if v.group != rec.group and v.state.is_serving
-                and (state.above_min(v) or now - v.idle_from > waited)]
+        victims = self.memory_victims(now)
+        spare = self.spares(victims)
+        return [v for v in victims if v.group != rec.group and v.state.is_serving
+                and (v in spare or now - v.idle_from > waited)]
 
 

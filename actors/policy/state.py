@@ -105,7 +105,8 @@ class State:
 
     def rewarm(self) -> None:
         """The model table or a model's rules changed: list the `warm` ones again."""
-        self.warm = [name for name, rec in self.models.items() if rec.rules.warm]
+        self.warm = [name for name, rec in self.models.items()  # a model, not its copies
+                     if rec.rules.warm and not rec.rules.group]
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -179,8 +180,8 @@ class State:
         be suspended, then ttl_s to be stopped (R-3.6, issue 23); None: never, or not
         idle."""
         rules = rec.rules
-        if rules.warm:
-            return None  # it would be back at once
+        if rules.warm and not self.above_min(rec):
+            return None  # it would be back at once (a copy above min is not)
         if rec.state is S.SUSPENDED:
             idle = rec.group not in self.queue.entries and not rec.removed
             return rules.ttl_s or None if idle else None

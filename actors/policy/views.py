@@ -158,6 +158,9 @@ def check(p: State) -> None:
         assert len(set(generations)) == len(generations), f"{name}: a generation twice"
         assert (name in p.groups.active) == any(r.state in UP for r in group), \
             f"{name}: active {name in p.groups.active}"
+        assert all(r.rules.replicas is not None and r.group == name and not r.removed
+                   for r in group), f"{name}: a member that is not its copy"
+    assert set(p.groups.active) <= set(p.groups.members), "active groups without members"
     for rec in recs:
         assert not rec.releasing or rec in p.memory.releasing, f"{rec.name}: releasing"
         if rec.state is S.LOADING or rec.awaiting_usage:
