@@ -79,10 +79,6 @@ class Groups:
         """`rec` and the other copies of its model."""
         return self.members.get(rec.group) or [rec]
 
-    def up(self, rec: ModelRecord) -> list[ModelRecord]:
-        """The copies of `rec`'s model that serve or are on their way."""
-        return [r for r in self.of(rec) if r.state in UP]
-
     def others_up(self, rec: ModelRecord) -> bool:
         """Another copy of its model serves or is on its way: `rec` going leaves the
         model up."""
