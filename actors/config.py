@@ -12,16 +12,15 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from .config_http import HttpConfig
 from .rules import ModelRules, Replicas, replica_name
 from .suspend import Suspend
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "ModelRules", "Replicas"]
+__all__ = ["Config", "ConfigError", "HttpConfig", "ModelConfig", "ModelRules", "Replicas"]
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
-LEASE_LINGER_MS = 1000.0
-"""The default http.lease_linger_ms (bench/README.md, "The lone request")."""
 PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
 
 
@@ -29,6 +28,15 @@ def copies(models: dict[str, ModelConfig]) -> dict[str, tuple[str, ModelConfig]]
     """Instance name -> (the model it is a copy of, "" for a model's own, its config)."""
     return {replica_name(name, i): ("" if i == 1 else name, model)
             for name, model in models.items() for i in range(1, model.copies + 1)}
+
+
+def same_child(a: ModelConfig, b: ModelConfig) -> bool:
+    """`a` and `b` differ at most in what only the policy reads (`replicas`,
+    `make_before_break`): a reload between them keeps the children running."""
+    def rest(m: ModelConfig) -> ModelConfig:
+        return msgspec.structs.replace(m, replicas=1, make_before_break=True)
+
+    return rest(a) == rest(b)
 
 
 class ConfigError(Exception):
@@ -102,6 +110,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     replicas: Annotated[int, Meta(ge=1, le=64)] | Replicas = 1
     """Copies of it that may run at once behind its one name (issue 24): `N`, or a table
     (actors/rules.py): `{ min = 1, max = 4, route = "prefix" }`."""
+    make_before_break: bool = True
+    """A reload that changes it loads the new config beside its serving child where a
+    slot and memory are free, then drains the old (actors/policy/handover.py); false, or
+    no room: the old child stops first."""
     key_flag: str | None = None
     """The flag its server takes an API key with: on a cluster node the child listens on
     the network, so corral starts it with `KEY_FLAG <a key only the head knows>` and the
@@ -162,50 +174,6 @@ class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     name: str
     kind: Literal["simulated"]
     total_mib: Annotated[float, Meta(gt=0)]
-
-
-class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The `[http]` table: the edge's limits and timeouts (R-6.7), checked before the API
-    key costs anything. Defaults follow nginx's and uvicorn's."""
-
-    max_header_kib: Annotated[float, Meta(gt=0)] = 32.0
-    """Request line plus headers; larger gets 431."""
-    max_url_kib: Annotated[float, Meta(gt=0)] = 8.0
-    """The request target alone; longer gets 414."""
-    header_timeout_s: PositiveSeconds = 10.0
-    """A request's whole header block must arrive within this (else 408)."""
-    body_timeout_s: PositiveSeconds = 30.0
-    """Longest pause between two reads of a request body (else 408)."""
-    keep_alive_timeout_s: PositiveSeconds = 5.0
-    """An idle client connection is closed after this."""
-    max_connections: Annotated[int, Meta(ge=1)] | None = None
-    """Client connections open at once; over it a new one gets 503 and is closed. Default:
-    half of what the open-file limit leaves (each client may hold a child connection)."""
-    drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
-    """On SIGTERM, how long running answers may take to finish before they are cut."""
-    event_ping_s: PositiveSeconds = 15.0
-    """An event stream of corral's API silent this long writes a `: ping` comment."""
-    write_timeout_s: PositiveSeconds = 30.0
-    """A client that takes none of its answer for this long (corral's buffer to it stays
-    full) is cut, and its connection slot, grant and child connection are freed."""
-    upstream_idle_timeout_s: Annotated[float, Meta(ge=0)] = 300.0
-    """A child silent this long in the middle of an answer (after its head) ends that
-    answer (an SSE error event, or a cut connection) and counts one failed liveness check;
-    0 waits for ever."""
-    workers: Annotated[int, Meta(ge=1, le=64)] = 1
-    """Front processes on corral's port (each accepts on its listening sockets), one
-    Scheduler for all: above 1,
-    the proxy is no longer held to one core (actors/http/workers.py)."""
-    lease_linger_ms: Annotated[float, Meta(ge=0)] = LEASE_LINGER_MS
-    """How long the front keeps a model's grant after its last request, so that the next
-    request joins it without asking the Scheduler (actors/http/shares.py); the Scheduler
-    revokes it when it needs the model idle. 0: every lone request asks."""
-    allowed_hosts: tuple[str, ...] = ()
-    """Without an api_key, the Host names served besides IP literals, `localhost` and
-    `host` (a guard against DNS rebinding); `"*"` allows any."""
-    allowed_origins: tuple[str, ...] = ()
-    """Without an api_key, browser origins (`https://app.example:8443`) allowed besides
-    corral's own; `"*"` allows any. A web page of any other origin gets 403 (CSRF)."""
 
 
 class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -348,7 +316,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             devices_per_instance=model.devices_per_instance,
             placeable=not model.placed_by_env, nodes=model.nodes,
             suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s,
-            warm=model.warm, replicas=model.replica_rules, group=group)
+            warm=model.warm, replicas=model.replica_rules, group=group,
+            make_before_break=model.make_before_break)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""

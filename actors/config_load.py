@@ -18,7 +18,7 @@ import msgspec
 from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig, Replicas
 from .keys import API_KEY_NAME
 from .llama import is_llama
-from .rules import replica_name
+from .rules import alternate_name, replica_name
 from .suspend import check as check_suspend
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
@@ -76,6 +76,11 @@ def _validate_replicas(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: models.{clash}.replicas: its copies are named "
                           f"{replica_name(clash, 2)} ... and another model has one of "
                           "those names; rename that model")
+    for name in names:
+        if alternate_name(name) in config.models:
+            raise ConfigError(f"{source}: models.{alternate_name(name)}: the name is where a "
+                              f"reload loads {name}'s changed config (make-before-break); "
+                              "rename that model")
     for name, model in config.models.items():
         rules = model.replicas
         if isinstance(rules, Replicas) and rules.max is not None and rules.max < rules.min:

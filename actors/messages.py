@@ -51,6 +51,8 @@ class Grant(Message, frozen=True, kw_only=True):
     epoch: int = 0
     """The child's wakes so far (issue 23): a woken child serves its generation anew, so
     its grants may be shared again after the Withdraw of its suspend."""
+    instance: str = ""
+    """The copy that serves it (issue 24): `NAME@2` ...; "" for the model's own."""
 
     @property
     def serving(self) -> tuple[int, int]:
@@ -436,7 +438,8 @@ class Unhealthy(Message, frozen=True, kw_only=True):
 
 class AnswerLate(Message, frozen=True, kw_only=True):
     """Front -> Scheduler: the child of `generation` sent no answer head within the model's
-    first_byte_timeout_s; it counts as one failed liveness check."""
+    first_byte_timeout_s; it counts as one failed liveness check. `model` names the
+    instance: a replica's own name (Grant.instance)."""
 
     model: str
     generation: int
@@ -461,6 +464,8 @@ class Withdraw(Message, frozen=True, kw_only=True):
     at once, as a node that vanished never closes them (R7)."""
     epoch: int = 0
     """Grants of this generation and an epoch up to this one (Grant.epoch)."""
+    instance: str = ""
+    """The copy it is of (Grant.instance)."""
 
     @property
     def serving(self) -> tuple[int, int]:

@@ -51,6 +51,12 @@ def replica_name(model: str, number: int) -> str:
     return model if number == 1 else f"{model}{SEPARATOR}{number}"
 
 
+def alternate_name(instance: str) -> str:
+    """The instance a changed config of `instance` loads in beside its old child (a
+    make-before-break reload: actors/policy/handover.py)."""
+    return f"{instance}{SEPARATOR}next"
+
+
 class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     """A model's operating rules, as the policy needs them (from its config, top-level
     defaults filled in)."""
@@ -87,3 +93,5 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     """Its replica rules, when it may run as more than one child (issue 24)."""
     group: str = ""
     """For a replica record: the model it is a copy of ("" for a model's own record)."""
+    make_before_break: bool = True
+    """A reload's new config loads beside its serving child (handover.py)."""

@@ -13,7 +13,7 @@ from typing import TypeVar, assert_never, cast
 
 from . import budgets
 from .base import BaseActor, CrashHandler, Inbox
-from .config import Config, ModelConfig, ModelRules, copies
+from .config import Config, ModelConfig, ModelRules, copies, same_child
 from .keys import tenants_of
 from .ledger import MiB
 from .messages import (
@@ -87,6 +87,7 @@ from .policy.records import (
     Track,
     Wake,
 )
+from .rules import alternate_name
 from .timers import Timers
 
 T = TypeVar("T")
@@ -249,17 +250,23 @@ class Scheduler(BaseActor):
                     instances: dict[str, Inbox[InstanceMessage]], reply: Reply,
                     now: float) -> None:
         was, self.models = self.models, dict(models)
-        old, table = self.configs, copies(models)
-        self.configs = {n: model for n, (_, model) in table.items()}
+        table = copies(models)
+        old = {n: model for n, (_, model) in copies(was).items()}
+        alternates = {n: c for n, c in self.configs.items() if n not in old}
+        self.configs = {n: model for n, (_, model) in table.items()} | alternates
         self.instances.update(instances)
 
         def rules(name: str) -> ModelRules:
             return self.config.rules_of(table[name][1], table[name][0])
 
+        kept = [n for n in table if n in old and table[n][1] != old[n]]
+        for n in kept:  # a changed child loads in its alternate beside the old one
+            self.configs[alternate_name(n)] = table[n][1]
         effects, restarted = self.policy.children.reconfigure(
             {n: rules(n) for n in table if n not in old},
             [n for n in old if n not in table],
-            {n: rules(n) for n in table if n in old and table[n][1] != old[n]}, now)
+            {n: rules(n) for n in kept if not same_child(table[n][1], old[n])}, now,
+            retuned={n: rules(n) for n in kept if same_child(table[n][1], old[n])})
         self._carry_out(effects)
         # said of models, not of their copies
         added = [n for n in models if n not in was]

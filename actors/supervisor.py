@@ -16,7 +16,7 @@ import pykka
 from .base import Inbox
 from .bridge import Fanout, ThreadReply, acquire
 from .childproc import LogRing
-from .config import Config, ConfigError, ModelConfig
+from .config import Config, ConfigError, ModelConfig, same_child
 from .device import DeviceMonitor, discover
 from .health import Liveness
 from .instance import ModelInstance
@@ -43,6 +43,7 @@ from .messages import (
     WatchGrants,
     Withdraw,
 )
+from .rules import alternate_name
 from .scheduler import Scheduler
 from .timers import Timers
 
@@ -205,9 +206,14 @@ class Supervisor:
             if model.nodes and self.cluster is None:
                 raise ConfigError(f"models.{name}.nodes: this corral has joined no Ray "
                                   "cluster ([cluster] ray_address, or --ray)")
+        before = self.config.instances()
         for name, model in config.instances().items():
             if name not in self.instances:
                 self.instances[name] = self._start_instance(name, model)
+            alternate = alternate_name(name)  # where a changed child loads beside the old
+            if (name in before and not same_child(model, before[name])
+                    and alternate not in self.instances):
+                self.instances[alternate] = self._start_instance(alternate, model)
         done = ThreadReply()
         self.scheduler_ref.tell(Reconfigure(models=dict(config.models),
                                         instances=dict(self.instances), reply=done,

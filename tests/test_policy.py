@@ -542,7 +542,11 @@ def test_a_grant_is_withdrawn_when_its_model_stops_serving_or_is_retired() -> No
     w.load_idle("a", "b")
     w.acquire("busy", "a")
     effects = w.run(w.p.children.reconfigure({}, [], {"a": False}, w.tick())[0])
-    assert Withdraw(model="a", generation=w.gen("a")) in effects  # busy: stale, stops once released
+    assert not any(isinstance(e, Withdraw) for e in effects)  # it serves while a@next loads
+    gen = w.gen("a")
+    effects = w.run(w.p.children.instance_ready("a@next", w.gen("a@next"), 100, "x", 2,
+                                                w.tick()))
+    assert Withdraw(model="a", generation=gen) in effects  # busy: stale, stops once released
     assert not any(isinstance(e, Stop) for e in effects)
     effects = w.run(w.p.unload("u", "b", w.tick()))
     assert Withdraw(model="b", generation=w.gen("b")) in effects

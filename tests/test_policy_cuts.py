@@ -280,7 +280,8 @@ def test_a_draining_model_cuts_every_lower_request_for_one_waiter() -> None:
     until every batch request is cut for one interactive waiter."""
     w = World(slots=4)
     full_of_batch(w, 3)  # 3 of 4: below max_concurrency
-    w.run(w.p.children.reconfigure({}, [], {"m": ModelRules(max_concurrency=4)}, w.tick())[0])
+    w.run(w.p.children.reconfigure({}, [], {"m": ModelRules(
+        max_concurrency=4, make_before_break=False)}, w.tick())[0])
     assert w.p.state.models["m"].retiring
     assert w.acquire("i", "inter") is None
     done: list[object] = []
@@ -451,3 +452,33 @@ CutMachine.TestCase.settings = settings(max_examples=int(os.environ.get("CORRAL_
                                         deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
 test_cut_state_machine = CutMachine.TestCase
+
+
+def test_a_waiter_gets_one_cut_whichever_copy_of_its_model_it_is_on() -> None:
+    """Issue 24: copies of one model are asked for cuts as one model; a waiter's cut on
+    one copy is not asked again on the other."""
+    from actors.rules import Replicas
+
+    w = World(slots=1)
+    replicas = Replicas(min=2, max=2)
+    p = w.p = Policy(4, tenants=TENANTS, preempt=True)
+    for name, group in (("m", ""), ("m@2", "m")):
+        p.add_model(name, 0.0, rules=ModelRules(max_concurrency=1, replicas=replicas,
+                                                group=group))
+    w.run(p.load(None, "m", 0.0))
+    for name in ("m", "m@2"):
+        while p.state.models[name].state.value != "loading":
+            w.run(p.repump(w.tick()))
+        w.run(p.children.instance_ready(name, p.state.models[name].generation, 100, "x", 1,
+                                        w.tick()))
+    full_of_batch(w)
+    assert {p.state.leases[t][0] for t in ("b0", "b1")} == {"m", "m@2"}
+    w.acquire("i1", "inter")
+    assert len(w.cuts) == 1, "one waiter, one cut, not one on each copy"
+    w.acquire("i2", "inter")
+    assert sorted(w.cuts) == ["b0", "b1"]
+    for t in ("b0", "b1"):
+        w.requeue(t)
+    assert isinstance(w.answers["i1"], Grant) and isinstance(w.answers["i2"], Grant)
+    grants = [w.answers[t] for t in ("i1", "i2")]
+    assert sorted(g.instance for g in grants if isinstance(g, Grant)) == ["", "m@2"]

@@ -247,8 +247,8 @@ def test_unload_stops_every_copy_and_the_next_request_loads_one() -> None:
 
 
 class CopiesMachine(RuleBasedStateMachine):
-    """Random requests, releases, readies, crashes and time on a model with 1-3 copies and
-    two others, 3 slots: the invariants hold after every step (views.check: at most
+    """Random requests, releases, readies, crashes, time and reloads on a model with 1-3
+    copies and two others, 3 slots: the invariants hold after every step (views.check: at most
     `max` copies, one generation per child), and no request for the model is refused
     while one of its copies serves."""
 
@@ -301,9 +301,10 @@ class CopiesMachine(RuleBasedStateMachine):
 
     @rule(most=st.sampled_from([1, 2, 3]))
     def reload(self, most: int) -> None:
-        """A reload that sets a's replicas max (1: none), as the Scheduler expands it."""
+        """A reload that sets a's replicas max (1: none), as the Scheduler expands it (a
+        change of replicas only: the copies that stay keep their children)."""
         p = self.w.p
-        live = [r.name for r in self.copies()]
+        live = [r.name for r in self.copies() if not r.alternate_of]  # the config's
         copies = Replicas(min=1, max=most, target_in_flight=1, scale_up_after_s=2,
                           scale_up_wait_s=1, scale_down_idle_s=5, route="prefix",
                           prefix_overload=1) if most > 1 else None
@@ -312,12 +313,21 @@ class CopiesMachine(RuleBasedStateMachine):
         removed = [n for n in live if n not in names]
         changed = ({"a": ModelRules(replicas=copies)}
                    if p.state.models["a"].rules.replicas != copies else {})
-        self.w.run(p.children.reconfigure(added, removed, changed, self.w.tick())[0])
+        self.w.run(p.children.reconfigure(added, removed, {}, self.w.tick(),
+                                          retuned=changed)[0])
         self.most = most
+
+    @rule()
+    def reload_child(self) -> None:
+        """A reload that changes a's child (its cmd, say): each running copy hands over
+        to its alternate where a slot is free, else stops first (handover.py)."""
+        p = self.w.p
+        changed = {r.name: r.rules for r in self.copies() if not r.alternate_of}
+        self.w.run(p.children.reconfigure({}, [], changed, self.w.tick())[0])
 
     @invariant()
     def copies_within_max(self) -> None:
-        running = [r for r in self.copies() if r.state.is_running]
+        running = [r for r in self.copies() if r.state.is_running and not r.alternate_of]
         assert len(running) <= getattr(self, "most", 3)
         assert self.w.p.state.n_running <= 3
 

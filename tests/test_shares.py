@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.bridge import Fanout
+from actors.config import ModelRules
 from actors.http.shares import Shares
 from actors.messages import Acquire, Cancel, Release, Releases, Withdraw
 from actors.policy import Policy
@@ -204,7 +205,8 @@ def test_crash_right_after_ready_leaves_a_withdrawn_grant_open() -> None:
 def test_reload_right_after_ready_never_drains_under_overlapping_load() -> None:
     async def main() -> None:
         shares, s, share1 = await _first_grant_then(
-            lambda s: s.run(s.p.children.reconfigure({}, [], {"a": False}, s.t())[0]))
+            lambda s: s.run(s.p.children.reconfigure(
+                {}, [], {"a": ModelRules(make_before_break=False)}, s.t())[0]))
         rec = s.p.state.models["a"]
         assert rec.retiring
         # Overlapping requests: each new one arrives before the previous one ends.

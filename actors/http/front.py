@@ -84,8 +84,9 @@ class Front:
         self.to_api: tuple[bytes, ...] = (FRONT_HEADER + b": " + api_secret.encode(),)
         """What the front adds to every request it passes to the management API."""
         self.stopped: dict[str, tuple[int, int]] = {}
-        """Model -> the newest (generation, epoch) withdrawn to stop or suspend on purpose:
-        a request its child dropped is not sent on to the next instance."""
+        """Model, or a replica's own name -> the newest (generation, epoch) withdrawn to stop
+        or suspend on purpose: a request its child dropped is not sent on to the next
+        instance."""
         self.origins: Origins | None = None
         """Without keys: the Host and Origin a request may carry (R5); set by `listen`."""
         self.connections: set[Connection] = set()
@@ -128,8 +129,8 @@ class Front:
             return
         self.shares.withdraw(message)
         if not message.gone:  # it is to stop (or restart once idle): on purpose
-            self.stopped[message.model] = max(self.stopped.get(message.model, (0, 0)),
-                                              message.serving)
+            copy = message.instance or message.model  # per copy: one's stop is not another's
+            self.stopped[copy] = max(self.stopped.get(copy, (0, 0)), message.serving)
         else:
             self.pools.abort(f"{message.model}#{message.generation}", "the child is gone")
 

@@ -129,15 +129,15 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
             ex.wait_again()
             continue
         if ex.late is not None:
-            front.scheduler().tell(AnswerLate(model=grant.model, generation=grant.generation,
-                                              detail=ex.late))
+            front.scheduler().tell(AnswerLate(model=grant.instance or grant.model,
+                                              generation=grant.generation, detail=ex.late))
         if ex.finished:
             return
         # Nothing of the final answer was sent: the next instance gets the request,
         # unless its child is still there (Shares.acquire_past) or was stopped on
         # purpose (unloaded, unhealthy, corral stopping): an operator's stop is not
         # undone by a request that comes back for the model.
-        if grant.serving <= front.stopped.get(model, (0, 0)):
+        if grant.serving <= front.stopped.get(grant.instance or model, (0, 0)):
             ex.answer(Answer(503, f"{ex.what} was stopped while it had this request "
                              f"({ex.broke}); not sent again", headers=(("Retry-After", "1"),)))
             return

@@ -17,9 +17,9 @@ from ..messages import (
     DevicesSnapshot,
     Repump,
     StatusChanged,
-    Withdraw,
 )
 from . import views
+from .handover import Handovers
 from .records import (
     Effect,
     Later,
@@ -37,13 +37,13 @@ log = logging.getLogger("corral.scheduler")
 S = ModelState
 
 
-
 class Children:
     """The events that come from children, the memory actors and a reload."""
 
     def __init__(self, state: State, rules: Rules) -> None:
         self.state = state
         self.rules = rules
+        self.handovers = Handovers(state, rules)
 
     # ------------------------------------------------------------ instance facts
 
@@ -80,6 +80,8 @@ class Children:
         rec.warming = False
         rec.breaker.ready()
         self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
+        if rec.takes_over:  # a reload's new config: the old child drains now
+            self.handovers.ready(rec, now)
         if self.state.watched(rec):
             rec.awaiting_usage = True
             self.state.unsettled.add(rec)
@@ -268,6 +270,8 @@ class Children:
                 continue  # it runs already: the running child is sampled instead
             self.state.out.extend(self.state.memory.measured(copy, ok, min_, max_, error,
                                                              at_load))
+        if self.handovers.pending:
+            self.handovers.measured(now)
         self.rules.pump(now)
         return self.rules.flush()
 
@@ -283,12 +287,19 @@ class Children:
     # ------------------------------------------------------------ reload
 
     def reconfigure(self, added: dict[str, ModelRules | bool], removed: list[str],
-                    changed: dict[str, ModelRules | bool],
-                    now: float) -> tuple[list[Effect], list[str]]:
+                    changed: dict[str, ModelRules | bool], now: float,
+                    retuned: dict[str, ModelRules] | None = None,
+                    ) -> tuple[list[Effect], list[str]]:
         """A reload (R-2.6): models added, removed, or with a changed config (name ->
-        rules, or just `pinned`). Running models whose config changed, or that are gone,
-        stop once their requests have finished; the queue and unchanged models are kept.
-        Returns the effects and the models that restart."""
+        rules, or just `pinned`); `retuned`: a change only the policy sees (a model's
+        replicas), so its children keep running. A running model whose config changed
+        loads it beside its old child, which then drains (handover.py), or where there
+        is no room for both, stops first once its requests have finished; a model that
+        is gone stops so too; the queue and unchanged models are kept. Returns the
+        effects and the models that restart."""
+        self.state.now = now
+        for name, rules in (retuned or {}).items():
+            self._set_rules(self.state.models[name], rules)
         for name, given in added.items():
             rules = given if isinstance(given, ModelRules) else ModelRules(pinned=given)
             old = self.state.models.get(name)
@@ -301,7 +312,10 @@ class Children:
                 self.state.add_model(name, now, rules=rules)
             if self.state.memory_on and not rules.group:  # a copy is measured as its model
                 self.state.out.append(Measure(name, front=False))
-        for name in removed:
+        groups = self.state.groups
+        alternates = groups.alternates
+        for name in dict.fromkeys(removed + [a.name for n in removed
+                                             if (a := alternates.get(n))]):
             rec = self.state.models[name]
             rec.removed = True
             self.state.groups.drop(rec)  # a copy going: no longer one of its model's
@@ -309,7 +323,7 @@ class Children:
                 self.rules.refuse_entry(name, 400, f"model '{name}' was removed by a reload",
                                         reason="removed")
             if rec.state.is_running:
-                self._retire(rec, now)
+                self.rules.retire(rec, now)
             else:
                 self.state.drop(name)  # a child still releasing: external from now on
         restarted = []
@@ -322,9 +336,18 @@ class Children:
                 rec.memory, rec.mem_min, rec.mem_max = "unmeasured", None, None
                 if not rec.rules.group:
                     self.state.out.append(Measure(name, front=False))
-            if rec.state.is_running and rec.state is not S.STOPPING:
+            alt = alternates.get(name)
+            running = [r for r in (rec, alt) if r is not None and r.state.is_running
+                       and r.state is not S.STOPPING]
+            if running:
                 restarted.append(name)
-                self._retire(rec, now)
+                if not self.handovers.begin(rec, now):
+                    for r in running:
+                        self.rules.retire(r, now)
+        for entry in self.state.queue.entries.values():  # its copy was taken out: claim again
+            if entry.claimed and not any(r.state in (S.LOADING, S.STOPPING, S.WAKING)
+                                         for r in groups.of(self.state.models[entry.model])):
+                entry.claimed = False
         self.rules.pump(now)
         return self.rules.flush(), restarted
 
@@ -339,13 +362,3 @@ class Children:
         self.state.rewarm()
         self.rules.idle(rec)
 
-    def _retire(self, rec: ModelRecord, now: float) -> None:
-        """Stop `rec` for a reload now if idle, else once its last request is released."""
-        if rec.state is S.STOPPING:
-            return
-        if rec.in_flight == 0:
-            self.rules.stop(rec, "reload", None, now)
-        else:
-            rec.retiring = True
-            self.state.out.append(Withdraw(model=rec.group, generation=rec.generation,
-                                           epoch=rec.wakes))

@@ -68,10 +68,16 @@ class Cuts:
                 del self.slots[slot.model]
         return slot
 
+    def asked(self, model: str, generation: int) -> int:
+        """How many cuts are out for requests of `model`'s `generation`."""
+        return sum(s.asked and s.generation == generation
+                   for s in self.slots.get(model, {}).values())
+
     def wanted(self, model: str, generation: int, entry: QueueEntry, queue: RequestQueue,
-               skip: Iterable[str], now: float) -> list[Hashable]:
+               skip: Iterable[str], now: float, elsewhere: int = 0) -> list[Hashable]:
         """The requests of `model` to cut now for the waiters of `entry` (leaving out the
-        keys in `skip`, at their max_concurrency); each is marked asked.
+        keys in `skip`, at their max_concurrency); each is marked asked. `elsewhere`:
+        the cuts out for the same waiters on the model's other copies (issue 24).
 
         A freed slot goes to the waiter that ranks highest (queue.next_of: its level and
         what its wait has added), so a cut is asked only for a waiter of a higher class
@@ -80,7 +86,7 @@ class Cuts:
         what is wanted changes only with events, never with the time alone."""
         running = [(t, s) for t, s in self.slots.get(model, {}).items()
                    if s.generation == generation]
-        asked = sum(s.asked for _, s in running)
+        asked = sum(s.asked for _, s in running) + elsewhere
         # the lowest class first, and in it the most recently granted
         open_ = sorted(((t, s) for t, s in running if not (s.cut or s.asked)),
                        key=lambda ts: (ts[1].level, -ts[1].granted_at))

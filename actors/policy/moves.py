@@ -258,6 +258,7 @@ class Moves:
                 why: str | None) -> None:
         rec.last_eviction = Evicted(model=rec.name, reason=reason, for_model=for_model,
                                     devices=shortfalls or [], action=action, why=why)
+        rec.evicted_at = self.state.now
         self.state.out.append(Publish(rec.last_eviction))
 
     def grant(self, ticket: Hashable, rec: ModelRecord, now: float, key: str = "",
@@ -290,7 +291,8 @@ class Moves:
             self.state.groups.wanting.add(rec.group)
         self.state.out.append(Answer(ticket, Grant(
             model=rec.group, generation=rec.generation, host=rec.host, port=rec.port,
-            shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes)))
+            shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes,
+            instance=rec.copy_name)))
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,
@@ -343,13 +345,38 @@ class Moves:
         if (rec.state.is_serving and not new.is_serving) or (
                 rec.state is S.STOPPING and new is S.UNLOADED):
             self.state.out.append(Withdraw(model=rec.group, generation=rec.generation,
-                                           epoch=rec.wakes,
+                                           epoch=rec.wakes, instance=rec.copy_name,
                                            gone=new is S.UNLOADED))
         rec.state = new
         rec.state_since = now
         if rec.rules.replicas is not None:
             state.groups.moved(rec)
         self.publish_state(rec, cause, now, exit_code, info)
+        if rec.takes_over and old is S.LOADING and new is not S.LOADED:
+            self.not_taken_over(rec, now)
+
+    def retire(self, rec: ModelRecord, now: float) -> None:
+        """Stop `rec` for a reload now if idle, else once its last request is released
+        (core.py): no new request joins it meanwhile."""
+        if rec.state is S.STOPPING:
+            return
+        if rec.in_flight == 0:
+            self.stop(rec, "reload", None, now)
+        else:
+            rec.retiring = True
+            self.state.out.append(Withdraw(model=rec.group, generation=rec.generation,
+                                           epoch=rec.wakes, instance=rec.copy_name))
+
+    def not_taken_over(self, new: ModelRecord, now: float) -> None:
+        """`new`'s child, loading to take over from another for a reload (handover.py),
+        ended before it got ready: the old child keeps serving its model."""
+        live = self.state.models.get(new.takes_over or "")
+        new.takes_over = None
+        if live is not None and live.state.is_serving and not live.retiring:
+            why = (f"reload: the new config did not load ({new.last_exit or 'stopped'}); "
+                   "the old child keeps serving until it stops")
+            log.warning("model %s: %s", live.name, why)
+            self.publish_state(live, why, now)
 
     def publish_state(self, rec: ModelRecord, cause: str, now: float,
                        exit_code: int | None = None,

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable, Hashable
 
 from ..messages import WaitDue
+from .queue import QueueEntry
 from .records import Effect, Later, ModelRecord, Preempt
 from .rules import Rules
 from .state import State
@@ -25,19 +26,28 @@ class Preemption:
         self.rules = rules
         self.let_go = let_go
 
-    def ask(self, rec: ModelRecord, now: float) -> None:
-        """Ask for the cuts that the waiters of a higher class need from `rec`, serving
-        and at its max_concurrency (one draining for a reload has no room either, but a
-        slot it frees goes to nobody)."""
+    def ask(self, model: ModelRecord, now: float) -> None:
+        """Ask for the cuts that the waiters of a higher class need from `model`'s copies,
+        serving and at their max_concurrency (one draining for a reload has no room
+        either, but a slot it frees goes to nobody); a waiter gets one cut, whichever
+        copy it is on."""
         state = self.state
-        entry = state.queue.entry(rec.group)
-        if (not state.cuts.on or entry is None or not rec.state.is_serving or rec.retiring
-                or not rec.rules.max_concurrency
-                or rec.in_flight < rec.rules.max_concurrency):
+        entry = state.queue.entry(model.group)
+        if not state.cuts.on or entry is None:
             return
+        copies = state.groups.of(model)
+        for rec in copies:
+            if (rec.state.is_serving and not rec.retiring and rec.rules.max_concurrency
+                    and rec.in_flight >= rec.rules.max_concurrency):
+                elsewhere = sum(state.cuts.asked(r.name, r.generation)
+                                for r in copies if r is not rec)
+                self._ask(rec, entry, elsewhere, now)
+
+    def _ask(self, rec: ModelRecord, entry: QueueEntry, elsewhere: int, now: float) -> None:
+        state = self.state
         skip = [key for key in entry.lanes if key and state.tenants.at_limit(key)]
         for ticket in state.cuts.wanted(rec.name, rec.generation, entry, state.queue, skip,
-                                        now):
+                                        now, elsewhere):
             slot = state.cuts.of[ticket]
             log.info("asking the front to cut a request of %s (class %s) on %s for a "
                      "waiter of a higher class (priority_preempt)", slot.key or "no key",
@@ -50,8 +60,7 @@ class Preemption:
         if self.state.cuts.on:
             for entry in list(self.state.queue):
                 if key is None or key in entry.lanes:
-                    for rec in self.state.groups.of(self.state.models[entry.model]):
-                        self.ask(rec, now)
+                    self.ask(self.state.models[entry.model], now)
 
     def requeue(self, ticket: Hashable, now: float) -> list[Effect]:
         """The front cut the request of `ticket` (nothing was sent to its client): its

@@ -170,6 +170,7 @@ class ModelRecord:
     ttl_armed: bool = False
     """An idle-TTL timer is pending for this generation (one at a time)."""
     last_eviction: Evicted | None = None
+    evicted_at: float = 0.0
     loads: int = 0
     """Spawns, failed ones included."""
     loads_ok: int = 0
@@ -179,6 +180,12 @@ class ModelRecord:
     """A reload changed or removed it while busy: no new grants; it stops once idle."""
     removed: bool = False
     """A reload removed it; the record goes once its child is reaped."""
+    alternate_of: str | None = None
+    """It is the alternate of this config record (`NAME@next`, handover.py): a child
+    with a changed config loads there beside the old one, which then drains."""
+    takes_over: str | None = None
+    """Loading for a make-before-break reload: once ready, this record's child drains
+    and stops (handover.py)."""
     info: dict[str, Any] | None = None
     """What a llama child said about its model when it became ready."""
     progress: dict[str, Any] | None = None
@@ -230,6 +237,12 @@ class ModelRecord:
         """The model it serves: its own name, or for a replica the model it copies (its
         queue, and the name its grants carry)."""
         return self.rules.group or self.name
+
+    @property
+    def copy_name(self) -> str:
+        """What its grants and withdraws name it by beside the model: "" for the model's
+        own record, its own name for a replica (Grant.instance)."""
+        return self.name if self.rules.group else ""
 
     @property
     def holds_slot(self) -> bool:

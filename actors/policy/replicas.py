@@ -43,9 +43,14 @@ class Groups:
         self.active: dict[str, list[ModelRecord]] = {}
         """The groups with a copy up (only they may scale, or have spare copies): kept
         by `moved`, so a decision looks at those, not at every model with replicas."""
+        self.alternates: dict[str, ModelRecord] = {}
+        """Config record's name -> its alternate (handover.py): serving beside it, or in
+        its place, until that child ends; never a member, never a load's target."""
+        self.owners: dict[str, ModelRecord] = {}
+        """Alternate's name -> its config record."""
 
     def add(self, rec: ModelRecord) -> None:
-        if rec.rules.replicas is None or rec.removed:
+        if rec.rules.replicas is None or rec.removed or rec.alternate_of:
             return
         group = self.members.setdefault(rec.group, [])
         group.append(rec)
@@ -76,14 +81,20 @@ class Groups:
             self.busy_since.pop(rec.group, None)
 
     def of(self, rec: ModelRecord) -> list[ModelRecord]:
-        """`rec` and the other copies of its model."""
-        return self.members.get(rec.group) or [rec]
+        """`rec` and the other copies of its model, their alternates included."""
+        group = self.members.get(rec.group)
+        if not self.alternates:
+            return group or [rec]
+        base = group or [self.owners[rec.name] if rec.alternate_of else rec]
+        extra = [a for r in base if (a := self.alternates.get(r.name)) is not None]
+        return base + extra if extra else base
 
     def others_up(self, rec: ModelRecord) -> bool:
         """Another copy of its model serves or is on its way: `rec` going leaves the
         model up."""
-        group = self.members.get(rec.group)
-        return group is not None and any(r is not rec and r.state in UP for r in group)
+        if rec.group not in self.members and not self.alternates:
+            return False
+        return any(r is not rec and r.state in UP for r in self.of(rec))
 
     def next_generation(self, rec: ModelRecord) -> int:
         """The generation `rec`'s next child gets: above every copy's, those a reload took
@@ -97,8 +108,11 @@ class Groups:
     def target(self, rec: ModelRecord) -> ModelRecord | None:
         """The copy a load of `rec`'s model starts (a suspended one wakes first, else the
         first unloaded one); a stopping one when nothing else is free; None when a copy
-        serves or is on its way already (the model needs no load)."""
+        serves or is on its way already (the model needs no load). Never an alternate:
+        one loads only to take over from its config record (handover.py)."""
         group = self.members.get(rec.group)
+        if self.alternates and any(r.alternate_of and r.state in UP for r in self.of(rec)):
+            return None
         if group is None:
             return rec
         if rec.group in self.active:  # a copy is up
@@ -117,13 +131,14 @@ class Groups:
         (rendezvous hashing: a copy that comes or goes moves only its own share), unless
         it has more than prefix_overload requests above the least busy."""
         group = self.members.get(rec.group)
-        if group is None:
+        if group is None and not self.alternates:
             return rec if has_room(rec) else None
-        ready = [r for r in group if has_room(r)]
+        ready = [r for r in self.of(rec) if has_room(r)]
         if len(ready) < 2:
             return ready[0] if ready else None
         rules = rec.rules.replicas
-        assert rules is not None
+        if rules is None:  # a model and its alternate, both serving (a reload's handover)
+            return min(ready, key=lambda r: r.in_flight)
         if rules.route == "prefix" and affinity:
             least = min(ready, key=lambda r: r.in_flight)
             best = max(ready, key=lambda r: rank(affinity, r.name))

@@ -109,11 +109,11 @@ class State:
                      if rec.rules.warm and not rec.rules.group]
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
-                  rules: ModelRules | None = None) -> None:
+                  rules: ModelRules | None = None, alternate_of: str | None = None) -> None:
         self.models[name] = rec = ModelRecord(
             name=name, rules=rules or ModelRules(pinned=pinned),
             breaker=Breaker(*self.breaker_args), state_since=now,
-            generation=self.last_generation.pop(name, 0))
+            generation=self.last_generation.pop(name, 0), alternate_of=alternate_of)
         self.groups.add(rec)
         self.rewarm()
 
@@ -121,6 +121,9 @@ class State:
         """Forget a model a reload removed (its child, if any, is reaped)."""
         rec = self.models.pop(name)
         self.groups.drop(rec)
+        if rec.alternate_of:
+            self.groups.alternates.pop(rec.alternate_of, None)
+            self.groups.owners.pop(name, None)
         self.last_generation[name] = rec.generation
         self.victims.forget(name)
         self.ledger.release(name)

@@ -26,6 +26,11 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
         if rec.removed or rec.rules.group:
             continue  # a replica is shown in its model's entry
         copies = p.groups.members.get(rec.name)
+        if p.groups.alternates and copies is not None:
+            copies = p.groups.of(rec)  # a reload's new child beside a copy: shown too
+        pair = p.groups.of(rec) if copies is None and p.groups.alternates else [rec]
+        child = max(pair, key=lambda r: (r.state.is_serving and not r.retiring,
+                                         r.state in UP, r is rec))  # what a request meets
         entry = p.queue.entry(rec.name)
         oldest = (now - p.queue.waiters[next(iter(entry.waiters))].queued_at
                   if entry is not None and entry.waiters else None)
@@ -36,24 +41,26 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
                     if r.state in UP and (a := p.ttl_after(r)) is not None]
             expires = min(dues) if dues else None
         views.append(ModelView(
-            name=rec.name, state=shown(copies or [rec]), generation=rec.generation,
-            in_flight=sum(r.in_flight for r in copies or [rec]),
+            name=rec.name, state=shown(copies or pair), generation=child.generation,
+            in_flight=sum(r.in_flight for r in copies or pair),
             waiting=len(entry.waiters) if entry else 0,
-            pid=rec.pid, port=rec.port, exit_code=rec.exit_code, last_exit=rec.last_exit,
-            last_eviction=rec.last_eviction, loads=sum(r.loads for r in copies or [rec]),
-            loads_ok=sum(r.loads_ok for r in copies or [rec]),
-            load_s_total=sum(r.load_s_total for r in copies or [rec]),
-            evictions=evictions(p, [r.name for r in copies or [rec]]),
-            memory=rec.memory_info(), info=rec.info, progress=rec.progress,
-            failed=rec.failed and rec.state is S.UNLOADED,
+            pid=child.pid, port=child.port, exit_code=child.exit_code,
+            last_exit=child.last_exit,
+            last_eviction=max(pair, key=lambda r: r.evicted_at).last_eviction,
+            loads=sum(r.loads for r in copies or pair),
+            loads_ok=sum(r.loads_ok for r in copies or pair),
+            load_s_total=sum(r.load_s_total for r in copies or pair),
+            evictions=evictions(p, [r.name for r in copies or pair]),
+            memory=rec.memory_info(), info=child.info, progress=child.progress,
+            failed=child.failed and child.state is S.UNLOADED,
             retry_after_s=rec.breaker.retry_at - now if rec.breaker.is_open(now) else None,
             expires_in_s=max(expires, 0.0) if expires is not None else None,
-            devices=rec.placement, queue_oldest_s=oldest,
+            devices=child.placement, queue_oldest_s=oldest,
             queue_wait=(h.view() if (h := p.stats.queue_wait.get(rec.name)) else None),
             load_time=(h.view() if (h := p.stats.load_time.get(rec.name)) else None),
             refusals={r: n for (m, r), n in p.stats.refusals.items() if m == rec.name},
             queue_position=places.get(rec.name) if oldest is not None else None,
-            phase=rec.state.value if rec.state.value != rec.state.shown else None,
+            phase=child.state.value if child.state.value != child.state.shown else None,
             host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
             replicas=[replica_view(r) for r in copies] if copies is not None else None))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
