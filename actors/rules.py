@@ -29,6 +29,7 @@ class Replicas(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     route: Literal["least_loaded", "prefix"] = "least_loaded"
     """`least_loaded`: the less busy of two copies picked at random (in flight);
     `prefix`: requests whose prompts begin alike go to the same copy (its prompt cache),
+    each copy getting an even share of the prompts (actors/policy/replicas.py `home`),
     unless it has `prefix_overload` more in flight than the least busy."""
     prefix_bytes: Annotated[int, Meta(ge=1)] = 2048
     """How much of a prompt (its messages' text, or `prompt`) names its copy."""

@@ -5,11 +5,23 @@ both, or `make_before_break = false`, the old stops first, and its event says wh
 
 from __future__ import annotations
 
+import os
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
 from actors.config import ModelRules
 from actors.messages import Grant, StatusChanged
 from actors.policy.records import Publish
 from actors.rules import Replicas, replica_name
-from tests.test_policy import World
+from tests.test_policy import World, drain
 from tests.test_policy_memory import MemWorld, need
 
 NEW = ModelRules(ttl_s=0.0)
@@ -78,7 +90,10 @@ def test_the_next_reload_loads_in_the_config_record_beside_the_alternate() -> No
     assert isinstance(grant, Grant) and grant.instance == "" and grant.generation == w.gen("a")
 
 
-def test_once_the_alternate_is_gone_the_model_loads_in_its_own_record() -> None:
+def test_after_a_handover_the_model_loads_in_its_current_record() -> None:
+    """The alternate is the copy's current record once its child took over: an unload
+    stops it, and the next request loads the model there again (with the newest config,
+    which both records carry)."""
     w = World(models_max=3)
     w.load_idle("a")
     reload(w, "a")
@@ -88,7 +103,11 @@ def test_once_the_alternate_is_gone_the_model_loads_in_its_own_record() -> None:
     assert w.stops[-1] == ("a@next", "manual")
     w.exited("a@next")
     assert w.acquire("t", "a") is None
-    assert w.spawns[-1][0] == "a", "an alternate is never a load's target"
+    assert w.spawns[-1] == ("a@next", 3)
+    w.ready("a@next")
+    grant = w.answers["t"]
+    assert isinstance(grant, Grant) and grant.instance == "a@next" and grant.generation == 3
+    assert w.state("a") == "unloaded"
 
 
 def test_with_no_free_slot_the_old_child_stops_first_and_says_why() -> None:
@@ -175,3 +194,107 @@ def test_each_copy_of_a_model_hands_over_and_the_model_never_refuses() -> None:
     assert sorted(r.name for r in view.replicas if r.state == "loaded") == [
         "a@2@next", "a@next"]
 
+
+
+# ---------------------------------------------------------------- state machine
+
+
+class HandoverMachine(RuleBasedStateMachine):
+    """Random requests, releases, readies, crashes, time, unloads and reloads that change,
+    remove and add back models (some with max_concurrency and TTLs), 2-4 slots. After every
+    step the invariants hold (views.check), a copy has at most one child that takes new
+    requests unless a handover is under way, and a request for a model whose current
+    child has room is granted at once; at the end every request has been answered."""
+
+    @initialize(slots=st.integers(2, 4), limit=st.sampled_from([0, 1, 2]))
+    def setup(self, slots: int, limit: int) -> None:
+        self.limit = limit
+        self.w = World(models_max=slots, rules={n: self.rules_for(0.0) for n in "abcd"})
+        self.open: list[object] = []
+        self.n = 0
+
+    def rules_for(self, ttl_s: float) -> ModelRules:
+        return ModelRules(ttl_s=ttl_s, max_concurrency=self.limit, queue_timeout_s=30.0)
+
+    def live(self) -> list[str]:
+        return [m for m in "abcd" if (r := self.w.p.state.models.get(m)) and not r.removed]
+
+    @rule(model=st.sampled_from("abcd"))
+    def acquire(self, model: str) -> None:
+        self.n += 1
+        rec = self.w.p.state.find(model)
+        current = self.w.p.state.groups.current(rec) if rec is not None else None
+        room = (current is not None and self.w.p.state.has_room(current)
+                and self.w.p.state.queue.entry(model) is None)
+        answer = self.w.acquire(self.n, model)
+        if room:
+            assert isinstance(answer, Grant), answer
+        self.open.append(self.n)
+
+    @precondition(lambda self: self.open)
+    @rule(i=st.integers(0, 99))
+    def release(self, i: int) -> None:
+        t = self.open.pop(i % len(self.open))
+        if t in self.w.p.state.leases:
+            self.w.release(t)
+        elif t in self.w.p.state.queue.waiters:
+            self.w.cancel(t)
+
+    @rule(i=st.integers(0, 9))
+    def ready(self, i: int) -> None:
+        loading = [m for m, r in self.w.p.state.models.items() if r.state.value == "loading"]
+        if loading:
+            self.w.ready(loading[i % len(loading)])
+
+    @rule(i=st.integers(0, 9), rc=st.sampled_from([0, 1, -9]))
+    def exit(self, i: int, rc: int) -> None:
+        running = [m for m, r in self.w.p.state.models.items() if r.state.is_running]
+        if running:
+            m = running[i % len(running)]
+            self.w.exited(m, 0 if self.w.p.state.models[m].state.value == "stopping" else rc)
+
+    @rule(models=st.sets(st.sampled_from("abcd"), min_size=1), ttl=st.sampled_from([0.0, 5.0]))
+    def reload(self, models: set[str], ttl: float) -> None:
+        changed = {m: self.rules_for(ttl) for m in sorted(models) if m in self.live()}
+        self.w.run(self.w.p.children.reconfigure({}, [], changed, self.w.tick())[0])
+
+    @rule(model=st.sampled_from("abcd"))
+    def remove_or_add_back(self, model: str) -> None:
+        p = self.w.p
+        if model in self.live():
+            self.w.run(p.children.reconfigure({}, [model], {}, self.w.tick())[0])
+        else:
+            self.w.run(p.children.reconfigure({model: self.rules_for(0.0)}, [], {},
+                                              self.w.tick())[0])
+
+    @rule(model=st.sampled_from("abcd"))
+    def unload(self, model: str) -> None:
+        if model in self.live():
+            self.n += 1
+            self.w.run(self.w.p.unload(("u", self.n), model, self.w.tick()))
+
+    @rule(dt=st.sampled_from([1.0, 6.0, 31.0]))
+    def time(self, dt: float) -> None:
+        self.w.now += dt
+        self.w.fire_timers()
+
+    @invariant()
+    def one_child_takes_requests_per_copy(self) -> None:
+        if not hasattr(self, "w"):
+            return
+        state = self.w.p.state
+        for config, alt in state.groups.alternates.items():
+            rec = state.models.get(config)
+            pair = [r for r in (rec, alt) if r is not None]
+            open_ = [r for r in pair if r.state.is_serving and not r.retiring]
+            assert len(open_) <= 1 or any(r.takes_over for r in pair), \
+                f"{config}: two children take requests: {[r.name for r in open_]}"
+
+    def teardown(self) -> None:
+        if hasattr(self, "w"):
+            drain(self.w, self.open, rounds=300, time_step_s=5.0)
+
+
+TestHandovers = HandoverMachine.TestCase
+TestHandovers.settings = settings(max_examples=int(os.environ.get(
+    "CORRAL_STATEFUL_EXAMPLES", "100")), stateful_step_count=80, deadline=None)

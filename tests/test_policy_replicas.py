@@ -359,29 +359,31 @@ def test_copies_spread_over_their_nodes_and_a_lost_nodes_copy_comes_back_elsewhe
 
 
 def test_a_reload_that_gives_or_takes_copies_keeps_one_generation_per_child() -> None:
-    """1 -> 3 copies while serving, then 3 -> 1: the model's own record stays first in
-    its group, generations stay unique, and the model loads again as one child."""
+    """1 -> 3 copies while serving, then 3 -> 1 (a change of replicas only, as the
+    Scheduler sends it: `retuned`): the model's own record stays first in its group and
+    keeps its child, generations stay unique, and the model goes on as one child."""
     w = world(max=1)  # a: one copy (its rules have replicas, max 1: no group)
     w.acquire(1, "a")
     settle(w)
+    gen = w.p.state.models["a"].generation
     three = Replicas(min=3)
     copies = {replica_name("a", i): ModelRules(replicas=three, group="a") for i in (2, 3)}
-    w.run(w.p.children.reconfigure(copies, [], {"a": ModelRules(replicas=three)},
-                                   w.tick())[0])
+    w.run(w.p.children.reconfigure(copies, [], {}, w.tick(),
+                                   retuned={"a": ModelRules(replicas=three)})[0])
     assert [r.name for r in w.p.state.groups.members["a"]] == ["a", "a@2", "a@3"]
-    w.release(1)  # a restarts for its new rules; the copies come as it does
+    w.release(1)
     for _ in range(4):
         settle(w)
-    assert up(w) == ["a", "a@2", "a@3"]
+    assert up(w) == ["a", "a@2", "a@3"] and w.p.state.models["a"].generation == gen
     gens = [r.generation for r in w.p.state.groups.members["a"]]
     assert len(set(gens)) == 3
-    w.run(w.p.children.reconfigure({}, ["a@2", "a@3"], {"a": ModelRules()}, w.tick())[0])
+    w.run(w.p.children.reconfigure({}, ["a@2", "a@3"], {}, w.tick(),
+                                   retuned={"a": ModelRules()})[0])
     for _ in range(4):
         settle(w)
     assert "a" not in w.p.state.groups.members and "a" not in w.p.state.groups.active
-    assert isinstance(w.acquire(2, "a"), Grant) or w.p.state.models["a"].state is S.LOADING
-    settle(w)
-    assert isinstance(w.answers[2], Grant)
+    assert isinstance(w.acquire(2, "a"), Grant)  # its child never stopped
+    assert w.p.state.models["a"].generation == gen
 
 
 def test_a_warm_model_keeps_min_copies_warm_and_scales_the_rest_down() -> None:
@@ -401,3 +403,24 @@ def test_a_warm_model_keeps_min_copies_warm_and_scales_the_rest_down() -> None:
     w.fire_timers()
     settle(w)
     assert len(up(w)) == 1
+
+
+def test_prefix_routing_gives_each_copy_its_even_share_of_the_prompts() -> None:
+    """Bounded loads: however the hash falls, 16 prompts on 2 copies are 8 and 8, each
+    stays on its copy, and a prompt whose copy is gone gets a new home once."""
+    w = world(min=2, route="prefix", prefix_overload=100)
+    w.acquire(0, "a")
+    settle(w)
+    homes = {}
+    for turn in range(3):
+        for prompt in range(1, 17):
+            t = (turn, prompt)
+            w.run(w.p.acquire(t, "a", w.tick(), affinity=prompt * 7919))
+            into = granted_into(w, t)
+            assert homes.setdefault(prompt, into) == into, "a prompt stays on its copy"
+            w.release(t)
+    assert sorted(list(homes.values()).count(c) for c in ("a", "a@2")) == [8, 8]
+    w.exited("a@2", rc=-9)
+    w.run(w.p.acquire("moved", "a", w.tick(), affinity=next(
+        p for p, c in homes.items() if c == "a@2") * 7919))
+    assert granted_into(w, "moved") == "a"

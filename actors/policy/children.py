@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
+
 from ..config import ModelRules
 from ..histogram import observe
 from ..ledger import Breakdown, node_of
@@ -212,6 +214,8 @@ class Children:
             self.rules.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
         else:
             self._failed(rec, was, up_since, description, returncode, now)
+        if self.handovers.pending:  # a newcomer may have waited for this one to go
+            self.handovers.retry(now)
         self.rules.pump(now)
         return self.rules.flush()
 
@@ -255,7 +259,7 @@ class Children:
 
     def measure_started(self, model: str) -> list[Effect]:
         rec = self.state.models.get(model)
-        for copy in self.state.groups.of(rec) if rec is not None else []:
+        for copy in self.state.groups.all_of(rec) if rec is not None else []:
             copy.memory = "measuring"
         return []
 
@@ -265,13 +269,13 @@ class Children:
         rec = self.state.models.get(model)
         if rec is None:
             return []
-        for copy in self.state.groups.of(rec):  # a model's figures are its copies'
+        for copy in self.state.groups.all_of(rec):  # a model's figures are its copies'
             if at_load and copy.state.is_serving:
                 continue  # it runs already: the running child is sampled instead
             self.state.out.extend(self.state.memory.measured(copy, ok, min_, max_, error,
                                                              at_load))
         if self.handovers.pending:
-            self.handovers.measured(now)
+            self.handovers.retry(now)
         self.rules.pump(now)
         return self.rules.flush()
 
@@ -315,7 +319,8 @@ class Children:
         groups = self.state.groups
         alternates = groups.alternates
         for name in dict.fromkeys(removed + [a.name for n in removed
-                                             if (a := alternates.get(n))]):
+                                             if (a := alternates.get(n)) is not None
+                                             and a.name in self.state.models]):
             rec = self.state.models[name]
             rec.removed = True
             self.state.groups.drop(rec)  # a copy going: no longer one of its model's
@@ -332,13 +337,13 @@ class Children:
             self._set_rules(rec, given if isinstance(given, ModelRules)
                             else ModelRules(pinned=given))
             rec.breaker.reset()
+            pair = [r for r in (rec, groups.partner(rec)) if r is not None]
             if self.state.memory_on:  # new arguments, new figures
-                rec.memory, rec.mem_min, rec.mem_max = "unmeasured", None, None
+                for r in pair:
+                    r.memory, r.mem_min, r.mem_max = "unmeasured", None, None
                 if not rec.rules.group:
                     self.state.out.append(Measure(name, front=False))
-            alt = alternates.get(name)
-            running = [r for r in (rec, alt) if r is not None and r.state.is_running
-                       and r.state is not S.STOPPING]
+            running = [r for r in pair if r.state.is_running and r.state is not S.STOPPING]
             if running:
                 restarted.append(name)
                 if not self.handovers.begin(rec, now):
@@ -352,13 +357,19 @@ class Children:
         return self.rules.flush(), restarted
 
     def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
-        if rec.holds_slot:  # (a suspended child holds none: issue 23)
-            self.state.n_running_pinned += int(rules.pinned) - int(rec.pinned)
+        """`rules` for config record `rec`, and its alternate (handover.py)."""
         groups = self.state.groups
-        groups.drop(rec)  # a reload may give or take its copies (issue 24)
-        rec.rules = rules
-        groups.add(rec)
-        groups.moved(rec)
+        current = groups.current(rec)
+        groups.drop(current)  # a reload may give or take its copies (issue 24)
+        for r in (rec, groups.partner(rec)):
+            if r is None:
+                continue
+            given = rules if r is rec else msgspec.structs.replace(rules, group=rec.group)
+            if r.holds_slot:  # (a suspended child holds none: issue 23)
+                self.state.n_running_pinned += int(given.pinned) - int(r.pinned)
+            r.rules = given
+        groups.add(current)
+        groups.moved(current)
         self.state.rewarm()
-        self.rules.idle(rec)
+        self.rules.idle(current)
 

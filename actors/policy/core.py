@@ -296,16 +296,17 @@ class Policy:
             entry.explicit = False
             if self.state.queue.close_if_empty(model):
                 self.rules.idle(rec)
-        if rec.state is S.UNLOADED and rec.failed:
+        absent = self.state.absent(rec)
+        if absent and rec.failed:
             rec.failed = False
             rec.breaker.reset()
             self.rules.publish_state(rec, "failure cleared by unload", now)
-        elif self.state.absent(rec):
+        elif absent:
             self.rules.refuse(ticket, 400, f"model '{model}' is not running",
                          "invalid_request_error")
             return self.rules.flush()
-        else:
-            for copy in self.state.groups.of(rec):
+        else:  # every child of it, a reload's old or new one too
+            for copy in self.state.groups.all_of(rec):
                 if copy.state.is_running and copy.state is not S.STOPPING:
                     self.rules.stop(copy, "manual", None, now)
         self.state.out.append(Answer(ticket, Done()))

@@ -1,11 +1,13 @@
 """Make-before-break reloads (issue 24): a running model whose config changed keeps serving
-while its new config loads beside it, in its alternate instance (`NAME@next`); once that is
-ready, requests go to it and the old child drains and stops. Where a slot or memory is
-short for both at once, the old stops first, as before, and its event says so.
+while its new config loads beside it; once that child is ready, requests go to it and the
+old child drains and stops. Where a slot or memory is short for both at once, the old
+stops first, as before, and its event says so.
 
-A config record and its alternate take turns: the next reload's new config loads in
-whichever of the two is not serving. An alternate is never a load's target (replicas.py):
-once its child ends, the model loads in its config record again.
+Each copy of a model (a model with no replicas is one copy) may have two records: its
+config record (`NAME`, `NAME@2`) and its alternate (`NAME@next`, `NAME@2@next`), made by
+the first reload that needs it. One of the two is the copy's current record (replicas.py:
+it serves, loads and is its group's member); a reload loads the new config in the other,
+and makes it current once it is ready. Both always carry the newest rules and config.
 """
 
 from __future__ import annotations
@@ -33,39 +35,42 @@ class Handovers:
         self.state = state
         self.rules = rules
         self.pending: set[ModelRecord] = set()
-        """Newcomers whose figures are not known yet (they load once measured)."""
+        """Newcomers not started yet: their figures are not known, or the child the
+        record had is still on its way out."""
 
     def begin(self, rec: ModelRecord, now: float) -> bool:
-        """`rec`'s config changed (its new rules are set): load the new one beside its
-        serving child. False: nothing of it serves, or another handover of it is under
-        way, or it has make_before_break off; the caller retires what runs."""
+        """The config of `rec`'s copy changed (the new rules are set on both its
+        records): load it beside the copy's serving child. False: none serves (or it is
+        suspended), or the model has make_before_break off; the caller retires what runs."""
         groups = self.state.groups
-        alt = groups.alternates.get(rec.name)
-        live = next((r for r in (rec, alt) if r is not None and r.state.is_serving
-                     and not r.retiring and r.state is not S.SUSPENDED), None)
-        if (live is None or not rec.rules.make_before_break
-                or any(r.takes_over for r in (rec, alt) if r is not None)):
+        live = groups.current(rec)
+        if (not rec.rules.make_before_break or not live.state.is_serving or live.retiring
+                or live.state is S.SUSPENDED):
             return False
-        new = rec if live is not rec else self.alternate(rec)
-        if new.state is not S.UNLOADED:  # (its last child still stopping)
+        new = groups.partner(live) or self.alternate(live)
+        if new is None or new.removed:  # (one of a removed model's, still going)
             return False
-        new.rules = rec.rules if new is rec else msgspec.structs.replace(
-            rec.rules, group=rec.group)
+        if new.state is S.LOADING:  # a newcomer of an earlier config: it starts again
+            new.takes_over = None
+            self.rules.stop(new, "reload", None, now)
         new.takes_over = live.name
         self.pending.add(new)
         self.attempt(new, now)
+        if self.state.has_room(live):  # the new rules may let more in (max_concurrency)
+            self.rules.serve_waiters(live, now)
         return True
 
-    def alternate(self, rec: ModelRecord) -> ModelRecord:
-        """`rec`'s alternate record, made the first time a reload needs it."""
+    def alternate(self, rec: ModelRecord) -> ModelRecord | None:
+        """`rec`'s alternate record, made the first time a reload needs it (None while
+        one of a model removed under that name still goes)."""
         groups = self.state.groups
-        alt = groups.alternates.get(rec.name)
-        if alt is None:
-            name = alternate_name(rec.name)
-            self.state.add_model(name, self.state.now, alternate_of=rec.name, rules=(
-                msgspec.structs.replace(rec.rules, group=rec.group)))
-            alt = self.state.models[name]
-            groups.alternates[rec.name], groups.owners[name] = alt, rec
+        name = alternate_name(rec.name)
+        if name in self.state.models:
+            return None
+        self.state.add_model(name, self.state.now, alternate_of=rec.name, rules=(
+            msgspec.structs.replace(rec.rules, group=rec.group)))
+        alt = self.state.models[name]
+        groups.alternates[rec.name], groups.owners[name] = alt, rec
         alt.breaker = rec.breaker  # one model, one breaker
         alt.memory, alt.mem_min, alt.mem_max = rec.memory, rec.mem_min, rec.mem_max
         return alt
@@ -75,12 +80,12 @@ class Handovers:
         as things are (nothing is evicted for it); else that child stops first."""
         state = self.state
         live = state.models.get(new.takes_over or "")
-        if live is None or not live.state.is_serving or live.retiring:
+        if live is None or not live.state.is_serving or live.retiring or new.removed:
             self.pending.discard(new)
             new.takes_over = None
             return
-        if state.memory_on and not new.memory_settled:
-            return  # measured() tries again
+        if new.state is not S.UNLOADED or (state.memory_on and not new.memory_settled):
+            return  # its old child still goes, or it is being measured: tried again then
         self.pending.discard(new)
         short = None
         if not state.has_capacity():
@@ -103,13 +108,16 @@ class Handovers:
             f"reload, make-before-break: loads beside {live.name}#{live.generation}, "
             "which serves until this is ready"))
 
-    def measured(self, now: float) -> None:
+    def retry(self, now: float) -> None:
+        """Something that held a newcomer back may have changed (a measurement, an exit)."""
         for new in list(self.pending):
             self.attempt(new, now)
 
     def ready(self, new: ModelRecord, now: float) -> None:
-        """`new` serves: the child it took over from drains and stops."""
+        """`new` serves: it becomes its copy's current record, and the child it took over
+        from drains and stops."""
         live = self.state.models.get(new.takes_over or "")
         new.takes_over = None
+        self.state.groups.swap(new)
         if live is not None and live.state.is_serving:
             self.rules.retire(live, now)

@@ -66,6 +66,9 @@ class Memory:
         self.releasing: set[ModelRecord] = set()
         """The records whose `releasing` was set (a superset of those it still is)."""
         self.backends: list[str] = []
+        self.usage_seen: dict[str, tuple[dict[str, int], int]] = {}
+        """Model -> its usage in the last device report, and the ledger's shape then: the
+        same again needs no work."""
 
     # ------------------------------------------------------------ facts
 
@@ -111,12 +114,18 @@ class Memory:
             self.ledger.observe(sample, report.managed.get(sample.name))
         seen = {d.name: d for d in report.devices}
         out: list[Effect] = []
+        last, self.usage_seen = self.usage_seen, {}
+        observed, shape = self.ledger.observed, self.ledger.shape
         for name, all_usage in report.usage.items():
-            usage = {d: b for d, b in all_usage.items()  # host RAM with account_host only
-                     if d not in seen or self.ledger.counted(seen[d].kind)}
             user = models.get(name)
             if user is None or not user.state.is_running:
                 continue
+            self.usage_seen[name] = (all_usage, shape)
+            if (not user.awaiting_usage and last.get(name) == (all_usage, shape)
+                    and name in observed):
+                continue  # as in the last report (most children of a large one)
+            usage = {d: b for d, b in all_usage.items()  # host RAM with account_host only
+                     if d not in seen or self.ledger.counted(seen[d].kind)}
             seen_ready = report.ready is None or name in report.ready
             if user.awaiting_usage and user.state.is_serving and seen_ready:
                 # The first report since it got ready: its load is charged now (the

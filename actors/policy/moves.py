@@ -38,6 +38,7 @@ from .records import (
     Suspend,
     Track,
     Wake,
+    eviction_cause,
 )
 from .replicas import UP
 from .state import State
@@ -73,7 +74,7 @@ class Moves:
         (R-4.4). O(1) a decision: a model is revoked once per grant."""
         revocable = self.state.revocable
         if revocable:  # (a grant given back meanwhile is not the front's: it ignores it)
-            self.state.out.append(Revoke(grants=tuple(revocable.items())))
+            self.state.out.append(Revoke(grants=tuple(revocable)))
             revocable.clear()
 
     def idle(self, rec: ModelRecord, now: float | None = None) -> None:
@@ -115,7 +116,7 @@ class Moves:
              now: float, shortfalls: list[Shortfall] | None = None,
              why: str | None = None) -> None:
         """Stop `rec`'s child; `why`: why it was not suspended instead."""
-        cause = self.eviction_cause(reason, for_model, shortfalls)
+        cause = eviction_cause(reason, for_model, shortfalls)
         if why:
             cause += f"; not suspended: {why}"
         self.transition(rec, S.STOPPING, cause, now)
@@ -130,7 +131,7 @@ class Moves:
         done, and its host copy is counted until then at its estimate."""
         host = self.state.host
         host.suspending(rec, self.state.ledger)
-        cause = self.eviction_cause(reason, for_model, shortfalls)
+        cause = eviction_cause(reason, for_model, shortfalls)
         why = f"suspended to host RAM (about {rec.host_bytes / MiB:.0f} MiB)"
         self.transition(rec, S.SUSPENDING, f"{cause}; {why}", now)
         self.evicted(rec, reason, for_model, shortfalls, "suspend", why)
@@ -243,16 +244,6 @@ class Moves:
                 busy |= self.state.memory.devices_of(other)
         return busy
 
-    @staticmethod
-    def eviction_cause(reason: EvictionReason, for_model: str | None,
-                       shortfalls: list[Shortfall] | None) -> str:
-        cause = f"{reason} eviction" + (f" for {for_model}" if for_model else "")
-        if shortfalls:
-            cause += " (" + ", ".join(f"{s.device}: needs {s.needed / MiB:.0f} MiB, "
-                                      f"{s.available / MiB:.0f} MiB available"
-                                      for s in shortfalls) + ")"
-        return cause
-
     def evicted(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
                 shortfalls: list[Shortfall] | None, action: Literal["stop", "suspend"],
                 why: str | None) -> None:
@@ -286,7 +277,7 @@ class Moves:
             # a key with limits: the Scheduler must see each of its requests (shares.py)
             shareable = shareable and not tenants.limited(key)
         if shareable and not rec.pinned:
-            self.state.revocable[rec.name] = rec.generation
+            self.state.revocable[(rec.group, rec.generation)] = None  # as the front has it
         if rec.rules.replicas is not None:  # busier copies: one more may be due
             self.state.groups.wanting.add(rec.group)
         self.state.out.append(Answer(ticket, Grant(
@@ -354,6 +345,10 @@ class Moves:
         self.publish_state(rec, cause, now, exit_code, info)
         if rec.takes_over and old is S.LOADING and new is not S.LOADED:
             self.not_taken_over(rec, now)
+        elif old.is_serving and not new.is_serving and state.groups.alternates:
+            partner = state.groups.partner(rec)  # a reload's newcomer is its copy's now
+            if partner is not None and partner.takes_over == rec.name:
+                state.groups.swap(partner)
 
     def retire(self, rec: ModelRecord, now: float) -> None:
         """Stop `rec` for a reload now if idle, else once its last request is released
@@ -385,7 +380,7 @@ class Moves:
         retry = rec.breaker.retry_at - now if rec.breaker.is_open(now) else None
         copy = rec.name if rec.rules.replicas is not None else None  # said of the model
         self.state.out.append(Publish(StatusChanged(
-            model=rec.group, status=shown(self.state.groups.of(rec)), cause=cause,
+            model=rec.group, status=shown(self.state.groups.all_of(rec)), cause=cause,
             exit_code=exit_code, info=info, failed=failed,
             exit=rec.last_exit if failed else None, retry_after_s=retry, replica=copy)))
 

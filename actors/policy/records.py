@@ -14,9 +14,20 @@ import msgspec
 
 from ..config import ModelRules
 from ..histogram import Histogram
-from ..ledger import Breakdown, MemoryInfo, MemoryStatus
+from ..ledger import Breakdown, MemoryInfo, MemoryStatus, MiB
 from ..lifecycle import ModelState
-from ..messages import Done, Event, Evicted, Grant, Refusal, Revoke, SchedulerMessage, Withdraw
+from ..messages import (
+    Done,
+    Event,
+    Evicted,
+    EvictionReason,
+    Grant,
+    Refusal,
+    Revoke,
+    SchedulerMessage,
+    Shortfall,
+    Withdraw,
+)
 
 if TYPE_CHECKING:
     from .breaker import Breaker
@@ -291,3 +302,12 @@ class Stats:
     """Model -> how long its wakes took, for those that succeeded."""
 
 
+def eviction_cause(reason: EvictionReason, for_model: str | None,
+                   shortfalls: list[Shortfall] | None) -> str:
+    """What an event says of an eviction: why, for whom, and each device's shortfall."""
+    cause = f"{reason} eviction" + (f" for {for_model}" if for_model else "")
+    if shortfalls:
+        cause += " (" + ", ".join(f"{s.device}: needs {s.needed / MiB:.0f} MiB, "
+                                  f"{s.available / MiB:.0f} MiB available"
+                                  for s in shortfalls) + ")"
+    return cause

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import OrderedDict
 from collections.abc import Callable
 
 from ..lifecycle import ModelState
@@ -19,6 +20,8 @@ from ..rules import SEPARATOR
 from .records import ModelRecord
 
 S = ModelState
+HOMES_MAX = 4096
+"""Prompts a model routed by prefix remembers the copy of (the least recent go first)."""
 UP = frozenset({S.LOADING, S.WAKING, S.LOADED, S.SLEEPING})
 """A copy that serves, or will once its load or wake ends."""
 
@@ -44,18 +47,24 @@ class Groups:
         """The groups with a copy up (only they may scale, or have spare copies): kept
         by `moved`, so a decision looks at those, not at every model with replicas."""
         self.alternates: dict[str, ModelRecord] = {}
-        """Config record's name -> its alternate (handover.py): serving beside it, or in
-        its place, until that child ends; never a member, never a load's target."""
+        """Config record's name -> its alternate (`NAME@next`, handover.py)."""
         self.owners: dict[str, ModelRecord] = {}
         """Alternate's name -> its config record."""
+        self.turned: dict[str, ModelRecord] = {}
+        """Config record's name -> its alternate, while that is the current one."""
+        self.homes: dict[str, OrderedDict[int, str]] = {}
+        """Model routed by prefix -> the prompts (affinities) it has seen, least recently
+        first -> the copy each went to (`home`)."""
+        self.homed: dict[str, dict[str, int]] = {}
+        """Model -> copy -> how many of those prompts went to it."""
 
     def add(self, rec: ModelRecord) -> None:
-        if rec.rules.replicas is None or rec.removed or rec.alternate_of:
+        if rec.rules.replicas is None or rec.removed or not self.is_current(rec):
             return
         group = self.members.setdefault(rec.group, [])
         group.append(rec)
         group.sort(key=number)  # the model's own record first
-        if group[0].name == rec.group:
+        if (group[0].alternate_of or group[0].name) == rec.group:
             for copy in group[1:]:
                 copy.breaker = group[0].breaker  # one breaker for the model
 
@@ -80,27 +89,63 @@ class Groups:
             self.active.pop(rec.group, None)
             self.busy_since.pop(rec.group, None)
 
+    # A copy's two records (handover.py): its config record and its alternate take turns
+    # as its current one, which is what serves it, loads it and is its group's member;
+    # the other holds at most a child on its way in or out.
+
+    def current(self, rec: ModelRecord) -> ModelRecord:
+        """The current record of the copy `rec` is a record of."""
+        config = self.owners.get(rec.name, rec)
+        return self.turned.get(config.name, config)
+
+    def is_current(self, rec: ModelRecord) -> bool:
+        turned = self.turned.get(rec.alternate_of or rec.name)
+        return turned is rec if turned is not None else rec.alternate_of is None
+
+    def partner(self, rec: ModelRecord) -> ModelRecord | None:
+        """The other record of `rec`'s copy, if it has one."""
+        return self.owners.get(rec.name) or self.alternates.get(rec.name)
+
+    def swap(self, new: ModelRecord) -> None:
+        """`new` becomes its copy's current record (its child is ready)."""
+        old = self.current(new)
+        config = self.owners.get(new.name, new)
+        if new is config:
+            self.turned.pop(config.name, None)
+        else:
+            self.turned[config.name] = new
+        group = self.members.get(new.group)
+        if group is not None and old in group:
+            group[group.index(old)] = new
+            self.moved(new)
+
     def of(self, rec: ModelRecord) -> list[ModelRecord]:
-        """`rec` and the other copies of its model, their alternates included."""
+        """The current records of the copies of `rec`'s model."""
         group = self.members.get(rec.group)
+        if group is not None:
+            return group
+        return [self.current(rec)] if self.turned else [rec]
+
+    def all_of(self, rec: ModelRecord) -> list[ModelRecord]:
+        """Every record of `rec`'s model: its copies' current ones and their partners."""
+        copies = self.of(rec)
         if not self.alternates:
-            return group or [rec]
-        base = group or [self.owners[rec.name] if rec.alternate_of else rec]
-        extra = [a for r in base if (a := self.alternates.get(r.name)) is not None]
-        return base + extra if extra else base
+            return copies
+        return copies + [p for r in copies if (p := self.partner(r)) is not None]
 
     def others_up(self, rec: ModelRecord) -> bool:
         """Another copy of its model serves or is on its way: `rec` going leaves the
-        model up."""
-        if rec.group not in self.members and not self.alternates:
+        model up (a child draining for a reload does not count)."""
+        if rec.group not in self.members and not self.turned:
             return False
-        return any(r is not rec and r.state in UP for r in self.of(rec))
+        return any(r is not rec and r.state in UP and not r.retiring for r in self.of(rec))
 
     def next_generation(self, rec: ModelRecord) -> int:
         """The generation `rec`'s next child gets: above every copy's, those a reload took
         out of the group while their children still run included (a model's count only
         grows, so one taken out and added back never meets its own generation again)."""
-        given = 1 + max(self.given.get(rec.group, 0), *(r.generation for r in self.of(rec)))
+        given = 1 + max(self.given.get(rec.group, 0),
+                        *(r.generation for r in self.all_of(rec)))
         if rec.rules.replicas is not None or rec.group in self.given:
             self.given[rec.group] = given
         return given
@@ -108,13 +153,10 @@ class Groups:
     def target(self, rec: ModelRecord) -> ModelRecord | None:
         """The copy a load of `rec`'s model starts (a suspended one wakes first, else the
         first unloaded one); a stopping one when nothing else is free; None when a copy
-        serves or is on its way already (the model needs no load). Never an alternate:
-        one loads only to take over from its config record (handover.py)."""
+        serves or is on its way already (the model needs no load)."""
         group = self.members.get(rec.group)
-        if self.alternates and any(r.alternate_of and r.state in UP for r in self.of(rec)):
-            return None
         if group is None:
-            return rec
+            return self.current(rec) if self.turned else rec
         if rec.group in self.active:  # a copy is up
             return None
         for wanted in (S.SUSPENDED, S.UNLOADED, S.STOPPING):
@@ -131,25 +173,54 @@ class Groups:
         (rendezvous hashing: a copy that comes or goes moves only its own share), unless
         it has more than prefix_overload requests above the least busy."""
         group = self.members.get(rec.group)
-        if group is None and not self.alternates:
+        if group is None:
+            rec = self.current(rec) if self.turned else rec
             return rec if has_room(rec) else None
-        ready = [r for r in self.of(rec) if has_room(r)]
+        ready = [r for r in group if has_room(r)]
         if len(ready) < 2:
             return ready[0] if ready else None
         rules = rec.rules.replicas
-        if rules is None:  # a model and its alternate, both serving (a reload's handover)
-            return min(ready, key=lambda r: r.in_flight)
+        assert rules is not None
         if rules.route == "prefix" and affinity:
             least = min(ready, key=lambda r: r.in_flight)
-            best = max(ready, key=lambda r: rank(affinity, r.name))
+            best = self.home(rec.group, affinity, ready, group)
             return best if best.in_flight - least.in_flight <= rules.prefix_overload else least
         a, b = self.rng.sample(ready, 2)
         return a if a.in_flight <= b.in_flight else b
 
+    def home(self, model: str, affinity: int, ready: list[ModelRecord],
+             copies: list[ModelRecord]) -> ModelRecord:
+        """The copy a prompt of `affinity` goes to: where it went last, while that copy
+        serves (its prompt is in that copy's cache); a prompt new to the model goes to the
+        copy rendezvous hashing ranks first among those below their even share of the
+        prompts remembered (consistent hashing with bounded loads: a copy's cache holds
+        its share of the conversations, not what a skewed hash gives it)."""
+        homes = self.homes.setdefault(model, OrderedDict())
+        counts = self.homed.setdefault(model, {})
+        name = homes.get(affinity)
+        if name is not None:
+            copy = next((r for r in copies if r.name == name), None)
+            if copy is not None and copy.state.is_serving and not copy.retiring:
+                homes.move_to_end(affinity)  # (a copy at its max_concurrency: not now)
+                return copy if copy in ready else min(ready, key=lambda r: r.in_flight)
+            counts[name] -= 1  # its copy is gone or going: a new home
+        share = -(-(len(homes) + (name is None)) // len(ready))  # ceil
+        ranked = sorted(ready, key=lambda r: rank(affinity, r.name), reverse=True)
+        copy = next((r for r in ranked if counts.get(r.name, 0) < share), ranked[0])
+        homes[affinity] = copy.name
+        homes.move_to_end(affinity)
+        counts[copy.name] = counts.get(copy.name, 0) + 1
+        if len(homes) > HOMES_MAX:
+            _, gone = homes.popitem(last=False)
+            counts[gone] -= 1
+        return copy
+
 
 def number(rec: ModelRecord) -> int:
-    """A copy's number: 1 for the model's own record, N for `NAME@N`."""
-    return 1 if rec.name == rec.group else int(rec.name.rpartition(SEPARATOR)[2])
+    """A copy's number: 1 for the model's own record, N for `NAME@N` (and its alternate,
+    `NAME@N@next`)."""
+    name = rec.alternate_of or rec.name
+    return 1 if name == rec.group else int(name.rpartition(SEPARATOR)[2])
 
 
 def rank(affinity: int, name: str) -> int:

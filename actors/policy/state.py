@@ -47,10 +47,10 @@ class State:
         released."""
         self.tenants = Tenants(tenants)
         """Every key's class, limits and usage (issue 22)."""
-        self.revocable: dict[str, int] = {}
-        """Model -> generation, for the unpinned models granted a shareable grant since the
-        last revocation: the front may be keeping it idle after its last request (a lease,
-        actors/http/shares.py)."""
+        self.revocable: dict[tuple[str, int], None] = {}
+        """(model, generation) of the unpinned children granted a shareable grant since the
+        last revocation (a set, in order): the front may be keeping it idle after its last
+        request (a lease, actors/http/shares.py)."""
         self.cuts = Cuts()
         """The requests that may be cut for a higher class (priority_preempt)."""
         self.nodes = NodeSlots(models_max_per_node)
@@ -120,11 +120,16 @@ class State:
     def drop(self, name: str) -> None:
         """Forget a model a reload removed (its child, if any, is reaped)."""
         rec = self.models.pop(name)
-        self.groups.drop(rec)
-        if rec.alternate_of:
-            self.groups.alternates.pop(rec.alternate_of, None)
-            self.groups.owners.pop(name, None)
-        self.last_generation[name] = rec.generation
+        groups = self.groups
+        generation = max(r.generation for r in [rec, *groups.all_of(rec)])
+        groups.drop(rec)
+        config = rec.alternate_of or name  # its copy's pair is no more, once both are gone
+        alternate = groups.alternates.get(config)
+        if alternate is not None and (alternate is rec or alternate.name not in self.models):
+            del groups.alternates[config]
+            groups.owners.pop(alternate.name, None)
+            groups.turned.pop(config, None)
+        self.last_generation[name] = generation
         self.victims.forget(name)
         self.ledger.release(name)
         self.rewarm()
@@ -140,8 +145,10 @@ class State:
 
     def needs_slot(self, entry: QueueEntry, now: float) -> bool:
         """A slot (models_max) would go to `entry`'s model: a load, or a wake."""
+        if entry.claimed:  # (most of a busy cluster's entries: their loads run)
+            return False
         rec = self.groups.target(self.models[entry.model])
-        return (not entry.claimed and rec is not None
+        return (rec is not None
                 and rec.state in (S.UNLOADED, S.STOPPING, S.SUSPENDED)
                 and not rec.breaker.is_open(now) and not self.only_blocked(entry))
 

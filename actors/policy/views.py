@@ -26,31 +26,28 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
         if rec.removed or rec.rules.group:
             continue  # a replica is shown in its model's entry
         copies = p.groups.members.get(rec.name)
-        if p.groups.alternates and copies is not None:
-            copies = p.groups.of(rec)  # a reload's new child beside a copy: shown too
-        pair = p.groups.of(rec) if copies is None and p.groups.alternates else [rec]
-        child = max(pair, key=lambda r: (r.state.is_serving and not r.retiring,
-                                         r.state in UP, r is rec))  # what a request meets
+        every = p.groups.all_of(rec)  # its copies' records, a reload's new or old child too
+        child = p.groups.of(rec)[0]  # its first copy's current record: what a request meets
         entry = p.queue.entry(rec.name)
         oldest = (now - p.queue.waiters[next(iter(entry.waiters))].queued_at
                   if entry is not None and entry.waiters else None)
-        after = p.ttl_after(rec)
-        expires = rec.idle_from + after - now if after is not None else None
+        after = p.ttl_after(child)
+        expires = child.idle_from + after - now if after is not None else None
         if copies is not None:  # when the first of its idle copies goes
             dues = [r.idle_from + a - now for r in copies
                     if r.state in UP and (a := p.ttl_after(r)) is not None]
             expires = min(dues) if dues else None
         views.append(ModelView(
-            name=rec.name, state=shown(copies or pair), generation=child.generation,
-            in_flight=sum(r.in_flight for r in copies or pair),
+            name=rec.name, state=shown(every), generation=child.generation,
+            in_flight=sum(r.in_flight for r in every),
             waiting=len(entry.waiters) if entry else 0,
             pid=child.pid, port=child.port, exit_code=child.exit_code,
             last_exit=child.last_exit,
-            last_eviction=max(pair, key=lambda r: r.evicted_at).last_eviction,
-            loads=sum(r.loads for r in copies or pair),
-            loads_ok=sum(r.loads_ok for r in copies or pair),
-            load_s_total=sum(r.load_s_total for r in copies or pair),
-            evictions=evictions(p, [r.name for r in copies or pair]),
+            last_eviction=max(every, key=lambda r: r.evicted_at).last_eviction,
+            loads=sum(r.loads for r in every),
+            loads_ok=sum(r.loads_ok for r in every),
+            load_s_total=sum(r.load_s_total for r in every),
+            evictions=evictions(p, [r.name for r in every]),
             memory=rec.memory_info(), info=child.info, progress=child.progress,
             failed=child.failed and child.state is S.UNLOADED,
             retry_after_s=rec.breaker.retry_at - now if rec.breaker.is_open(now) else None,
@@ -62,7 +59,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             queue_position=places.get(rec.name) if oldest is not None else None,
             phase=child.state.value if child.state.value != child.state.shown else None,
             host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
-            replicas=[replica_view(r) for r in copies] if copies is not None else None))
+            replicas=[replica_view(r) for r in every] if copies is not None else None))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
                           queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
@@ -159,7 +156,8 @@ def check(p: State) -> None:
     assert p.n_suspended == sum(r.state in (S.SUSPENDING, S.SUSPENDED) for r in recs)
     for name, group in p.groups.members.items():
         most = group[0].rules.replicas
-        assert most is not None and group[0].name == name, f"{name}: group"
+        assert most is not None and (group[0].alternate_of or group[0].name) == name, \
+            f"{name}: group"
         assert sum(not r.removed for r in group) <= most.most, f"{name}: above max"
         generations = [r.generation for r in group if r.state.is_running]
         assert len(set(generations)) == len(generations), f"{name}: a generation twice"
