@@ -32,7 +32,8 @@ class Replicas(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     each copy getting an even share of the prompts (actors/policy/replicas.py `home`),
     unless it has `prefix_overload` more in flight than the least busy."""
     prefix_bytes: Annotated[int, Meta(ge=1)] = 2048
-    """How much of a prompt (its messages' text, or `prompt`) names its copy."""
+    """How much of a prompt names its copy (a chat's system messages and first other
+    message, or a completion's `prompt`: actors/http/affinity.py)."""
     prefix_overload: Annotated[int, Meta(ge=0)] = 4
     target_in_flight: Annotated[int, Meta(ge=1)] = 4
     """A copy is added when the copies average more requests in flight than this..."""

@@ -119,3 +119,32 @@ def test_replica_settings_that_cannot_work_are_refused_saying_where(tmp_path: Pa
         parse(toml_config({"a": {"cmd": ["x"], "replicas": 2}, "a@2": {"cmd": ["y"]}}))
     with pytest.raises(ConfigError, match="replicas"):
         parse(toml_config({"a": {"cmd": ["x"], "replicas": {"mni": 2}}}))
+
+
+def test_every_turn_of_a_conversation_hashes_alike_and_conversations_differ() -> None:
+    """The prefix hash (actors/http/affinity.py) is the system prompt and the first user
+    message, cut at prefix_bytes: stable as the conversation grows."""
+    import json
+
+    from actors.http.affinity import affinity
+
+    def h(messages: list[dict[str, Any]], prefix_bytes: int = 2048) -> int:
+        return affinity(json.dumps({"model": "a", "messages": messages}).encode(), prefix_bytes)
+
+    system = {"role": "system", "content": "you are terse. " * 130}  # ~1,950 bytes
+    first = [system, {"role": "user", "content": "what is a corral?"}]
+    later = [*first, {"role": "assistant", "content": "a pen. " * 20},
+             {"role": "user", "content": "and a router?"}]
+    assert h(first) == h(later) == h([*later, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "y"}])
+    assert h(first) != h([system, {"role": "user", "content": "what is a swap?"}])
+    long = {"role": "system", "content": "z" * 5000}  # past prefix_bytes: one hash for all
+    assert h([long, {"role": "user", "content": "p"}]) == h([long, {"role": "user",
+                                                                    "content": "q"}])
+    assert h([{"role": "user", "content": "no system prompt"}]) == h(
+        [{"role": "user", "content": "no system prompt"}, {"role": "assistant", "content": "ok"},
+         {"role": "user", "content": "more"}])
+    prompt = json.dumps({"model": "a", "prompt": "p" * 100 + "tail"}).encode()
+    assert affinity(prompt, 100) == affinity(
+        json.dumps({"model": "a", "prompt": "p" * 100 + "other"}).encode(), 100)
+    assert affinity(b"not json", 64) == 0 and affinity(b'{"model": "a"}', 64) == 0

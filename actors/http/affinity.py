@@ -1,8 +1,12 @@
-"""Which copy a prompt belongs to (issue 24, `route = "prefix"`): a hash of the first
-`prefix_bytes` of the prompt as the child will see it begin: each message's role and
-text in order (a chat), or `prompt` (a completion). Requests whose prompts begin alike
-get the same hash, and the Scheduler sends them to the same copy (policy/replicas.py),
-whose prompt cache then holds that beginning already.
+"""Which copy a prompt belongs to (issue 24, `route = "prefix"`): a hash of how the prompt
+begins as the child will see it. A chat hashes its leading system (or developer) messages
+and the first message after them (role and text, in order), cut at `prefix_bytes`: what
+every turn of one conversation begins with, so each turn hashes alike (a plain cut of the
+whole history at `prefix_bytes` would move with each new turn while the conversation is
+shorter than that), and conversations that share a long system prompt hash alike too. A
+completion hashes the first `prefix_bytes` of `prompt`. Requests whose prompts begin
+alike get the same hash, and the Scheduler sends them to the same copy
+(policy/replicas.py), whose prompt cache then holds that beginning already.
 
 Only the fields that make the prompt are decoded; a body that has none of them, or that
 is not what a chat or completion body is, gets 0 (no affinity: least loaded).
@@ -40,7 +44,7 @@ def affinity(body: bytes, prefix_bytes: int) -> int:
         return 0
     text = bytearray()
     if head.messages:
-        for message in head.messages:
+        for message in head.messages:  # the system messages, then the first other one
             text += (message.role or "").encode() + b"\n"
             content = message.content
             if isinstance(content, str):
@@ -48,7 +52,7 @@ def affinity(body: bytes, prefix_bytes: int) -> int:
             elif content:
                 text += "".join(p.text or "" for p in content).encode()
             text += b"\n"
-            if len(text) >= prefix_bytes:
+            if len(text) >= prefix_bytes or message.role not in ("system", "developer"):
                 break
     elif isinstance(head.prompt, str):
         text += head.prompt.encode()
