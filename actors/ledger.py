@@ -8,12 +8,14 @@ here reads a device or a clock.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
 MiB = 1024 * 1024
+NOTHING_HELD: dict[str, int] = {}
 
 
 # Device names. A device on corral's own machine has its backend's name (`CUDA0`, `sim0`);
@@ -25,6 +27,7 @@ def on_node(node: str, device: str) -> str:
     return f"{node}/{device}"
 
 
+@functools.cache  # (a pure function of a name, asked thousands of times a plan)
 def node_of(device: str) -> str | None:
     """The node a device is on: `node_b/CUDA0` is on node_b; a name with no node is on
     corral's own machine (None)."""
@@ -231,6 +234,12 @@ class Ledger:
                 self._per_device = None
         elif self.held.pop(model, None) is not None:
             self._per_device = None
+
+    def all_available(self) -> dict[str, int]:
+        """Device -> `available(device)`, for every device reported."""
+        self._held_by_others("", None)  # (the totals, summed if they are not)
+        held = self._per_device or NOTHING_HELD
+        return {d: dev.total - dev.external - held.get(d, 0) for d, dev in self.devices.items()}
 
     def available(self, device: str) -> int | None:
         """Bytes not used by anyone on `device`; None if the device was never reported."""

@@ -5,6 +5,7 @@ evict these first, or refuse. It decides; the core carries the plan out.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -233,8 +234,8 @@ class Memory:
         rooms = {node: self.nodes.room(node, rec, models, victims)
                  for node in {node_of(p[0]) for p in free_places} if node is not None}
         full = {node: room for node, room in rooms.items() if room.kind != "free"}
-        available = {d: self.ledger.available(d) for d in self.ledger.devices}
-        frees = [sum(available.get(d) or 0 for d in devices) for devices in free_places]
+        available: dict[str, int | None] = dict(self.ledger.all_available())
+        frees = [sum([available.get(d) or 0 for d in devices]) for devices in free_places]
         short_at = shortage(self.need(rec), len(free_places[0]), available, self.ledger)
         placed: dict[int, Breakdown | None] = {}
 
@@ -244,12 +245,16 @@ class Memory:
             return placed[i]
 
         # The cheapest there is: where it fits as things are, the most free memory of
-        # those, the first of equals; tried in that order, so the first fit is the one.
-        for i in sorted(range(len(free_places)), key=lambda i: (-frees[i], i)):
-            if node_of(free_places[i][0]) not in full and not short_at(free_places[i], None):
-                plan = Plan("go")
-                plan.devices = list(free_places[i])  # (the cached lists are shared)
-                return plan
+        # those, the first of equals.
+        spread = {d for devices in free_places for d in devices}
+        room_now = set() if short_at([], None) else {d for d in spread
+                                                     if not short_at([d], None)}
+        fits = [i for i, devices in enumerate(free_places)
+                if room_now.issuperset(devices) and node_of(devices[0]) not in full]
+        if fits:
+            plan = Plan("go")
+            plan.devices = list(free_places[min(fits, key=lambda i: (-frees[i], i))])
+            return plan  # (the cached lists are shared: a copy)
         around = self._around(models)
         rank_of = {v.name: i for i, v in enumerate(victims)}
         on_device: dict[str, list[ModelRecord]] = {}  # the victims holding memory there
@@ -287,24 +292,34 @@ class Memory:
             recency = max((v.last_used for v, _ in plan.evict), default=0.0)
             return (rank, recency, -frees[i], i), plan
 
+        # The lower bound of each place (weigh() only where it may win), from facts per
+        # device found once: short even with what is coming back, a place costs an
+        # eviction (its first victim's use at least) or a wait, unless nothing else holds
+        # memory there (then it goes anyway).
+        first_on = {d: on[0].last_used for d, on in on_device.items()}  # its LRU victim's
+        alone = {d for d in spread if not any(r is not rec for r in around.holders.get(d, ()))}
+        roomy = {d for d in spread if not short_at([d], around.coming_back)}
+        off_short = short_at([], around.coming_back)  # (what it needs off the GPUs)
+        victim_of = {node: room.victim for node, room in full.items() if room.victim}
+
         def bound(i: int) -> tuple[float, ...]:
-            """No cost at place i is below this (cheap: weigh() only where it may win).
-            Short even with what is coming back, a place costs an eviction (its first
-            victim's use at least) or a wait, unless nothing else holds memory there
-            (then it goes anyway)."""
             devices = free_places[i]
-            if not any(r is not rec for d in devices for r in around.holders.get(d, [])):
+            if alone.issuperset(devices):
                 return (0, 0.0, -frees[i], i)
-            if not short_at(devices, around.coming_back):
+            if not off_short and roomy.issuperset(devices):
                 return (1, 0.0, -frees[i], i)
-            room = full.get(node_of(devices[0]) or "")
-            firsts = [on_device[d][0].last_used for d in devices if on_device.get(d)]
-            if room is not None and room.victim is not None:
-                firsts = [room.victim.last_used]
+            slot = victim_of.get(node_of(devices[0]) or "") if victim_of else None
+            if slot is not None:
+                return (2, slot.last_used, -frees[i], i)
+            firsts = [first_on[d] for d in devices if d in first_on]
             return (2, min(firsts), -frees[i], i) if firsts else (3, 0.0, -frees[i], i)
 
         best: tuple[tuple[float, ...], Plan] | None = None
-        for low, i in sorted((bound(i), i) for i in range(len(free_places))):
+        lows = [bound(i) for i in range(len(free_places))]  # (each ends in i: unique)
+        heapq.heapify(lows)
+        while lows:
+            low = heapq.heappop(lows)
+            i = int(low[-1])
             if best is not None and best[0] <= low and not exhaustive:
                 break  # no place left can cost less (R-5.9: the same choice, weighed less)
             weighed = weigh(i)

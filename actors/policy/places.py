@@ -65,12 +65,19 @@ def shortage(need: Breakdown | None, per_place: int, available: dict[str, int | 
     off_gpu = Breakdown(need.n_ctx, [r for r in need.devices if r.kind != "device"])
     off_short: dict[bool, bool] = {}
     margin = ledger.margin
+    memo: dict[int, dict[str, bool]] = {}
+    """id(back) -> device -> short there (a plan asks of a device from every place it is
+    in, with at most two `back`s, both alive for the plan)."""
 
     def short(devices: list[str], back: dict[str, int] | None) -> bool:
         coming = back if back is not None else NOTHING
+        known = memo.setdefault(id(coming), {})
         for d in devices:
-            a = available.get(d)
-            if a is not None and a + coming.get(d, 0) - margin < share:
+            there = known.get(d)
+            if there is None:
+                a = available.get(d)
+                there = known[d] = a is not None and a + coming.get(d, 0) - margin < share
+            if there:
                 return True
         if (back is None) not in off_short:
             off_short[back is None] = bool(ledger.deficit(off_gpu, back))
