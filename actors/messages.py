@@ -53,6 +53,10 @@ class Grant(Message, frozen=True, kw_only=True):
     its grants may be shared again after the Withdraw of its suspend."""
     instance: str = ""
     """The copy that serves it (issue 24): `NAME@2` ...; "" for the model's own."""
+    solo: bool = False
+    """A shareable grant of a model with copies: the Scheduler routes each request among
+    them, so one joins it only while no request is on it (a lease for the lone client),
+    and only with the same prompt hash (shares.py)."""
 
     @property
     def serving(self) -> tuple[int, int]:

@@ -79,7 +79,7 @@ def test_least_loaded_spreads_requests_and_every_grant_names_the_model() -> None
     into = [granted_into(w, t) for t in range(8)]
     assert sorted(into.count(c) for c in ("a", "a@2")) == [4, 4]
     assert all(isinstance(w.answers[t], Grant) and w.answers[t].model == "a"  # type: ignore[union-attr]
-               and not w.answers[t].shareable for t in range(8))  # type: ignore[union-attr]
+               and w.answers[t].solo for t in range(8))  # type: ignore[union-attr]
     view = w.p.snapshot(w.now).models[-1]
     assert view.name == "a" and view.in_flight == 8 and view.state == "loaded"
     assert [c.name for c in view.replicas or []] == ["a", "a@2"]

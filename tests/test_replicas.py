@@ -148,3 +148,27 @@ def test_every_turn_of_a_conversation_hashes_alike_and_conversations_differ() ->
     assert affinity(prompt, 100) == affinity(
         json.dumps({"model": "a", "prompt": "p" * 100 + "other"}).encode(), 100)
     assert affinity(b"not json", 64) == 0 and affinity(b'{"model": "a"}', 64) == 0
+
+
+def test_a_lone_client_reuses_a_kept_grant_and_overlapping_requests_are_routed(corral,
+                                                                               tmp_path) -> None:
+    """A copy's grant is kept after its last request (a lease) and joined by the next
+    request only while no request is on it: the lone client skips the Scheduler, and
+    overlapping requests are still routed among the copies."""
+    from tests.test_shares import metric
+
+    c = corral(toml_config({"a": {"cmd": SLOW, "replicas": 2}}, models_max=3,
+                           http={"lease_linger_ms": 60_000}))
+    assert chat(c.port, "a")[0] == 200
+    ports = [x["port"] for x in copies(c)]
+    joined = metric(c.port, "corral_requests_joined_total")
+    for _ in range(5):
+        assert chat(c.port, "a", max_tokens=2)[0] == 200
+    assert metric(c.port, "corral_requests_joined_total") == joined + 5
+    before = [served(p) for p in ports]
+    joined = metric(c.port, "corral_requests_joined_total")
+    answers = burst(c.port, 8)
+    assert [s for s, _ in answers] == [200] * 8
+    gained = [served(p) - b for p, b in zip(ports, before, strict=True)]
+    assert sum(gained) == 8 and min(gained) >= 2, gained  # both copies served
+    assert metric(c.port, "corral_requests_joined_total") - joined <= 1  # the idle lease

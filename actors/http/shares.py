@@ -50,8 +50,8 @@ it had is asked whether it is still there: a connect, which may take PROBE_TIMEO
 
 
 class SharedGrant:
-    __slots__ = ("count", "grant", "idle_since", "joined", "keep", "linger_s", "ticket",
-                 "tokens")
+    __slots__ = ("affinity", "count", "grant", "idle_since", "joined", "keep", "linger_s",
+                 "ticket", "tokens")
 
     def __init__(self, ticket: LoopReply, grant: Grant) -> None:
         self.ticket = ticket
@@ -68,6 +68,8 @@ class SharedGrant:
         """For how long from then."""
         self.tokens = 0
         """Tokens its requests used (told to the Scheduler with its release)."""
+        self.affinity = 0
+        """The prompt hash of the request it was granted for (Grant.solo)."""
 
 
 class Shares:
@@ -106,8 +108,11 @@ class Shares:
         """Join the model's open grant, or ask the Scheduler for one. A request whose
         `key` has limits always asks: the Scheduler counts each of them (once: `retry`
         says it asked before); one cut before is not `cuttable` again; `affinity`: its
-        prompt's hash, for a model with copies (their grants are never shared)."""
+        prompt's hash, for a model with copies (a copy's grant is joined only idle)."""
         share = self.open.get(model) if key is None or key.shares else None
+        if share is not None and share.grant.solo and (share.count
+                                                       or share.affinity != affinity):
+            share = None  # a copy's grant: the Scheduler routes all but the lone request
         if share is not None:
             share.count += 1
             share.joined += 1
@@ -121,6 +126,7 @@ class Shares:
         if isinstance(answer, Refusal):
             return answer
         share = SharedGrant(ticket, answer)
+        share.affinity = affinity
         seen, newest = self.revoked.get(model, (0, 0))
         if seen != revokes and answer.generation <= newest:
             share.keep = False

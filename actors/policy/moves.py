@@ -263,9 +263,11 @@ class Moves:
         self.state.stats.granted += 1
         self.state.leases[ticket] = (rec.name, rec.generation, key)
         tenants = self.state.tenants
-        # One grant of a model with copies serves one request: the front would send the
-        # requests that join a grant to its copy, past the routing (replicas.py).
-        shareable = not rec.rules.max_concurrency and rec.rules.replicas is None
+        # One grant of a model with copies serves one request at a time: the front would
+        # send the requests that join a grant to its copy, past the routing (replicas.py);
+        # it may keep one idle for the next lone request (Grant.solo).
+        shareable = not rec.rules.max_concurrency
+        solo = shareable and rec.rules.replicas is not None
         if (waiter.cuttable if waiter else cuttable) and rec.rules.max_concurrency \
                 and self.state.cuts.on:
             self.state.cuts.granted(ticket, Slot(  # one request a grant: it may be cut
@@ -283,7 +285,7 @@ class Moves:
         self.state.out.append(Answer(ticket, Grant(
             model=rec.group, generation=rec.generation, host=rec.host, port=rec.port,
             shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes,
-            instance=rec.copy_name)))
+            instance=rec.copy_name, solo=solo)))
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,
