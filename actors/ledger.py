@@ -123,6 +123,9 @@ class Ledger:
     devices report 0 bytes): what a placement's candidates are computed from."""
     _samples: dict[str, tuple[DeviceSample, int | None]] = field(default_factory=dict)
     """Device -> its last sample and managed bytes: an identical one changes nothing."""
+    version: int = 0
+    """Bumped by every change to what a device has free or a model holds (a plan that
+    waited may be given again while nothing has changed: policy/memory.py)."""
     _per_device: dict[str, int] | None = None
     """Device -> bytes held by all models: summed when asked, dropped when `held`
     changes (a plan asks once per place it weighs; there can be thousands)."""
@@ -158,6 +161,7 @@ class Ledger:
             own = row.self_bytes if reporter is not None else 0
             dev = self._device(row.name, row.total, row.kind)
             self._samples.pop(row.name, None)  # the next sample is applied, as it is
+            self.version += 1
             dev.free = row.free
             dev.external = max(0, row.total - row.free - own
                                - self._held_by_others(row.name, reporter))
@@ -175,6 +179,7 @@ class Ledger:
         if managed is not None and last == (sample, managed):
             return  # as the last time: nothing to recompute (most of a large report)
         self._samples[sample.name] = (sample, managed)
+        self.version += 1
         if sample.total <= 0:  # gone (a lost node's device): nothing is placed on it
             dev = self._device(sample.name, 0, sample.kind)
             dev.free = 0
@@ -221,6 +226,7 @@ class Ledger:
     def release(self, model: str) -> None:
         """The child is gone and no report shows it any more: it holds nothing."""
         self._per_device = None
+        self.version += 1
         self.held.pop(model, None)
         self.reserved.pop(model, None)
         self.observed.pop(model, None)
@@ -232,8 +238,10 @@ class Ledger:
             if self.held.get(model) != hold:
                 self.held[model] = hold
                 self._per_device = None
+                self.version += 1
         elif self.held.pop(model, None) is not None:
             self._per_device = None
+            self.version += 1
 
     def all_available(self) -> dict[str, int]:
         """Device -> `available(device)`, for every device reported."""

@@ -127,14 +127,12 @@ def test_make_before_break_off_stops_the_old_child_first() -> None:
 
 def test_with_no_memory_for_both_the_old_child_stops_first() -> None:
     w = MemWorld({"a": 5, "b": 2})
-    w.sizes["a@next"] = 5
     w.load_idle("a")
     w.report()
     reload(w, "a")  # the figures are measured again: 5 GiB beside 5 GiB of 9 usable
     w.run(w.p.children.measured("a", True, need(5), need(5), w.tick()))
     assert w.stops == [("a", "reload")] and "a@next" not in dict(w.spawns)
     small = MemWorld({"a": 3, "b": 2})
-    small.sizes["a@next"] = 3
     small.load_idle("a")
     small.report()
     reload(small, "a")

@@ -55,7 +55,8 @@ class MemWorld(World):
             elif isinstance(e, Publish):
                 self.events.append(e.event)
             elif isinstance(e, Spawn):
-                self.actual[e.model] = int(self.sizes[e.model] * GiB)
+                # (a reload's new child of a model loads as its alternate: e.serves)
+                self.actual[e.model] = int(self.sizes[e.serves or e.model] * GiB)
                 started.append(e)
             elif isinstance(e, Track):
                 if e.event == "exited":

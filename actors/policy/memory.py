@@ -1,22 +1,22 @@
-"""The memory part of the policy (SPEC R-5.2, R-5.5 to R-5.7): what a measurement or a
-device report means for the ledger, and the plan for a model about to load: go, wait,
-evict these first, or refuse. It decides; the core carries the plan out.
+"""The memory part of the policy (SPEC R-5.2, R-5.5 to R-5.7): the plan for a model about
+to load: go, wait, evict these first, or refuse (what a measurement or a device report
+means for the ledger: reports.py). It decides; the core carries the plan out.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB, node_of
 from ..lifecycle import ModelState
-from ..messages import DeviceReport, ModelMemory, Shortfall
+from ..messages import Shortfall
 from .nodes import NodeSlots
 from .places import Places, shortage
-from .records import Effect, Learned, Measure, ModelRecord, Publish
+from .records import ModelRecord
+from .reports import Reports
 
 log = logging.getLogger("corral.scheduler")
 
@@ -56,7 +56,7 @@ class Around:
         return Around(coming_back, self.holders)
 
 
-class Memory:
+class Memory(Reports):
     def __init__(self, margin: int, account_host: bool, nodes: NodeSlots | None = None) -> None:
         self.on = margin > 0
         """Memory accounting decides loads; off at margin 0, as in the reference."""
@@ -67,94 +67,14 @@ class Memory:
         self.releasing: set[ModelRecord] = set()
         """The records whose `releasing` was set (a superset of those it still is)."""
         self.backends: list[str] = []
+        self.epoch = 0
+        """Bumped by every change of a record's state and every device report: with the
+        ledger's version, what a plan that waits for memory coming back depends on."""
+        self.waits: dict[str, tuple[tuple[object, ...], Plan]] = {}
+        """Model -> the inputs and the plan of its last wait for memory coming back."""
         self.usage_seen: dict[str, tuple[dict[str, int], int]] = {}
         """Model -> its usage in the last device report, and the ledger's shape then: the
         same again needs no work."""
-
-    # ------------------------------------------------------------ facts
-
-    def unmeasured(self, models: Iterable[ModelRecord]) -> list[Effect]:
-        """Queue every unmeasured model at the back of the measure queue (R-5.2)."""
-        if not self.on:
-            return []
-        return [Measure(rec.name, front=False) for rec in models
-                if rec.memory == "unmeasured" and not rec.rules.group]  # a copy: as its model
-
-    def measured(self, rec: ModelRecord, ok: bool, min_: Breakdown | None,
-                 max_: Breakdown | None, error: str | None,
-                 at_load: bool = False) -> list[Effect]:
-        """A measurement ended; a failed one leaves the model outside the limits (R-5.2);
-        `at_load`: its first load will be its measurement (a `probe` model)."""
-        rec.measure_requested_first = False
-        rec.mem_error = error
-        if at_load:
-            rec.memory, rec.mem_min, rec.mem_max = "at_load", None, None
-        elif ok:
-            rec.memory, rec.mem_min, rec.mem_max = "measured", min_, max_
-            if max_ is not None:  # a device not yet reported: the measure child's view
-                self.ledger.calibrate(max_, reporter=None, unknown_only=True)
-        else:
-            rec.memory, rec.mem_min, rec.mem_max = "failed", None, None
-        return [Publish(ModelMemory(model=rec.name, memory=rec.memory_info()))]
-
-    def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> list[Effect]:
-        """Fresh device figures: finish releases, calibrate, learn real usage (R-5.5, R-5.6)."""
-        self.backends = report.backends
-        tracked = set(report.tracked)
-        for rec in list(self.releasing):
-            if not rec.releasing or models.get(rec.name) is not rec:
-                self.releasing.discard(rec)  # spawned again, or dropped, meanwhile
-            elif rec.name not in tracked:
-                # Sampled after the monitor forgot the child: from now on whatever the
-                # device still shows for it is counted as external.
-                rec.releasing = False
-                self.releasing.discard(rec)
-                if not rec.state.is_running:
-                    self.ledger.release(rec.name)
-        for sample in report.devices:
-            self.ledger.observe(sample, report.managed.get(sample.name))
-        seen = {d.name: d for d in report.devices}
-        out: list[Effect] = []
-        last, self.usage_seen = self.usage_seen, {}
-        observed, shape = self.ledger.observed, self.ledger.shape
-        for name, all_usage in report.usage.items():
-            user = models.get(name)
-            if user is None or not user.state.is_running:
-                continue
-            self.usage_seen[name] = (all_usage, shape)
-            if (not user.awaiting_usage and last.get(name) == (all_usage, shape)
-                    and name in observed):
-                continue  # as in the last report (most children of a large one)
-            usage = {d: b for d, b in all_usage.items()  # host RAM with account_host only
-                     if d not in seen or self.ledger.counted(seen[d].kind)}
-            seen_ready = report.ready is None or name in report.ready
-            if user.awaiting_usage and user.state.is_serving and seen_ready:
-                # The first report since it got ready: its load is charged now (the
-                # next load on its devices may go), at what it really uses.
-                user.awaiting_usage = False
-                if usage:
-                    n_ctx = (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
-                    user.mem_effective = Breakdown(n_ctx, [
-                        DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total,
-                                  free=seen[d].free, model=size)
-                        for d, size in usage.items() if d in seen and size > 0])
-                    self.ledger.reserve(name, user.mem_effective)
-                    log.info("model %s uses %s", name, ", ".join(
-                        f"{size / MiB:.0f} MiB on {d}" for d, size in usage.items()))
-                    if user.memory in ("at_load", "failed"):
-                        out += self._learned(user, user.mem_effective)
-            if usage:
-                self.ledger.saw(name, usage)  # use above its reservation is held too
-        return out
-
-    @staticmethod
-    def _learned(rec: ModelRecord, figures: Breakdown) -> list[Effect]:
-        """No figures but a running child: what it uses is its measurement (a probe is a
-        load like any other, and no second copy of a serving model is ever started)."""
-        log.info("model %s measured by its running child", rec.name)
-        rec.memory, rec.mem_min, rec.mem_max, rec.mem_error = "measured", figures, figures, None
-        return [Publish(ModelMemory(model=rec.name, memory=rec.memory_info())),
-                Learned(rec.name, figures)]
 
     @staticmethod
     def need(rec: ModelRecord) -> Breakdown | None:
@@ -206,7 +126,26 @@ class Memory:
         used first. With several places it may go, the cheapest wins: one where it fits
         as things are, then one where it fits once the children already stopping are
         gone, then one where the idle models to evict were used least recently, then one
-        where it waits; ties go to the most free memory (R-5.9)."""
+        where it waits; ties go to the most free memory (R-5.9).
+
+        A plan that waits for memory coming back is the cheapest there is but for one
+        that fits as things are: no new victim makes a cheaper one, so while no record's
+        state, device figure or hold has changed, the same plan is given again (a full
+        cluster's head of queue is planned at every request that comes or goes)."""
+        inputs = (rec.generation, id(rec.rules), rec.memory, id(rec.mem_max), id(rec.mem_min),
+                  self.ledger.version, self.epoch, frozenset(busy or ()), len(self.nodes.down))
+        if not exhaustive and (last := self.waits.get(rec.name)) and last[0] == inputs:
+            return last[1]
+        plan = self._plan(rec, models, victims, busy, exhaustive)
+        if plan.verdict == "wait" and plan.fits_once_freed and not plan.evict:
+            self.waits[rec.name] = (inputs, plan)
+        else:
+            self.waits.pop(rec.name, None)
+        return plan
+
+    def _plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
+              victims: list[ModelRecord], busy: set[str] | None,
+              exhaustive: bool) -> Plan:
         if not rec.memory_settled:
             return Plan("wait", measure=not rec.measure_requested_first)  # the measurement decides
         places = self.candidates(rec)

@@ -322,6 +322,7 @@ class Moves:
                     exit_code: int | None = None, info: dict[str, Any] | None = None) -> None:
         check_transition(rec.name, rec.state, new)
         state, old = self.state, rec.state
+        state.memory.epoch += 1  # (a plan that waited is made again)
         held = rec.holds_slot
         rec.draining = rec.draining and new is S.SUSPENDED
         rec.slotless = new is S.STOPPING and (old is S.SUSPENDED or rec.slotless)
