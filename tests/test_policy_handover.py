@@ -296,3 +296,64 @@ class HandoverMachine(RuleBasedStateMachine):
 TestHandovers = HandoverMachine.TestCase
 TestHandovers.settings = settings(max_examples=int(os.environ.get(
     "CORRAL_STATEFUL_EXAMPLES", "100")), stateful_step_count=80, deadline=None)
+
+
+# ---------------------------------------------------------------- found by review
+
+
+def test_a_failed_newcomer_refuses_nobody_who_waits_for_the_old_child() -> None:
+    w = World(models_max=4, names="ab", rules={"a": ModelRules(max_concurrency=1),
+                                                "b": ModelRules()})
+    w.load_idle("a")
+    w.acquire("t1", "a")
+    w.acquire("t2", "a")  # waits for a's one slot
+    reload(w, "a", rules=ModelRules(max_concurrency=1, ttl_s=7.0))
+    w.exited("a@next", rc=1)
+    assert "t2" not in w.answers, "the old child still serves it"
+    w.release("t1")
+    assert isinstance(w.answers["t2"], Grant)
+
+
+def test_a_failed_newcomer_of_a_permanent_model_leaves_no_load_queued() -> None:
+    w = World(models_max=2, names="ab", rules={"a": ModelRules(permanent=True, ttl_s=10.0),
+                                                "b": ModelRules()})
+    w.load_idle("a")
+    reload(w, "a", rules=ModelRules(permanent=True, ttl_s=10.0, queue_timeout_s=1.0))
+    w.exited("a@next", rc=1)
+    assert "a" not in w.p.state.queue.entries  # the old child serves: no restart is due
+    w.now += 100
+    w.fire_timers()
+    assert w.stops[-1] == ("a", "ttl")  # idle, so its TTL runs
+
+
+def test_an_old_child_idle_while_its_successor_loads_is_stopped_not_suspended() -> None:
+    from tests.test_policy_suspend import TierWorld
+
+    rules = ModelRules(suspend=True, ttl_suspend_s=10)
+    w = TierWorld({"a": 2}, models_max=3, rules={"a": rules}, memory=False)
+    w.load_idle("a")
+    reload(w, "a", rules=ModelRules(suspend=True, ttl_suspend_s=10, queue_max=5))
+    w.now += 20
+    w.fire_timers()  # a's idle TTL while a@next loads: it would be left suspended
+    assert w.p.state.models["a"].state.value == "stopping"
+    w.ready("a@next")
+    assert w.p.state.groups.current(w.p.state.models["a"]).name == "a@next"
+    assert isinstance(w.acquire("t", "a"), Grant)
+
+
+def test_a_cached_wait_is_given_again_only_for_the_same_rules_and_figures() -> None:
+    """A plan that waits for memory coming back is given again while its inputs are the
+    same values; rules of another value (not merely another object: a freed object's id
+    may be a new one's) make a new plan."""
+    w = MemWorld({"a": 6, "c": 6})
+    w.load_idle("a")
+    w.report()
+    w.run(w.p.unload("u", "a", w.tick()))  # a stops: its 6 GiB are coming back
+    memory, rec = w.p.state.memory, w.p.state.models["c"]
+    first = memory.plan(rec, w.p.state.models, [], set())
+    assert first.verdict == "wait" and first.fits_once_freed
+    rec.rules = ModelRules(**{f: getattr(rec.rules, f) for f in rec.rules.__struct_fields__})
+    assert memory.plan(rec, w.p.state.models, [], set()) is first  # equal rules: cached
+    rec.rules = ModelRules(ttl_s=60.0)
+    again = memory.plan(rec, w.p.state.models, [], set())
+    assert again is not first and again.verdict == "wait"

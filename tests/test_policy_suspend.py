@@ -105,9 +105,10 @@ class TierWorld:
                     self.answers[ticket] = value
                 case Publish(event=event):
                     self.events.append(event)
-                case Spawn(model=model, generation=gen):
+                case Spawn(model=model, generation=gen, serves=serves):
                     assert model not in self.children, f"{model}: spawned twice"
-                    self.children[model] = Child(gen, "loading", int(self.sizes[model] * GiB))
+                    self.children[model] = Child(gen, "loading",  # (a@next serves a)
+                                                 int(self.sizes[serves or model] * GiB))
                 case Stop(model=model):
                     self.children[model].phase = "stopping"
                 case Suspend(model=model, generation=gen):
@@ -191,7 +192,7 @@ class TierWorld:
         assert child.phase == "waking"
         if ok:
             child.phase, child.host = "ready", 0
-            child.device = int(self.sizes[model] * GiB)
+            child.device = int(self.sizes[self.p.state.models[model].group] * GiB)
         else:
             child.phase = "suspended"
         self.run(self.p.tiers.woken(model, child.generation, ok, "" if ok else "boom",

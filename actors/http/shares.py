@@ -81,9 +81,10 @@ class Shares:
         """Whether grants are kept after their last request at all (not while draining)."""
         self.open: dict[str, SharedGrant] = {}
         self.withdrawn: dict[str, tuple[int, int]] = {}
-        """Model -> the newest generation withdrawn. A grant can reach its request after
-        its withdrawal did (both come through the loop, and a resumed request runs after
-        the callbacks of its turn): such a grant is used, never opened to others."""
+        """Model, or a copy's own name (Grant.instance) -> the newest generation
+        withdrawn. A grant can reach its request after its withdrawal did (both come
+        through the loop, and a resumed request runs after the callbacks of its turn):
+        such a grant is used, never opened to others."""
         self.revoked: dict[str, tuple[int, int]] = {}
         """Model -> (Revokes seen, the newest generation revoked). A Revoke can reach the
         loop before the request whose grant it revokes has resumed (the grant's answer
@@ -130,7 +131,8 @@ class Shares:
         seen, newest = self.revoked.get(model, (0, 0))
         if seen != revokes and answer.generation <= newest:
             share.keep = False
-        if answer.shareable and answer.serving > self.withdrawn.get(model, (0, 0)):
+        copy = answer.instance or model  # (each copy's generations are its own)
+        if answer.shareable and answer.serving > self.withdrawn.get(copy, (0, 0)):
             self.open.setdefault(model, share)  # another may have opened one meanwhile
         return share
 
@@ -228,11 +230,13 @@ class Shares:
         self._sweep = self._loop().call_at(at, self.sweep)
 
     def withdraw(self, message: Withdraw) -> None:
-        """The Scheduler: no new request may join grants of this model's generation."""
+        """The Scheduler: no new request may join grants of this copy's generation."""
         model, serving = message.model, message.serving
-        self.withdrawn[model] = max(self.withdrawn.get(model, (0, 0)), serving)
+        copy = message.instance or model
+        self.withdrawn[copy] = max(self.withdrawn.get(copy, (0, 0)), serving)
         share = self.open.get(model)
-        if share is not None and share.grant.serving <= serving:
+        if (share is not None and (share.grant.instance or model) == copy
+                and share.grant.serving <= serving):
             del self.open[model]
             share.keep = False
             if not share.count:

@@ -50,7 +50,7 @@ class Handovers:
         new = groups.partner(live) or self.alternate(live)
         if new is None or new.removed:  # (one of a removed model's, still going)
             return False
-        if new.state is S.LOADING:  # a newcomer of an earlier config: it starts again
+        if new.state in (S.LOADING, S.SUSPENDED):  # an earlier config's: it goes first
             new.takes_over = None
             self.rules.stop(new, "reload", None, now)
         new.takes_over = live.name
@@ -119,5 +119,5 @@ class Handovers:
         live = self.state.models.get(new.takes_over or "")
         new.takes_over = None
         self.state.groups.swap(new)
-        if live is not None and live.state.is_serving:
+        if live is not None and (live.state.is_serving or live.state is S.SUSPENDED):
             self.rules.retire(live, now)

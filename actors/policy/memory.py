@@ -132,7 +132,7 @@ class Memory(Reports):
         that fits as things are: no new victim makes a cheaper one, so while no record's
         state, device figure or hold has changed, the same plan is given again (a full
         cluster's head of queue is planned at every request that comes or goes)."""
-        inputs = (rec.generation, id(rec.rules), rec.memory, id(rec.mem_max), id(rec.mem_min),
+        inputs = (rec.generation, rec.rules, rec.memory, rec.mem_max, rec.mem_min,
                   self.ledger.version, self.epoch, frozenset(busy or ()), len(self.nodes.down))
         if not exhaustive and (last := self.waits.get(rec.name)) and last[0] == inputs:
             return last[1]

@@ -213,7 +213,7 @@ class Moves:
         allows (at suspended_max, the least recently used suspended model is stopped for
         it), else stop it; the event says which, and why (issue 23)."""
         state = self.state
-        if not rec.rules.suspend or rec.state is S.SUSPENDED:
+        if not rec.rules.suspend or rec.state is S.SUSPENDED or state.handing_over(rec):
             self.stop(rec, reason, for_model, now, shortfalls)
             return
         why = state.host.why_not(rec, state.ledger, state.stopping_suspended())

@@ -124,7 +124,7 @@ class Groups:
         group = self.members.get(rec.group)
         if group is not None:
             return group
-        return [self.current(rec)] if self.turned else [rec]
+        return [self.current(rec)] if self.alternates else [rec]
 
     def all_of(self, rec: ModelRecord) -> list[ModelRecord]:
         """Every record of `rec`'s model: its copies' current ones and their partners."""
@@ -136,7 +136,7 @@ class Groups:
     def others_up(self, rec: ModelRecord) -> bool:
         """Another copy of its model serves or is on its way: `rec` going leaves the
         model up (a child draining for a reload does not count)."""
-        if rec.group not in self.members and not self.turned:
+        if rec.group not in self.members and not self.alternates:
             return False
         return any(r is not rec and r.state in UP and not r.retiring for r in self.of(rec))
 
@@ -156,7 +156,7 @@ class Groups:
         serves or is on its way already (the model needs no load)."""
         group = self.members.get(rec.group)
         if group is None:
-            return self.current(rec) if self.turned else rec
+            return self.current(rec) if self.alternates else rec
         if rec.group in self.active:  # a copy is up
             return None
         for wanted in (S.SUSPENDED, S.UNLOADED, S.STOPPING):
@@ -174,7 +174,7 @@ class Groups:
         it has more than prefix_overload requests above the least busy."""
         group = self.members.get(rec.group)
         if group is None:
-            rec = self.current(rec) if self.turned else rec
+            rec = self.current(rec) if self.alternates else rec
             return rec if has_room(rec) else None
         ready = [r for r in group if has_room(r)]
         if len(ready) < 2:

@@ -134,6 +134,12 @@ class State:
         self.ledger.release(name)
         self.rewarm()
 
+    def handing_over(self, rec: ModelRecord) -> bool:
+        """A reload's new child loads to take over from `rec`'s (handover.py): `rec` is
+        stopped, never suspended (it would be left suspended, its copy served by another)."""
+        partner = self.groups.partner(rec) if self.groups.alternates else None
+        return partner is not None and partner.takes_over == rec.name
+
     def find(self, model: str) -> ModelRecord | None:
         rec = self.models.get(model)
         return None if rec is None or rec.removed else rec

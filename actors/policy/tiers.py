@@ -111,7 +111,8 @@ class Tiers:
             rec.ttl_armed = True
             self.state.out.append(Later(due - now, TtlDue(model=model, generation=generation)))
         elif rec.state is S.SUSPENDED or after == rec.rules.ttl_s \
-                or self.state.above_min(rec):  # a copy above min (scale_down_idle_s)
+                or self.state.above_min(rec) \
+                or self.state.handing_over(rec):  # a copy above min (scale_down_idle_s)
             self.rules.stop(rec, "ttl", None, now)
             self.rules.pump(now)
         else:  # ttl_suspend_s: suspend if it may; else it stays until ttl_s
