@@ -59,7 +59,9 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             queue_position=places.get(rec.name) if oldest is not None else None,
             phase=child.state.value if child.state.value != child.state.shown else None,
             host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
-            replicas=[replica_view(r) for r in every] if copies is not None else None))
+            replicas=[replica_view(r) for r in every  # (an alternate while it has a child)
+                      if r in copies or r.state is not S.UNLOADED]
+            if copies is not None else None))
     return ModelsSnapshot(models=views, running=p.running_count(), queue_depth=len(p.queue),
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
                           queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
