@@ -165,13 +165,16 @@ def test_every_openai_endpoint_is_proxied_by_model_and_alias(corral) -> None:
     paths = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
              "/v1/messages", "/completion", "/completions", "/chat/completions",
              "/embedding", "/embeddings", "/rerank", "/v1/rerank", "/tokenize",
-             "/detokenize", "/infill", "/apply-template"]
+             "/detokenize", "/infill", "/apply-template", "/v1/audio/speech",
+             "/v1/images/generations"]
     for i, path in enumerate(paths):
         name = ("a", "alpha", "first")[i % 3]
         status, body, _ = request(c.port, "POST", path, {"model": name, "input": "x y",
                                                          "content": "x y", "tokens": [1]})
         assert status == 200, (path, body)
         assert "error" not in body
+        if body.get("object") == "echo":  # the child got it, as sent (an alias resolved)
+            assert body["path"] == path and body["received_model"] == name
     status, body, _ = request(c.port, "GET", "/props?model=alpha")
     assert status == 200 and body["role"] == "model" and body["model_alias"] == "a"
     assert request(c.port, "GET", "/slots?model=a")[0] == 200

@@ -18,7 +18,7 @@ from .protocols import llama_state
 from .suspend import Sleep
 
 ECHO_PATHS = ["/v1/responses", "/v1/messages", "/rerank", "/v1/rerank", "/reranking",
-              "/infill", "/apply-template"]
+              "/infill", "/apply-template", "/v1/audio/speech", "/v1/images/generations"]
 
 
 class FakeModel:

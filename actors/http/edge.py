@@ -42,9 +42,10 @@ PROXIED_POST = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
     "/v1/messages", "/completion", "/completions", "/chat/completions", "/embedding",
     "/embeddings", "/rerank", "/reranking", "/v1/rerank", "/tokenize", "/detokenize",
-    "/infill", "/apply-template",
+    "/infill", "/apply-template", "/v1/audio/speech", "/v1/images/generations",
 })
-"""POST paths whose body names the model (R-6.1)."""
+"""POST paths whose body names the model (R-6.1); speech and image generation too
+(issue 25: llama-swap and vLLM's router route them)."""
 OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/sse",
                      "/models/logs", "/models/plan", "/devices", "/nodes", "/keys", "/",
                      "/ui"})
