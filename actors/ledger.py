@@ -15,7 +15,6 @@ from typing import Literal
 import msgspec
 
 MiB = 1024 * 1024
-NOTHING_HELD: dict[str, int] = {}
 
 
 # Device names. A device on corral's own machine has its backend's name (`CUDA0`, `sim0`);
@@ -134,15 +133,19 @@ class Ledger:
         """Memory of this kind is accounted (host RAM only with account_host)."""
         return kind == "device" or self.account_host
 
-    def _held_by_others(self, device: str, model: str | None) -> int:
+    def _totals(self) -> dict[str, int]:
+        """Device -> bytes held by all models (summed once per change of `held`)."""
         if self._per_device is None:
             totals: dict[str, int] = {}
             for devs in self.held.values():
                 for d, size in devs.items():
                     totals[d] = totals.get(d, 0) + size
             self._per_device = totals
+        return self._per_device
+
+    def _held_by_others(self, device: str, model: str | None) -> int:
         mine = self.held.get(model, {}).get(device, 0) if model is not None else 0
-        return self._per_device.get(device, 0) - mine
+        return self._totals().get(device, 0) - mine
 
     def calibrate(self, mem: Breakdown, reporter: str | None,
                   unknown_only: bool = False) -> None:
@@ -245,8 +248,7 @@ class Ledger:
 
     def all_available(self) -> dict[str, int]:
         """Device -> `available(device)`, for every device reported."""
-        self._held_by_others("", None)  # (the totals, summed if they are not)
-        held = self._per_device or NOTHING_HELD
+        held = self._totals()
         return {d: dev.total - dev.external - held.get(d, 0) for d, dev in self.devices.items()}
 
     def available(self, device: str) -> int | None:

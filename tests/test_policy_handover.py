@@ -74,12 +74,17 @@ def test_the_old_child_serves_until_the_new_config_is_ready_then_drains() -> Non
     assert [m.name for m in w.p.snapshot().models] == ["a", "b", "c", "d"]
 
 
-def test_the_next_reload_loads_in_the_config_record_beside_the_alternate() -> None:
-    w = World(models_max=3)
+def handed_over(w: World) -> None:
+    """`a` loaded, reloaded, and its new child in a@next serving in its place."""
     w.load_idle("a")
     reload(w, "a")
     w.ready("a@next")
     w.exited("a")
+
+
+def test_the_next_reload_loads_in_the_config_record_beside_the_alternate() -> None:
+    w = World(models_max=3)
+    handed_over(w)
     reload(w, "a")  # the alternate serves: the new config loads as `a` again
     assert w.spawns[-1] == ("a", w.gen("a@next") + 1)
     assert w.p.state.models["a@next"].state.value == "loaded"
@@ -95,10 +100,7 @@ def test_after_a_handover_the_model_loads_in_its_current_record() -> None:
     stops it, and the next request loads the model there again (with the newest config,
     which both records carry)."""
     w = World(models_max=3)
-    w.load_idle("a")
-    reload(w, "a")
-    w.ready("a@next")
-    w.exited("a")
+    handed_over(w)
     w.run(w.p.unload("u", "a", w.tick()))
     assert w.stops[-1] == ("a@next", "manual")
     w.exited("a@next")
@@ -159,10 +161,7 @@ def test_a_new_config_that_fails_to_load_leaves_the_old_child_serving() -> None:
 
 def test_removing_a_model_stops_its_alternate_too() -> None:
     w = World(models_max=3)
-    w.load_idle("a")
-    reload(w, "a")
-    w.ready("a@next")
-    w.exited("a")
+    handed_over(w)
     w.run(w.p.children.reconfigure({}, ["a"], {}, w.tick())[0])
     assert w.stops[-1] == ("a@next", "reload")
     w.exited("a@next")
