@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from tests.helpers import Corral, wait_until
 from tests.rawhttp import Raw
 from tests.test_edge_hostile import KEY, edge_config
+from tests.test_uploads import BOUNDARY, form
 
 ODDS = ["", "", "early-hints", "extra", "http10", "http10-sse", "slow", "stream-close",
         "close-next", "garbage", "no-content"]
@@ -51,6 +52,7 @@ request_st = st.fixed_dictionaries({
     "chunked": st.booleans(),
     "trailer": st.booleans(),
     "upgrade": st.integers(0, 9).map(lambda n: n == 0),
+    "upload": st.sampled_from([None, None, None, "model-first", "file-first"]),
 })
 connection_st = st.fixed_dictionaries({
     "requests": st.lists(request_st, min_size=1, max_size=4),
@@ -63,6 +65,12 @@ connection_st = st.fixed_dictionaries({
 def encode(req: dict[str, Any], rid: str) -> bytes:
     body = json.dumps({"model": req["model"], "max_tokens": 2}).encode()
     lines = ["POST /v1/completions HTTP/1.1", "Host: corral", f"x-request-id: {rid}"]
+    if req.get("upload"):  # a multipart upload (upload.py): routed by its model field
+        fields = [("model", req["model"].encode(), None), ("file", b"\x00\r\n-" * 700, "a")]
+        body = form(fields if req["upload"] == "model-first" else fields[::-1])
+        lines = ["POST /v1/audio/transcriptions HTTP/1.1", "Host: corral",
+                 f"x-request-id: {rid}",
+                 f"Content-Type: multipart/form-data; boundary={BOUNDARY}"]
     if req["odd"]:
         lines.append(f"x-odd: {req['odd']}")
     key = {"good": [KEY], "wrong": ["nope"], "none": [], "twice": [KEY, KEY]}[req["key"]]
@@ -162,7 +170,8 @@ def test_every_answer_belongs_to_its_request(fuzzed: Corral,
                            for m in fuzzed.models().values()), 15, "nothing in flight")
     with Raw(fuzzed.port) as raw:
         raw.send(encode({"odd": "", "model": "odd", "key": "good", "expect": None,
-                         "chunked": False, "trailer": False, "upgrade": False}, "plain"))
+                         "chunked": False, "trailer": False, "upgrade": False,
+                         "upload": None}, "plain"))
         answer = raw.one()
         assert answer.status == 200 and answer.json()["id"] == "plain"
     log = fuzzed.log()

@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds before /health turns 200")
     p.add_argument("--tokens-per-s", type=float, default=0.0, metavar="R",
                    help="token rate; 0 = as fast as possible")
+    p.add_argument("--upload-bytes-per-s", type=float, default=0.0, metavar="R",
+                   help="read uploads (multipart bodies) no faster than this")
     p.add_argument("--crash-after-requests", type=int, default=None, metavar="N",
                    help="exit abruptly when request N+1 arrives")
     p.add_argument("--wedge-after-requests", type=int, default=None, metavar="N",

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import hmac
 import json
 import os
+import re
 import time
 from typing import Any
 
@@ -17,6 +19,9 @@ from aiohttp import web
 from .protocols import llama_state
 from .suspend import Sleep
 
+UPLOAD_PATHS = ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/images/edits",
+                "/v1/images/variations"]
+_MODEL_FIELD = re.compile(rb'name="model"\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--', re.S)
 ECHO_PATHS = ["/v1/responses", "/v1/messages", "/rerank", "/v1/rerank", "/reranking",
               "/infill", "/apply-template", "/v1/audio/speech", "/v1/images/generations"]
 
@@ -199,6 +204,31 @@ class FakeModel:
         return web.json_response({"object": "echo", "path": request.path,
                                   "model": self.args.model, "received_model": body.get("model")})
 
+    async def upload(self, request: web.Request) -> web.Response:
+        """A multipart upload (audio, image): read as it comes (at --upload-bytes-per-s),
+        answered with what arrived, so a test sees it whole and unchanged."""
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        digest, size, start = hashlib.sha256(), 0, b""
+        rate = self.args.upload_bytes_per_s
+        began = time.monotonic()
+        async for chunk in request.content.iter_chunked(64 << 10):
+            digest.update(chunk)
+            size += len(chunk)
+            if len(start) < 1 << 16:
+                start += chunk[:1 << 16]
+            if rate > 0 and (ahead := size / rate - (time.monotonic() - began)) > 0:
+                await asyncio.sleep(ahead)
+        found = _MODEL_FIELD.search(start)
+        received = found.group(1).decode() if found else None
+        self.stats["completed"] += 1
+        return web.json_response({
+            "text": f"{size} bytes for {received} at {self.args.model}",
+            "object": "upload", "path": request.path, "model": self.args.model,
+            "received_model": received, "bytes": size, "sha256": digest.hexdigest(),
+            "content_type": request.headers.get("Content-Type", "")})
+
     @web.middleware
     async def check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """--api-key: as llama-server does, every path but the health checks needs it."""
@@ -231,6 +261,8 @@ class FakeModel:
         r.add_post("/detokenize", self.detokenize)
         for path in ECHO_PATHS:
             r.add_post(path, self.echo)
+        for path in UPLOAD_PATHS:
+            r.add_post(path, self.upload)
         if self.vllm_sleep is not None:
             self.vllm_sleep.routes(app)
         return app

@@ -25,12 +25,12 @@ from typing import Protocol, cast
 
 import httptools
 
-from ..config import HttpConfig
 from .edge import Answer
 from .exchange import Exchange, Phase
-from .flow import WriteStall, cut
+from .flow import WriteStall
 from .request import Gate, Limits, Reader, Request
 from .services import Services
+from .timers import Timers, Watch
 
 log = logging.getLogger("corral.front")
 
@@ -40,18 +40,15 @@ MAX_PIPELINED = 32
 connection closes): one read of tiny pipelined requests made thousands of them."""
 
 
-class Hub(Services, Gate, Protocol):
+class Hub(Services, Gate, Watch, Protocol):
     """What a connection uses of the front that accepted it (front.Front), besides what
     it hands on to its exchanges and who may call (Gate)."""
 
-    http: HttpConfig
     limits: Limits
 
     def admit(self, conn: Connection) -> bool: ...
     def forget(self, conn: Connection) -> None: ...
     def exchange_finished(self) -> None: ...
-    def warn(self, what: str, message: str) -> None: ...
-    def note_timeout(self, phase: str) -> None: ...
 
 
 class TooManyPipelined(Exception):
@@ -64,8 +61,10 @@ LINGER_S = 2.0
 read and dropped, so the client reads the answer instead of a reset."""
 
 
-class Connection(asyncio.Protocol):
+class Connection(Timers, asyncio.Protocol):
     """One client connection (uvicorn's shape: the protocol parses, exchanges answer)."""
+
+    front: Hub
 
     def __init__(self, front: Hub) -> None:
         self.front = front
@@ -131,6 +130,10 @@ class Connection(asyncio.Protocol):
         skips, RFC 9110 15.2) until it is granted or the reset arrives (R-4.7).
         """
         self.eof = True
+        if self._streaming() and self.exchange is not None:
+            self.exchange.upload_failed(Answer(400, "the client closed its side before the "
+                                               "request body was whole"))
+            return True
         if not self.busy:
             return False  # nothing to answer (a half-sent request can never complete)
         ex = self.exchange
@@ -185,7 +188,7 @@ class Connection(asyncio.Protocol):
         self.stall.stop()
         if self.exchange is not None:
             self.exchange.resume_upstream()
-            if self.pending or self.reader.req is not None:
+            if self.pending or (self.reader.req is not None and not self._streaming()):
                 return  # reading resumes when the next request may start
             self.resume_reading()
         elif not self.lingering:
@@ -213,6 +216,10 @@ class Connection(asyncio.Protocol):
             self._arm(self.front.http.body_timeout_s, self._body_late)
 
     def request_done(self, req: Request) -> None:
+        if req.upload is not None and req.upload.queued:  # on its way already
+            if self.exchange is not None and self.exchange.req is req:
+                self._disarm()  # the body timer
+            return
         self.pending.append(req)
         if self.exchange is None:
             self._disarm()
@@ -225,8 +232,23 @@ class Connection(asyncio.Protocol):
         """An answer runs or waits its turn: nothing for a later request is written now."""
         return self.exchange is not None or bool(self.pending)
 
+    def upload_ready(self, req: Request) -> None:
+        """An upload's model is known: it is served while its body streams in."""
+        assert req.upload is not None
+        if isinstance(req.upload.model, Answer):
+            self.refuse(req, req.upload.model)
+            return
+        self.pending.append(req)
+        req.upload.queued = True
+        if self.exchange is None:
+            self.next_request()
+
     def refuse(self, req: Request, answer: Answer) -> None:
-        """corral answers `req` itself and closes: now, or in its turn behind `busy`."""
+        """corral answers `req` itself and closes: now, or in its turn behind `busy`
+        (an upload being served now: its exchange ends with the answer)."""
+        if self.exchange is not None and self.exchange.req is req:
+            self.exchange.upload_failed(answer)
+            return
         req.answer = answer
         req.keep_alive = False
         if not self.busy:
@@ -258,6 +280,9 @@ class Connection(asyncio.Protocol):
                 self.close()
                 return
             self.exchange = Exchange(self.front, self, req)
+            if self._streaming():  # its body is still arriving: read it, within limits
+                self._arm(self.front.http.body_timeout_s, self._body_late)
+                self.resume_reading()
 
     def exchange_done(self, exchange: Exchange) -> None:
         assert exchange is self.exchange
@@ -266,7 +291,9 @@ class Connection(asyncio.Protocol):
             self.front.exchange_finished()
         if self.transport is None:
             return
-        if not exchange.keep_alive:
+        if exchange.req.upload is not None and not exchange.req.complete:
+            self.linger()  # answered before its body was whole: the rest is dropped
+        elif not exchange.keep_alive:
             self.close()
         else:
             self.next_request()
@@ -304,6 +331,11 @@ class Connection(asyncio.Protocol):
     def answer_early(self, answer: Answer, head_only: bool = False) -> None:
         """Answer now and close; drop what the client still sends meanwhile."""
         self.write(answer.encode(False, head_only))
+        self.linger()
+
+    def linger(self) -> None:
+        """Close once the answer is read: what the client still sends is dropped, so it
+        reads the answer instead of a reset."""
         self.lingering = True
         self.pending.clear()
         if self.transport is not None:
@@ -333,8 +365,10 @@ class Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
+        req = self.reader.req
         if (not self.reading and self.transport is not None and not self.eof
-                and not self.write_paused):
+                and not self.write_paused
+                and (req is None or req.upload is None or not req.upload.throttled)):
             self.reading = True
             self.transport.resume_reading()
 
@@ -347,51 +381,3 @@ class Connection(asyncio.Protocol):
         """Shutdown: let the running answer finish, answer nothing new."""
         if self.exchange is None and not self.lingering:
             self.next_request()
-
-    # ------------------------------------------------------------ timers
-
-    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self.deadline = self.loop.time() + delay_s
-        self.on_deadline = callback
-
-    def _disarm(self) -> None:
-        self.deadline = math.inf
-
-    def _stall_watch(self) -> None:
-        if self.transport is not None:
-            self.stall.watch(self.loop.time(), self.transport.get_write_buffer_size())
-
-    def check_deadline(self, now: float) -> None:
-        """Called by the Front once a second."""
-        if self.transport is not None and self.stall.stalled(
-                now, left := self.transport.get_write_buffer_size()):
-            self.front.warn("stalled", f"cut a client that took none of the {left} bytes "
-                            "waiting for it in "
-                            f"{self.front.http.write_timeout_s:g} s (http.write_timeout_s)")
-            cut(self.transport)
-            return
-        if now >= self.deadline:
-            self.deadline = math.inf
-            self.on_deadline()
-
-    def _idle_late(self) -> None:
-        self.close()
-
-    def _header_late(self) -> None:
-        if self.reader.req is None and not self.reader.head_bytes:
-            self.close()  # connected and sent nothing: nobody to answer
-            return
-        self.front.note_timeout("header")
-        self.answer_early(Answer(408, f"request headers not received within "
-                                 f"{self.front.http.header_timeout_s:g} s "
-                                 "(http.header_timeout_s)"))
-
-    def _body_late(self) -> None:
-        left = self.last_read + self.front.http.body_timeout_s - self.loop.time()
-        if left > 0:  # it is still arriving: check again when it could be late
-            self._arm(left, self._body_late)
-            return
-        self.front.note_timeout("body")
-        self.answer_early(Answer(408, f"request body stalled for "
-                                 f"{self.front.http.body_timeout_s:g} s "
-                                 "(http.body_timeout_s)"))

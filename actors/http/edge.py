@@ -51,6 +51,8 @@ OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/
                      "/ui"})
 """corral's own GET paths: served by the management API even with ?model= (all other
 GETs that name a model, /props and /metrics included, go to the model, as in llama.cpp)."""
+OWN_POST = frozenset({"/models/load", "/models/unload", "/models"})
+"""corral's own POST paths: a multipart body to any other path is an upload (upload.py)."""
 MEMBER_GETS = frozenset({b"/props", b"/lora-adapters"})  # of a child: /slots shows prompts
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/ui"})
 """The only paths served without the key (R-6.6): health, and the dashboard page, which
@@ -284,13 +286,17 @@ _OWN_GET = frozenset(p.encode() for p in OWN_GET)
 
 
 def target(method: bytes, url: bytes, body: bytes, routes: Routes,
-           key: KeyRule | None = None) -> tuple[str, bool] | Answer | None:
+           key: KeyRule | None = None, named: str | None = None,
+           ) -> tuple[str, bool] | Answer | None:
     """Where a request goes: to a model, as (its canonical name, autoload: named by a
-    POST's body, or `?model=` on a GET not of corral's own), the management API (None),
-    or nowhere, with the 400 (or the 403: not for its `key`) that says why."""
+    POST's body, by an upload's form (`named`), or `?model=` on a GET not of corral's
+    own), the management API (None), or nowhere, with the 400 (or the 403: not for its
+    `key`) that says why."""
     path, _, query = url.partition(b"?")
     fields = parse_query(query.decode("latin-1")) if query else {}
-    if method == b"POST" and path in _PROXIED:
+    if method == b"POST" and named is not None:
+        name: str | Answer = named
+    elif method == b"POST" and path in _PROXIED:
         name = model_of_body(body)
     elif method in (b"GET", b"HEAD") and "model" in fields and path not in _OWN_GET:
         name = fields["model"] or Answer(400, "?model= is empty; name a model")

@@ -16,6 +16,7 @@ it goes to, and when it goes again, is tries.py's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Protocol
 
@@ -76,7 +77,7 @@ class Exchange:
     __slots__ = ("broke", "broke_kind", "chunked", "client", "cut", "done", "first_at",
                  "head_only", "keep_alive", "late", "loop", "may_replay", "may_retry", "meter",
                  "out", "phase", "req", "services", "sse", "status", "task", "ticket",
-                 "upstream", "what")
+                 "timer", "upstream", "what")
 
     def __init__(self, services: Services, client: Client, req: Request) -> None:
         self.services = services
@@ -117,6 +118,8 @@ class Exchange:
         """The ticket of its grant while the Scheduler may cut it (a grant of its own)."""
         self.cut = False
         """It was cut for a higher class before its answer began: it waits again."""
+        self.timer: asyncio.TimerHandle | None = None
+        """Its first-byte timeout (first_byte_timeout_s), while it runs."""
         self.loop = client.loop
         self.task = client.loop.create_task(self.run())
 
@@ -146,12 +149,17 @@ class Exchange:
             if self.upstream is not None:
                 self.upstream.detach()
                 self.upstream = None
+            if self.req.upload is not None:
+                self.req.upload.detach()
             self.phase = Phase.DONE
             self.client.exchange_done(self)
 
     async def _serve(self) -> None:
         front = self.services
-        to = target(self.req.method, self.req.url, self.req.body, front.routes, self.req.key)
+        upload = self.req.upload
+        to = target(self.req.method, self.req.url, self.req.body, front.routes, self.req.key,
+                    upload.model if upload is not None and isinstance(upload.model, str)
+                    else None)
         if to is None:
             await self.forward(front.api_pool(), TO_API_DROPPED, None, front.to_api)
             return
@@ -182,10 +190,12 @@ class Exchange:
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
         head += extra
-        head.append(b"Content-Length: %d" % len(req.body))
+        upload = req.upload
+        head.append(b"Content-Length: %d" % len(req.body) if upload is None
+                    else upload.framing())
         data = b"\r\n".join(head) + b"\r\n\r\n" + req.body
         loop = self.loop
-        fresh = False
+        fresh = upload is not None  # sent once (upload.py): never on a reused connection
         while True:
             self.broke = self.broke_kind = None
             try:
@@ -198,13 +208,22 @@ class Exchange:
             if self.phase is Phase.WAITING:
                 self._to(Phase.FORWARDING)
             up.send(self, data, self.head_only)
-            timer = (loop.call_later(first_byte_timeout_s, self._first_byte_late,
-                                     first_byte_timeout_s) if first_byte_timeout_s else None)
+            if upload is not None:
+                upload.attach(up)
+            if first_byte_timeout_s:  # counted from the whole request's sending
+                if upload is None or upload.complete:
+                    self._wait_first_byte(first_byte_timeout_s)
+                else:
+                    upload.then = functools.partial(self._wait_first_byte,
+                                                    first_byte_timeout_s)
             try:
                 await self.done
             finally:
-                if timer is not None:
-                    timer.cancel()
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
+                if upload is not None:
+                    upload.detach()
             if self.broke_kind is not Broke.UNSENT or fresh:
                 return
             # The child closed a kept-alive connection as the request went in: it never
@@ -226,7 +245,8 @@ class Exchange:
         """A higher class wants this request's slot (a Cut, policy/cuts.py): before its
         answer's head, drop the child's connection (the child drops the work) and wait
         again; after, it runs to its end (NotCut)."""
-        if self.phase is Phase.FORWARDING and self.upstream is not None:
+        if (self.phase is Phase.FORWARDING and self.upstream is not None
+                and self.req.upload is None):  # an upload's body cannot be sent again
             self.cut = True
             self.upstream.detach()
             self.upstream = None
@@ -244,6 +264,9 @@ class Exchange:
             return
         self.answer(Answer(502, f"{self.what} is unreachable: {why}"))
 
+    def _wait_first_byte(self, timeout_s: float) -> None:
+        self.timer = self.loop.call_later(timeout_s, self._first_byte_late, timeout_s)
+
     def _first_byte_late(self, timeout_s: float) -> None:
         if self.phase is not Phase.FORWARDING:
             return
@@ -257,10 +280,27 @@ class Exchange:
                            "(first_byte_timeout_s)", "timeout_error"))
         self._resolve()
 
+    def upload_failed(self, answer: Answer) -> None:
+        """Its upload broke off (too big, stalled, its client closed): `answer` if no
+        answer has begun, and the end of the request and its child connection."""
+        if self.upstream is not None:
+            self.upstream.detach()
+            self.upstream = None
+        if self.phase in (Phase.WAITING, Phase.FORWARDING):
+            self.answer(answer)
+        self.keep_alive = False
+        self.task.cancel()
+
+    def _may_keep_alive(self) -> bool:
+        """The client connection may serve another request after this answer: corral is
+        not draining, and no upload is still arriving (its rest is dropped)."""
+        return (self.keep_alive and not self.services.draining
+                and (self.req.upload is None or self.req.complete))
+
     def answer(self, answer: Answer) -> None:
         """corral's own answer, in place of a child's."""
         self._head(answer.status)
-        self.keep_alive = self.keep_alive and not self.services.draining
+        self.keep_alive = self._may_keep_alive()
         self.client.write(answer.encode(self.keep_alive, self.head_only))
         self._to(Phase.DONE)
 
@@ -284,7 +324,7 @@ class Exchange:
         self._head(status)
         self._to(Phase.STREAMING)
         head = relay_head(status, headers, from_child=self.what != API,
-                          keep_alive=self.keep_alive and not self.services.draining,
+                          keep_alive=self._may_keep_alive(),
                           head_only=self.head_only, http10=self.req.http10)
         self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
         self.out.append(head.data)

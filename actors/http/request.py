@@ -16,6 +16,7 @@ import httptools
 from ..config import HttpConfig
 from ..keys import KeyRule, Keys
 from .edge import OPEN_PATHS, Answer, Origins, check_key
+from .upload import Upload, upload_of
 
 MAX_HEADERS = 100
 """Header fields a request may have (Apache's default): 32 KiB of tiny ones held 750 KiB."""
@@ -46,8 +47,8 @@ class Request:
     """One request as parsed; `answer` is set when corral refuses it itself."""
 
     __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "continue_sent",
-                 "headers", "headers_done", "http10", "keep_alive", "key", "method", "url",
-                 "url_parts", "url_size", "wants_continue")
+                 "headers", "headers_done", "http10", "keep_alive", "key", "method", "upload",
+                 "url", "url_parts", "url_size", "wants_continue")
 
     def __init__(self) -> None:
         self.url_parts: list[bytes] = []
@@ -67,6 +68,8 @@ class Request:
         self.continue_sent = False
         self.key: KeyRule | None = None
         """The key it came with (None: no key is needed, or a path open to all)."""
+        self.upload: Upload | None = None
+        """Its body when it streams through (a multipart upload, upload.py)."""
 
 
 class Gate(Protocol):
@@ -143,6 +146,12 @@ class Owner(Protocol):
     def request_head(self, req: Request, refused: Answer | None) -> None:
         """Its head is complete and screened (`refused`: corral answers it itself)."""
 
+    def upload_ready(self, req: Request) -> None:
+        """Its upload's model is known (or why not) before its body is whole."""
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
     def refuse(self, req: Request, answer: Answer) -> None:
         """It turned out too big while its body arrived."""
 
@@ -215,8 +224,14 @@ class Reader:
         req.method = self.parser.get_method()
         req.http10 = self.parser.get_http_version() == "1.0"
         req.keep_alive = self.parser.should_keep_alive()
-        self.owner.request_head(req, screen(req, self.limits, self.gate,
-                                            self.parser.should_upgrade()))
+        refused = screen(req, self.limits, self.gate, self.parser.should_upgrade())
+        if refused is None:
+            upload = upload_of(req.method, req.url, req.headers, self.owner)
+            if isinstance(upload, Answer):
+                refused = upload
+            else:
+                req.upload = upload
+        self.owner.request_head(req, refused)
 
     def on_body(self, body: bytes) -> None:
         req = self.req
@@ -228,7 +243,10 @@ class Reader:
             req.body_parts.clear()
             self.owner.refuse(req, self.limits.too_big())
             return
-        req.body_parts.append(body)
+        if req.upload is None:
+            req.body_parts.append(body)
+        elif req.upload.feed(body):
+            self.owner.upload_ready(req)
 
     def on_message_complete(self) -> None:
         req = self.req
@@ -239,4 +257,7 @@ class Reader:
         req.complete = True
         req.body = b"".join(req.body_parts)
         req.body_parts = []
+        if req.upload is not None and req.upload.end() and isinstance(req.upload.model,
+                                                                      Answer):
+            req.answer, req.keep_alive = req.upload.model, False
         self.owner.request_done(req)

@@ -108,7 +108,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
                                    route.pool_cap if route else None)
             late = route.first_byte_timeout_s if route else None
             ex.may_retry = tries < MAX_INSTANCES - 1
-            ex.may_replay = ex.may_retry and replays < MAX_REPLAYS
+            ex.may_replay = (ex.may_retry and replays < MAX_REPLAYS
+                             and ex.req.upload is None)  # an upload is sent once
             own = grant.upstream_key  # a node child's own (R8); the client's is dropped
             await ex.forward(pool, NOT_FORWARDED, late,
                              (b"Authorization: Bearer " + own.encode(),) if own else ())

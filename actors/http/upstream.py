@@ -27,11 +27,14 @@ race), and the request is sent again at once on a fresh connection to the same c
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httptools
 
 from ..lifecycle import State
+
+if TYPE_CHECKING:
+    from .upload import Upload
 
 RACE_WINDOW_S = 0.1
 """A reused connection that ends with nothing back within this of the request's write was
@@ -139,6 +142,10 @@ class Upstream(asyncio.Protocol):
         self.quiet_since = 0.0
         """Since when `reads` has not moved (loop time), as the once-a-second sweep saw it:
         a counter per read is cheaper than a clock per read."""
+        self.feeder: Upload | None = None
+        """The upload whose body is being written (upload.py): told when to hold off."""
+        self.body_open = False
+        """The request's body is not all written: the connection cannot be reused."""
 
     # ------------------------------------------------------------ exchange side
 
@@ -147,6 +154,7 @@ class Upstream(asyncio.Protocol):
         assert self.state is UpState.LEASED and self.sink is None and self.transport is not None
         self.sink = sink
         self.head_only = head_only
+        self.feeder, self.body_open = None, False
         self.headers = []
         self.head_seen = self.finished = self.extra = self.close_delimited = False
         self.after_stream = self.streamed  # what the answer before this one was
@@ -155,6 +163,11 @@ class Upstream(asyncio.Protocol):
         self.quiet_since = self.sent_at = self.loop.time()
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
+
+    def write(self, data: bytes) -> None:
+        """More of the request's body (an upload's)."""
+        if self.transport is not None and self.state is UpState.LEASED:
+            self.transport.write(data)
 
     @property
     def reused(self) -> bool:
@@ -223,6 +236,14 @@ class Upstream(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
+    def pause_writing(self) -> None:
+        if self.feeder is not None:  # the child takes no more of the body for now
+            self.feeder.pause()
+
+    def resume_writing(self) -> None:
+        if self.feeder is not None:
+            self.feeder.resume()
+
     def connection_lost(self, exc: Exception | None) -> None:
         was_idle = self.state is UpState.IDLE
         self._forget()
@@ -266,7 +287,7 @@ class Upstream(asyncio.Protocol):
         if self.finished:
             self.sink = None
             self.answers += 1
-            if self.extra or not self.keep_alive or (
+            if self.extra or self.body_open or not self.keep_alive or (
                     self.streamed and self.pool.no_reuse_after_stream):
                 self.close()
             else:

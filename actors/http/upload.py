@@ -1,0 +1,318 @@
+"""Multipart uploads (audio to transcribe, images to edit): routed by their `model` field,
+streamed through.
+
+A multipart POST names its model in a form field, before or after a file of any size.
+corral holds the body only until that field has been read (`FormSniffer`), routes the
+request like a JSON one, and then writes the body to the child unchanged as it arrives
+(`Upload`): a 50 MiB file costs corral a few reads of memory, not 50 MiB. The body limit
+(max_body_mib) and the body timeout still apply; a body that breaks either ends its
+request and its child connection.
+
+Flow control, both ways: while a request waits for its grant, at most HOLD_MAX bytes of
+it are held (the client is not read meanwhile); while its child takes nothing, the client
+is not read either.
+
+Such a request is sent once: its body is gone once written. So it goes on a fresh child
+connection (no kept-alive connection that may close as it goes in), it is not replayed to
+another instance when its child goes away with it, and it is not cut for a higher class
+once its body has begun to go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from .edge import OWN_POST, Answer
+
+HOLD_MAX = 1 << 20
+"""Bytes of an upload held before its grant; the `model` field must come within them."""
+PART_HEAD_MAX = 16 << 10
+"""A part's header block longer than this is not a form's."""
+MODEL_MAX = 1 << 10
+"""A `model` field longer than this names no model."""
+_MULTIPART = b"multipart/form-data"
+
+
+class FormSniffer:
+    """The `model` field of a multipart/form-data body (RFC 7578), read as the body
+    arrives: `feed` answers the model's name, the 400 that says what is wrong, or None
+    while more is needed. It keeps what it has been fed (at most HOLD_MAX bytes)."""
+
+    __slots__ = ("at", "buf", "content_at", "delim", "name")
+
+    def __init__(self, boundary: bytes) -> None:
+        self.delim = b"\r\n--" + boundary
+        self.buf = bytearray(b"\r\n")  # a delimiter at the body's start has its CRLF too
+        self.at = 0
+        """Where the search goes on: a delimiter's start, or a part's content."""
+        self.content_at = -1
+        """Where the current part's content begins (-1: not in a part)."""
+        self.name: str | None = None
+        """The current part's field name."""
+
+    def feed(self, data: bytes) -> str | Answer | None:
+        self.buf += data
+        found = self._scan()
+        if found is None and len(self.buf) > HOLD_MAX:
+            return Answer(400, f"the multipart body names no model in its first "
+                          f"{HOLD_MAX >> 20} MiB: send the `model` field before the file "
+                          "(corral streams uploads through and reads only their start)")
+        return found
+
+    def finish(self) -> str | Answer:
+        """The body is whole: the model, or why there is none."""
+        found = self._scan()
+        if found is not None:
+            return found
+        if self.content_at >= 0:
+            return Answer(400, "the multipart body ends inside a part (no closing "
+                          "boundary)")
+        return Answer(400, 'the multipart body has no "model" field; name the model '
+                      "in a form field called model")
+
+    def _scan(self) -> str | Answer | None:
+        buf, delim = self.buf, self.delim
+        while True:
+            if self.content_at < 0:  # at a delimiter, or in the preamble before the first
+                start = buf.find(delim, self.at)
+                if start < 0:
+                    self.at = max(self.at, len(buf) - len(delim) + 1)
+                    return None
+                self.at = start
+                line = buf.find(b"\r\n", start + len(delim))
+                if line < 0:
+                    return self._unless_long(len(buf) - start, "boundary line")
+                after = bytes(buf[start + len(delim):line])
+                if after.startswith(b"--"):
+                    return Answer(400, 'the multipart body has no "model" field; name the '
+                                  "model in a form field called model")
+                if after.strip(b" \t"):
+                    return Answer(400, "malformed multipart body: text after a boundary")
+                end = buf.find(b"\r\n\r\n", line)
+                if end < 0:
+                    return self._unless_long(len(buf) - line, "part header block")
+                self.name = field_name(bytes(buf[line + 2:end]))
+                self.content_at = self.at = end + 4
+            stop = buf.find(delim, self.at)
+            if self.name == "model":
+                size = (stop if stop >= 0 else len(buf)) - self.content_at
+                if size > MODEL_MAX:
+                    return Answer(400, f"the multipart `model` field is over {MODEL_MAX} "
+                                  "bytes")
+            if stop < 0:
+                self.at = max(self.content_at, len(buf) - len(delim) + 1)
+                return None
+            if self.name == "model":
+                return _model_name(bytes(buf[self.content_at:stop]))
+            self.content_at, self.at = -1, stop
+
+    def _unless_long(self, size: int, what: str) -> Answer | None:
+        if size > PART_HEAD_MAX:
+            return Answer(400, f"malformed multipart body: a {what} over "
+                          f"{PART_HEAD_MAX >> 10} KiB")
+        return None
+
+
+def _model_name(raw: bytes) -> str | Answer:
+    try:
+        name = raw.decode()
+    except UnicodeDecodeError:
+        return Answer(400, "the multipart `model` field is not UTF-8")
+    return name or Answer(400, "the multipart `model` field is empty; name a model")
+
+
+def field_name(head: bytes) -> str | None:
+    """The field a part's headers name (`Content-Disposition: form-data; name="..."`)."""
+    for line in head.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if not sep or name.strip().lower() != b"content-disposition":
+            continue
+        for param in value.split(b";")[1:]:
+            key, eq, val = param.partition(b"=")
+            if eq and key.strip().lower() == b"name":
+                val = val.strip()
+                if len(val) >= 2 and val[:1] == b'"' == val[-1:]:
+                    val = val[1:-1].replace(b'\\"', b'"').replace(b"\\\\", b"\\")
+                return val.decode("utf-8", "replace")
+    return None
+
+
+def boundary_of(content_type: bytes) -> bytes | Answer | None:
+    """The boundary of a multipart/form-data Content-Type; None for other types."""
+    kind, _, params = content_type.partition(b";")
+    if kind.strip().lower() != _MULTIPART:
+        return None
+    for param in params.split(b";"):
+        key, eq, val = param.partition(b"=")
+        if eq and key.strip().lower() == b"boundary":
+            val = val.strip()
+            if len(val) >= 2 and val[:1] == b'"' == val[-1:]:
+                val = val[1:-1]
+            if 0 < len(val) <= 70:
+                return val
+            break
+    return Answer(400, "multipart/form-data without a valid boundary (1 to 70 characters)")
+
+
+class Reading(Protocol):
+    """What an upload throttles: reading its client (connection.py)."""
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
+
+class Writer(Protocol):
+    """Where an upload's body goes: its child connection (upstream.py)."""
+
+    body_open: bool
+    feeder: Upload | None
+
+    def write(self, data: bytes) -> None: ...
+
+
+class Upload:
+    """One multipart request body on its way through: held until its model is known and
+    its grant is given, then written to the child as it arrives."""
+
+    __slots__ = ("complete", "dropped", "held", "held_size", "length", "model", "queued",
+                 "reading", "sniffer", "then", "throttled", "to", "to_paused")
+
+    def __init__(self, boundary: bytes, length: int | None, reading: Reading) -> None:
+        self.sniffer: FormSniffer | None = FormSniffer(boundary)
+        self.model: str | Answer | None = None
+        """The model it names, or why it names none (None: not read yet)."""
+        self.length = length
+        """The client's Content-Length (None: it sent chunks, so the child gets chunks)."""
+        self.reading = reading
+        self.held: list[bytes] = []
+        self.held_size = 0
+        self.complete = False
+        """The client has sent the whole body."""
+        self.queued = False
+        """It was handed on to be served before its body was whole (connection.py)."""
+        self.to: Writer | None = None
+        """The child connection it is being written to."""
+        self.dropped = False
+        """It was written in part to a connection that is gone: what comes is dropped."""
+        self.throttled = False
+        """Reading the client is stopped by this upload."""
+        self.to_paused = False
+        """The child's connection takes nothing now."""
+        self.then: Callable[[], None] | None = None
+        """Called once when the body is whole (the child's first-byte timer starts)."""
+
+    @property
+    def started(self) -> bool:
+        """Some of it has gone to a child: it can never be sent again."""
+        return self.to is not None or self.dropped
+
+    def framing(self) -> bytes:
+        """The header line that frames the body for the child."""
+        if self.length is None:
+            return b"Transfer-Encoding: chunked"
+        return b"Content-Length: %d" % self.length
+
+    def feed(self, data: bytes) -> bool:
+        """Bytes of the body; True when they settled `model`."""
+        if self.to is not None:
+            self._write(data)
+            return False
+        if self.dropped:
+            return False
+        self.held.append(data)
+        self.held_size += len(data)
+        settled = False
+        if self.sniffer is not None:
+            found = self.sniffer.feed(data)
+            if found is not None:
+                self.model, self.sniffer, settled = found, None, True
+        if self.held_size > HOLD_MAX:
+            self._throttle(True)
+        return settled
+
+    def end(self) -> bool:
+        """The body is whole; True when that settled `model`."""
+        self.complete = True
+        settled = False
+        if self.sniffer is not None:
+            self.model, self.sniffer, settled = self.sniffer.finish(), None, True
+        if self.to is not None:
+            self._finish()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return settled
+
+    def attach(self, to: Writer) -> None:
+        """Its grant is given and the request head written to `to`: the body follows."""
+        self.to = to
+        to.feeder = self
+        to.body_open = True
+        held, self.held, self.held_size = self.held, [], 0
+        if held:
+            self._write(b"".join(held))
+        if self.complete:
+            self._finish()
+        self._throttle(False)
+
+    def detach(self) -> None:
+        """Its child connection is done with (answered, broken or cut)."""
+        to, self.to = self.to, None
+        if to is not None:
+            self.dropped = True
+            to.feeder = None
+        self.then = None
+
+    def pause(self) -> None:
+        """The child's connection is full: stop reading the client."""
+        self.to_paused = True
+        self._throttle(True)
+
+    def resume(self) -> None:
+        self.to_paused = False
+        self._throttle(False)
+
+    def _write(self, data: bytes) -> None:
+        assert self.to is not None
+        self.to.write(b"%x\r\n%b\r\n" % (len(data), data) if self.length is None else data)
+
+    def _finish(self) -> None:
+        assert self.to is not None
+        if self.length is None:
+            self.to.write(b"0\r\n\r\n")
+        self.to.body_open = False
+
+    def _throttle(self, on: bool) -> None:
+        if on and not self.throttled:
+            self.throttled = True
+            self.reading.pause_reading()
+        elif not on and self.throttled and not self.to_paused and (
+                self.to is not None or self.held_size <= HOLD_MAX):
+            self.throttled = False
+            if not self.complete:
+                self.reading.resume_reading()
+
+
+def upload_of(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]],
+              reading: Reading) -> Upload | Answer | None:
+    """The upload a request's head begins (a multipart POST to a path not of corral's
+    own), the 400 for a multipart type without a boundary, or None."""
+    if method != b"POST" or url.partition(b"?")[0] in _OWN_POST:
+        return None
+    kind = length = None
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"content-type":
+            kind = value
+        elif lname == b"content-length" and value.strip().isdigit():
+            length = int(value)
+    if kind is None:
+        return None
+    boundary = boundary_of(kind)
+    if boundary is None or isinstance(boundary, Answer):
+        return boundary
+    return Upload(boundary, length, reading)
+
+
+_OWN_POST = frozenset(p.encode() for p in OWN_POST)
