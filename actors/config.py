@@ -13,7 +13,8 @@ import msgspec
 from msgspec import Meta
 
 from .config_http import HttpConfig
-from .rules import ModelRules, Replicas, replica_name
+from .config_virtual import VirtualModel
+from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
 
 __all__ = ["Config", "ConfigError", "HttpConfig", "ModelConfig", "ModelRules", "Replicas"]
@@ -294,6 +295,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     http: HttpConfig = HttpConfig()
     cluster: ClusterConfig = ClusterConfig()
     models: dict[str, ModelConfig] = {}
+    groups: dict[str, ModelGroup] = {}
+    """Models that swap, load or stay together (actors/policy/teams.py)."""
+    virtual: dict[str, VirtualModel] = {}
+    """Names that stand for the first of several models that can serve (http/virtual.py)."""
 
     def instances(self) -> dict[str, ModelConfig]:
         """Every child a model may run as, by the name of its instance (its replicas'

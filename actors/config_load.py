@@ -16,9 +16,10 @@ from pathlib import Path
 import msgspec
 
 from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig, Replicas
+from .config_virtual import VirtualModel
 from .keys import API_KEY_NAME
 from .llama import is_llama
-from .rules import alternate_name, replica_name
+from .rules import ModelGroup, alternate_name, replica_name
 from .suspend import check as check_suspend
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
@@ -128,6 +129,7 @@ def _validate(config: Config, source: str) -> Config:
                 raise ConfigError(f"{source}: models.{name}.aliases: {alias!r} is already "
                                   f"the name or an alias of model {owner!r}")
             seen[alias] = name
+    config = _resolve_groups(config, source)
     if config.api_key is not None and not config.api_key.strip():
         raise ConfigError(f"{source}: api_key: empty; an empty key would turn "
                           "authentication off. Remove the key, or set a real one")
@@ -139,6 +141,54 @@ def _validate(config: Config, source: str) -> Config:
         key = read_key_file(config.api_key_file, f"{source}: api_key_file")
         config = msgspec.structs.replace(config, api_key=key, api_key_file=None)
     return _resolve_keys(config, source)
+
+
+def _resolve_groups(config: Config, source: str) -> Config:
+    """`[groups]` and `[virtual]` with their members' canonical names (aliases allowed),
+    checked: every member a model, a group one thing or another, a virtual name free."""
+    names = config.resolve_aliases()
+
+    def members(listed: list[str], where: str) -> list[str]:
+        out: list[str] = []
+        for i, name in enumerate(listed):
+            model = names.get(name)
+            if model is None:
+                raise ConfigError(f"{where}.models[{i}]: {name!r} is not a model (nor an "
+                                  "alias of one)")
+            if model in out:
+                raise ConfigError(f"{where}.models[{i}]: {name!r} is listed twice")
+            out.append(model)
+        return out
+
+    groups = {}
+    for name, group in config.groups.items():
+        where = f"{source}: groups.{name}"
+        if not (group.exclusive or group.together or group.persistent):
+            raise ConfigError(f"{where}: set exclusive, together or persistent (a group "
+                              "with none of them does nothing)")
+        if group.exclusive and group.together:
+            raise ConfigError(f"{where}: exclusive (one member at a time) and together "
+                              "(all members at once) contradict; choose one")
+        listed = members(group.models, where)
+        for model in listed:
+            if group.exclusive and config.models[model].pinned:
+                raise ConfigError(f"{where}: {model!r} is pinned, so no other member of "
+                                  "this exclusive group could ever load; unpin it")
+        groups[name] = msgspec.structs.replace(group, models=listed)
+    for name, group in groups.items():
+        for other, peer in groups.items():
+            both = set(group.models) & set(peer.models)
+            if group.exclusive and peer.together and len(both) > 1:
+                raise ConfigError(f"{source}: groups.{name} and groups.{other}: "
+                                  f"{sorted(both)} are both exclusive and together")
+    virtual = {}
+    for name, table in config.virtual.items():
+        where = f"{source}: virtual.{name}"
+        if name in names:
+            raise ConfigError(f"{where}: {name!r} is already the name or an alias of model "
+                              f"{names[name]!r}")
+        virtual[name] = msgspec.structs.replace(table, models=members(table.models, where))
+    return msgspec.structs.replace(config, groups=groups, virtual=virtual)
 
 
 def _resolve_keys(config: Config, source: str) -> Config:
@@ -223,7 +273,8 @@ def _describe(error: msgspec.ValidationError, prefix: str = "") -> str:
 
 def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
     """Decode a TOML-shaped dict; raise ConfigError naming `source` and the key path."""
-    for section, kind in (("models", ModelConfig), ("keys", KeyConfig)):
+    for section, kind in (("models", ModelConfig), ("keys", KeyConfig),
+                          ("groups", ModelGroup), ("virtual", VirtualModel)):
         tables = data.get(section)
         if isinstance(tables, dict):
             # One table at a time first: msgspec names a dict key `[...]`, and the

@@ -17,6 +17,7 @@ from .childproc import LogRing
 from .config import ModelConfig
 from .keys import Tenant
 from .ledger import Breakdown, DeviceSample, MemoryInfo
+from .rules import ModelGroup
 
 
 class Reply(Protocol):
@@ -228,10 +229,12 @@ class Alive(Message, frozen=True, kw_only=True):
 
 EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "shutdown",
                          "unhealthy", "host_memory", "suspended_max", "suspend_failed",
-                         "wake_failed", "wake_elsewhere", "warm"]
-"""The last five are of suspended models (issue 23): host RAM ran short, too many are
-suspended, a suspend or wake failed, or it no longer fits where it slept; `warm`: a background load
-of a warm model gave way to a request."""
+                         "wake_failed", "wake_elsewhere", "warm", "group"]
+"""The five before `warm` are of suspended models (issue 23): host RAM ran short, too
+many are suspended, a suspend or wake failed, or it no longer fits where it slept;
+`warm`: a background load of a warm model gave way to a request; `group`: a model
+group's rule (issue 25: another member of an exclusive group loads, or a member of a
+together group stopped)."""
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -604,6 +607,8 @@ class Reconfigure(Message, frozen=True, kw_only=True):
     aging_s: float | None = None
     preempt: bool | None = None
     """`priority_preempt` now (None: as it was)."""
+    groups: dict[str, ModelGroup] | None = None
+    """The model groups now (None: as they were)."""
 
 
 class ReloadSummary(Message, frozen=True, kw_only=True):

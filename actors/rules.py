@@ -97,3 +97,19 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     """For a replica record: the model it is a copy of ("" for a model's own record)."""
     make_before_break: bool = True
     """A reload's new config loads beside its serving child (handover.py)."""
+
+
+class ModelGroup(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A `[groups.NAME]` table (issue 25): models that load, stop or stay together, as
+    llama-swap's groups (actors/policy/teams.py)."""
+
+    models: Annotated[list[str], Meta(min_length=1)]
+    exclusive: bool = False
+    """At most one member runs at a time: loading one stops the others (once their
+    requests have finished)."""
+    together: bool = False
+    """Members load and stop as a unit, and are used as one (a speculative draft and its
+    target, a chat model and its embedder)."""
+    persistent: bool = False
+    """Members are never evicted for a model outside the group (they still stop by TTL,
+    unload, or for each other)."""

@@ -113,6 +113,7 @@ class Scheduler(BaseActor):
                              int(config.host_memory_margin_mib * MiB), config.suspended_max)
         for name, (group, model) in copies(config.models).items():
             self.policy.add_model(name, clock(), rules=config.rules_of(model, group))
+        self.policy.state.teams.replace(config.groups)
         self.configs = config.instances()
         self.models = dict(config.models)
         """The model table as configured (`configs`: by instance, copies included)."""
@@ -216,10 +217,12 @@ class Scheduler(BaseActor):
             case InstanceWoken(model=model, generation=gen, ok=ok, detail=detail):
                 self._carry_out(p.tiers.woken(model, gen, ok, detail, now))
             case Reconfigure(models=models, instances=instances, reply=reply,
-                             tenants=tenants, aging_s=aging_s, preempt=preempt):
+                             tenants=tenants, aging_s=aging_s, preempt=preempt, groups=groups):
                 self.reconfigure(models, instances, reply, now)
                 if tenants is not None:
                     self._carry_out(p.set_tenants(tenants, aging_s or 0.0, now, preempt))
+                if groups is not None:
+                    self._carry_out(p.set_groups(groups, now))
             case GetDevices(reply=reply):
                 reply.send(p.children.devices_snapshot())
             case MeasureStarted(model=model):

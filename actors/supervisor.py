@@ -219,11 +219,13 @@ class Supervisor:
                                         instances=dict(self.instances), reply=done,
                                         tenants=tenants_of(config),
                                         aging_s=config.priority_aging_s,
-                                        preempt=config.priority_preempt))
+                                        preempt=config.priority_preempt,
+                                        groups=dict(config.groups)))
         summary = done.wait(timeout_s)
         if not isinstance(summary, ReloadSummary):
             raise TimeoutError(f"the scheduler did not apply the reload within {timeout_s} s")
-        self.config = msgspec.structs.replace(self.config, models=config.models)
+        self.config = msgspec.structs.replace(self.config, models=config.models,
+                                              groups=config.groups, virtual=config.virtual)
         return summary
 
     def subscribe(self, loop: asyncio.AbstractEventLoop,

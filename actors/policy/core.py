@@ -24,6 +24,7 @@ from ..messages import (
     ModelsSnapshot,
     WaitDue,
 )
+from ..rules import ModelGroup
 from . import plans, views
 from .children import Children
 from .plans import RequestPlan
@@ -210,8 +211,11 @@ class Policy:
         rec.ended_at = max(rec.ended_at, now - idle_s)
         if shared or idle_s:
             rec.last_used = max(rec.last_used, now - idle_s)
+        if self.state.teams.partners:
+            self.rules.used_together(rec, now)
         if rec.retiring and rec.in_flight == 0 and rec.state.is_serving:
-            self.rules.stop(rec, "reload", None, now)  # drained: now it may restart
+            reason, for_model, note = rec.retire_as  # drained: now it may go
+            self.rules.stop(rec, reason, for_model, now, note=note)
         else:
             self.rules.serve_waiters(rec, now)  # max_concurrency: the next in line
         self.rules.idle(rec, now)
@@ -264,6 +268,12 @@ class Policy:
             self.state.cuts.on = preempt
         self.rules.serve_queued(now)
         self.cuts.where(now)
+        self.rules.pump(now)
+        return self.rules.flush()
+
+    def set_groups(self, groups: dict[str, ModelGroup], now: float) -> list[Effect]:
+        """The model groups now (issue 25, teams.py): from the config, and each reload."""
+        self.state.teams.replace(groups)
         self.rules.pump(now)
         return self.rules.flush()
 

@@ -18,7 +18,6 @@ from ..messages import (
     Grant,
     QueueChanged,
     Refusal,
-    Repump,
     Revoke,
     Shortfall,
     StatusChanged,
@@ -40,7 +39,6 @@ from .records import (
     Wake,
     eviction_cause,
 )
-from .replicas import UP
 from .state import State
 
 log = logging.getLogger("corral.scheduler")
@@ -114,13 +112,16 @@ class Moves:
 
     def stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
              now: float, shortfalls: list[Shortfall] | None = None,
-             why: str | None = None) -> None:
-        """Stop `rec`'s child; `why`: why it was not suspended instead."""
+             why: str | None = None, note: str | None = None) -> None:
+        """Stop `rec`'s child; `why`: why it was not suspended instead; `note`: what
+        else the event says (a model group's rule)."""
         cause = eviction_cause(reason, for_model, shortfalls)
         if why:
             cause += f"; not suspended: {why}"
+        if note:
+            cause += f"; {note}"
         self.transition(rec, S.STOPPING, cause, now)
-        self.evicted(rec, reason, for_model, shortfalls, "stop", why)
+        self.evicted(rec, reason, for_model, shortfalls, "stop", why or note)
         key = (rec.name, reason)
         self.state.stats.evictions[key] = self.state.stats.evictions.get(key, 0) + 1
         self.state.out.append(Stop(rec.name, rec.generation, reason))
@@ -155,57 +156,6 @@ class Moves:
             self.state.ledger.reserve(rec.name, self.state.memory.wake_need(rec))
             self.state.out.append(Track(rec.name, "waking", rec.pid))
         self.state.out.append(Wake(rec.name, rec.generation))
-
-    def pick_victim(self, now: float) -> ModelRecord | None:
-        """The least recently used model that is idle, serving, unpinned, not wanted and
-        resident for its min_resident_s; if only young ones are left, wake up when the
-        first comes of age (R-4.4)."""
-        extra = self.extra_victim(now)
-        if extra is not None:
-            return extra
-        victim, wake = self.state.victims.pick(self.state.models, now, self.state.resident_until)
-        if wake is not None and (self.state.wake_at is None or wake < self.state.wake_at):
-            self.state.wake_at = wake
-            self.state.out.append(Later(wake - now, Repump()))
-        return victim
-
-    def extra_victim(self, now: float) -> ModelRecord | None:
-        """The least recently used idle copy above its model's `min` (a spare): the first
-        victim for a slot or memory, before any model's last copy (issue 24)."""
-        state = self.state
-        if not state.groups.active:
-            return None
-        return min((r for group in state.groups.active.values() for r in group
-                    if state.evictable(r) and state.resident_until(r) <= now
-                    and state.above_min(r)), key=lambda r: r.last_used, default=None)
-
-    def spares(self, victims: list[ModelRecord]) -> set[ModelRecord]:
-        """The copies among `victims` (least recently used first) that their models can
-        do without: of each model, as many as it has up above its `min`."""
-        left = {name: sum(r.state in UP for r in group) - c.min
-                for name, group in self.state.groups.active.items()
-                if (c := group[0].rules.replicas) is not None}
-        spare = set()
-        for r in victims:
-            if left.get(r.group, 0) > 0 and r.state in UP:
-                spare.add(r)
-                left[r.group] -= 1
-        return spare
-
-    def memory_victims(self, now: float) -> list[ModelRecord]:
-        """What may be evicted for memory, in order: the idle models, least recently used
-        first, then the suspended ones that still hold some of a device (a CUDA context
-        left behind), least recently used first (issue 23: they are stopped)."""
-        state = self.state
-        victims = state.victims.ranked(state.models, now, state.resident_until)
-        if state.groups.active:  # spare copies (above their min) go first (issue 24)
-            spare = self.spares(victims)
-            victims.sort(key=lambda r: r not in spare)
-        if state.n_suspended:
-            victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
-                               and not r.draining and state.ledger.held.get(r.name)),
-                              key=lambda r: r.last_used)
-        return victims
 
     def evict(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
               now: float, shortfalls: list[Shortfall] | None = None) -> None:
@@ -353,15 +303,16 @@ class Moves:
             if partner is not None and partner.takes_over == rec.name:
                 state.groups.swap(partner)
 
-    def retire(self, rec: ModelRecord, now: float) -> None:
-        """Stop `rec` for a reload now if idle, else once its last request is released
-        (core.py): no new request joins it meanwhile."""
+    def retire(self, rec: ModelRecord, now: float, reason: EvictionReason = "reload",
+               for_model: str | None = None, note: str | None = None) -> None:
+        """Stop `rec` for a reload (or `reason`, `note` as stop's) now if idle, else once
+        its last request is released (core.py): no new request joins it meanwhile."""
         if rec.state is S.STOPPING:
             return
         if rec.in_flight == 0:
-            self.stop(rec, "reload", None, now)
+            self.stop(rec, reason, for_model, now, note=note)
         else:
-            rec.retiring = True
+            rec.retiring, rec.retire_as = True, (reason, for_model, note)
             self.state.out.append(Withdraw(model=rec.group, generation=rec.generation,
                                            epoch=rec.wakes, instance=rec.copy_name))
 

@@ -188,7 +188,10 @@ class ModelRecord:
     load_s_total: float = 0.0
     """Seconds from spawn to ready, summed over the successful loads."""
     retiring: bool = False
-    """A reload changed or removed it while busy: no new grants; it stops once idle."""
+    """A reload changed or removed it while busy (or an exclusive group's other member
+    loads): no new grants; it stops once idle..."""
+    retire_as: tuple[EvictionReason, str | None, str | None] = ("reload", None, None)
+    """... for this reason, for this model, with this note (Moves.stop's)."""
     removed: bool = False
     """A reload removed it; the record goes once its child is reaped."""
     alternate_of: str | None = None

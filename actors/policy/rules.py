@@ -38,6 +38,10 @@ class Rules(Scaling):
             self.relieve_host(now)
         self.tick(now)
         self.claim(now)
+        if self.state.teams.brought:  # together partners queued: they need slots too
+            self.state.teams.brought = False
+            self.tick(now)
+            self.claim(now)
         if self.state.groups.wanting:
             self.scale(now)
         if self.state.warm and not self.state.queue.entries:
@@ -60,7 +64,7 @@ class Rules(Scaling):
                 state.warm_after = now + WARM_RETRY_S
                 return
             if rec.state not in (S.UNLOADED, S.SUSPENDED) or rec.breaker.is_open(now) \
-                    or rec.failed or rec.removed:
+                    or rec.failed or rec.removed or self.has_rival_up(rec.group):
                 continue
             if state.memory_on:
                 busy = self.loading_devices(rec)
@@ -127,15 +131,36 @@ class Rules(Scaling):
                 self.yield_warm(now)
             return  # every running model is busy, wanted or young: a release re-ticks
         needing = [e.model for e in self.state.queue.ordered(now)
-                   if self.state.needs_slot(e, now)]
+                   if self.state.needs_slot(e, now)  # (an exclusive rival's is coming free)
+                   and not (state.teams.rivals and self.has_rival_up(e.model))]
         while free < len(needing):
-            victim = self.pick_victim(now)
+            model = needing[max(free, 0)]
+            victim = self.pick_victim(now, model)
             if victim is None:
                 if pinned_out:
                     self.refuse_pinned_out(needing[max(free, 0):])
+                elif state.teams.kept and self.refuse_kept_out(model):
+                    needing.remove(model)  # the next in line may evict what it may not
+                    continue
                 return
-            self.evict(victim, "lru", needing[max(free, 0)], now)
+            self.evict(victim, "lru", model, now)
             free += 1
+
+    def refuse_kept_out(self, model: str) -> bool:
+        """Refuse what no slot will ever come free for: every running model is pinned,
+        or kept from `model` by a persistent group (teams.py); whether it was."""
+        state = self.state
+        running = [r for r in state.models.values() if r.state.is_running]
+        if state.n_stopping or state.n_suspending or not all(
+                r.pinned or state.teams.keeps(r.group, model) for r in running):
+            return False
+        groups = sorted({g for r in running if (g := state.teams.keeps(r.group, model))})
+        self.refuse_entry(model, 503, (
+            f"model '{model}' cannot be loaded: all {state.models_max} slots (models_max) "
+            f"are held by models of persistent group(s) {', '.join(groups)} (or pinned "
+            "ones), which models outside them never evict; unload one or raise "
+            "models_max"), reason="persistent")
+        return True
 
     def refuse_pinned_out(self, models: list[str]) -> None:
         """Refuse what no slot will ever come free for: every running model is pinned."""
@@ -173,8 +198,11 @@ class Rules(Scaling):
             return "passed"
         rec = state.groups.target(state.models[entry.model])
         assert rec is not None  # (needs_slot)
-        # 2. Its last child is still stopping, or every slot (models_max) is taken.
-        if rec.state is S.STOPPING or not state.has_capacity():
+        # 2. Its last child is still stopping, or every slot (models_max) is taken, or
+        #    another member of its exclusive group still runs (it is being stopped).
+        if rec.state is S.STOPPING or (state.teams.rivals and self.clear_rivals(rec, now)):
+            return "wait"
+        if not state.has_capacity():
             return "wait"
         # 3. Bound to nodes, without memory accounting: a node's slot (models_max_per_node).
         if rec.rules.nodes is not None and not state.memory_on:
@@ -193,7 +221,7 @@ class Rules(Scaling):
             return "wait"
         # 6. With memory accounting, the plan decides: evict, measure first, wait or refuse.
         if state.memory_on:
-            victims = self.memory_victims(now)
+            victims = self.memory_victims(now, rec.group)
             plan = state.memory.plan(rec, state.models, victims, busy)
             for victim, shortfalls in plan.evict:  # none: a node's slot
                 self.evict(victim, "memory" if shortfalls else "lru", rec.name, now,
@@ -213,19 +241,21 @@ class Rules(Scaling):
                 log.warning("%s", plan.note)  # said once, by the plan that was carried out
             rec.placement = plan.devices
             rec.node = node_of(plan.devices[0]) if plan.devices else None
-        # 7. It goes.
+        # 7. It goes, and its together partners with it (queued as loads: a rescan).
         entry.claimed = True
         self.spawn(rec, len(entry.waiters), now)
+        if state.teams.partners and self.bring_partners(rec, now):
+            return "rescan"
         return "spawned"
 
     def claim_wake(self, entry: QueueEntry, rec: ModelRecord,
-                   now: float) -> Literal["spawned", "wait"]:
+                   now: float) -> Literal["spawned", "wait", "rescan"]:
         """Wake the suspended `rec` for `entry`, making room on its devices as a load
         does; where only pinned models hold that room it is stopped, and the entry waits
         for its exit to load it anew (elsewhere, if it may go elsewhere)."""
         state = self.state
         if state.memory_on:
-            victims = self.memory_victims(now)
+            victims = self.memory_victims(now, rec.group)
             plan = state.memory.plan_wake(rec, state.models, victims,
                                           self.loading_devices(rec))
             for victim, shortfalls in plan.evict:
@@ -237,6 +267,8 @@ class Rules(Scaling):
                 self.revoke_kept()
                 return "wait"
         self.wake(rec, entry, now)
+        if state.teams.partners and self.bring_partners(rec, now):
+            return "rescan"
         return "spawned"
 
     def claim_node(self, rec: ModelRecord, now: float) -> bool:
@@ -244,6 +276,8 @@ class Rules(Scaling):
         `rec.node` when it may spawn now; else it waits, after stopping the LRU idle model
         of a node at its cap, or its requests are refused (then True: the queue changed)."""
         victims = self.state.victims.ranked(self.state.models, now, self.state.resident_until)
+        if self.state.teams.kept:
+            victims = [v for v in victims if not self.kept_from(v, rec.group)]
         choice = self.state.nodes.choose(rec, self.state.models, victims)
         rec.node = choice.node if choice.verdict == "go" else None
         rec.waiting_for = choice.why if choice.verdict == "wait" else None

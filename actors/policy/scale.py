@@ -21,14 +21,14 @@ from ..ledger import node_of
 from ..lifecycle import ModelState
 from ..messages import Repump
 from ..rules import Replicas
-from .moves import Moves
+from .choice import Teamwork
 from .records import Later, ModelRecord
 from .replicas import UP
 
 S = ModelState
 
 
-class Scaling(Moves):
+class Scaling(Teamwork):
     """The scaling step of every decision (Rules.pump)."""
 
     def scale(self, now: float) -> None:

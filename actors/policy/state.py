@@ -19,6 +19,7 @@ from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
 from .records import Effect, ModelRecord, Stats
 from .replicas import UP, Groups
+from .teams import Teams
 from .tenants import Tenants
 from .victims import Victims
 
@@ -64,6 +65,8 @@ class State:
         when last looked at: a superset of those that are (Moves.loading_devices)."""
         self.groups = Groups()
         """The models that run as several copies (issue 24)."""
+        self.teams = Teams()
+        """The model groups: exclusive, together, persistent (issue 25)."""
         self.stats = Stats()
         self.shutting_down = False
         self.n_running = 0
@@ -185,7 +188,14 @@ class State:
 
     def evictable(self, rec: ModelRecord) -> bool:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
-                and rec.group not in self.queue.entries and not rec.removed)
+                and rec.group not in self.queue.entries and not rec.removed
+                and not (self.teams.partners and self.partner_busy(rec)))
+
+    def partner_busy(self, rec: ModelRecord) -> bool:
+        """A together partner of `rec` has a request in flight (teams.py)."""
+        return any(r.in_flight for partner in self.teams.partners.get(rec.group, {})
+                   if partner in self.models
+                   for r in self.groups.all_of(self.models[partner]))
 
     def stopping_suspended(self) -> list[ModelRecord]:
         """Suspended children being stopped: their host copies are coming back."""

@@ -41,12 +41,14 @@ class Victims:
         self.offered.pop(name, None)
 
     def pick(self, models: dict[str, ModelRecord], now: float,
-             resident_until: Callable[[ModelRecord], float]) -> tuple[ModelRecord | None,
-                                                                      float | None]:
+             resident_until: Callable[[ModelRecord], float],
+             allowed: Callable[[ModelRecord], bool] | None = None,
+             ) -> tuple[ModelRecord | None, float | None]:
         """The least recently used evictable model that has been resident long enough
-        (min_resident_s), and, when only younger ones are left, when the first of them
-        comes of age."""
+        (min_resident_s) and is `allowed`, and, when only younger ones are left, when
+        the first of them comes of age."""
         young: list[tuple[float, int, str]] = []
+        passed: list[tuple[float, int, str]] = []
         found = None
         while self.heap:
             last_used, _, name = self.heap[0]
@@ -56,12 +58,15 @@ class Victims:
                 if rec is None or self.offered.get(name) == last_used:
                     self.offered.pop(name, None)
                 continue
+            if allowed is not None and not allowed(rec):
+                passed.append(heapq.heappop(self.heap))
+                continue
             if resident_until(rec) > now:
                 young.append(heapq.heappop(self.heap))
                 continue
             found = rec
             break
-        for offer in young:
+        for offer in young + passed:
             heapq.heappush(self.heap, offer)
         if found is not None or not young:
             return found, None
