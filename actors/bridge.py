@@ -100,7 +100,8 @@ class Fanout:
 
 async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
                   key: str = "", retry: bool = False, cuttable: bool = False,
-                  affinity: int = 0) -> tuple[LoopReply, Grant | Refusal]:
+                  affinity: int = 0, among: tuple[str, ...] = (),
+                  ) -> tuple[LoopReply, Grant | Refusal]:
     """Ask the Scheduler for `model` and wait for the answer, without blocking the loop.
 
     Returns the ticket (to Release after a Grant) and the answer. If the wait is
@@ -110,7 +111,7 @@ async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
     ticket = LoopReply(asyncio.get_running_loop())
     return ticket, await _ask(scheduler, ticket, Acquire(
         ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
-        cuttable=cuttable, affinity=affinity))
+        cuttable=cuttable, affinity=affinity, among=among))
 
 
 async def requeue(scheduler: SchedulerInbox, ticket: LoopReply) -> Grant | Refusal:

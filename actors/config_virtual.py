@@ -21,3 +21,10 @@ class VirtualModel(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     fallback: bool = False
     """A model that refuses the request (503: it cannot load, its queue is full, it is in
     backoff) hands it to the next listed model."""
+
+    def entry(self, name: str) -> dict[str, object]:
+        """How GET /v1/models lists it: as a model (so that clients offer it), saying
+        what it stands for."""
+        return {"id": name, "object": "model", "owned_by": "corral",
+                "virtual": {"models": self.models, "pick": self.pick,
+                            "fallback": self.fallback}}

@@ -77,6 +77,8 @@ class Refusal(Message, frozen=True, kw_only=True):
     message: str
     error_type: str = "server_error"
     retry_after_s: float | None = None
+    model: str = ""
+    """The model that refused, where one did (a virtual model's fallback skips it)."""
 
 
 class Cut(Message, frozen=True, kw_only=True):
@@ -324,6 +326,10 @@ class Acquire(Message, frozen=True, kw_only=True):
     cut before; never an embedding's lease, which could not act on a Cut."""
     affinity: int = 0
     """A hash of its prompt's start, for a model with copies routed by prefix (0: none)."""
+    among: tuple[str, ...] = ()
+    """A virtual model's members still to try (issue 25): the policy serves `model` with
+    the first of them that serves (or is on its way), else the first (`model` names the
+    virtual model, for the logs)."""
 
 
 class Release(Message, frozen=True, kw_only=True):

@@ -138,9 +138,9 @@ class Scheduler(BaseActor):
         p = self.policy
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
-                         cuttable=cuttable, affinity=affinity):
+                         cuttable=cuttable, affinity=affinity, among=among):
                 self._carry_out(p.acquire(ticket, model, now, autoload, key, retry, cuttable,
-                                          affinity))
+                                          affinity, among))
             case Release(ticket=ticket, shared=shared, idle_s=idle_s, tokens=tokens):
                 self._carry_out(p.release(ticket, now, shared, idle_s, tokens))
             case Releases(releases=releases):

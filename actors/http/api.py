@@ -289,10 +289,13 @@ class ManagementApi:
         assert isinstance(snap, ModelsSnapshot)
         models = self.sup.config.models  # read once: every entry from the same table
         counts = await self._counts()
+        key = request.get("key")
         entries = (self._entry(view, models, counts) for view in snap.models
-                   if tenancy.visible(request.get("key"), view.name, models))
+                   if tenancy.visible(key, view.name, models))
+        virtual = [v.entry(n) for n, v in self.sup.config.virtual.items()
+                   if any(tenancy.visible(key, m, models) for m in (n, *v.models))]
         return web.json_response({"object": "list", "data": [
-            tenancy.shown(e, request.get("key")) for e in entries if e]})
+            *(tenancy.shown(e, key) for e in entries if e), *virtual]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of

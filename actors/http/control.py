@@ -75,6 +75,8 @@ class Ask(Frame, frozen=True):
     key: str = ""
     retry: bool = False
     cuttable: bool = False
+    affinity: int = 0
+    among: tuple[str, ...] = ()
 
 
 class Let(Frame, frozen=True):

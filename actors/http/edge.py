@@ -305,9 +305,11 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
     if isinstance(name, Answer):
         return name
     model = routes.names.get(name)
-    if model is None:
+    if model is None and name in routes.virtual:
+        model = name  # tries.py picks its member
+    elif model is None:
         return Answer(400, f"model '{name}' not found")
-    if key is not None and not key.may_use(routes.known_as.get(model, (model,))):
+    if key is not None and not any(key.may_use(n) for n in routes.uses(model)):
         return Answer(403, f"key '{key.name}' may not use model '{name}'")
     if key is not None and not key.admin and method != b"POST" and path not in MEMBER_GETS:
         return Answer(403, f"key '{key.name}' may not GET {path.decode('latin-1')} of a "

@@ -36,7 +36,7 @@ from .edge import (
 from .pool import Pool
 from .request import Request
 from .services import Services
-from .tries import to_model
+from .tries import to_model, to_virtual
 from .upstream import Broke, Upstream
 from .usage import Meter
 
@@ -171,7 +171,10 @@ class Exchange:
         self.meter = Meter(len(self.req.body)) if self.req.key is not None else None
         started = self.loop.time()
         try:
-            await to_model(self, model, autoload)
+            if model in front.routes.virtual:
+                await to_virtual(self, model, autoload)
+            else:
+                await to_model(self, model, autoload)
         finally:  # an answer begun or given: how long it took, for /metrics
             if self.status:
                 end = self.loop.time()

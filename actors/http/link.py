@@ -113,12 +113,13 @@ class Link:
     def _on(self, message: FromWorker) -> None:
         match message:
             case Ask(id=id_, model=model, autoload=autoload, key=key, retry=retry,
-                     cuttable=cuttable):
+                     cuttable=cuttable, affinity=affinity, among=among):
                 if id_ in self.tickets:
                     raise ValueError(f"request id {id_} asked for twice")
                 asked = self.tickets[id_] = RemoteTicket(self, id_)
                 self._tell(Acquire(ticket=asked, model=model, autoload=autoload, key=key,
-                                   retry=retry, cuttable=cuttable))
+                                   retry=retry, cuttable=cuttable, affinity=affinity,
+                                   among=among))
             case Let():
                 ticket = self.tickets.pop(message.id, None)
                 if ticket is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from ..config import Config
+from ..config_virtual import VirtualModel
 from ..keys import Keys
 from ..llama import is_llama, llama_pool_cap
 
@@ -35,6 +36,16 @@ class Routes(msgspec.Struct, frozen=True):
     """Who may call (None: anyone, R5 guards aside)."""
     known_as: dict[str, tuple[str, ...]] = {}
     """Model -> its name and aliases (what a key's `models` globs are matched with)."""
+    virtual: dict[str, VirtualModel] = {}
+    """Names that stand for one of several models (tries.py `to_virtual`)."""
+
+    def uses(self, model: str) -> list[tuple[str, ...]]:
+        """The names a key must match one of to use `model`: its own (and aliases'); for
+        a virtual model, its name or any member's."""
+        virtual = self.virtual.get(model)
+        if virtual is None:
+            return [self.known_as.get(model, (model,))]
+        return [(model,), *(self.known_as.get(m, (m,)) for m in virtual.models)]
 
     @classmethod
     def of(cls, config: Config) -> Routes:
@@ -48,4 +59,4 @@ class Routes(msgspec.Struct, frozen=True):
                   for name, m in config.models.items()}
         known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
         return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
-                   known_as)
+                   known_as, dict(config.virtual))

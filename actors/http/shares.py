@@ -105,12 +105,15 @@ class Shares:
 
     async def acquire(self, model: str, autoload: bool, key: KeyRule | None = None,
                       retry: bool = False, cuttable: bool = True,
-                      affinity: int = 0) -> SharedGrant | Refusal:
+                      affinity: int = 0, among: tuple[str, ...] = (),
+                      ) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one. A request whose
         `key` has limits always asks: the Scheduler counts each of them (once: `retry`
         says it asked before); one cut before is not `cuttable` again; `affinity`: its
-        prompt's hash, for a model with copies (a copy's grant is joined only idle)."""
-        share = self.open.get(model) if key is None or key.shares else None
+        prompt's hash, for a model with copies (a copy's grant is joined only idle);
+        `among`: a virtual model's members, one of which the Scheduler picks (always
+        asked: which is warmest is its to say)."""
+        share = self.open.get(model) if (key is None or key.shares) and not among else None
         if share is not None and share.grant.solo and (share.count
                                                        or share.affinity != affinity):
             share = None  # a copy's grant: the Scheduler routes all but the lone request
@@ -120,16 +123,17 @@ class Shares:
             self.joined_total += 1
             self._shift(model, 1)
             return share
-        revokes = self.revoked.get(model, (0, 0))[0]
+        revokes = {name: self.revoked.get(name, (0, 0))[0] for name in among or (model,)}
         ticket, answer = await acquire(self.scheduler(), model, autoload,
                                        key.name if key is not None else "", retry, cuttable,
-                                       affinity)
+                                       affinity, among)
         if isinstance(answer, Refusal):
             return answer
+        model = answer.model  # (a virtual model's: the member that serves it)
         share = SharedGrant(ticket, answer)
         share.affinity = affinity
         seen, newest = self.revoked.get(model, (0, 0))
-        if seen != revokes and answer.generation <= newest:
+        if seen != revokes.get(model, -1) and answer.generation <= newest:
             share.keep = False
         copy = answer.instance or model  # (each copy's generations are its own)
         if answer.shareable and answer.serving > self.withdrawn.get(copy, (0, 0)):

@@ -15,6 +15,7 @@ cuts a request at most once.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from ..bridge import LoopReply
@@ -66,8 +67,40 @@ class Attempt(Protocol):
     def wait_again(self) -> None: ...
 
 
-async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
-    """Serve `ex` with an instance of `model`, trying the next where it may."""
+async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
+    """Serve `ex` with a member of virtual model `name` (issue 25) its key may use: the
+    warmest (`pick = "warm"`: the Scheduler knows which serves) or the first; with
+    `fallback`, a member that refuses it (503: it cannot load, its queue is full, it
+    backs off) hands it to the next."""
+    routes = ex.services.routes
+    virtual, key = routes.virtual[name], ex.req.key
+    left = [m for m in virtual.models if m in routes.models and (
+        key is None or key.may_use((name,)) or key.may_use(routes.known_as.get(m, (m,))))]
+    refused: list[Refusal] = []
+
+    def fall_back(refusal: Refusal) -> bool:
+        if virtual.fallback and refusal.status == 503 and len(left) > 1:
+            refused.append(refusal)
+            return True
+        return False
+
+    while left:
+        refused.clear()
+        among = tuple(left) if virtual.pick == "warm" and len(left) > 1 else ()
+        await to_model(ex, name if among else left[0], autoload, among, fall_back)
+        if not refused:
+            return
+        gone = refused[0].model if refused[0].model in left else left[0]
+        log.info("virtual model '%s': %s refused the request (%s); trying the next", name,
+                 gone, refused[0].message)
+        left.remove(gone)
+    ex.answer(Answer(503, f"virtual model '{name}' has no model left to serve it"))
+
+
+async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ...] = (),
+                   fall_back: Callable[[Refusal], bool] | None = None) -> None:
+    """Serve `ex` with an instance of `model` (or of one of `among`, the Scheduler's
+    pick), trying the next where it may; a refusal `fall_back` takes is not answered."""
     front = ex.services
     routes = front.routes
     gone: tuple[int, Pool] | None = None  # the child that went away before answering
@@ -80,7 +113,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
         found: SharedGrant | Refusal | None = await (
             front.shares.requeue(cut) if cut is not None else
             front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0,
-                                 cuttable=not was_cut, affinity=near))
+                                 cuttable=not was_cut, affinity=near, among=among))
         cut = None
         if gone is not None:
             generation, pool = gone
@@ -93,9 +126,11 @@ async def to_model(ex: Attempt, model: str, autoload: bool) -> None:
                              "again)"))
             return
         if isinstance(found, Refusal):
-            ex.answer(refusal_answer(found))
+            if fall_back is None or not fall_back(found):
+                ex.answer(refusal_answer(found))
             return
         share, grant = found, found.grant
+        model, among = grant.model, ()  # (a virtual model's member: tried again if need be)
         if not grant.shareable:  # a grant of its own: the Scheduler may cut it
             if share.ticket.cut:  # before it was sent: nothing is lost
                 cut, was_cut = share, True

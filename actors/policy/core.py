@@ -75,6 +75,18 @@ class Policy:
         """GET /models."""
         return views.snapshot(self.state, now)
 
+    def warmest(self, among: tuple[str, ...]) -> str:
+        """The first of `among` with a child that serves; else the first on its way
+        (loading, waking, suspended); else the first (issue 25, `pick = "warm"`)."""
+        def warmth(name: str) -> int:
+            rec = self.state.find(name)
+            return 0 if rec is None else max(
+                2 if r.state.is_serving and not r.retiring
+                else 1 if r.state.is_running and r.state is not S.STOPPING else 0
+                for r in self.state.groups.all_of(rec))
+        scores = [warmth(name) for name in among]
+        return among[scores.index(max(scores))]
+
     def plan(self, model: str, now: float, key: str = "", autoload: bool = True) -> RequestPlan:
         """GET /models/plan: what `acquire` would do with one more request now, decided
         on a copy of this policy (plans.py)."""
@@ -91,11 +103,14 @@ class Policy:
 
     def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
                 key: str = "", retry: bool = False, cuttable: bool = False,
-                affinity: int = 0) -> list[Effect]:
+                affinity: int = 0, among: tuple[str, ...] = ()) -> list[Effect]:
         """A request for `model` arrived (with `key`, "" for none): grant it now, queue
         it, or refuse it. `retry`: it came before (its child went away with it), and its
         key's quota counted it then; `cuttable`: a front may cut it (cuts.py);
-        `affinity`: a hash of its prompt's start (a model with copies routed by prefix)."""
+        `affinity`: a hash of its prompt's start (a model with copies routed by prefix);
+        `among`: a virtual model's members, one of which serves it (`warm`)."""
+        if among:
+            model = self.warmest(among)
         counted = bool(key) and not retry
         rec = self.state.find(model)
         tenants = self.state.tenants

@@ -249,7 +249,8 @@ class Moves:
             if key:
                 stats.key_refusals[(key, reason)] = stats.key_refusals.get((key, reason), 0) + 1
         self.state.out.append(Answer(ticket, Refusal(
-            status=status, message=message, error_type=type_, retry_after_s=retry_after_s)))
+            status=status, message=message, error_type=type_, retry_after_s=retry_after_s,
+            model=model or "")))
 
     def refuse_entry(self, model: str, status: int, message: str,
                       retry_after_s: float | None = None, reason: str = "other") -> None:
