@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from .config_hooks import Hooks
 from .config_http import HttpConfig
 from .config_virtual import VirtualModel
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
@@ -33,9 +34,11 @@ def copies(models: dict[str, ModelConfig]) -> dict[str, tuple[str, ModelConfig]]
 
 def same_child(a: ModelConfig, b: ModelConfig) -> bool:
     """`a` and `b` differ at most in what only the policy reads (`replicas`,
-    `make_before_break`): a reload between them keeps the children running."""
+    `make_before_break`, and `hooks`, which a child uses from its next load): a reload
+    between them keeps the children running."""
     def rest(m: ModelConfig) -> ModelConfig:
-        return msgspec.structs.replace(m, replicas=1, make_before_break=True)
+        return msgspec.structs.replace(m, replicas=1, make_before_break=True, hooks=Hooks(),
+                                       hook_timeout_s=None)
 
     return rest(a) == rest(b)
 
@@ -115,6 +118,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """A reload that changes it loads the new config beside its serving child where a
     slot and memory are free, then drains the old (actors/policy/handover.py); false, or
     no room: the old child stops first."""
+    hooks: Hooks = Hooks()
+    """Commands run around its child (actors/hooks.py); each one it does not set is the
+    top-level `[hooks]` one."""
+    hook_timeout_s: PositiveSeconds | None = None
+    """Longest run of one hook (default: the top-level hook_timeout_s)."""
     key_flag: str | None = None
     """The flag its server takes an API key with: on a cluster node the child listens on
     the network, so corral starts it with `KEY_FLAG <a key only the head knows>` and the
@@ -295,6 +303,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     http: HttpConfig = HttpConfig()
     cluster: ClusterConfig = ClusterConfig()
     models: dict[str, ModelConfig] = {}
+    hooks: Hooks = Hooks()
+    """Every model's hooks, unless its own table sets that one (actors/hooks.py)."""
+    hook_timeout_s: PositiveSeconds = 30.0
     groups: dict[str, ModelGroup] = {}
     """Models that swap, load or stay together (actors/policy/teams.py)."""
     virtual: dict[str, VirtualModel] = {}

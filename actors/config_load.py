@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig, Replicas
+from .config_hooks import HOOK_PLACEHOLDER
 from .config_virtual import VirtualModel
 from .keys import API_KEY_NAME
 from .llama import is_llama
@@ -129,7 +130,7 @@ def _validate(config: Config, source: str) -> Config:
                 raise ConfigError(f"{source}: models.{name}.aliases: {alias!r} is already "
                                   f"the name or an alias of model {owner!r}")
             seen[alias] = name
-    config = _resolve_groups(config, source)
+    config = _resolve_hooks(_resolve_groups(config, source), source)
     if config.api_key is not None and not config.api_key.strip():
         raise ConfigError(f"{source}: api_key: empty; an empty key would turn "
                           "authentication off. Remove the key, or set a real one")
@@ -141,6 +142,26 @@ def _validate(config: Config, source: str) -> Config:
         key = read_key_file(config.api_key_file, f"{source}: api_key_file")
         config = msgspec.structs.replace(config, api_key=key, api_key_file=None)
     return _resolve_keys(config, source)
+
+
+def _resolve_hooks(config: Config, source: str) -> Config:
+    """Each model's hooks whole (its own over the top-level ones) and its hook_timeout_s
+    set, every placeholder checked."""
+    for where, hooks in [("hooks", config.hooks),
+                         *((f"models.{n}.hooks", m.hooks) for n, m in config.models.items())]:
+        for event in hooks.__struct_fields__:
+            for i, arg in enumerate(getattr(hooks, event) or []):
+                for match in _ANY_PLACEHOLDER.finditer(arg):
+                    if not HOOK_PLACEHOLDER.fullmatch(match.group(0)):
+                        raise ConfigError(
+                            f"{source}: {where}.{event}[{i}]: unknown placeholder "
+                            f"{match.group(0)}; use {{model}}, {{port}}, {{pid}}, "
+                            "{devices} or {reason}")
+    models = {name: msgspec.structs.replace(
+        m, hooks=m.hooks.over(config.hooks),
+        hook_timeout_s=m.hook_timeout_s or config.hook_timeout_s)
+        for name, m in config.models.items()}
+    return msgspec.structs.replace(config, models=models)
 
 
 def _resolve_groups(config: Config, source: str) -> Config:

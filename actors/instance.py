@@ -23,7 +23,9 @@ from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, placement_env, port_in_use
 from .config import ModelConfig
 from .health import Liveness, wait_ready_http
+from .hooks import HookSteps
 from .lifecycle import IllegalTransition, describe_exit
+from .liveness import LivenessSteps
 from .llama import LLAMA_STATE, LlamaState, is_llama, split_args, state_change
 from .messages import (
     ChildCached,
@@ -32,6 +34,7 @@ from .messages import (
     ChildReady,
     ChildSwitched,
     ChildTimedOut,
+    HookRan,
     InstanceExited,
     InstanceMessage,
     InstanceReady,
@@ -46,10 +49,9 @@ from .messages import (
     StartInstance,
     StopInstance,
     SuspendInstance,
-    Unhealthy,
     WakeInstance,
 )
-from .phases import SWITCHING, TRANSITIONS, Phase, StopSequence
+from .phases import TRANSITIONS, Phase, StopSequence
 from .sidejobs import SideJobs
 from .suspend import Step
 from .timers import Timers
@@ -58,7 +60,7 @@ BIND_RETRIES = 3
 """A child that exits while its port is taken by someone else is respawned on a new port."""
 
 
-class ModelInstance(BaseActor):
+class ModelInstance(HookSteps, LivenessSteps, BaseActor):
     """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
 
     def __init__(self, model: str, config: ModelConfig, scheduler: Inbox[SchedulerMessage],
@@ -142,6 +144,8 @@ class ModelInstance(BaseActor):
             case LivenessMiss(generation=generation, detail=detail):
                 if generation == self.generation:
                     self.handle_liveness_result(self.spawn_id, False, detail, rearm=False)
+            case HookRan(hook_id=hook_id, hook=hook, failure=failure):
+                self.handle_hook_ran(hook_id, hook, failure)
             case _:
                 assert_never(message)
 
@@ -152,6 +156,7 @@ class ModelInstance(BaseActor):
             self.log.warning("actor stopping with child pid %d alive; killing its group",
                              self.child.pid)
             self.child.signal_group(signal.SIGKILL)
+        self.kill_hook()
 
     def _to(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
@@ -172,7 +177,9 @@ class ModelInstance(BaseActor):
         self.devices = devices
         self.key = key if config.key_argument is not None else None
         self.bind_retries = 0
-        self.spawn_child()
+        self.stop_reason = None
+        if not self.run_hook("before_load"):
+            self.spawn_child()
 
     def spawn_child(self) -> None:
         self.spawn_id += 1
@@ -243,6 +250,10 @@ class ModelInstance(BaseActor):
             self.begin_stop_steps(self.jobs.saved())
 
     def become_ready(self, info: dict[str, Any] | None) -> None:
+        if not self.run_hook("after_ready", info):
+            self.report_ready(info)
+
+    def report_ready(self, info: dict[str, Any] | None) -> None:
         assert self.child is not None
         self._to(Phase.READY)
         took = time.monotonic() - self.child.started_at
@@ -253,12 +264,6 @@ class ModelInstance(BaseActor):
             info=info, host=self.host, upstream_key=self.key))
         self.missed = 0
         self.arm_liveness()
-
-    def arm_liveness(self) -> None:
-        """The next liveness check of a ready `http` child that has them."""
-        if self.liveness.interval_s and not self.llama:
-            self.timers.after(self.liveness.interval_s, self.actor_ref,
-                              LivenessTick(spawn_id=self.spawn_id))
 
     def handle_state_line(self, line: str) -> None:
         """One line of the llama child protocol: loading progress, ready, sleeping."""
@@ -279,23 +284,36 @@ class ModelInstance(BaseActor):
                                                  state=change, payload=payload))
 
     def handle_stop(self, generation: int, reason: str) -> None:
+        if generation == self.generation and self.hook_waits is not None \
+                and self.hook_waits[0] == "before_load":
+            self.stop_kept = reason  # said once the hook has ended (it is ended now)
+            self.kill_hook()
+            return
         if generation != self.generation or self.phase in (Phase.IDLE, Phase.STOPPING):
             return  # stale, or already on its way out
         assert self.child is not None
         self.abandon_probe.set()
+        self.stop_reason, was = reason, self.phase
         if self.phase is Phase.STARTING:
             # still loading: it may not handle SIGTERM yet, so kill at once (R-3.4)
             self.log.info("stopping %s#%d while loading (%s): SIGKILL", self.model,
                           generation, reason)
             self.child.signal_group(signal.SIGKILL)
-        elif self.jobs.here is not None and self.phase is Phase.READY \
-                and reason != "unhealthy":
+            self.kill_hook()  # an after_ready hook has nothing to wait for now
+            self._to(Phase.STOPPING)
+            return
+        self._to(Phase.STOPPING)
+        if not self.run_hook("before_stop", (reason, was), reason):
+            self.stop_steps(reason, was)
+
+    def stop_steps(self, reason: str, was: Phase) -> None:
+        """The stop of a child that was `was`, after its before_stop hook."""
+        if self.jobs.here is not None and was is Phase.READY and reason != "unhealthy":
             # its stop steps begin once the slots are saved
             self.jobs.save(self.spawn_id, self.host, self.port, self.config.stop_timeout_s,
                            reason)
         else:
             self.begin_stop_steps(reason)
-        self._to(Phase.STOPPING)
 
     def begin_stop_steps(self, reason: str) -> None:
         plan = self.stopping.begin(self.llama, self.config.stop_timeout_s)
@@ -336,30 +354,6 @@ class ModelInstance(BaseActor):
             model=self.model, generation=gen, ok=ok, detail=detail, host_bytes=host_bytes)
             if sleep else InstanceWoken(model=self.model, generation=gen, ok=ok, detail=detail))
 
-    def handle_liveness_tick(self, spawn_id: int) -> None:
-        if spawn_id == self.spawn_id and self.phase in SWITCHING:
-            self.arm_liveness()  # no check while suspended; the one chain goes on
-            return
-        if spawn_id != self.spawn_id or self.phase is not Phase.READY:
-            return
-        self.jobs.probe(spawn_id, self.host, self.port, self.config.health_path,
-                        min(self.liveness.interval_s, 5.0))
-
-    def handle_liveness_result(self, spawn_id: int, ok: bool, detail: str,
-                               rearm: bool) -> None:
-        if spawn_id != self.spawn_id or self.phase is not Phase.READY:
-            return
-        self.missed = 0 if ok else self.missed + 1
-        if not ok:
-            self.log.warning("%s#%d liveness check %d of %d failed: %s", self.model,
-                             self.generation, self.missed, self.liveness.failures, detail)
-        if self.missed >= self.liveness.failures:
-            self.scheduler.tell(Unhealthy(model=self.model, generation=self.generation, detail=(
-                f"{self.missed} liveness checks failed in a row, the last: {detail}")))
-            return  # the Scheduler stops it
-        if rearm:  # a poll's result: the next poll (a late answer is no poll)
-            self.arm_liveness()
-
     def handle_load_timeout(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.STARTING:
             return
@@ -398,3 +392,5 @@ class ModelInstance(BaseActor):
                              f"{self.child.pid} {description}")
         self.scheduler.tell(InstanceExited(model=self.model, generation=self.generation,
                                            returncode=returncode, description=description))
+        self.kill_hook()  # (an after_ready or before_stop one, now for nothing)
+        self.run_hook("after_exit", reason=self.stop_reason or description)

@@ -15,6 +15,7 @@ import msgspec
 from .base import Inbox
 from .childproc import LogRing
 from .config import ModelConfig
+from .config_hooks import HookName
 from .keys import Tenant
 from .ledger import Breakdown, DeviceSample, MemoryInfo
 from .rules import ModelGroup
@@ -813,10 +814,19 @@ class LivenessMiss(Message, frozen=True, kw_only=True):
     detail: str
 
 
+class HookRan(Message, frozen=True, kw_only=True):
+    """Helper thread -> ModelInstance: a lifecycle hook ended (actors/hooks.py);
+    `failure` says why it failed (None: it exited 0)."""
+
+    hook_id: int
+    hook: HookName
+    failure: str | None = None
+
+
 InstanceMessage = (
     StartInstance | StopInstance | SuspendInstance | WakeInstance | ChildReady | ChildLine
     | ChildExited | ChildSwitched | ChildCached | ChildTimedOut | LivenessTick | LivenessResult
-    | LivenessMiss
+    | LivenessMiss | HookRan
 )
 
 

@@ -1,0 +1,167 @@
+"""Lifecycle hooks (issue 25): the commands a model's `hooks` table names, run around its
+child by its ModelInstance (config_hooks.py says what each is for).
+
+A hook is a child process like any other (childproc.py): argv exec'd, never a shell, in
+its own process group, killed with corral; its output goes to the model's log, framed by
+a line that names it and a line that says how it ended. It runs on a helper thread and
+tells a `HookRan` back, so the instance keeps taking messages meanwhile: a stop that
+comes while `before_load` runs is kept until it ends (and the child is then never
+started), one that comes during `after_ready` kills the child and the hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .base import Inbox
+from .childproc import ChildProcess, LogRing
+from .config import ModelConfig
+from .config_hooks import HOOK_PLACEHOLDER, HookName
+from .messages import HookRan, InstanceExited, InstanceMessage, SchedulerMessage
+from .phases import Phase
+
+log = logging.getLogger("corral.instance")
+
+class HookRun:
+    """One hook's process, on its helper thread; `kill` ends it early."""
+
+    def __init__(self) -> None:
+        self.child: ChildProcess | None = None
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.child is not None:
+            self.child.signal_group(signal.SIGKILL)
+
+    def run(self, name: HookName, argv: list[str], timeout_s: float,
+            ring: LogRing) -> str | None:
+        """Run it to its end; None if it exited 0, else why it failed."""
+        ring.append(f"corral: hook {name}: {' '.join(argv)}")
+        done, last = threading.Event(), [""]
+        try:
+            self.child = ChildProcess(argv, dict(os.environ), ring, on_exit=done.set,
+                                      on_line=lambda line: last.__setitem__(0, line),
+                                      label=f"hook-{name}")
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"cannot run {argv[0]}: {e}"
+            ring.append(f"corral: hook {name} failed: {why}")
+            return why
+        if self.killed:
+            self.child.signal_group(signal.SIGKILL)
+        timed_out = not done.wait(timeout_s)
+        if timed_out:
+            self.child.signal_group(signal.SIGKILL)
+            done.wait()
+        status = self.child.reap()
+        if timed_out:
+            failure: str | None = (f"{argv[0]} did not finish within "
+                                   f"hook_timeout_s={timeout_s:g}")
+        elif self.killed:
+            failure = f"{argv[0]} was stopped with its model's child"
+        elif status != 0:
+            failure = f"{argv[0]} exited with status {status}" + (
+                f": {last[0][:200]}" if last[0] else "")
+        else:
+            failure = None
+        ring.append(f"corral: hook {name} " + (f"failed: {failure}" if failure else "done"))
+        return failure
+
+
+class HookSteps:
+    """The hook steps of a ModelInstance (instance.py): when each hook runs, and what its
+    end does."""
+
+    model: str
+    serves: str
+    config: ModelConfig
+    phase: Phase
+    generation: int
+    spawn_id: int
+    port: int
+    devices: list[str] | None
+    child: ChildProcess | None
+    cause: str | None
+    log_ring: LogRing
+    scheduler: Inbox[SchedulerMessage]
+    actor_ref: Any
+
+    hook_run: HookRun | None = None
+    hook_id = 0
+    """Stamps each hook's HookRan: an older one is stale."""
+    hook_waits: tuple[HookName, Any] | None = None
+    """What waits for the running hook's end: before_load the spawn, after_ready the
+    ready's info, before_stop the stop's reason."""
+    stop_kept: str | None = None
+    """A stop that came while before_load ran (the child is then never started)."""
+    stop_reason: str | None = None
+    """Why corral stops the current child ({reason} of before_stop and after_exit)."""
+
+    def spawn_child(self) -> None: ...
+    def report_ready(self, info: dict[str, Any] | None) -> None: ...
+    def stop_steps(self, reason: str, was: Phase) -> None: ...
+
+    def run_hook(self, name: HookName, then: Any = None, reason: str = "") -> bool:
+        """Start hook `name` if the config has one (`then`: what its end goes on with);
+        whether it did."""
+        argv = getattr(self.config.hooks, name)
+        if not argv:
+            return False
+        pid = self.child.pid if self.child is not None and name != "before_load" else ""
+        values = {"model": self.serves, "port": str(self.port) if pid else "",
+                  "pid": str(pid), "devices": ",".join(self.devices or []),
+                  "reason": reason}
+        argv = [HOOK_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in argv]
+        self.hook_id += 1
+        hook_id, run = self.hook_id, HookRun()
+        ref, timeout_s = self.actor_ref, self.config.hook_timeout_s or 30.0
+        self.hook_run, self.hook_waits = run, (name, then)
+
+        def job() -> None:
+            failure = run.run(name, argv, timeout_s, self.log_ring)
+            tell: Callable[[InstanceMessage], None] = ref.tell
+            try:
+                tell(HookRan(hook_id=hook_id, hook=name, failure=failure))
+            except Exception:  # the actor is gone: nobody waits for this hook
+                pass
+
+        threading.Thread(target=job, daemon=True, name=f"{self.model}-{name}").start()
+        return True
+
+    def kill_hook(self) -> None:
+        if self.hook_run is not None:
+            self.hook_run.kill()
+
+    def handle_hook_ran(self, hook_id: int, name: HookName, failure: str | None) -> None:
+        if failure is not None:
+            log.warning("%s#%d: hook %s failed: %s", self.model, self.generation, name,
+                        failure)
+        if hook_id != self.hook_id or self.hook_waits is None:
+            return  # an after_exit, or a hook of a child gone meanwhile
+        _, then = self.hook_waits
+        self.hook_run = self.hook_waits = None
+        if name == "before_load" and self.phase is Phase.IDLE:
+            kept, self.stop_kept = self.stop_kept, None
+            if kept is not None or failure is not None:
+                self.scheduler.tell(InstanceExited(
+                    model=self.model, generation=self.generation, returncode=1,
+                    description=f"before_load hook failed: {failure}" if failure
+                    else f"stopped ({kept}) while its before_load hook ran"))
+            else:
+                self.spawn_child()
+        elif name == "after_ready" and self.phase is Phase.STARTING:
+            if failure is None:
+                self.report_ready(then)
+            elif self.child is not None:
+                self.cause = f"after_ready hook failed: {failure}"
+                self.child.signal_group(signal.SIGKILL)
+        elif name == "before_stop" and self.phase is Phase.STOPPING:
+            reason, was = then
+            self.stop_steps(reason, was)
+
