@@ -23,6 +23,7 @@ import msgspec
 
 from actors import Config, ConfigError, Supervisor, demo_config, load_config, loop
 from actors.config_load import check_key, parse_config, read_key_file
+from actors.downloads import remembered
 from actors.http import client as http_client
 from actors.http.api import ManagementApi
 from actors.presets import llama_models
@@ -150,6 +151,13 @@ def effective_config(args: argparse.Namespace) -> Config:
             raise ConfigError(f"models {', '.join(clash)}: defined both in {args.config} and "
                               "by the llama.cpp presets; rename one")
         overrides["models"] = {**msgspec.to_builtins(config.models), **models}
+    if args.llama_server is not None and config.downloads.llama_server is None:
+        overrides["downloads"] = {**msgspec.to_builtins(config.downloads),
+                                  "llama_server": args.llama_server}
+    fetched = remembered(config, args.llama_server or shutil.which("llama-server"))
+    if fetched:  # models POST /models downloaded before (actors/downloads.py)
+        table = overrides.get("models") or msgspec.to_builtins(config.models)
+        overrides["models"] = {**msgspec.to_builtins(fetched), **table}  # type: ignore[dict-item]
     if args.host is not None:
         overrides["host"] = args.host
     if args.port is not None:

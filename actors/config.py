@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from .config_downloads import DownloadsConfig
 from .config_hooks import Hooks
 from .config_http import HttpConfig
 from .config_virtual import VirtualModel
@@ -305,6 +306,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     models: dict[str, ModelConfig] = {}
     hooks: Hooks = Hooks()
     """Every model's hooks, unless its own table sets that one (actors/hooks.py)."""
+    downloads: DownloadsConfig = DownloadsConfig()
     hook_timeout_s: PositiveSeconds = 30.0
     groups: dict[str, ModelGroup] = {}
     """Models that swap, load or stay together (actors/policy/teams.py)."""

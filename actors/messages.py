@@ -266,6 +266,22 @@ class StatusChanged(Event, frozen=True, tag="status_change", omit_defaults=True,
     is then the model's, the most available of its copies' (issue 24)."""
 
 
+class DownloadFinished(Event, frozen=True, tag="download_finished", kw_only=True):
+    """A `POST /models` download ended well (actors/downloads.py): the model is in the
+    table now, `unloaded` (unless nothing here serves it: `served` false)."""
+
+    model: str
+    path: str | None = None
+    served: bool = True
+
+
+class DownloadFailed(Event, frozen=True, tag="download_failed", kw_only=True):
+    """A `POST /models` download failed, or was cancelled; `error` says which and why."""
+
+    model: str
+    error: str
+
+
 class Shortfall(msgspec.Struct, frozen=True, kw_only=True):
     """Why a memory eviction happened, on one device: bytes `needed`, bytes `available`."""
 

@@ -23,36 +23,31 @@ from aiohttp import web
 
 from ..bridge import LoopReply
 from ..config import Config, ConfigError, ModelConfig
+from ..downloads import Downloads
 from ..keys import Keys
 from ..ledger import node_of
 from ..messages import (
     Alive,
     DevicesSnapshot,
-    Done,
     GetDevices,
     GetModels,
-    LoadModel,
     ModelsSnapshot,
     ModelView,
     Ping,
-    Refusal,
     ReloadSummary,
     SchedulerMessage,
-    UnloadModel,
 )
 from ..supervisor import Supervisor
 from . import dashboard, listing, tenancy
 from .control import FrontCounts
 from .edge import (
-    JSON_DEPTH_LIMIT,
     OPEN_PATHS,
     Answer,
     check_key,
-    error_body,
-    refusal_answer,
 )
 from .events import Streams, log_text
 from .front import Front
+from .manage import ModelCommands, answer_response, error
 from .metrics import render
 from .routes import Routes
 from .workers import Fronts
@@ -63,23 +58,7 @@ ASK_TIMEOUT_S = 5.0
 """Bound on management questions to the Scheduler (never on a queued request)."""
 
 
-class ModelName(msgspec.Struct, forbid_unknown_fields=False):
-    model: str
-
-
-def error(status: int, message: str, type_: str = "invalid_request_error",
-          headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI-shaped error (R-6.4)."""
-    return web.json_response(error_body(status, message, type_), status=status,
-                             headers=headers)
-
-
-def answer_response(answer: Answer) -> web.Response:
-    return error(answer.status, answer.message, answer.type or "invalid_request_error",
-                 dict(answer.headers) or None)
-
-
-class ManagementApi:
+class ManagementApi(ModelCommands):
     """The management API of one Supervisor, and the front it starts on corral's port."""
 
     def __init__(self, supervisor: Supervisor, config: Config,
@@ -103,6 +82,8 @@ class ManagementApi:
         self.started = time.time()
         self.front_secret = secrets.token_hex(16)
         """Shown by the front on every request it passes here (edge.FRONT_HEADER)."""
+        self.downloads: Downloads | None = None
+        """POST /models (started with the loop)."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -119,6 +100,7 @@ class ManagementApi:
         r.add_get("/v1/models/{id:.+}", self.retrieve_model)  # a name may hold a "/"
         r.add_post("/models/load", self.load)
         r.add_post("/models/unload", self.unload)
+        r.add_post("/models", self.download)
         r.add_get("/models/sse", self.streams.events)
         r.add_get("/models/logs", self.logs)
         r.add_get("/props", self.props)
@@ -135,6 +117,7 @@ class ManagementApi:
         """Listen on host:port (0 picks one); return the port."""
         loop = asyncio.get_running_loop()
         self.sup.subscribe(loop, self.streams.publish)
+        self.downloads = Downloads(self.config, self.streams.publish, self.downloaded)
         # handler_cancellation: the front closing its connection (its client left)
         # cancels the handler.
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
@@ -153,7 +136,9 @@ class ManagementApi:
     async def stop(self) -> None:
         """Drain (R-6.7): stop accepting, end event streams (the front cuts those whose
         reader does not take the end), let running answers finish within
-        http.drain_timeout_s, then close the rest."""
+        http.drain_timeout_s, then close the rest; downloads under way are cancelled."""
+        if self.downloads is not None:
+            self.downloads.stop()
         self.streams.end()
         if self.fronts is not None:
             await self.fronts.drain(self.config.http.drain_timeout_s)
@@ -272,11 +257,17 @@ class ManagementApi:
         async with self.reloading:
             config = await asyncio.to_thread(self.reloader)
             summary = await asyncio.to_thread(self.sup.reload, config)
-            self.names = config.resolve_aliases()
-            self.keys = Keys.of(config)
-            if self.fronts is not None:
-                self.fronts.set_routes(Routes.of(config))
+            self.applied(config)
         return summary
+
+    def applied(self, config: Config) -> None:
+        """A new model table is live: names, keys and routes follow it."""
+        self.names = config.resolve_aliases()
+        self.keys = Keys.of(config)
+        if self.downloads is not None:
+            self.downloads.config = config
+        if self.fronts is not None:
+            self.fronts.set_routes(Routes.of(config))
 
     async def list_models(self, request: web.Request) -> web.Response:
         if request.query.get("reload", "").lower() in ("1", "true"):
@@ -294,8 +285,9 @@ class ManagementApi:
                    if tenancy.visible(key, view.name, models))
         virtual = [v.entry(n) for n, v in self.sup.config.virtual.items()
                    if any(tenancy.visible(key, m, models) for m in (n, *v.models))]
+        pending = self.downloads.views() if self.downloads is not None else []
         return web.json_response({"object": "list", "data": [
-            *(tenancy.shown(e, key) for e in entries if e), *virtual]})
+            *(tenancy.shown(e, key) for e in entries if e), *virtual, *pending]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of
@@ -349,36 +341,6 @@ class ManagementApi:
         data = cluster.describe() if cluster is not None else []
         return web.json_response({"object": "list", "data": data})
 
-    async def _model_from_body(self, request: web.Request) -> str | web.Response:
-        try:
-            body = msgspec.json.decode(await request.read(), type=ModelName)
-        except msgspec.DecodeError as e:
-            return error(400, f"invalid request body: {e}")
-        except RecursionError:
-            return error(400, f"invalid request body: nested deeper than {JSON_DEPTH_LIMIT} "
-                         "levels")
-        return body.model
-
-    async def load(self, request: web.Request) -> web.Response:
-        return await self._manage(request, LoadModel)
-
-    async def unload(self, request: web.Request) -> web.Response:
-        return await self._manage(request, UnloadModel)
-
-    async def _manage(self, request: web.Request,
-                      command: type[LoadModel] | type[UnloadModel]) -> web.Response:
-        name = await self._model_from_body(request)
-        if isinstance(name, web.Response):
-            return name
-        model = self.names.get(name)
-        if model is None:
-            return error(404, f"model '{name}' not found", "not_found_error")
-        answer = await self._ask(lambda r: command(model=model, reply=r))
-        if isinstance(answer, Refusal):
-            return answer_response(refusal_answer(answer))
-        assert isinstance(answer, Done)
-        return web.json_response({"success": True})
-
     async def logs(self, request: web.Request) -> web.StreamResponse:
         """GET /models/logs?model=NAME: the child's recent output as text; with
         `&follow=1`, as an event stream: those lines, then each new one as it comes,
@@ -387,9 +349,10 @@ class ManagementApi:
         if not given:
             return error(400, "name a configured model with ?model=")
         name = self.names.get(given) or (given if given in self.sup.logs else None)
-        if name is None:  # (a copy by its own name too: NAME@2)
+        job = self.downloads.jobs.get(given) if self.downloads is not None else None
+        if name is None and job is None:  # (a copy by its own name too: NAME@2)
             return error(404, f"model '{given}' not found", "not_found_error")
-        ring = self.sup.logs[name]
+        ring = self.sup.logs[name] if name is not None else job.ring  # type: ignore[union-attr]
         follow = request.query.get("follow", "0")
         if follow not in ("0", "1", "true", "false"):
             return error(400, f"follow={follow!r}: say follow=1 or follow=0")

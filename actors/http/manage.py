@@ -1,0 +1,124 @@
+"""The management API's model commands (api.py): `POST /models/load`, `POST
+/models/unload`, and `POST /models`, which downloads a model (actors/downloads.py) and,
+once it is there, adds it to the live model table."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+from aiohttp import web
+
+from ..bridge import LoopReply
+from ..config import ModelConfig
+from ..downloads import DownloadRequest, Downloads
+from ..messages import Done, LoadModel, Refusal, ReloadSummary, SchedulerMessage, UnloadModel
+from ..supervisor import Supervisor
+from .edge import JSON_DEPTH_LIMIT, Answer, error_body, refusal_answer
+from .routes import Routes
+
+log = logging.getLogger("corral.api")
+
+
+class ModelName(msgspec.Struct, forbid_unknown_fields=False):
+    model: str
+
+
+def error(status: int, message: str, type_: str = "invalid_request_error",
+          headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-shaped error (R-6.4)."""
+    return web.json_response(error_body(status, message, type_), status=status,
+                             headers=headers)
+
+
+def answer_response(answer: Answer) -> web.Response:
+    return error(answer.status, answer.message, answer.type or "invalid_request_error",
+                 dict(answer.headers) or None)
+
+
+class RoutesSink(Protocol):
+    def set_routes(self, routes: Routes) -> None: ...
+
+
+class ModelCommands:
+    """Load, unload and download: what the management API (api.py) does to models."""
+
+    sup: Supervisor
+    names: dict[str, str]
+    reloading: asyncio.Lock
+    downloads: Downloads | None
+    fronts: Any
+
+    async def _ask(self, make: Callable[[LoopReply], SchedulerMessage]) -> object: ...
+    def applied(self, config: Any) -> None: ...
+
+    async def _body(self, request: web.Request, kind: type[Any]) -> Any:
+        try:
+            return msgspec.json.decode(await request.read(), type=kind)
+        except msgspec.DecodeError as e:
+            return error(400, f"invalid request body: {e}")
+        except RecursionError:
+            return error(400, f"invalid request body: nested deeper than {JSON_DEPTH_LIMIT} "
+                         "levels")
+
+    async def load(self, request: web.Request) -> web.Response:
+        return await self._manage(request, LoadModel)
+
+    async def unload(self, request: web.Request) -> web.Response:
+        """Stop a model; of a download under way, cancel it (as llama.cpp's router)."""
+        return await self._manage(request, UnloadModel)
+
+    async def _manage(self, request: web.Request,
+                      command: type[LoadModel] | type[UnloadModel]) -> web.Response:
+        body = await self._body(request, ModelName)
+        if isinstance(body, web.Response):
+            return body
+        name = body.model
+        model = self.names.get(name)
+        if model is None and command is UnloadModel and self.downloads is not None \
+                and self.downloads.cancel(name):
+            return web.json_response({"success": True})
+        if model is None:
+            return error(404, f"model '{name}' not found", "not_found_error")
+        answer = await self._ask(lambda r: command(model=model, reply=r))
+        if isinstance(answer, Refusal):
+            return answer_response(refusal_answer(answer))
+        assert isinstance(answer, Done)
+        return web.json_response({"success": True})
+
+    async def download(self, request: web.Request) -> web.Response:
+        """POST /models {"model": "owner/repo[:QUANT]", "format": "gguf" | "snapshot"}:
+        start a download; its progress comes on /models/sse and in GET /models."""
+        if self.downloads is None:
+            return error(503, "downloads are not running yet")
+        body = await self._body(request, DownloadRequest)
+        if isinstance(body, web.Response):
+            return body
+        refused = self.downloads.refused(body.model, body.format, self.sup.config.models)
+        if refused is not None:
+            return error(403 if "are off" in refused else 400, refused)
+        job = self.downloads.start(body.model, body.format)
+        return web.json_response({"success": job.state != "failed", "model": job.name,
+                                  "status": job.view()["status"]},
+                                 status=200 if job.state == "downloading" else 500)
+
+    def downloaded(self, name: str, model: ModelConfig) -> None:
+        """A download became a model: add it to the live table (as a reload would)."""
+        asyncio.get_running_loop().create_task(self._add(name, model))
+
+    async def _add(self, name: str, model: ModelConfig) -> None:
+        async with self.reloading:
+            config = self.sup.config
+            if name in config.models:
+                return
+            config = msgspec.structs.replace(config, models={**config.models, name: model})
+            try:
+                summary: ReloadSummary = await asyncio.to_thread(self.sup.reload, config)
+            except Exception:
+                log.exception("the downloaded model %s could not be added", name)
+                return
+            self.applied(config)
+            log.info("downloaded model %s added (%s)", name, summary.added)
