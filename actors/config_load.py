@@ -98,13 +98,8 @@ def _validate(config: Config, source: str) -> Config:
         if not name or name != name.strip():
             raise ConfigError(f"{source}: models.{name!r}: a model name must be non-empty "
                               "with no surrounding spaces")
-        for i, arg in enumerate(model.cmd):
-            for match in _ANY_PLACEHOLDER.finditer(arg):
-                if not PLACEHOLDER.fullmatch(match.group(0)):
-                    raise ConfigError(
-                        f"{source}: models.{name}.cmd[{i}]: unknown placeholder "
-                        f"{match.group(0)}; use {{port}}, {{host}}, {{model}}, "
-                        "{devices} or {device}")
+        _check_placeholders(model.cmd, PLACEHOLDER, f"{source}: models.{name}.cmd",
+                            "{port}, {host}, {model}, {devices} or {device}")
         if model.devices is not None and model.devices_per_instance > len(model.devices):
             raise ConfigError(f"{source}: models.{name}.devices_per_instance: "
                               f"{model.devices_per_instance} is more than the "
@@ -144,19 +139,25 @@ def _validate(config: Config, source: str) -> Config:
     return _resolve_keys(config, source)
 
 
+def _check_placeholders(argv: list[str], allowed: re.Pattern[str], where: str,
+                        known: str) -> None:
+    """Every `{name}` in `argv` is one of `allowed` (`known` says which they are)."""
+    for i, arg in enumerate(argv):
+        for match in _ANY_PLACEHOLDER.finditer(arg):
+            if not allowed.fullmatch(match.group(0)):
+                raise ConfigError(f"{where}[{i}]: unknown placeholder {match.group(0)}; "
+                                  f"use {known}")
+
+
 def _resolve_hooks(config: Config, source: str) -> Config:
     """Each model's hooks whole (its own over the top-level ones) and its hook_timeout_s
     set, every placeholder checked."""
     for where, hooks in [("hooks", config.hooks),
                          *((f"models.{n}.hooks", m.hooks) for n, m in config.models.items())]:
         for event in hooks.__struct_fields__:
-            for i, arg in enumerate(getattr(hooks, event) or []):
-                for match in _ANY_PLACEHOLDER.finditer(arg):
-                    if not HOOK_PLACEHOLDER.fullmatch(match.group(0)):
-                        raise ConfigError(
-                            f"{source}: {where}.{event}[{i}]: unknown placeholder "
-                            f"{match.group(0)}; use {{model}}, {{port}}, {{pid}}, "
-                            "{devices} or {reason}")
+            _check_placeholders(getattr(hooks, event) or [], HOOK_PLACEHOLDER,
+                                f"{source}: {where}.{event}",
+                                "{model}, {port}, {pid}, {devices} or {reason}")
     models = {name: msgspec.structs.replace(
         m, hooks=m.hooks.over(config.hooks),
         hook_timeout_s=m.hook_timeout_s or config.hook_timeout_s)

@@ -31,6 +31,11 @@ def ask(port: int, model: str) -> str:
         model=model, max_tokens=2, messages=[{"role": "user", "content": "hi"}]).model
 
 
+def sleeper(marker: str) -> str:
+    """A hook that sleeps a minute, findable by `marker` in its command line."""
+    return toml_value([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
+
+
 def no_process_with(marker: str) -> bool:
     return not any(marker in " ".join(p.info["cmdline"] or [])
                    for p in psutil.process_iter(["cmdline"]))
@@ -103,12 +108,11 @@ hooks = {{ after_ready = {warm} }}
 
 def test_a_hook_past_its_timeout_is_killed_and_fails_the_load(corral) -> None:
     marker = "corral-hook-sleeper-4711"
-    sleeper = toml_value([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
     c = corral(f"""
 [models.m]
 cmd = {FAKE}
 hook_timeout_s = 0.5
-hooks = {{ before_load = {sleeper} }}
+hooks = {{ before_load = {sleeper(marker)} }}
 """)
     with pytest.raises(openai.InternalServerError, match=r"hook_timeout_s=0\.5"):
         ask(c.port, "m")
@@ -117,11 +121,10 @@ hooks = {{ before_load = {sleeper} }}
 
 def test_a_stop_during_before_load_ends_the_hook_and_starts_no_child(corral) -> None:
     marker = "corral-hook-sleeper-4712"
-    sleeper = toml_value([sys.executable, "-c", f"import time; time.sleep(60)  # {marker}"])
     c = corral(f"""
 [models.m]
 cmd = {FAKE}
-hooks = {{ before_load = {sleeper} }}
+hooks = {{ before_load = {sleeper(marker)} }}
 """)
     assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
     wait_until(lambda: not no_process_with(marker), what="the hook running")

@@ -68,6 +68,9 @@ class ManagementApi(ModelCommands):
         """Its config and logs are read on the loop while its reload may run on a thread
         (Supervisor.reload says why no read tears)."""
         self.config = config
+        self.latest = config
+        """The config last applied whole (a reload's), keys included: the Supervisor's
+        keeps its model table only."""
         self.names = config.resolve_aliases()
         self.keys = Keys.of(config)
         """Who may call (replaced on reload)."""
@@ -262,6 +265,7 @@ class ManagementApi(ModelCommands):
 
     def applied(self, config: Config) -> None:
         """A new model table is live: names, keys and routes follow it."""
+        self.latest = config
         self.names = config.resolve_aliases()
         self.keys = Keys.of(config)
         if self.downloads is not None:

@@ -13,7 +13,7 @@ import msgspec
 from aiohttp import web
 
 from ..bridge import LoopReply
-from ..config import ModelConfig
+from ..config import Config, ModelConfig
 from ..downloads import DownloadRequest, Downloads
 from ..messages import Done, LoadModel, Refusal, ReloadSummary, SchedulerMessage, UnloadModel
 from ..supervisor import Supervisor
@@ -51,6 +51,7 @@ class ModelCommands:
     reloading: asyncio.Lock
     downloads: Downloads | None
     fronts: Any
+    latest: Config
 
     async def _ask(self, make: Callable[[LoopReply], SchedulerMessage]) -> object: ...
     def applied(self, config: Any) -> None: ...
@@ -111,7 +112,7 @@ class ModelCommands:
 
     async def _add(self, name: str, model: ModelConfig) -> None:
         async with self.reloading:
-            config = self.sup.config
+            config = self.latest
             if name in config.models:
                 return
             config = msgspec.structs.replace(config, models={**config.models, name: model})
