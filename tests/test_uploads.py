@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.http.edge import Answer
-from actors.http.upload import HOLD_MAX, MODEL_MAX, FormSniffer, boundary_of
+from actors.http.upload import HOLD_MAX, MODEL_MAX, FormSniffer, boundary_of, field_name
 from tests.helpers import Corral, chat, fake_cmd, toml_config, wait_until
 from tests.rawhttp import Raw
 
@@ -125,6 +125,14 @@ def test_the_model_field_is_found_however_the_body_is_cut(data: st.DataObject) -
         assert isinstance(found, Answer) and found.status == 400, found
     else:
         assert found == model
+
+
+def test_a_quoted_filename_cannot_smuggle_a_field_name() -> None:
+    """Review finding 9: `;` inside a quoted filename split the parameters, so a part
+    named `file` was read as the model field."""
+    assert field_name(b'Content-Disposition: form-data; filename="talk; name=model; '
+                      b'x.wav"; name="file"') == "file"
+    assert field_name(b"content-disposition: form-data; name=model") == "model"
 
 
 def test_the_sniffer_bounds_what_it_holds() -> None:
@@ -328,6 +336,38 @@ def test_a_client_that_leaves_mid_upload_leaves_nothing_behind(up: Corral, how: 
     assert chat(up.port, "whisper")[0] == 200
 
 
+def test_a_multipart_post_to_an_open_path_is_no_upload(up: Corral) -> None:
+    """Review finding 1: a multipart POST to /health (open to all, and without keys free
+    of the Origin check) was routed by its form: a web page could load models."""
+    body = form([("model", b"sd", None)])
+    before = up.models()["sd"]["status"]["value"]
+    for path in ("/health", "/", "/models/sse"):
+        with Raw(up.port) as raw:
+            raw.send(upload_head(len(body), path) + body)
+            answer = raw.one()
+        assert answer.status in (404, 405), (path, answer)
+    assert up.models()["sd"]["status"]["value"] == before
+
+
+def test_a_malformed_chunk_midway_ends_the_upload_with_a_400_at_once(up: Corral) -> None:
+    """Review finding 8: it waited for the body timeout and answered 408."""
+    head = form([("model", b"whisper", None), ("file", b"", "a.wav")])[:-40]
+    with Raw(up.port) as raw:
+        raw.send(upload_head(None) + b"%x\r\n%b\r\n" % (len(head), head))
+        wait_until(lambda: up.models()["whisper"]["in_flight"] == 1, 10, "upload in flight")
+        raw.send(b"zz-not-hex\r\n")
+        answer = raw.one()
+        assert answer.status == 400 and "malformed" in answer.json()["error"]["message"]
+    settled(up)
+
+
+def test_tiny_chunks_arrive_whole(up: Corral) -> None:
+    body = form([("model", b"whisper", None), ("file", bytes(range(256)) * 80, "a.wav")])
+    with Raw(up.port) as raw:
+        raw.send(upload_head(None) + chunks(body, 7))
+        assert raw.one().json()["sha256"] == hashlib.sha256(body).hexdigest()
+
+
 def test_an_answer_before_the_body_is_whole_closes_the_connection(up: Corral) -> None:
     """The model cannot load: corral's refusal comes while the client still sends. The
     client gets it, the connection closes (the rest of the body is dropped, never read
@@ -343,6 +383,13 @@ def test_an_answer_before_the_body_is_whole_closes_the_connection(up: Corral) ->
         except OSError:
             pass
         assert raw.closed()  # the /health hidden in the dropped body was never served
+    settled(up)
+    # Review finding 5: with more than HOLD_MAX held when the answer came, the rest was
+    # never read, and a client still sending got a broken pipe instead of its answer.
+    big = form([("model", b"broken", None), ("file", b"\x07" * (32 * MiB), "a.wav")])
+    with Raw(up.port, timeout_s=30) as raw:
+        raw.sock.sendall(upload_head(len(big)) + big)  # whole, without an error
+        assert raw.one().status in (502, 503)
     settled(up)
 
 
@@ -375,6 +422,48 @@ def test_an_upload_waits_for_its_model_holding_only_the_start(tmp_path: Path) ->
             assert busy.result(30)[0] == 200
         assert answer.status == 200, answer
         assert answer.json()["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_child_that_takes_none_of_an_upload_is_cut(tmp_path: Path) -> None:
+    """Review finding 3: a child that stopped reading held the upload for ever (its
+    first-byte timer waits for the whole body). It is cut after http.write_timeout_s."""
+    with Corral(toml_config({"stuck": {"cmd": fake_cmd("--upload-bytes-per-s", "1")}},
+                            http={"write_timeout_s": 2, "body_timeout_s": 1}),
+                home=tmp_path) as c:
+        body = form([("model", b"stuck", None), ("file", b"\x0a" * (8 * MiB), "a.wav")])
+        with Raw(c.port, timeout_s=30) as raw:
+            raw.send(upload_head(len(body)))
+            try:
+                raw.sock.sendall(body)
+            except OSError:
+                pass  # cut: fine
+            answer = raw.one()
+        assert answer.status == 504 and "write_timeout_s" in answer.json()["error"]["message"]
+        settled(c)
+
+
+def test_a_queued_upload_whose_client_left_loads_nothing(tmp_path: Path) -> None:
+    """Review finding 4: an upload held back in the queue did not see its client leave,
+    and its model was loaded for nobody once the slot came free."""
+    with Corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "20")},
+                             "w": {"cmd": fake_cmd()}}, models_max=1,
+                            http={"body_timeout_s": 1}), home=tmp_path) as c:
+        body = form([("model", b"w", None), ("file", b"\x0b" * (4 * MiB), "a.wav")])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(chat, c.port, "a", 60)  # ~3 s of tokens
+            wait_until(lambda: c.models()["a"]["in_flight"] == 1, 10, "a busy")
+            raw = Raw(c.port, timeout_s=30)
+            raw.sock.setblocking(False)
+            raw.sock.send(upload_head(len(body)))
+            try:
+                raw.sock.send(body)
+            except BlockingIOError:
+                pass
+            wait_until(lambda: c.models()["w"]["waiting"] == 1, 10, "w queued")
+            raw.close()  # the client leaves, corral not reading it
+            wait_until(lambda: c.models()["w"]["waiting"] == 0, 10, "w's waiter gone")
+            assert busy.result(30)[0] == 200
+        assert c.models()["w"]["status"]["value"] == "unloaded"
 
 
 def test_uploads_pass_through_front_workers(tmp_path: Path) -> None:

@@ -129,3 +129,27 @@ def test_a_child_silent_mid_answer_is_cut_after_the_timeout() -> None:
 
     [(why, kind)] = asyncio.run(main())
     assert kind is Broke.SILENT and "upstream_idle_timeout_s" in why
+
+
+def test_at_the_cap_two_fresh_leases_get_connections_instead_of_passing_one_round() -> None:
+    """Review of issue 25's uploads (finding 2): a fresh lease (an upload's) handed the
+    connection given back at the cap passed it to the next waiter; two fresh waiters
+    passed it between them for ever, at 100 % CPU."""
+
+    async def main() -> tuple[int, int]:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Pools(4.0).get(("127.0.0.1", port, "capped#1"), 1)
+        first = await pool.lease()
+        waiting = [asyncio.ensure_future(pool.lease(fresh=True)) for _ in range(2)]
+        await asyncio.sleep(0.05)  # both wait at the cap now
+        pool.give_back(first)
+        one = await asyncio.wait_for(waiting[0], 5)
+        assert len(pool.leased) <= 1
+        one.close()  # its place at the cap goes to the other
+        two = await asyncio.wait_for(waiting[1], 5)
+        two.close()
+        server.close()
+        return len(pool.leased), len({id(one), id(two), id(first)})
+
+    assert asyncio.run(main()) == (0, 3)

@@ -30,7 +30,7 @@ from .exchange import Exchange, Phase
 from .flow import WriteStall
 from .request import Gate, Limits, Reader, Request
 from .services import Services
-from .timers import Timers, Watch
+from .timers import PROBE_EVERY_S, PROBE_FIRST_S, Timers, Watch
 
 log = logging.getLogger("corral.front")
 
@@ -53,9 +53,6 @@ class Hub(Services, Gate, Watch, Protocol):
 
 class TooManyPipelined(Exception):
     """Raised in a parser callback to stop parsing a read's further requests."""
-PROBE_FIRST_S = 0.05
-PROBE_EVERY_S = 1.0
-"""How soon, then how often, a queued request whose client sent EOF is probed."""
 LINGER_S = 2.0
 """After an early answer that closes the connection, how long the rest of the request is
 read and dropped, so the client reads the answer instead of a reset."""
@@ -175,6 +172,8 @@ class Connection(Timers, asyncio.Protocol):
             return
         if self.reader.head_too_big() and not self.lingering:
             self.fail(self.front.limits.header_too_big())
+        elif self.exchange is not None and self.exchange.req.upload is not None:
+            self.exchange.req.upload.flush()  # what this read brought, in one write
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -321,8 +320,12 @@ class Connection(Timers, asyncio.Protocol):
         self.resume_reading()
 
     def fail(self, answer: Answer) -> None:
-        """Bytes that cannot be served: answer after what runs now, then close."""
-        if self.busy:
+        """Bytes that cannot be served: answer after what runs now, then close (an
+        upload streaming in: its exchange ends with the answer)."""
+        if self.exchange is not None and self._streaming():
+            self.reading_done()
+            self.exchange.upload_failed(answer)
+        elif self.busy:
             self.deferred = self.deferred or answer
             self.reading_done()
         else:

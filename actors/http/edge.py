@@ -304,6 +304,8 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
         return None
     if isinstance(name, Answer):
         return name
+    if routes.keys is not None and key is None:  # (a path open to all: never a model's)
+        return Answer(401, "invalid or missing API key (send Authorization: Bearer KEY)")
     model = routes.names.get(name)
     if model is None and name in routes.virtual:
         model = name  # tries.py picks its member

@@ -150,7 +150,7 @@ class Exchange:
                 self.upstream.detach()
                 self.upstream = None
             if self.req.upload is not None:
-                self.req.upload.detach()
+                self.req.upload.close()
             self.phase = Phase.DONE
             self.client.exchange_done(self)
 

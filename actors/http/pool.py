@@ -100,8 +100,11 @@ class Pool:
                 handed.close()
             elif not fresh:
                 return handed
-            else:  # a fresh one was asked for: this one goes to the next in line
-                self.give_back(handed)
+            else:  # a fresh one was asked for: it takes this one's place at the cap
+                self.leased.discard(handed)  # (passed on, two fresh waiters would spin)
+                handed.state = UpState.CLOSED
+                handed.close()
+                return await self._open()
 
     async def _wait_turn(self) -> Upstream | None:
         """Wait at the cap: a connection handed over, or None (room to open one)."""

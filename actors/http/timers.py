@@ -18,6 +18,11 @@ from .exchange import Exchange
 from .flow import WriteStall, cut
 from .request import Reader
 
+PROBE_FIRST_S = 0.05
+PROBE_EVERY_S = 1.0
+"""How soon, then how often, a queued request whose client may have left is probed (it
+sent EOF, or is not read: a pipelined request, an upload held back)."""
+
 
 class Watch(Protocol):
     """What the timers use of the front (front.Front)."""
@@ -43,8 +48,11 @@ class Timers:
     """When `on_deadline` runs (loop time)."""
     on_deadline: Callable[[], None]
 
+    probing: bool
+
     def close(self) -> None: ...
     def answer_early(self, answer: Answer, head_only: bool = False) -> None: ...
+    def _probe(self, next_s: float) -> None: ...
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
         self.deadline = self.loop.time() + delay_s
@@ -88,7 +96,19 @@ class Timers:
 
     def _body_late(self) -> None:
         if not self.reading and self._streaming():  # held back by corral, not the client
+            req, ex = self.reader.req, self.exchange
+            stalled = self.loop.time() - self.last_read
+            if (ex is not None and req is not None and req.upload is not None
+                    and req.upload.to_paused and stalled >= self.front.http.write_timeout_s):
+                ex.late = f"its child took none of an upload for {stalled:.0f} s"
+                ex.upload_failed(Answer(504, f"{ex.what} took none of the upload for "
+                                        f"{stalled:.0f} s (http.write_timeout_s)",
+                                        "timeout_error"))
+                return
             self._arm(self.front.http.body_timeout_s, self._body_late)
+            if not self.probing:  # a client that left is not read: ask it (R3)
+                self.probing = True
+                self._probe(PROBE_FIRST_S)
             return
         left = self.last_read + self.front.http.body_timeout_s - self.loop.time()
         if left > 0:  # it is still arriving: check again when it could be late

@@ -113,7 +113,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         found: SharedGrant | Refusal | None = await (
             front.shares.requeue(cut) if cut is not None else
             front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0,
-                                 cuttable=not was_cut, affinity=near, among=among))
+                                 cuttable=not was_cut and ex.req.upload is None,
+                                 affinity=near, among=among))
         cut = None
         if gone is not None:
             generation, pool = gone

@@ -21,9 +21,11 @@ once its body has begun to go.
 from __future__ import annotations
 
 from collections.abc import Callable
+from email.message import Message
+from email.utils import collapse_rfc2231_value
 from typing import Protocol
 
-from .edge import OWN_POST, Answer
+from .edge import OPEN_PATHS, OWN_GET, OWN_POST, Answer
 
 HOLD_MAX = 1 << 20
 """Bytes of an upload held before its grant; the `model` field must come within them."""
@@ -123,18 +125,16 @@ def _model_name(raw: bytes) -> str | Answer:
 
 
 def field_name(head: bytes) -> str | None:
-    """The field a part's headers name (`Content-Disposition: form-data; name="..."`)."""
+    """The field a part's headers name (`Content-Disposition: form-data; name="..."`),
+    read as RFC 2183 says, quotes and all (a `;` inside a quoted filename is no
+    separator)."""
     for line in head.split(b"\r\n"):
         name, sep, value = line.partition(b":")
-        if not sep or name.strip().lower() != b"content-disposition":
-            continue
-        for param in value.split(b";")[1:]:
-            key, eq, val = param.partition(b"=")
-            if eq and key.strip().lower() == b"name":
-                val = val.strip()
-                if len(val) >= 2 and val[:1] == b'"' == val[-1:]:
-                    val = val[1:-1].replace(b'\\"', b'"').replace(b"\\\\", b"\\")
-                return val.decode("utf-8", "replace")
+        if sep and name.strip().lower() == b"content-disposition":
+            header = Message()
+            header["Content-Disposition"] = value.decode("utf-8", "replace").strip()
+            found = header.get_param("name", header="content-disposition")
+            return collapse_rfc2231_value(found) if found is not None else None
     return None
 
 
@@ -173,9 +173,10 @@ class Writer(Protocol):
 
 class Upload:
     """One multipart request body on its way through: held until its model is known and
-    its grant is given, then written to the child as it arrives."""
+    its grant is given, then written to the child as it arrives, one write per read of
+    the client (`flush`: a client sending 2-byte chunks must not cost a system call each)."""
 
-    __slots__ = ("complete", "dropped", "held", "held_size", "length", "model", "queued",
+    __slots__ = ("complete", "dropped", "held", "length", "model", "out", "queued",
                  "reading", "sniffer", "then", "throttled", "to", "to_paused")
 
     def __init__(self, boundary: bytes, length: int | None, reading: Reading) -> None:
@@ -185,8 +186,10 @@ class Upload:
         self.length = length
         """The client's Content-Length (None: it sent chunks, so the child gets chunks)."""
         self.reading = reading
-        self.held: list[bytes] = []
-        self.held_size = 0
+        self.held = bytearray()
+        """What arrived before its grant (one buffer: tiny chunks cost no more)."""
+        self.out: list[bytes] = []
+        """What goes to the child at the next `flush`."""
         self.complete = False
         """The client has sent the whole body."""
         self.queued = False
@@ -202,11 +205,6 @@ class Upload:
         self.then: Callable[[], None] | None = None
         """Called once when the body is whole (the child's first-byte timer starts)."""
 
-    @property
-    def started(self) -> bool:
-        """Some of it has gone to a child: it can never be sent again."""
-        return self.to is not None or self.dropped
-
     def framing(self) -> bytes:
         """The header line that frames the body for the child."""
         if self.length is None:
@@ -220,14 +218,13 @@ class Upload:
             return False
         if self.dropped:
             return False
-        self.held.append(data)
-        self.held_size += len(data)
+        self.held += data
         settled = False
         if self.sniffer is not None:
             found = self.sniffer.feed(data)
             if found is not None:
                 self.model, self.sniffer, settled = found, None, True
-        if self.held_size > HOLD_MAX:
+        if len(self.held) > HOLD_MAX:
             self._throttle(True)
         return settled
 
@@ -249,20 +246,37 @@ class Upload:
         self.to = to
         to.feeder = self
         to.body_open = True
-        held, self.held, self.held_size = self.held, [], 0
-        if held:
-            self._write(b"".join(held))
+        if self.held:
+            self._write(bytes(self.held))
+            self.held = bytearray()
         if self.complete:
             self._finish()
+        self.flush()
         self._throttle(False)
 
+    def flush(self) -> None:
+        """Write what the last read of the client brought (connection.py, each read)."""
+        if self.out and self.to is not None:
+            self.to.write(self.out[0] if len(self.out) == 1 else b"".join(self.out))
+        self.out.clear()
+
     def detach(self) -> None:
-        """Its child connection is done with (answered, broken or cut)."""
+        """Its child connection is done with (answered, broken or cut): what comes after
+        is dropped, and the client is read again (to be lingered on, or for the rest)."""
         to, self.to = self.to, None
         if to is not None:
             self.dropped = True
             to.feeder = None
+            self.out.clear()
+            self.to_paused = False
+            self._throttle(False)
         self.then = None
+
+    def close(self) -> None:
+        """Its exchange is over: nothing is held, nothing holds the client back."""
+        self.detach()
+        self.dropped, self.held, self.to_paused = True, bytearray(), False
+        self._throttle(False)
 
     def pause(self) -> None:
         """The child's connection is full: stop reading the client."""
@@ -274,13 +288,13 @@ class Upload:
         self._throttle(False)
 
     def _write(self, data: bytes) -> None:
-        assert self.to is not None
-        self.to.write(b"%x\r\n%b\r\n" % (len(data), data) if self.length is None else data)
+        self.out.append(b"%x\r\n%b\r\n" % (len(data), data) if self.length is None else data)
 
     def _finish(self) -> None:
         assert self.to is not None
         if self.length is None:
-            self.to.write(b"0\r\n\r\n")
+            self.out.append(b"0\r\n\r\n")
+        self.flush()
         self.to.body_open = False
 
     def _throttle(self, on: bool) -> None:
@@ -288,7 +302,7 @@ class Upload:
             self.throttled = True
             self.reading.pause_reading()
         elif not on and self.throttled and not self.to_paused and (
-                self.to is not None or self.held_size <= HOLD_MAX):
+                self.to is not None or self.dropped or len(self.held) <= HOLD_MAX):
             self.throttled = False
             if not self.complete:
                 self.reading.resume_reading()
@@ -297,8 +311,9 @@ class Upload:
 def upload_of(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]],
               reading: Reading) -> Upload | Answer | None:
     """The upload a request's head begins (a multipart POST to a path not of corral's
-    own), the 400 for a multipart type without a boundary, or None."""
-    if method != b"POST" or url.partition(b"?")[0] in _OWN_POST:
+    own, nor one open without a key: those go to the management API), the 400 for a
+    multipart type without a boundary, or None."""
+    if method != b"POST" or url.partition(b"?")[0] in _NOT_UPLOADS:
         return None
     kind = length = None
     for name, value in headers:
@@ -315,4 +330,4 @@ def upload_of(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]],
     return Upload(boundary, length, reading)
 
 
-_OWN_POST = frozenset(p.encode() for p in OWN_POST)
+_NOT_UPLOADS = frozenset(p.encode() for p in OWN_POST | OWN_GET | OPEN_PATHS)
