@@ -193,16 +193,25 @@ def _resolve_groups(config: Config, source: str) -> Config:
                               "(all members at once) contradict; choose one")
         listed = members(group.models, where)
         for model in listed:
-            if group.exclusive and config.models[model].pinned:
-                raise ConfigError(f"{where}: {model!r} is pinned, so no other member of "
-                                  "this exclusive group could ever load; unpin it")
+            if (group.exclusive or group.together) and config.models[model].pinned:
+                raise ConfigError(
+                    f"{where}: {model!r} is pinned, so " + (
+                        "no other member of this exclusive group could ever load"
+                        if group.exclusive else "its group could never stop as a unit")
+                    + "; unpin it")
         groups[name] = msgspec.structs.replace(group, models=listed)
+    units = _together_units(groups)
+    for unit in units:
+        if config.models_max and len(unit) > config.models_max:
+            raise ConfigError(f"{source}: groups: {sorted(unit)} load together, more than "
+                              f"models_max ({config.models_max}) lets run at once")
     for name, group in groups.items():
-        for other, peer in groups.items():
-            both = set(group.models) & set(peer.models)
-            if group.exclusive and peer.together and len(both) > 1:
-                raise ConfigError(f"{source}: groups.{name} and groups.{other}: "
-                                  f"{sorted(both)} are both exclusive and together")
+        for unit in units if group.exclusive else ():
+            both = set(group.models) & unit
+            if len(both) > 1:
+                raise ConfigError(f"{source}: groups.{name}: {sorted(both)} are exclusive "
+                                  "(one at a time) and load together (through together "
+                                  "groups): choose one")
     virtual = {}
     for name, table in config.virtual.items():
         where = f"{source}: virtual.{name}"
@@ -211,6 +220,20 @@ def _resolve_groups(config: Config, source: str) -> Config:
                               f"{names[name]!r}")
         virtual[name] = msgspec.structs.replace(table, models=members(table.models, where))
     return msgspec.structs.replace(config, groups=groups, virtual=virtual)
+
+
+def _together_units(groups: dict[str, ModelGroup]) -> list[set[str]]:
+    """The models that load together, joined through every together group they share."""
+    units: list[set[str]] = []
+    for group in groups.values():
+        if not group.together:
+            continue
+        joined = set(group.models)
+        for unit in [u for u in units if u & joined]:
+            units.remove(unit)
+            joined |= unit
+        units.append(joined)
+    return units
 
 
 def _resolve_keys(config: Config, source: str) -> Config:

@@ -232,7 +232,7 @@ class Downloads:
 
     def _line(self, job: Download, line: str) -> None:
         """On the child's output thread: a progress or end line, handed to the loop."""
-        said: Any = None
+        said: object = None
         if line.startswith(LLAMA_STATE):
             try:
                 said = json.loads(line[len(LLAMA_STATE):]).get("payload") or {}

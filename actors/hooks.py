@@ -28,6 +28,11 @@ from .phases import Phase
 
 log = logging.getLogger("corral.instance")
 
+Waits = dict[str, Any] | tuple[str, Phase] | None
+"""What waits for a hook's end: the ready's info (after_ready), the stop's reason and the
+phase it stops from (before_stop); before_load's is the spawn (nothing)."""
+
+
 class HookRun:
     """One hook's process, on its helper thread; `kill` ends it early."""
 
@@ -90,12 +95,14 @@ class HookSteps:
     cause: str | None
     log_ring: LogRing
     scheduler: Inbox[SchedulerMessage]
-    actor_ref: Any
+    @property
+    def inbox(self) -> Inbox[InstanceMessage]:
+        raise NotImplementedError  # ModelInstance's
 
     hook_run: HookRun | None = None
     hook_id = 0
     """Stamps each hook's HookRan: an older one is stale."""
-    hook_waits: tuple[HookName, Any] | None = None
+    hook_waits: tuple[HookName, Waits] | None = None
     """What waits for the running hook's end: before_load the spawn, after_ready the
     ready's info, before_stop the stop's reason."""
     stop_kept: str | None = None
@@ -107,7 +114,7 @@ class HookSteps:
     def report_ready(self, info: dict[str, Any] | None) -> None: ...
     def stop_steps(self, reason: str, was: Phase) -> None: ...
 
-    def run_hook(self, name: HookName, then: Any = None, reason: str = "") -> bool:
+    def run_hook(self, name: HookName, then: Waits = None, reason: str = "") -> bool:
         """Start hook `name` if the config has one (`then`: what its end goes on with);
         whether it did."""
         argv = getattr(self.config.hooks, name)
@@ -120,7 +127,7 @@ class HookSteps:
         argv = [HOOK_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in argv]
         self.hook_id += 1
         hook_id, run = self.hook_id, HookRun()
-        ref, timeout_s = self.actor_ref, self.config.hook_timeout_s or 30.0
+        ref, timeout_s = self.inbox, self.config.hook_timeout_s or 30.0
         self.hook_run, self.hook_waits = run, (name, then)
 
         def job() -> None:
@@ -157,11 +164,11 @@ class HookSteps:
                 self.spawn_child()
         elif name == "after_ready" and self.phase is Phase.STARTING:
             if failure is None:
-                self.report_ready(then)
+                self.report_ready(then if isinstance(then, dict) else None)
             elif self.child is not None:
                 self.cause = f"after_ready hook failed: {failure}"
                 self.child.signal_group(signal.SIGKILL)
-        elif name == "before_stop" and self.phase is Phase.STOPPING:
-            reason, was = then
-            self.stop_steps(reason, was)
+        elif name == "before_stop" and self.phase is Phase.STOPPING \
+                and isinstance(then, tuple):
+            self.stop_steps(*then)
 

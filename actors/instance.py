@@ -109,6 +109,10 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
         """A llama child said `sleeping` (and has not said `ready` since)."""
         self.stopping = StopSequence()
 
+    @property
+    def inbox(self) -> Inbox[InstanceMessage]:  # (the hook and liveness steps')
+        return self.actor_ref
+
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
             case StartInstance(generation=gen, config=config, devices=devices, key=key,

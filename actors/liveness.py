@@ -6,12 +6,11 @@ answer the front saw counts as one)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from .base import Inbox
 from .config import ModelConfig
 from .health import Liveness
-from .messages import LivenessTick, SchedulerMessage, Unhealthy
+from .messages import InstanceMessage, LivenessTick, SchedulerMessage, Unhealthy
 from .phases import SWITCHING, Phase
 from .sidejobs import SideJobs
 from .timers import Timers
@@ -33,13 +32,15 @@ class LivenessSteps:
     jobs: SideJobs
     timers: Timers
     scheduler: Inbox[SchedulerMessage]
-    actor_ref: Any
+    @property
+    def inbox(self) -> Inbox[InstanceMessage]:
+        raise NotImplementedError  # ModelInstance's
     log: logging.Logger
 
     def arm_liveness(self) -> None:
         """The next liveness check of a ready `http` child that has them."""
         if self.liveness.interval_s and not self.llama:
-            self.timers.after(self.liveness.interval_s, self.actor_ref,
+            self.timers.after(self.liveness.interval_s, self.inbox,
                               LivenessTick(spawn_id=self.spawn_id))
 
     def handle_liveness_tick(self, spawn_id: int) -> None:

@@ -104,7 +104,7 @@ persistent = true
     assert ask(c.port, "a") == "a" and ask(c.port, "b") == "b"
     with pytest.raises(openai.InternalServerError) as info:
         ask(c.port, "other")
-    assert info.value.status_code == 503 and "persistent group(s) keep" in str(info.value)
+    assert info.value.status_code == 503 and "persistent members are never" in str(info.value)
     assert c.state("a") == "loaded" and c.state("b") == "loaded"
 
 

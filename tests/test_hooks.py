@@ -69,9 +69,11 @@ before_stop = {note(ran, "before_stop", "{model}", "{reason}", "{pid}")}
         assert int(after_ready[2]) == pid
     assert lines[2][:3] == ["before_stop", "m", "manual"] and lines[2][3] == after_ready[2]
     assert lines[3] == ["after_exit", "m", "manual"]
-    log = request(c.port, "GET", "/models/logs?model=m")[1]
-    text = log if isinstance(log, str) else str(log)
-    assert "corral: hook before_load:" in text and "corral: hook after_exit done" in text
+    def log() -> str:
+        return str(request(c.port, "GET", "/models/logs?model=m")[1])
+
+    wait_until(lambda: "corral: hook after_exit done" in log(), what="after_exit's end logged")
+    assert "corral: hook before_load:" in log()
 
 
 def test_a_failing_before_load_fails_the_load_saying_why(corral) -> None:

@@ -208,7 +208,7 @@ def test_an_outsider_no_slot_will_free_for_is_refused_saying_why() -> None:
     w.load_idle("a", "b")
     answer = w.acquire(1, "c")
     assert isinstance(answer, Refusal) and answer.status == 503
-    assert "persistent group(s) p" in answer.message
+    assert "persistent members are never evicted" in answer.message
     assert w.stops == []
 
 
@@ -241,7 +241,7 @@ def test_random_histories_keep_each_groups_rule(seed: int) -> None:
     for an outsider, and no decision was left undone (running the rules again changes
     nothing); at the end nothing waits."""
     rng = random.Random(seed)
-    w = grouped(rng.choice([1, 2, 3]), s=ModelGroup(models=["a", "b"], exclusive=True),
+    w = grouped(rng.choice([2, 3]), s=ModelGroup(models=["a", "b"], exclusive=True),
                 p=ModelGroup(models=["c", "d"], persistent=True),
                 t=ModelGroup(models=["b", "c"], together=True))
     real = w.run
@@ -260,3 +260,139 @@ def test_random_histories_keep_each_groups_rule(seed: int) -> None:
     tickets = random_history(w, rng, {"acquire": 0.4, "release": 0.25, "cancel": 0.05,
                                       "ready": 0.2, "exit": 0.1}, exit_codes=[0, 1])
     drain(w, tickets, rounds=200)
+
+
+# ------------------------------------------------------------------ a hostile review's cases
+
+
+def settle_all(w: World) -> None:
+    while w.settle():
+        pass
+
+
+def test_a_memory_plan_that_evicts_both_together_members_stops_each_once() -> None:
+    """Review finding 1: stopping the first member stopped its partner, and the plan's
+    own eviction of the partner then raised (stopping -> stopping) in the Scheduler."""
+    from tests.test_policy_memory import MemWorld
+    w = MemWorld({"a": 4, "b": 4, "c": 8})
+    w.run(w.p.set_groups({"t": pair()}, w.now))
+    w.acquire(1, "a")
+    settle_all(w)
+    w.release(1)
+    w.acquire(2, "c")
+    assert (w.state("a"), w.state("b")) == ("stopping", "stopping")
+
+
+def test_memory_only_persistent_members_hold_is_a_503_not_a_wait_for_ever() -> None:
+    """Review finding 6: memory held by persistent members of another group never comes
+    free for an outsider; the plan now refuses, saying so, as for pinned models."""
+    from tests.test_policy_memory import MemWorld
+    w = MemWorld({"a": 1, "b": 6, "c": 4, "d": 4})
+    w.run(w.p.set_groups({"p": ModelGroup(models=["c", "d"], persistent=True)}, w.now))
+    w.load_idle("c", "d")
+    answer = w.acquire(1, "b")
+    assert isinstance(answer, Refusal) and "kept from it by a model group" in answer.message
+    assert isinstance(w.acquire(2, "a"), (Grant, type(None)))  # a fits: it is not held up
+
+
+def test_a_persistent_member_does_not_go_with_its_together_partner_for_an_outsider() -> None:
+    """Review finding 7."""
+    w = grouped(3, p=ModelGroup(models=["a", "c"], persistent=True), t=pair())
+    w.acquire(1, "a")
+    settle_all(w)
+    w.release(1)
+    w.load_idle("c")
+    w.acquire(2, "d")
+    assert w.stops == [] and isinstance(w.answers[2], Refusal)
+
+
+def test_a_swap_waiting_for_a_busy_rival_does_not_hold_up_other_models() -> None:
+    """Review finding 14: the claim scan stopped at the waiting swap."""
+    w = grouped(4, s=swap())
+    w.load_idle("a")
+    w.acquire("long", "a")
+    w.acquire(1, "b")
+    w.acquire(2, "c")
+    assert ("c", 1) in w.spawns  # a free slot: c need not wait for a's request
+
+
+def test_a_together_partner_crashed_or_idle_after_a_crash_keeps_its_ttl() -> None:
+    """Review findings 9 and 13: after a's crash its idle partner's TTL was never armed
+    again; a crashed partner comes back with the group's next use."""
+    w = World(models_max=4, rules={n: ModelRules(ttl_s=30) for n in "abcd"})
+    w.run(w.p.set_groups({"t": pair()}, w.now))
+    w.acquire(1, "a")
+    settle_all(w)
+    w.exited("a", rc=1)
+    for _ in range(5):
+        w.now += 20
+        w.fire_timers()
+    assert w.state("b") in ("stopping", "unloaded")
+    settle_all(w)
+    w.acquire(2, "a")
+    settle_all(w)
+    assert w.state("b") in ("loading", "loaded")  # used as one: the partner is back
+
+
+def test_a_warm_load_a_request_waits_for_is_not_given_up_for_a_rival() -> None:
+    """Review finding 16."""
+    w = World(models_max=4, rules={"a": ModelRules(warm=True), "b": ModelRules(),
+                                   "c": ModelRules(), "d": ModelRules()})
+    w.run(w.p.set_groups({"s": swap()}, w.now))
+    w.acquire(1, "a")  # joins a's warm-up load
+    w.acquire(2, "b")
+    assert ("a", "warm") not in w.stops
+    settle_all(w)
+    assert isinstance(w.answers[1], Grant)
+
+
+def test_unloading_a_member_while_its_partner_loads_is_not_undone() -> None:
+    """Review finding 10: the partner's queued load brought the group back."""
+    w = grouped(4, t=pair())
+    w.acquire(1, "a")
+    w.ready("a")
+    w.release(1)
+    w.run(w.p.unload("u", "a", w.tick()))
+    settle_all(w)
+    assert (w.state("a"), w.state("b")) == ("unloaded", "unloaded")
+    assert w.spawns == [("a", 1), ("b", 1)]
+
+
+def test_a_rival_serves_what_waited_for_it_before_the_swap() -> None:
+    """Review finding 15: a was retired with an older waiter of its own, stopped, and
+    loaded again for it before b's turn."""
+    w = World(models_max=4, rules={"a": ModelRules(max_concurrency=1), "b": ModelRules(),
+                                   "c": ModelRules(), "d": ModelRules()})
+    w.run(w.p.set_groups({"s": swap()}, w.now))
+    w.load_idle("a")
+    w.acquire(1, "a")
+    w.acquire(2, "a")  # waits for a's one slot, before b is asked for
+    w.acquire(3, "b")
+    w.release(1)
+    assert isinstance(w.answers[2], Grant)  # served by the a that runs
+    w.release(2)
+    settle_all(w)
+    assert isinstance(w.answers[3], Grant) and w.spawns.count(("a", 2)) == 0
+
+
+def test_a_swap_waits_for_a_busy_together_partner_of_its_rival() -> None:
+    """Review finding 11."""
+    w = grouped(4, t=pair(), x=ModelGroup(models=["b", "c"], exclusive=True))
+    w.acquire(1, "a")
+    settle_all(w)
+    w.acquire(2, "c")
+    assert w.stops == []  # b is idle, but a, used as one with it, is mid-request
+    w.release(1)
+    assert {m for m, _ in w.stops} == {"a", "b"}
+    settle_all(w)
+    assert isinstance(w.answers[2], Grant)
+
+
+def test_a_reload_applies_new_groups_to_what_runs() -> None:
+    """Review finding 8."""
+    w = grouped(4)
+    w.load_idle("a", "b", "c")
+    w.run(w.p.set_groups({"s": swap(), "t": ModelGroup(models=["c", "d"], together=True)},
+                         w.tick()))
+    assert ("a", "group") in w.stops  # b was used last: it stays
+    assert ("d", 1) in w.spawns  # c's partner comes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -39,6 +39,9 @@ def answer_response(answer: Answer) -> web.Response:
                  dict(answer.headers) or None)
 
 
+Body = TypeVar("Body", ModelName, DownloadRequest)
+
+
 class RoutesSink(Protocol):
     def set_routes(self, routes: Routes) -> None: ...
 
@@ -50,13 +53,13 @@ class ModelCommands:
     names: dict[str, str]
     reloading: asyncio.Lock
     downloads: Downloads | None
-    fronts: Any
+    fronts: RoutesSink | None
     latest: Config
 
     async def _ask(self, make: Callable[[LoopReply], SchedulerMessage]) -> object: ...
-    def applied(self, config: Any) -> None: ...
+    def applied(self, config: Config) -> None: ...
 
-    async def _body(self, request: web.Request, kind: type[Any]) -> Any:
+    async def _body(self, request: web.Request, kind: type[Body]) -> Body | web.Response:
         try:
             return msgspec.json.decode(await request.read(), type=kind)
         except msgspec.DecodeError as e:

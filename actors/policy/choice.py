@@ -7,6 +7,7 @@ persistent group for a model outside it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -27,8 +28,7 @@ class Teamwork(Moves):
     # ------------------------------------------------------------ victims
 
     def kept_from(self, rec: ModelRecord, for_model: str | None) -> bool:
-        return bool(self.state.teams.kept) and \
-            self.state.teams.keeps(rec.group, for_model) is not None
+        return self.state.kept_from(rec, for_model)
 
     def pick_victim(self, now: float, for_model: str | None = None) -> ModelRecord | None:
         """The least recently used model that is idle, serving, unpinned, not wanted and
@@ -37,8 +37,9 @@ class Teamwork(Moves):
         extra = self.extra_victim(now, for_model)
         if extra is not None:
             return extra
-        allowed = (lambda r: not self.kept_from(r, for_model)) if self.state.teams.kept \
-            else None
+        teams = self.state.teams
+        allowed = (lambda r: not self.kept_from(r, for_model)) \
+            if teams.kept or teams.partners else None
         victim, wake = self.state.victims.pick(self.state.models, now,
                                                self.state.resident_until, allowed)
         if wake is not None and (self.state.wake_at is None or wake < self.state.wake_at):
@@ -84,35 +85,55 @@ class Teamwork(Moves):
             victims += sorted((r for r in state.models.values() if r.state is S.SUSPENDED
                                and not r.draining and state.ledger.held.get(r.name)),
                               key=lambda r: r.last_used)
-        if state.teams.kept:
+        if state.teams.kept or state.teams.partners:
             victims = [v for v in victims if not self.kept_from(v, for_model)]
         return victims
 
     # ------------------------------------------------------------ exclusive
 
     def clear_rivals(self, rec: ModelRecord, now: float) -> bool:
-        """Before `rec` loads: stop its exclusive rivals (busy ones once their requests
-        have ended); whether any still runs, so that `rec` waits."""
+        """Before `rec` loads: stop its exclusive rivals, busy ones (or ones whose
+        together partner is busy) once their requests have ended, and not before they
+        have served the requests that waited for them longer than `rec`'s have; whether
+        any still runs, so that `rec` waits."""
         state, waits = self.state, []
+        first = self.oldest(rec.group)
         for rival, group in state.teams.rivals.get(rec.group, {}).items():
             base = state.models.get(rival)
+            note = f"exclusive group '{group}': one member runs at a time"
             for r in state.groups.all_of(base) if base is not None else []:
                 if r.state is S.UNLOADED:
                     continue
                 waits.append(rival)
-                if r.warming and r.state is S.LOADING:  # loading for nobody: it gives way
-                    self.stop(r, "warm", rec.group, now,
-                              note=f"exclusive group '{group}': a request needs the other")
-                elif r.state is S.SUSPENDED or (r.state.is_serving and not r.in_flight):
-                    self.stop(r, "group", rec.group, now,
-                              note=f"exclusive group '{group}': one member runs at a time")
-                elif r.state.is_serving and not r.retiring:
-                    self.retire(r, now, "group", rec.group, note=(
-                        f"exclusive group '{group}': one member runs at a time"))
+                if r.warming and r.state is S.LOADING and rival not in state.queue.entries:
+                    self.stop(r, "warm", rec.group, now, note=f"{note}; it loaded for nobody")
+                elif r.state is S.STOPPING or self.oldest(rival) < first:
+                    continue  # going already, or its older waiters go first (FIFO)
+                elif r.state is S.SUSPENDED or (r.state.is_serving and not r.in_flight
+                                                and not state.partner_busy(r)):
+                    self.stop(r, "group", rec.group, now, note=note)
+                elif r.state.is_serving:  # it, and partners of it that are busy, finish
+                    for busy in [r, *self.partner_copies(r)]:
+                        if busy.in_flight and not busy.retiring:
+                            self.retire(busy, now, "group", rec.group, note)
         if waits:
             rec.waiting_for = (f"exclusive group: waiting for {', '.join(sorted(set(waits)))}"
                                " to stop (once its requests have ended)")
+        elif (rec.waiting_for or "").startswith("exclusive group"):
+            rec.waiting_for = None
         return bool(waits)
+
+    def oldest(self, model: str) -> float:
+        """When the longest waiter of `model` came (inf: none waits)."""
+        entry = self.state.queue.entry(model)
+        if entry is None or not entry.waiters:
+            return math.inf
+        return self.state.queue.waiters[next(iter(entry.waiters))].queued_at
+
+    def partner_copies(self, rec: ModelRecord) -> list[ModelRecord]:
+        state = self.state
+        return [r for partner in state.teams.partners.get(rec.group, {})
+                if partner in state.models for r in state.groups.all_of(state.models[partner])]
 
     def has_rival_up(self, name: str) -> bool:
         state = self.state
@@ -126,10 +147,8 @@ class Teamwork(Moves):
                    exit_code: int | None = None, info: dict[str, Any] | None = None) -> None:
         super().transition(rec, new, cause, now, exit_code, info)
         if self.state.teams.partners:  # its partners' evictability may have changed
-            for partner in self.state.teams.partners.get(rec.group, {}):
-                base = self.state.models.get(partner)
-                for r in self.state.groups.all_of(base) if base is not None else []:
-                    self.state.victims.offer(r)
+            for r in self.partner_copies(rec):
+                self.idle(r, now)
 
     def bring_partners(self, rec: ModelRecord, now: float) -> bool:
         """`rec` loads: so do its together partners that are not running (queued as a
@@ -138,7 +157,8 @@ class Teamwork(Moves):
         for partner in state.teams.partners.get(rec.group, {}):
             base = state.models.get(partner)
             if (base is None or base.removed or partner in state.queue.entries
-                    or base.breaker.is_open(now) or not state.absent(base)):
+                    or base.breaker.is_open(now) or not state.absent(base)
+                    or self.has_rival_up(partner)):
                 continue
             state.queue.open(partner).explicit = True
             queued = state.teams.brought = True
@@ -149,6 +169,7 @@ class Teamwork(Moves):
         super().grant(ticket, rec, now, key, waiter, cuttable)
         if self.state.teams.partners:
             self.used_together(rec, now)
+            self.bring_partners(rec, now)  # one that crashed, or a warm one's, comes back
 
     def used_together(self, rec: ModelRecord, now: float) -> None:
         """A request of `rec` began or ended: its partners were used too (LRU, TTL)."""
@@ -168,12 +189,14 @@ class Teamwork(Moves):
         partners = self.state.teams.partners.get(rec.group)
         if not partners or reason not in UNIT_STOPS:
             return
+        why = reason + (f" for {for_model}" if for_model else "")
         for partner, group in partners.items():
             base = self.state.models.get(partner)
+            self.state.teams.dropped.add(partner)  # its load, if queued, goes too
             for r in self.state.groups.all_of(base) if base is not None else []:
                 if not r.state.is_running or r.state is S.STOPPING:
                     continue
-                note = f"together group '{group}': {rec.group} stopped ({reason})"
+                note = f"together group '{group}': {rec.group} stopped ({why})"
                 if r.in_flight:
                     if not r.retiring:
                         self.retire(r, now, "group", None, note)

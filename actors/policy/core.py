@@ -141,6 +141,8 @@ class Policy:
             self.rules.grant(ticket, into, now, key, cuttable=cuttable)
             if rules.replicas is not None:  # busier copies: one more may be due
                 self.rules.scale(now)
+            if self.state.teams.brought:  # a together partner to bring back
+                self.rules.pump(now)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
         #    (a suspended one is there: it is woken).
         elif not autoload and self.state.absent(rec):
@@ -287,8 +289,29 @@ class Policy:
         return self.rules.flush()
 
     def set_groups(self, groups: dict[str, ModelGroup], now: float) -> list[Effect]:
-        """The model groups now (issue 25, teams.py): from the config, and each reload."""
-        self.state.teams.replace(groups)
+        """The model groups now (issue 25, teams.py): from the config, and each reload,
+        applied to what runs: of an exclusive group's members running, all but the one
+        used last go (once their requests have ended); a together group's running
+        members bring the others; victims are offered anew."""
+        state = self.state
+        state.teams.replace(groups)
+        state.memory.epoch += 1  # plans cached on the old groups are stale
+        for name, group in groups.items():
+            up = [state.models[m] for m in group.models if m in state.models
+                  and not state.absent(state.models[m])]
+            if group.exclusive and len(up) > 1:
+                keep = max(up, key=lambda r: r.last_used)
+                for rec in up:
+                    for copy in state.groups.all_of(rec) if rec is not keep else ():
+                        if copy.state.is_running and copy.state is not S.STOPPING:
+                            self.rules.retire(copy, now, "group", keep.group, note=(
+                                f"exclusive group '{name}' (a reload): one member runs "
+                                "at a time"))
+            if group.together:
+                for rec in up:
+                    self.rules.bring_partners(rec, now)
+        for rec in state.models.values():
+            self.rules.idle(rec, now)
         self.rules.pump(now)
         return self.rules.flush()
 

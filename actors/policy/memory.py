@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -67,6 +68,9 @@ class Memory(Reports):
         self.releasing: set[ModelRecord] = set()
         """The records whose `releasing` was set (a superset of those it still is)."""
         self.backends: list[str] = []
+        self.kept: Callable[[ModelRecord, str | None], bool] = lambda victim, model: False
+        """Whether a model group keeps `victim` from being evicted for `model` (State's
+        kept_from): such memory is as good as pinned to a plan's refusal."""
         self.epoch = 0
         """Bumped by every change of a record's state and every device report: with the
         ledger's version, what a plan that waits for memory coming back depends on."""
@@ -312,11 +316,13 @@ class Memory(Reports):
         if not others:
             return Plan("go", note=f"model {rec.name} is projected to be short by {missing} "
                         "with nothing else loaded; loading anyway (the minimum is pessimistic)")
-        if all(r.pinned and r.state is not S.STOPPING and not r.releasing for r in others):
+        if all((r.pinned or self.kept(r, rec.group)) and r.state is not S.STOPPING
+               and not r.releasing for r in others):
             return Plan("refuse", refusal=(
                 f"model '{rec.name}' does not fit: short by {missing} beyond "
-                f"memory_margin_mib, and the models holding memory are pinned "
-                f"({', '.join(r.name for r in others)}); unload one"))
+                f"memory_margin_mib, and the models holding memory are pinned, or kept "
+                f"from it by a model group ({', '.join(r.name for r in others)}); "
+                "unload one"))
         return plan  # busy models finish, stops complete: both re-pump
 
     # ------------------------------------------------------------ waking (issue 23)

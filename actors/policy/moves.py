@@ -161,8 +161,11 @@ class Moves:
               now: float, shortfalls: list[Shortfall] | None = None) -> None:
         """Make room with the idle `rec`: suspend it if it has a way to and host memory
         allows (at suspended_max, the least recently used suspended model is stopped for
-        it), else stop it; the event says which, and why (issue 23)."""
+        it), else stop it; the event says which, and why (issue 23). One already on its
+        way out (a together partner of an earlier victim) is left to go."""
         state = self.state
+        if rec.state is S.STOPPING or not rec.state.is_running:
+            return
         if not rec.rules.suspend or rec.state is S.SUSPENDED or state.handing_over(rec):
             self.stop(rec, reason, for_model, now, shortfalls)
             return

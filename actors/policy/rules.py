@@ -34,11 +34,13 @@ class Rules(Scaling):
         self.state.now = now
         if self.state.shutting_down:
             return
+        if self.state.teams.dropped:
+            self.drop_partner_loads()
         if self.state.n_suspended:
             self.relieve_host(now)
         self.tick(now)
         self.claim(now)
-        if self.state.teams.brought:  # together partners queued: they need slots too
+        while self.state.teams.brought:  # together partners queued: slots for them too
             self.state.teams.brought = False
             self.tick(now)
             self.claim(now)
@@ -46,6 +48,19 @@ class Rules(Scaling):
             self.scale(now)
         if self.state.warm and not self.state.queue.entries:
             self.warm_up(now)
+
+    def drop_partner_loads(self) -> None:
+        """Loads of together partners queued for nobody, whose group stopped meanwhile."""
+        queue, dropped = self.state.queue, self.state.teams.dropped
+        for name in list(dropped):
+            entry = queue.entry(name)
+            if entry is not None and entry.claimed and not entry.waiters:
+                continue  # its load runs, being stopped: looked at again once it ends
+            if entry is not None and entry.explicit and not entry.waiters:
+                entry.explicit = False
+                queue.close_if_empty(name)
+                self.idle(self.state.models[name])
+            dropped.discard(name)
 
     def warm_up(self, now: float) -> None:
         """Load or wake the `warm` models that have room as things are: a free slot, and
@@ -147,19 +162,21 @@ class Rules(Scaling):
             free += 1
 
     def refuse_kept_out(self, model: str) -> bool:
-        """Refuse what no slot will ever come free for: every running model is pinned,
-        or kept from `model` by a persistent group (teams.py); whether it was."""
+        """Refuse what no slot will ever come free for: every running model is pinned, or
+        kept from `model` by a model group (teams.py), and none will stop by itself (a
+        TTL, a swap); whether it was."""
         state = self.state
         running = [r for r in state.models.values() if r.state.is_running]
-        if state.n_stopping or state.n_suspending or not all(
-                r.pinned or state.teams.keeps(r.group, model) for r in running):
+        if state.n_stopping or state.n_suspending or any(
+                not (r.pinned or state.kept_from(r, model))
+                or (r.rules.ttl_s and not r.pinned) or r.retiring for r in running):
             return False
-        groups = sorted({g for r in running if (g := state.teams.keeps(r.group, model))})
         self.refuse_entry(model, 503, (
             f"model '{model}' cannot be loaded: all {state.models_max} slots (models_max) "
-            f"are held by models of persistent group(s) {', '.join(groups)} (or pinned "
-            "ones), which models outside them never evict; unload one or raise "
-            "models_max"), reason="persistent")
+            f"are held by models its model groups keep from it, or pinned ones "
+            f"({', '.join(sorted(r.name for r in running))}): persistent members are never "
+            "evicted for a model outside their group; unload one or raise models_max"),
+            reason="persistent")
         return True
 
     def refuse_pinned_out(self, models: list[str]) -> None:
@@ -200,8 +217,10 @@ class Rules(Scaling):
         assert rec is not None  # (needs_slot)
         # 2. Its last child is still stopping, or every slot (models_max) is taken, or
         #    another member of its exclusive group still runs (it is being stopped).
-        if rec.state is S.STOPPING or (state.teams.rivals and self.clear_rivals(rec, now)):
+        if rec.state is S.STOPPING:
             return "wait"
+        if state.teams.rivals and self.clear_rivals(rec, now):
+            return "passed"  # its rival's slot comes back to it; others need not wait
         if not state.has_capacity():
             return "wait"
         # 3. Bound to nodes, without memory accounting: a node's slot (models_max_per_node).

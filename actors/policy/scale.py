@@ -53,6 +53,9 @@ class Scaling(Teamwork):
             return False  # all up (or being removed)
         if any(r.state in (S.LOADING, S.WAKING) for r in up):
             return False  # one is on its way: its ready or exit looks again
+        if state.teams.rivals and (any(r.retiring for r in up) or any(
+                rival in state.queue.entries for rival in state.teams.rivals.get(name, {}))):
+            return False  # an exclusive swap is due: no copy is added to what goes
         why, waited = ((f"replicas min {copies.min}", math.inf) if len(up) < copies.min
                        else self.demand(name, up, copies, now))
         if why is None:
@@ -140,7 +143,7 @@ class Scaling(Teamwork):
         models (above their `min`), then models idle longer than `waited` (least recently
         used first; `waited` is infinite for a copy that `min` asks for: it takes only
         what is free or spare, so models that fill their `min` never evict each other)."""
-        victims = self.memory_victims(now)
+        victims = self.memory_victims(now, rec.group)
         spare = self.spares(victims)
         return [v for v in victims if v.group != rec.group and v.state.is_serving
                 and (v in spare or now - v.idle_from > waited)]

@@ -67,6 +67,7 @@ class State:
         """The models that run as several copies (issue 24)."""
         self.teams = Teams()
         """The model groups: exclusive, together, persistent (issue 25)."""
+        self.memory.kept = self.kept_from
         self.stats = Stats()
         self.shutting_down = False
         self.n_running = 0
@@ -190,6 +191,19 @@ class State:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
                 and rec.group not in self.queue.entries and not rec.removed
                 and not (self.teams.partners and self.partner_busy(rec)))
+
+    def kept_from(self, rec: ModelRecord, for_model: str | None) -> bool:
+        """`rec` is no victim for `for_model` (teams.py): it is in a persistent group
+        that model is not in (or a together partner of it is: it would go with it), or it
+        is one of that model's own together partners (it comes with it)."""
+        teams = self.teams
+        if for_model is None or not (teams.kept or teams.partners):
+            return False
+        if rec.group in teams.partners.get(for_model, {}):
+            return True
+        return bool(teams.kept) and any(
+            teams.keeps(name, for_model) is not None
+            for name in (rec.group, *teams.partners.get(rec.group, {})))
 
     def partner_busy(self, rec: ModelRecord) -> bool:
         """A together partner of `rec` has a request in flight (teams.py)."""

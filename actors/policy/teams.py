@@ -35,6 +35,9 @@ class Teams:
         """Model -> the persistent groups it is in."""
         self.brought = False
         """Partners were queued by the last claims: the rules run once more."""
+        self.dropped: set[str] = set()
+        """Partners stopped with their group: a load of theirs queued with no request
+        behind it is dropped at the next decision (else it would bring the group back)."""
         self.replace(groups or {})
 
     def replace(self, groups: dict[str, ModelGroup]) -> None:
