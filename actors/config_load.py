@@ -201,10 +201,6 @@ def _resolve_groups(config: Config, source: str) -> Config:
                     + "; unpin it")
         groups[name] = msgspec.structs.replace(group, models=listed)
     units = _together_units(groups)
-    for unit in units:
-        if config.models_max and len(unit) > config.models_max:
-            raise ConfigError(f"{source}: groups: {sorted(unit)} load together, more than "
-                              f"models_max ({config.models_max}) lets run at once")
     for name, group in groups.items():
         for unit in units if group.exclusive else ():
             both = set(group.models) & unit
@@ -212,6 +208,10 @@ def _resolve_groups(config: Config, source: str) -> Config:
                 raise ConfigError(f"{source}: groups.{name}: {sorted(both)} are exclusive "
                                   "(one at a time) and load together (through together "
                                   "groups): choose one")
+    for unit in units:
+        if config.models_max and len(unit) > config.models_max:
+            raise ConfigError(f"{source}: groups: {sorted(unit)} load together, more than "
+                              f"models_max ({config.models_max}) lets run at once")
     virtual = {}
     for name, table in config.virtual.items():
         where = f"{source}: virtual.{name}"

@@ -114,6 +114,11 @@ persistent = true
     ('[groups.g]\nmodels = ["m", "n"]\n', "set exclusive, together or persistent"),
     ('[groups.g]\nmodels = ["m", "n"]\nexclusive = true\ntogether = true\n', "contradict"),
     ('[groups.g]\nmodels = ["m", "m2"]\nexclusive = true\n', "is listed twice"),
+    ('[groups.t]\nmodels = ["m", "n"]\ntogether = true\n[groups.u]\nmodels = ["n", "o"]\n'
+     'together = true\n[groups.x]\nmodels = ["m", "o"]\nexclusive = true\n',
+     "groups.x: ['m', 'o'] are exclusive (one at a time) and load together"),
+    ('[groups.t]\nmodels = ["m", "n", "o"]\ntogether = true\n',
+     "load together, more than models_max (2)"),
     ('[virtual.m2]\nmodels = ["n"]\n', "virtual.m2: 'm2' is already the name or an alias"),
     ('[virtual.v]\nmodels = ["m", "ghost"]\n', "virtual.v.models[1]: 'ghost' is not a model"),
     ('[virtual.v]\nmodels = ["m"]\npick = "best"\n', "virtual.v.pick"),
@@ -121,16 +126,18 @@ persistent = true
 def test_bad_groups_and_virtual_models_are_named(tmp_path: Path, groups: str,
                                                  says: str) -> None:
     path = tmp_path / "corral.toml"
-    path.write_text('[models.m]\ncmd = ["x"]\naliases = ["m2"]\n[models.n]\ncmd = ["y"]\n'
-                    + groups)
+    path.write_text('models_max = 2\n[models.m]\ncmd = ["x"]\naliases = ["m2"]\n'
+                    '[models.n]\ncmd = ["y"]\n[models.o]\ncmd = ["z"]\n' + groups)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert says in str(info.value), str(info.value)
 
 
-def test_a_pinned_member_of_an_exclusive_group_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["exclusive", "together"])
+def test_a_pinned_member_of_an_exclusive_or_together_group_is_refused(tmp_path: Path,
+                                                                      kind: str) -> None:
     path = tmp_path / "corral.toml"
     path.write_text('[models.m]\ncmd = ["x"]\npinned = true\n[models.n]\ncmd = ["y"]\n'
-                    '[groups.g]\nmodels = ["m", "n"]\nexclusive = true\n')
+                    f'[groups.g]\nmodels = ["m", "n"]\n{kind} = true\n')
     with pytest.raises(ConfigError, match="'m' is pinned"):
         load_config(path)
