@@ -21,6 +21,7 @@ from bench import (
     swap,
     tenants,
     tokenize_rate,
+    uploads,
 )
 
 COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
@@ -29,7 +30,7 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
             "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
             "tenants": tenants.main, "prompt-cache": prompt_cache.main,
-            "replicas": replicas.main}
+            "replicas": replicas.main, "uploads": uploads.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -52,6 +53,8 @@ SUMMARY = {
                "flooding together: classes, fair share, throughput (issue 22)",
     "replicas": "one model, two copies on real llama-server children: tokens/s of 1 "
                 "and 2 copies, and time to first token routed by prompt prefix or load",
+    "uploads": "multipart uploads straight to a child and through corral: MiB/s, and "
+               "corral's peak memory for them",
     "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
 }
 
