@@ -261,7 +261,7 @@ class ChildProcess:
             assert self._popen.stdin is not None
             self._popen.stdin.write(line.encode() + b"\n")
             self._popen.stdin.flush()
-        except (BrokenPipeError, OSError):
+        except (OSError, ValueError):  # a broken pipe, or one closed at its reap
             pass  # the child is exiting; its exit arrives as a message
 
     def reap(self) -> int:

@@ -50,6 +50,8 @@ log = logging.getLogger("corral.downloads")
 
 Format = Literal["gguf", "snapshot"]
 REGISTRY = "corral-downloads.json"
+REPO = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}(:[\w.-]{1,64})?")
+"""A Hugging Face repo as the hub names them, with a GGUF quantization tag."""
 PROGRESS_EVERY_S = 0.5
 """Progress is published at most this often."""
 CANCEL_GRACE_S = 2.0
@@ -136,13 +138,16 @@ def remembered(config: Config, llama_server: str | None) -> dict[str, ModelConfi
     except (OSError, ValueError):
         return {}
     out = {}
-    taken = set(config.resolve_aliases())
+    taken = {*config.resolve_aliases(), *config.virtual}
     for name, entry in entries.items() if isinstance(entries, dict) else ():
+        if name in taken or not isinstance(entry, dict):
+            continue  # a configured name won since: the configured model is served
         alias = entry.get("alias") if entry.get("alias") not in taken else None
         model = served_as(config, name, entry.get("format", "gguf"), entry.get("path"),
                           llama_server, alias)
-        if model is not None and name not in config.models:
+        if model is not None:
             out[name] = model
+            taken |= {name, *model.aliases}
     return out
 
 
@@ -163,12 +168,13 @@ class Downloads:
         """Why `name` cannot be downloaded now (None: it can)."""
         if not self.config.downloads.enabled:
             return "downloads are off here ([downloads] enabled = false)"
-        owner, slash, repo = name.partition(":")[0].partition("/")
-        if not (owner and slash and repo) or "/" in repo or name != name.strip():
-            return (f"{name!r} is not a Hugging Face repo; name one as owner/repo "
-                    "(with :QUANT for a GGUF quantization)")
-        if name in models:
-            return f"'{name}' is a model already"
+        if not REPO.fullmatch(name) or ".." in name:
+            return (f"{name[:200]!r} is not a Hugging Face repo; name one as owner/repo "
+                    "(letters, digits, '_.-'; with :QUANT for a GGUF quantization)")
+        taken = {*self.config.resolve_aliases(), *self.config.virtual,
+                 *(job.alias for job in self.jobs.values() if job.alias)}
+        if name in models or name in taken:
+            return f"'{name}' is a model (or an alias, or a virtual model) already"
         job = self.jobs.get(name)
         if job is not None and job.state == "downloading":
             return f"'{name}' is being downloaded already"
@@ -209,7 +215,8 @@ class Downloads:
     def cancel(self, name: str, why: str = "cancelled by POST /models/unload") -> bool:
         """End a download under way; whether there was one."""
         job = self.jobs.get(name)
-        if job is None or job.state != "downloading" or job.child is None:
+        if job is None or job.state != "downloading" or job.child is None \
+                or job.child.returncode is not None:
             return False
         job.cancelled = why
         if job.format == "gguf":  # llama-server ends it, removing the partial file
@@ -266,6 +273,15 @@ class Downloads:
             job.child.write_stdin(LLAMA_EXIT)  # it waits for this once it has said
 
     def _ended(self, job: Download) -> None:
+        try:
+            self._judge(job)
+        except Exception as e:  # (an unreadable folder): the download failed, saying why
+            log.exception("download of %s: its end could not be judged", job.name)
+            job.state, job.error = "failed", f"{type(e).__name__}: {e}"
+        self._say_end(job)
+
+    def _judge(self, job: Download) -> None:
+        """Whether the download that ended is there, and where."""
         assert job.child is not None
         code = job.child.reap()
         if job.cancelled is not None:
@@ -290,13 +306,16 @@ class Downloads:
                                       + (f": {last[:300]}" if last else ""))
         if job.state == "downloaded":
             self._remember(job)
-        self._say_end(job)
 
     def _remember(self, job: Download) -> None:
         path = folder_of(self.config) / REGISTRY
         try:
             entries = json.loads(path.read_text()) if path.exists() else {}
-        except ValueError:
+        except ValueError:  # kept aside, not overwritten: what it names is not lost
+            aside = path.with_name(f"{REGISTRY}.unreadable-{int(time.time())}")
+            path.replace(aside)
+            log.error("%s is not JSON: moved to %s; the downloads it named are on disk still",
+                      path, aside.name)
             entries = {}
         entries[job.name] = {"format": job.format, "path": job.path, "alias": job.alias}
         tmp = path.with_suffix(".tmp")

@@ -2,8 +2,9 @@
 child by its ModelInstance (config_hooks.py says what each is for).
 
 A hook is a child process like any other (childproc.py): argv exec'd, never a shell, in
-its own process group, killed with corral; its output goes to the model's log, framed by
-a line that names it and a line that says how it ended. It runs on a helper thread and
+its own process group, led by hook_shim.py so that the whole group dies with corral
+(even SIGKILLed: a hook that forks leaves nothing); its output goes to the model's log,
+framed by a line that names it and a line that says how it ended. It runs on a helper thread and
 tells a `HookRan` back, so the instance keeps taking messages meanwhile: a stop that
 comes while `before_load` runs is kept until it ends (and the child is then never
 started), one that comes during `after_ready` kills the child and the hook.
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +53,8 @@ class HookRun:
         ring.append(f"corral: hook {name}: {' '.join(argv)}")
         done, last = threading.Event(), [""]
         try:
-            self.child = ChildProcess(argv, dict(os.environ), ring, on_exit=done.set,
+            self.child = ChildProcess([sys.executable, "-m", "actors.hook_shim", *argv],
+                                      dict(os.environ), ring, on_exit=done.set,
                                       on_line=lambda line: last.__setitem__(0, line),
                                       label=f"hook-{name}")
         except (OSError, subprocess.SubprocessError) as e:
@@ -116,7 +119,8 @@ class HookSteps:
 
     def run_hook(self, name: HookName, then: Waits = None, reason: str = "") -> bool:
         """Start hook `name` if the config has one (`then`: what its end goes on with);
-        whether it did."""
+        whether it did. An after_exit hook is for nothing that follows: it is not the
+        running hook (a later start neither waits for it nor kills it)."""
         argv = getattr(self.config.hooks, name)
         if not argv:
             return False
@@ -125,10 +129,13 @@ class HookSteps:
                   "pid": str(pid), "devices": ",".join(self.devices or []),
                   "reason": reason}
         argv = [HOOK_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in argv]
-        self.hook_id += 1
-        hook_id, run = self.hook_id, HookRun()
-        ref, timeout_s = self.inbox, self.config.hook_timeout_s or 30.0
-        self.hook_run, self.hook_waits = run, (name, then)
+        run, ref = HookRun(), self.inbox
+        timeout_s = self.config.hook_timeout_s or 30.0
+        hook_id = 0
+        if name != "after_exit":
+            self.hook_id += 1
+            hook_id = self.hook_id
+            self.hook_run, self.hook_waits = run, (name, then)
 
         def job() -> None:
             failure = run.run(name, argv, timeout_s, self.log_ring)
@@ -141,9 +148,14 @@ class HookSteps:
         threading.Thread(target=job, daemon=True, name=f"{self.model}-{name}").start()
         return True
 
-    def kill_hook(self) -> None:
+    def kill_hook(self, forget: bool = True) -> None:
+        """End the running hook; `forget`: what waits for its end is gone too (its
+        HookRan, when it comes, is stale), else its end still decides (a stop kept)."""
         if self.hook_run is not None:
             self.hook_run.kill()
+        if forget:
+            self.hook_run = self.hook_waits = None
+            self.hook_id += 1
 
     def handle_hook_ran(self, hook_id: int, name: HookName, failure: str | None) -> None:
         if failure is not None:

@@ -291,7 +291,7 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
         if generation == self.generation and self.hook_waits is not None \
                 and self.hook_waits[0] == "before_load":
             self.stop_kept = reason  # said once the hook has ended (it is ended now)
-            self.kill_hook()
+            self.kill_hook(forget=False)
             return
         if generation != self.generation or self.phase in (Phase.IDLE, Phase.STOPPING):
             return  # stale, or already on its way out

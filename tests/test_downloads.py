@@ -151,10 +151,15 @@ def test_a_snapshot_downloads_with_huggingface_hub_and_is_served(corral, hub,
     ({"model": "busy"}, 400, "not a Hugging Face repo"),
     ({"model": "a/b", "format": "zip"}, 400, "format"),
     ({"model": "a/b", "extra": 1}, 400, "extra"),
+    ({"model": "o/r"}, 400, "a model (or an alias"),  # busy's alias: review finding
+    ({"model": "a/" + "b" * 300}, 400, "not a Hugging Face repo"),
+    ({"model": "../x"}, 400, "not a Hugging Face repo"),
+    ({"model": "a/b:../../x"}, 400, "not a Hugging Face repo"),
 ])
 def test_bad_download_requests_say_what_is_wrong(corral, tmp_path, body, status_code,
                                                  says) -> None:
-    c = corral(config(tmp_path) + "\n[models.busy]\ncmd = " + toml_value(fake_cmd()) + "\n")
+    c = corral(config(tmp_path) + "\n[models.busy]\ncmd = " + toml_value(fake_cmd())
+               + '\naliases = ["o/r"]\n')
     code, answer, _ = request(c.port, "POST", "/models", body)
     assert code == status_code and says in answer["error"]["message"], answer
 

@@ -142,3 +142,80 @@ def test_an_unknown_hook_placeholder_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"models.m.hooks.after_ready\[1\]: unknown "
                                           r"placeholder \{prot\}"):
         load_config(path)
+
+
+class Told:
+    """Records what an instance tells (its own inbox, or the Scheduler)."""
+
+    def __init__(self) -> None:
+        self.told: list[object] = []
+
+    def tell(self, message: object) -> None:
+        self.told.append(message)
+
+
+def test_a_killed_hooks_late_end_does_not_touch_the_next_child(tmp_path: Path) -> None:
+    """Review: a child crashing while its after_ready hook ran left the hook awaited, and
+    the killed hook's late end SIGKILLed the next generation's child as a failed hook.
+    A ModelInstance driven directly, its inbox recorded."""
+    import os
+    import signal
+    import time
+
+    from actors.childproc import LogRing
+    from actors.config import ModelConfig
+    from actors.config_hooks import Hooks
+    from actors.instance import ModelInstance
+
+    inbox = Told()
+
+    class Instance(ModelInstance):
+        @property
+        def inbox(self) -> Told:  # type: ignore[override]
+            return inbox
+
+    class NoTimers:
+        def after(self, *args: object) -> None:
+            pass
+
+    config = ModelConfig(cmd=fake_cmd(), hooks=Hooks(after_ready=["sleep", "30"]),
+                         hook_timeout_s=60)
+    inst = Instance("m", config, scheduler=Told(), timers=NoTimers(),  # type: ignore[arg-type]
+                    log_ring=LogRing(), on_crash=lambda *_: None)
+    inst.handle_start(1, config)
+    assert inst.child is not None
+    inst.become_ready(None)  # the after_ready hook runs
+    os.kill(inst.child.pid, signal.SIGKILL)  # the child crashes meanwhile
+    wait_until(lambda: inst.child is not None and inst.child._popen.poll() is not None)
+    inst.handle_exited(inst.spawn_id)
+    inst.handle_start(2, config)  # loaded again for a request that waits
+    second = inst.child
+    assert second is not None
+    try:
+        wait_until(lambda: inbox.told, what="the killed hook's end")
+        ran = inbox.told.pop(0)
+        inst.handle_hook_ran(ran.hook_id, ran.hook, ran.failure)  # type: ignore[attr-defined]
+        time.sleep(0.2)
+        assert second._popen.poll() is None and inst.cause is None
+    finally:
+        inst.kill_hook()
+        second.signal_group(signal.SIGKILL)
+        wait_until(lambda: second._popen.poll() is not None)
+        second.reap()
+
+
+def test_a_hooks_grandchildren_die_with_a_killed_corral(corral) -> None:
+    """Review: the death signal reached the hook's `sh` only; its `sleep` outlived a
+    SIGKILLed corral. The hook's group leader (hook_shim.py) takes the group down."""
+    marker = "corral-hook-grandchild-4713"
+    hook = toml_value(["sh", "-c", f"sleep 300 # {marker}"])
+    c = corral(f"""
+[models.m]
+cmd = {FAKE}
+hooks = {{ before_load = {hook} }}
+""")
+    assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
+    wait_until(lambda: not no_process_with(marker), what="the hook's sleep running")
+    c.proc.kill()
+    c.proc.wait(10)
+    wait_until(lambda: no_process_with(marker), what="the hook's sleep gone")

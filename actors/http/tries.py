@@ -84,10 +84,13 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
             return True
         return False
 
+    tried = 0
     while left:
         refused.clear()
         among = tuple(left) if virtual.pick == "warm" and len(left) > 1 else ()
-        await to_model(ex, name if among else left[0], autoload, among, fall_back)
+        await to_model(ex, name if among else left[0], autoload, among, fall_back,
+                       again=bool(tried))  # a fallback: its key counted it once
+        tried += 1
         if not refused:
             return
         gone = refused[0].model if refused[0].model in left else left[0]
@@ -98,7 +101,8 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
 
 
 async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ...] = (),
-                   fall_back: Callable[[Refusal], bool] | None = None) -> None:
+                   fall_back: Callable[[Refusal], bool] | None = None,
+                   again: bool = False) -> None:
     """Serve `ex` with an instance of `model` (or of one of `among`, the Scheduler's
     pick), trying the next where it may; a refusal `fall_back` takes is not answered."""
     front = ex.services
@@ -112,7 +116,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
     for tries in range(MAX_INSTANCES):
         found: SharedGrant | Refusal | None = await (
             front.shares.requeue(cut) if cut is not None else
-            front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0,
+            front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0 or again,
                                  cuttable=not was_cut and ex.req.upload is None,
                                  affinity=near, among=among))
         cut = None
