@@ -109,8 +109,7 @@ def chaos(c: Corral, seconds: float = CHAOS_S, min_ok: float = 0.9,
     assert not broken, f"answers that are neither a completion nor a JSON error: {broken[:5]}"
     assert 500 not in statuses, "an internal error is a bug in corral; see its log"
     assert ok >= min_ok * len(results), f"only {ok} of {len(results)} succeeded"
-    for model in MODELS:  # after the chaos, every model serves again at once: one load
-        started = time.monotonic()  # each (models_max may swap them), no backoff waited out
-        assert chat(c.port, model)[0] == 200
-        took = time.monotonic() - started
-        assert took < 5, f"{model} took {took:.1f} s to serve again after the chaos"
+    for model in MODELS:  # after the chaos, every model serves again with no long
+        status = c.models()[model]["status"]  # backoff to wait out (the state, not a
+        assert status.get("retry_after_s", 0) < 5, f"{model} backs off long: {status}"
+        assert chat(c.port, model)[0] == 200  # deadline: a busy machine's load takes seconds
