@@ -396,3 +396,18 @@ def test_a_reload_applies_new_groups_to_what_runs() -> None:
                          w.tick()))
     assert ("a", "group") in w.stops  # b was used last: it stays
     assert ("d", 1) in w.spawns  # c's partner comes
+
+
+def test_an_unload_that_drops_a_queued_load_lets_the_next_in_line_go() -> None:
+    """Review (pre-existing): an unload of a stopping model dropped its queued load
+    (POST /models/load) and answered, without running the rules again: the request
+    queued behind that load waited for the next event."""
+    w = World(models_max=3)
+    w.load_idle("a")
+    w.acquire("x", "a")
+    w.run(w.p.unload("u1", "a", w.tick()))  # a stopping, its request still running
+    w.run(w.p.load("l", "a", w.tick()))  # a load queued behind its stop: the head
+    w.acquire(1, "d")  # waits behind that head
+    assert ("d", 1) not in w.spawns
+    w.run(w.p.unload("u2", "a", w.tick()))  # drops a's load
+    assert ("d", 1) in w.spawns

@@ -352,6 +352,7 @@ class Policy:
         elif absent:
             self.rules.refuse(ticket, 400, f"model '{model}' is not running",
                          "invalid_request_error")
+            self.rules.pump(now)  # a queued load it dropped may have held others up
             return self.rules.flush()
         else:  # every child of it, a reload's old or new one too
             for copy in self.state.groups.all_of(rec):
