@@ -10,6 +10,7 @@ more than a few reads of an upload; nothing stays in flight.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import http.client
 import io
@@ -18,6 +19,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -393,35 +395,44 @@ def test_an_answer_before_the_body_is_whole_closes_the_connection(up: Corral) ->
     settled(up)
 
 
+@contextlib.contextmanager
+def slot_taken(tmp_path: Path, body_timeout_s: float
+               ) -> Iterator[tuple[Corral, concurrent.futures.Future[Any]]]:
+    """A corral at models_max 1 whose model `a` is busy (~3 s of tokens, the future of
+    that request): requests for `w` queue."""
+    with Corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "20")},
+                             "w": {"cmd": fake_cmd()}}, models_max=1,
+                            http={"body_timeout_s": body_timeout_s}), home=tmp_path) as c, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(chat, c.port, "a", 60)
+        wait_until(lambda: c.models()["a"]["in_flight"] == 1, 10, "a busy")
+        yield c, busy
+
+
 def test_an_upload_waits_for_its_model_holding_only_the_start(tmp_path: Path) -> None:
     """models_max 1 and the other model busy: the upload queues. corral holds at most
     HOLD_MAX of it meanwhile (the client is not read), then sends it whole."""
-    with Corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "20")},
-                             "w": {"cmd": fake_cmd()}}, models_max=1,
-                            http={"body_timeout_s": 2}), home=tmp_path) as c:
-        body = form([("model", b"w", None), ("file", b"\x08" * (16 * MiB), "a.wav")])
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(chat, c.port, "a", 60)  # ~3 s of tokens
-            wait_until(lambda: c.models()["a"]["in_flight"] == 1, 10, "a busy")
-            with Raw(c.port, timeout_s=30) as raw:
-                raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 << 10)
-                raw.sock.settimeout(0.5)
-                sent = 0
-                head = upload_head(len(body))
-                raw.send(head)
-                try:
-                    while sent < len(body):  # until corral stops reading
-                        sent += raw.sock.send(body[sent:sent + (64 << 10)])
-                except TimeoutError:
-                    pass
-                assert c.models()["w"]["waiting"] == 1
-                assert sent < len(body) // 2, f"corral read {sent} bytes of a queued upload"
-                raw.sock.settimeout(30)
-                raw.send(body[sent:])
-                answer = raw.one()
-            assert busy.result(30)[0] == 200
-        assert answer.status == 200, answer
-        assert answer.json()["sha256"] == hashlib.sha256(body).hexdigest()
+    body = form([("model", b"w", None), ("file", b"\x08" * (16 * MiB), "a.wav")])
+    with slot_taken(tmp_path, 2) as (c, busy):
+        with Raw(c.port, timeout_s=30) as raw:
+            raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 << 10)
+            raw.sock.settimeout(0.5)
+            sent = 0
+            head = upload_head(len(body))
+            raw.send(head)
+            try:
+                while sent < len(body):  # until corral stops reading
+                    sent += raw.sock.send(body[sent:sent + (64 << 10)])
+            except TimeoutError:
+                pass
+            assert c.models()["w"]["waiting"] == 1
+            assert sent < len(body) // 2, f"corral read {sent} bytes of a queued upload"
+            raw.sock.settimeout(30)
+            raw.send(body[sent:])
+            answer = raw.one()
+        assert busy.result(30)[0] == 200
+    assert answer.status == 200, answer
+    assert answer.json()["sha256"] == hashlib.sha256(body).hexdigest()
 
 
 def test_a_child_that_takes_none_of_an_upload_is_cut(tmp_path: Path) -> None:
@@ -445,24 +456,19 @@ def test_a_child_that_takes_none_of_an_upload_is_cut(tmp_path: Path) -> None:
 def test_a_queued_upload_whose_client_left_loads_nothing(tmp_path: Path) -> None:
     """Review finding 4: an upload held back in the queue did not see its client leave,
     and its model was loaded for nobody once the slot came free."""
-    with Corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "20")},
-                             "w": {"cmd": fake_cmd()}}, models_max=1,
-                            http={"body_timeout_s": 1}), home=tmp_path) as c:
-        body = form([("model", b"w", None), ("file", b"\x0b" * (4 * MiB), "a.wav")])
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            busy = pool.submit(chat, c.port, "a", 60)  # ~3 s of tokens
-            wait_until(lambda: c.models()["a"]["in_flight"] == 1, 10, "a busy")
-            raw = Raw(c.port, timeout_s=30)
-            raw.sock.setblocking(False)
-            raw.sock.send(upload_head(len(body)))
-            try:
-                raw.sock.send(body)
-            except BlockingIOError:
-                pass
-            wait_until(lambda: c.models()["w"]["waiting"] == 1, 10, "w queued")
-            raw.close()  # the client leaves, corral not reading it
-            wait_until(lambda: c.models()["w"]["waiting"] == 0, 10, "w's waiter gone")
-            assert busy.result(30)[0] == 200
+    body = form([("model", b"w", None), ("file", b"\x0b" * (4 * MiB), "a.wav")])
+    with slot_taken(tmp_path, 1) as (c, busy):
+        raw = Raw(c.port, timeout_s=30)
+        raw.sock.setblocking(False)
+        raw.sock.send(upload_head(len(body)))
+        try:
+            raw.sock.send(body)
+        except BlockingIOError:
+            pass
+        wait_until(lambda: c.models()["w"]["waiting"] == 1, 10, "w queued")
+        raw.close()  # the client leaves, corral not reading it
+        wait_until(lambda: c.models()["w"]["waiting"] == 0, 10, "w's waiter gone")
+        assert busy.result(30)[0] == 200
         assert c.models()["w"]["status"]["value"] == "unloaded"
 
 
