@@ -26,6 +26,7 @@ from actors.config_load import check_key, parse_config, read_key_file
 from actors.downloads import remembered
 from actors.http import client as http_client
 from actors.http.api import ManagementApi
+from actors.loop import freeze_startup_heap
 from actors.presets import llama_models
 
 log = logging.getLogger("corral")
@@ -236,6 +237,7 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
     log.info("corral listening on http://%s:%d (models: %s)", config.host, port,
              ", ".join(config.models) or "none")
     print(f"corral: listening on http://{config.host}:{port}", flush=True)
+    freeze_startup_heap()
     await stop.wait()
     log.info("shutting down%s", f" after a crash of {crashed[0]}" if crashed else "")
     await router.stop()

@@ -5,6 +5,7 @@ benches."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Coroutine
 from typing import TypeVar
 
@@ -18,3 +19,13 @@ def run(main: Coroutine[object, object, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def freeze_startup_heap() -> None:
+    """Put what starting made (modules, config, actors: some 50,000 objects) out of the
+    cyclic collector's reach, once the process serves. A full collection, which a burst
+    of requests can set off at any time, walks every tracked object: about 8 ms of this
+    machine's time with the event loop stopped. After this it walks only what came later.
+    Cyclic garbage among the frozen objects is never freed; startup leaves little."""
+    gc.collect()
+    gc.freeze()

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from actors.http.edge import PASSED_KEPT, Origins
 from tests.helpers import Corral, fake_cmd, request, toml_config, wait_until
 from tests.rawhttp import Raw, Response
 from tests.test_edge_hostile import HTTP, KEY, ODD, ask, in_flight_zero, mine
@@ -393,6 +394,29 @@ def test_without_a_key_web_pages_cannot_drive_or_read_corral(tmp_path: Path) -> 
         assert request(api, "POST", "/models/unload", {"model": "odd"})[0] == 403
     finally:
         c.stop()
+
+
+def test_a_host_remembered_as_passed_decides_nothing_else() -> None:
+    """The Host values that passed are remembered (the lone request's cost): what a
+    remembered Host comes with is still checked every time, a refused Host is never
+    remembered, and no client can grow the memory past PASSED_KEPT."""
+    gate = Origins("127.0.0.1", [], ["https://app.example"])
+    own = b"127.0.0.1:8080"
+    for _ in range(2):  # the first check and the remembered one answer alike
+        assert gate.check(own, None) is None
+        assert gate.check(own, b"https://app.example") is None
+        assert gate.check(own, b"http://127.0.0.1:8080") is None  # corral's own page
+        refused = gate.check(own, b"http://evil.example")
+        assert refused is not None and refused.status == 403
+        refused = gate.check(own, None, b"cross-site")
+        assert refused is not None and refused.status == 403
+        refused = gate.check(b"rebound.evil.example:8080", None)
+        assert refused is not None and refused.status == 403
+    assert b"rebound.evil.example:8080" not in gate.passed
+    for port in range(PASSED_KEPT * 3):
+        assert gate.check(b"127.0.0.1:%d" % port, None) is None
+    assert len(gate.passed) == PASSED_KEPT
+    assert gate.check(b"127.0.0.1:%d" % (PASSED_KEPT * 3 - 1), b"http://evil.example")
 
 
 def test_the_write_timeout_counts_progress_not_pauses() -> None:

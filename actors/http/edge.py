@@ -71,6 +71,19 @@ def reason(status: int) -> str:
     return _REASONS.get(status, "Unknown")
 
 
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def status_line(status: int) -> bytes:
+    """`HTTP/1.1 200 OK`, made once per status."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d %s" % (status, reason(status).encode())
+        if 100 <= status <= 999:  # (a child's odd status is not kept)
+            _STATUS_LINES[status] = line
+    return line
+
+
 def error_body(status: int, message: str, type_: str) -> dict[str, Any]:
     """An OpenAI-shaped error (R-6.4)."""
     return {"error": {"code": status, "message": message, "type": type_}}
@@ -141,6 +154,12 @@ def check_key(headers: Headers, keys: Keys | None) -> Answer | KeyRule | None:
             bearer.append(value)
         elif lname == b"x-api-key":
             api_key.append(value)
+    return key_of(bearer, api_key, keys)
+
+
+def key_of(bearer: list[bytes], api_key: list[bytes],
+           keys: Keys | None) -> Answer | KeyRule | None:
+    """`check_key` once the Authorization and x-api-key values are picked out."""
     if len(bearer) > 1 or len(api_key) > 1:
         return Answer(400, "more than one Authorization or x-api-key header; send one")
     if keys is None:
@@ -154,6 +173,10 @@ def check_key(headers: Headers, keys: Keys | None) -> Answer | KeyRule | None:
     if rule is not None:
         return rule
     return Answer(401, "invalid or missing API key (send Authorization: Bearer KEY)")
+
+
+PASSED_KEPT = 64
+"""Host values an `Origins` remembers as passed."""
 
 
 class Origins:
@@ -173,7 +196,7 @@ class Origins:
     An HTTP/1.0 request without a Host is let through: no browser sends one.
     """
 
-    __slots__ = ("any_host", "any_origin", "hosts", "origins")
+    __slots__ = ("any_host", "any_origin", "hosts", "origins", "passed")
 
     def __init__(self, bound_host: str, allowed_hosts: Iterable[str],
                  allowed_origins: Iterable[str]) -> None:
@@ -183,16 +206,26 @@ class Origins:
         origins = {o.lower().rstrip("/") for o in allowed_origins}
         self.any_origin = "*" in origins
         self.origins = frozenset(origins)
+        self.passed: dict[bytes, str] = {}
+        """Host values that passed, as text: a client sends the same one every time, and
+        checking it again (an IP address parsed) was a tenth of the lone request's own
+        work. At most PASSED_KEPT, so a client cannot grow it."""
 
     def check(self, host: bytes | None, origin: bytes | None,
               fetch_site: bytes | None = None) -> Answer | None:
         """None if a request with this Host (and Origin, Sec-Fetch-Site, if any) may pass;
         else a 403."""
-        text = host.decode("latin-1").strip().lower() if host is not None else ""
-        if host is not None and not self.any_host and not self._host_ok(_hostname(text)):
-            return Answer(403, f"Host {text!r} is not one corral serves without a key: use "
-                          "an IP address or localhost, or add it to http.allowed_hosts "
-                          "(a guard against DNS rebinding)", "permission_error")
+        text = "" if host is None else self.passed.get(host)
+        if text is None:
+            assert host is not None
+            text = host.decode("latin-1").strip().lower()
+            if not self.any_host and not self._host_ok(_hostname(text)):
+                return Answer(403, f"Host {text!r} is not one corral serves without a key: "
+                              "use an IP address or localhost, or add it to "
+                              "http.allowed_hosts (a guard against DNS rebinding)",
+                              "permission_error")
+            if len(self.passed) < PASSED_KEPT:
+                self.passed[host] = text
         if self.any_origin:
             return None
         if origin is None:
@@ -335,7 +368,7 @@ class RelayHead(NamedTuple):
 
 def interim_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
     """A child's 1xx answer as the client gets it."""
-    out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
+    out = [status_line(status)]
     out += [n + b": " + v for n, v in headers if n.lower() not in REFRAMED]
     return b"\r\n".join(out) + b"\r\n\r\n"
 
@@ -347,7 +380,7 @@ def relay_head(status: int, headers: list[tuple[bytes, bytes]], *, from_child: b
     (HTTP/1.0) the close."""
     length = None
     sse = chunked = False
-    out = [b"HTTP/1.1 %d %s" % (status, reason(status).encode())]
+    out = [status_line(status)]
     for name, value in headers:
         lname = name.lower()
         if lname == b"content-length":

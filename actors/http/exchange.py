@@ -201,8 +201,8 @@ class Exchange:
         fresh = upload is not None  # sent once (upload.py): never on a reused connection
         while True:
             self.broke = self.broke_kind = None
-            try:
-                up = await pool.lease(fresh)
+            try:  # (an idle one without a coroutine: the lone request's path)
+                up = (None if fresh else pool.take()) or await pool.lease(fresh)
             except OSError as e:
                 self._unreachable(str(e), Broke.REFUSED)
                 return

@@ -75,19 +75,25 @@ class Pool:
                      "keep-alive; corral no longer reuses a connection after a stream",
                      self.key[2])
 
+    def take(self) -> Upstream | None:
+        """An idle connection for one exchange, or None (then `lease`)."""
+        while self.idle:
+            up = self.idle.pop()
+            if up.idle_since < up.loop.time() - self.pools.idle_s or not up.usable:
+                up.close()  # about to be closed by the child: do not send into it
+                continue
+            up.state = UpState.LEASED
+            self.leased.add(up)
+            if CHECK:
+                self.check()
+            return up
+        return None
+
     async def lease(self, fresh: bool = False) -> Upstream:
         """A connection for one exchange: an idle one (unless `fresh`), a new one, or (at
         the cap) the next one given back. Raises OSError if the child cannot be reached."""
         while True:
-            while self.idle and not fresh:
-                up = self.idle.pop()
-                if up.idle_since < up.loop.time() - self.pools.idle_s or not up.usable:
-                    up.close()  # about to be closed by the child: do not send into it
-                    continue
-                up.state = UpState.LEASED
-                self.leased.add(up)
-                if CHECK:
-                    self.check()
+            if not fresh and (up := self.take()) is not None:
                 return up
             if self.cap is None or len(self.leased) + self.opening < self.cap:
                 return await self._open()

@@ -15,7 +15,7 @@ import httptools
 
 from ..config import HttpConfig
 from ..keys import KeyRule, Keys
-from .edge import OPEN_PATHS, Answer, Origins, check_key
+from .edge import OPEN_PATHS, Answer, Origins, key_of
 from .upload import Upload, upload_of
 
 MAX_HEADERS = 100
@@ -46,9 +46,10 @@ class Limits:
 class Request:
     """One request as parsed; `answer` is set when corral refuses it itself."""
 
-    __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "continue_sent",
-                 "headers", "headers_done", "http10", "keep_alive", "key", "method", "upload",
-                 "url", "url_parts", "url_size", "wants_continue")
+    __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "content_type",
+                 "continue_sent", "headers", "headers_done", "http10", "keep_alive", "key",
+                 "length", "method", "upload", "url", "url_parts", "url_size",
+                 "wants_continue")
 
     def __init__(self) -> None:
         self.url_parts: list[bytes] = []
@@ -57,6 +58,9 @@ class Request:
         self.method = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
+        self.content_type: bytes | None = None
+        self.length: int | None = None
+        """Its Content-Length (None: none; chunked), from `screen`."""
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.body = b""
@@ -85,8 +89,33 @@ class Gate(Protocol):
 def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | None:
     """What must refuse this request before its body is read (R-6.7), or None: its size,
     its framing, who may send it (R5: without keys, the Host and Origin; with them, the
-    key, which is set as `req.key`), whether corral can meet its Expect."""
-    size = req.url_size + sum(len(n) + len(v) + 4 for n, v in req.headers)
+    key, which is set as `req.key`), whether corral can meet its Expect. Sets
+    `req.content_type` and `req.length` on the way: the head is read once."""
+    size = req.url_size
+    hosts: list[bytes] = []
+    bearer: list[bytes] = []
+    api_key: list[bytes] = []
+    expect = origin = fetch_site = None
+    for name, value in req.headers:
+        size += len(name) + len(value) + 4
+        lname = name.lower()
+        if lname == b"host":
+            hosts.append(value)
+        elif lname == b"content-length":
+            if value.strip().isdigit():
+                req.length = int(value)
+        elif lname == b"content-type":
+            req.content_type = value
+        elif lname == b"authorization":
+            bearer.append(value)
+        elif lname == b"x-api-key":
+            api_key.append(value)
+        elif lname == b"origin":
+            origin = value
+        elif lname == b"sec-fetch-site":
+            fetch_site = value
+        elif lname == b"expect":
+            expect = value
     if size > limits.max_header:
         return limits.header_too_big()
     if len(req.headers) > MAX_HEADERS:
@@ -96,22 +125,9 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
                       "(http.max_url_kib)")
     if upgrade:
         return Answer(400, "upgrades are not supported")
-    host = expect = origin = fetch_site = None
-    length = 0
-    for name, value in req.headers:
-        lname = name.lower()
-        if lname == b"host":
-            if host is not None:
-                return Answer(400, "more than one Host header (RFC 9112 3.2); send one")
-            host = value
-        elif lname == b"origin":
-            origin = value
-        elif lname == b"sec-fetch-site":
-            fetch_site = value
-        elif lname == b"expect":
-            expect = value
-        elif lname == b"content-length" and value.strip().isdigit():
-            length = int(value)
+    if len(hosts) > 1:
+        return Answer(400, "more than one Host header (RFC 9112 3.2); send one")
+    host = hosts[0] if hosts else None
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
     path = req.url.partition(b"?")[0]
@@ -120,11 +136,11 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
         refused = gate.origins.check(host, origin, fetch_site)
         if refused is not None:
             return refused
-    who = check_key(req.headers, None if path in _OPEN else keys)
+    who = key_of(bearer, api_key, None if path in _OPEN else keys)
     if isinstance(who, Answer):
         return who
     req.key = who
-    if length > limits.max_body:
+    if req.length is not None and req.length > limits.max_body:
         return limits.too_big()
     if expect is not None:
         if expect.strip().lower() != b"100-continue":
@@ -226,7 +242,7 @@ class Reader:
         req.keep_alive = self.parser.should_keep_alive()
         refused = screen(req, self.limits, self.gate, self.parser.should_upgrade())
         if refused is None:
-            upload = upload_of(req.method, req.url, req.headers, self.owner)
+            upload = upload_of(req.method, req.url, req.content_type, req.length, self.owner)
             if isinstance(upload, Answer):
                 refused = upload
             else:

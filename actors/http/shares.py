@@ -103,6 +103,20 @@ class Shares:
             self._bound = asyncio.get_running_loop()
         return self._bound
 
+    def join(self, model: str, key: KeyRule | None = None, affinity: int = 0,
+             among: tuple[str, ...] = ()) -> SharedGrant | None:
+        """The model's open grant, joined, where `acquire` may join it; else None."""
+        share = self.open.get(model) if (key is None or key.shares) and not among else None
+        if share is None:
+            return None
+        if share.grant.solo and (share.count or share.affinity != affinity):
+            return None  # a copy's grant: the Scheduler routes all but the lone request
+        share.count += 1
+        share.joined += 1
+        self.joined_total += 1
+        self._shift(model, 1)
+        return share
+
     async def acquire(self, model: str, autoload: bool, key: KeyRule | None = None,
                       retry: bool = False, cuttable: bool = True,
                       affinity: int = 0, among: tuple[str, ...] = (),
@@ -113,15 +127,8 @@ class Shares:
         prompt's hash, for a model with copies (a copy's grant is joined only idle);
         `among`: a virtual model's members, one of which the Scheduler picks (always
         asked: which is warmest is its to say)."""
-        share = self.open.get(model) if (key is None or key.shares) and not among else None
-        if share is not None and share.grant.solo and (share.count
-                                                       or share.affinity != affinity):
-            share = None  # a copy's grant: the Scheduler routes all but the lone request
+        share = self.join(model, key, affinity, among)
         if share is not None:
-            share.count += 1
-            share.joined += 1
-            self.joined_total += 1
-            self._shift(model, 1)
             return share
         revokes = {name: self.revoked.get(name, (0, 0))[0] for name in among or (model,)}
         ticket, answer = await acquire(self.scheduler(), model, autoload,

@@ -114,11 +114,13 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
     route = routes.models.get(model)
     near = affinity(ex.req.body, route.prefix_bytes) if route and route.prefix_bytes else 0
     for tries in range(MAX_INSTANCES):
-        found: SharedGrant | Refusal | None = await (
-            front.shares.requeue(cut) if cut is not None else
-            front.shares.acquire(model, autoload, ex.req.key, retry=tries > 0 or again,
-                                 cuttable=not was_cut and ex.req.upload is None,
-                                 affinity=near, among=among))
+        found: SharedGrant | Refusal | None = (
+            await front.shares.requeue(cut) if cut is not None else
+            front.shares.join(model, ex.req.key, near, among)  # no coroutine: the usual
+            or await front.shares.acquire(model, autoload, ex.req.key,
+                                          retry=tries > 0 or again,
+                                          cuttable=not was_cut and ex.req.upload is None,
+                                          affinity=near, among=among))
         cut = None
         if gone is not None:
             generation, pool = gone

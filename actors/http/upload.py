@@ -308,21 +308,13 @@ class Upload:
                 self.reading.resume_reading()
 
 
-def upload_of(method: bytes, url: bytes, headers: list[tuple[bytes, bytes]],
+def upload_of(method: bytes, url: bytes, kind: bytes | None, length: int | None,
               reading: Reading) -> Upload | Answer | None:
     """The upload a request's head begins (a multipart POST to a path not of corral's
-    own, nor one open without a key: those go to the management API), the 400 for a
-    multipart type without a boundary, or None."""
-    if method != b"POST" or url.partition(b"?")[0] in _NOT_UPLOADS:
-        return None
-    kind = length = None
-    for name, value in headers:
-        lname = name.lower()
-        if lname == b"content-type":
-            kind = value
-        elif lname == b"content-length" and value.strip().isdigit():
-            length = int(value)
-    if kind is None:
+    own, nor one open without a key: those go to the management API), from its
+    Content-Type `kind` and Content-Length (None: chunked); the 400 for a multipart type
+    without a boundary; or None."""
+    if kind is None or method != b"POST" or url.partition(b"?")[0] in _NOT_UPLOADS:
         return None
     boundary = boundary_of(kind)
     if boundary is None or isinstance(boundary, Answer):

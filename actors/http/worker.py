@@ -136,6 +136,7 @@ async def serve() -> int:
                   setup.max_body_mib, setup.api_secret)
     port = await front.listen(setup.host, setup.port, fds=setup.fds)
     corral._send(Listening(port=port))
+    loops.freeze_startup_heap()
     decoder = msgspec.msgpack.Decoder(ToWorker)
     ending: list[asyncio.Task[None]] = []
 
