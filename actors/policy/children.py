@@ -80,6 +80,7 @@ class Children:
         rec.last_used = 0.0 if rec.warming and rec.group not in self.state.queue.entries else now
         rec.ended_at = now
         rec.warming = False
+        self.state.warming.discard(rec)
         rec.breaker.ready()
         self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
         if rec.takes_over:  # a reload's new config: the old child drains now
@@ -198,6 +199,7 @@ class Children:
         rec.mem_effective = None
         rec.info = rec.progress = None
         rec.awaiting_usage = rec.warming = False
+        self.state.warming.discard(rec)
         self.state.host.gone(rec)
         if self.state.watched(rec):
             rec.releasing = model in self.state.ledger.held

@@ -93,6 +93,7 @@ class Rules(Scaling):
                     rec.placement = plan.devices
                     rec.node = node_of(plan.devices[0]) if plan.devices else None
             rec.warming = True
+            state.warming.add(rec)
             if rec.state is S.SUSPENDED:
                 self.wake(rec, None, now)
             else:
@@ -100,8 +101,8 @@ class Rules(Scaling):
 
     def yield_warm(self, now: float) -> None:
         """A request waits for a place: background loads of warm models give it up."""
-        for rec in list(self.state.unsettled):  # (every loading record is there)
-            if rec.warming and rec.state is S.LOADING \
+        for rec in list(self.state.warming):
+            if rec.state is S.LOADING \
                     and rec.group not in self.state.queue.entries:
                 self.stop(rec, "warm", None, now, why="a request needs its place")
 
@@ -142,7 +143,8 @@ class Rules(Scaling):
             and self.state.n_stopping == 0 and self.state.n_suspending == 0
         if self.pick_victim(now) is None and not pinned_out:
             self.revoke_kept()
-            if any(self.state.needs_slot(e, now) for e in self.state.queue.entries.values()):
+            if self.state.warming and any(self.state.needs_slot(e, now)
+                                          for e in self.state.queue.entries.values()):
                 self.yield_warm(now)
             return  # every running model is busy, wanted or young: a release re-ticks
         needing = [e.model for e in self.state.queue.ordered(now)

@@ -61,6 +61,9 @@ class State:
         """Host RAM for suspended models (issue 23)."""
         self.victims = Victims(self.evictable)
         self.unsettled: set[ModelRecord] = set()
+        self.warming: set[ModelRecord] = set()
+        """Records whose `warming` is set: a warm model's load nobody asked for (a
+        request waiting for a place makes it give way: rules.yield_warm)."""
         """Records that were loading or not yet charged their real use (awaiting_usage)
         when last looked at: a superset of those that are (Moves.loading_devices)."""
         self.groups = Groups()
@@ -136,6 +139,7 @@ class State:
         self.last_generation[name] = generation
         self.victims.forget(name)
         self.ledger.release(name)
+        self.warming.discard(rec)
         self.rewarm()
 
     def handing_over(self, rec: ModelRecord) -> bool:

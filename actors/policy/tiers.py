@@ -76,6 +76,7 @@ class Tiers:
             rec.last_used = 0.0 if rec.warming and entry is None else now  # unasked: first victim
             rec.ended_at = now
             rec.warming = False
+            self.state.warming.discard(rec)
             self.rules.transition(rec, S.LOADED, "woken", now)
             rec.awaiting_usage = self.state.watched(rec)
             self.state.unsettled.add(rec)
