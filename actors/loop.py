@@ -26,6 +26,7 @@ def freeze_startup_heap() -> None:
     cyclic collector's reach, once the process serves. A full collection, which a burst
     of requests can set off at any time, walks every tracked object: about 8 ms of this
     machine's time with the event loop stopped. After this it walks only what came later.
-    Cyclic garbage among the frozen objects is never freed; startup leaves little."""
+    Cyclic garbage among the frozen objects (say, what a reload drops of the first
+    config) is never freed: once, and bounded by what starting made."""
     gc.collect()
     gc.freeze()

@@ -152,6 +152,30 @@ def test_bodies_are_refused_before_they_are_read(edge) -> None:
             assert raw.closed(3)
 
 
+def test_a_content_length_of_thousands_of_digits_is_refused_for_what_it_is(edge) -> None:
+    """A Content-Length may carry leading zeros, as many as a header holds: Python's int()
+    refuses more than 4,300 digits, which answered a generic 400 ("User callback
+    error"), ahead of the URL's or the header block's own refusal. Now a long length
+    is read as what it says: its digits, or too big."""
+    zeros = "0" * 5000
+    with Raw(edge.port) as raw:  # the URL's refusal comes first, as for any length
+        raw.send(f"POST /v1/{'u' * 9000} HTTP/1.1\r\nHost: x\r\n"
+                 f"Content-Length: {zeros}5\r\n\r\n".encode())
+        assert [a.status for a in raw.read(1)] == [414]
+    with Raw(edge.port) as raw:  # 5,002 digits that say 15: a 15-byte body, answered
+        raw.send(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nx-request-id: z\r\n"
+                 f"Authorization: Bearer {KEY}\r\n"
+                 f"Content-Length: {zeros}15\r\n\r\n".encode() + b'{"model":"odd"}')
+        answer = raw.one()
+        assert answer.status == 200 and answer.json()["id"] == "z", answer
+    with Raw(edge.port) as raw:  # 19 digits (llhttp takes them): over max_body_mib
+        raw.send(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                 "\r\nContent-Length: 1000000000000000000\r\n\r\n".encode())
+        assert [a.status for a in raw.read(1)] == [413]
+    assert "Traceback" not in edge.log()
+    in_flight_zero(edge)
+
+
 def test_pipelined_bytes_behind_a_running_answer_stay_bounded(edge) -> None:
     """Finding 4: pipelined requests were queued without limit (five 50 MiB ones took
     corral to 662 MiB). Reading stops while an answer runs: the kernel's buffers fill and

@@ -224,7 +224,7 @@ class Origins:
                               "use an IP address or localhost, or add it to "
                               "http.allowed_hosts (a guard against DNS rebinding)",
                               "permission_error")
-            if len(self.passed) < PASSED_KEPT:
+            if len(self.passed) < PASSED_KEPT and len(host) <= 255:
                 self.passed[host] = text
         if self.any_origin:
             return None

@@ -20,6 +20,8 @@ from .upload import Upload, upload_of
 
 MAX_HEADERS = 100
 """Header fields a request may have (Apache's default): 32 KiB of tiny ones held 750 KiB."""
+TOO_LONG = 1 << 62
+"""The Content-Length of a request that gives one of more than 18 digits."""
 _OPEN = frozenset(p.encode() for p in OPEN_PATHS)
 _HEALTH = frozenset({b"/health", b"/v1/health"})
 
@@ -102,8 +104,10 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
         if lname == b"host":
             hosts.append(value)
         elif lname == b"content-length":
-            if value.strip().isdigit():
-                req.length = int(value)
+            number = value.strip()
+            if number.isdigit():  # (int() refuses over 4,300 digits: that is too big)
+                digits = number.lstrip(b"0")
+                req.length = int(digits or b"0") if len(digits) <= 18 else TOO_LONG
         elif lname == b"content-type":
             req.content_type = value
         elif lname == b"authorization":

@@ -61,11 +61,11 @@ class State:
         """Host RAM for suspended models (issue 23)."""
         self.victims = Victims(self.evictable)
         self.unsettled: set[ModelRecord] = set()
+        """Records that were loading or not yet charged their real use (awaiting_usage)
+        when last looked at: a superset of those that are (Moves.loading_devices)."""
         self.warming: set[ModelRecord] = set()
         """Records whose `warming` is set: a warm model's load nobody asked for (a
         request waiting for a place makes it give way: rules.yield_warm)."""
-        """Records that were loading or not yet charged their real use (awaiting_usage)
-        when last looked at: a superset of those that are (Moves.loading_devices)."""
         self.groups = Groups()
         """The models that run as several copies (issue 24)."""
         self.teams = Teams()
