@@ -20,6 +20,7 @@ then streamed to and from the child; everything else goes to the management API.
 | connections to one child; all pools              | `Pool`, `Pools`          | pool.py       |
 | one connection to a child and its answers        | `Upstream`, `Broke`      | upstream.py   |
 | the rules both servers share; the routing table  | `Routes`, `Answer`, ...  | edge.py       |
+| who may call: the key, or the Host and Origin    | `check_key`, `Origins`   | callers.py    |
 | corral's own endpoints (aiohttp, loopback only)  | `ManagementApi`          | api.py        |
 | a model's entry in GET /models                   | `entry`                  | listing.py    |
 | what a key may ask; GET /keys, /models/plan      | `may_call`, `plan`       | tenancy.py    |

@@ -39,12 +39,9 @@ from ..messages import (
 )
 from ..supervisor import Supervisor
 from . import dashboard, listing, tenancy
+from .callers import check_key
 from .control import FrontCounts
-from .edge import (
-    OPEN_PATHS,
-    Answer,
-    check_key,
-)
+from .edge import OPEN_PATHS, Answer
 from .events import Streams, log_text
 from .front import Front
 from .manage import ModelCommands, answer_response, error

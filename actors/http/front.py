@@ -27,9 +27,10 @@ from ..bridge import SchedulerInbox
 from ..config import HttpConfig
 from ..keys import Keys
 from ..messages import Revoke, Withdraw
+from .callers import Origins
 from .connection import Connection
 from .control import FrontCounts, TimeRow
-from .edge import FRONT_HEADER, Origins
+from .edge import FRONT_HEADER
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .request import Limits

@@ -15,7 +15,8 @@ import httptools
 
 from ..config import HttpConfig
 from ..keys import KeyRule, Keys
-from .edge import OPEN_PATHS, Answer, Origins, key_of
+from .callers import Origins, key_of
+from .edge import OPEN_PATHS, Answer
 from .upload import Upload, upload_of
 
 MAX_HEADERS = 100
