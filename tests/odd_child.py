@@ -128,6 +128,8 @@ class Child(asyncio.Protocol):
             t.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
             block = b"a" * 65536
             for _ in range(size // len(block)):
+                if t.is_closing():  # cut at corral's limit: each write to a closed
+                    return          # socket logs a warning, flooding the log ring
                 t.write(block)
                 await asyncio.sleep(0)
             t.write(b"\r\nContent-Length: 2\r\n\r\nok")

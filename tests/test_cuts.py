@@ -169,6 +169,9 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
     class FakePool:
         key = ("127.0.0.1", 1, "a#1")
 
+        def take(self) -> None:
+            return None  # no idle connection: lease opens one
+
         async def lease(self, fresh: bool) -> Up:
             return Up()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors.http.edge import PASSED_KEPT, Origins
+from actors.http.callers import PASSED_KEPT, Origins
 from tests.helpers import Corral, fake_cmd, request, toml_config, wait_until
 from tests.rawhttp import Raw, Response
 from tests.test_edge_hostile import HTTP, KEY, ODD, ask, in_flight_zero, mine
