@@ -54,6 +54,8 @@ to this, marked with CUT_MARK; the rest of such a line is read and thrown away."
 CUT_MARK = " [corral: line cut at 16 KiB]"
 _CUT_MARK_BYTES = len(CUT_MARK.encode())
 READ_CHUNK = 64 << 10
+DRAIN_S = 1.0
+"""How long a child's last lines are waited for once it exited (`ChildProcess.drain`)."""
 """What one read of a child's pipe takes at most (the size of a Linux pipe's buffer)."""
 
 
@@ -225,8 +227,9 @@ class ChildProcess:
         self.returncode: int | None = None
         threading.Thread(target=self._watch_exit, args=(on_exit,), daemon=True,
                          name=f"{label}-exit-{self.pid}").start()
-        threading.Thread(target=self._read_lines, args=(log, on_line), daemon=True,
-                         name=f"{label}-log-{self.pid}").start()
+        self._reader = threading.Thread(target=self._read_lines, args=(log, on_line),
+                                        daemon=True, name=f"{label}-log-{self.pid}")
+        self._reader.start()
 
     def _watch_exit(self, on_exit: Callable[[], None]) -> None:
         try:
@@ -242,6 +245,12 @@ class ChildProcess:
             log.append(line)
             if on_line is not None:
                 on_line(line)
+
+    def drain(self, timeout_s: float = DRAIN_S) -> None:
+        """Wait, at most `timeout_s`, for the child's last lines to reach its log: its exit
+        can be seen before its reader has read them (a busy machine). Longer only while
+        a grandchild still holds its output open."""
+        self._reader.join(timeout_s)
 
     def signal_group(self, sig: int) -> bool:
         """Send `sig` to the child's whole process group; False if nothing was there.

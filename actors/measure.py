@@ -246,6 +246,7 @@ class MeasureWorker(BaseActor):
         assert self.child is not None and self.current is not None
         returncode = self.child.reap()
         if not self.reported:
+            self.child.drain()  # its last lines say why
             why = self.cause or f"measure child {describe_exit(returncode)} before reporting"
             tail = " | ".join(self.log_ring.lines()[-3:])
             self.report(self.current, MeasureResult(
