@@ -54,9 +54,9 @@ to this, marked with CUT_MARK; the rest of such a line is read and thrown away."
 CUT_MARK = " [corral: line cut at 16 KiB]"
 _CUT_MARK_BYTES = len(CUT_MARK.encode())
 READ_CHUNK = 64 << 10
+"""What one read of a child's pipe takes at most (the size of a Linux pipe's buffer)."""
 DRAIN_S = 1.0
 """How long a child's last lines are waited for once it exited (`ChildProcess.drain`)."""
-"""What one read of a child's pipe takes at most (the size of a Linux pipe's buffer)."""
 
 
 def cut_line(raw: bytes) -> str:

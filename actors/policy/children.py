@@ -77,9 +77,9 @@ class Children:
         rec.failed = False
         rec.ready_at = now
         # A warm-up nobody asked for since: the first victim.
-        rec.last_used = 0.0 if rec.warming and rec.group not in self.state.queue.entries else now
+        warmed = rec in self.state.warming and rec.group not in self.state.queue.entries
+        rec.last_used = 0.0 if warmed else now
         rec.ended_at = now
-        rec.warming = False
         self.state.warming.discard(rec)
         rec.breaker.ready()
         self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
@@ -198,7 +198,7 @@ class Children:
         rec.last_exit = description
         rec.mem_effective = None
         rec.info = rec.progress = None
-        rec.awaiting_usage = rec.warming = False
+        rec.awaiting_usage = False
         self.state.warming.discard(rec)
         self.state.host.gone(rec)
         if self.state.watched(rec):

@@ -105,7 +105,7 @@ class Teamwork(Moves):
                 if r.state is S.UNLOADED:
                     continue
                 waits.append(rival)
-                if r.warming and r.state is S.LOADING and rival not in state.queue.entries:
+                if r in state.warming and r.state is S.LOADING and rival not in state.queue.entries:
                     self.stop(r, "warm", rec.group, now, note=f"{note}; it loaded for nobody")
                 elif r.state is S.STOPPING or self.oldest(rival) < first:
                     continue  # going already, or its older waiters go first (FIFO)

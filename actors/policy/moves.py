@@ -95,7 +95,7 @@ class Moves:
         rec.retiring = rec.ttl_armed = False
         rec.waiting_for = None
         attempt = rec.breaker.loading()
-        cause = why or ("warm-up load" if rec.warming
+        cause = why or ("warm-up load" if rec in self.state.warming
                         else f"spawn for {n_waiting} waiting request(s)")
         if attempt > 1:
             cause += f", attempt {attempt}"

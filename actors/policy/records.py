@@ -222,8 +222,6 @@ class ModelRecord:
     host_bytes: int = 0
     """Host RAM its suspended child holds: estimated while it suspends, then what its
     resident memory grew by (issue 23)."""
-    warming: bool = False
-    """Loading or waking for `warm`, with no request behind it: it gives way to any."""
     host_last: int = 0
     """What its last suspend took in host RAM (measured)."""
     slotless: bool = False

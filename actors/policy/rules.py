@@ -92,7 +92,6 @@ class Rules(Scaling):
                 if rec.state is S.UNLOADED:
                     rec.placement = plan.devices
                     rec.node = node_of(plan.devices[0]) if plan.devices else None
-            rec.warming = True
             state.warming.add(rec)
             if rec.state is S.SUSPENDED:
                 self.wake(rec, None, now)

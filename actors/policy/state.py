@@ -64,8 +64,9 @@ class State:
         """Records that were loading or not yet charged their real use (awaiting_usage)
         when last looked at: a superset of those that are (Moves.loading_devices)."""
         self.warming: set[ModelRecord] = set()
-        """Records whose `warming` is set: a warm model's load nobody asked for (a
-        request waiting for a place makes it give way: rules.yield_warm)."""
+        """Records whose load (or wake) is a warm model's that nobody asked for: a
+        request waiting for a place makes it give way (rules.yield_warm), and once it
+        serves it is the first victim."""
         self.groups = Groups()
         """The models that run as several copies (issue 24)."""
         self.teams = Teams()

@@ -73,9 +73,9 @@ class Tiers:
             self.state.host.awake(rec)
             rec.wakes += 1
             rec.ready_at = now
-            rec.last_used = 0.0 if rec.warming and entry is None else now  # unasked: first victim
+            warmed = rec in self.state.warming
+            rec.last_used = 0.0 if warmed and entry is None else now  # unasked: first victim
             rec.ended_at = now
-            rec.warming = False
             self.state.warming.discard(rec)
             self.rules.transition(rec, S.LOADED, "woken", now)
             rec.awaiting_usage = self.state.watched(rec)

@@ -168,7 +168,7 @@ def check(p: State) -> None:
         assert all(r.rules.replicas is not None and r.group == name and not r.removed
                    for r in group), f"{name}: a member that is not its copy"
     assert set(p.groups.active) <= set(p.groups.members), "active groups without members"
-    assert p.warming == {r for r in recs if r.warming}, "warming: not those listed"
+    assert p.warming <= set(recs), "warming: a record that is not the model's"
     for rec in recs:
         assert not rec.releasing or rec in p.memory.releasing, f"{rec.name}: releasing"
         if rec.state is S.LOADING or rec.awaiting_usage:
