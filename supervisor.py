@@ -205,9 +205,9 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
     if started is not None:
         raise started
     if stop.is_set():
-        log.info("stopped during startup")
+        log.info("stopped during startup%s", f" after a crash of {crashed[0]}" if crashed else "")
         await asyncio.to_thread(sup.stop)
-        return 0
+        return 1 if crashed else 0
     for sig in (signal.SIGINT, signal.SIGTERM):  # again, should Ray have set its own
         loop.add_signal_handler(sig, stop.set)
     router = ManagementApi(sup, config, reload)

@@ -92,6 +92,11 @@ from .timers import Timers
 
 T = TypeVar("T")
 
+EARLY_OK = (InstancesAttached, Subscribe, WatchGrants, Ping, GetModels, GetDevices, GetPlan,
+            Shutdown)
+"""What the Scheduler handles before its instances are attached: nothing that starts,
+stops or tracks a child."""
+
 CUT = Cut()
 
 
@@ -122,8 +127,12 @@ class Scheduler(BaseActor):
         self.instances: dict[str, Inbox[InstanceMessage]] = {}
         """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
         self.monitor: Inbox[MonitorMessage] | None = None
-        self.early_tracks: list[TrackModel] = []
-        """Tracks before the monitor is attached (children adopted at a cluster start)."""
+        self.early: list[SchedulerMessage] | None = []
+        """Messages about models and devices that came before InstancesAttached (a first
+        device report, a child adopted at a cluster start), handled in order right after
+        it; None once attached. Invariant: no effect names an instance before it exists
+        (issue 37: a warm model's load began on the first device report, before its
+        ModelInstance was registered, and crashed the Scheduler)."""
         self.measurer: Inbox[MeasureMessage] | None = None
         self.budgets_dir = config.state_path()
         kept, away_s = budgets.load(self.budgets_dir)
@@ -134,6 +143,9 @@ class Scheduler(BaseActor):
         self.shutdown_replies: list[Reply] = []
 
     def on_receive(self, message: SchedulerMessage) -> None:
+        if self.early is not None and not isinstance(message, EARLY_OK):
+            self.early.append(message)
+            return
         now = self.clock()
         p = self.policy
         match message:
@@ -182,17 +194,7 @@ class Scheduler(BaseActor):
             case WatchGrants(sink=sink):
                 self.grant_watchers.append(sink)
             case InstancesAttached(instances=instances, monitor=monitor, measurer=measurer):
-                self.instances = dict(instances)
-                self.monitor, self.measurer = monitor, measurer
-                if monitor is not None:
-                    for track in self.early_tracks:
-                        monitor.tell(track)
-                self.early_tracks.clear()
-                self._carry_out(p.children.start_measuring())
-                for name in self.startup_loads:
-                    self._carry_out(p.load(None, name, now))
-                if self.timers is not None:
-                    self.timers.after(budgets.SAVE_EVERY_S, self.actor_ref, SaveBudgets())
+                self.attach(instances, monitor, measurer, now)
             case InstanceStarted(model=model, generation=gen, pid=pid):
                 self._carry_out(p.children.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
@@ -242,6 +244,25 @@ class Scheduler(BaseActor):
             for reply in self.shutdown_replies:
                 reply.send(True)
             self.shutdown_replies.clear()
+
+    def attach(self, instances: dict[str, Inbox[InstanceMessage]],
+               monitor: Inbox[MonitorMessage] | None, measurer: Inbox[MeasureMessage] | None,
+               now: float) -> None:
+        """Every ModelInstance exists: handle what came before, then start what starts
+        by itself (measurements, load_on_startup, warm models, replicas' minimum), in
+        this one place."""
+        self.instances = dict(instances)
+        self.monitor, self.measurer = monitor, measurer
+        early, self.early = self.early or [], None
+        for message in early:
+            self.on_receive(message)
+        p = self.policy
+        self._carry_out(p.children.start_measuring())
+        for name in self.startup_loads:
+            self._carry_out(p.load(None, name, now))
+        self._carry_out(p.repump(now))
+        if self.timers is not None:
+            self.timers.after(budgets.SAVE_EVERY_S, self.actor_ref, SaveBudgets())
 
     def save_budgets(self, now: float) -> None:
         tenants = self.policy.state.tenants
@@ -330,7 +351,5 @@ class Scheduler(BaseActor):
                 case Track(model=model, event=event, pid=pid):
                     if self.monitor is not None:
                         self.monitor.tell(TrackModel(model=model, event=event, pid=pid))
-                    else:
-                        self.early_tracks.append(TrackModel(model=model, event=event, pid=pid))
                 case _:
                     assert_never(effect)
