@@ -9,6 +9,8 @@ import msgspec
 from msgspec import Meta
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
+UploadPath = Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._~!$&'()*+,;=:@%/-]{0,255}$")]
+"""A path alone: no query, no fragment, no space."""
 LEASE_LINGER_MS = 1000.0
 """The default http.lease_linger_ms (bench/README.md, "The lone request")."""
 
@@ -49,6 +51,10 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     """How long the front keeps a model's grant after its last request, so that the next
     request joins it without asking the Scheduler (actors/http/shares.py); the Scheduler
     revokes it when it needs the model idle. 0: every lone request asks."""
+    upload_paths: tuple[UploadPath, ...] = ()
+    """POST paths, besides the four upload endpoints, whose multipart body is an upload
+    routed by its `model` field (actors/http/upload.py); corral's own paths never are.
+    A multipart POST anywhere else goes where its JSON twin would (issue 37, S1)."""
     allowed_hosts: tuple[str, ...] = ()
     """Without an api_key, the Host names served besides IP literals, `localhost` and
     `host` (a guard against DNS rebinding); `"*"` allows any."""

@@ -22,9 +22,11 @@ class VirtualModel(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     """A model that refuses the request (503: it cannot load, its queue is full, it is in
     backoff) hands it to the next listed model."""
 
-    def entry(self, name: str) -> dict[str, object]:
+    def entry(self, name: str, members: list[str] | None = None) -> dict[str, object]:
         """How GET /v1/models lists it: as a model (so that clients offer it), saying
-        what it stands for."""
+        what it stands for: `members`, those of its models the caller may see (default:
+        all)."""
         return {"id": name, "object": "model", "owned_by": "corral",
-                "virtual": {"models": self.models, "pick": self.pick,
+                "virtual": {"models": self.models if members is None else members,
+                            "pick": self.pick,
                             "fallback": self.fallback}}

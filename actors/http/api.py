@@ -284,7 +284,8 @@ class ManagementApi(ModelCommands):
         key = request.get("key")
         entries = (self._entry(view, models, counts) for view in snap.models
                    if tenancy.visible(key, view.name, models))
-        virtual = [v.entry(n) for n, v in self.sup.config.virtual.items()
+        virtual = [v.entry(n, [m for m in v.models if tenancy.visible(key, m, models)])
+                   for n, v in self.sup.config.virtual.items()
                    if any(tenancy.visible(key, m, models) for m in (n, *v.models))]
         pending = self.downloads.views() if self.downloads is not None else []
         return web.json_response({"object": "list", "data": [

@@ -45,13 +45,20 @@ PROXIED_POST = frozenset({
 })
 """POST paths whose body names the model (R-6.1); speech and image generation too
 (issue 25: llama-swap and vLLM's router route them)."""
+UPLOAD_POST = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations",
+                         "/v1/images/edits", "/v1/images/variations"})
+"""POST paths whose multipart body is an upload, named by its `model` field (upload.py),
+with the proxied ones and http.upload_paths. A multipart POST to any other path goes
+where its JSON twin goes: a child's own control paths (/sleep, /slots/0) are the
+management API's, which refuses them to a key without admin (issue 37, S1: a member key
+put a shared child to sleep with a one-field form)."""
 OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/sse",
                      "/models/logs", "/models/plan", "/devices", "/nodes", "/keys", "/",
                      "/ui"})
 """corral's own GET paths: served by the management API even with ?model= (all other
 GETs that name a model, /props and /metrics included, go to the model, as in llama.cpp)."""
 OWN_POST = frozenset({"/models/load", "/models/unload", "/models"})
-"""corral's own POST paths: a multipart body to any other path is an upload (upload.py)."""
+"""corral's own POST paths: never an upload, whatever http.upload_paths says."""
 MEMBER_GETS = frozenset({b"/props", b"/lora-adapters"})  # of a child: /slots shows prompts
 OPEN_PATHS = frozenset({"/health", "/v1/health", "/", "/ui"})
 """The only paths served without the key (R-6.6): health, and the dashboard page, which

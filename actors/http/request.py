@@ -17,7 +17,7 @@ from ..config import HttpConfig
 from ..keys import KeyRule, Keys
 from .callers import Origins, key_of
 from .edge import OPEN_PATHS, Answer
-from .upload import Upload, upload_of
+from .upload import Upload, upload_of, upload_paths
 
 MAX_HEADERS = 100
 """Header fields a request may have (Apache's default): 32 KiB of tiny ones held 750 KiB."""
@@ -30,12 +30,14 @@ _HEALTH = frozenset({b"/health", b"/v1/health"})
 class Limits:
     """The edge's size limits in bytes (from `[http]` and max_body_mib)."""
 
-    __slots__ = ("max_body", "max_header", "max_url")
+    __slots__ = ("max_body", "max_header", "max_url", "uploads")
 
     def __init__(self, http: HttpConfig, max_body_mib: float) -> None:
         self.max_header = int(http.max_header_kib * 1024)
         self.max_url = int(http.max_url_kib * 1024)
         self.max_body = int(max_body_mib * 1024 * 1024)
+        self.uploads = upload_paths(http.upload_paths)
+        """The paths whose multipart POST is an upload."""
 
     def too_big(self) -> Answer:
         return Answer(413, f"request body over the {self.max_body / 2**20:g} MiB "
@@ -247,7 +249,8 @@ class Reader:
         req.keep_alive = self.parser.should_keep_alive()
         refused = screen(req, self.limits, self.gate, self.parser.should_upgrade())
         if refused is None:
-            upload = upload_of(req.method, req.url, req.content_type, req.length, self.owner)
+            upload = upload_of(req.method, req.url, req.content_type, req.length, self.owner,
+                               self.limits.uploads)
             if isinstance(upload, Answer):
                 refused = upload
             else:

@@ -20,12 +20,12 @@ once its body has begun to go.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from email.message import Message
 from email.utils import collapse_rfc2231_value
 from typing import Protocol
 
-from .edge import OPEN_PATHS, OWN_GET, OWN_POST, Answer
+from .edge import OPEN_PATHS, OWN_GET, OWN_POST, PROXIED_POST, UPLOAD_POST, Answer
 
 HOLD_MAX = 1 << 20
 """Bytes of an upload held before its grant; the `model` field must come within them."""
@@ -309,12 +309,11 @@ class Upload:
 
 
 def upload_of(method: bytes, url: bytes, kind: bytes | None, length: int | None,
-              reading: Reading) -> Upload | Answer | None:
-    """The upload a request's head begins (a multipart POST to a path not of corral's
-    own, nor one open without a key: those go to the management API), from its
-    Content-Type `kind` and Content-Length (None: chunked); the 400 for a multipart type
-    without a boundary; or None."""
-    if kind is None or method != b"POST" or url.partition(b"?")[0] in _NOT_UPLOADS:
+              reading: Reading, uploads: frozenset[bytes]) -> Upload | Answer | None:
+    """The upload a request's head begins (a multipart POST to one of `uploads`), from
+    its Content-Type `kind` and Content-Length (None: chunked); the 400 for a multipart
+    type without a boundary; or None."""
+    if kind is None or method != b"POST" or url.partition(b"?")[0] not in uploads:
         return None
     boundary = boundary_of(kind)
     if boundary is None or isinstance(boundary, Answer):
@@ -322,4 +321,8 @@ def upload_of(method: bytes, url: bytes, kind: bytes | None, length: int | None,
     return Upload(boundary, length, reading)
 
 
-_NOT_UPLOADS = frozenset(p.encode() for p in OWN_POST | OWN_GET | OPEN_PATHS)
+def upload_paths(extra: Iterable[str]) -> frozenset[bytes]:
+    """The paths whose multipart POST is an upload: the upload endpoints, the proxied
+    paths and the operator's `extra` (http.upload_paths), never one of corral's own."""
+    paths = (UPLOAD_POST | PROXIED_POST | set(extra)) - OWN_POST - OWN_GET - OPEN_PATHS
+    return frozenset(p.encode() for p in paths)

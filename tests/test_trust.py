@@ -1,0 +1,124 @@
+"""Keys against the surface added after them (issue 37, the 2026-12-04 review): a member
+key reaches only the model endpoints, whatever the body's type (S1); it sees only the
+models it may use (S8); a plan says how the story ends (a load that revokes a kept grant
+and evicts, not a queue)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import Corral, chat, fake_cmd, request, toml_config, wait_until
+from tests.test_uploads import form
+
+BOUNDARY = "XbX"
+ALICE = {"Authorization": "Bearer alice-secret"}
+OPS = {"Authorization": "Bearer ops-secret"}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
+    """A vLLM-style child (`vs`, with sleep mode) that alice may use, a `secret` model
+    she may not, a virtual model of both, and an admin key."""
+    home = tmp_path_factory.mktemp("trust")
+    secrets = {}
+    for name in ("alice", "ops"):
+        secrets[name] = home / f"{name}.key"
+        secrets[name].write_text(f"{name}-secret\n")
+    c = Corral(toml_config(
+        {"vs": {"cmd": fake_cmd("--sleep-mode"), "suspend": "vllm"},
+         "secret": {"cmd": fake_cmd(), "aliases": ["sec"]},
+         "up": {"cmd": fake_cmd()}},
+        models_max=3, http={"upload_paths": ["/v1/custom/upload"]},
+        keys={"alice": {"key_file": str(secrets["alice"]), "models": ["vs", "up"]},
+              "ops": {"key_file": str(secrets["ops"]), "admin": True}},
+        virtual={"chat": {"models": ["secret", "vs"], "pick": "warm"}}), home=home)
+    c.key = "ops-secret"
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+BODIES: dict[str, tuple[bytes | None, str | None]] = {
+    "json": (b'{"model": "vs"}', "application/json"),
+    "multipart": (form([("model", b"vs", None)], BOUNDARY),
+                  f"multipart/form-data; boundary={BOUNDARY}"),
+    "urlencoded": (b"model=vs", "application/x-www-form-urlencoded"),
+    "none": (None, None),
+}
+CONTROL = ["/sleep?level=1", "/wake_up", "/slots/0?action=erase", "/reset_prefix_cache",
+           "/lora-adapters", "/props", "/slots/0?action=save"]
+
+
+def post(port: int, path: str, kind: str, headers: dict[str, str]) -> tuple[int, Any,
+                                                                             dict[str, str]]:
+    body, ctype = BODIES[kind]
+    hdrs = dict(headers)
+    if ctype is not None:
+        hdrs["Content-Type"] = ctype
+    return request(port, "POST", path, raw=body if body is not None else b"", headers=hdrs)
+
+
+@pytest.mark.parametrize("kind", list(BODIES))
+def test_a_member_key_reaches_no_control_path_of_a_child_whatever_the_body(
+        shared: Corral, kind: str) -> None:
+    """S1: alice's one-field form to POST /sleep put a shared child to sleep (corral still
+    showed it loaded) and every other key then got 503."""
+    assert chat(shared.port, "vs", headers=OPS)[0] == 200  # loaded: a child to reach
+    for path in CONTROL:
+        status, body, headers = post(shared.port, path, kind, ALICE)
+        assert status == 403, (path, kind, status, body)
+        assert "admin" in body["error"]["message"], body
+        assert "content-security-policy" not in headers, "a child answered"
+    status, asleep, _ = request(shared.port, "GET", "/is_sleeping?model=vs", headers=OPS)
+    assert status == 200 and asleep["is_sleeping"] is False
+    assert chat(shared.port, "vs", headers=OPS)[0] == 200
+    assert shared.state("vs") == "loaded"
+
+
+def test_uploads_are_routed_only_on_upload_paths(shared: Corral) -> None:
+    """The four upload endpoints and http.upload_paths take a form; a form to any other
+    path not of corral's own goes where its JSON twin goes (the management API)."""
+    upload = form([("model", b"up", None), ("file", b"x" * 1000, "a.wav")], BOUNDARY)
+    ctype = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    status, body, _ = request(shared.port, "POST", "/v1/audio/transcriptions", raw=upload,
+                              headers={**ALICE, **ctype})
+    assert status == 200 and body["received_model"] == "up", body
+    # an operator's own upload path reaches the child (the fake has no such route: its
+    # 404 comes with the headers corral adds to every child's answer)
+    status, _, headers = request(shared.port, "POST", "/v1/custom/upload", raw=upload,
+                                 headers={**ALICE, **ctype})
+    assert status == 404 and headers.get("content-security-policy") == "sandbox"
+    status, body, headers = request(shared.port, "POST", "/v1/other", raw=upload,
+                                    headers={**OPS, **ctype})
+    assert status == 404 and "content-security-policy" not in headers, body
+
+
+def test_an_upload_path_that_is_no_path_is_refused_saying_where(tmp_path: Path) -> None:
+    from actors.config import ConfigError
+    from actors.config_load import parse_config
+
+    for bad in ("v1/x", "/x?y=1", "/a b", ""):
+        with pytest.raises(ConfigError, match=r"http.upload_paths"):
+            parse_config({"http": {"upload_paths": [bad]}}, "c.toml")
+
+
+def test_a_member_key_sees_only_the_members_it_may_use(shared: Corral) -> None:
+    """S8: a virtual model's whole member list reached any key that may use one member."""
+    status, body, _ = request(shared.port, "GET", "/v1/models", headers=ALICE)
+    assert status == 200
+    listed = {m["id"]: m for m in body["data"]}
+    assert "secret" not in listed and "sec" not in str(body)
+    assert listed["chat"]["virtual"]["models"] == ["vs"], listed["chat"]
+    status, body, _ = request(shared.port, "GET", "/models", headers=ALICE)
+    assert status == 200 and "secret" not in str(body)
+    status, body, _ = request(shared.port, "GET", "/v1/models", headers=OPS)
+    assert {m["id"]: m for m in body["data"]}["chat"]["virtual"]["models"] == ["secret", "vs"]
+
+
+def wait_loaded(c: Corral, model: str) -> None:
+    wait_until(lambda: c.state(model) == "loaded", 15, f"{model} loaded")
