@@ -5,6 +5,7 @@ Ray is imported (only so the package imports) and never started here."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import types
 from pathlib import Path
@@ -142,6 +143,24 @@ def test_the_head_never_sends_its_client_key_to_the_agents(tmp_path: Path) -> No
         sent = msgspec.msgpack.encode(cluster.agent_config)
         assert b"s3cret-client-key" not in sent and b"api_key_file" in sent
         assert cluster.key and cluster.key.encode() not in sent
+
+
+def test_the_agents_get_no_key_material_of_named_keys(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """S13: each named key's SHA-256 and the names of its key_env and key_file went to
+    every agent (a digest of a short key can be guessed offline)."""
+    monkeypatch.setenv("K_ALICE", "alice-key-1")
+    (tmp_path / "bob.key").write_text("bob-key-2\n")
+    config = parse_config({"api_key": "k", "cluster": {"nodes": ["node_a"]},
+                           "keys": {"alice": {"key_env": "K_ALICE"},
+                                    "bob": {"key_file": str(tmp_path / "bob.key"),
+                                            "admin": True}},
+                           "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a"]}}})
+    sent = msgspec.msgpack.encode(Cluster(config, {}).agent_config)
+    for secret in ("alice-key-1", "bob-key-2"):
+        assert hashlib.sha256(secret.encode()).hexdigest().encode() not in sent
+        assert secret.encode() not in sent
+    assert b"K_ALICE" not in sent and b"bob.key" not in sent and b"alice" not in sent
 
 
 class Handle:

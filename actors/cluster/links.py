@@ -165,15 +165,21 @@ def child_key() -> str:
     return secrets.token_hex(32)
 
 
+def agent_config(config: Config) -> Config:
+    """What the agents get: the head's config without its clients' keys of any kind (R8,
+    issue 37 S13: Ray keeps an actor's arguments in its GCS, and sends them in clear; a
+    digest of a short key can be guessed offline, and a `key_env` or `key_file` names
+    where a secret lies). Agents start children; who may call is the head's alone."""
+    return msgspec.structs.replace(config, api_key=None, api_key_file=None, keys={})
+
+
 class Cluster:
     """The head's view of the Ray cluster, as the Supervisor holds it: joining, the
     ClusterHead actor, one AgentLink per configured node, and what the API shows."""
 
     def __init__(self, config: Config, logs: dict[str, LogRing]) -> None:
         self.config = config
-        self.agent_config = msgspec.structs.replace(config, api_key=None, api_key_file=None)
-        """What the agents get: the head's config without its clients' key (R8: Ray keeps
-        an actor's arguments in its GCS, and sends them in clear)."""
+        self.agent_config = agent_config(config)
         self.key = child_key()
         """This head's key for the children it starts on nodes: each requires it (passed
         with its server's own key flag), and the front sends it (Grant.upstream_key)."""
