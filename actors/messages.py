@@ -419,6 +419,10 @@ class GetPlan(Message, frozen=True, kw_only=True):
     model: str
     key: str = ""
     autoload: bool = True
+    kept: dict[str, float] = {}
+    """Models whose grants the fronts keep with no request on them, and for how long."""
+    shown: frozenset[str] | None = None
+    """The model names the asking key may see (None: all)."""
     reply: Reply
 
 

@@ -170,8 +170,9 @@ class Scheduler(BaseActor):
                 self._carry_out(p.unload(reply, model, now))
             case GetModels(reply=reply):
                 reply.send(p.snapshot(now))
-            case GetPlan(model=model, key=key, autoload=autoload, reply=reply):
-                reply.send(p.plan(model, now, key, autoload))
+            case GetPlan(model=model, key=key, autoload=autoload, kept=kept, shown=shown,
+                         reply=reply):
+                reply.send(p.plan(model, now, key, autoload, kept, shown))
             case Ping(reply=reply):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.state.queue)))
             case TtlDue(model=model, generation=gen):

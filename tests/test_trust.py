@@ -122,3 +122,37 @@ def test_a_member_key_sees_only_the_members_it_may_use(shared: Corral) -> None:
 
 def wait_loaded(c: Corral, model: str) -> None:
     wait_until(lambda: c.state(model) == "loaded", 15, f"{model} loaded")
+
+
+def test_a_plan_tells_the_end_of_the_story_and_names_only_what_the_key_sees(
+        corral, tmp_path: Path) -> None:
+    """The slot is held by an idle model whose grant the front keeps (lease_linger_ms):
+    the plan read `queue ... waiting for the fronts to give back the grants they keep
+    idle`; what one more request gets is a load that revokes that grant and evicts."""
+    (tmp_path / "alice.key").write_text("alice-secret\n")
+    (tmp_path / "ops.key").write_text("ops-secret\n")
+    c = corral(toml_config(
+        {"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd()}}, models_max=1,
+        http={"lease_linger_ms": 600000},
+        keys={"alice": {"key_file": str(tmp_path / "alice.key"), "models": ["b"]},
+              "ops": {"key_file": str(tmp_path / "ops.key"), "admin": True}}))
+    c.key = "ops-secret"
+    assert chat(c.port, "a", headers=OPS)[0] == 200
+
+    def planned() -> dict[str, Any]:
+        status, plan, _ = request(c.port, "GET", "/models/plan?model=b", headers=OPS)
+        assert status == 200, plan
+        return plan  # type: ignore[no-any-return]
+
+    # (the front keeps a's grant once its answer has ended, which the client may see first)
+    plan = wait_until(lambda: (p := planned())["decision"] != "queue" and p, 10,
+                      "a plan past the kept grant")
+    assert plan["decision"] == "load", plan
+    assert plan["revoke"] == ["a"] and [e["model"] for e in plan["evict"]] == ["a"], plan
+    status, mine, _ = request(c.port, "GET", "/models/plan?model=b", headers=ALICE)
+    assert status == 200 and mine["decision"] == "load", mine
+    assert "a" not in mine["revoke"] and '"a"' not in str(mine).replace("'", '"'), mine
+    assert mine["revoke"] == ["another model"], mine
+    assert [e["model"] for e in mine["evict"]] == ["another model"], mine
+    assert chat(c.port, "b", headers=ALICE)[0] == 200  # and so it goes
+    assert c.state("a") == "unloaded"

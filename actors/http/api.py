@@ -110,7 +110,7 @@ class ManagementApi(ModelCommands):
         r.add_get("/keys", self.keys_list)
         planning = asyncio.Lock()
         r.add_get("/models/plan", lambda q: tenancy.plan(q, self.names, self.sup.config,
-                                                         self._ask, planning))
+                                                         self._ask, planning, self._counts))
         return app
 
     async def start(self, host: str, port: int) -> int:

@@ -175,6 +175,8 @@ def plan_text(p: dict[str, Any]) -> str:
     what = "a wake of its suspended child" if p.get("wake") else "a load"
     lines = [head + f"{what}, on {', '.join(p.get('devices') or []) or 'its default place'}"
              f" ({place})"]
+    lines += [f"  revokes the grant the fronts keep idle of {m} (http.lease_linger_ms)"
+              for m in p.get("revoke", [])]
     lines += [f"  {'suspends' if e.get('action') == 'suspend' else 'evicts'} {e['model']} "
               f"({e['reason']}: {e['why']})" for e in p.get("evict", [])]
     lines += [f"  {m['device']}: {m['free_mib_now']:.0f} MiB free now, "

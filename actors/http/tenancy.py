@@ -82,7 +82,8 @@ def plan_target(request: web.Request, names: dict[str, str],
 
 async def plan(request: web.Request, names: dict[str, str], config: Config,
                ask: Callable[[Callable[[LoopReply], SchedulerMessage]], Awaitable[object]],
-               one_at_a_time: asyncio.Lock) -> web.Response:
+               one_at_a_time: asyncio.Lock,
+               counts: Callable[[], Awaitable[FrontCounts]]) -> web.Response:
     """`one_at_a_time`: each plan copies the policy's state in the Scheduler's thread (38
     ms at 1,000 models with 10,000 waiting), so a flood of plans queues here, not there."""
     target = plan_target(request, names, config)
@@ -91,8 +92,13 @@ async def plan(request: web.Request, names: dict[str, str], config: Config,
         return web.json_response({"error": {"code": status, "message": target,
                                             "type": "invalid_request_error"}}, status=status)
     model, key, autoload = target
+    rule: KeyRule | None = request.get("key")
+    shown = (None if rule is None or rule.admin else
+             frozenset(n for n in config.models if visible(rule, n, config.models)))
+    kept = (await counts()).kept_idle_s  # grants given back once revoked: not a wait
     async with one_at_a_time:
-        answer = await ask(lambda r: GetPlan(model=model, key=key, autoload=autoload, reply=r))
+        answer = await ask(lambda r: GetPlan(model=model, key=key, autoload=autoload,
+                                             kept=kept, shown=shown, reply=r))
     assert isinstance(answer, RequestPlan)
     return web.json_response(msgspec.to_builtins(answer))
 

@@ -14,7 +14,7 @@ reply object itself); the policy never looks inside one. The parts are listed in
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable, Mapping
 
 from ..config import ModelRules
 from ..keys import Tenant
@@ -87,10 +87,12 @@ class Policy:
         scores = [warmth(name) for name in among]
         return among[scores.index(max(scores))]
 
-    def plan(self, model: str, now: float, key: str = "", autoload: bool = True) -> RequestPlan:
+    def plan(self, model: str, now: float, key: str = "", autoload: bool = True,
+             kept: Mapping[str, float] | None = None,
+             shown: Collection[str] | None = None) -> RequestPlan:
         """GET /models/plan: what `acquire` would do with one more request now, decided
         on a copy of this policy (plans.py)."""
-        return plans.plan(self, model, now, key, autoload)
+        return plans.plan(self, model, now, key, autoload, kept, shown)
 
     def running_count(self) -> int:
         return self.state.n_running

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import threading
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import Literal, Protocol
 
 import msgspec
@@ -36,6 +37,9 @@ class Policy(Protocol):
 
     def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
                 key: str = "", retry: bool = False) -> list[Effect]: ...
+
+    def release_all(self, releases: Iterable[tuple[Hashable, bool, float, int]],
+                    now: float) -> list[Effect]: ...
 
 
 class PlannedEviction(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +79,9 @@ class RequestPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     (priority_preempt)."""
     devices: list[str] | None = None
     node: str | None = None
+    revoke: list[str] = []
+    """load: the models whose grants the fronts keep idle, given back first (revoked),
+    so that they may be evicted (http.lease_linger_ms)."""
     evict: list[PlannedEviction] = []
     memory: list[PlannedMemory] = []
     """load: where it would start, what would be stopped for it, the memory around it."""
@@ -128,17 +135,74 @@ def decide(effects: list[Effect], ticket: Hashable, model: str) -> Decision:
     return "queue"
 
 
-def plan(policy: Policy, model: str, now: float, key: str = "",
-         autoload: bool = True) -> RequestPlan:
-    """What a request for `model` with `key` would get at `now`."""
+def plan(policy: Policy, model: str, now: float, key: str = "", autoload: bool = True,
+         kept: Mapping[str, float] | None = None,
+         shown: Collection[str] | None = None) -> RequestPlan:
+    """What a request for `model` with `key` would get at `now`: the story to its end.
+
+    `kept`: the models whose grants the fronts keep with no request on them (and for how
+    long): a request that waits only for those to be given back is planned past it, as a
+    `load` that revokes them and evicts (issue 37: it read as `queue`, "waiting for the
+    fronts", though nothing in flight holds it). `shown`: the model names the asking key
+    may see (None: all); the others are not named (S8)."""
     copy_ = twin(policy)
     probe = _Probe()
     _quiet.planning.on = True
     try:
         effects = copy_.acquire(probe, model, now, autoload, key)
+        decision = decide(effects, probe, model)
+        revoked: list[str] = []
+        if decision == "queue" and kept:
+            revoked, more = _give_back(copy_, effects, kept, now)
+            effects = [*effects, *more]
+            decision = decide(effects, probe, model)
     finally:
         _quiet.planning.on = False
-    decision = decide(effects, probe, model)
+    planned = _plan(policy, copy_, probe, effects, decision, model, now, key, revoked)
+    if shown is None:
+        return planned
+    return _unnamed(planned, {n for n in policy.state.models if n not in shown
+                              and policy.state.models[n].group not in shown})
+
+
+def _give_back(copy_: Policy, effects: list[Effect], kept: Mapping[str, float],
+               now: float) -> tuple[list[str], list[Effect]]:
+    """What the copy does once the fronts give back the grants revoked in `effects` that
+    they keep idle (one each, as a front keeps one): their models named, and the effects."""
+    wanted = {(m, g) for e in effects if isinstance(e, Revoke) for m, g in e.grants
+              if m in kept}
+    releases: list[tuple[Hashable, bool, float, int]] = []
+    given: list[str] = []
+    for ticket, (name, generation, _) in copy_.state.leases.items():
+        rec = copy_.state.models.get(name)
+        group = rec.group if rec is not None else name
+        if (group, generation) in wanted:
+            wanted.discard((group, generation))
+            releases.append((ticket, False, kept[group], 0))
+            given.append(group)
+    return given, copy_.release_all(releases, now) if releases else []
+
+
+def _unnamed(planned: RequestPlan, hidden: set[str]) -> RequestPlan:
+    """`planned` without the names in `hidden`: each is "another model"."""
+    if not hidden:
+        return planned
+    pattern = re.compile("|".join(rf"(?<![\w.@/-]){re.escape(n)}(?![\w.@/-])"
+                                  for n in sorted(hidden, key=len, reverse=True)))
+
+    def text(value: str | None) -> str | None:
+        return None if value is None else pattern.sub("another model", value)
+
+    return msgspec.structs.replace(
+        planned, waiting_for=text(planned.waiting_for), message=text(planned.message),
+        revoke=[m if m not in hidden else "another model" for m in planned.revoke],
+        evict=[e if e.model not in hidden else msgspec.structs.replace(
+            e, model="another model", why=text(e.why) or "") for e in planned.evict])
+
+
+def _plan(policy: Policy, copy_: Policy, probe: _Probe, effects: list[Effect],
+          decision: Decision, model: str, now: float, key: str,
+          revoked: list[str]) -> RequestPlan:
     name = policy.state.models[model].name if model in policy.state.models else model
     if decision in ("grant", "refuse"):
         answer = next(e.value for e in effects if isinstance(e, Answer) and e.ticket is probe)
@@ -166,7 +230,7 @@ def plan(policy: Policy, model: str, now: float, key: str = "",
                else sorted({s.device for e in evictions for s in e.devices}) or None)
     return RequestPlan(
         decision="load", model=name, key=key, position=position, ahead=ahead,
-        devices=devices, node=spawn.node if spawn is not None else rec.node,
+        revoke=revoked, devices=devices, node=spawn.node if spawn is not None else rec.node,
         evict=[PlannedEviction(model=e.model, reason=e.reason, why=_why(e), action=e.action)
                for e in evictions],
         memory=_memory(policy, copy_, rec, devices or [], [e.model for e in evictions],
