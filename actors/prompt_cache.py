@@ -9,6 +9,10 @@ unload or a reload, every slot that holds a prompt is saved there; after its nex
 prompt_cache_max_mib, the least recently written dropped first. A failed save or
 restore only costs the cache: it is logged, and the child stops or serves as it would.
 
+A save, or a restore, ends within the child's stop_timeout_s as a whole (review S6: a
+child that trickles its answers cannot stretch it), and reads at most ANSWER_MAX of each
+answer.
+
 llama.cpp's known limits (its server, tools/server): a slot of a multimodal model cannot
 be saved; a restore fails when the file holds more tokens than the new slot's context
 (a smaller `-c` or more `-np`) or when the file is not one of its own; a speculative
@@ -19,18 +23,23 @@ uses the slot, but the request's `timings.cache_n` shows them used.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import itertools
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from . import childcall
+
 SLOT_FILE = re.compile(r"slot(\d+)\.bin")
+ANSWER_MAX = 16 << 20
+"""A child's answer about its slots longer than this fails its step (GET /slots lists
+each slot's state: a few KiB each)."""
 MODEL_FLAGS = ("-m", "--model", "-md", "--model-draft", "--mmproj", "--lora")
 
 
@@ -66,24 +75,22 @@ def folder(root: Path, model: str, key: str) -> Path:
 
 
 def _call(host: str, port: int, method: str, path: str, body: dict[str, Any] | None,
-          timeout_s: float) -> tuple[int, object]:
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                     headers={"Content-Type": "application/json"})
-        answer = conn.getresponse()
-        return answer.status, json.loads(answer.read() or b"null")
-    finally:
-        conn.close()
+          deadline: float) -> tuple[int, object]:
+    status, said = childcall.call(
+        host, port, method, path, deadline=deadline, max_bytes=ANSWER_MAX,
+        body=json.dumps(body).encode() if body is not None else None)
+    return status, json.loads(said or b"null")
 
 
 def save(host: str, port: int, here: Path, root: Path, max_bytes: int, timeout_s: float,
          say: Callable[[str], None]) -> int:
-    """Save every slot that holds a prompt into `here`; then keep `root` within
-    `max_bytes`. Returns the tokens saved; never raises."""
+    """Save every slot that holds a prompt into `here`, all within `timeout_s` (what is
+    not saved by then is not: review S6); then keep `root` within `max_bytes`. Returns
+    the tokens saved; never raises."""
     saved = 0
+    deadline = time.monotonic() + timeout_s
     try:
-        status, slots = _call(host, port, "GET", "/slots", None, timeout_s)
+        status, slots = _call(host, port, "GET", "/slots", None, deadline)
         if status != 200 or not isinstance(slots, list):
             say(f"corral: prompt cache not saved: GET /slots answered {status}")
             return 0
@@ -92,30 +99,37 @@ def save(host: str, port: int, here: Path, root: Path, max_bytes: int, timeout_s
                 continue  # an empty slot: nothing to keep
             sid = int(slot["id"])
             status, said = _call(host, port, "POST", f"/slots/{sid}?action=save",
-                                 {"filename": f"slot{sid}.bin"}, timeout_s)
+                                 {"filename": f"slot{sid}.bin"}, deadline)
             if status == 200 and isinstance(said, dict):
                 saved += int(said.get("n_saved", 0))
             else:
                 say(f"corral: prompt cache of slot {sid} not saved: {status} {said}")
         prune(root, max_bytes)
-    except (OSError, http.client.HTTPException, ValueError) as e:
+    except TimeoutError:
+        say(f"corral: prompt cache not saved whole: no answer within {timeout_s:g} s")
+    except (OSError, ValueError) as e:
         say(f"corral: prompt cache not saved: {type(e).__name__}: {e}")
     return saved
 
 
 def restore(host: str, port: int, here: Path, timeout_s: float,
             say: Callable[[str], None]) -> int:
-    """Restore every slot file in `here` into its slot. Returns the tokens restored;
-    never raises (a file llama-server refuses is dropped)."""
+    """Restore every slot file in `here` into its slot, all within `timeout_s` (review
+    S6). Returns the tokens restored; never raises (a file llama-server refuses is
+    dropped)."""
     restored = 0
+    deadline = time.monotonic() + timeout_s
     for path in sorted(here.glob("slot*.bin")):
         match = SLOT_FILE.fullmatch(path.name)
         if match is None:
             continue
         try:
             status, said = _call(host, port, "POST", f"/slots/{match[1]}?action=restore",
-                                 {"filename": path.name}, timeout_s)
-        except (OSError, http.client.HTTPException, ValueError) as e:
+                                 {"filename": path.name}, deadline)
+        except TimeoutError:
+            say(f"corral: prompt cache not restored whole: no answer within {timeout_s:g} s")
+            break
+        except (OSError, ValueError) as e:
             say(f"corral: prompt cache of slot {match[1]} not restored: {e}")
             continue
         if status == 200 and isinstance(said, dict):

@@ -13,20 +13,24 @@ to host RAM by whatever its method does; a wake brings it back.
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Literal
 
 import msgspec
 import psutil
 
+from . import childcall
+
 Step = Literal["sleep", "wake"]
 HTTP_STEP = re.compile(r"(GET|POST|PUT|PATCH|DELETE) (/[!-~]*)")
 """A method and a path of printable ASCII (what HTTP/1.1 sends as it is)."""
 PLACEHOLDER = re.compile(r"\{(pid|port|model)\}")
+ANSWER_MAX = 1 << 20
+"""A child's answer to a suspend step's request longer than this fails the step."""
 
 
 class SuspendCommands(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -79,19 +83,21 @@ def tree_rss(pid: int) -> int:
 
 def run(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: int,
         timeout_s: float, say: Callable[[str], None]) -> str | None:
-    """Suspend (`sleep`) or wake the child; None when it did, else why not. `say`: a
-    line for the model's log."""
+    """Suspend (`sleep`) or wake the child, all within `timeout_s` (a child that answers
+    a byte at a time fails at that deadline: review S6); None when it did, else why
+    not. `say`: a line for the model's log."""
+    deadline = time.monotonic() + timeout_s
     if how == "vllm":
         path = "/sleep?level=1" if step == "sleep" else "/wake_up"
-        why = _request(host, port, "POST", path, timeout_s)
+        why = _request(host, port, "POST", path, deadline, timeout_s)
         if why is not None:
             return why
-        return _check_vllm(host, port, step == "sleep", timeout_s)
+        return _check_vllm(host, port, step == "sleep", deadline, timeout_s)
     assert isinstance(how, SuspendCommands)
     target = how.sleep_http if step == "sleep" else how.wake_http
     if target is not None:
         method, path = target.split(" ", 1)
-        return _request(host, port, method, path, timeout_s)
+        return _request(host, port, method, path, deadline, timeout_s)
     argv = how.sleep if step == "sleep" else how.wake
     assert argv is not None
     values = {"pid": str(pid), "port": str(port), "model": model}
@@ -126,33 +132,32 @@ def switch(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: i
     done(failure, max(0, tree_rss(pid) - before) if step == "sleep" and not failure else 0)
 
 
-def _request(host: str, port: int, method: str, path: str, timeout_s: float) -> str | None:
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+def _request(host: str, port: int, method: str, path: str, deadline: float,
+             timeout_s: float) -> str | None:
     try:
-        conn.request(method, path)
-        answer = conn.getresponse()
-        body = answer.read(300)
-    except (OSError, http.client.HTTPException) as e:
+        status, body = childcall.call(host, port, method, path, deadline=deadline,
+                                      max_bytes=ANSWER_MAX)
+    except TimeoutError:
+        return f"{method} {path}: no whole answer within suspend_timeout_s={timeout_s:g}"
+    except (OSError, ValueError) as e:
         return f"{method} {path}: {type(e).__name__}: {e}"
-    finally:
-        conn.close()
-    if not 200 <= answer.status < 300:
-        return f"{method} {path} answered {answer.status}: {body.decode(errors='replace')}"
+    if not 200 <= status < 300:
+        return f"{method} {path} answered {status}: {body[:300].decode(errors='replace')}"
     return None
 
 
-def _check_vllm(host: str, port: int, asleep: bool, timeout_s: float) -> str | None:
+def _check_vllm(host: str, port: int, asleep: bool, deadline: float,
+                timeout_s: float) -> str | None:
     """vLLM answers /sleep and /wake_up before it is done on some versions: its
     /is_sleeping says whether it is."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        conn.request("GET", "/is_sleeping")
-        answer = conn.getresponse()
-        said = json.loads(answer.read(1000) or b"{}")
-    except (OSError, http.client.HTTPException, ValueError) as e:
+        _, body = childcall.call(host, port, "GET", "/is_sleeping", deadline=deadline,
+                                 max_bytes=ANSWER_MAX)
+        said = json.loads(body or b"{}")
+    except TimeoutError:
+        return f"GET /is_sleeping: no whole answer within suspend_timeout_s={timeout_s:g}"
+    except (OSError, ValueError) as e:
         return f"GET /is_sleeping: {type(e).__name__}: {e}"
-    finally:
-        conn.close()
     if not isinstance(said, dict) or said.get("is_sleeping") is not asleep:
         return f"GET /is_sleeping said {said!r} after the {'sleep' if asleep else 'wake'}"
     return None

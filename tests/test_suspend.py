@@ -6,13 +6,18 @@ unload) stops the child for good."""
 
 from __future__ import annotations
 
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors import prompt_cache
+from actors import suspend as steps
 from actors.config import ConfigError
 from actors.config_load import parse_config
 from tests.helpers import SSE, chat, fake_cmd, pid_alive, request, toml_config, wait_until
@@ -183,3 +188,120 @@ def test_a_warm_model_loads_alone_gives_way_and_comes_back(corral, tmp_path) -> 
     assert status == 200, body
     c.wait_state("small", "loaded")  # the big one left: it is back
     sse.close()
+
+
+@pytest.mark.parametrize("step", ["sleep", "wake"])
+def test_a_trickled_answer_fails_its_step_at_suspend_timeout_s(corral, tmp_path,
+                                                                step: str) -> None:
+    """Review S6: the timeout bounded each socket read, so a child that answered a byte a
+    second kept its model suspending (or waking) for as long as it trickled. Now the
+    whole step ends at suspend_timeout_s: the child is stopped, and the model's request
+    goes to a cold load of a new child."""
+    trickler = {"cmd": [*SLEEPY, "--trickle", step], "suspend": "vllm",
+                "suspend_timeout_s": 2, "ttl_suspend_s": 0.5}
+    c = corral(config(tmp_path, {"t": trickler}))
+    measured(c, "t")
+    sse = SSE(c.port)
+    assert chat(c.port, "t")[0] == 200
+    pid = c.models()["t"]["pid"]
+    failed = {"sleep": "suspend_failed", "wake": "wake_failed"}[step]
+    if step == "wake":
+        wait_until(lambda: c.models()["t"]["status"].get("phase") == "suspended", 10,
+                   "t to be suspended")
+        status, body, _ = request(c.port, "POST", "/v1/chat/completions", {  # it wakes t
+            "model": "t", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            timeout_s=20)
+        assert status == 200, body
+    eviction = sse.wait_for(lambda e: e["type"] == "eviction" and e["reason"] == failed, 10)
+    assert "suspend_timeout_s=2" in eviction["why"], eviction
+    wait_until(lambda: not pid_alive(pid), 10, "the trickling child to be gone")
+    if step == "sleep":
+        assert chat(c.port, "t")[0] == 200
+    assert c.models()["t"]["pid"] not in (None, pid)
+    sse.close()
+
+
+class Trickler:
+    """A raw child on a thread: it answers every request with `head` at once, then with
+    `body`, `size` bytes at a time every `every_s` (review S6's drip.py), until its
+    client leaves."""
+
+    def __init__(self, head: bytes, body: bytes, size: int = 1, every_s: float = 0.2) -> None:
+        self.head, self.body, self.size, self.every_s = head, body, size, every_s
+        self.stop = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            thread = threading.Thread(target=self._answer, args=(conn,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while b"\r\n\r\n" not in conn.recv(65536):
+                    pass
+                conn.sendall(self.head)
+                for at in range(0, len(self.body), self.size):
+                    if self.stop.wait(self.every_s):
+                        return
+                    conn.sendall(self.body[at:at + self.size])
+            except OSError:
+                return  # the client left
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+        for thread in self.threads:
+            thread.join(5)
+
+
+def test_a_step_whose_answer_head_trickles_ends_at_the_deadline() -> None:
+    """Review S6, as drip.py did it: a status line, then one header byte at a time."""
+    child = Trickler(b"HTTP/1.1 200 OK\r\n", b"X-Slow: 1\r\n" * 100)
+    how = steps.SuspendCommands(sleep_http="POST /sleep", wake_http="POST /wake")
+    try:
+        for step in ("sleep", "wake"):
+            start = time.monotonic()
+            why = steps.run(how, step, model="m", host="127.0.0.1", port=child.port,
+                              pid=1, timeout_s=1.0, say=lambda _: None)
+            took = time.monotonic() - start
+            assert why is not None and "within suspend_timeout_s=1" in why, why
+            assert took < 2.5, f"the {step} took {took:.1f} s with suspend_timeout_s 1"
+    finally:
+        child.close()
+
+
+def test_a_prompt_cache_step_ends_by_its_deadline_and_reads_a_bounded_answer(
+        tmp_path: Path) -> None:
+    """Review S6: prompt_cache._call read with a per-read timeout and took the whole body,
+    however long. A trickled GET /slots now ends the save at its timeout, and an endless
+    one fails once it is over prompt_cache.ANSWER_MAX."""
+    here = tmp_path / "m" / "0123456789abcdef"
+    here.mkdir(parents=True)
+    (here / "slot0.bin").write_bytes(b"x")
+    endless = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n"
+    cases = [(Trickler(endless, b" " * 1000), 1.0, "no answer within 1 s"),
+             (Trickler(endless, b" " * (64 << 20), 1 << 20, 0.0), 30.0, "over")]
+    for child, timeout_s, says in cases:
+        said: list[str] = []
+        try:
+            start = time.monotonic()
+            saved = prompt_cache.save("127.0.0.1", child.port, here, tmp_path, 1 << 30,
+                                      timeout_s, said.append)
+            restored = prompt_cache.restore("127.0.0.1", child.port, here, timeout_s,
+                                            said.append)
+            took = time.monotonic() - start
+        finally:
+            child.close()
+        assert (saved, restored) == (0, 0) and len(said) == 2, said
+        assert all(says in line for line in said), said
+        assert took < 2 * timeout_s + 1.5, f"save and restore took {took:.1f} s"

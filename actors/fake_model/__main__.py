@@ -137,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(loading, ready, sleeping), the exit command on stdin")
     p.add_argument("--ignore-exit-command", action="store_true",
                    help="with --llama-protocol: do not leave on the exit command")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="llama-server's flag, taken and printed (no slot is saved)")
     p.add_argument("--sleep-idle-s", type=float, default=None, metavar="S",
                    help="with --llama-protocol: report sleeping after S idle seconds")
     p.add_argument("--log-lines", type=int, default=0, metavar="N",
@@ -156,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --sleep-mode: a wake from level 1 takes S seconds")
     p.add_argument("--sleep-device-mib", type=float, default=0.0, metavar="N",
                    help="with --sleep-mode: MiB left on each device while asleep")
+    p.add_argument("--trickle", choices=("sleep", "wake"), default=None,
+                   help="with --sleep-mode: that step is done, but its answer's body "
+                        "comes one byte a second (each read of it waits only 1 s)")
     p.add_argument("--measure-min-mib", type=float, default=None, metavar="N",
                    help="the measured min (smallest context); default: as --measure-mib")
     p.add_argument("--measure-mib", type=float, default=None, metavar="N",

@@ -5,9 +5,11 @@ use drops to `--sleep-device-mib` (a CUDA context stays) and as many bytes are r
 allocated and touched, so the child's RSS grows by them as a real one's does. Level 2
 drops the weights instead (no host copy); its wake reloads them (`--load-delay`).
 `POST /wake_up` takes `--wake-s`, then gives the device its memory back and the host
-copy up. `GET /is_sleeping` says which. Without `--sleep-mode` none of the three paths
-exists, as on a vLLM started without `VLLM_SERVER_DEV_MODE=1`. A request that comes
-while it sleeps is refused with 503: corral wakes a model before it grants one.
+copy up. `GET /is_sleeping` says which. `--trickle sleep|wake` answers that step a byte
+a second (a child whose answer never quite ends). Without `--sleep-mode` none of the
+three paths exists, as on a vLLM started without `VLLM_SERVER_DEV_MODE=1`. A request
+that comes while it sleeps is refused with 503: corral wakes a model before it grants
+one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Sleep:
         self.sleeps = 0
         self.wakes = 0
 
-    async def sleep(self, request: web.Request) -> web.Response:
+    async def sleep(self, request: web.Request) -> web.StreamResponse:
         level = request.query.get("level", "1")
         if level not in ("1", "2"):
             return web.json_response({"error": f"level must be 1 or 2, not {level!r}"},
@@ -52,9 +54,9 @@ class Sleep:
                 self.sleeps += 1
                 print(f"fake_model: asleep (level {level}), {self.device_mib:.0f} MiB "
                       "off the devices", flush=True)
-        return web.Response(status=200)
+        return await self.answer(request, "sleep")
 
-    async def wake_up(self, request: web.Request) -> web.Response:
+    async def wake_up(self, request: web.Request) -> web.StreamResponse:
         async with self.lock:
             if self.asleep:
                 await asyncio.sleep(self.args.wake_s if self.level == 1
@@ -66,7 +68,19 @@ class Sleep:
                 self.asleep = False
                 self.wakes += 1
                 print("fake_model: awake", flush=True)
-        return web.Response(status=200)
+        return await self.answer(request, "wake")
+
+    async def answer(self, request: web.Request, step: str) -> web.StreamResponse:
+        """A step's 200; with `--trickle` that step, its body a byte a second."""
+        if self.args.trickle != step:
+            return web.Response(status=200)
+        answer = web.StreamResponse(status=200)
+        answer.content_length = 600
+        await answer.prepare(request)
+        for _ in range(600):
+            await answer.write(b" ")
+            await asyncio.sleep(1.0)
+        return answer
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": self.asleep})
