@@ -20,6 +20,7 @@ from .config_hooks import HOOK_PLACEHOLDER
 from .config_virtual import VirtualModel
 from .keys import API_KEY_NAME
 from .llama import is_llama
+from .paths import folder_name, name_problem
 from .rules import ModelGroup, alternate_name, replica_name
 from .suspend import check as check_suspend
 
@@ -32,9 +33,11 @@ _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 def _validate_devices(config: Config, source: str) -> None:
     names: set[str] = set()
     for i, device in enumerate(config.devices):
-        if not _DEVICE_NAME.fullmatch(device.name) or device.name == "host":
+        if (not _DEVICE_NAME.fullmatch(device.name) or device.name == "host"
+                or folder_name(device.name) != device.name):  # its ledger's folder
             raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is not a usable "
-                              "device name (letters, digits, '_.:-'; not 'host')")
+                              "device name (letters, digits, '_.:-', not starting with "
+                              "'.'; not 'host')")
         if device.name in names:
             raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is declared twice")
         names.add(device.name)
@@ -95,9 +98,9 @@ def _validate(config: Config, source: str) -> Config:
     _validate_replicas(config, source)
     seen: dict[str, str] = {}
     for name, model in config.models.items():
-        if not name or name != name.strip():
-            raise ConfigError(f"{source}: models.{name!r}: a model name must be non-empty "
-                              "with no surrounding spaces")
+        wrong = name_problem(name)
+        if wrong is not None:
+            raise ConfigError(f"{source}: models.{name!r}: {wrong}")
         _check_placeholders(model.cmd, PLACEHOLDER, f"{source}: models.{name}.cmd",
                             "{port}, {host}, {model}, {devices} or {device}")
         if model.devices is not None and model.devices_per_instance > len(model.devices):
@@ -120,6 +123,9 @@ def _validate(config: Config, source: str) -> Config:
             raise ConfigError(f"{source}: models.{name}.health_path: must start with '/', "
                               f"got {model.health_path!r}")
         for alias in model.aliases:
+            wrong = name_problem(alias)
+            if wrong is not None:
+                raise ConfigError(f"{source}: models.{name}.aliases: {alias!r}: {wrong}")
             owner = seen.get(alias) or (alias if alias in config.models else None)
             if owner is not None:
                 raise ConfigError(f"{source}: models.{name}.aliases: {alias!r} is already "
@@ -215,6 +221,9 @@ def _resolve_groups(config: Config, source: str) -> Config:
     virtual = {}
     for name, table in config.virtual.items():
         where = f"{source}: virtual.{name}"
+        wrong = name_problem(name)
+        if wrong is not None:
+            raise ConfigError(f"{source}: virtual.{name!r}: {wrong}")
         if name in names:
             raise ConfigError(f"{where}: {name!r} is already the name or an alias of model "
                               f"{names[name]!r}")

@@ -9,9 +9,11 @@ unload or a reload, every slot that holds a prompt is saved there; after its nex
 prompt_cache_max_mib, the least recently written dropped first. A failed save or
 restore only costs the cache: it is logged, and the child stops or serves as it would.
 
-A save, or a restore, ends within the child's stop_timeout_s as a whole (review S6: a
-child that trickles its answers cannot stretch it), and reads at most ANSWER_MAX of each
-answer.
+Bounds (review of 2026-12-04): a model's folder is inside STATE_DIR/prompt-cache whatever
+its name (S2: `paths.folder_name`), and holds a MARKER; only slot files in such folders
+are ever deleted. A save, or a restore, ends within the child's stop_timeout_s as a whole
+(S6: a child that trickles its answers cannot stretch it), and reads at most ANSWER_MAX
+of each answer.
 
 llama.cpp's known limits (its server, tools/server): a slot of a multimodal model cannot
 be saved; a restore fails when the file holds more tokens than the new slot's context
@@ -22,6 +24,7 @@ uses the slot, but the request's `timings.cache_n` shows them used.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -35,8 +38,13 @@ from typing import Any
 import msgspec
 
 from . import childcall
+from .paths import folder_name
 
 SLOT_FILE = re.compile(r"slot(\d+)\.bin")
+DIGEST = re.compile(r"[0-9a-f]{16}")
+"""A cache folder's name: its `digest`."""
+MARKER = ".corral-prompt-cache"
+"""The file in each cache folder corral made: only such folders are ever cleaned."""
 ANSWER_MAX = 16 << 20
 """A child's answer about its slots longer than this fails its step (GET /slots lists
 each slot's state: a few KiB each)."""
@@ -60,18 +68,29 @@ def digest(cmd: list[str], env: dict[str, str]) -> str:
 
 
 def folder(root: Path, model: str, key: str) -> Path:
-    """The cache folder of `model` for digest `key`; the folders of its other digests
-    are dropped (they can never be used again)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", model)
-    base = root / safe
+    """The cache folder of `model` for digest `key`, inside `root` whatever the model is
+    called (paths.folder_name), marked as corral's own (MARKER). The folders of its other
+    digests that corral made are dropped (they can never be used again): their slot
+    files and marker, then the folder unless something else is in it (review S2: only
+    what corral made is ever deleted)."""
+    base = root / folder_name(model)
     here = base / key
     here.mkdir(parents=True, exist_ok=True)
+    (here / MARKER).touch()
     for other in base.iterdir():
-        if other != here and other.is_dir():
+        if other != here and _made_here(other):
             for f in other.iterdir():
-                f.unlink(missing_ok=True)
-            other.rmdir()
+                if SLOT_FILE.fullmatch(f.name) or f.name == MARKER:
+                    f.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                other.rmdir()
     return here
+
+
+def _made_here(path: Path) -> bool:
+    """`path` is a digest folder that corral made (not a link to one elsewhere)."""
+    return (DIGEST.fullmatch(path.name) is not None and not path.is_symlink()
+            and path.is_dir() and (path / MARKER).is_file())
 
 
 def _call(host: str, port: int, method: str, path: str, body: dict[str, Any] | None,
@@ -142,9 +161,12 @@ def restore(host: str, port: int, here: Path, timeout_s: float,
 
 
 def prune(root: Path, max_bytes: int) -> None:
-    """Drop the least recently written cache files under `root` until the rest fit."""
+    """Drop the least recently written cache files under `root` until the rest fit (only
+    slot files in folders corral made)."""
     files = []
     for base, _, names in os.walk(root):  # a folder another model drops meanwhile: skipped
+        if MARKER not in names:
+            continue
         for name in names:
             if not SLOT_FILE.fullmatch(name):
                 continue

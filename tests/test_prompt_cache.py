@@ -97,6 +97,7 @@ def test_prune_drops_the_oldest_files_first(tmp_path) -> None:
     for i, name in enumerate(("old", "mid", "new")):
         path = tmp_path / "m" / name / "slot0.bin"
         path.parent.mkdir(parents=True)
+        (path.parent / prompt_cache.MARKER).touch()  # corral's own folder
         path.write_bytes(b"x" * 1000)
         os.utime(path, ns=(i * 10**9, i * 10**9))
     prompt_cache.prune(tmp_path, 2500)

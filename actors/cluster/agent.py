@@ -30,6 +30,7 @@ from ..messages import (
     StopInstance,
     TrackModel,
 )
+from ..paths import folder_name
 from .wire import (
     FORWARDED_BYTES,
     GAP_S,
@@ -208,7 +209,7 @@ class NodeAgent:
         top = msgspec.msgpack.decode(data, type=Config)
         # Simulated devices are this node's own: their ledger must not be another's.
         config = msgspec.structs.replace(
-            top, simulated_ledger_dir=str(top.sim_ledger_path() / self.node))
+            top, simulated_ledger_dir=str(top.sim_ledger_path() / folder_name(self.node)))
         changed = (config.memory_accounting, config.devices, config.device_poll_s) != (
             self.config.memory_accounting, self.config.devices, self.config.device_poll_s)
         if self.monitor is not None and changed:
