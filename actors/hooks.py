@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from .base import Inbox
 from .childproc import ChildProcess, LogRing
 from .config import ModelConfig
 from .config_hooks import HOOK_PLACEHOLDER, HookName
+from .hook_shim import MARK, sweep
 from .messages import HookRan, InstanceExited, InstanceMessage, SchedulerMessage
 from .phases import Phase
 
@@ -52,9 +54,10 @@ class HookRun:
         """Run it to its end; None if it exited 0, else why it failed."""
         ring.append(f"corral: hook {name}: {' '.join(argv)}")
         done, last = threading.Event(), [""]
+        token = f"{os.getpid()}-{secrets.token_hex(8)}"
         try:
             self.child = ChildProcess([sys.executable, "-m", "actors.hook_shim", *argv],
-                                      dict(os.environ), ring, on_exit=done.set,
+                                      {**os.environ, MARK: token}, ring, on_exit=done.set,
                                       on_line=lambda line: last.__setitem__(0, line),
                                       label=f"hook-{name}")
         except (OSError, subprocess.SubprocessError) as e:
@@ -68,6 +71,9 @@ class HookRun:
             self.child.signal_group(signal.SIGKILL)
             done.wait()
         status = self.child.reap()
+        # what left the group is the shim's to end; if it was killed first, it is ours
+        if (left := sweep(token)) and not self.killed and not timed_out:
+            ring.append(f"corral: hook {name}: {left} process(es) it left were killed")
         if timed_out:
             failure: str | None = (f"{argv[0]} did not finish within "
                                    f"hook_timeout_s={timeout_s:g}")

@@ -4,6 +4,7 @@ reads the order they ran in and the placeholders they got."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -219,3 +220,65 @@ hooks = {{ before_load = {hook} }}
     c.proc.kill()
     c.proc.wait(10)
     wait_until(lambda: no_process_with(marker), what="the hook's sleep gone")
+
+
+def setsid_hook(marker: str, then: str) -> str:
+    """A hook whose `python` starts its own session (out of the hook's process group) and
+    sleeps, findable by `marker`; `then` is the rest of the hook's shell line."""
+    escape = f"import os, time; os.setsid(); time.sleep(300)  # {marker}"
+    return toml_value(["sh", "-c", f"{sys.executable} -c '{escape}' > /dev/null 2>&1 "
+                       f"< /dev/null & sleep 0.5; {then}"])
+
+
+def left_its_group(marker: str) -> bool:
+    """Whether the hook's `python -c ...` with `marker` leads a session of its own (the
+    hook's group leader, whose argv holds the marker too, leads one from the start)."""
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info["cmdline"] or []
+        try:
+            if argv[1:2] == ["-c"] and marker in argv[-1] and os.getsid(p.pid) == p.pid:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def test_a_hook_that_leaves_its_group_ends_with_it(corral) -> None:
+    """S10: a hook's `setsid` process outlived the hook, and corral."""
+    marker = "corral-hook-setsid-5120"
+    c = corral(f"""
+[models.m]
+cmd = {FAKE}
+hooks = {{ before_load = {setsid_hook(marker, "echo forked")} }}
+""")
+    assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
+    c.wait_state("m", "loaded")  # the hook has ended: its load went on
+    wait_until(lambda: no_process_with(marker), what="the hook's setsid process gone")
+
+
+def test_a_hook_that_leaves_its_group_dies_with_a_killed_corral(corral) -> None:
+    marker = "corral-hook-setsid-5121"
+    c = corral(f"""
+[models.m]
+cmd = {FAKE}
+hooks = {{ before_load = {setsid_hook(marker, "sleep 300")} }}
+""")
+    assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
+    wait_until(lambda: left_its_group(marker), what="the setsid process running")
+    c.proc.kill()
+    c.proc.wait(10)
+    wait_until(lambda: no_process_with(marker), what="the setsid process gone")
+
+
+def test_a_hook_killed_by_its_timeout_takes_what_left_its_group(corral) -> None:
+    marker = "corral-hook-setsid-5122"
+    c = corral(f"""
+hook_timeout_s = 2
+[models.m]
+cmd = {FAKE}
+hooks = {{ before_load = {setsid_hook(marker, "sleep 300")} }}
+""")
+    request(c.port, "POST", "/models/load", {"model": "m"})
+    wait_until(lambda: left_its_group(marker), what="the setsid process running")
+    c.wait_state("m", "failed", 20)
+    wait_until(lambda: no_process_with(marker), what="the setsid process gone")
