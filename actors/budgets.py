@@ -2,6 +2,10 @@
 tokens_per_min (policy/tenants.py), in `STATE_DIR/key-budgets.json`, written atomically
 (a temporary file renamed over it) every SAVE_EVERY_S while they change, and at shutdown.
 A restart within a minute therefore does not hand a key a fresh budget.
+
+The file is read as untrusted input (issue 37, S3): one that cannot be read, does not
+decode or was saved in the future is set aside (state_files.py) and every key starts
+with a fresh window; values out of range within one are dropped by `Tenants.restore`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from pathlib import Path
 
 import msgspec
 
-from .policy.tenants import KeptUsage
+from .policy.tenants import WINDOW_S, KeptUsage
+from .state_files import set_aside
 
 log = logging.getLogger("corral.scheduler")
 
@@ -39,15 +44,26 @@ def save(state_dir: Path, keys: dict[str, KeptUsage]) -> None:
                     "every key a fresh window)", path, e)
 
 
+FRESH = "every key starts with a fresh window"
+
+
 def load(state_dir: Path) -> tuple[dict[str, KeptUsage], float]:
     """The saved windows and how long ago (wall time) they were saved; none if there is
-    no file, or one that cannot be read (said once in the log)."""
+    no file, or one that is damaged (set aside, saying why in one line)."""
     path = state_dir / FILE
     try:
         data = msgspec.json.decode(path.read_bytes(), type=Budgets)
     except FileNotFoundError:
         return {}, 0.0
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
-        log.warning("ignoring the key budgets in %s: %s", path, e)
+    except OSError as e:
+        set_aside(path, f"cannot be read ({e.strerror})", log, FRESH)
         return {}, 0.0
-    return data.keys, max(0.0, time.time() - data.saved_at)
+    except (msgspec.DecodeError, RecursionError) as e:  # (ValidationError is one)
+        set_aside(path, f"not a key budgets file: {e}", log, FRESH)
+        return {}, 0.0
+    away_s = time.time() - data.saved_at
+    if away_s < -WINDOW_S:  # a clock set back a little is no reason to lose them
+        set_aside(path, f"saved {-away_s:.0f} s in the future (saved_at {data.saved_at})",
+                  log, FRESH)
+        return {}, 0.0
+    return data.keys, max(0.0, away_s)

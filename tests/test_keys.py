@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import pytest
 
 from actors.config import ConfigError
 from actors.config_load import parse_config
+from actors.keys import Tenant
+from actors.policy.tenants import KeptUsage, Tenants
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
 openai = pytest.importorskip("openai")
@@ -262,7 +265,7 @@ def test_a_keys_budget_survives_a_restart(corral, tmp_path: Path) -> None:
     assert 0 < float(limited.value.response.headers["retry-after"]) <= 60
 
 
-def test_a_budgets_file_that_cannot_be_read_is_ignored_with_a_word(
+def test_a_budgets_file_that_cannot_be_read_is_set_aside_with_a_word(
         corral, tmp_path: Path) -> None:
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "key-budgets.json").write_text("{not json")
@@ -270,7 +273,70 @@ def test_a_budgets_file_that_cannot_be_read_is_ignored_with_a_word(
                       gil={"key_file": key_file(tmp_path, "gil", "gil-secret"),
                            "requests_per_min": 2}))
     assert ask(sdk(c.port, "gil-secret"), "a").choices
-    assert "ignoring the key budgets" in c.log()
+    assert "key-budgets.json: not a key budgets file" in c.log()  # (issue 37, S3)
+    assert list((tmp_path / "state").glob("key-budgets.json.bad-*"))
+
+
+def budgeted(tmp_path: Path) -> str:
+    return config(tmp_path, {"state_dir": str(tmp_path / "state")},
+                  ann={"key_file": key_file(tmp_path, "ann", "ann-secret"),
+                       "requests_per_min": 2},
+                  ben={"key_file": key_file(tmp_path, "ben", "ben-secret"),
+                       "tokens_per_min": 100})
+
+
+def as_key(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {name}-secret"}
+
+
+@pytest.mark.parametrize("content", ['{"saved_at": "x", "keys": []}',
+                                     '{"saved_at": 1e15, "keys": {}}'])
+def test_a_budgets_file_of_the_wrong_shape_or_time_is_set_aside(corral, tmp_path: Path,
+                                                                content: str) -> None:
+    path = tmp_path / "state" / "key-budgets.json"
+    path.parent.mkdir()
+    path.write_text(content)
+    c = corral(budgeted(tmp_path))
+    assert chat(c.port, "a", headers=as_key("ann"))[0] == 200
+    said = [line for line in c.log().splitlines() if str(path) in line and "set aside" in line]
+    assert len(said) == 1, c.log()
+    assert len(list(path.parent.glob("key-budgets.json.bad-*"))) == 1
+
+
+def test_restore_drops_saved_values_out_of_range_with_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    tenants = Tenants({"": Tenant(name=""), "ben": Tenant(name="ben", tokens_per_min=100),
+                       "ann": Tenant(name="ann", requests_per_min=5)})
+    kept = {"ben": KeptUsage(spent_ago=[(1.0, -1_000_000), (2.0, 30), (-5.0, 10)]),
+            "ann": KeptUsage(taken_ago=[-1e12] * 5 + [61.0, 3.0])}
+    with caplog.at_level(logging.WARNING, "corral.scheduler"):
+        tenants.restore(kept, now=1000.0, away_s=0.0)
+    assert tenants.usage["ben"].spent_sum == 30
+    assert list(tenants.usage["ann"].taken) == [997.0]
+    assert tenants.over_quota("ann", 1000.0) is None
+    said = [r.getMessage() for r in caplog.records if "out of range" in r.getMessage()]
+    assert len(said) == 1 and "dropped 8 saved value(s)" in said[0]
+
+
+def test_a_tampered_budgets_file_neither_locks_a_key_out_nor_lends_it_tokens(
+        corral, tmp_path: Path) -> None:
+    """Issue 37, S9: a negative token count gave a key more budget, and an age of -1e12 s
+    answered `Retry-After: 1000000000060`."""
+    first = corral(budgeted(tmp_path))
+    assert chat(first.port, "a", headers=as_key("ann"))[0] == 200
+    assert chat(first.port, "a", headers=as_key("ben"))[0] == 200
+    assert first.stop() == 0
+    path = tmp_path / "state" / "key-budgets.json"
+    saved = json.loads(path.read_text())
+    saved["keys"]["ann"] = {"taken_ago": [-1e12] * 2, "spent_ago": []}
+    saved["keys"]["ben"] = {"taken_ago": [], "spent_ago": [[1.0, -1_000_000]]}
+    path.write_text(json.dumps(saved))
+    second = corral(budgeted(tmp_path))
+    assert chat(second.port, "a", headers=as_key("ann"))[0] == 200  # not locked out
+    assert chat(second.port, "a", max_tokens=200, headers=as_key("ben"))[0] == 200
+    code, body = chat(second.port, "a", headers=as_key("ben"))
+    assert code == 429, body  # the negative count lent ben no budget
+    assert "dropped 3 saved value(s) out of range" in second.log()
 
 
 def test_quotas_hold_across_front_workers(corral, tmp_path: Path) -> None:

@@ -9,12 +9,15 @@ when it is taken (granted or queued); tokens when its grant is released.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
 
 from ..keys import Tenant
+
+log = logging.getLogger("corral.scheduler")
 
 WINDOW_S = 60.0
 
@@ -158,20 +161,30 @@ class Tenants:
         return out
 
     def restore(self, kept: dict[str, KeptUsage], now: float, away_s: float) -> None:
-        """Windows exported `away_s` ago (wall time), for the keys that still have a quota."""
+        """Windows exported `away_s` ago (wall time), for the keys that still have a quota.
+        What no export makes (a damaged or hand-edited file: issue 37, S9, where negative
+        tokens gave a key more budget and an age of -1e12 s locked one out for 31,000
+        years) is dropped, in one warning: ages outside [0, WINDOW_S], negative tokens."""
+        dropped = 0
         for key, k in kept.items():
             rules = self.rules.get(key)
             if rules is None:
                 continue
+            taken = [ago for ago in k.taken_ago if 0 <= ago <= WINDOW_S]
+            spent = [(ago, n) for ago, n in k.spent_ago if 0 <= ago <= WINDOW_S and n >= 0]
+            dropped += len(k.taken_ago) - len(taken) + len(k.spent_ago) - len(spent)
             usage = self._usage(key)
             if rules.requests_per_min:
-                usage.taken.extend(now - ago - away_s for ago in sorted(k.taken_ago,
-                                                                        reverse=True))
+                usage.taken.extend(now - ago - away_s for ago in sorted(taken, reverse=True))
             if rules.tokens_per_min:
-                for ago, n in sorted(k.spent_ago, reverse=True):
+                for ago, n in sorted(spent, reverse=True):
                     usage.spent.append((now - ago - away_s, n))
                     usage.spent_sum += n
             usage.expire(now)
+        if dropped:
+            log.warning("key budgets: dropped %d saved value(s) out of range (ages outside "
+                        "[0, %g] s, negative token counts): the file was damaged or edited",
+                        dropped, WINDOW_S)
 
 
 class KeptUsage(msgspec.Struct, frozen=True):
