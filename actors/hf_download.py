@@ -7,8 +7,9 @@ outlive it.
 
 It honours HF_ENDPOINT and HF_TOKEN as huggingface_hub does. On stdout it says
 `corral-download: {json}` lines: `{"total": B}` once it knows the size, `{"downloaded":
-B, "total": B}` every half second, `{"path": P}` at the end (the snapshot folder), or
-`{"error": E}` before a non-zero exit.
+B, "total": B}` every half second (the bytes this download has added to the repo's
+folder, which corral holds to `downloads.max_gib`), `{"path": P}` at the end (the
+snapshot folder), or `{"error": E}` before a non-zero exit.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def main(argv: list[str]) -> int:
         return 1
     say(total=total)
     folder = dest / ("models--" + repo.replace("/", "--"))
+    had = on_disk(folder)
     done = threading.Event()
 
     def report() -> None:
         while not done.wait(EVERY_S):
-            say(downloaded=on_disk(folder), total=total)
+            say(downloaded=max(0, on_disk(folder) - had), total=total)
 
     threading.Thread(target=report, daemon=True).start()
     try:

@@ -8,9 +8,11 @@ the repos it is given, and nothing else.
     HEAD /{repo}/resolve/{rev}/{file}               ETag, length, Accept-Ranges
     GET  /{repo}/resolve/{rev}/{file}               the bytes (a Range too)
 
-Knobs, per hub: `rate` (bytes per second of a file, so a cancel lands mid-file) and
-`fail` (a file's GET answers 500). Point corral's children at it with MODEL_ENDPOINT
-(llama-server; a trailing slash) and HF_ENDPOINT (huggingface_hub).
+Knobs, per hub: `rate` (bytes per second of a file, so a cancel lands mid-file), `fail`
+(a file's GET answers 500) and `endless` (file names whose GET says 50 GB and sends zeros
+until the client goes, while the listings give their real size: a hub that lies). Point
+corral's children at it with MODEL_ENDPOINT (llama-server; a trailing slash) and
+HF_ENDPOINT (huggingface_hub).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class FakeHub:
         self.repos = repos
         self.rate = 0.0
         self.fail = False
+        self.endless: set[str] = set()
         self.requests: list[tuple[str, str, int]] = []
         hub = self
 
@@ -75,6 +78,9 @@ class FakeHub:
         req.end_headers()
         if head or not body:
             return
+        if headers.get("X-Endless"):
+            self.stream_zeros(req)
+            return
         try:
             if not self.rate:
                 req.wfile.write(body)
@@ -86,6 +92,16 @@ class FakeHub:
                 time.sleep(step / self.rate)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the download was cancelled
+
+    def stream_zeros(self, req: BaseHTTPRequestHandler) -> None:
+        chunk = b"\0" * 65536
+        try:
+            while True:
+                req.wfile.write(chunk)
+                if self.rate:
+                    time.sleep(len(chunk) / self.rate)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the download was stopped
 
     def route(self, path: str, ranged: str, head: bool) -> tuple[int, bytes, dict[str, str]]:
         for repo, files in self.repos.items():
@@ -101,8 +117,13 @@ class FakeHub:
                 return self.json([self.entry(name, data) for name, data in files.items()])
             for rev in (COMMIT, "main"):
                 prefix = f"/{repo}/resolve/{rev}/"
-                if path.startswith(prefix) and path[len(prefix):] in files:
-                    return self.file(files[path[len(prefix):]], ranged, head)
+                name = path[len(prefix):]
+                if path.startswith(prefix) and name in files:
+                    if name in self.endless and not head:
+                        headers = self.file(files[name], "", head=True)[2]
+                        return 200, b"\0", {**headers, "Content-Length": str(50 * 10**9),
+                                             "X-Endless": "1"}
+                    return self.file(files[name], ranged, head)
         return self.json({"error": "Repository not found"}, 404)
 
     def file(self, data: bytes, ranged: str, head: bool) -> tuple[int, bytes, dict[str, str]]:

@@ -101,6 +101,7 @@ class ManagementApi(ModelCommands):
         r.add_post("/models/load", self.load)
         r.add_post("/models/unload", self.unload)
         r.add_post("/models", self.download)
+        r.add_delete("/models", self.delete_download)
         r.add_get("/models/sse", self.streams.events)
         r.add_get("/models/logs", self.logs)
         r.add_get("/props", self.props)

@@ -1,6 +1,7 @@
 """The management API's model commands (api.py): `POST /models/load`, `POST
-/models/unload`, and `POST /models`, which downloads a model (actors/downloads.py) and,
-once it is there, adds it to the live model table."""
+/models/unload`, `POST /models`, which downloads a model (actors/downloads/) and, once it
+is there, adds it to the live model table, and `DELETE /models`, which removes a failed
+download's entry or a downloaded model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ from aiohttp import web
 from ..bridge import LoopReply
 from ..config import Config, ModelConfig
 from ..downloads import DownloadRequest, Downloads
-from ..messages import Done, LoadModel, Refusal, ReloadSummary, SchedulerMessage, UnloadModel
+from ..messages import (
+    Done,
+    GetModels,
+    LoadModel,
+    ModelsSnapshot,
+    Refusal,
+    ReloadSummary,
+    SchedulerMessage,
+    UnloadModel,
+)
 from ..supervisor import Supervisor
 from .edge import JSON_DEPTH_LIMIT, Answer, error_body, refusal_answer
 from .routes import Routes
@@ -103,11 +113,58 @@ class ModelCommands:
             return body
         refused = self.downloads.refused(body.model, body.format, self.sup.config.models)
         if refused is not None:
-            return error(403 if "are off" in refused else 400, refused)
+            retry = {"Retry-After": "60"} if refused.status == 503 else None
+            return error(refused.status, refused.message, headers=retry)
         job = self.downloads.start(body.model, body.format)
         return web.json_response({"success": job.state != "failed", "model": job.name,
                                   "status": job.view()["status"]},
-                                 status=200 if job.state == "downloading" else 500)
+                                 status=500 if job.state == "failed" else 200)
+
+    async def delete_download(self, request: web.Request) -> web.Response:
+        """DELETE /models {"model": NAME}: remove a failed download's entry, or a
+        downloaded model (from the table, the registry and the disk) that is not running;
+        one under way is a 409 (POST /models/unload cancels it)."""
+        if self.downloads is None:
+            return error(503, "downloads are not running yet")
+        body = await self._body(request, ModelName)
+        if isinstance(body, web.Response):
+            return body
+        name = self.names.get(body.model, body.model)  # (a GGUF's :QUANT alias)
+        job = self.downloads.jobs.get(name)
+        if job is not None and job.state in ("queued", "downloading"):
+            return error(409, f"'{name}' is being downloaded ({job.state}); POST "
+                         "/models/unload cancels it")
+        async with self.reloading:
+            table = self.latest.models
+            if name in table:
+                if not self.downloads.owns(name, table[name]):
+                    return error(400, f"'{name}' is a configured model, not a download; "
+                                 "remove it from the config file (and reload) instead")
+                busy = await self._busy(name)
+                if busy is not None:
+                    return error(409, busy)
+                config = msgspec.structs.replace(
+                    self.latest, models={n: m for n, m in table.items() if n != name})
+                await asyncio.to_thread(self.sup.reload, config)
+                self.applied(config)
+            listed, deleted = self.downloads.forget(name)
+        if not listed and name not in table:
+            return error(404, f"no download named '{name}'; GET /models lists them",
+                         "not_found_error")
+        return web.json_response({"success": True, "model": name, "deleted": deleted})
+
+    async def _busy(self, name: str) -> str | None:
+        """Why the model `name` may not be deleted now (None: it is unloaded and idle)."""
+        snap = await self._ask(lambda r: GetModels(reply=r))
+        assert isinstance(snap, ModelsSnapshot)
+        view = next((v for v in snap.models if v.name == name), None)
+        if view is None or (view.state == "unloaded" and not view.in_flight
+                            and not view.waiting):
+            return None
+        # The check and the removal are not one step: a request that loads the model
+        # between them finds it stopped by the removal, as a reload that drops it would.
+        return (f"'{name}' is {view.state} ({view.in_flight} requests in flight, "
+                f"{view.waiting} waiting); unload it (POST /models/unload), then delete it")
 
     def downloaded(self, name: str, model: ModelConfig) -> None:
         """A download became a model: add it to the live table (as a reload would)."""

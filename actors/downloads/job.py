@@ -1,0 +1,52 @@
+"""One download as corral follows it: its state, what its child has said, and its entry
+in GET /models while it is not (yet) a model."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from ..childproc import ChildProcess, LogRing
+from .registry import Format
+
+
+class Download:
+    """One download: its child, and what it has said."""
+
+    def __init__(self, name: str, form: Format) -> None:
+        self.name, self.format = name, form
+        self.state: Literal["queued", "downloading", "downloaded", "failed"] = "queued"
+        self.downloaded = self.total = 0
+        self.result: str | None = None
+        """What the child said at its end (llama: download_finished or _failed)."""
+        self.error: str | None = None
+        self.path: str | None = None
+        self.alias: str | None = None
+        """`owner/repo:QUANT`, for a GGUF repo named without its quantization."""
+        self.cancelled: str | None = None
+        """Why it was stopped (an unload, corral stopping, a limit)."""
+        self.forget = False
+        """Its entry goes when it ends (cancelled by POST /models/unload: as if never
+        asked); otherwise a failed one stays listed, `keep_failed` at most."""
+        self.fresh = False
+        """Its repo folder did not exist when it started: corral made it, and removes it
+        if the download fails."""
+        self.ring = LogRing(200)
+        self.said_at = 0.0
+        """When its progress was last published (monotonic)."""
+        self.child: ChildProcess | None = None
+        self.started = time.time()
+        self.ended = 0.0
+
+    def view(self, position: int | None = None) -> dict[str, Any]:
+        """Its entry in GET /models while it is not (yet) a model."""
+        status: dict[str, Any] = {"value": self.state}
+        if self.state == "queued":
+            status["queue_position"] = position
+        if self.state == "downloading":
+            status["progress"] = {"downloaded": self.downloaded, "total": self.total}
+        if self.error:
+            status["failed"], status["error"] = True, self.error
+        return {"id": self.name, "object": "model", "owned_by": "corral",
+                "created": int(self.started), "status": status,
+                "download": {"format": self.format}}
