@@ -203,8 +203,13 @@ class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     requests_per_min: Annotated[int, Meta(ge=0)] = 0
     """Most requests taken in any 60 s; more get 429 (0: no limit)."""
     tokens_per_min: Annotated[int, Meta(ge=0)] = 0
-    """Most tokens (prompt and completion) used in any 60 s; once reached, 429 until
-    enough of them are older than that (0: no limit)."""
+    """Most tokens (prompt and completion) counted in any 60 s; once reached, 429 until
+    enough of them are older than that. A long answer's excess is carried into the
+    minutes after it (policy/tenants.py; 0: no limit)."""
+    plans_per_min: Annotated[int, Meta(ge=0)] | None = None
+    """Most requests of corral's own API (plans, model listings, /props, /keys) in any
+    60 s; more get 429 (actors/http/allowance.py; 0: no limit; unset: 120 for a key
+    without admin, no limit for an admin key)."""
     admin: bool = False
     """May load, unload and reload models, and read logs, metrics and keys; a key that is
     not may only call models (and list them)."""

@@ -15,11 +15,16 @@ from fnmatch import fnmatchcase
 
 import msgspec
 
-from .config import Config
+from .config import Config, KeyConfig
 
 API_KEY_NAME = "api_key"
 """The name the single top-level `api_key` goes by (an admin key)."""
 DEFAULT_CLASS = "default"
+PLANS_PER_MIN = 120
+"""A key without admin that sets no plans_per_min: two a second, as a dashboard polls."""
+CHARGE_PARTS = 10
+"""A stream is charged as it goes each time it has used a tenth of its key's
+tokens_per_min more: at most that much of a stream goes unseen by the key's next request."""
 
 
 class KeyRule(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +38,11 @@ class KeyRule(msgspec.Struct, frozen=True, kw_only=True):
     shares: bool = True
     """Its requests may join a grant the front holds (shares.py). False for a key with
     limits: the Scheduler must see each of its requests to count it."""
+    charge_every: int = 0
+    """A stream of this key's is charged to its tokens_per_min each time it has used this
+    many tokens more (http/usage.py; 0: the key has no tokens_per_min)."""
+    plans_per_min: int = 0
+    """Most requests of corral's own API in any 60 s (http/allowance.py; 0: no limit)."""
 
     def may_use(self, names: tuple[str, ...]) -> bool:
         """Whether it may call the model known as `names` (its name and aliases)."""
@@ -59,13 +69,23 @@ class Keys(msgspec.Struct, frozen=True):
         rules = [KeyRule(name=name, digest=bytes.fromhex(k.digest), models=tuple(k.models),
                          admin=k.admin,
                          shares=not (k.max_concurrency or k.requests_per_min
-                                     or k.tokens_per_min))
+                                     or k.tokens_per_min),
+                         charge_every=k.tokens_per_min and max(1, k.tokens_per_min
+                                                               // CHARGE_PARTS),
+                         plans_per_min=plans_per_min(k))
                  for name, k in config.keys.items()]
         if config.api_key is not None:
             rules.append(KeyRule(name=API_KEY_NAME,
                                  digest=hashlib.sha256(config.api_key.encode()).digest(),
                                  admin=True))
         return cls(tuple(rules)) if rules else None
+
+
+def plans_per_min(key: KeyConfig) -> int:
+    """A key's allowance of requests to corral's own API a minute (0: no limit)."""
+    if key.plans_per_min is not None:
+        return key.plans_per_min
+    return 0 if key.admin else PLANS_PER_MIN
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):

@@ -174,6 +174,9 @@ class KeyView(msgspec.Struct, frozen=True, kw_only=True):
     """Requests taken in the last 60 s (None: the key has no requests_per_min)."""
     tokens_last_min: int | None
     """Tokens used in the last 60 s (None: the key has no tokens_per_min)."""
+    tokens_carried: int | None = None
+    """Tokens used that its window has no room for yet: long answers are paid for over
+    the minutes after them (policy/tenants.py; None: no tokens_per_min)."""
     refusals: dict[str, int]
     """Reason -> its requests answered with corral's own error."""
     cuts: int = 0
@@ -362,7 +365,17 @@ class Release(Message, frozen=True, kw_only=True):
     """How long the grant sat idle in the front before this release (a lease kept after its
     last request: actors/http/shares.py); the model was last used that long ago."""
     tokens: int = 0
-    """Tokens the request used (prompt and completion), for its key's tokens_per_min."""
+    """Tokens the request used (prompt and completion), for its key's tokens_per_min,
+    less what Spend told as it streamed (negative: its `usage` said less than that)."""
+
+
+class Spend(Message, frozen=True, kw_only=True):
+    """Front -> Scheduler: the stream of the request holding `ticket` has used `tokens`
+    more so far, for its key's tokens_per_min (told as it goes, so that the key's next
+    request sees them; its Release carries only the rest)."""
+
+    ticket: Reply
+    tokens: int
 
 
 class Releases(Message, frozen=True, kw_only=True):
@@ -706,7 +719,7 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 
 SchedulerMessage = (
-    Acquire | Release | Releases | Requeue | NotCut | Cancel | LoadModel | UnloadModel
+    Acquire | Release | Spend | Releases | Requeue | NotCut | Cancel | LoadModel | UnloadModel
     | GetModels | GetPlan | Ping
     | Subscribe | WatchGrants | TtlDue | WaitDue | Repump | SaveBudgets | Unhealthy | AnswerLate
     | InstancesAttached

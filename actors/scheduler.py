@@ -59,6 +59,7 @@ from .messages import (
     SaveBudgets,
     SchedulerMessage,
     Shutdown,
+    Spend,
     StartInstance,
     StopInstance,
     Subscribe,
@@ -155,6 +156,8 @@ class Scheduler(BaseActor):
                                           affinity, among))
             case Release(ticket=ticket, shared=shared, idle_s=idle_s, tokens=tokens):
                 self._carry_out(p.release(ticket, now, shared, idle_s, tokens))
+            case Spend(ticket=ticket, tokens=tokens):
+                p.spend(ticket, tokens, now)
             case Releases(releases=releases):
                 self._carry_out(p.release_all(
                     ((r.ticket, r.shared, r.idle_s, r.tokens) for r in releases), now))

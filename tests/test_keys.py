@@ -191,7 +191,8 @@ def test_keys_and_metrics_show_each_keys_use_by_name_never_its_secret(
     assert (d["requests_total"], d["completion_tokens_total"]) == (2, 9) and guess > 0
     assert d["requests_last_min"] == 2 and d["tokens_last_min"] == 10 + guess
     assert d["in_flight"] == 0
-    assert d["limits"] == {"max_concurrency": 0, "requests_per_min": 5, "tokens_per_min": 1000}
+    assert d["limits"] == {"max_concurrency": 0, "requests_per_min": 5, "tokens_per_min": 1000,
+                           "plans_per_min": 120}
     text = json.dumps(request(c.port, "GET", "/keys", headers=root)[1])
     assert "dave-secret" not in text and "digest" not in text
     conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=10)

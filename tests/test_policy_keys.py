@@ -3,6 +3,8 @@ with aging, and the fair share between keys of one class. Synchronous, a fake cl
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -308,3 +310,120 @@ def test_a_reload_that_lifts_a_keys_limit_lets_its_waiters_go() -> None:
     w.acquire("k3", "a", "k")
     w.run(w.p.set_tenants({"": Tenant(name="")}, 0.0, w.now + 1))  # k removed: no limit
     assert isinstance(w.answers["k3"], Grant)
+
+
+# ---------------------------------------------------------------- tokens carried (S5)
+
+
+def token_window(charges: list[tuple[float, int]], limit: int, now: float,
+                 ) -> tuple[bool, float]:
+    """The reference for a key's token window, token by token (issue 37, S5): each token
+    charged at c enters the window at the earliest when the one `limit` before it left,
+    never before c, and leaves WINDOW_S after it entered. (Whether the window is full at
+    `now`, and when it next has room: WINDOW_S after the `limit`-th newest entered.)"""
+    from actors.policy.tenants import WINDOW_S
+    entered: list[float] = []
+    for at, tokens in charges:
+        for _ in range(tokens):
+            before = entered[-limit] + WINDOW_S if len(entered) >= limit else at
+            entered.append(max(at, before))
+    inside = sum(1 for e in entered if e > now - WINDOW_S)
+    return inside >= limit, (entered[-limit] + WINDOW_S if len(entered) >= limit else now)
+
+
+def test_a_long_answer_is_paid_for_a_minutes_worth_at_a_time() -> None:
+    """Issue 37, S5: a key with tokens_per_min 100 got a 2000-token answer and was refused
+    for only 60 s, so one such request a minute ran at 20 times its limit. Now the excess
+    is carried: the key waits until it is paid for, 20 minutes, told by Retry-After."""
+    w = World({"k": Tenant(name="k", tokens_per_min=100)})
+    w.serving("a")
+    w.acquire(1, "a", "k", at=10.0)
+    w.release(1, tokens=2001, at=11.0)  # its answer ended: nothing was cut
+    usage = w.p.state.tenants.usage["k"]
+    assert (usage.spent_sum, usage.carried) == (100, 1901), "the window holds a minute's worth"
+    refused = w.acquire(2, "a", "k", at=12.0)
+    assert isinstance(refused, Refusal) and refused.status == 429
+    assert refused.retry_after_s == pytest.approx(11.0 + 1200 - 12.0)
+    assert "owes 1901 more" in refused.message and "tokens_per_min 100" in refused.message
+    for minute in range(1, 20):  # each minute repays 100: the window never holds more
+        at = 11.0 + 60 * minute + 0.5
+        refused = w.acquire(("m", minute), "a", "k", at=at)
+        assert isinstance(refused, Refusal), minute
+        assert refused.retry_after_s == pytest.approx(11.0 + 1200 - at)
+        assert usage.spent_sum == 100 and usage.carried == 1901 - 100 * minute
+    assert isinstance(w.acquire(3, "a", "k", at=11.0 + 1200), Grant)
+    assert usage.spent_sum == 1, "the last token of the answer"
+
+
+def test_a_stream_charged_as_it_goes_holds_back_its_keys_next_request() -> None:
+    """What a stream has used so far counts at once (Spend), so the key's next request is
+    refused while the first still runs (it is never cut); its release settles the
+    charge to the answer's own usage, which may give some back."""
+    w = World({"k": Tenant(name="k", tokens_per_min=100)})
+    w.serving("a")
+    w.acquire(1, "a", "k", at=10.0)
+    w.p.spend(1, 60, 11.0)
+    assert isinstance(w.acquire(2, "a", "k", at=11.5), Grant), "60 of 100: one more goes"
+    w.p.spend(1, 60, 12.0)
+    w.p.spend("not a lease", 500, 12.0)  # a stale ticket: nothing to charge
+    refused = w.acquire(3, "a", "k", at=12.5)
+    assert isinstance(refused, Refusal) and refused.status == 429
+    assert 1 in w.p.state.leases, "the stream in flight goes on"
+    w.release(1, tokens=-30, at=13.0)  # its usage said 90 where the rule said 120
+    usage = w.p.state.tenants.usage["k"]
+    assert (usage.spent_sum, usage.carried) == (90, 0)
+    assert isinstance(w.acquire(4, "a", "k", at=13.5), Grant)
+
+
+def test_a_refund_comes_from_the_carry_first_then_the_newest() -> None:
+    from actors.policy.tenants import Tenants
+    t = Tenants({"k": Tenant(name="k", tokens_per_min=100)})
+    t.charge("k", 70, 1.0)
+    t.charge("k", 50, 2.0)  # 30 fit, 20 carried
+    t.charge("k", -25, 3.0)
+    usage = t.usage["k"]
+    assert (list(usage.spent), usage.carried, usage.spent_sum) == ([(1.0, 70), (2.0, 25)], 0, 95)
+    t.charge("k", -1000, 4.0)
+    assert (list(usage.spent), usage.spent_sum) == ([], 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(limit=st.sampled_from([1, 7, 20, 100]),
+       steps=st.lists(st.tuples(st.sampled_from([0.0, 0.5, 7.0, 30.0, 59.0, 61.0, 200.0]),
+                                st.integers(0, 250)), min_size=1, max_size=25))
+def test_the_token_window_is_the_token_by_token_reference(
+        limit: int, steps: list[tuple[float, int]]) -> None:
+    """At every step, refused exactly when the reference's window is full, and told to
+    come back exactly when it next has room."""
+    from actors.policy.tenants import Tenants
+    t = Tenants({"k": Tenant(name="k", tokens_per_min=limit)})
+    charges: list[tuple[float, int]] = []
+    now = 0.0
+    for dt, tokens in steps:
+        now += dt
+        t.charge("k", tokens, now)
+        charges.append((now, tokens))
+        for later in (now + 30.0, now + 0.25, now):  # a look ahead changes nothing
+            probe = copy.deepcopy(t) if later > now else t
+            full, free_at = token_window(charges, limit, later)
+            over = probe.over_quota("k", later)
+            assert (over is not None) == full, (later, charges)
+            if over is not None:
+                assert over.retry_after_s == pytest.approx(free_at - later, abs=1e-6)
+            usage = probe.usage["k"]
+            assert usage.spent_sum <= limit or not usage.carried
+            assert usage.spent_sum == sum(n for _, n in usage.spent)
+
+
+def test_a_carry_survives_a_restart() -> None:
+    from actors.policy.tenants import Tenants
+    rules = {"k": Tenant(name="k", tokens_per_min=100)}
+    before = Tenants(rules)
+    before.charge("k", 500, 100.0)
+    kept = before.export(110.0)
+    assert kept["k"].carried == 400
+    after = Tenants(rules)
+    after.restore(kept, 1000.0, away_s=5.0)
+    over = after.over_quota("k", 1000.0)
+    assert over is not None  # charged at 985 here: paid for by 985 + 300
+    assert over.retry_after_s == pytest.approx(985.0 + 300 - 1000.0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -44,6 +45,7 @@ from actors.policy.records import Answer, Effect, Preempt, Spawn
 from actors.policy.tenants import WINDOW_S
 from tests.test_placement import GpuWorld
 from tests.test_policy import drain
+from tests.test_policy_keys import token_window
 from tests.test_policy_memory import GiB, MemWorld, need
 
 S = ModelState
@@ -177,16 +179,20 @@ class PolicyMachine(RuleBasedStateMachine):
         rules = self.tenants[key]
         since = now - WINDOW_S
         taken = sum(1 for when, k in self.taken if k == key and when > since)
-        spent = sum(n for when, k, n in self.spent if k == key and when > since)
-        full = ((rules.requests_per_min and taken >= rules.requests_per_min)
-                or (rules.tokens_per_min and spent >= rules.tokens_per_min))
+        spent = [(when, n) for when, k, n in self.spent if k == key]
+        tokens_full, free_at = (token_window(spent, rules.tokens_per_min, now)
+                                if rules.tokens_per_min else (False, now))
+        requests_full = bool(rules.requests_per_min and taken >= rules.requests_per_min)
+        full = requests_full or tokens_full
         if isinstance(answer, Refusal) and answer.status == 429:
             assert full, f"key {key!r} refused with room: {taken} requests, {spent} tokens"
+            if not requests_full:  # (the requests' wait is told first)
+                assert answer.retry_after_s == pytest.approx(free_at - now, abs=1e-6)
         elif not (isinstance(answer, Refusal)):
             assert not full, f"key {key!r} taken over its quota: {taken} req, {spent} tok"
             self.taken.append((now, key))
 
-    @rule(t=consumes(tickets), shared=st.booleans(), tokens=st.sampled_from([0, 5, 30]))
+    @rule(t=consumes(tickets), shared=st.booleans(), tokens=st.sampled_from([0, 5, 30, 90]))
     def release(self, t: int, shared: bool, tokens: int) -> None:
         if t not in self.w.answered:
             self.cancelled.add(t)  # a release before the grant is a cancel
@@ -194,6 +200,14 @@ class PolicyMachine(RuleBasedStateMachine):
         if lease is not None and tokens:
             self.spent.append((self.w.now, lease[2], tokens))
         self.w.run(self.w.p.release(t, self.w.now, shared, tokens=tokens))
+
+    @rule(t=tickets, tokens=st.sampled_from([1, 12, 45]))
+    def spend(self, t: int, tokens: int) -> None:
+        """A stream charged as it goes (the front's Spend)."""
+        lease = self.w.p.state.leases.get(t)
+        if lease is not None:
+            self.spent.append((self.w.now, lease[2], tokens))
+        self.w.p.spend(t, tokens, self.w.now)
 
     @rule(i=st.integers(0, 5), cut=st.booleans())
     def answer_cut(self, i: int, cut: bool) -> None:

@@ -38,7 +38,7 @@ from ..messages import (
     SchedulerMessage,
 )
 from ..supervisor import Supervisor
-from . import dashboard, listing, tenancy
+from . import allowance, dashboard, listing, tenancy
 from .callers import check_key
 from .control import FrontCounts
 from .edge import OPEN_PATHS, Answer
@@ -71,6 +71,8 @@ class ManagementApi(ModelCommands):
         self.names = config.resolve_aliases()
         self.keys = Keys.of(config)
         """Who may call (replaced on reload)."""
+        self.allowances = allowance.Allowances()
+        """Each key's requests of this API in the last minute (plans_per_min)."""
         self.reloader = reloader
         self.reloading = asyncio.Lock()
         """One at a time: two would each start an instance of a model both add."""
@@ -182,6 +184,9 @@ class ManagementApi(ModelCommands):
             return answer_response(who)
         if who is not None and not tenancy.may_call(who, request):
             return error(403, tenancy.refused(who, request), "permission_error")
+        if who is not None and (wait_s := self.allowances.take(
+                who.name, who.plans_per_min, time.monotonic())) is not None:
+            return await allowance.refuse(who, wait_s)  # before any Scheduler work (S7)
         request["key"] = who
         return await handler(request)
 

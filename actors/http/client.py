@@ -194,7 +194,8 @@ def print_keys(data: dict[str, Any]) -> None:
             return f"{now}/{limit}" if limit else "-"
         rows.append((k["name"] + (" (admin)" if k["admin"] else ""), str(k["priority"]),
                      str(k["in_flight"]), used(k["requests_last_min"], limits["requests_per_min"]),
-                     used(k["tokens_last_min"], limits["tokens_per_min"]),
+                     used(k["tokens_last_min"], limits["tokens_per_min"])
+                     + (f"+{k['tokens_carried']}" if k.get("tokens_carried") else ""),
                      str(k["requests_total"]),
                      str(k["prompt_tokens_total"] + k["completion_tokens_total"]),
                      str(sum(k["refusals"].values())), str(k.get("cuts", 0))))

@@ -88,6 +88,13 @@ class Let(Frame, frozen=True):
     tokens: int = 0
 
 
+class Spent(Frame, frozen=True):
+    """The stream of request `id` has used `tokens` more so far (a Spend)."""
+
+    id: int
+    tokens: int
+
+
 class LetAll(Frame, frozen=True):
     """Grants a Revoke found idle, given back together (a Releases)."""
 
@@ -136,7 +143,8 @@ class Listening(Frame, frozen=True):
     port: int
 
 
-FromWorker = Ask | Let | LetAll | Revoked | Again | Uncut | Drop | Late | Counted | Listening
+FromWorker = (Ask | Let | Spent | LetAll | Revoked | Again | Uncut | Drop | Late | Counted
+              | Listening)
 
 
 # ---------------------------------------------------------------- corral -> worker

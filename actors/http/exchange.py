@@ -168,7 +168,8 @@ class Exchange:
             return
         model, autoload = to
         self.what = f"model '{model}'"
-        self.meter = Meter(len(self.req.body)) if self.req.key is not None else None
+        key = self.req.key
+        self.meter = Meter(self.req, key.charge_every) if key is not None else None
         started = self.loop.time()
         try:
             if model in front.routes.virtual:
@@ -332,11 +333,13 @@ class Exchange:
         self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
         self.out.append(head.data)
         if self.meter is not None:
-            self.meter.stream, self.meter.answered = head.sse, True
+            self.meter.began(status, head.sse)
 
     def response_body(self, body: bytes) -> None:
-        if self.meter is not None:
-            self.meter.feed(body)
+        if (meter := self.meter) is not None:
+            meter.feed(body)
+            if self.ticket is not None and (more := meter.due()):
+                self.services.shares.spend(self.ticket, more)  # the key's next sees it
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
 
     def flush(self) -> None:

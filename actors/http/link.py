@@ -15,7 +15,18 @@ import msgspec
 import pykka
 
 from ..bridge import SchedulerInbox
-from ..messages import Acquire, Cancel, Cut, Grant, NotCut, Refusal, Release, Releases, Requeue
+from ..messages import (
+    Acquire,
+    Cancel,
+    Cut,
+    Grant,
+    NotCut,
+    Refusal,
+    Release,
+    Releases,
+    Requeue,
+    Spend,
+)
 from .control import (
     Again,
     Answered,
@@ -30,6 +41,7 @@ from .control import (
     LetAll,
     Listening,
     Revoked,
+    Spent,
     Uncut,
     frame,
     read_frame,
@@ -125,6 +137,9 @@ class Link:
                 if ticket is not None:
                     self._tell(Release(ticket=ticket, shared=message.shared,
                                        idle_s=message.idle_s, tokens=message.tokens))
+            case Spent(id=id_, tokens=tokens):
+                if (ticket := self.tickets.get(id_)) is not None:
+                    self._tell(Spend(ticket=ticket, tokens=tokens))
             case LetAll(lets=lets):
                 releases = self._releases(lets)
                 if releases:

@@ -36,7 +36,7 @@ import pykka
 
 from ..bridge import LoopReply, SchedulerInbox, acquire, requeue
 from ..keys import KeyRule
-from ..messages import Grant, Refusal, Release, Releases, Revoke, Withdraw
+from ..messages import Grant, Refusal, Release, Releases, Revoke, Spend, Withdraw
 from .pool import Pool
 
 RETRY_POLLS = 200
@@ -198,6 +198,11 @@ class Shares:
             return
         self._give_back(share)
 
+    def spend(self, ticket: LoopReply, tokens: int) -> None:
+        """The stream holding `ticket` (a grant of its own) has used `tokens` more so far,
+        for its key's tokens_per_min; its release carries the rest."""
+        self._tell(Spend(ticket=ticket, tokens=tokens))
+
     def _give_back(self, share: SharedGrant, idle_s: float = 0.0) -> None:
         """Release the grant to the Scheduler: no request is on it any more."""
         self._tell(self._let_go(share, idle_s))
@@ -210,7 +215,7 @@ class Shares:
         return Release(ticket=share.ticket, shared=share.joined > 0, idle_s=idle_s,
                        tokens=share.tokens)
 
-    def _tell(self, message: Release | Releases) -> None:
+    def _tell(self, message: Release | Releases | Spend) -> None:
         try:
             self.scheduler().tell(message)
         except pykka.ActorDeadError:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from ..bridge import LoopReply
 from ..config import Config, ModelConfig
-from ..keys import API_KEY_NAME, KeyRule
+from ..keys import API_KEY_NAME, KeyRule, plans_per_min
 from ..messages import GetPlan, ModelsSnapshot, SchedulerMessage
 from ..policy.plans import RequestPlan
 from .control import FrontCounts
@@ -116,10 +116,12 @@ def keys_body(snap: ModelsSnapshot, counts: FrontCounts, config: Config) -> dict
             "level": view.level if view else None,
             "limits": {"max_concurrency": k.max_concurrency,
                        "requests_per_min": k.requests_per_min,
-                       "tokens_per_min": k.tokens_per_min},
+                       "tokens_per_min": k.tokens_per_min,
+                       "plans_per_min": plans_per_min(k)},
             "in_flight": view.in_flight if view else 0,
             "requests_last_min": view.requests_last_min if view else None,
             "tokens_last_min": view.tokens_last_min if view else None,
+            "tokens_carried": view.tokens_carried if view else None,
             "requests_total": requests, "prompt_tokens_total": prompt,
             "completion_tokens_total": completion,
             "refusals": view.refusals if view else {}, "cuts": view.cuts if view else 0})

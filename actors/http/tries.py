@@ -163,8 +163,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
             if not ex.cut:
                 front.shares.release(share, route.lease_linger_s if route else 0.0,
                                      keep=ex.broke_kind is None,
-                                     tokens=sum(ex.meter.used())
-                                     if ex.meter and ex.meter.answered else 0)
+                                     tokens=ex.meter.rest() if ex.meter else 0)
         if ex.cut:
             log.info("%s: a request was cut for a higher class before its answer began; it "
                      "waits again (priority_preempt)", ex.what)

@@ -29,6 +29,7 @@ from ..messages import (
     Releases,
     Requeue,
     SchedulerMessage,
+    Spend,
 )
 from .control import (
     Again,
@@ -47,6 +48,7 @@ from .control import (
     RevokeAsk,
     Revoked,
     Setup,
+    Spent,
     ToWorker,
     Uncut,
     frame,
@@ -85,6 +87,9 @@ class Corral:
                                cuttable=cuttable, affinity=affinity, among=among))
             case Release():
                 self._send(self._let(message))
+            case Spend(ticket=ticket, tokens=tokens):
+                self._send(Spent(id=self.id_of.get(ticket, 0),  # type: ignore[call-overload]
+                                 tokens=tokens))
             case Releases(releases=releases):
                 self._send(LetAll(lets=[self._let(r) for r in releases]))
             case Cancel(ticket=ticket):

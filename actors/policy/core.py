@@ -195,6 +195,13 @@ class Policy:
         self.rules.pump(now)
         return self.rules.flush()
 
+    def spend(self, ticket: Hashable, tokens: int, now: float) -> None:
+        """The stream of `ticket` has used `tokens` more so far: its key's budget counts
+        them now (tenants.py), not only at its release. Decides nothing by itself."""
+        lease = self.state.leases.get(ticket)
+        if lease is not None and lease[2]:
+            self.state.tenants.charge(lease[2], tokens, now)
+
     def release_all(self, releases: Iterable[tuple[Hashable, bool, float, int]],
                     now: float) -> list[Effect]:
         """Grants given back together (ticket, shared, idle_s, tokens): the front's answer

@@ -4,7 +4,15 @@ queued, and one over its `max_concurrency` waits.
 
 The windows are exact, not buckets: the times of the requests taken in the last
 `WINDOW_S`, and the tokens used in it with the time of each use. A request is counted
-when it is taken (granted or queued); tokens when its grant is released.
+when it is taken (granted or queued); tokens as a stream goes (`charge`) and when its
+grant is released.
+
+A key's token window never holds more than its `tokens_per_min`. What a long answer uses
+past that is *carried*: it enters the window as room appears there, dated when it does,
+so the key is refused until it has been paid for a minute's worth at a time (issue 37,
+S5: 2000 tokens at 100 a minute keep the key waiting 20 minutes, not one). As if each
+token entered the window in turn, at the earliest when the one `tokens_per_min` before
+it left.
 """
 
 from __future__ import annotations
@@ -32,13 +40,68 @@ class Usage:
     spent: deque[tuple[float, int]] = field(default_factory=deque)
     """(when, tokens) of each release in the window, oldest first."""
     spent_sum: int = 0
+    carried: int = 0
+    """Tokens used that the window had no room for yet. Invariant: while there are any,
+    the window is full (`spent_sum` is the key's tokens_per_min or more)."""
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float, tokens_per_min: int = 0) -> None:
+        """Forget what left the window by `now`; with the key's `tokens_per_min`, what is
+        carried takes the room each departure leaves, dated when it left."""
         since = now - WINDOW_S
         while self.taken and self.taken[0] <= since:
             self.taken.popleft()
         while self.spent and self.spent[0][0] <= since:
-            self.spent_sum -= self.spent.popleft()[1]
+            when, tokens = self.spent.popleft()
+            self.spent_sum -= tokens
+            if self.carried and tokens_per_min:
+                self.post(when + WINDOW_S, tokens_per_min)
+        if self.carried and tokens_per_min:  # room left by a window read without its limit
+            self.post(now, tokens_per_min)
+
+    def post(self, at: float, tokens_per_min: int) -> None:
+        """Move as much of the carry into the window, at `at`, as there is room for."""
+        tokens = min(self.carried, tokens_per_min - self.spent_sum)
+        if tokens > 0:
+            self.spent.append((at, tokens))
+            self.spent_sum += tokens
+            self.carried -= tokens
+
+    def refund(self, tokens: int) -> None:
+        """Take back `tokens` charged too many: from the carry first, then the newest."""
+        back = min(tokens, self.carried)
+        self.carried -= back
+        tokens -= back
+        while tokens and self.spent:
+            when, spent = self.spent.pop()
+            back = min(tokens, spent)
+            tokens -= back
+            self.spent_sum -= back
+            if spent > back:
+                self.spent.append((when, spent - back))
+
+    def free_at(self, tokens_per_min: int) -> float:
+        """When the window (full, maybe with a carry) first holds fewer than
+        `tokens_per_min` tokens, if nothing more is charged."""
+        total, carried = self.spent_sum, self.carried
+        posted: list[tuple[float, int]] = []
+        for when, tokens in self.spent:  # what is in the window leaves, the carry enters
+            left_at = when + WINDOW_S
+            total -= tokens
+            moved = max(0, min(carried, tokens_per_min - total))
+            if moved:
+                posted.append((left_at, moved))
+                total, carried = total + moved, carried - moved
+            if total < tokens_per_min:
+                return left_at
+        # The window now holds only what entered from the carry, a full minute's worth;
+        # each later minute repeats it, until the carry left is less than a minute's.
+        rounds, left = divmod(carried, tokens_per_min)
+        freed = 0
+        for when, tokens in posted:
+            freed += tokens
+            if freed > left:
+                return when + WINDOW_S * (rounds + 1)
+        raise AssertionError(f"a carry of {self.carried} tokens never repaid")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +149,7 @@ class Tenants:
         if not (rules.requests_per_min or rules.tokens_per_min):
             return None
         usage = self._usage(key)
-        usage.expire(now)
+        usage.expire(now, rules.tokens_per_min)
         if rules.requests_per_min and len(usage.taken) >= rules.requests_per_min:
             # the oldest of the window must leave it before one more fits
             wait = usage.taken[len(usage.taken) - rules.requests_per_min] + WINDOW_S - now
@@ -94,14 +157,11 @@ class Tenants:
                              f"{WINDOW_S:g} s (requests_per_min {rules.requests_per_min})",
                              max(wait, 0.0), "requests_per_min")
         if rules.tokens_per_min and usage.spent_sum >= rules.tokens_per_min:
-            left, wait = usage.spent_sum, 0.0
-            for when, tokens in usage.spent:  # until enough of them are older than the window
-                left -= tokens
-                wait = when + WINDOW_S - now
-                if left < rules.tokens_per_min:
-                    break
+            wait = usage.free_at(rules.tokens_per_min) - now
+            owed = (f" and owes {usage.carried} more, carried over from long answers"
+                    if usage.carried else "")
             return OverQuota(f"key '{key}' has used {usage.spent_sum} tokens in the last "
-                             f"{WINDOW_S:g} s (tokens_per_min {rules.tokens_per_min})",
+                             f"{WINDOW_S:g} s{owed} (tokens_per_min {rules.tokens_per_min})",
                              max(wait, 0.0), "tokens_per_min")
         return None
 
@@ -134,11 +194,24 @@ class Tenants:
         usage = self._usage(key)
         was_at_limit = self.at_limit(key)
         usage.in_flight -= 1
-        if tokens > 0 and self.of(key).tokens_per_min:
-            usage.spent.append((now, tokens))
-            usage.spent_sum += tokens
-            self.changes += 1
+        self.charge(key, tokens, now)
         return was_at_limit and not self.at_limit(key)
+
+    def charge(self, key: str, tokens: int, now: float) -> None:
+        """A request of `key` used `tokens` more (as its stream went, or at its release);
+        negative at a release when the answer's own `usage` said less than was charged
+        as it streamed. What the window has no room for is carried."""
+        limit = self.of(key).tokens_per_min
+        if not tokens or not limit:
+            return
+        usage = self._usage(key)
+        usage.expire(now, limit)
+        if tokens > 0:
+            usage.carried += tokens
+            usage.post(now, limit)
+        else:
+            usage.refund(-tokens)
+        self.changes += 1
 
     def limited(self, key: str) -> bool:
         """Whether the Scheduler must see each request of `key` (it has limits): its
@@ -155,9 +228,10 @@ class Tenants:
             rules = self.rules.get(key)
             if rules is None or not (rules.requests_per_min or rules.tokens_per_min):
                 continue
-            usage.expire(now)
+            usage.expire(now, rules.tokens_per_min)
             out[key] = KeptUsage(taken_ago=[now - t for t in usage.taken],
-                                 spent_ago=[(now - t, n) for t, n in usage.spent])
+                                 spent_ago=[(now - t, n) for t, n in usage.spent],
+                                 carried=usage.carried)
         return out
 
     def restore(self, kept: dict[str, KeptUsage], now: float, away_s: float) -> None:
@@ -173,6 +247,7 @@ class Tenants:
             taken = [ago for ago in k.taken_ago if 0 <= ago <= WINDOW_S]
             spent = [(ago, n) for ago, n in k.spent_ago if 0 <= ago <= WINDOW_S and n >= 0]
             dropped += len(k.taken_ago) - len(taken) + len(k.spent_ago) - len(spent)
+            dropped += int(k.carried < 0)
             usage = self._usage(key)
             if rules.requests_per_min:
                 usage.taken.extend(now - ago - away_s for ago in sorted(taken, reverse=True))
@@ -180,7 +255,8 @@ class Tenants:
                 for ago, n in sorted(spent, reverse=True):
                     usage.spent.append((now - ago - away_s, n))
                     usage.spent_sum += n
-            usage.expire(now)
+                usage.carried += max(0, k.carried)
+            usage.expire(now, rules.tokens_per_min)
         if dropped:
             log.warning("key budgets: dropped %d saved value(s) out of range (ages outside "
                         "[0, %g] s, negative token counts): the file was damaged or edited",
@@ -192,3 +268,5 @@ class KeptUsage(msgspec.Struct, frozen=True):
 
     taken_ago: list[float] = []
     spent_ago: list[tuple[float, int]] = []
+    carried: int = 0
+    """Tokens used past the window's room (Usage.carried)."""

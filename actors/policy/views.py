@@ -107,13 +107,14 @@ def key_views(p: State, now: float) -> list[KeyView]:
             continue
         usage = p.tenants.usage.get(name)
         if usage is not None:
-            usage.expire(now)
+            usage.expire(now, rules.tokens_per_min)
         out.append(KeyView(
             name=name, priority=rules.priority, level=rules.level,
             in_flight=usage.in_flight if usage else 0,
             requests_last_min=(len(usage.taken) if usage else 0) if rules.requests_per_min
             else None,
             tokens_last_min=(usage.spent_sum if usage else 0) if rules.tokens_per_min else None,
+            tokens_carried=(usage.carried if usage else 0) if rules.tokens_per_min else None,
             refusals={r: n for (k, r), n in p.stats.key_refusals.items() if k == name},
             cuts=sum(n for (_, k), n in p.stats.cuts.items() if k == name)))
     return out
