@@ -143,3 +143,22 @@ def test_a_wrong_plans_per_min_is_refused_naming_it(value: object, error: str) -
         parse_config({"keys": {"x": {"key_env": "HOME", "plans_per_min": value}}},
                      "corral.toml")
     assert error in str(e.value) and str(e.value).startswith("corral.toml: ")
+
+
+def test_a_stream_charged_through_any_front_is_counted_exactly_once(corral,
+                                                                     tmp_path: Path) -> None:
+    """With http.workers, a stream's charges as it goes cross a worker's channel (Spent)
+    as its release does: the key's window ends with exactly what the answers' usage
+    said, whichever fronts the streams went through."""
+    c = corral(toml_config({"a": {"cmd": fake_cmd()}}, http={"workers": 3}, keys={
+        "root": key(tmp_path, "root", admin=True),
+        "fay": key(tmp_path, "fay", tokens_per_min=1000)}))  # a charge each 100 tokens
+    for _ in range(6):  # on fresh connections: the kernel spreads them over the fronts
+        status, body, _ = request(c.port, "POST", "/v1/chat/completions", {
+            "model": "a", "stream": True, "max_tokens": 150,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "hi"}]}, headers=bearer("fay"))
+        assert status == 200 and str(body).count("data: {") == 151
+    fay = wait_until(lambda: (row := key_row(c.port, "fay"))["requests_total"] == 6 and row,
+                     10, "the streams' counts")
+    assert (fay["tokens_last_min"], fay["tokens_carried"]) == (6 * 151, 0)
