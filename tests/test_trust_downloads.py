@@ -21,6 +21,7 @@ from actors.config import ConfigError
 from actors.config_downloads import DownloadsConfig
 from actors.config_load import parse_config
 from actors.downloads import limits
+from actors.downloads.jobs import QUEUED_MAX
 from actors.downloads.registry import repo_problem
 from bench.support import toml_value
 from tests.fake_hub import FakeHub
@@ -72,8 +73,15 @@ def download(port: int, name: str) -> tuple[int, Any]:
 
 
 def download_children(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "actors.hf_download" in " ".join(p.cmdline())]
+    """corral's download children that are alive (not yet reaped ones left out)."""
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "actors.hf_download" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue  # gone, or a zombie until corral reaps it
+    return found
 
 
 def ended(sse: SSE, name: str, timeout_s: float = 60) -> dict[str, Any]:
@@ -189,6 +197,19 @@ def test_downloads_past_max_concurrent_wait_their_turn(corral, hub, tmp_path) ->
     wait_until(lambda: len(download_children(c.proc.pid)) == 1, what="one child")
     assert request(c.port, "POST", "/models/unload", {"model": names[1]})[0] == 200
     wait_until(lambda: not download_children(c.proc.pid), what="no download child")
+
+
+def test_the_download_queue_is_bounded_too(corral, hub, tmp_path) -> None:
+    hub.rate = len(WEIGHTS) / 30
+    c = corral(config(tmp_path, "max_concurrent = 1"))
+    assert download(c.port, SNAP)[0] == 200
+    for i in range(QUEUED_MAX):  # never started: corral stops with them queued
+        assert download(c.port, f"nobody/q{i}")[0] == 200
+    code, body, headers = request(c.port, "POST", "/models", {"model": "nobody/more",
+                                                               "format": "snapshot"})
+    assert code == 503 and "100 downloads wait" in body["error"]["message"]
+    assert headers["retry-after"] == "60"
+    assert len(download_children(c.proc.pid)) <= 1
 
 
 def test_a_download_over_max_gib_fails_and_leaves_nothing(corral, hub, tmp_path) -> None:

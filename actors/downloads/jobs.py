@@ -82,6 +82,9 @@ class Downloads:
             return Refused(400, f"'{name}' is a model (or an alias, or a virtual model) "
                            "already")
         job = self.jobs.get(name)
+        if job is not None and job.cancelled is not None and job.state == "downloading":
+            return Refused(409, f"'{name}' is being stopped ({job.cancelled}); ask again "
+                           "once its download_failed event has come")
         if job is not None and job.state in ("queued", "downloading"):
             return Refused(400, f"'{name}' is being downloaded already ({job.state})")
         if form == "gguf" and (self.config.downloads.llama_server or self.llama_server) is None:
@@ -164,8 +167,10 @@ class Downloads:
             self._say_end(job)
             return True
         if job is None or job.state != "downloading" or job.child is None \
-                or job.child.returncode is not None or job.cancelled is not None:
+                or job.child.returncode is not None:
             return False
+        if job.cancelled is not None:
+            return True  # being stopped already, for its first reason
         job.cancelled, job.forget = why, forget
         if job.format == "gguf":  # llama-server ends it, removing the partial file
             job.child.write_stdin(LLAMA_EXIT)
