@@ -24,6 +24,7 @@ then streamed to and from the child; everything else goes to the management API.
 | corral's own endpoints (aiohttp, loopback only)  | `ManagementApi`          | api.py        |
 | a model's entry in GET /models                   | `entry`                  | listing.py    |
 | what a key may ask; GET /keys, /models/plan      | `may_call`, `plan`       | tenancy.py    |
+| a key's allowance of those (plans_per_min)       | `Allowances`, `refuse`   | allowance.py  |
 | more fronts in processes of their own            | `Fronts`, `Workers`      | workers.py    |
 | corral's end of one worker's channel             | `Link`, `RemoteTicket`   | link.py       |
 | a front worker's process                         | `serve`, `Corral`        | worker.py     |
