@@ -46,6 +46,8 @@ PARTIAL = (".downloadInProgress", ".incomplete")
 
 
 class Refused(NamedTuple):
+    """Why POST /models cannot download a name now: the answer's status and message."""
+
     status: int
     message: str
 
@@ -64,6 +66,9 @@ class Downloads:
         self.waiting: deque[Download] = deque()
         """The queued jobs, first asked first. Invariant: exactly the jobs `queued`."""
         self.stopping = False
+        self.starting = False
+        """`_next` is under way: a start that fails at once ends in `_next` again, which
+        must not recurse through the whole queue (a full disk fails every one)."""
         self.loop = asyncio.get_running_loop()
 
     def running(self) -> int:
@@ -91,7 +96,11 @@ class Downloads:
             return Refused(400, "no llama-server to download a GGUF with: set [downloads] "
                            "llama_server, or start corral with --llama-server")
         folder = folder_of(self.config)
-        full = limits.before_start(self.config.downloads, limits.free_bytes(folder), folder)
+        try:
+            full = limits.before_start(self.config.downloads, limits.free_bytes(folder),
+                                       folder)
+        except OSError as e:
+            full = f"cannot see the free space of {folder}: {e.strerror}"
         if full is not None:
             return Refused(507, full)
         if len(self.waiting) >= QUEUED_MAX:
@@ -152,9 +161,15 @@ class Downloads:
 
     def _next(self) -> None:
         """Start queued jobs while there is room."""
-        while (self.waiting and not self.stopping
-               and self.running() < self.config.downloads.max_concurrent):
-            self._launch(self.waiting.popleft())
+        if self.starting:
+            return  # the loop below goes on
+        self.starting = True
+        try:
+            while (self.waiting and not self.stopping
+                   and self.running() < self.config.downloads.max_concurrent):
+                self._launch(self.waiting.popleft())
+        finally:
+            self.starting = False
 
     def cancel(self, name: str, why: str = "cancelled by POST /models/unload",
                forget: bool = True) -> bool:
@@ -200,8 +215,10 @@ class Downloads:
         registry and, of one that was downloaded, its files go. Returns whether there
         was an entry or a line, and the folder deleted."""
         job = self.jobs.get(name)
-        assert job is None or job.state not in ("queued", "downloading")
-        self.jobs.pop(name, None)
+        if job is not None and job.state in ("queued", "downloading"):
+            job = None  # asked for again while DELETE removed the model: it stays
+        else:
+            self.jobs.pop(name, None)
         folder = folder_of(self.config)
         entries = registry.read(folder)
         line = entries.pop(name, None)
@@ -209,18 +226,20 @@ class Downloads:
             registry.write(folder, entries)
         gone = None
         if (line is not None or (job is not None and job.state == "downloaded")) \
-                and not self._busy(name):
+                and not self._busy(name, itself=True):
             gone = registry.remove_files(folder, name)
         if gone is not None:
             log.info("deleted the download %s (%s)", name, gone)
         return job is not None or line is not None, str(gone) if gone else None
 
-    def _busy(self, name: str) -> bool:
-        """Whether another job under way or queued writes to `name`'s repo folder."""
+    def _busy(self, name: str, itself: bool = False) -> bool:
+        """Whether another job under way or queued (or, with `itself`, one of `name`
+        too) writes to `name`'s repo folder."""
         folder = folder_of(self.config)
         where = repo_folder(folder, name)
         return any(repo_folder(folder, job.name) == where for job in self.jobs.values()
-                   if job.name != name and job.state in ("queued", "downloading"))
+                   if (itself or job.name != name)
+                   and job.state in ("queued", "downloading"))
 
     # ------------------------------------------------------------ what the child says
 
@@ -247,8 +266,11 @@ class Downloads:
             job.downloaded = int(said.get("downloaded", job.downloaded))
             job.total = int(said.get("total", job.total))
             folder = folder_of(self.config)
-            over = limits.while_running(self.config.downloads, job.downloaded, job.total,
-                                        limits.free_bytes(folder), folder)
+            try:
+                over = limits.while_running(self.config.downloads, job.downloaded,
+                                            job.total, limits.free_bytes(folder), folder)
+            except OSError as e:  # (the folder's disk went away under it)
+                over = f"cannot see the free space of {folder}: {e.strerror}"
             if over is not None:
                 self.cancel(job.name, over, forget=False)
                 return
