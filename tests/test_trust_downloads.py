@@ -326,3 +326,24 @@ def test_bad_download_bounds_are_config_errors_naming_the_key(table, key) -> Non
 def test_download_bounds_decode_as_documented() -> None:
     assert msgspec.convert({}, DownloadsConfig) == DownloadsConfig(
         max_concurrent=2, max_gib=None, min_free_gib=5.0, keep_failed=20)
+
+
+def test_a_member_key_sees_only_the_downloads_it_may_use(corral, hub, tmp_path) -> None:
+    """S8: every download entry (name, error) reached every caller's GET /models."""
+    keys = {"root": {"key_file": str(tmp_path / "root.key"), "admin": True},
+            "alice": {"key_file": str(tmp_path / "alice.key"), "models": ["mine/*"]}}
+    for name in keys:
+        (tmp_path / f"{name}.key").write_text(f"{name}-secret\n")
+    c = corral(toml_config({"busy": {"cmd": fake_cmd()}}, keys=keys,
+                           state_dir=str(tmp_path / "state"),
+                           downloads={"snapshot_cmd": fake_cmd("--model", "{path}")}))
+    root = {"Authorization": "Bearer root-secret"}
+    sse = SSE(c.port, headers=root)
+    for name in ("secret/repo", "mine/repo"):  # unknown to the hub: both fail, and stay
+        code, body, _ = request(c.port, "POST", "/models",
+                                {"model": name, "format": "snapshot"}, headers=root)
+        assert code == 200, body
+        assert ended(sse, name)["type"] == "download_failed"
+    assert {"secret/repo", "mine/repo"} <= set(listed(c.port, root))
+    alice = listed(c.port, {"Authorization": "Bearer alice-secret"})
+    assert "mine/repo" in alice and "secret/repo" not in alice, alice

@@ -293,7 +293,8 @@ class ManagementApi(ModelCommands):
         virtual = [v.entry(n, [m for m in v.models if tenancy.visible(key, m, models)])
                    for n, v in self.sup.config.virtual.items()
                    if any(tenancy.visible(key, m, models) for m in (n, *v.models))]
-        pending = self.downloads.views() if self.downloads is not None else []
+        pending = [v for v in self.downloads.views() if tenancy.visible(key, v["id"], models)
+                   ] if self.downloads is not None else []  # (S8: a member key, its own)
         return web.json_response({"object": "list", "data": [
             *(tenancy.shown(e, key) for e in entries if e), *virtual, *pending]})
 
