@@ -17,7 +17,8 @@ import io
 import json
 import socket
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.http.edge import Answer
-from actors.http.upload import HOLD_MAX, MODEL_MAX, FormSniffer, boundary_of, field_name
+from actors.http.upload import (
+    HOLD_MAX,
+    MODEL_MAX,
+    FormSniffer,
+    Upload,
+    boundary_of,
+    field_name,
+)
 from tests.helpers import Corral, chat, fake_cmd, toml_config, wait_until
 from tests.rawhttp import Raw
 
@@ -485,3 +493,98 @@ def test_uploads_pass_through_front_workers(tmp_path: Path) -> None:
         with Raw(c.port, timeout_s=30) as raw:
             raw.send(upload_head(len(body)) + body)
             assert raw.one().json()["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def unread(port: int) -> tuple[int, int]:
+    """corral's open connections on `port`, and the bytes they hold that it has not read
+    (Linux: /proc/net/tcp's rx_queue of each established socket listening there)."""
+    count = total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":
+            count += 1
+            total += int(fields[4].split(":")[1], 16)
+    return count, total
+
+
+def reading_stopped(port: int) -> Callable[[], bool]:
+    """A predicate: corral's connections on `port` have held the same unread bytes for
+    half a second (it reads none of them any more)."""
+    since: list[tuple[float, tuple[int, int]]] = []
+
+    def check() -> bool:
+        now = unread(port)
+        if not since or since[0][1] != now:
+            since[:] = [(time.monotonic(), now)]
+        return time.monotonic() - since[0][0] >= 0.5
+    return check
+
+
+def test_an_upload_holds_its_start_once() -> None:
+    """Review S11: the sniffer reads the upload's own buffer, not a copy of it."""
+
+    class Client:
+        paused = False
+
+        def pause_reading(self) -> None:
+            self.paused = True
+
+        def resume_reading(self) -> None:
+            self.paused = False
+
+    client = Client()
+    upload = Upload(BOUNDARY.encode(), None, client)
+    part = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"\r\n\r\n'.encode()
+    assert not upload.feed(part + b"x" * (64 << 10))
+    assert upload.sniffer is not None and upload.sniffer.buf is upload.held
+    assert len(upload.held) == len(part) + (64 << 10) and not client.paused
+    upload.close()
+    assert len(upload.held) == 0
+
+
+def test_waiting_uploads_are_held_once_within_a_bound_and_given_back(tmp_path: Path) -> None:
+    """Review S11: an upload whose model was not known yet was held twice (the sniffer's
+    copy and the upload's), 1 MiB each: 150 of them took corral from 50 to 345 MiB, and
+    it kept the memory after they ended. Now the start of an upload is held once, at
+    most HOLD_MAX and one read of it, in memory that is returned when its request
+    ends: 150 of them, stalled or waiting for their model's load, add less than 64 MiB
+    (at the peak), and corral is back within 16 MiB of where it was once they end."""
+    n, budget = 150, 64 * 1024
+    file_head = b'--%b\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n' % (
+        BOUNDARY.encode())
+    model = b'--%b\r\nContent-Disposition: form-data; name="model"\r\n\r\nw\r\n' % (
+        BOUNDARY.encode())
+    waves = {"a 1000 KiB part first, no model": (file_head + b"z" * (1000 << 10), None),
+             "stalled below the bound, no model": (file_head + b"z" * (HOLD_MAX - 4096),
+                                                   None),
+             "queued for a loading model, 1 MiB sent": (model + file_head + b"q" * MiB, "w")}
+    with Corral(toml_config({"w": {"cmd": fake_cmd("--load-delay", "120")}},
+                            http={"body_timeout_s": 10}), home=tmp_path) as c:
+        pid = c.proc.pid
+        start = rss_kib(pid, "VmRSS")
+        for wave, (body, names) in waves.items():
+            peak_rss_reset(pid)
+            clients = []
+            try:
+                for _ in range(n):
+                    sock = socket.create_connection(("127.0.0.1", c.port), timeout=30)
+                    sock.setblocking(False)
+                    clients.append(sock)
+                    with contextlib.suppress(BlockingIOError):
+                        sock.send(upload_head(10 * MiB) + body)
+                if names is None:  # every byte read (or the connection refused)
+                    wait_until(lambda: unread(c.port)[1] == 0, 30, f"{wave}: all read")
+                else:  # every one queued, and corral reading none of them any more
+                    wait_until(lambda: c.models()["w"]["waiting"] == n, 30,
+                               f"{wave}: all queued")
+                    wait_until(reading_stopped(c.port), 30, f"{wave}: corral to stop reading")
+                grew = rss_kib(pid, "VmHWM") - start
+                assert grew < budget, f"{wave}: corral's peak RSS grew {grew >> 10} MiB"
+            finally:
+                for sock in clients:
+                    sock.close()
+            wait_until(lambda: unread(c.port)[0] == 0 and c.models()["w"]["waiting"] == 0,
+                       40, f"{wave}: the clients gone (a held-back one: at its probe)")
+            wait_until(lambda: rss_kib(pid, "VmRSS") - start < 16 * 1024, 15,
+                       f"{wave}: corral to give the memory back (RSS "
+                       f"{rss_kib(pid, 'VmRSS') >> 10} MiB, {start >> 10} MiB at start)")

@@ -116,6 +116,9 @@ class Connection(Timers, asyncio.Protocol):
             self.exchange.client_gone()
         elif self.front.draining:
             self.front.exchange_finished()
+        for req in (self.reader.req, *self.pending):  # uploads no exchange will close:
+            if req is not None and req.upload is not None:  # their held start goes now,
+                req.upload.close()  # not at the collector's next pass (review S11)
 
     def eof_received(self) -> bool:
         """The client is done sending: it may have half-closed (answer it) or left (stop).

@@ -8,9 +8,11 @@ request like a JSON one, and then writes the body to the child unchanged as it a
 (max_body_mib) and the body timeout still apply; a body that breaks either ends its
 request and its child connection.
 
-Flow control, both ways: while a request waits for its grant, at most HOLD_MAX bytes of
-it are held (the client is not read meanwhile); while its child takes nothing, the client
-is not read either.
+Flow control, both ways: until its model is known and while it waits for its grant, at
+most HOLD_MAX bytes of it are held, and the rest of the read that brought the last of
+them (the client is not read meanwhile): once, in one buffer the sniffer reads too, whose
+memory goes back to the system when the request ends (held.py); while its child takes
+nothing, the client is not read either.
 
 Such a request is sent once: its body is gone once written. So it goes on a fresh child
 connection (no kept-alive connection that may close as it goes in), it is not replayed to
@@ -26,9 +28,12 @@ from email.utils import collapse_rfc2231_value
 from typing import Protocol
 
 from .edge import OPEN_PATHS, OWN_GET, OWN_POST, PROXIED_POST, UPLOAD_POST, Answer
+from .held import READ_MAX, Held
 
-HOLD_MAX = 1 << 20
-"""Bytes of an upload held before its grant; the `model` field must come within them."""
+HOLD_MAX = 128 << 10
+"""Bytes of an upload held before its grant (and the rest of the read that brought the
+last of them); the `model` field must come within them (review S11: 150 waiting uploads
+must cost corral less than 64 MiB)."""
 PART_HEAD_MAX = 16 << 10
 """A part's header block longer than this is not a form's."""
 MODEL_MAX = 1 << 10
@@ -39,13 +44,15 @@ _MULTIPART = b"multipart/form-data"
 class FormSniffer:
     """The `model` field of a multipart/form-data body (RFC 7578), read as the body
     arrives: `feed` answers the model's name, the 400 that says what is wrong, or None
-    while more is needed. It keeps what it has been fed (at most HOLD_MAX bytes)."""
+    while more is needed. What it is fed goes into `buf` (at most HOLD_MAX bytes): the
+    upload's own buffer, so the start of a body is held once (review S11)."""
 
     __slots__ = ("at", "buf", "content_at", "delim", "name")
 
-    def __init__(self, boundary: bytes) -> None:
+    def __init__(self, boundary: bytes, buf: Held | None = None) -> None:
         self.delim = b"\r\n--" + boundary
-        self.buf = bytearray(b"\r\n")  # a delimiter at the body's start has its CRLF too
+        self.buf = Held(HOLD_MAX + READ_MAX) if buf is None else buf
+        """The body from its first byte."""
         self.at = 0
         """Where the search goes on: a delimiter's start, or a part's content."""
         self.content_at = -1
@@ -54,11 +61,11 @@ class FormSniffer:
         """The current part's field name."""
 
     def feed(self, data: bytes) -> str | Answer | None:
-        self.buf += data
+        self.buf.extend(data)
         found = self._scan()
         if found is None and len(self.buf) > HOLD_MAX:
             return Answer(400, f"the multipart body names no model in its first "
-                          f"{HOLD_MAX >> 20} MiB: send the `model` field before the file "
+                          f"{HOLD_MAX >> 10} KiB: send the `model` field before the file "
                           "(corral streams uploads through and reads only their start)")
         return found
 
@@ -77,15 +84,18 @@ class FormSniffer:
         buf, delim = self.buf, self.delim
         while True:
             if self.content_at < 0:  # at a delimiter, or in the preamble before the first
-                start = buf.find(delim, self.at)
-                if start < 0:
-                    self.at = max(self.at, len(buf) - len(delim) + 1)
-                    return None
-                self.at = start
-                line = buf.find(b"\r\n", start + len(delim))
+                if self.at == 0 and buf.startswith(delim[2:]):
+                    opened = len(delim) - 2  # the body's first line: no CRLF before it
+                else:
+                    start = buf.find(delim, self.at)
+                    if start < 0:  # (`at` stays 0 while `buf` is shorter than a delimiter)
+                        self.at = max(self.at, len(buf) - len(delim) + 1)
+                        return None
+                    self.at, opened = start, start + len(delim)
+                line = buf.find(b"\r\n", opened)
                 if line < 0:
-                    return self._unless_long(len(buf) - start, "boundary line")
-                after = bytes(buf[start + len(delim):line])
+                    return self._unless_long(len(buf) - self.at, "boundary line")
+                after = bytes(buf[opened:line])
                 if after.startswith(b"--"):
                     return Answer(400, 'the multipart body has no "model" field; name the '
                                   "model in a form field called model")
@@ -180,14 +190,15 @@ class Upload:
                  "reading", "sniffer", "then", "throttled", "to", "to_paused")
 
     def __init__(self, boundary: bytes, length: int | None, reading: Reading) -> None:
-        self.sniffer: FormSniffer | None = FormSniffer(boundary)
+        self.held = Held(HOLD_MAX + READ_MAX)
+        """What arrived before its grant (one buffer: tiny chunks cost no more), which
+        the sniffer reads as it fills it."""
+        self.sniffer: FormSniffer | None = FormSniffer(boundary, self.held)
         self.model: str | Answer | None = None
         """The model it names, or why it names none (None: not read yet)."""
         self.length = length
         """The client's Content-Length (None: it sent chunks, so the child gets chunks)."""
         self.reading = reading
-        self.held = bytearray()
-        """What arrived before its grant (one buffer: tiny chunks cost no more)."""
         self.out: list[bytes] = []
         """What goes to the child at the next `flush`."""
         self.complete = False
@@ -218,10 +229,11 @@ class Upload:
             return False
         if self.dropped:
             return False
-        self.held += data
         settled = False
-        if self.sniffer is not None:
-            found = self.sniffer.feed(data)
+        if self.sniffer is None:
+            self.held.extend(data)
+        else:
+            found = self.sniffer.feed(data)  # into `held`
             if found is not None:
                 self.model, self.sniffer, settled = found, None, True
         if len(self.held) > HOLD_MAX:
@@ -247,8 +259,7 @@ class Upload:
         to.feeder = self
         to.body_open = True
         if self.held:
-            self._write(bytes(self.held))
-            self.held = bytearray()
+            self._write(self.held.take())
         if self.complete:
             self._finish()
         self.flush()
@@ -275,7 +286,8 @@ class Upload:
     def close(self) -> None:
         """Its exchange is over: nothing is held, nothing holds the client back."""
         self.detach()
-        self.dropped, self.held, self.to_paused = True, bytearray(), False
+        self.dropped, self.to_paused = True, False
+        self.held.clear()  # (in place: a sniffer still reading it holds nothing either)
         self._throttle(False)
 
     def pause(self) -> None:
