@@ -235,7 +235,8 @@ class Upload:
         else:
             found = self.sniffer.feed(data)  # into `held`
             if found is not None:
-                self.model, self.sniffer, settled = found, None, True
+                self._settle(found)
+                settled = True
         if len(self.held) > HOLD_MAX:
             self._throttle(True)
         return settled
@@ -245,13 +246,22 @@ class Upload:
         self.complete = True
         settled = False
         if self.sniffer is not None:
-            self.model, self.sniffer, settled = self.sniffer.finish(), None, True
+            self._settle(self.sniffer.finish())
+            settled = True
         if self.to is not None:
             self._finish()
         then, self.then = self.then, None
         if then is not None:
             then()
         return settled
+
+    def _settle(self, model: str | Answer) -> None:
+        """The sniffer has read what it names; a refusal drops what is held, and what
+        comes after (its 400 is all the client gets)."""
+        self.model, self.sniffer = model, None
+        if isinstance(model, Answer):
+            self.dropped = True
+            self.held.clear()
 
     def attach(self, to: Writer) -> None:
         """Its grant is given and the request head written to `to`: the body follows."""
