@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from types import FrameType
 
 import psutil
@@ -34,15 +35,33 @@ MARK = "CORRAL_HOOK_RUN"
 
 def sweep(token: str, descendants: bool = False) -> int:
     """SIGKILL the processes that carry `token` as their MARK (and, with `descendants`,
-    every descendant of this process), wait for them briefly; how many there were."""
+    every descendant of this process, again until none is left: one forked meanwhile
+    comes back here as an orphan), wait for them briefly; how many there were."""
+    total = 0
+    deadline = time.monotonic() + SWEEP_S
+    for _ in range(SWEEPS_MAX):
+        found = _sweep_once(token, descendants, deadline)
+        total += found
+        if not found or not descendants or time.monotonic() > deadline:
+            break
+    return total
+
+
+SWEEPS_MAX = 100
+SWEEP_S = 5.0
+"""A sweep's rounds at most, and its time: a fork bomb is not outrun, only stopped from
+growing; a process stuck in the kernel (D state) does not hold up the hook's end."""
+
+
+def _sweep_once(token: str, descendants: bool, deadline: float) -> int:
     me = os.getpid()
     found = {p.pid: p for p in psutil.Process(me).children(recursive=True)} \
-        if descendants else {}
+        if descendants else {}  # (a zombie among them is ours to reap: the wait does)
     for proc in psutil.process_iter():
         if proc.pid == me or proc.pid in found:
             continue
         try:
-            if proc.environ().get(MARK) == token:
+            if proc.environ().get(MARK) == token and proc.status() != psutil.STATUS_ZOMBIE:
                 found[proc.pid] = proc
         except (psutil.Error, OSError):  # gone, or another user's
             continue
@@ -51,7 +70,8 @@ def sweep(token: str, descendants: bool = False) -> int:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(list(found.values()), timeout=1.0)  # (reaps those that are ours)
+    psutil.wait_procs(list(found.values()),  # (reaps those that are ours)
+                      timeout=max(0.0, min(1.0, deadline - time.monotonic())))
     return len(found)
 
 

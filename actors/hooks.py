@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,10 @@ from .phases import Phase
 
 log = logging.getLogger("corral.instance")
 
+END_GRACE_S = 2.0
+"""How long a hook's group leader has, once told to end the hook, to kill what it
+started before its group is SIGKILLed."""
+
 Waits = dict[str, Any] | tuple[str, Phase] | None
 """What waits for a hook's end: the ready's info (after_ready), the stop's reason and the
 phase it stops from (before_stop); before_load's is the spawn (nothing)."""
@@ -43,11 +48,27 @@ class HookRun:
     def __init__(self) -> None:
         self.child: ChildProcess | None = None
         self.killed = False
+        self.wake = threading.Event()
+        """Set by the hook's end, and by `kill`: its thread then ends it."""
 
     def kill(self) -> None:
+        """Ask the hook's thread to end it (never blocks: the actor calls it)."""
         self.killed = True
-        if self.child is not None:
+        self.wake.set()
+
+    def end(self, done: threading.Event) -> None:
+        """End the hook: SIGTERM to its group leader, which kills every process the hook
+        started (those that left the group too, hook_shim.py), then SIGKILL to the group
+        if it has not ended within END_GRACE_S (the review: a SIGKILL first left the
+        leader no time to find what had left its group)."""
+        assert self.child is not None
+        try:
+            os.kill(self.child.pid, signal.SIGTERM)  # (not reaped yet: still ours)
+        except ProcessLookupError:
+            pass
+        if not done.wait(END_GRACE_S):
             self.child.signal_group(signal.SIGKILL)
+            done.wait()
 
     def run(self, name: HookName, argv: list[str], timeout_s: float,
             ring: LogRing) -> str | None:
@@ -55,21 +76,28 @@ class HookRun:
         ring.append(f"corral: hook {name}: {' '.join(argv)}")
         done, last = threading.Event(), [""]
         token = f"{os.getpid()}-{secrets.token_hex(8)}"
+
+        def exited() -> None:
+            done.set()
+            self.wake.set()
         try:
             self.child = ChildProcess([sys.executable, "-m", "actors.hook_shim", *argv],
-                                      {**os.environ, MARK: token}, ring, on_exit=done.set,
+                                      {**os.environ, MARK: token}, ring, on_exit=exited,
                                       on_line=lambda line: last.__setitem__(0, line),
                                       label=f"hook-{name}")
         except (OSError, subprocess.SubprocessError) as e:
             why = f"cannot run {argv[0]}: {e}"
             ring.append(f"corral: hook {name} failed: {why}")
             return why
-        if self.killed:
-            self.child.signal_group(signal.SIGKILL)
-        timed_out = not done.wait(timeout_s)
-        if timed_out:
-            self.child.signal_group(signal.SIGKILL)
-            done.wait()
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        while not done.is_set() and not self.killed:
+            timed_out = not self.wake.wait(max(0.0, deadline - time.monotonic()))
+            if timed_out:
+                break
+            self.wake.clear()
+        if not done.is_set():
+            self.end(done)
         status = self.child.reap()
         # what left the group is the shim's to end; if it was killed first, it is ours
         if (left := sweep(token)) and not self.killed and not timed_out:

@@ -222,11 +222,12 @@ hooks = {{ before_load = {hook} }}
     wait_until(lambda: no_process_with(marker), what="the hook's sleep gone")
 
 
-def setsid_hook(marker: str, then: str) -> str:
+def setsid_hook(marker: str, then: str, env: str = "") -> str:
     """A hook whose `python` starts its own session (out of the hook's process group) and
-    sleeps, findable by `marker`; `then` is the rest of the hook's shell line."""
+    sleeps, findable by `marker`; `then` is the rest of the hook's shell line. `env`
+    goes before it (`env -i`: it has no environment, so no marker either)."""
     escape = f"import os, time; os.setsid(); time.sleep(300)  # {marker}"
-    return toml_value(["sh", "-c", f"{sys.executable} -c '{escape}' > /dev/null 2>&1 "
+    return toml_value(["sh", "-c", f"{env} {sys.executable} -c '{escape}' > /dev/null 2>&1 "
                        f"< /dev/null & sleep 0.5; {then}"])
 
 
@@ -276,9 +277,25 @@ def test_a_hook_killed_by_its_timeout_takes_what_left_its_group(corral) -> None:
 hook_timeout_s = 2
 [models.m]
 cmd = {FAKE}
-hooks = {{ before_load = {setsid_hook(marker, "sleep 300")} }}
+hooks = {{ before_load = {setsid_hook(marker, "sleep 300", env="env -i")} }}
 """)
     request(c.port, "POST", "/models/load", {"model": "m"})
     wait_until(lambda: left_its_group(marker), what="the setsid process running")
     c.wait_state("m", "failed", 20)
     wait_until(lambda: no_process_with(marker), what="the setsid process gone")
+
+
+def test_what_a_hook_forks_as_it_exits_ends_with_it(corral) -> None:
+    """The review of the fix: a hook whose background loop kept forking `setsid env -i`
+    processes as it exited left some behind (one sweep saw only those already there)."""
+    marker = "sleep 51237"  # (a `sleep` starts fast enough to race the sweep)
+    loop = (f"(i=0; while [ $i -lt 400 ]; do setsid env -i {marker} > /dev/null 2>&1 "
+            "< /dev/null & i=$((i+1)); sleep 0.002; done) &")
+    c = corral(f"""
+[models.m]
+cmd = {FAKE}
+hooks = {{ before_load = {toml_value(["sh", "-c", f"{loop} sleep 0.3; exit 0"])} }}
+""")
+    assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
+    c.wait_state("m", "loaded")
+    wait_until(lambda: no_process_with(marker), 15, "every process the hook forked gone")
