@@ -432,8 +432,9 @@ class GetPlan(Message, frozen=True, kw_only=True):
     model: str
     key: str = ""
     autoload: bool = True
-    kept: dict[str, float] = {}
-    """Models whose grants the fronts keep with no request on them, and for how long."""
+    kept: dict[str, tuple[int, float]] = {}
+    """Models whose grants the fronts keep with no request on them: how many fronts keep
+    one, and for how long (the shortest)."""
     shown: frozenset[str] | None = None
     """The model names the asking key may see (None: all)."""
     reply: Reply

@@ -6,6 +6,7 @@ and evicts, not a queue)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -124,20 +125,24 @@ def wait_loaded(c: Corral, model: str) -> None:
     wait_until(lambda: c.state(model) == "loaded", 15, f"{model} loaded")
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_plan_tells_the_end_of_the_story_and_names_only_what_the_key_sees(
-        corral, tmp_path: Path) -> None:
+        corral, tmp_path: Path, workers: int) -> None:
     """The slot is held by an idle model whose grant the front keeps (lease_linger_ms):
     the plan read `queue ... waiting for the fronts to give back the grants they keep
-    idle`; what one more request gets is a load that revokes that grant and evicts."""
+    idle`; what one more request gets is a load that revokes that grant and evicts. With
+    two fronts, each may keep one (the review of the fix: only one was given back)."""
     (tmp_path / "alice.key").write_text("alice-secret\n")
     (tmp_path / "ops.key").write_text("ops-secret\n")
     c = corral(toml_config(
         {"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd()}}, models_max=1,
-        http={"lease_linger_ms": 600000},
+        http={"lease_linger_ms": 600000, "workers": workers},
         keys={"alice": {"key_file": str(tmp_path / "alice.key"), "models": ["b"]},
               "ops": {"key_file": str(tmp_path / "ops.key"), "admin": True}}))
     c.key = "ops-secret"
-    assert chat(c.port, "a", headers=OPS)[0] == 200
+    with ThreadPoolExecutor(12) as pool:  # on fresh connections: to every front
+        assert {s for s, _ in pool.map(lambda _: chat(c.port, "a", 16, headers=OPS),
+                                       range(12))} == {200}
 
     def planned() -> dict[str, Any]:
         status, plan, _ = request(c.port, "GET", "/models/plan?model=b", headers=OPS)

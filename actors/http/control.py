@@ -54,6 +54,8 @@ class FrontCounts(msgspec.Struct, frozen=True, kw_only=True):
     joined_total: int = 0
     extra: dict[str, int] = {}
     kept_idle_s: dict[str, float] = {}
+    kept_idle: dict[str, int] = {}
+    """Model -> how many fronts keep its grant with no request on it (one each at most)."""
     times: list[TimeRow] = []
     keys: dict[str, tuple[int, int, int]] = {}
     """Named key -> (requests, prompt tokens, completion tokens) through this front."""
@@ -206,6 +208,7 @@ def merge(counts: list[FrontCounts]) -> FrontCounts:
     """Several fronts' counts as one front's."""
     extra: dict[str, int] = {}
     kept: dict[str, float] = {}
+    kept_by: dict[str, int] = {}
     keys: dict[str, tuple[int, int, int]] = {}
     times: dict[tuple[str, str], tuple[list[int], float, list[int], float]] = {}
     for c in counts:
@@ -216,6 +219,8 @@ def merge(counts: list[FrontCounts]) -> FrontCounts:
             keys[name] = (n0 + n, p0 + p, t0 + t)
         for model, idle in c.kept_idle_s.items():  # the latest use counts
             kept[model] = min(idle, kept.get(model, idle))
+        for model, n in c.kept_idle.items():
+            kept_by[model] = kept_by.get(model, 0) + n
         for row in c.times:
             key = (row.model, row.status)
             first, first_sum, whole, whole_sum = times.get(
@@ -227,7 +232,8 @@ def merge(counts: list[FrontCounts]) -> FrontCounts:
                           whole_sum + row.duration.sum)
     return FrontCounts(
         joined_total=sum(c.joined_total for c in counts),
-        extra={m: n for m, n in extra.items() if n}, kept_idle_s=kept, keys=keys,
+        extra={m: n for m, n in extra.items() if n}, kept_idle_s=kept, kept_idle=kept_by,
+        keys=keys,
         times=[TimeRow(model=m, status=s, first_byte=HistogramView(counts=f, sum=fs),
                        duration=HistogramView(counts=d, sum=ds))
                for (m, s), (f, fs, d, ds) in times.items()])

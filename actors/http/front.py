@@ -143,7 +143,8 @@ class Front:
                          duration=self.times.duration[(model, status)].view())
                  for (model, status), hist in self.times.first_byte.items()]
         return FrontCounts(joined_total=shares.joined_total, extra=dict(shares.extra),
-                           kept_idle_s=kept, times=times, keys=dict(self.key_uses.counts))
+                           kept_idle_s=kept, kept_idle=dict.fromkeys(kept, 1), times=times,
+                           keys=dict(self.key_uses.counts))
 
     def api_pool(self) -> Pool:
         return self.pools.get(self.api_address, None)

@@ -95,7 +95,8 @@ async def plan(request: web.Request, names: dict[str, str], config: Config,
     rule: KeyRule | None = request.get("key")
     shown = (None if rule is None or rule.admin else
              frozenset(n for n in config.models if visible(rule, n, config.models)))
-    kept = (await counts()).kept_idle_s  # grants given back once revoked: not a wait
+    fronts = await counts()  # grants they keep idle are given back once revoked: no wait
+    kept = {m: (fronts.kept_idle.get(m, 1), s) for m, s in fronts.kept_idle_s.items()}
     async with one_at_a_time:
         answer = await ask(lambda r: GetPlan(model=model, key=key, autoload=autoload,
                                              kept=kept, shown=shown, reply=r))

@@ -88,7 +88,7 @@ class Policy:
         return among[scores.index(max(scores))]
 
     def plan(self, model: str, now: float, key: str = "", autoload: bool = True,
-             kept: Mapping[str, float] | None = None,
+             kept: Mapping[str, tuple[int, float]] | None = None,
              shown: Collection[str] | None = None) -> RequestPlan:
         """GET /models/plan: what `acquire` would do with one more request now, decided
         on a copy of this policy (plans.py)."""

@@ -136,15 +136,15 @@ def decide(effects: list[Effect], ticket: Hashable, model: str) -> Decision:
 
 
 def plan(policy: Policy, model: str, now: float, key: str = "", autoload: bool = True,
-         kept: Mapping[str, float] | None = None,
+         kept: Mapping[str, tuple[int, float]] | None = None,
          shown: Collection[str] | None = None) -> RequestPlan:
     """What a request for `model` with `key` would get at `now`: the story to its end.
 
-    `kept`: the models whose grants the fronts keep with no request on them (and for how
-    long): a request that waits only for those to be given back is planned past it, as a
-    `load` that revokes them and evicts (issue 37: it read as `queue`, "waiting for the
-    fronts", though nothing in flight holds it). `shown`: the model names the asking key
-    may see (None: all); the others are not named (S8)."""
+    `kept`: the models whose grants the fronts keep with no request on them (how many
+    fronts keep one, and for how long): a request that waits only for those to be given
+    back is planned past it, as a `load` that revokes them and evicts (issue 37: it read
+    as `queue`, "waiting for the fronts", though nothing in flight holds it). `shown`:
+    the model names the asking key may see (None: all); the others are not named (S8)."""
     copy_ = twin(policy)
     probe = _Probe()
     _quiet.planning.on = True
@@ -165,22 +165,23 @@ def plan(policy: Policy, model: str, now: float, key: str = "", autoload: bool =
                               and policy.state.models[n].group not in shown})
 
 
-def _give_back(copy_: Policy, effects: list[Effect], kept: Mapping[str, float],
+def _give_back(copy_: Policy, effects: list[Effect], kept: Mapping[str, tuple[int, float]],
                now: float) -> tuple[list[str], list[Effect]]:
     """What the copy does once the fronts give back the grants revoked in `effects` that
-    they keep idle (one each, as a front keeps one): their models named, and the effects."""
-    wanted = {(m, g) for e in effects if isinstance(e, Revoke) for m, g in e.grants
-              if m in kept}
+    they keep idle (a front keeps one grant of a model: as many as fronts keep one):
+    their models named, and the effects."""
+    wanted = {(m, g): kept[m][0] for e in effects if isinstance(e, Revoke)
+              for m, g in e.grants if m in kept}
     releases: list[tuple[Hashable, bool, float, int]] = []
-    given: list[str] = []
+    given: dict[str, None] = {}
     for ticket, (name, generation, _) in copy_.state.leases.items():
         rec = copy_.state.models.get(name)
         group = rec.group if rec is not None else name
-        if (group, generation) in wanted:
-            wanted.discard((group, generation))
-            releases.append((ticket, False, kept[group], 0))
-            given.append(group)
-    return given, copy_.release_all(releases, now) if releases else []
+        if wanted.get((group, generation), 0) > 0:
+            wanted[(group, generation)] -= 1
+            releases.append((ticket, False, kept[group][1], 0))
+            given[group] = None
+    return list(given), copy_.release_all(releases, now) if releases else []
 
 
 def _unnamed(planned: RequestPlan, hidden: set[str]) -> RequestPlan:
