@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
+from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 
 import msgspec
@@ -47,6 +49,22 @@ class KeyRule(msgspec.Struct, frozen=True, kw_only=True):
     def may_use(self, names: tuple[str, ...]) -> bool:
         """Whether it may call the model known as `names` (its name and aliases)."""
         return any(fnmatchcase(name, p) for p in self.models for name in names)
+
+
+ANOTHER = "another model"
+"""What a text shown to a key says in place of a model the key may not use (S8)."""
+
+
+def unnamed(text: str, names: Iterable[str], hides: Callable[[str], bool]) -> str:
+    """`text` with each of `names` that `hides` and that stands in it as a name (not
+    inside a longer word or name) said as ANOTHER. Only names found in the text are
+    matched, so a thousand models cost a substring test each, not a pattern."""
+    found = sorted((n for n in names if n and n in text and hides(n)), key=len, reverse=True)
+    if not found:
+        return text
+    edge = r"[\w.@/:-]"  # what a model name may hold: a match must not be part of one
+    return re.sub("|".join(rf"(?<!{edge}){re.escape(n)}(?!{edge})" for n in found),
+                  ANOTHER, text)
 
 
 class Keys(msgspec.Struct, frozen=True):

@@ -26,7 +26,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
     she may not, a virtual model of both, and an admin key."""
     home = tmp_path_factory.mktemp("trust")
     secrets = {}
-    for name in ("alice", "ops"):
+    for name in ("alice", "ops", "carol"):
         secrets[name] = home / f"{name}.key"
         secrets[name].write_text(f"{name}-secret\n")
     c = Corral(toml_config(
@@ -35,7 +35,8 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
          "up": {"cmd": fake_cmd()}},
         models_max=3, http={"upload_paths": ["/v1/custom/upload"]},
         keys={"alice": {"key_file": str(secrets["alice"]), "models": ["vs", "up"]},
-              "ops": {"key_file": str(secrets["ops"]), "admin": True}},
+              "ops": {"key_file": str(secrets["ops"]), "admin": True},
+              "carol": {"key_file": str(secrets["carol"]), "models": ["chat"]}},
         virtual={"chat": {"models": ["secret", "vs"], "pick": "warm"}}), home=home)
     c.key = "ops-secret"
     try:
@@ -119,6 +120,11 @@ def test_a_member_key_sees_only_the_members_it_may_use(shared: Corral) -> None:
     assert status == 200 and "secret" not in str(body)
     status, body, _ = request(shared.port, "GET", "/v1/models", headers=OPS)
     assert {m["id"]: m for m in body["data"]}["chat"]["virtual"]["models"] == ["secret", "vs"]
+    # a key that may name the virtual model is served by any member: it sees them all
+    carol = {"Authorization": "Bearer carol-secret"}
+    status, body, _ = request(shared.port, "GET", "/v1/models", headers=carol)
+    assert [(m["id"], m["virtual"]["models"]) for m in body["data"]] == [
+        ("chat", ["secret", "vs"])]
 
 
 def wait_loaded(c: Corral, model: str) -> None:
@@ -161,3 +167,44 @@ def test_a_plan_tells_the_end_of_the_story_and_names_only_what_the_key_sees(
     assert [e["model"] for e in mine["evict"]] == ["another model"], mine
     assert chat(c.port, "b", headers=ALICE)[0] == 200  # and so it goes
     assert c.state("a") == "unloaded"
+
+
+def test_unnamed_says_only_whole_names_and_only_those_it_hides() -> None:
+    from actors.keys import ANOTHER, unnamed
+
+    names = ["a.b", "a", "ab", "x+y(", "org/m", "m"]
+    hides = {"a.b", "x+y(", "org/m", "a"}.__contains__
+    text = "waiting for a.b, ab and x+y( to stop; org/m and m hold a slot; a said"
+    assert unnamed(text, names, hides) == (
+        f"waiting for {ANOTHER}, ab and {ANOTHER} to stop; {ANOTHER} and m hold "
+        f"{ANOTHER} slot; {ANOTHER} said")  # (a model named like a word costs the word)
+    assert unnamed("nothing to hide", names, hides) == "nothing to hide"
+
+
+def test_a_member_key_reads_no_hidden_name_in_a_refusal_or_a_listing(
+        corral, tmp_path: Path) -> None:
+    """The review of S8's fix: a plan hid the model of an exclusive group that a request
+    waited for, but the request's own 503 named it, and so did the listing's last
+    eviction."""
+    (tmp_path / "alice.key").write_text("alice-secret\n")
+    (tmp_path / "ops.key").write_text("ops-secret\n")
+    c = corral(toml_config(
+        {"secret-x": {"cmd": fake_cmd("--tokens-per-s", "5")},
+         "mine": {"cmd": fake_cmd(), "queue_timeout_s": 1}}, models_max=4,
+        groups={"g": {"models": ["secret-x", "mine"], "exclusive": True}},
+        keys={"alice": {"key_file": str(tmp_path / "alice.key"), "models": ["mine"]},
+              "ops": {"key_file": str(tmp_path / "ops.key"), "admin": True}}))
+    c.key = "ops-secret"
+    assert chat(c.port, "mine", headers=ALICE)[0] == 200
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(chat, c.port, "secret-x", 20, headers=OPS)  # 4 s: holds g
+        wait_until(lambda: c.state("secret-x") == "loaded", 15, "secret-x loaded")
+        status, body = chat(c.port, "mine", headers=ALICE)
+        assert status == 503, body
+        message = body["error"]["message"]
+        assert "another model" in message and "secret" not in message, message
+        assert long.result()[0] == 200
+    status, body, _ = request(c.port, "GET", "/v1/models/mine", headers=ALICE)
+    assert status == 200 and body["last_eviction"]["for_model"] == "another model", body
+    status, body, _ = request(c.port, "GET", "/v1/models/mine", headers=OPS)
+    assert body["last_eviction"]["for_model"] == "secret-x", body

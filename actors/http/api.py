@@ -24,7 +24,7 @@ from aiohttp import web
 from ..bridge import LoopReply
 from ..config import Config, ConfigError, ModelConfig
 from ..downloads import Downloads
-from ..keys import Keys
+from ..keys import KeyRule, Keys
 from ..ledger import node_of
 from ..messages import (
     Alive,
@@ -290,13 +290,16 @@ class ManagementApi(ModelCommands):
         key = request.get("key")
         entries = (self._entry(view, models, counts) for view in snap.models
                    if tenancy.visible(key, view.name, models))
-        virtual = [v.entry(n, [m for m in v.models if tenancy.visible(key, m, models)])
+        # a key that may name a virtual model is served by any member: it sees them all
+        virtual = [v.entry(n, None if tenancy.visible(key, n, models) else
+                           [m for m in v.models if tenancy.visible(key, m, models)])
                    for n, v in self.sup.config.virtual.items()
                    if any(tenancy.visible(key, m, models) for m in (n, *v.models))]
         pending = [v for v in self.downloads.views() if tenancy.visible(key, v["id"], models)
                    ] if self.downloads is not None else []  # (S8: a member key, its own)
         return web.json_response({"object": "list", "data": [
-            *(tenancy.shown(e, key) for e in entries if e), *virtual, *pending]})
+            *(tenancy.shown(e, key, self._said(key)) for e in entries if e), *virtual,
+            *pending]})
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of
@@ -314,7 +317,13 @@ class ManagementApi(ModelCommands):
         if entry is None:
             return error(404, f"model '{given}' not found; GET /v1/models lists the models "
                          "and their aliases", "not_found_error")
-        return web.json_response(tenancy.shown(entry, request.get("key")))
+        key = request.get("key")
+        return web.json_response(tenancy.shown(entry, key, self._said(key)))
+
+    def _said(self, key: KeyRule | None) -> Callable[[str], str]:
+        """How a text is said to `key` (no model it may not use named: Routes.said_to)."""
+        routes = self.front.routes if self.front is not None else Routes.of(self.latest)
+        return lambda text: routes.said_to(key, text)
 
     def _entry(self, view: ModelView, models: dict[str, ModelConfig],
                counts: FrontCounts) -> dict[str, Any] | None:

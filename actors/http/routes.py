@@ -7,7 +7,7 @@ import msgspec
 
 from ..config import Config
 from ..config_virtual import VirtualModel
-from ..keys import Keys
+from ..keys import KeyRule, Keys, unnamed
 from ..llama import is_llama, llama_pool_cap
 
 
@@ -46,6 +46,14 @@ class Routes(msgspec.Struct, frozen=True):
         if virtual is None:
             return [self.known_as.get(model, (model,))]
         return [(model,), *(self.known_as.get(m, (m,)) for m in virtual.models)]
+
+    def said_to(self, key: KeyRule | None, text: str) -> str:
+        """`text` as `key` may read it: no model it may not use named (S8: a refusal's
+        "waiting for secret-x to stop" named a model of an exclusive group)."""
+        if key is None or key.admin or "*" in key.models:
+            return text
+        return unnamed(text, self.names, lambda name: not any(
+            key.may_use(n) for n in self.uses(self.names.get(name, name))))
 
     @classmethod
     def of(cls, config: Config) -> Routes:

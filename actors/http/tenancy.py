@@ -47,12 +47,19 @@ def visible(rule: KeyRule | None, name: str, models: dict[str, ModelConfig]) -> 
     return rule.may_use((name, *(model.aliases if model is not None else ())))
 
 
-def shown(entry: dict[str, Any], rule: KeyRule | None) -> dict[str, Any]:
+def shown(entry: dict[str, Any], rule: KeyRule | None,
+          said: Callable[[str], str] | None = None) -> dict[str, Any]:
     """A model's GET /models entry as the caller may see it: a member key is not shown
-    the child's command line (it may hold the child's own key)."""
+    the child's command line (it may hold the child's own key), nor by name the models
+    it may not use that its last eviction was for (`said`: Routes.said_to, S8)."""
     if rule is None or rule.admin:
         return entry
-    return {**entry, "status": {k: v for k, v in entry["status"].items() if k != "args"}}
+    out = {**entry, "status": {k: v for k, v in entry["status"].items() if k != "args"}}
+    evicted = entry.get("last_eviction")
+    if said is not None and evicted:
+        out["last_eviction"] = {k: said(v) if isinstance(v, str) and k != "model" else v
+                                for k, v in evicted.items()}
+    return out
 
 
 def plan_target(request: web.Request, names: dict[str, str],

@@ -18,6 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+import msgspec
+
 from ..bridge import LoopReply
 from ..messages import AnswerLate, Refusal
 from .affinity import affinity
@@ -134,7 +136,10 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
             return
         if isinstance(found, Refusal):
             if fall_back is None or not fall_back(found):
-                ex.answer(refusal_answer(found))
+                answer = refusal_answer(found)
+                said = routes.said_to(ex.req.key, answer.message)
+                ex.answer(answer if said is answer.message else
+                          msgspec.structs.replace(answer, message=said))
             return
         share, grant = found, found.grant
         model, among = grant.model, ()  # (a virtual model's member: tried again if need be)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import threading
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import Literal, Protocol
 
 import msgspec
 
+from ..keys import ANOTHER, unnamed
 from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Evicted, Grant, Refusal, Revoke
@@ -188,17 +188,15 @@ def _unnamed(planned: RequestPlan, hidden: set[str]) -> RequestPlan:
     """`planned` without the names in `hidden`: each is "another model"."""
     if not hidden:
         return planned
-    pattern = re.compile("|".join(rf"(?<![\w.@/-]){re.escape(n)}(?![\w.@/-])"
-                                  for n in sorted(hidden, key=len, reverse=True)))
 
     def text(value: str | None) -> str | None:
-        return None if value is None else pattern.sub("another model", value)
+        return None if value is None else unnamed(value, hidden, hidden.__contains__)
 
     return msgspec.structs.replace(
         planned, waiting_for=text(planned.waiting_for), message=text(planned.message),
-        revoke=[m if m not in hidden else "another model" for m in planned.revoke],
+        revoke=[m if m not in hidden else ANOTHER for m in planned.revoke],
         evict=[e if e.model not in hidden else msgspec.structs.replace(
-            e, model="another model", why=text(e.why) or "") for e in planned.evict])
+            e, model=ANOTHER, why=text(e.why) or "") for e in planned.evict])
 
 
 def _plan(policy: Policy, copy_: Policy, probe: _Probe, effects: list[Effect],
