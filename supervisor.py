@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pykka
 
 from actors import Config, ConfigError, Supervisor, demo_config, load_config, loop
 from actors.config_load import check_key, parse_config, read_key_file
@@ -232,6 +233,12 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
         port = await router.start(config.host, config.port)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
+        await asyncio.to_thread(sup.stop)
+        return 1
+    except pykka.ActorDeadError:  # an actor crashed as the API started (on_crash said it)
+        log.info("stopped during startup after a crash of %s", crashed[0] if crashed
+                 else "an actor")
+        await router.stop()
         await asyncio.to_thread(sup.stop)
         return 1
     log.info("corral listening on http://%s:%d (models: %s)", config.host, port,

@@ -6,7 +6,7 @@ import logging
 import queue
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import pykka
 
@@ -49,6 +49,19 @@ class BaseActor(pykka.ThreadingActor):
         # Pykka's default inbox is a queue.Queue: a Condition and a new lock per wait,
         # in Python. The C SimpleQueue does the same put/get/empty for far less.
         return queue.SimpleQueue()
+
+    def _handle_receive(self, message: Any) -> Any:
+        # A tell to an actor that has stopped raises ActorDeadError in the sender. Actors
+        # stop only when corral stops, or with a crash that stops corral (reported once,
+        # by the actor that crashed): the message is moot, and the sender must not die
+        # of it too (issue 37: the DeviceMonitor's next report to a crashed Scheduler
+        # logged a second crash, with its traceback).
+        try:
+            return super()._handle_receive(message)
+        except pykka.ActorDeadError as e:
+            self.log.info("%s: a message to an actor that has stopped was dropped (%s)",
+                          self.name, e)
+            return None
 
     def on_failure(self, exception_type: type[BaseException] | None,
                    exception_value: BaseException | None,

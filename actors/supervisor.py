@@ -255,11 +255,15 @@ class Supervisor:
                     (m.stop_timeout_s for m in self.config.models.values()), default=0.0)
             done = ThreadReply()
             clean = False
-            with contextlib.suppress(Exception):
+            try:
                 self.scheduler.tell(Shutdown(reply=done))
+            except pykka.ActorDeadError:  # it crashed: each instance's stop ends its child
+                log.error("the Scheduler is gone; every child is stopped with its instance")
+            else:
                 clean = done.wait(timeout_s) is True
-            if not clean:
-                log.error("children did not all exit within %.1f s of shutdown", timeout_s)
+                if not clean:
+                    log.error("children did not all exit within %.1f s of shutdown",
+                              timeout_s)
         while self.started:  # also what a start() that failed half-way had started
             self.started.pop()()
         self.scheduler = None

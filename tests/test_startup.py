@@ -143,4 +143,8 @@ def test_an_actor_crash_ends_corral_with_a_failure_status(tmp_path: Path, when: 
     assert proc.returncode == 1, err[-3000:]
     died = [line for line in err.splitlines() if "actor scheduler died" in line]
     assert len(died) == 1 and "a bug in the scheduler" in died[0], err[-3000:]
+    # stopped as corral stops, not by an error of its own on the way (the review: a
+    # crash in the attach made the API's start raise ActorDeadError out of serve)
+    assert "ActorDeadError" not in err and "after a crash of scheduler" in err, err[-3000:]
+    assert "did not all exit" not in err, err[-3000:]
 

@@ -159,6 +159,9 @@ class ManagementApi(ModelCommands):
         except pykka.ActorDeadError:
             return error(503, "corral is shutting down (its scheduler has stopped)",
                          "unavailable_error")
+        except TimeoutError:  # _ask's bound: a Scheduler that crashed never answers
+            return error(504, f"the scheduler did not answer within {ASK_TIMEOUT_S:g} s",
+                         "server_error")
         except web.HTTPRequestEntityTooLarge:
             return error(413, f"request body over the {self.config.max_body_mib:g} MiB limit")
         except web.HTTPNotFound:
