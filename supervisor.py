@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -34,14 +35,14 @@ log = logging.getLogger("corral")
 EXIT_CONFIG = 2
 ABANDON_WAIT_S = 10.0
 """After a SIGTERM during the startup, how long its thread may take to notice."""
+CRASH_SAID_S = 1.0
+"""How long a start that met a dead actor waits for the crash's own report (its name)."""
 KEY_ENV = "CORRAL_API_KEY"
 """The environment variable that gives the key to `corral serve` and to the client
 commands (a key in argv is readable by every local user: issue 19, R13)."""
 KEY_IN_ARGV = ("--api-key on the command line is refused: every local user can read a "
                "process's arguments (ps, /proc/PID/cmdline). Put the key in a file and pass "
                f"--api-key-file FILE, or set the {KEY_ENV} environment variable")
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,7 +236,9 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
         await asyncio.to_thread(sup.stop)
         return 1
-    except pykka.ActorDeadError:  # an actor crashed as the API started (on_crash said it)
+    except pykka.ActorDeadError:  # an actor crashed as the API started: on_crash comes
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), CRASH_SAID_S)
         log.info("stopped during startup after a crash of %s", crashed[0] if crashed
                  else "an actor")
         await router.stop()

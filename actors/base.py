@@ -6,7 +6,7 @@ import logging
 import queue
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import pykka
 
@@ -50,7 +50,7 @@ class BaseActor(pykka.ThreadingActor):
         # in Python. The C SimpleQueue does the same put/get/empty for far less.
         return queue.SimpleQueue()
 
-    def _handle_receive(self, message: Any) -> Any:
+    def _handle_receive(self, message: object) -> object:
         # A tell to an actor that has stopped raises ActorDeadError in the sender. Actors
         # stop only when corral stops, or with a crash that stops corral (reported once,
         # by the actor that crashed): the message is moot, and the sender must not die
