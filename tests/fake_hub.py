@@ -17,12 +17,16 @@ HF_ENDPOINT (huggingface_hub).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import pytest
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -60,6 +64,20 @@ class FakeHub:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    @classmethod
+    @contextlib.contextmanager
+    def serving(cls, repos: dict[str, dict[str, bytes]],
+                monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+        """A hub of `repos` for one test, its address in the environment that corral's
+        children inherit; closed after the test."""
+        hub = cls(repos)
+        for name, value in hub.env().items():
+            monkeypatch.setenv(name, value)
+        try:
+            yield hub
+        finally:
+            hub.close()
 
     def env(self) -> dict[str, str]:
         """What a corral (and its children) needs to reach this hub, and nothing else."""

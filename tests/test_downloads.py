@@ -32,14 +32,10 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 @pytest.fixture
 def hub(gguf: bytes, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
-    served = FakeHub({GGUF_REPO: {"tiny-Q4_K_M.gguf": gguf, ".gitattributes": b"*.gguf\n"},
-                      SNAP_REPO: {"config.json": b'{"arch": "x"}', "weights.bin": b"w" * 300_000}})
-    for name, value in served.env().items():
-        monkeypatch.setenv(name, value)  # corral's children inherit it
-    try:
+    with FakeHub.serving({GGUF_REPO: {"tiny-Q4_K_M.gguf": gguf, ".gitattributes": b"*.gguf\n"},
+                          SNAP_REPO: {"config.json": b'{"arch": "x"}',
+                                      "weights.bin": b"w" * 300_000}}, monkeypatch) as served:
         yield served
-    finally:
-        served.close()
 
 
 def config(tmp_path: Path, extra: str = "") -> str:

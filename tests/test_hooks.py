@@ -244,14 +244,15 @@ def left_its_group(marker: str) -> bool:
     return False
 
 
+def hooked(corral, hook: str, top: str = ""):
+    """A corral whose one model `m` has `hook` (TOML) as its before_load hook."""
+    return corral(f"{top}\n[models.m]\ncmd = {FAKE}\nhooks = {{ before_load = {hook} }}\n")
+
+
 def test_a_hook_that_leaves_its_group_ends_with_it(corral) -> None:
     """S10: a hook's `setsid` process outlived the hook, and corral."""
     marker = "corral-hook-setsid-5120"
-    c = corral(f"""
-[models.m]
-cmd = {FAKE}
-hooks = {{ before_load = {setsid_hook(marker, "echo forked")} }}
-""")
+    c = hooked(corral, setsid_hook(marker, "echo forked"))
     assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
     c.wait_state("m", "loaded")  # the hook has ended: its load went on
     wait_until(lambda: no_process_with(marker), what="the hook's setsid process gone")
@@ -259,11 +260,7 @@ hooks = {{ before_load = {setsid_hook(marker, "echo forked")} }}
 
 def test_a_hook_that_leaves_its_group_dies_with_a_killed_corral(corral) -> None:
     marker = "corral-hook-setsid-5121"
-    c = corral(f"""
-[models.m]
-cmd = {FAKE}
-hooks = {{ before_load = {setsid_hook(marker, "sleep 300")} }}
-""")
+    c = hooked(corral, setsid_hook(marker, "sleep 300"))
     assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
     wait_until(lambda: left_its_group(marker), what="the setsid process running")
     c.proc.kill()
@@ -273,12 +270,7 @@ hooks = {{ before_load = {setsid_hook(marker, "sleep 300")} }}
 
 def test_a_hook_killed_by_its_timeout_takes_what_left_its_group(corral) -> None:
     marker = "corral-hook-setsid-5122"
-    c = corral(f"""
-hook_timeout_s = 2
-[models.m]
-cmd = {FAKE}
-hooks = {{ before_load = {setsid_hook(marker, "sleep 300", env="env -i")} }}
-""")
+    c = hooked(corral, setsid_hook(marker, "sleep 300", env="env -i"), "hook_timeout_s = 2")
     request(c.port, "POST", "/models/load", {"model": "m"})
     wait_until(lambda: left_its_group(marker), what="the setsid process running")
     c.wait_state("m", "failed", 20)
@@ -291,11 +283,7 @@ def test_what_a_hook_forks_as_it_exits_ends_with_it(corral) -> None:
     marker = "sleep 51237"  # (a `sleep` starts fast enough to race the sweep)
     loop = (f"(i=0; while [ $i -lt 400 ]; do setsid env -i {marker} > /dev/null 2>&1 "
             "< /dev/null & i=$((i+1)); sleep 0.002; done) &")
-    c = corral(f"""
-[models.m]
-cmd = {FAKE}
-hooks = {{ before_load = {toml_value(["sh", "-c", f"{loop} sleep 0.3; exit 0"])} }}
-""")
+    c = hooked(corral, toml_value(["sh", "-c", f"{loop} sleep 0.3; exit 0"]))
     assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
     c.wait_state("m", "loaded")
     wait_until(lambda: no_process_with(marker), 15, "every process the hook forked gone")

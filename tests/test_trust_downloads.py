@@ -34,15 +34,11 @@ WEIGHTS = b"w" * 300_000
 
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
-    served = FakeHub({SNAP: {"config.json": b"{}", "weights.bin": WEIGHTS},
-                      **{f"corral-test/q{i}": {"weights.bin": WEIGHTS} for i in range(3)},
-                      ENDLESS: {"config.json": b"{}", "weights.bin": b"w"}})
-    for name, value in served.env().items():
-        monkeypatch.setenv(name, value)  # corral's children inherit it
-    try:
+    with FakeHub.serving({SNAP: {"config.json": b"{}", "weights.bin": WEIGHTS},
+                          **{f"corral-test/q{i}": {"weights.bin": WEIGHTS} for i in range(3)},
+                          ENDLESS: {"config.json": b"{}", "weights.bin": b"w"}},
+                         monkeypatch) as served:
         yield served
-    finally:
-        served.close()
 
 
 def config(tmp_path: Path, downloads: str = "", models: str = "") -> str:
