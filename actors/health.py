@@ -4,12 +4,18 @@ hands its finding to a callback, which tells the child's actor."""
 
 from __future__ import annotations
 
-import http.client
 import threading
 import time
 from collections.abc import Callable
 
 import msgspec
+
+from .childcall import call
+
+POLL_S = 2.0
+"""The longest one readiness poll may take, its whole answer included."""
+ANSWER_MAX = 1 << 20
+"""The most of a health answer read: a child's /health says little."""
 
 
 def wait_ready_http(host: str, port: int, path: str, abandon: threading.Event,
@@ -23,16 +29,14 @@ def wait_ready_http(host: str, port: int, path: str, abandon: threading.Event,
     delay_s = 0.01
     start = time.monotonic()
     while not abandon.is_set():
-        conn = http.client.HTTPConnection(host, port, timeout=2.0)
         try:
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
+            status, _ = call(host, port, "GET", path, deadline=time.monotonic() + POLL_S,
+                             max_bytes=ANSWER_MAX)
+            if status == 200:
                 deliver()
                 return
-        except (OSError, http.client.HTTPException):
-            pass  # not listening yet
-        finally:
-            conn.close()
+        except (OSError, ValueError):
+            pass  # not listening yet (or not answering as a server would)
         abandon.wait(delay_s)
         if time.monotonic() - start > 1.0:
             delay_s = min(delay_s * 2, 0.25)
@@ -40,19 +44,18 @@ def wait_ready_http(host: str, port: int, path: str, abandon: threading.Event,
 
 def probe_health(host: str, port: int, path: str, timeout_s: float,
                  deliver: Callable[[bool, str], None]) -> None:
-    """One liveness check: GET `path`, then `deliver(ok, detail)` once."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    """One liveness check: GET `path`, its whole answer within `timeout_s` (a child that
+    trickles it a byte at a time fails the check: the review of S6), then
+    `deliver(ok, detail)` once."""
     try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        body = resp.read(200).decode(errors="replace")
-        ok, detail = resp.status == 200, f"{path} answered {resp.status} {body!r}"
+        status, body = call(host, port, "GET", path,
+                            deadline=time.monotonic() + timeout_s, max_bytes=ANSWER_MAX)
+        text = body[:200].decode(errors="replace")
+        ok, detail = status == 200, f"{path} answered {status} {text!r}"
     except TimeoutError:
         ok, detail = False, f"{path} did not answer within {timeout_s:g} s"
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, ValueError) as e:
         ok, detail = False, f"{path} failed: {e}"
-    finally:
-        conn.close()
     deliver(ok, detail)
 
 

@@ -208,3 +208,46 @@ def test_a_member_key_reads_no_hidden_name_in_a_refusal_or_a_listing(
     assert status == 200 and body["last_eviction"]["for_model"] == "another model", body
     status, body, _ = request(c.port, "GET", "/v1/models/mine", headers=OPS)
     assert body["last_eviction"]["for_model"] == "secret-x", body
+
+
+TRICKLING_HEALTH = """
+import asyncio, json, sys
+polls = 0
+async def handle(r, w):
+    global polls
+    while True:
+        head = await r.readuntil(b"\\r\\n\\r\\n")
+        n = next((int(l.split(b":")[1]) for l in head.split(b"\\r\\n")
+                  if l.lower().startswith(b"content-length:")), 0)
+        body = json.loads(await r.readexactly(n)) if n else {}
+        if head.startswith(b"GET /health"):
+            polls += 1
+            if polls > 3:  # the status line, then a byte every 0.2 s, for ever
+                w.write(b"HTTP/1.1 200 OK\\r\\n")
+                while True:
+                    await w.drain()
+                    await asyncio.sleep(0.2)
+                    w.write(b"X")
+        answer = json.dumps({"status": "ok", "model": body.get("model"),
+                             "choices": [{"message": {"content": "hi"}}]}).encode()
+        w.write(b"HTTP/1.1 200 OK\\r\\nContent-Type: application/json\\r\\n"
+                b"Content-Length: %d\\r\\n\\r\\n%b" % (len(answer), answer))
+        await w.drain()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def test_a_health_answer_that_trickles_fails_the_liveness_check(corral) -> None:
+    """The review of S6's fix: the liveness probe's timeout was per read, so a /health
+    that sent a byte every 0.2 s kept a wedged child `loaded` for as long as it liked."""
+    import sys
+
+    c = corral(toml_config({"live": {"cmd": [sys.executable, "-c", TRICKLING_HEALTH,
+                                             "{port}"], "liveness_interval_s": 0.5}},
+                           liveness_failures=2))
+    assert chat(c.port, "live")[0] == 200
+    wait_until(lambda: "did not answer within" in c.log(), 20, "a failed liveness check")
+    wait_until(lambda: c.state("live") != "loaded", 20, "the wedged child stopped")
