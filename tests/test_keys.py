@@ -15,7 +15,7 @@ import pytest
 from actors.config import ConfigError
 from actors.config_load import parse_config
 from actors.keys import Tenant
-from actors.policy.tenants import KeptUsage, Tenants
+from actors.policy.tenants import CARRY_MAX_MIN, KeptUsage, Tenants
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
 openai = pytest.importorskip("openai")
@@ -317,6 +317,21 @@ def test_restore_drops_saved_values_out_of_range_with_one_warning(
     assert tenants.over_quota("ann", 1000.0) is None
     said = [r.getMessage() for r in caplog.records if "out of range" in r.getMessage()]
     assert len(said) == 1 and "dropped 8 saved value(s)" in said[0]
+
+
+def test_restore_cuts_a_saved_debt_or_count_past_what_a_key_can_owe(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The review of S9's fix: a carry of 2**63 - 1 tokens said Retry-After:
+    5534023222112865280, with no warning."""
+    tenants = Tenants({"ben": Tenant(name="ben", tokens_per_min=100)})
+    kept = {"ben": KeptUsage(spent_ago=[(1.0, 2**62)], carried=2**63 - 1)}
+    with caplog.at_level(logging.WARNING, "corral.scheduler"):
+        tenants.restore(kept, now=1000.0, away_s=0.0)
+    usage = tenants.usage["ben"]
+    assert usage.spent_sum == 100 and usage.carried == 100 * CARRY_MAX_MIN
+    refused = tenants.over_quota("ben", 1000.0)
+    assert refused is not None and refused.retry_after_s <= (CARRY_MAX_MIN + 1) * 60
+    assert any("dropped 2 saved value(s)" in r.getMessage() for r in caplog.records)
 
 
 def test_a_tampered_budgets_file_neither_locks_a_key_out_nor_lends_it_tokens(

@@ -114,6 +114,11 @@ class OverQuota:
     """requests_per_min or tokens_per_min (the refusal's count in /metrics)."""
 
 
+CARRY_MAX_MIN = 24 * 60
+"""The longest debt a saved file may hold, in minutes of the key's token budget: a day
+(a longer one is no answer's, but a damaged file's)."""
+
+
 class Tenants:
     """Every key's rules and usage. Usage outlives a reload for the keys that stay."""
 
@@ -238,16 +243,21 @@ class Tenants:
         """Windows exported `away_s` ago (wall time), for the keys that still have a quota.
         What no export makes (a damaged or hand-edited file: issue 37, S9, where negative
         tokens gave a key more budget and an age of -1e12 s locked one out for 31,000
-        years) is dropped, in one warning: ages outside [0, WINDOW_S], negative tokens."""
+        years) is dropped, in one warning: ages outside [0, WINDOW_S], token counts below 0
+        or above what the key's window holds, and a carry of more than CARRY_MAX_MIN
+        minutes of its budget (a carry of 2**63 said Retry-After: 5.5e18)."""
         dropped = 0
         for key, k in kept.items():
             rules = self.rules.get(key)
             if rules is None:
                 continue
             taken = [ago for ago in k.taken_ago if 0 <= ago <= WINDOW_S]
-            spent = [(ago, n) for ago, n in k.spent_ago if 0 <= ago <= WINDOW_S and n >= 0]
+            most = rules.tokens_per_min  # (a limit lowered since: what is over it is cut)
+            spent = [(ago, min(n, most)) for ago, n in k.spent_ago
+                     if 0 <= ago <= WINDOW_S and n >= 0]
+            carried = min(max(0, k.carried), most * CARRY_MAX_MIN)
             dropped += len(k.taken_ago) - len(taken) + len(k.spent_ago) - len(spent)
-            dropped += int(k.carried < 0)
+            dropped += sum(n > most for _, n in k.spent_ago) + int(carried != k.carried)
             usage = self._usage(key)
             if rules.requests_per_min:
                 usage.taken.extend(now - ago - away_s for ago in sorted(taken, reverse=True))
@@ -255,12 +265,13 @@ class Tenants:
                 for ago, n in sorted(spent, reverse=True):
                     usage.spent.append((now - ago - away_s, n))
                     usage.spent_sum += n
-                usage.carried += max(0, k.carried)
+                usage.carried += carried
             usage.expire(now, rules.tokens_per_min)
         if dropped:
             log.warning("key budgets: dropped %d saved value(s) out of range (ages outside "
-                        "[0, %g] s, negative token counts): the file was damaged or edited",
-                        dropped, WINDOW_S)
+                        "[0, %g] s, token counts below 0 or past the limit, a carry over %d "
+                        "minutes of budget): the file was damaged or edited", dropped,
+                        WINDOW_S, CARRY_MAX_MIN)
 
 
 class KeptUsage(msgspec.Struct, frozen=True):
