@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 
 PLAIN = re.compile(r"[A-Za-z0-9_:-][A-Za-z0-9_.:-]{0,239}")
 """A name that is its own folder: ASCII letters, digits and `_.:-`, not starting with a
@@ -32,14 +33,20 @@ def folder_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", name[:64]) + "~" + tag
 
 
+UNSEEN = frozenset({"Cc", "Cf", "Zl", "Zp"})
+"""Unicode categories a name may not hold: controls (C0 and C1), format characters (the
+bidirectional overrides, zero-width ones) and line or paragraph separators."""
+
+
 def name_problem(name: str) -> str | None:
     """What is wrong with a model's (or alias's) name, None when nothing: it must be
     non-empty with no surrounding spaces and no control characters, and each of its
     `/`-separated parts (`org/model` is a name) non-empty and neither `.` nor `..`."""
     if not name or name != name.strip():
         return "a model name must be non-empty with no surrounding spaces"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "a model name may not hold control characters"
+    if any(unicodedata.category(c) in UNSEEN for c in name):
+        return ("a model name may not hold control, format or separator characters "
+                "(a right-to-left override or a line separator reads as another name)")
     if any(part in ("", ".", "..") for part in name.split("/")):
         return ("a model name's /-separated parts may not be empty, '.' or '..' "
                 "(org/model is fine)")

@@ -89,7 +89,8 @@ def test_a_cache_folder_stays_in_the_cache_root_and_cleans_only_its_own(
 
 
 @pytest.mark.parametrize("name", [".", "..", "a/..", "../b", "/abs", "org//model", "a\0b",
-                                  "tab\there", " padded"])
+                                  "tab\there", " padded", "c1\x85", "rtl\u202eedoc",
+                                  "line\u2028sep", "zero\u200bwidth"])
 def test_a_name_that_reads_as_a_path_is_refused(name: str) -> None:
     for data, key in (({"models": {name: {"cmd": ["x"]}}}, f"models.{name!r}"),
                       ({"models": {"m": {"cmd": ["x"], "aliases": [name]}}},
