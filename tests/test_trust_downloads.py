@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,8 @@ from actors.config_downloads import DownloadsConfig
 from actors.config_load import parse_config
 from actors.downloads import limits
 from actors.downloads.jobs import QUEUED_MAX
-from actors.downloads.registry import repo_problem
+from actors.downloads.made import Made
+from actors.downloads.registry import Entry, release, repo_problem
 from bench.support import toml_value
 from tests.fake_hub import FakeHub
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config, wait_until
@@ -92,11 +95,16 @@ REFUSED = ["../x", "/etc/passwd", "owner/../../x", "owner/..", "owner/.", ".owne
            "owner/repo:Q4/../../x", "owner/repo:..", "owner/repo:", "owner/repo:Q\n",
            "owner/repo::Q", "-rf/x", "owner/-h", "owner/x:--help", "owner/.hidden",
            "owner/repo:.Q", "owner/repo:-Q", "owner/" + "b" * 97, "owner/repo:" + "Q" * 65,
-           "owner", "a/b/c"]
+           "owner", "a/b/c",
+           "a--b/c", "a/b--c", "o/r.", "o/r-", "o./r", "o-/r", "o/r.git", "o/r..s",
+           "o/r.git:Q4"]
 """The review's list (S12: fullwidth letters and an Arabic-Indic digit among them), and
-names with a part or a tag starting with `-` or `.`, or too long."""
+names with a part or a tag starting with `-` or `.`, or too long; and what the hub
+refuses besides (a second review): `--` or `..` in a part (`a--b/c` and `a/b--c` would
+share the folder `models--a--b--c`), a part ending with `-` or `.`, a `.git` at the end."""
 ACCEPTED = ["owner/repo", "owner/repo:Q4_K_M", "o-w.n_er/Re_po-1.5", "owner/_x",
-            "owner/repo.git", "owner/" + "b" * 96, "a" * 96 + "/b", "owner/repo:" + "Q" * 64]
+            "owner/repo.gits", "owner/r.git.x", "a-b/c-d", "o/r:Q-", "owner/" + "b" * 96,
+            "a" * 96 + "/b", "owner/repo:" + "Q" * 64]
 
 
 def test_download_names_are_what_the_readme_says(corral, hub, tmp_path) -> None:
@@ -343,3 +351,178 @@ def test_a_member_key_sees_only_the_downloads_it_may_use(corral, hub, tmp_path) 
     assert {"secret/repo", "mine/repo"} <= set(listed(c.port, root))
     alice = listed(c.port, {"Authorization": "Bearer alice-secret"})
     assert "mine/repo" in alice and "secret/repo" not in alice, alice
+
+
+# ------------------------------------------------------------------ S2: what a clean-up deletes
+
+USER_FILES = {"MY-NOTES.txt": b"not corral's", "blobs/mine.incomplete": b"half of mine"}
+
+
+def users_cache(tmp_path: Path) -> Path:
+    """A Hugging Face cache that holds SNAP already, as the user's own download of its
+    config.json left it (huggingface_hub itself, from the hub), and files of the user's."""
+    cache = tmp_path / "hf-cache"
+    subprocess.run([sys.executable, "-c", "import sys; from huggingface_hub import "
+                    "snapshot_download as d; d(sys.argv[1], cache_dir=sys.argv[2], "
+                    "allow_patterns=['config.json'])", SNAP, str(cache)],
+                   check=True, capture_output=True, timeout=60)
+    for name, data in USER_FILES.items():
+        (cache / REPO_DIR / name).write_bytes(data)
+    return cache
+
+
+REPO_DIR = "models--corral-test--snap"
+
+
+def everything(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")}
+
+
+def test_delete_leaves_a_folder_corral_did_not_make_and_the_users_files(corral, hub,
+                                                                        tmp_path) -> None:
+    """The review's S2 again: `[downloads] dir` an existing Hugging Face cache that holds
+    the repo; DELETE /models removed the whole repo folder, the user's files in it too."""
+    cache = users_cache(tmp_path)
+    theirs = everything(cache)
+    c = corral(config(tmp_path, f"dir = {toml_value(str(cache))}"))
+    sse = SSE(c.port)
+    assert download(c.port, SNAP)[0] == 200
+    assert ended(sse, SNAP)["type"] == "download_finished"
+    wait_until(lambda: status(c.port, SNAP) == "unloaded", what="the download listed")
+    added = everything(cache) - theirs
+    assert any(p.endswith("/weights.bin") for p in added), added
+    code, body, _ = request(c.port, "DELETE", "/models", {"model": SNAP})
+    assert code == 200 and body["deleted"] is None, body
+    assert "was there before corral downloaded into it" in body["kept"]
+    assert body["files_deleted"] == sum(not (cache / p).is_dir() for p in added
+                                        if p != "corral-downloads.json"), body
+    left = everything(cache)
+    assert theirs <= left and not (left - theirs) - {"corral-downloads.json"}, left - theirs
+    snapshot = next((cache / REPO_DIR / "snapshots").iterdir())
+    assert (snapshot / "config.json").read_bytes() == b"{}"  # theirs, still whole
+    for name, data in USER_FILES.items():
+        assert (cache / REPO_DIR / name).read_bytes() == data
+    assert SNAP not in json.loads((cache / "corral-downloads.json").read_text())
+
+
+def test_a_download_corral_made_the_folder_of_goes_whole(corral, hub, tmp_path) -> None:
+    c = corral(config(tmp_path))
+    sse = SSE(c.port)
+    assert download(c.port, SNAP)[0] == 200
+    assert ended(sse, SNAP)["type"] == "download_finished"
+    wait_until(lambda: status(c.port, SNAP) == "unloaded", what="the download listed")
+    folder = tmp_path / "state" / "models"
+    made = json.loads(registry(tmp_path).read_text())[SNAP]["made"]
+    assert made["folder"] is True and f".locks/{REPO_DIR}" in made["dirs"], made
+    code, body, _ = request(c.port, "DELETE", "/models", {"model": SNAP})
+    assert code == 200 and body["deleted"] == str(folder / REPO_DIR) and body["kept"] is None
+    assert not (folder / REPO_DIR).exists() and not (folder / ".locks" / REPO_DIR).exists()
+
+
+def test_a_cancelled_download_removes_only_its_own_partial_files(corral, hub,
+                                                                 tmp_path) -> None:
+    """Its clean-up removed every `.incomplete` file in the repo folder, the user's own
+    interrupted download's too."""
+    cache = users_cache(tmp_path)
+    theirs = everything(cache)
+    hub.rate = len(WEIGHTS) / 30
+    c = corral(config(tmp_path, f"dir = {toml_value(str(cache))}"))
+    sse = SSE(c.port)
+    assert download(c.port, SNAP)[0] == 200
+    wait_until(lambda: any(p.endswith(".incomplete") for p in everything(cache) - theirs),
+               what="the download's own partial file")
+    assert request(c.port, "POST", "/models/unload", {"model": SNAP})[0] == 200
+    assert "cancelled" in ended(sse, SNAP)["error"]
+    wait_until(lambda: not download_children(c.proc.pid), what="no download child")
+    assert everything(cache) == theirs
+    for name, data in USER_FILES.items():
+        assert (cache / REPO_DIR / name).read_bytes() == data
+
+
+def test_an_entry_of_an_older_corral_deletes_only_its_line(corral, tmp_path) -> None:
+    """A registry with no record of what a download made (an older corral's): corral
+    cannot tell its files from the user's, so DELETE leaves them, and says so."""
+    snapshot = tmp_path / "state" / "models" / "models--old--one" / "snapshots" / "c0"
+    snapshot.mkdir(parents=True)
+    (snapshot / "weights.bin").write_bytes(b"w")
+    damage(registry(tmp_path), {"old/one": {"format": "snapshot", "path": str(snapshot)}})
+    c = corral(config(tmp_path))
+    assert status(c.port, "old/one") == "unloaded"
+    code, body, _ = request(c.port, "DELETE", "/models", {"model": "old/one"})
+    assert code == 200 and body["deleted"] is None and body["files_deleted"] == 0, body
+    assert "cannot tell they are its own" in body["kept"]
+    assert (snapshot / "weights.bin").exists() and "old/one" not in listed(c.port)
+    assert json.loads(registry(tmp_path).read_text()) == {}
+    assert any("old/one" in line and "cannot tell they are its own" in line
+               for line in c.log().splitlines()), c.log()
+
+
+def test_a_record_that_names_files_elsewhere_deletes_nothing_there(corral, tmp_path) -> None:
+    """The registry is untrusted: a record naming a path outside the repo's folder
+    skips the entry (one warning), and a folder in it that a link leads elsewhere is
+    not followed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("keep me")
+    folder = tmp_path / "state" / "models"
+    (folder / "models--a--b").mkdir(parents=True)
+    (folder / "models--a--b" / "snap").symlink_to(outside)
+    (folder / "models--c--d" / "s").mkdir(parents=True)
+    damage(registry(tmp_path), {
+        "a/b": {"format": "snapshot", "path": str(folder / "models--a--b" / "snap"),
+                "made": {"files": ["models--a--b/snap/victim"]}},
+        "c/d": {"format": "snapshot", "path": str(folder / "models--c--d" / "s"),
+                "made": {"folder": False, "files": ["models--c--d/../../../outside/victim"]}}})
+    c = corral(config(tmp_path))
+    said = [line for line in c.log().splitlines() if "skipping 1 entry" in line]
+    assert len(said) == 1 and "'c/d'" in said[0] and "outside models--c--d" in said[0]
+    assert "a/b" in listed(c.port) and "c/d" not in listed(c.port)
+    for name in ("a/b", "c/d"):
+        code, body, _ = request(c.port, "DELETE", "/models", {"model": name})
+        assert code == 200 and body["files_deleted"] == 0, body
+    assert (outside / "victim").read_text() == "keep me"
+
+
+def test_what_a_download_made_goes_with_the_last_entry_in_its_folder(tmp_path) -> None:
+    """Two quantizations of one GGUF repo share its folder: deleting the first hands
+    what it made to the second, whose deletion then removes the folder corral made."""
+    folder = tmp_path
+    (folder / "models--o--r" / "blobs").mkdir(parents=True)
+    for name in ("q4", "q8", "shared"):
+        (folder / "models--o--r" / "blobs" / name).write_bytes(b"x")
+    first = Made(folder=True, files=("models--o--r/blobs/q4", "models--o--r/blobs/shared"),
+                 dirs=("models--o--r", "models--o--r/blobs"))
+    entries = {"o/r:Q8": Entry(made=Made(files=("models--o--r/blobs/q8",)))}
+    gone = release(folder, "o/r:Q4", first, entries)
+    assert gone.deleted is None and "stays with 'o/r:Q8'" in str(gone.kept)
+    assert len(list((folder / "models--o--r" / "blobs").iterdir())) == 3
+    record = entries.pop("o/r:Q8").made
+    assert record is not None and record.folder
+    assert release(folder, "o/r:Q8", record, entries).deleted == str(folder / "models--o--r")
+    assert not (folder / "models--o--r").exists()
+
+
+def test_a_second_download_into_a_folder_waits_for_the_first(corral, hub, tmp_path) -> None:
+    """What a download made is what appeared while it ran: two into one folder at once
+    could not tell theirs apart, so the second waits, whatever max_concurrent allows."""
+    hub.rate = len(WEIGHTS) / 30
+    c = corral(config(tmp_path, "max_concurrent = 4"))
+    sse = SSE(c.port)
+    assert download(c.port, SNAP)[0] == 200
+    assert download(c.port, SNAP + ":Q4")[0] == 200  # (the same repo folder)
+    assert listed(c.port)[SNAP + ":Q4"]["status"] == {"value": "queued", "queue_position": 0}
+    assert len(download_children(c.proc.pid)) == 1
+    assert request(c.port, "POST", "/models/unload", {"model": SNAP})[0] == 200
+    assert ended(sse, SNAP + ":Q4")["type"] == "download_failed"  # it ran (the hub has none)
+
+
+def test_an_entry_whose_name_is_anothers_alias_is_named_in_the_warning(corral,
+                                                                       tmp_path) -> None:
+    """Registry entries whose name another entry's alias claims were dropped silently."""
+    damage(registry(tmp_path), {"o/b": {"format": "snapshot", "path": "/x", "alias": "o/a"},
+                                "o/a": {"format": "snapshot", "path": "/x"},
+                                "o/c": {"format": "snapshot", "path": "/x"}})
+    c = corral(config(tmp_path))
+    assert {"o/b", "o/c"} <= set(listed(c.port)) and "o/a" not in listed(c.port)
+    said = [line for line in c.log().splitlines() if "skipping" in line]
+    assert len(said) == 1 and "'o/a': its name is the alias of 'o/b'" in said[0], c.log()

@@ -26,12 +26,13 @@ HF_TOKEN.
 The parts:
 - registry.py: names (`REPO`), the registry file (read as untrusted input: a damaged one
   is set aside, a bad entry skipped), where a repo lies, how a download is served;
+- made.py: what a download made in the folder, which is all a clean-up removes;
 - limits.py: what one download may take (size, free space), pure;
 - job.py: one download's state and entry; jobs.py: the jobs, their queue and children.
 """
 
-from .job import Download
-from .jobs import DownloadRequest, Downloads, Refused
+from .job import Download, DownloadRequest, Refused
+from .jobs import Downloads
 from .registry import REGISTRY, REPO, Entry, folder_of, remembered, repo_folder, served_as
 
 __all__ = ["REGISTRY", "REPO", "Download", "DownloadRequest", "Downloads", "Entry", "Refused",

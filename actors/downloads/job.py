@@ -1,12 +1,16 @@
 """One download as corral follows it: its state, what its child has said, and its entry
-in GET /models while it is not (yet) a model."""
+in GET /models while it is not (yet) a model; what `POST /models` asks, and why it may be
+refused."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
+
+import msgspec
 
 from ..childproc import ChildProcess, LogRing
+from .made import Made
 from .registry import Format
 
 
@@ -28,9 +32,13 @@ class Download:
         self.forget = False
         """Its entry goes when it ends (cancelled by POST /models/unload: as if never
         asked); otherwise a failed one stays listed, `keep_failed` at most."""
-        self.fresh = False
-        """Its repo folder did not exist when it started: corral made it, and removes it
-        if the download fails."""
+        self.before: dict[str, bool] = {}
+        """What lay in its repo folder and lock folder as it started (made.present)."""
+        self.inherited: Made | None = None
+        """What a download deleted while this one wrote into the same folder made: it
+        stays, and is this one's to remove."""
+        self.made: Made | None = None
+        """What it made, once it has ended (with what it inherited)."""
         self.ring = LogRing(200)
         self.said_at = 0.0
         """When its progress was last published (monotonic)."""
@@ -50,3 +58,17 @@ class Download:
         return {"id": self.name, "object": "model", "owned_by": "corral",
                 "created": int(self.started), "status": status,
                 "download": {"format": self.format}}
+
+
+class Refused(NamedTuple):
+    """Why POST /models cannot download a name now: the answer's status and message."""
+
+    status: int
+    message: str
+
+
+class DownloadRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """`POST /models`: what to download."""
+
+    model: str
+    format: Format = "gguf"

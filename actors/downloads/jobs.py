@@ -19,7 +19,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
@@ -28,8 +28,8 @@ from ..config import Config, ModelConfig
 from ..hf_download import PREFIX
 from ..llama import LLAMA_EXIT, LLAMA_STATE
 from ..messages import DownloadFailed, DownloadFinished, Event, StatusChanged
-from . import limits, registry
-from .job import Download
+from . import limits, made, registry
+from .job import Download, Refused
 from .registry import Format, folder_of, repo_folder
 
 log = logging.getLogger("corral.downloads")
@@ -41,15 +41,6 @@ CANCEL_GRACE_S = 2.0
 its stdin: it removes its partial file) or SIGTERM, then SIGKILL."""
 QUEUED_MAX = 100
 """Downloads that may wait for a turn; one more asked is a 503."""
-PARTIAL = (".downloadInProgress", ".incomplete")
-"""What a cut download leaves: llama-server's partial file, huggingface_hub's."""
-
-
-class Refused(NamedTuple):
-    """Why POST /models cannot download a name now: the answer's status and message."""
-
-    status: int
-    message: str
 
 
 class Downloads:
@@ -114,10 +105,13 @@ class Downloads:
         job = Download(name, form)
         self.jobs.pop(name, None)  # a failed one asked again: listed last, as new
         self.jobs[name] = job
-        if self.running() >= self.config.downloads.max_concurrent:
+        writer = self._writer(name)  # (what each made is told by what appeared)
+        if self.running() >= self.config.downloads.max_concurrent or writer is not None:
             self.waiting.append(job)
-            self._status(job, f"queued: {self.running()} downloads run already "
-                         f"(downloads.max_concurrent = {self.config.downloads.max_concurrent})")
+            self._status(job, f"queued: {writer.name} downloads into the same folder"
+                         if writer is not None else f"queued: {self.running()} downloads "
+                         "run already (downloads.max_concurrent = "
+                         f"{self.config.downloads.max_concurrent})")
             return job
         self._launch(job)
         return job
@@ -127,6 +121,7 @@ class Downloads:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             full = limits.before_start(self.config.downloads, limits.free_bytes(folder), folder)
+            job.before = made.present(folder, repo_folder(folder, job.name).name)
         except OSError as e:
             full = f"cannot use the downloads folder {folder}: {e.strerror}"
         if full is not None:
@@ -134,7 +129,6 @@ class Downloads:
             self._say_end(job)
             return
         job.state = "downloading"
-        job.fresh = not repo_folder(folder, job.name).exists()
         env = dict(os.environ)
         if job.format == "gguf":
             binary = self.config.downloads.llama_server or self.llama_server
@@ -167,7 +161,12 @@ class Downloads:
         try:
             while (self.waiting and not self.stopping
                    and self.running() < self.config.downloads.max_concurrent):
-                self._launch(self.waiting.popleft())
+                job = next((job for job in self.waiting if self._writer(job.name) is None),
+                           None)
+                if job is None:
+                    break  # each waits for another download into its folder
+                self.waiting.remove(job)
+                self._launch(job)
         finally:
             self.starting = False
 
@@ -210,10 +209,10 @@ class Downloads:
         model of the same name)."""
         return registry.owns(self.config, name, model, self.llama_server)
 
-    def forget(self, name: str) -> tuple[bool, str | None]:
+    def forget(self, name: str) -> tuple[bool, registry.Removed]:
         """DELETE /models of a download that is not running: its entry, its line in the
-        registry and, of one that was downloaded, its files go. Returns whether there
-        was an entry or a line, and the folder deleted."""
+        registry and, of one that was downloaded, what its download made go (made.py).
+        Returns whether there was an entry or a line, and what was deleted and left."""
         job = self.jobs.get(name)
         if job is not None and job.state in ("queued", "downloading"):
             job = None  # asked for again while DELETE removed the model: it stays
@@ -222,24 +221,35 @@ class Downloads:
         folder = folder_of(self.config)
         entries = registry.read(folder)
         line = entries.pop(name, None)
-        if line is not None:
+        others = dict(entries)
+        removed = registry.Removed()
+        writer = self._writer(name, itself=True)
+        record = line.made if line is not None else job.made if job is not None else None
+        if line is None and (job is None or job.state != "downloaded"):
+            pass  # a failed one: its clean-up came as it failed
+        elif writer is not None and record is not None:
+            writer.inherited = made.merge(writer.inherited, record)
+            removed = registry.Removed(kept=f"what its download added stays with the "
+                                       f"download of {writer.name} under way in the same "
+                                       "folder, and goes with it")
+        else:
+            removed = registry.release(folder, name, record, entries)
+        if line is not None or entries != others:  # (another entry took its record over)
             registry.write(folder, entries)
-        gone = None
-        if (line is not None or (job is not None and job.state == "downloaded")) \
-                and not self._busy(name, itself=True):
-            gone = registry.remove_files(folder, name)
-        if gone is not None:
-            log.info("deleted the download %s (%s)", name, gone)
-        return job is not None or line is not None, str(gone) if gone else None
+        if removed.deleted or removed.files or removed.kept:
+            log.info("deleted the download %s (%s%d files)%s", name,
+                     f"{removed.deleted}, " if removed.deleted else "", removed.files,
+                     f"; {removed.kept}" if removed.kept else "")
+        return job is not None or line is not None, removed
 
-    def _busy(self, name: str, itself: bool = False) -> bool:
-        """Whether another job under way or queued (or, with `itself`, one of `name`
-        too) writes to `name`'s repo folder."""
+    def _writer(self, name: str, itself: bool = False) -> Download | None:
+        """Another download (or, with `itself`, one of `name` too) under way into
+        `name`'s repo folder: at most one writes into a folder at a time."""
         folder = folder_of(self.config)
         where = repo_folder(folder, name)
-        return any(repo_folder(folder, job.name) == where for job in self.jobs.values()
-                   if (itself or job.name != name)
-                   and job.state in ("queued", "downloading"))
+        return next((job for job in self.jobs.values()
+                     if (itself or job.name != name) and job.state == "downloading"
+                     and repo_folder(folder, job.name) == where), None)
 
     # ------------------------------------------------------------ what the child says
 
@@ -299,6 +309,9 @@ class Downloads:
         """Whether the download that ended is there, and where."""
         assert job.child is not None
         code = job.child.reap()
+        folder = folder_of(self.config)
+        job.made = made.merge(made.since(folder, repo_folder(folder, job.name).name,
+                                         job.before), job.inherited)
         if job.cancelled is not None:
             job.state, job.error = "failed", job.cancelled
         elif job.format == "gguf" and job.result == "download_finished":
@@ -322,21 +335,25 @@ class Downloads:
             self._clean(job)
 
     def _clean(self, job: Download) -> None:
-        """Remove what a failed download wrote: its repo folder if it made it (and no
-        one else uses it), else its partial files."""
+        """Remove what a failed download made (made.py): its repo folder if it created
+        it and no registry entry lies in it, else the files and folders it added."""
         folder = folder_of(self.config)
-        if self._busy(job.name):
-            return  # another quantization of the repo downloads there now
-        if job.fresh and registry.remove_files(folder, job.name) is not None:
+        where = repo_folder(folder, job.name)
+        if job.made is None or self._writer(job.name) is not None:
             return
-        for part in repo_folder(folder, job.name).rglob("*"):
-            if part.name.endswith(PARTIAL):
-                part.unlink(missing_ok=True)
+        others = [name for name in registry.read(folder)
+                  if name != job.name and repo_folder(folder, name) == where]
+        record = msgspec.structs.replace(job.made, folder=False) if others else job.made
+        made.remove(folder, where.name, record)
 
     def _remember(self, job: Download) -> None:
         folder = folder_of(self.config)
         entries = registry.read(folder)  # (one that does not decode is set aside)
-        entries[job.name] = registry.Entry(format=job.format, path=job.path, alias=job.alias)
+        old = entries.get(job.name)  # (a snapshot downloaded again: what both made)
+        trusted = old is not None and registry.entry_problem(job.name, old) is None
+        record = made.merge(old.made if old is not None and trusted else None, job.made)
+        entries[job.name] = registry.Entry(format=job.format, path=job.path, alias=job.alias,
+                                           made=record)
         registry.write(folder, entries)
 
     def _say_end(self, job: Download) -> None:
@@ -375,10 +392,3 @@ class Downloads:
                     if job.state == "downloading" else None)
         self.publish(StatusChanged(model=job.name, status=job.state, cause=cause,
                                    progress=progress, failed=job.state == "failed"))
-
-
-class DownloadRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """`POST /models`: what to download."""
-
-    model: str
-    format: Format = "gguf"

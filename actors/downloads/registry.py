@@ -12,35 +12,41 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 
 from ..config import Config, ModelConfig
 from ..paths import folder_name
 from ..state_files import set_aside
+from . import made
+from .made import Made
 
 log = logging.getLogger("corral.downloads")
 
 Format = Literal["gguf", "snapshot"]
 REGISTRY = "corral-downloads.json"
-_PART = "[A-Za-z0-9_][A-Za-z0-9_.-]"
-REPO = re.compile(rf"{_PART}{{0,95}}/{_PART}{{0,95}}(:{_PART}{{0,63}})?")
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_TAG = "[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}"
+REPO = re.compile(rf"{_PART}/{_PART}(:{_TAG})?")
 """A Hugging Face repo as the hub names them, with a GGUF quantization tag: ASCII
 letters, digits and `_.-`, no part nor the tag starting with `-` or `.` (so never `.`,
-`..`, a hidden folder or a flag such as `-h`: issue 37, S12), at most 96 characters a
-part and 64 the tag."""
+`..`, a hidden folder or a flag such as `-h`: issue 37, S12), no part ending with one
+either, at most 96 characters a part and 64 the tag. `repo_problem` adds the hub's other
+rules: no `--` or `..` in a part (`a--b/c` and `a/b--c` would share the folder
+`models--a--b--c`), no `.git` at the end."""
 
 
 def repo_problem(name: str) -> str | None:
     """Why `name` is not a repo POST /models may download (None: it is one)."""
-    if REPO.fullmatch(name) and ".." not in name:
+    repo = name.partition(":")[0]
+    if (REPO.fullmatch(name) and ".." not in name and "--" not in repo
+            and not repo.endswith(".git")):
         return None
     return (f"{name[:200]!r} is not a Hugging Face repo; name one as owner/repo (ASCII "
-            "letters, digits and '_.-', no part starting with '-' or '.', no '..'; with "
-            ":QUANT for a GGUF quantization)")
+            "letters, digits and '_.-', no part starting or ending with '-' or '.', no "
+            "'--' or '..', no '.git' at the end; with :QUANT for a GGUF quantization)")
 
 
 class Entry(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,6 +57,9 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
     """The snapshot folder (of a GGUF repo: the folder its file is in)."""
     alias: str | None = None
     """`owner/repo:QUANT`, for a GGUF repo named without its quantization."""
+    made: Made | None = None
+    """What its download made (made.py); None in a registry an older corral wrote, whose
+    files corral cannot tell from the user's, and so never deletes."""
 
 
 def entry_problem(name: str, entry: Entry) -> str | None:
@@ -63,6 +72,8 @@ def entry_problem(name: str, entry: Entry) -> str | None:
     path = entry.path
     if path is not None and (not path.startswith("/") or any(c in path for c in "{}\0\n")):
         return f"its path {path[:100]!r} is not an absolute path without '{{', '}}' or breaks"
+    if entry.made is not None:
+        return made.problem(entry.made, repo_folder(Path("/"), name).name)
     return None
 
 
@@ -107,9 +118,14 @@ NO_DOWNLOADS = ("going on with no downloads remembered (the files are still on d
 
 
 def usable(folder: Path, entries: dict[str, Entry]) -> dict[str, Entry]:
-    """The entries that can be served; the others are named in one warning."""
+    """The entries that can be served; the others are named in one warning (among them
+    an entry whose name another entry has as its alias: that one is served by it)."""
     wrong = {name: why for name, entry in entries.items()
              if (why := entry_problem(name, entry)) is not None}
+    claims = {entry.alias: name for name, entry in entries.items()
+              if name not in wrong and entry.alias is not None}
+    wrong |= {name: f"its name is the alias of {claims[name][:100]!r}" for name in entries
+              if name not in wrong and name in claims}
     if wrong:
         said = "; ".join(f"{name[:100]!r}: {why}" for name, why in list(wrong.items())[:5])
         more = f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""
@@ -174,14 +190,43 @@ def owns(config: Config, name: str, model: ModelConfig | None,
     return expected is not None and expected.cmd == model.cmd
 
 
-def remove_files(folder: Path, name: str) -> Path | None:
-    """Delete the repo folder of `name` and its lock folder, unless another registry
-    entry lies in it (a GGUF repo's other quantization); what was deleted."""
+class Removed(NamedTuple):
+    """What a clean-up of one download took from the disk, and what it left."""
+
+    deleted: str | None = None
+    """The repo folder, when corral had made it and deleted it whole."""
+    files: int = 0
+    """The files deleted (those of a deleted folder among them)."""
+    kept: str | None = None
+    """What was left on the disk, and why (None: nothing of the download's)."""
+
+
+def release(folder: Path, name: str, record: Made | None,
+            others: dict[str, Entry]) -> Removed:
+    """Remove what the download `name` made (its `record`) from the disk, given the
+    registry's `others` entries. Another entry downloaded into the same repo folder (a
+    GGUF repo's other quantization) takes the record over instead, in `others` (the
+    caller writes them): it goes when that one is deleted."""
     where = repo_folder(folder, name)
-    if any(repo_folder(folder, other) == where for other in read(folder) if other != name):
-        return None
-    if not where.is_dir():
-        return None
-    shutil.rmtree(where, ignore_errors=True)
-    shutil.rmtree(folder / ".locks" / where.name, ignore_errors=True)
-    return where
+    if record is None or made.problem(record, where.name) is not None:
+        return Removed(kept=f"its files in {where} were left: the registry has no record "
+                       "of what its download added (an older corral wrote it), so corral "
+                       "cannot tell they are its own; delete them yourself if they are")
+    sharing = [other for other in others if repo_folder(folder, other) == where]
+    heir = next((other for other in sharing if others[other].made is not None
+                 and entry_problem(other, others[other]) is None), None)
+    if heir is not None:
+        others[heir] = msgspec.structs.replace(others[heir],
+                                               made=made.merge(others[heir].made, record))
+        return Removed(kept=f"what its download added in {where} stays with "
+                       f"{heir!r}, downloaded into the same folder, and goes with it")
+    if sharing:
+        return Removed(kept=f"its files in {where} were left: {sharing[0]!r} lies in the "
+                       "same folder, and the registry has no record of which files are "
+                       "that one's")
+    count = made.remove(folder, where.name, record)
+    if record.folder:
+        return Removed(deleted=str(where), files=count)
+    return Removed(files=count, kept=f"{where} was there before corral downloaded into "
+                   f"it: only the {count} files corral added were deleted, the folder "
+                   "and the rest left")

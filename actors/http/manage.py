@@ -122,8 +122,10 @@ class ModelCommands:
 
     async def delete_download(self, request: web.Request) -> web.Response:
         """DELETE /models {"model": NAME}: remove a failed download's entry, or a
-        downloaded model (from the table, the registry and the disk) that is not running;
-        one under way is a 409 (POST /models/unload cancels it)."""
+        downloaded model (from the table, the registry, and from the disk what its download
+        made: `deleted`, the repo folder if it made it, `files_deleted`, and `kept`, what
+        was left and why) that is not running; one under way is a 409 (POST
+        /models/unload cancels it)."""
         if self.downloads is None:
             return error(503, "downloads are not running yet")
         body = await self._body(request, ModelName)
@@ -147,11 +149,12 @@ class ModelCommands:
                     self.latest, models={n: m for n, m in table.items() if n != name})
                 await asyncio.to_thread(self.sup.reload, config)
                 self.applied(config)
-            listed, deleted = self.downloads.forget(name)
+            listed, removed = self.downloads.forget(name)
         if not listed and name not in table:
             return error(404, f"no download named '{name}'; GET /models lists them",
                          "not_found_error")
-        return web.json_response({"success": True, "model": name, "deleted": deleted})
+        return web.json_response({"success": True, "model": name, "deleted": removed.deleted,
+                                  "files_deleted": removed.files, "kept": removed.kept})
 
     async def _busy(self, name: str) -> str | None:
         """Why the model `name` may not be deleted now (None: it is unloaded and idle)."""
