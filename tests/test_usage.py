@@ -1,13 +1,15 @@
 """Token metering of a keyed request's answer (actors/http/usage.py), against answers a
 child may send: usage in the body or a stream's last event, none at all, markers cut
-across reads, bodies past the limit, and figures no counter could carry; a stream charged
+across reads, bodies past a megabyte, and figures no counter could carry; a stream charged
 as it goes and settled at its end."""
 
 from __future__ import annotations
 
 import json
 
-from actors.http.usage import MAX_BODY, MAX_TOKENS, Meter
+from actors.http.usage import MAX_TOKENS, Meter
+
+MiB = 1 << 20
 
 
 class Sent:
@@ -30,12 +32,12 @@ def event(payload: object) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def test_a_json_answers_usage_is_taken_whole_and_past_the_body_limit() -> None:
+def test_a_json_answers_usage_is_taken_whole_and_past_a_megabyte() -> None:
     body = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9}})
     assert meter([body.encode()], False) == (3, 9)
-    big = json.dumps({"data": ["x" * 1000] * (MAX_BODY // 1000 + 10),
+    big = json.dumps({"data": ["x" * 1000] * (MiB // 1000 + 10),
                       "usage": {"prompt_tokens": 70000, "completion_tokens": 0}}).encode()
-    assert len(big) > MAX_BODY
+    assert len(big) > MiB
     assert meter([big[i:i + 65536] for i in range(0, len(big), 65536)], False) == (70000, 0)
 
 

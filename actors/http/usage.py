@@ -1,49 +1,114 @@
 """What a request used, in tokens, read from its answer as it is relayed (only for a
 request that came with a named key: its tokens_per_min, and its use in /metrics).
 
-A child's `usage` is taken when the answer has one: the JSON answer's (from its last
-TAIL bytes when it is longer than MAX_BODY), or a stream's last event's (a client asks
-for it with `stream_options.include_usage`). An answer without one (or with zeros) that
-succeeded counts its prompt as the request body's bytes / 4 (OpenAI's rule of thumb),
-an upload's whole multipart body included, so that a long prompt or a large upload is not
-free; a stream counts its events as the completion, each a token; and any such answer
-counts one token at least (issue 37, S5: transcriptions, speech and images counted none).
-The answer's own bytes are not counted: an embedding's floats or a picture are not
-tokens. Every figure is bounded to [0, MAX_TOKENS]: a child cannot make corral count what
-it cannot carry.
+The answer's own figures are taken when it has them, wherever they are in it and in
+whichever shape: a `usage` object (`prompt_tokens`/`completion_tokens`, or Anthropic's
+and OpenAI's Responses API's `input_tokens`/`output_tokens`, Anthropic's cache reads and
+writes added to the input), llama-server's own `tokens_evaluated`/`tokens_predicted`
+(POST /completion), or its `timings` (`prompt_n` + `cache_n`, `predicted_n`). The bytes
+are watched for those keys as they pass (a key cut across two reads included), and WINDOW
+bytes after each are kept to read its value in: a usage before a megabyte of
+`prompt_logprobs` is found, and a long answer costs no more memory than a short one.
+Where an answer holds several (a stream's events, Anthropic's `message_start` then
+`message_delta`), each figure is the largest seen: they are running totals. A `usage`
+wins over `tokens_*`, which win over `timings`.
+
+An answer without them (or with zeros) that succeeded counts its prompt as the request
+body's bytes / 4 (OpenAI's rule of thumb), an upload's whole multipart body included, so
+that a long prompt or a large upload is not free; a stream counts each `data:` event
+(only an exact `data: [DONE]` is none) as its text's bytes / 4 (the deltas' content,
+reasoning, tool-call arguments), one token at least, so that a server that packs many
+tokens in an event is charged about as one that sends one each; and any such answer
+counts one token at least (issue 37, S5: transcriptions, speech and images counted
+none). The answer's own bytes are not counted: an embedding's floats or a picture
+are not tokens. Every figure is bounded to [0, MAX_TOKENS]: a child cannot make corral
+count what it cannot carry.
 
 A stream is charged as it goes (`due`: each time it has used its key's `charge_every`
 more, by the same rule), so that the key's next request sees it while it runs; the
-release settles the rest against the answer's own `usage` (`rest`, maybe negative).
+release settles the rest against the answer's own figures (`rest`, maybe negative).
+Only a key with a token limit (`charge_every`) has its stream's events decoded for their
+text: for the others (their use in /metrics) a stream without figures counts one token an
+event, which saves the front about a microsecond an event.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 import msgspec
 
-MAX_BODY = 1 << 20
-"""A JSON answer longer than this is not parsed whole: its usage is found in its tail."""
-TAIL = 4096
-"""How much of the end of an answer is kept to find its usage in."""
 MAX_TOKENS = 1 << 31
 BYTES_PER_TOKEN = 4
-_CARRY = len(b"[DONE]") - 1
-"""Bytes of one read kept for the next, so that a marker cut in two is counted once."""
+WINDOW = 4096
+"""How much of an answer after a usage key is kept to read its value in."""
+MAX_LINE = 1 << 16
+"""A stream's line longer than this is not decoded: its bytes count as its text's."""
+MAX_PENDING = 8
+"""Values cut by a read that are kept to be read whole with the next (each WINDOW)."""
+_USAGE, _EVALUATED, _PREDICTED, _TIMINGS = (b'"usage"', b'"tokens_evaluated"',
+                                            b'"tokens_predicted"', b'"timings"')
+_KEYS = (_USAGE, _EVALUATED, _PREDICTED, _TIMINGS)
+_CARRY = max(len(k) for k in _KEYS) - 1
+"""Bytes of one read kept for the next, so that a key cut in two is found once."""
+_INT = re.compile(rb"-?[0-9]+")
 
 
 class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
 
 
-class _Answer(msgspec.Struct):
-    usage: _Usage | None = None
+class _Timings(msgspec.Struct):
+    prompt_n: int | None = None
+    cache_n: int | None = None
+    predicted_n: int | None = None
 
 
-_decode = msgspec.json.Decoder(_Answer).decode
-_decode_usage = msgspec.json.Decoder(_Usage).decode
+class _Function(msgspec.Struct):
+    arguments: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    text: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    thinking: str | None = None
+    partial_json: str | None = None
+    refusal: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    text: str | None = None
+
+
+class _Event(msgspec.Struct):
+    """The text-bearing fields of a stream's event: OpenAI's chat and completions
+    (`choices`), Anthropic's and the Responses API's (`delta`), llama-server's own
+    (`content`)."""
+    choices: list[_Choice] | None = None
+    delta: _Delta | str | None = None
+    content: str | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_Usage, strict=False).decode
+_decode_timings = msgspec.json.Decoder(_Timings, strict=False).decode
+_decode_event = msgspec.json.Decoder(_Event).decode
+_decode_any = msgspec.json.Decoder().decode
+_TEXT_KEYS = frozenset(("content", "text", "delta", "reasoning_content", "reasoning",
+                        "thinking", "partial_json", "refusal", "arguments"))
 
 
 def _bound(n: int) -> int:
@@ -60,8 +125,8 @@ class Sent(Protocol):
 class Meter:
     """One answer's tokens, fed its body as it is relayed."""
 
-    __slots__ = ("answered", "charge_every", "charged", "events", "ok", "parts", "request",
-                 "result", "size", "stream", "tail")
+    __slots__ = ("answered", "carry", "charge_every", "charged", "events", "figures",
+                 "line", "long", "ok", "pending", "request", "result", "stream", "texts")
 
     def __init__(self, request: Sent, charge_every: int = 0) -> None:
         self.request = request
@@ -75,35 +140,185 @@ class Meter:
         """Its status was below 400: an answer without usage counts by the rule."""
         self.result: tuple[int, int] | None = None
         self.stream = False
-        self.parts: list[bytes] = []
-        self.size = 0
+        self.figures: list[int | None] = [None] * 6
+        """The answer's own figures, the largest of each seen: a usage's prompt and
+        completion, then tokens_evaluated and tokens_predicted, then timings'."""
+        self.carry = b""
+        self.pending: list[tuple[bytes, bytes]] = []
+        """(key, what follows it so far) for a value a read cut."""
         self.events = 0
-        self.tail = b""
+        """A stream's `data:` events but `[DONE]`."""
+        self.texts = 0
+        """A stream's events counted by their text, each its bytes / 4, one at least
+        (only with `charge_every`)."""
+        self.line = bytearray()
+        """The start of a stream's line that a read cut (at most MAX_LINE)."""
+        self.long = -1
+        """The bytes of a line past MAX_LINE so far (-1: none; -2: one that is not
+        an event's data)."""
 
     def began(self, status: int, stream: bool) -> None:
         """The child's answer head came (`stream`: an event stream)."""
         self.answered, self.ok, self.stream = True, status < 400, stream
 
     def feed(self, body: bytes) -> None:
-        carry = self.tail[-_CARRY:]
+        if self.pending:
+            self._more(body)
+        seen = self.carry + body
+        skip = len(self.carry)
+        for key in _KEYS:
+            at = seen.find(key)
+            while at >= 0:
+                if at + len(key) > skip:  # not found whole in the last read already
+                    self._value(key, seen[at:at + WINDOW])
+                at = seen.find(key, at + len(key))
+        self.carry = seen[-_CARRY:]
         if self.stream:
-            seen = carry + body
-            self.events += (seen.count(b"data:") - carry.count(b"data:")
-                            - seen.count(b"[DONE]") + carry.count(b"[DONE]"))
-        else:
-            self.size += len(body)
-            if self.size <= MAX_BODY:
-                self.parts.append(body)
+            self._lines(body)
+
+    # ------------------------------------------------------------ figures
+
+    def _more(self, body: bytes) -> None:
+        pending, self.pending = self.pending, []
+        for key, value in pending:
+            self._value(key, value + body[:WINDOW - len(value)])
+
+    def _value(self, key: bytes, value: bytes) -> None:
+        """Read the value after `key` (`value` starts with it), or keep it for the next
+        read when it may be whole then."""
+        full = len(value) >= WINDOW
+        rest = value[len(key):].lstrip()
+        if rest[:1] == b":":
+            rest = rest[1:].lstrip()
+        elif rest:
+            return  # a string's value, not a key
+        if not rest:
+            return self._wait(key, value, full)
+        if key is _EVALUATED or key is _PREDICTED:
+            m = _INT.match(rest)
+            if m is None:
+                return
+            if m.end() == len(rest) and not full:
+                return self._wait(key, value, full)  # its digits may go on
+            self._take(2 if key is _EVALUATED else 3, int(m.group()))
+            return
+        if rest[:1] != b"{":
+            return  # null
+        decode = _decode_usage if key is _USAGE else _decode_timings
+        end = rest.find(b"}")
+        while end >= 0:
+            try:
+                figures = decode(rest[:end + 1])
+            except msgspec.ValidationError:
+                return  # whole, but not figures
+            except msgspec.DecodeError:
+                end = rest.find(b"}", end + 1)  # an object inside it closed
+                continue
+            if isinstance(figures, _Usage):
+                self._usage(figures)
             else:
-                self.parts.clear()
-        self.tail = (self.tail + body)[-TAIL:]
+                self._timings(figures)
+            return
+        self._wait(key, value, full)
+
+    def _wait(self, key: bytes, value: bytes, full: bool) -> None:
+        """Keep `value` to read with the next read, unless it is WINDOW long already."""
+        if not full:
+            self.pending.append((key, value))
+            del self.pending[:-MAX_PENDING]
+
+    def _usage(self, u: _Usage) -> None:
+        if u.prompt_tokens is not None:
+            self._take(0, u.prompt_tokens)
+        elif u.input_tokens is not None:  # Anthropic's does not count its cache's
+            self._take(0, _bound(u.input_tokens) + _bound(u.cache_read_input_tokens or 0)
+                       + _bound(u.cache_creation_input_tokens or 0))
+        completion = u.completion_tokens if u.completion_tokens is not None \
+            else u.output_tokens
+        if completion is not None:
+            self._take(1, completion)
+
+    def _timings(self, t: _Timings) -> None:
+        if t.prompt_n is not None:  # prompt_n: what was not in the cache already
+            self._take(4, _bound(t.prompt_n) + _bound(t.cache_n or 0))
+        if t.predicted_n is not None:
+            self._take(5, t.predicted_n)
+
+    def _take(self, at: int, n: int) -> None:
+        old = self.figures[at]
+        n = _bound(n)
+        if old is None or n > old:
+            self.figures[at] = n
+
+    def _found(self) -> tuple[int, int] | None:
+        f = self.figures
+        prompt = f[0] if f[0] is not None else f[2] if f[2] is not None else f[4]
+        completion = f[1] if f[1] is not None else f[3] if f[3] is not None else f[5]
+        if prompt is None and completion is None:
+            return None
+        return prompt or 0, completion or 0
+
+    # ------------------------------------------------------------ a stream's events
+
+    def _lines(self, body: bytes) -> None:
+        if self.long != -1:  # the rest of a line too long to keep
+            end = body.find(b"\n")
+            if end < 0:
+                if self.long >= 0:
+                    self.long += len(body)
+                return
+            self._long_ends(end)
+            body = body[end + 1:]
+        last = body.rfind(b"\n")
+        line = self.line
+        if last < 0:  # no line ends in this read
+            line += body
+            self._too_long()
+            return
+        if line:
+            line += body[:last]
+            lines = bytes(line).split(b"\n")
+            line.clear()
+        else:
+            lines = body[:last].split(b"\n")
+        if last + 1 < len(body):
+            line += body[last + 1:]
+        counting = self.charge_every
+        for one in lines:
+            if one[:5] != b"data:":
+                continue
+            data = one[5:].strip()
+            if data == b"[DONE]":
+                continue
+            self.events += 1
+            if counting:
+                self.texts += max(_text(data) // BYTES_PER_TOKEN, 1)
+        self._too_long()
+
+    def _too_long(self) -> None:
+        """A line past MAX_LINE is not kept: only its bytes are counted."""
+        line = self.line
+        if len(line) > MAX_LINE:
+            self.long = len(line) if line[:5] == b"data:" else -2
+            line.clear()
+
+    def _long_ends(self, more: int) -> None:
+        if self.long >= 0:
+            self.events += 1
+            if self.charge_every:
+                self.texts += max((self.long + more) // BYTES_PER_TOKEN, 1)
+        self.long = -1
+
+    # ------------------------------------------------------------ the charges
 
     def due(self) -> int:
         """Tokens to charge now, as a stream goes: what it has used since the last
         charge, once that is `charge_every` or more (else 0)."""
         if not (self.stream and self.charge_every):
             return 0
-        more = sum(self._by_rule()) - self.charged
+        prompt = self.request.body_size // BYTES_PER_TOKEN
+        completion = max(self.events, self.texts)
+        more = min(prompt, MAX_TOKENS) + min(completion, MAX_TOKENS) - self.charged
         if more < self.charge_every:
             return 0
         self.charged += more
@@ -125,10 +340,13 @@ class Meter:
         return self.result
 
     def _read(self) -> tuple[int, int]:
-        if not self.stream and self.size <= MAX_BODY:
-            found: tuple[int, int] | None = _usage(b"".join(self.parts))
-        else:
-            found = _tail_usage(self.tail)
+        if self.pending:  # the answer ended: what was kept is all there is
+            self._more(b"\n")
+        if self.stream and self.line:
+            self._lines(b"\n")  # a last event without its line's end
+        elif self.stream and self.long != -1:
+            self._long_ends(0)
+        found = self._found()
         if found is not None and found != (0, 0):
             return found
         if not self.ok:
@@ -138,31 +356,68 @@ class Meter:
 
     def _by_rule(self) -> tuple[int, int]:
         """(prompt, completion) of an answer without usage: the request's bytes / 4,
-        and a stream's events."""
+        and a stream's events, each its text's bytes / 4, one token at least."""
         prompt = _bound(self.request.body_size // BYTES_PER_TOKEN)
-        return prompt, _bound(self.events) if self.stream else 0
+        if not self.stream:
+            return prompt, 0
+        return prompt, _bound(max(self.events, self.texts))
 
 
-def _usage(data: bytes) -> tuple[int, int]:
+def _size(s: str | None) -> int:
+    if not s:
+        return 0
+    return len(s) if s.isascii() else len(s.encode())
+
+
+def _delta_size(d: _Delta) -> int:
+    n = 0
+    for s in (d.content, d.text, d.thinking, d.partial_json, d.refusal):
+        if s:
+            n += len(s) if s.isascii() else len(s.encode())
+    if d.reasoning_content or d.reasoning:  # one server's names for the same text
+        n += max(_size(d.reasoning_content), _size(d.reasoning))
+    if d.tool_calls:
+        for call in d.tool_calls:
+            if call.function is not None:
+                n += _size(call.function.arguments)
+    return n
+
+
+def _text(data: bytes) -> int:
+    """The bytes of the text in one event's data."""
     try:
-        usage = _decode(data).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return 0, 0
-    return (_bound(usage.prompt_tokens), _bound(usage.completion_tokens)) if usage else (0, 0)
+        event = _decode_event(data)
+    except msgspec.ValidationError:  # a shape of its own: its text fields, wherever
+        try:
+            return _walk(_decode_any(data))
+        except msgspec.DecodeError:
+            return 0
+    except msgspec.DecodeError:
+        return 0
+    n = 0
+    if event.choices:
+        for choice in event.choices:
+            if choice.delta is not None:
+                n += _delta_size(choice.delta)
+            if choice.text:
+                n += _size(choice.text)
+    delta = event.delta
+    if delta is not None:
+        n += _size(delta) if isinstance(delta, str) else _delta_size(delta)
+    if event.content:
+        n += _size(event.content)
+    return n
 
 
-def _tail_usage(tail: bytes) -> tuple[int, int] | None:
-    """The last `"usage": {...}` object in `tail`, if whole and readable."""
-    at = tail.rfind(b'"usage"')
-    start = tail.find(b"{", at) if at >= 0 else -1
-    end = tail.find(b"}", start) if start >= 0 else -1
-    if end < 0:
-        return None
-    try:
-        usage = _decode_usage(tail[start:end + 1])
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return _bound(usage.prompt_tokens), _bound(usage.completion_tokens)
+def _walk(value: object, depth: int = 0) -> int:
+    n = 0
+    if isinstance(value, dict) and depth < 8:
+        for k, v in value.items():
+            n += _size(v) if isinstance(v, str) and k in _TEXT_KEYS else _walk(v, depth + 1)
+    elif isinstance(value, list) and depth < 8:
+        for v in value:
+            n += _walk(v, depth + 1)
+    return n
 
 
 class KeyUses:
