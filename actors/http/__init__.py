@@ -11,11 +11,13 @@ then streamed to and from the child; everything else goes to the management API.
 | the port: accept, limits, drain, what all share  | `Front`                  | front.py      |
 | one client connection: pipelining, timers, flow  | `Connection`, `Hub`      | connection.py |
 | parsing and screening requests as they arrive    | `Reader`, `screen`       | request.py    |
+| an upload's start, held until its grant         | `Held`                   | held.py       |
 | a client that takes nothing: the watch, the cut  | `WriteStall`, `cut`      | flow.py       |
 | one request and its answer, in phases            | `Exchange`               | exchange.py   |
 | what an exchange may use of its front            | `Services`               | services.py   |
 | what an exchange writes to: its connection       | `Client`                 | exchange.py   |
 | a keyed request's tokens; each key's use         | `Meter`, `KeyUses`       | usage.py      |
+| the text one event of a stream carries           | `text_bytes`             | eventtext.py  |
 | joining a held grant; keeping it (a lease)       | `Shares`, `SharedGrant`  | shares.py     |
 | connections to one child; all pools              | `Pool`, `Pools`          | pool.py       |
 | one connection to a child and its answers        | `Upstream`, `Broke`      | upstream.py   |
