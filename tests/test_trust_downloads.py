@@ -147,6 +147,29 @@ def test_a_damaged_registry_is_set_aside_and_corral_starts(corral, tmp_path, cas
     assert "Traceback" not in c.log()
 
 
+def test_an_entry_that_does_not_decode_costs_only_itself(corral, tmp_path) -> None:
+    """A second review: one entry of the wrong type set the whole registry aside, and
+    every good download was forgotten until POSTed again. The file is set aside (kept
+    for a person), the entry named, and a new registry holds the good ones."""
+    snapshot = tmp_path / "snapshots" / "good"
+    snapshot.mkdir(parents=True)
+    damage(registry(tmp_path), {
+        "good/one": {"format": "snapshot", "path": str(snapshot)},
+        "bad/type": {"format": "snapshot", "path": 5}})
+    c = corral(config(tmp_path))
+    names = set(listed(c.port))
+    assert "good/one" in names and "bad/type" not in names
+    said = set_aside_lines(c.log(), registry(tmp_path))
+    assert len(said) == 1 and "'bad/type'" in said[0] and "the other 1" in said[0], c.log()
+    assert len(list(registry(tmp_path).parent.glob("corral-downloads.json.bad-*"))) == 1
+    assert set(json.loads(registry(tmp_path).read_text())) == {"good/one"}
+    assert chat(c.port, "good/one")[1]["model"] == str(snapshot)
+    c.stop(keep_home=True)
+    again = corral(config(tmp_path))  # remembered across a restart, nothing set aside
+    assert "good/one" in set(listed(again.port))
+    assert set_aside_lines(again.log(), registry(tmp_path)) == []
+
+
 def test_entries_post_would_refuse_are_skipped_with_one_warning(corral, tmp_path) -> None:
     snapshot = tmp_path / "snapshots" / "good"
     snapshot.mkdir(parents=True)

@@ -2,10 +2,11 @@
 each is served.
 
 The registry is read as untrusted input (issue 37, S3): it is decoded into `Entry`
-structs; a file that does not decode is set aside (state_files.py) and corral goes on
-with no downloads remembered; an entry POST /models would refuse (its name, its alias,
-its path) is skipped, with one warning for the file. Reading it never raises, so a
-damaged registry stops neither a start nor a reload.
+structs, one entry at a time; a file that does not decode is set aside (state_files.py)
+and corral goes on with no downloads remembered; one with entries that do not decode is
+set aside too, and a new one holds the entries that do. An entry POST /models would
+refuse (its name, its alias, its path) is skipped, with one warning for the file.
+Reading it never raises, so a damaged registry stops neither a start nor a reload.
 """
 
 from __future__ import annotations
@@ -107,10 +108,26 @@ def read(folder: Path) -> dict[str, Entry]:
         set_aside(path, f"cannot be read ({e.strerror})", log, NO_DOWNLOADS)
         return {}
     try:
-        return msgspec.json.decode(data, type=dict[str, Entry])
+        raw = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
     except (msgspec.DecodeError, RecursionError) as e:  # (ValidationError is one)
         set_aside(path, f"not a registry of downloads: {e}", log, NO_DOWNLOADS)
         return {}
+    entries, wrong = {}, {}
+    for name, value in raw.items():
+        try:
+            entries[name] = msgspec.json.decode(value, type=Entry)
+        except (msgspec.DecodeError, RecursionError) as e:
+            wrong[name] = str(e)
+    if wrong:  # the file is kept for a person to read; the good entries live on
+        said = "; ".join(f"{name[:100]!r}: {why}" for name, why in list(wrong.items())[:5])
+        more = f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else ""
+        aside = set_aside(path, f"{len(wrong)} entr{'y' if len(wrong) == 1 else 'ies'} "
+                          f"do not decode: {said}{more}", log,
+                          f"going on with the other {len(entries)}" if entries
+                          else NO_DOWNLOADS)
+        if aside is not None and entries:
+            write(folder, entries)
+    return entries
 
 
 NO_DOWNLOADS = ("going on with no downloads remembered (the files are still on disk; "
