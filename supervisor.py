@@ -23,13 +23,14 @@ from typing import Any
 import msgspec
 import pykka
 
-from actors import Config, ConfigError, Supervisor, demo_config, load_config, loop
-from actors.config_load import check_key, parse_config, read_key_file
+from actors import Config, ConfigError, Supervisor, demo_config, load_config
+from actors.config.load import check_key, parse_config, read_key_file
+from actors.config.presets import llama_models
 from actors.downloads import remembered
 from actors.http import client as http_client
 from actors.http.api import ManagementApi
-from actors.loop import freeze_startup_heap
-from actors.presets import llama_models
+from actors.runtime import loop
+from actors.runtime.loop import freeze_startup_heap
 
 log = logging.getLogger("corral")
 EXIT_CONFIG = 2

@@ -12,13 +12,47 @@ The embedding API (R-7.1): build a `Config` in code (or `load_config`), start a
     async with sup.lease_async("chat") as base_url:
         ...
     sup.stop()
+
+The folders, from the top down (each opens with a design note):
+
+    supervisor.py  starts the actors in order, stops them in reverse; leases
+    scheduler.py   the Scheduler actor: the policy's events in, its effects out
+    measure.py, device.py   the MeasureWorker and the DeviceMonitor
+    messages.py    every message, one union per recipient; `Inbox`
+    lifecycle.py, ledger.py, histogram.py, llama.py   the vocabulary: model states,
+                   per-device accounting, latency histograms, llama-server's protocol
+    base.py, childproc.py, budgets.py   BaseActor; the OS edge; key budgets on disk
+    config/        everything a TOML file, a preset or the demo becomes (pure)
+    policy/        every decision, pure: events in, effects out
+    instance/      one model's child: the ModelInstance actor and its parts
+    runtime/       what the actors run on: the loop, timers, the bridge, state files
+    downloads/     POST /models: the download jobs and their child program
+    http/          the edge: the fronts, the proxy, the management API
+    cluster/       Ray nodes: the head and the agents
+    fake_model/    the demo child (run as `python -m actors.fake_model`)
+
+Importing `actors` loads nothing until a name is asked for, so a part (the policy, the
+config) can be imported without the actors, pykka or the OS edge.
 """
 
-from .config import Config, ConfigError, ModelConfig
-from .config_load import load_config
-from .demo import demo_config
-from .messages import Event, Evicted, StatusChanged
-from .supervisor import LeaseError, Supervisor
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config.demo import demo_config
+    from .config.load import load_config
+    from .config.model import Config, ConfigError, ModelConfig
+    from .messages import Event, Evicted, StatusChanged
+    from .supervisor import LeaseError, Supervisor
+
+_WHERE = {
+    "Config": "config.model", "ConfigError": "config.model", "ModelConfig": "config.model",
+    "load_config": "config.load", "demo_config": "config.demo",
+    "Event": "messages", "Evicted": "messages", "StatusChanged": "messages",
+    "LeaseError": "supervisor", "Supervisor": "supervisor",
+}
 
 __all__ = [
     "Config",
@@ -32,3 +66,13 @@ __all__ = [
     "demo_config",
     "load_config",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The embedding API, loaded when first asked for (PEP 562)."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'actors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value

@@ -6,22 +6,16 @@ import logging
 import queue
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import pykka
+
+from .messages import Inbox
 
 if TYPE_CHECKING:
     from pykka._actor import ActorInbox
 
-M = TypeVar("M", contravariant=True)
-
-
-class Inbox(Protocol[M]):
-    """Whatever takes messages of type `M`: an actor's ref (`ActorRef.tell`), or a
-    stand-in with the same `tell` (the cluster's). Every field that holds a recipient is
-    typed with the recipient's message union, so mypy checks what is sent where."""
-
-    def tell(self, message: M) -> None: ...
+M = TypeVar("M")
 
 CrashHandler = Callable[[str, BaseException], None]
 """Called from the crashing actor's thread with its name and the exception."""

@@ -4,7 +4,7 @@ tokens_per_min (policy/tenants.py), in `STATE_DIR/key-budgets.json`, written ato
 A restart within a minute therefore does not hand a key a fresh budget.
 
 The file is read as untrusted input (issue 37, S3): one that cannot be read, does not
-decode or was saved in the future is set aside (state_files.py) and every key starts
+decode or was saved in the future is set aside (runtime/state_files.py) and every key starts
 with a fresh window; values out of range within one are dropped by `Tenants.restore`.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from .policy.tenants import WINDOW_S, KeptUsage
-from .state_files import set_aside
+from .runtime.state_files import set_aside
 
 log = logging.getLogger("corral.scheduler")
 

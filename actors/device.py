@@ -17,18 +17,19 @@ from typing import Protocol, assert_never
 
 import psutil
 
-from .base import BaseActor, CrashHandler, Inbox
-from .config import Config, ConfigError, DeviceConfig
+from .base import BaseActor, CrashHandler
+from .config.model import Config, ConfigError, DeviceConfig
 from .ledger import DeviceSample, MiB
 from .messages import (
     DeviceReport,
     DevicesReported,
+    Inbox,
     MonitorMessage,
     SampleTick,
     SchedulerMessage,
     TrackModel,
 )
-from .timers import Timers
+from .runtime.timers import Timers
 
 log = logging.getLogger("corral.devices")
 

@@ -26,6 +26,14 @@ class LlamaState(msgspec.Struct, frozen=True):
     payload: Any = None
 
 
+def read_state(line: str) -> LlamaState | str:
+    """What a `cmd_child_to_router:state:` line says (a str: why it cannot be read)."""
+    try:
+        return msgspec.json.decode(line[len(LLAMA_STATE):], type=LlamaState)
+    except msgspec.DecodeError as e:
+        return f"unreadable state line ({e}): {line[:200]}"
+
+
 def is_llama(cmd: Sequence[str], health: str) -> bool:
     """A child that runs llama-server (its connections are capped: `llama_pool_cap`)."""
     return health == "llama" or Path(cmd[0]).name == "llama-server"

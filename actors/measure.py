@@ -23,15 +23,16 @@ from typing import Literal, assert_never
 
 import msgspec
 
-from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
+from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port
-from .config import Config, ModelConfig
+from .config.model import Config, ModelConfig
 from .ledger import Breakdown, DeviceUse, MiB
 from .lifecycle import describe_exit
 from .messages import (
     ChildExited,
     ChildLine,
     ChildTimedOut,
+    Inbox,
     Measured,
     MeasureMessage,
     MeasureModel,
@@ -39,7 +40,7 @@ from .messages import (
     Remember,
     SchedulerMessage,
 )
-from .timers import Timers
+from .runtime.timers import Timers
 
 MEASURE_PREFIX = "corral:measure:"
 

@@ -8,17 +8,28 @@ threads as they are, never encoded, except the events, which are sent out as JSO
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
 
-from .base import Inbox
-from .childproc import LogRing
-from .config import ModelConfig
-from .config_hooks import HookName
-from .keys import Tenant
+from .config.hooks import HookName
+from .config.keys import Tenant
+from .config.model import ModelConfig
+from .config.rules import ModelGroup
 from .ledger import Breakdown, DeviceSample, MemoryInfo
-from .rules import ModelGroup
+
+if TYPE_CHECKING:  # one field, never decoded: the vocabulary loads no OS edge
+    from .childproc import LogRing
+
+M = TypeVar("M", contravariant=True)
+
+
+class Inbox(Protocol[M]):
+    """Whatever takes messages of type `M`: an actor's ref (`ActorRef.tell`), or a
+    stand-in with the same `tell` (the cluster's). Every field that holds a recipient is
+    typed with the recipient's message union, so mypy checks what is sent where."""
+
+    def tell(self, message: M) -> None: ...
 
 
 class Reply(Protocol):

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import TypeVar, assert_never, cast
 
 from . import budgets
-from .base import BaseActor, CrashHandler, Inbox
-from .config import Config, ModelConfig, ModelRules, copies, same_child
-from .keys import tenants_of
+from .base import BaseActor, CrashHandler
+from .config.keys import tenants_of
+from .config.model import Config, ModelConfig, ModelRules, copies, same_child
+from .config.rules import alternate_name
 from .ledger import MiB
 from .messages import (
     Acquire,
@@ -27,6 +28,7 @@ from .messages import (
     GetDevices,
     GetModels,
     GetPlan,
+    Inbox,
     InstanceAdopted,
     InstanceExited,
     InstanceMessage,
@@ -88,8 +90,7 @@ from .policy.records import (
     Track,
     Wake,
 )
-from .rules import alternate_name
-from .timers import Timers
+from .runtime.timers import Timers
 
 T = TypeVar("T")
 

@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 import pykka
 
-from .base import Inbox
-from .bridge import Fanout, ThreadReply, acquire
 from .childproc import LogRing
-from .config import Config, ConfigError, ModelConfig, same_child
+from .config.keys import tenants_of
+from .config.model import Config, ConfigError, ModelConfig, same_child
+from .config.rules import alternate_name
 from .device import DeviceMonitor, discover
-from .health import Liveness
-from .instance import ModelInstance
-from .keys import tenants_of
+from .instance.actor import ModelInstance
+from .instance.health import Liveness
 from .ledger import MiB
 from .measure import MeasureWorker
 from .messages import (
@@ -28,6 +27,7 @@ from .messages import (
     Cancel,
     Event,
     Grant,
+    Inbox,
     InstanceMessage,
     InstancesAttached,
     MeasureMessage,
@@ -43,9 +43,9 @@ from .messages import (
     WatchGrants,
     Withdraw,
 )
-from .rules import alternate_name
+from .runtime.bridge import Fanout, ThreadReply, acquire
+from .runtime.timers import Timers
 from .scheduler import Scheduler
-from .timers import Timers
 
 if TYPE_CHECKING:
     from .cluster import Cluster

@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from actors import loop
+from actors.runtime import loop
 from bench.common import cpu_seconds, lean_requests, machine, send, session, write_json
 from bench.support import Corral, fake_cmd, toml_config
 

@@ -41,12 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules, Replicas, replica_name
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.messages import DeviceReport, Grant, Refusal, Repump, TtlDue, WaitDue
 from actors.policy import Policy
 from actors.policy.records import Answer, Later, Spawn, Stop
-from actors.rules import Replicas, replica_name
 from bench.common import machine, pct, write_json
 
 GiB = 1 << 30

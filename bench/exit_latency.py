@@ -31,9 +31,9 @@ import time
 from typing import Any
 
 from actors import Config, ModelConfig, StatusChanged, Supervisor
-from actors.bridge import ThreadReply
 from actors.childproc import ChildProcess, LogRing, pick_port
 from actors.messages import GetModels, ModelsSnapshot
+from actors.runtime.bridge import ThreadReply
 from bench.common import machine, pct
 from bench.support import fake_cmd
 

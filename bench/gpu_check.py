@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from actors.config.suspend import SuspendCommands
 from actors.device import DeviceMonitor, NvmlBackend, process_tree
-from actors.suspend import SuspendCommands, run, tree_rss
+from actors.instance.suspend import run, tree_rss
 
 MiB = 1024 * 1024
 SKIP = 77

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from actors import loop
+from actors.runtime import loop
 from bench.common import cpu_seconds, get_json, machine, pct, send, session, write_json
 from bench.support import Corral, fake_cmd, toml_config
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from actors import loop
+from actors.runtime import loop
 from bench.common import Result, machine, send, session, summary_ms, write_json
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from actors import loop
+from actors.runtime import loop
 from bench.common import (
     Result,
     baseline,

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from actors import loop
+from actors.runtime import loop
 from bench.common import get_json, machine, session, write_json
 from bench.support import ROOT, Corral, toml_config
 from scripts.tiny_gguf import write_tiny_gguf

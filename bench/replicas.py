@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from actors import loop
+from actors.runtime import loop
 from bench.common import get_json, machine, session, write_json
 from bench.prompt_cache import find_binary
 from bench.support import Corral, toml_config

@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors import Config, Supervisor, loop
-from actors.bridge import LoopReply
+from actors import Config, Supervisor
 from actors.messages import Ping
 from actors.policy import Policy
+from actors.runtime import loop
+from actors.runtime.bridge import LoopReply
 from bench.common import machine, summary_ms, write_json
 
 SIZES = [(100, 1_000), (1_000, 1_000), (1_000, 10_000), (1_000, 50_000), (5_000, 10_000),

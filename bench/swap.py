@@ -34,8 +34,8 @@ from typing import Any
 
 import aiohttp
 
-from actors import loop
 from actors.childproc import pick_port
+from actors.runtime import loop
 from bench.common import (
     get_json,
     llama_pair,

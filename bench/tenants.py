@@ -42,7 +42,7 @@ from typing import Any
 
 import aiohttp
 
-from actors import loop
+from actors.runtime import loop
 from bench.common import machine, pct, session, write_json
 from bench.support import Corral, fake_cmd, toml_config
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from actors.config import Config
+from actors.config.model import Config
 from actors.http import events as events_module
 from actors.http.api import ManagementApi
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import ConfigError
+from actors.config.model import ConfigError
 from tests.helpers import ROOT
 
 

@@ -243,7 +243,7 @@ def test_an_agent_hands_on_messages_in_the_heads_order(tmp_path) -> None:
 
     from actors.cluster.agent import NodeAgent
     from actors.cluster.wire import Batch, ToAgent
-    from actors.config import Config, ModelConfig
+    from actors.config.model import Config, ModelConfig
     from actors.messages import InstanceExited, InstanceStarted, StartInstance, StopInstance
 
     config = msgspec.msgpack.encode(Config(state_dir=str(tmp_path)))

@@ -30,8 +30,8 @@ from actors.cluster import Cluster
 from actors.cluster.agent import ForwardedRing, NodeAgent, Outbox
 from actors.cluster.head import ClusterHead
 from actors.cluster.wire import Batch, ToAgent
-from actors.config import Config, ModelConfig
-from actors.config_load import parse_config
+from actors.config.load import parse_config
+from actors.config.model import Config, ModelConfig
 from actors.messages import (
     ForModel,
     InstanceExited,

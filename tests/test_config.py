@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import ConfigError
-from actors.config_load import load_config
+from actors.config.load import load_config
+from actors.config.model import ConfigError
 from tests.helpers import ROOT
 
 

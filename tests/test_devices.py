@@ -11,8 +11,8 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from actors.config import Config, ConfigError, DeviceConfig, ModelConfig
-from actors.config_load import parse_config
+from actors.config.load import parse_config
+from actors.config.model import Config, ConfigError, DeviceConfig, ModelConfig
 from actors.device import HostBackend, NvmlBackend, SimulatedBackend, discover
 from actors.ledger import DeviceSample
 from actors.measure import MeasureCache, MeasureResult, parse_measure_line

@@ -54,7 +54,7 @@ def status(port: int, name: str) -> str | None:
 
 def no_download_child() -> bool:
     return not any("LLAMA_SERVER_CHILD_MODE" in (p.info["environ"] or {})
-                   or "actors.hf_download" in " ".join(p.info["cmdline"] or [])
+                   or "actors.downloads.hf_child" in " ".join(p.info["cmdline"] or [])
                    for p in psutil.process_iter(["environ", "cmdline"]))
 
 

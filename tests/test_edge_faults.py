@@ -425,7 +425,7 @@ def test_the_write_timeout_counts_progress_not_pauses() -> None:
     waiting for it have not gone down in write_timeout_s, and with a reset (F3)."""
     import asyncio
 
-    from actors.config import HttpConfig
+    from actors.config.model import HttpConfig
     from actors.http.connection import Connection
     from actors.http.request import Limits
 

@@ -9,10 +9,10 @@ import urllib.request
 
 import pytest
 
-import actors.instance
+import actors.instance.actor
 from actors import Config, LeaseError, ModelConfig, StatusChanged, Supervisor
-from actors.bridge import ThreadReply
 from actors.messages import Event, GetModels, ModelsSnapshot
+from actors.runtime.bridge import ThreadReply
 from tests.helpers import fake_cmd, pid_alive, wait_until
 
 
@@ -111,8 +111,9 @@ def test_a_child_that_loses_its_port_is_retried_on_a_new_one(monkeypatch) -> Non
     busy.listen()
     taken = busy.getsockname()[1]
     ports = iter([taken])
-    real = actors.instance.pick_port
-    monkeypatch.setattr(actors.instance, "pick_port", lambda host: next(ports, None) or real(host))
+    real = actors.instance.actor.pick_port
+    monkeypatch.setattr(actors.instance.actor, "pick_port",
+                        lambda host: next(ports, None) or real(host))
     s = Supervisor(Config(models={"a": ModelConfig(cmd=fake_cmd())}))
     s.start()
     try:

@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from actors.config import ConfigError
-from actors.config_load import load_config
+from actors.config.load import load_config
+from actors.config.model import ConfigError
 from bench.support import toml_value
 from tests.helpers import SSE, fake_cmd, request, wait_until
 

@@ -12,8 +12,8 @@ import openai
 import psutil
 import pytest
 
-from actors.config import ConfigError
-from actors.config_load import load_config
+from actors.config.load import load_config
+from actors.config.model import ConfigError
 from bench.support import toml_value
 from tests.helpers import fake_cmd, request, wait_until
 
@@ -163,16 +163,11 @@ def test_a_killed_hooks_late_end_does_not_touch_the_next_child(tmp_path: Path) -
     import signal
 
     from actors.childproc import LogRing
-    from actors.config import ModelConfig
-    from actors.config_hooks import Hooks
-    from actors.instance import ModelInstance
+    from actors.config.hooks import Hooks
+    from actors.config.model import ModelConfig
+    from actors.instance.actor import ModelInstance
 
     inbox = Told()
-
-    class Instance(ModelInstance):
-        @property
-        def inbox(self) -> Told:  # type: ignore[override]
-            return inbox
 
     class NoTimers:
         def after(self, *args: object) -> None:
@@ -180,8 +175,9 @@ def test_a_killed_hooks_late_end_does_not_touch_the_next_child(tmp_path: Path) -
 
     config = ModelConfig(cmd=fake_cmd(), hooks=Hooks(after_ready=["sleep", "30"]),
                          hook_timeout_s=60)
-    inst = Instance("m", config, scheduler=Told(), timers=NoTimers(),  # type: ignore[arg-type]
-                    log_ring=LogRing(), on_crash=lambda *_: None)
+    inst = ModelInstance("m", config, scheduler=Told(), timers=NoTimers(),  # type: ignore[arg-type]
+                         log_ring=LogRing(), on_crash=lambda *_: None)
+    inst.hooks.inbox = inbox  # type: ignore[assignment]  # what its hooks tell, recorded
     inst.handle_start(1, config)
     assert inst.child is not None
     inst.become_ready(None)  # the after_ready hook runs
@@ -199,7 +195,7 @@ def test_a_killed_hooks_late_end_does_not_touch_the_next_child(tmp_path: Path) -
         assert inst.cause is None and inst.phase.value == "starting"
         assert second._popen.poll() is None
     finally:
-        inst.kill_hook()
+        inst.hooks.kill()
         second.signal_group(signal.SIGKILL)
         wait_until(lambda: second._popen.poll() is not None)
         second.reap()

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from actors.config import ConfigError
-from actors.config_load import parse_config
-from actors.keys import Tenant
+from actors.config.keys import Tenant
+from actors.config.load import parse_config
+from actors.config.model import ConfigError
 from actors.policy.tenants import CARRY_MAX_MIN, KeptUsage, Tenants
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 

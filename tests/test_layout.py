@@ -1,11 +1,15 @@
-"""The house keeps its shape (issue 20): no import circle, each folder imported only from
-above it, and no module too long to read in one sitting. Read from the code's own import
-statements (those under `if TYPE_CHECKING` too: a circle the type checker closes is still
-a parent held by its child)."""
+"""The house keeps its shape (issues 20 and 38): no import circle, each folder imported only
+from above it, the policy loading no I/O at any depth, a short top of `actors/`, a design
+note for each folder, and no module or function too long to read in one sitting. Read
+from the code's own import statements (those under `if TYPE_CHECKING` too, for circles: a
+circle the type checker closes is still a parent held by its child; not for what a
+module loads when it runs)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -92,20 +96,106 @@ def test_no_module_imports_itself_back_through_others() -> None:
     assert circles(edges) == []
 
 
-def test_the_policy_is_pure_and_each_wing_is_entered_from_above() -> None:
+def test_each_wing_is_entered_from_above() -> None:
     edges = graph()
-    pure = {"actors.config", "actors.keys", "actors.ledger", "actors.lifecycle", "actors.messages",
-            "actors.histogram", "actors.base", "actors.childproc", "actors.rules"}
     for name, targets in edges.items():
-        if name.startswith("actors.policy"):
-            outside = {t for t in targets if not t.startswith("actors.policy")}
-            assert outside <= pure, f"{name} imports {outside - pure}: the policy does no I/O"
+        if name.startswith("actors.policy"):  # the vocabulary and the config, nothing else
+            outside = {t for t in targets if not t.startswith(("actors.policy", "actors.config"))}
+            assert outside <= VOCABULARY, f"{name} imports {outside - VOCABULARY}"
         if not name.startswith("actors.http"):
             assert not any(t.startswith("actors.http") for t in targets), \
                 f"{name} imports the HTTP side, which sits above it"
         if not name.startswith(("actors.cluster", "actors.supervisor")):
             assert not any(t.startswith("actors.cluster") for t in targets), \
                 f"{name} imports the cluster, which only the Supervisor starts"
+
+
+VOCABULARY = {"actors.ledger", "actors.lifecycle", "actors.messages", "actors.histogram"}
+"""What the policy may import outside its folder and `actors/config/`."""
+
+IO = {"subprocess", "socket", "http", "psutil", "pykka", "actors.childproc", "ray"}
+"""What runs processes, opens sockets or starts actors: the policy loads none of it, at any
+depth (issue 38)."""
+
+
+def loads(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """What importing `name` runs: the modules of `known` (and the top-level names of
+    others) it imports outside `if TYPE_CHECKING`, and the packages above each."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and ast.unparse(node.test).endswith("TYPE_CHECKING")
+                   for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if not target.startswith("actors"):
+                out.add(target.split(".")[0])
+                continue
+            parts = target.split(".")
+            out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                    if ".".join(parts[:i]) in known}
+    return out - {name}
+
+
+def closure(start: str) -> set[str]:
+    known = modules()
+    edges = {name: loads(name, path, known) for name, path in known.items()}
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += edges.get(name, ())
+    return seen
+
+
+def test_the_policy_loads_no_io_at_any_depth() -> None:
+    """Followed all the way down (issue 38: through config.py and suspend.py the policy
+    loaded subprocess, psutil and http.client; through messages.py pykka and childproc)."""
+    for name in [n for n in modules() if n.startswith("actors.policy")]:
+        assert not closure(name) & IO, f"{name} loads {sorted(closure(name) & IO)}"
+
+
+def test_importing_every_policy_module_loads_no_io() -> None:
+    """The same, asked of Python itself: a fresh interpreter imports the whole policy."""
+    policy = sorted(n for n in modules() if n.startswith("actors.policy"))
+    script = ("import sys\n" + "".join(f"import {n}\n" for n in policy)
+              + f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(IO)!r}"
+              " or m == 'actors.childproc' or m == 'http.client'))")
+    found = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, check=True).stdout.strip()
+    assert found == "[]", f"importing actors.policy loads {found}"
+
+
+TOP_MAX = 15
+
+
+def test_the_top_of_actors_is_short_and_every_folder_has_a_note() -> None:
+    """At most TOP_MAX modules at the top of `actors/` (37 before issue 38); each folder
+    opens with a design note that names each of its modules and says what it may import."""
+    top = sorted(p.name for p in (ROOT / "actors").glob("*.py"))
+    assert len(top) <= TOP_MAX, f"{len(top)} modules at the top of actors/: {top}"
+    for init in sorted((ROOT / "actors").glob("*/__init__.py")):
+        note = ast.get_docstring(ast.parse(init.read_text())) or ""
+        folder = init.parent.relative_to(ROOT)
+        assert "import" in note, f"{folder}/__init__.py says nothing of what it may import"
+        missing = [p.name for p in sorted(init.parent.glob("*.py"))
+                   if p.name != "__init__.py" and p.name not in note]
+        assert not missing, f"{folder}/__init__.py's note does not name {missing}"
 
 
 def test_no_module_is_over_400_lines_but_the_message_catalogue() -> None:

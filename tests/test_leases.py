@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actors.bridge import LoopReply
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.http.shares import SharedGrant, Shares
 from actors.lifecycle import ModelState
 from actors.messages import Acquire, Cancel, Refusal, Release, Releases, Revoke, TtlDue, Withdraw
 from actors.policy import Policy
 from actors.policy.records import Answer, Later, Stop
+from actors.runtime.bridge import LoopReply
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 from tests.test_shares import metric
 

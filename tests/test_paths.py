@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors import prompt_cache
-from actors.config import ConfigError
-from actors.config_load import parse_config
-from actors.paths import PLAIN, folder_name
+from actors.config.load import parse_config
+from actors.config.model import ConfigError
+from actors.config.paths import PLAIN, folder_name
+from actors.instance import prompt_cache
 from tests.helpers import Corral, chat, fake_cmd, toml_config, wait_until
 
 LLAMA_FAKE = {"cmd": fake_cmd("--llama-protocol"), "health": "llama",

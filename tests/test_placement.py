@@ -3,7 +3,7 @@ children that use exactly their measured need on the devices they were placed on
 
 from __future__ import annotations
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.ledger import DeviceSample
 from actors.messages import DeviceReport, Evicted, Grant
 from actors.policy.records import Effect, Publish, Spawn, Track
@@ -122,7 +122,7 @@ def test_a_model_over_two_gpus_is_split_over_both() -> None:
 
 def test_a_child_is_told_where_it_was_placed() -> None:
     from actors.childproc import placement_env
-    from actors.config_load import parse_config
+    from actors.config.load import parse_config
 
     config = parse_config({"models": {"m": {
         "cmd": ["llama-server", "--device", "{devices}", "--main", "{device}", "{port}"],
@@ -142,8 +142,8 @@ def test_a_child_is_told_where_it_was_placed() -> None:
 def test_more_devices_per_instance_than_allowed_devices_is_a_config_error() -> None:
     import pytest
 
-    from actors.config import ConfigError
-    from actors.config_load import parse_config
+    from actors.config.load import parse_config
+    from actors.config.model import ConfigError
 
     with pytest.raises(ConfigError, match=r"models\.m\.devices_per_instance: 3 is more than"):
         parse_config({"models": {"m": {"cmd": ["x", "{port}"], "devices": ["a", "b"],

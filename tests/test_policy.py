@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import pytest
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.lifecycle import IllegalTransition, ModelState, check_transition
 from actors.messages import (
     Grant,

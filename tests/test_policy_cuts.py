@@ -18,13 +18,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from actors.bridge import ThreadReply
-from actors.config import ModelRules
-from actors.keys import Tenant
+from actors.config.keys import Tenant
+from actors.config.rules import ModelRules
 from actors.messages import Cut, Grant, Refusal, Repump, TtlDue, WaitDue
 from actors.policy import Policy
 from actors.policy.plans import decide
 from actors.policy.records import Answer, Effect, Later, Preempt
+from actors.runtime.bridge import ThreadReply
 
 BATCH, INTERACTIVE = 1, 10
 TENANTS = {"": Tenant(name=""),
@@ -457,7 +457,7 @@ test_cut_state_machine = CutMachine.TestCase
 def test_a_waiter_gets_one_cut_whichever_copy_of_its_model_it_is_on() -> None:
     """Issue 24: copies of one model are asked for cuts as one model; a waiter's cut on
     one copy is not asked again on the other."""
-    from actors.rules import Replicas
+    from actors.config.rules import Replicas
 
     w = World(slots=1)
     replicas = Replicas(min=2, max=2)

@@ -11,11 +11,10 @@ import random
 
 import pytest
 
-from actors.config import ModelRules
+from actors.config.rules import ModelGroup, ModelRules
 from actors.lifecycle import ModelState
 from actors.messages import Evicted, Grant, Refusal, Withdraw
 from actors.policy.records import Spawn, Stop
-from actors.rules import ModelGroup
 from tests.test_policy import World, drain, random_history
 
 S = ModelState

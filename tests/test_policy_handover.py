@@ -17,10 +17,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules, Replicas, replica_name
 from actors.messages import Grant, StatusChanged
 from actors.policy.records import Publish
-from actors.rules import Replicas, replica_name
 from tests.test_policy import World, drain
 from tests.test_policy_memory import MemWorld, need
 

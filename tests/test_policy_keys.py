@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.config import ModelRules
-from actors.keys import Tenant
+from actors.config.keys import Tenant
+from actors.config.rules import ModelRules
 from actors.messages import Grant, Refusal
 from actors.policy import Policy
 from actors.policy.records import Answer, Effect, Spawn

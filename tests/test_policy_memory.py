@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
 from actors.policy.records import Effect, Learned, Measure, ModelRecord, Publish, Spawn, Track

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.messages import Grant, Refusal
 from actors.policy import Policy
 from actors.policy.records import Effect, Spawn, Stop

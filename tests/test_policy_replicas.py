@@ -10,11 +10,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actors.config import Config, ModelRules
+from actors.config.model import Config, ModelRules
+from actors.config.rules import Replicas, replica_name
 from actors.lifecycle import ModelState
 from actors.messages import Grant, Refusal, StatusChanged
 from actors.policy.records import Publish
-from actors.rules import Replicas, replica_name
 from tests.test_policy import World
 
 S = ModelState

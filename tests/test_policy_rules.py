@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.messages import Grant, Refusal, StatusChanged
 from actors.policy import Policy
 from actors.policy.records import Publish
@@ -215,7 +215,7 @@ def test_status_events_carry_the_backoff() -> None:
 
 
 def test_a_raising_event_subscriber_does_not_take_the_scheduler_down(caplog) -> None:
-    from actors.config import Config, ModelConfig
+    from actors.config.model import Config, ModelConfig
     from actors.messages import Event
     from actors.policy.records import Publish as Pub
     from actors.scheduler import Scheduler

@@ -36,8 +36,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from actors.config import ModelRules
-from actors.keys import Tenant
+from actors.config.keys import Tenant
+from actors.config.rules import ModelRules
 from actors.lifecycle import ModelState
 from actors.messages import Grant, Refusal
 from actors.policy.plans import decide

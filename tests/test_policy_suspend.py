@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
 from actors.messages import (
     DeviceReport,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import ConfigError
-from actors.presets import LlamaArgs, load_models_dir, load_preset_file, parse_ini
+from actors.config.model import ConfigError
+from actors.config.presets import LlamaArgs, load_models_dir, load_preset_file, parse_ini
 
 # A slice of `llama-server --help`, in its exact layout (common_arg::to_string).
 HELP = """\

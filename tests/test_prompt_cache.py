@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from actors import prompt_cache
-from actors.config import ConfigError
-from actors.config_load import parse_config
+from actors.config.load import parse_config
+from actors.config.model import ConfigError
+from actors.instance import prompt_cache
 from scripts.tiny_gguf import write_tiny_gguf
 from tests.helpers import request, toml_config, wait_until
 from tests.test_llama_server import BINARY

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from actors.config import ConfigError
-from actors.config_load import parse_config
+from actors.config.load import parse_config
+from actors.config.model import ConfigError
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 from tests.test_uploads import BOUNDARY, form
 

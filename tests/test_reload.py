@@ -141,8 +141,8 @@ def test_a_model_named_like_another_model_s_alternate_is_refused() -> None:
 
     import pytest
 
-    from actors.config import ConfigError
-    from actors.config_load import parse_config
+    from actors.config.load import parse_config
+    from actors.config.model import ConfigError
 
     with pytest.raises(ConfigError, match=r"models\.a@next: the name is where a reload"):
         parse_config(tomllib.loads(toml_config({"a": {"cmd": ["x"]}, "a@next": {"cmd": ["y"]}})),

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.config import ConfigError
-from actors.config_load import parse_config
+from actors.config.load import parse_config
+from actors.config.model import ConfigError
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config, wait_until
 
 SLOW = fake_cmd("--tokens-per-s", "40")

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from actors import prompt_cache, suspend
-from actors.bridge import Fanout
-from actors.config import Config, ModelConfig, ModelRules
+from actors.config.model import Config, ModelConfig, ModelRules
+from actors.config.suspend import SuspendCommands, check
 from actors.http.shares import Shares
+from actors.instance import prompt_cache, suspend
+from actors.instance.sidejobs import SideJobs
 from actors.ledger import DeviceSample
 from actors.messages import (
     Acquire,
@@ -24,7 +25,7 @@ from actors.messages import (
 )
 from actors.policy import Policy
 from actors.policy.records import Answer, Suspend, Wake
-from actors.sidejobs import SideJobs
+from actors.runtime.bridge import Fanout
 from tests.test_policy_suspend import SUSPEND, GiB, TierWorld
 
 # ------------------------------------------------------------------ policy
@@ -211,8 +212,8 @@ def test_a_sleep_http_path_the_check_accepts_always_answers() -> None:
     does not catch, so suspend.switch never calls `done` and the helper thread dies:
     the instance stays SUSPENDING and the Scheduler's model `suspending` forever
     (no timeout on the policy side), its slot held."""
-    how = suspend.SuspendCommands(sleep_http="POST /sl\u00e9ep", wake_http="POST /wake")
-    assert "METHOD /path" in (suspend.check(how) or ""), "the config check refuses it"
+    how = SuspendCommands(sleep_http="POST /sl\u00e9ep", wake_http="POST /wake")
+    assert "METHOD /path" in (check(how) or ""), "the config check refuses it"
     answers: list[tuple[str | None, int]] = []
     try:
         suspend.switch(how, "sleep", model="m", host="127.0.0.1", port=9, pid=1,
@@ -274,10 +275,10 @@ def test_a_suspend_and_wake_within_a_liveness_interval_do_not_double_the_checks(
     suspend/wake cycle adds one more, the child is polled ever more often, and the
     chains' misses are counted together (unhealthy after fewer intervals)."""
     from actors.childproc import LogRing
-    from actors.health import Liveness
-    from actors.instance import ModelInstance
+    from actors.instance.actor import ModelInstance
+    from actors.instance.health import Liveness
+    from actors.instance.phases import Phase
     from actors.messages import LivenessTick
-    from actors.phases import Phase
 
     armed: list[object] = []
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors.bridge import acquire
 from actors.http.control import Ask
 from actors.http.link import Link
 from actors.http.worker import Corral
 from actors.messages import Cancel, Refusal
+from actors.runtime.bridge import acquire
 from tests.helpers import chat, fake_cmd, toml_config, wait_until
 from tests.test_shares import metric
 from tests.test_workers import workers_of

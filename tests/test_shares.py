@@ -10,12 +10,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from actors.bridge import Fanout
-from actors.config import ModelRules
+from actors.config.rules import ModelRules
 from actors.http.shares import Shares
 from actors.messages import Acquire, Cancel, Release, Releases, Withdraw
 from actors.policy import Policy
 from actors.policy.records import Answer
+from actors.runtime.bridge import Fanout
 from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
 
 
@@ -230,9 +230,9 @@ def test_real_scheduler_busy_loop_unload_after_ready_joins_stopping_child() -> N
     import threading
     import time
 
-    from actors.bridge import ThreadReply
-    from actors.config_load import parse_config
+    from actors.config.load import parse_config
     from actors.messages import InstanceReady, InstancesAttached, UnloadModel, WatchGrants
+    from actors.runtime.bridge import ThreadReply
     from actors.scheduler import Scheduler
 
     class Nobody:

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors import prompt_cache
-from actors import suspend as steps
-from actors.config import ConfigError
-from actors.config_load import parse_config
+from actors.config.load import parse_config
+from actors.config.model import ConfigError
+from actors.config.suspend import SuspendCommands
+from actors.instance import prompt_cache
+from actors.instance import suspend as steps
 from tests.helpers import SSE, chat, fake_cmd, pid_alive, request, toml_config, wait_until
 
 MiB = 1024**2
@@ -267,7 +268,7 @@ class Trickler:
 def test_a_step_whose_answer_head_trickles_ends_at_the_deadline() -> None:
     """Review S6, as drip.py did it: a status line, then one header byte at a time."""
     child = Trickler(b"HTTP/1.1 200 OK\r\n", b"X-Slow: 1\r\n" * 100)
-    how = steps.SuspendCommands(sleep_http="POST /sleep", wake_http="POST /wake")
+    how = SuspendCommands(sleep_http="POST /sleep", wake_http="POST /wake")
     try:
         for step in ("sleep", "wake"):
             start = time.monotonic()

@@ -101,8 +101,8 @@ def test_uploads_are_routed_only_on_upload_paths(shared: Corral) -> None:
 
 
 def test_an_upload_path_that_is_no_path_is_refused_saying_where(tmp_path: Path) -> None:
-    from actors.config import ConfigError
-    from actors.config_load import parse_config
+    from actors.config.load import parse_config
+    from actors.config.model import ConfigError
 
     for bad in ("v1/x", "/x?y=1", "/a b", ""):
         with pytest.raises(ConfigError, match=r"http.upload_paths"):
@@ -170,7 +170,7 @@ def test_a_plan_tells_the_end_of_the_story_and_names_only_what_the_key_sees(
 
 
 def test_unnamed_says_only_whole_names_and_only_those_it_hides() -> None:
-    from actors.keys import ANOTHER, unnamed
+    from actors.config.keys import ANOTHER, unnamed
 
     names = ["a.b", "a", "ab", "x+y(", "org/m", "m"]
     hides = {"a.b", "x+y(", "org/m", "a"}.__contains__

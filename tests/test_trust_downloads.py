@@ -19,9 +19,9 @@ import msgspec
 import psutil
 import pytest
 
-from actors.config import ConfigError
-from actors.config_downloads import DownloadsConfig
-from actors.config_load import parse_config
+from actors.config.downloads import DownloadsConfig
+from actors.config.load import parse_config
+from actors.config.model import ConfigError
 from actors.downloads import limits
 from actors.downloads.jobs import QUEUED_MAX
 from actors.downloads.made import Made
@@ -76,7 +76,7 @@ def download_children(pid: int) -> list[psutil.Process]:
     found = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if "actors.hf_download" in " ".join(p.cmdline()):
+            if "actors.downloads.hf_child" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:
             continue  # gone, or a zombie until corral reaps it

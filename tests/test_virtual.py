@@ -9,7 +9,7 @@ import sys
 import openai
 import pytest
 
-from actors.rules import ModelRules
+from actors.config.rules import ModelRules
 from bench.support import toml_value
 from tests.helpers import fake_cmd, request
 from tests.test_policy import World

@@ -111,8 +111,8 @@ def test_workers_end_with_corral_and_its_port_is_free(corral) -> None:
 
 
 def test_workers_are_checked() -> None:
-    from actors.config import ConfigError
-    from actors.config_load import parse_config
+    from actors.config.load import parse_config
+    from actors.config.model import ConfigError
     try:
         parse_config({"http": {"workers": 0}, "models": {}})
     except ConfigError as e:

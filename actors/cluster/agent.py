@@ -14,9 +14,10 @@ import msgspec
 import pykka
 
 from ..childproc import LogRing, clip_line, line_cost
-from ..config import Config, ConfigError
-from ..health import Liveness
-from ..instance import ModelInstance
+from ..config.model import Config, ConfigError
+from ..config.paths import folder_name
+from ..instance.actor import ModelInstance
+from ..instance.health import Liveness
 from ..messages import (
     DevicesReported,
     FromNode,
@@ -30,7 +31,6 @@ from ..messages import (
     StopInstance,
     TrackModel,
 )
-from ..paths import folder_name
 from .wire import (
     FORWARDED_BYTES,
     GAP_S,
@@ -165,7 +165,7 @@ class NodeAgent:
     its instances send (`Tap`), never by asking them."""
 
     def __init__(self, node: str, host: str, config: bytes) -> None:
-        from ..timers import Timers
+        from ..runtime.timers import Timers
 
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s %(levelname)s {node} %(name)s: %(message)s")

@@ -9,9 +9,9 @@ from typing import Any, Literal, assert_never
 
 import msgspec
 
-from ..base import BaseActor, CrashHandler, Inbox, tell_or_drop
+from ..base import BaseActor, CrashHandler, tell_or_drop
 from ..childproc import LogRing
-from ..config import ClusterConfig, ModelConfig
+from ..config.model import ClusterConfig, ModelConfig
 from ..ledger import local_name, node_of, on_node
 from ..messages import (
     ClusterHeadMessage,
@@ -19,6 +19,7 @@ from ..messages import (
     DevicesReported,
     ForModel,
     HeadAttached,
+    Inbox,
     InstanceAdopted,
     InstanceExited,
     InstanceMessage,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import ray
 
-from ..config import ClusterConfig, ConfigError
+from ..config.model import ClusterConfig, ConfigError
 
 log = logging.getLogger("corral.cluster")
 

@@ -14,13 +14,14 @@ import pykka
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..base import CrashHandler, Inbox, tell_or_drop
+from ..base import CrashHandler, tell_or_drop
 from ..childproc import LogRing
-from ..config import Config, ModelConfig
+from ..config.model import Config, ModelConfig
 from ..messages import (
     ClusterHeadMessage,
     ForModel,
     HeadAttached,
+    Inbox,
     InstanceMessage,
     MeasureMessage,
     MonitorMessage,

@@ -11,7 +11,7 @@ import json
 
 import msgspec
 
-from ..config import ModelConfig
+from ..config.model import ModelConfig
 from ..messages import (
     FromNode,
     LivenessMiss,

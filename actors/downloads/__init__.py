@@ -11,7 +11,7 @@ to the model table, as llama.cpp's router does.
   the hub does not know `download_finished`, so corral looks for the GGUF itself. Then
   the model is served by llama-server with `--hf-repo ... --offline` from that folder.
 - Any other repo (`"format": "snapshot"`) is fetched by huggingface_hub's
-  `snapshot_download` in a child process (actors/hf_download.py), and served by
+  `snapshot_download` in a child process (actors/downloads/hf_child.py), and served by
   `downloads.snapshot_cmd`.
 
 A download is a child process like a model's (childproc.py), but it is no model's child:
@@ -28,7 +28,13 @@ The parts:
   is set aside, a bad entry skipped), where a repo lies, how a download is served;
 - made.py: what a download made in the folder, which is all a clean-up removes;
 - limits.py: what one download may take (size, free space), pure;
-- job.py: one download's state and entry; jobs.py: the jobs, their queue and children.
+- job.py: one download's state and entry; jobs.py: the jobs, their queue and children;
+- hf_child.py: the snapshot download's child program (`python -m`; it imports nothing of
+  corral's).
+
+What may be imported here: the vocabulary at the top of `actors/` (`childproc`,
+`llama`, `messages`), `config/` and `runtime/`. The management API (http/) drives it from above; the
+Scheduler never sees a download.
 """
 
 from .job import Download, DownloadRequest, Refused

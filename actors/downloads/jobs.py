@@ -24,11 +24,11 @@ from typing import Any
 import msgspec
 
 from ..childproc import ChildProcess
-from ..config import Config, ModelConfig
-from ..hf_download import PREFIX
+from ..config.model import Config, ModelConfig
 from ..llama import LLAMA_EXIT, LLAMA_STATE
 from ..messages import DownloadFailed, DownloadFinished, Event, StatusChanged
 from . import limits, made, registry
+from .hf_child import PREFIX
 from .job import Download, Refused
 from .registry import Format, folder_of, repo_folder
 
@@ -138,7 +138,7 @@ class Downloads:
                        LLAMA_CACHE=str(folder),
                        LLAMA_SERVER_ROUTER_PORT=str(self.config.port or 1))
         else:
-            argv = [sys.executable, "-m", "actors.hf_download", job.name, str(folder)]
+            argv = [sys.executable, "-m", "actors.downloads.hf_child", job.name, str(folder)]
 
         def ended() -> None:  # on the child's exit watcher thread
             self.loop.call_soon_threadsafe(self._ended, job)

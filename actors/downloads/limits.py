@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..config_downloads import DownloadsConfig
+from ..config.downloads import DownloadsConfig
 
 GIB = 1 << 30
 

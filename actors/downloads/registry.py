@@ -2,11 +2,12 @@
 each is served.
 
 The registry is read as untrusted input (issue 37, S3): it is decoded into `Entry`
-structs, one entry at a time; a file that does not decode is set aside (state_files.py)
-and corral goes on with no downloads remembered; one with entries that do not decode is
-set aside too, and a new one holds the entries that do. An entry POST /models would
-refuse (its name, its alias, its path) is skipped, with one warning for the file.
-Reading it never raises, so a damaged registry stops neither a start nor a reload.
+structs, one entry at a time; a file that does not decode is set aside
+(runtime/state_files.py) and corral goes on with no downloads remembered; one with
+entries that do not decode is set aside too, and a new one holds the entries that do.
+An entry POST /models would refuse (its name, its alias, its path) is skipped, with one
+warning for the file. Reading it never raises, so a damaged registry stops neither a
+start nor a reload.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from ..config import Config, ModelConfig
-from ..paths import folder_name
-from ..state_files import set_aside
+from ..config.model import Config, ModelConfig
+from ..config.paths import folder_name
+from ..runtime.state_files import set_aside
 from . import made
 from .made import Made
 

@@ -10,4 +10,5 @@ out here, not shared.
 | the command: its arguments, one run from listening to the end  | __main__.py  |
 | the HTTP side: the OpenAI subset, /health, the request knobs   | server.py    |
 | the rest it tells corral: llama state lines, memory, measuring | protocols.py |
+| vLLM's sleep mode, faked: sleep, wake, is_sleeping            | suspend.py   |
 """

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.environ.get("CORRAL_ROLE") == "measure":
         return measure(args)
-    try:  # actors.loop.run, written out: this child's code imports nothing of corral's,
+    try:  # actors.runtime.loop.run, written out: this child's code imports nothing of corral's,
         import uvloop  # as a foreign server's would not
         return uvloop.run(serve(args))
     except ImportError:

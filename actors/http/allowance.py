@@ -22,7 +22,7 @@ from collections import deque
 
 from aiohttp import web
 
-from ..keys import KeyRule
+from ..config.keys import KeyRule
 from .manage import error
 
 WINDOW_S = 60.0

@@ -21,10 +21,9 @@ import msgspec
 import pykka
 from aiohttp import web
 
-from ..bridge import LoopReply
-from ..config import Config, ConfigError, ModelConfig
+from ..config.keys import KeyRule, Keys
+from ..config.model import Config, ConfigError, ModelConfig
 from ..downloads import Downloads
-from ..keys import KeyRule, Keys
 from ..ledger import node_of
 from ..messages import (
     Alive,
@@ -37,6 +36,7 @@ from ..messages import (
     ReloadSummary,
     SchedulerMessage,
 )
+from ..runtime.bridge import LoopReply
 from ..supervisor import Supervisor
 from . import allowance, dashboard, listing, tenancy
 from .callers import check_key

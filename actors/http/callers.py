@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-from ..keys import KeyRule, Keys
+from ..config.keys import KeyRule, Keys
 from .edge import Answer, Headers
 
 

@@ -25,12 +25,12 @@ from typing import Protocol, cast
 
 import httptools
 
+from .deadlines import PROBE_EVERY_S, PROBE_FIRST_S, Timers, Watch
 from .edge import Answer
 from .exchange import Exchange, Phase
 from .flow import WriteStall
 from .request import Gate, Limits, Reader, Request
 from .services import Services
-from .timers import PROBE_EVERY_S, PROBE_FIRST_S, Timers, Watch
 
 log = logging.getLogger("corral.front")
 

@@ -15,7 +15,7 @@ import struct
 
 import msgspec
 
-from ..config import HttpConfig
+from ..config.model import HttpConfig
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .routes import Routes
 

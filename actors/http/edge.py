@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
-from ..keys import KeyRule
+from ..config.keys import KeyRule
 from ..messages import Refusal
 from .routes import Routes
 

@@ -22,9 +22,9 @@ from typing import Protocol
 
 import pykka
 
-from ..bridge import LoopReply
 from ..lifecycle import IllegalTransition, State
 from ..messages import NotCut
+from ..runtime.bridge import LoopReply
 from .edge import (
     TO_API_DROPPED,
     Answer,

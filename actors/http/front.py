@@ -23,10 +23,10 @@ import socket
 import time
 from collections.abc import Callable
 
-from ..bridge import SchedulerInbox
-from ..config import HttpConfig
-from ..keys import Keys
+from ..config.keys import Keys
+from ..config.model import HttpConfig
 from ..messages import Revoke, Withdraw
+from ..runtime.bridge import SchedulerInbox
 from .callers import Origins
 from .connection import Connection
 from .control import FrontCounts, TimeRow

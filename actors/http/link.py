@@ -14,7 +14,6 @@ from collections.abc import Callable
 import msgspec
 import pykka
 
-from ..bridge import SchedulerInbox
 from ..messages import (
     Acquire,
     Cancel,
@@ -27,6 +26,7 @@ from ..messages import (
     Requeue,
     Spend,
 )
+from ..runtime.bridge import SchedulerInbox
 from .control import (
     Again,
     Answered,

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from ..config import ModelConfig, ModelRules
+from ..config.model import ModelConfig, ModelRules
 from ..messages import ModelView
 from .control import FrontCounts
 

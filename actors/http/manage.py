@@ -13,8 +13,7 @@ from typing import Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
-from ..bridge import LoopReply
-from ..config import Config, ModelConfig
+from ..config.model import Config, ModelConfig
 from ..downloads import DownloadRequest, Downloads
 from ..messages import (
     Done,
@@ -26,6 +25,7 @@ from ..messages import (
     SchedulerMessage,
     UnloadModel,
 )
+from ..runtime.bridge import LoopReply
 from ..supervisor import Supervisor
 from .edge import JSON_DEPTH_LIMIT, Answer, error_body, refusal_answer
 from .routes import Routes

@@ -13,8 +13,8 @@ from typing import Protocol
 
 import httptools
 
-from ..config import HttpConfig
-from ..keys import KeyRule, Keys
+from ..config.keys import KeyRule, Keys
+from ..config.model import HttpConfig
 from .callers import Origins, key_of
 from .edge import OPEN_PATHS, Answer
 from .upload import Upload, upload_of, upload_paths

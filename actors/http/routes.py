@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from ..config import Config
-from ..config_virtual import VirtualModel
-from ..keys import KeyRule, Keys, unnamed
+from ..config.keys import KeyRule, Keys, unnamed
+from ..config.model import Config
+from ..config.virtual import VirtualModel
 from ..llama import is_llama, llama_pool_cap
 
 

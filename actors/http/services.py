@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from ..bridge import SchedulerInbox
+from ..runtime.bridge import SchedulerInbox
 from .metrics import RequestTimes
 from .pool import Pool, Pools
 from .routes import Routes

@@ -34,9 +34,9 @@ from collections.abc import Callable
 
 import pykka
 
-from ..bridge import LoopReply, SchedulerInbox, acquire, requeue
-from ..keys import KeyRule
+from ..config.keys import KeyRule
 from ..messages import Grant, Refusal, Release, Releases, Revoke, Spend, Withdraw
+from ..runtime.bridge import LoopReply, SchedulerInbox, acquire, requeue
 from .pool import Pool
 
 RETRY_POLLS = 200

@@ -12,11 +12,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from ..bridge import LoopReply
-from ..config import Config, ModelConfig
-from ..keys import API_KEY_NAME, KeyRule, plans_per_min
+from ..config.keys import API_KEY_NAME, KeyRule, plans_per_min
+from ..config.model import Config, ModelConfig
 from ..messages import GetPlan, ModelsSnapshot, SchedulerMessage
 from ..policy.plans import RequestPlan
+from ..runtime.bridge import LoopReply
 from .control import FrontCounts
 from .edge import Answer, parse_autoload
 

@@ -20,8 +20,8 @@ from typing import Protocol
 
 import msgspec
 
-from ..bridge import LoopReply
 from ..messages import AnswerLate, Refusal
+from ..runtime.bridge import LoopReply
 from .affinity import affinity
 from .edge import NOT_FORWARDED, Answer, refusal_answer
 from .pool import Pool

@@ -17,8 +17,6 @@ import sys
 import msgspec
 import pykka
 
-from .. import loop as loops
-from ..bridge import LoopReply
 from ..messages import (
     Acquire,
     AnswerLate,
@@ -31,6 +29,8 @@ from ..messages import (
     SchedulerMessage,
     Spend,
 )
+from ..runtime import loop as loops
+from ..runtime.bridge import LoopReply
 from .control import (
     Again,
     Answered,

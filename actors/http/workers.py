@@ -23,9 +23,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..bridge import SchedulerInbox
-from ..config import Config
+from ..config.model import Config
 from ..messages import Release, Releases, Revoke, Withdraw
+from ..runtime.bridge import SchedulerInbox
 from .control import Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
 from .front import Front
 from .link import Link, tell

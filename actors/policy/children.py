@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from ..config import ModelRules
+from ..config.rules import ModelRules
 from ..histogram import observe
 from ..ledger import Breakdown, node_of
 from ..lifecycle import ModelState
@@ -45,6 +45,7 @@ class Children:
     def __init__(self, state: State, rules: Rules) -> None:
         self.state = state
         self.rules = rules
+        self.moves = self.rules.moves
         self.handovers = Handovers(state, rules)
 
     # ------------------------------------------------------------ instance facts
@@ -57,7 +58,7 @@ class Children:
         rec.pid = pid
         if self.state.watched(rec):
             self.state.out.append(Track(model, "spawned", pid))
-        return self.rules.flush()
+        return self.moves.flush()
 
     def instance_ready(self, model: str, generation: int, pid: int, host: str, port: int,
                        now: float, info: dict[str, Any] | None = None,
@@ -82,7 +83,7 @@ class Children:
         rec.ended_at = now
         self.state.warming.discard(rec)
         rec.breaker.ready()
-        self.rules.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
+        self.moves.transition(rec, S.LOADED, f"ready, pid {pid}", now, info=info)
         if rec.takes_over:  # a reload's new config: the old child drains now
             self.handovers.ready(rec, now)
         if self.state.watched(rec):
@@ -93,9 +94,9 @@ class Children:
         if entry is not None:
             entry.claimed = entry.explicit = False
             self.rules.serve_waiters(rec, now)
-        self.rules.idle(rec)
+        self.moves.idle(rec)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def instance_adopted(self, model: str, generation: int, pid: int, host: str, port: int,
                          devices: list[str] | None, now: float, node: str | None = None,
@@ -114,32 +115,32 @@ class Children:
             log.info("model %s: not adopting pid %d (#%d): %s; stopping it", model, pid,
                      generation, why)
             self.state.out.append(Stop(model, generation, f"not adopted: {why}"))
-            return self.rules.flush()
+            return self.moves.flush()
         rec.generation = generation
         rec.placement = devices
         rec.node = node or (node_of(devices[0]) if devices else None)
         rec.upstream_key = upstream_key
-        self.rules.transition(rec, S.LOADING, f"adopting pid {pid}", now)
+        self.moves.transition(rec, S.LOADING, f"adopting pid {pid}", now)
         if self.state.memory_on:
             self.state.memory.spawning(rec)
         rec.pid, rec.host, rec.port = pid, host, port
         rec.failed = False
         rec.ready_at = rec.last_used = now
-        self.rules.transition(rec, S.LOADED, f"adopted, pid {pid}", now)
+        self.moves.transition(rec, S.LOADED, f"adopted, pid {pid}", now)
         if self.state.memory_on:
             rec.awaiting_usage = True
             self.state.unsettled.add(rec)
             self.state.out.append(Track(model, "ready", pid))
-        self.rules.idle(rec)
+        self.moves.idle(rec)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def node_changed(self, node: str, up: bool, why: str, now: float) -> list[Effect]:
         """A cluster node's agent came up, or was lost (or could not be reached): models
         that may run only on lost nodes are refused, saying so, and not failed."""
         self.state.nodes.changed(node, up, why)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def instance_seen(self, model: str, generation: int) -> None:
         """Another corral's child of `model` runs as `generation` (being stopped): this
@@ -161,15 +162,15 @@ class Children:
         elif state == "sleeping" and rec.state is S.LOADED:
             # It keeps its slot (and stays an eviction candidate) but gives its memory
             # back; a request wakes it, and then it holds again.
-            self.rules.transition(rec, S.SLEEPING, "idle, the child sleeps", now)
+            self.moves.transition(rec, S.SLEEPING, "idle, the child sleeps", now)
             self.state.ledger.unreserve(model)  # what the device still shows for it stays held
         elif state == "awake" and rec.state is S.SLEEPING:
-            self.rules.transition(rec, S.LOADED, "woken by a request", now)
+            self.moves.transition(rec, S.LOADED, "woken by a request", now)
             if self.state.memory_on:
                 self.state.ledger.reserve(model, rec.mem_effective or self.state.memory.need(rec))
-        self.rules.idle(rec)
+        self.moves.idle(rec)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def instance_unhealthy(self, model: str, generation: int, detail: str,
                            now: float) -> list[Effect]:
@@ -179,9 +180,9 @@ class Children:
             return []
         log.warning("model %s#%d is unhealthy (%s); stopping it", model, generation, detail)
         rec.failed = True
-        self.rules.stop(rec, "unhealthy", None, now)
+        self.moves.stop(rec, "unhealthy", None, now)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def instance_exited(self, model: str, generation: int, returncode: int,
                         description: str, now: float) -> list[Effect]:
@@ -210,16 +211,16 @@ class Children:
         if entry is not None and not self.state.groups.others_up(rec):
             entry.claimed = False  # R-4.8: a dead child's claim is void; the head retries
         if rec.removed:
-            self.rules.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+            self.moves.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
             self.state.drop(model)
         elif was is S.STOPPING:
-            self.rules.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
+            self.moves.transition(rec, S.UNLOADED, f"stopped, {description}", now, returncode)
         else:
             self._failed(rec, was, up_since, description, returncode, now)
         if self.handovers.pending:  # a newcomer may have waited for this one to go
             self.handovers.retry(now)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def _failed(self, rec: ModelRecord, was: ModelState, up_since: float | None,
                 description: str, returncode: int, now: float) -> None:
@@ -233,7 +234,7 @@ class Children:
             cause += (f"; {len(rec.breaker.failures)} failures in "
                       f"{rec.breaker.period_s:g} s, no load for {backoff:g} s")
             self.state.out.append(Later(backoff, Repump()))
-        self.rules.transition(rec, S.UNLOADED, cause, now, returncode)
+        self.moves.transition(rec, S.UNLOADED, cause, now, returncode)
         if was is S.LOADING and self.state.groups.others_up(rec):
             pass  # another copy serves its model, or will: its waiters wait for that
         elif was is S.LOADING:
@@ -244,11 +245,11 @@ class Children:
             message = f"model '{rec.group}' failed to load (attempt {attempt}): {description}"
             if killed:
                 for ticket, _ in self.state.queue.keep_for_retries(rec.group):
-                    self.rules.refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0),
+                    self.moves.refuse(ticket, 503, message, retry_after_s=max(backoff, 1.0),
                                  model=rec.group, reason="load_failed")
-                self.rules.idle(rec)
+                self.moves.idle(rec)
             else:
-                self.rules.refuse_entry(rec.group, 503, message,
+                self.moves.refuse_entry(rec.group, 503, message,
                                         retry_after_s=max(backoff, 1.0), reason="load_failed")
         if rec.rules.permanent and not self.state.groups.others_up(rec):
             self.state.queue.open(rec.group).explicit = True  # R-3.7: back at once (or after it)
@@ -257,7 +258,7 @@ class Children:
 
     def start_measuring(self) -> list[Effect]:
         self.state.out.extend(self.state.memory.unmeasured(self.state.models.values()))
-        return self.rules.flush()
+        return self.moves.flush()
 
     def measure_started(self, model: str) -> list[Effect]:
         rec = self.state.models.get(model)
@@ -279,13 +280,13 @@ class Children:
         if self.handovers.pending:
             self.handovers.retry(now)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def devices_reported(self, report: DeviceReport, now: float) -> list[Effect]:
         self.state.out.extend(self.state.memory.reported(report, self.state.models))
         self.state.host.reported(report, self.state.models)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def devices_snapshot(self) -> DevicesSnapshot:
         return views.devices(self.state)
@@ -327,10 +328,10 @@ class Children:
             rec.removed = True
             self.state.groups.drop(rec)  # a copy going: no longer one of its model's
             if not rec.rules.group:
-                self.rules.refuse_entry(name, 400, f"model '{name}' was removed by a reload",
+                self.moves.refuse_entry(name, 400, f"model '{name}' was removed by a reload",
                                         reason="removed")
             if rec.state.is_running:
-                self.rules.retire(rec, now)
+                self.moves.retire(rec, now)
             else:
                 self.state.drop(name)  # a child still releasing: external from now on
         restarted = []
@@ -350,13 +351,13 @@ class Children:
                 restarted.append(name)
                 if not self.handovers.begin(rec, now):
                     for r in running:
-                        self.rules.retire(r, now)
+                        self.moves.retire(r, now)
         for entry in self.state.queue.entries.values():  # its copy was taken out: claim again
             if entry.claimed and not any(r.state in (S.LOADING, S.STOPPING, S.WAKING)
                                          for r in groups.of(self.state.models[entry.model])):
                 entry.claimed = False
         self.rules.pump(now)
-        return self.rules.flush(), restarted
+        return self.moves.flush(), restarted
 
     def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
         """`rules` for config record `rec`, and its alternate (handover.py)."""
@@ -373,5 +374,5 @@ class Children:
         groups.add(current)
         groups.moved(current)
         self.state.rewarm()
-        self.rules.idle(current)
+        self.moves.idle(current)
 

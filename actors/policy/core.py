@@ -16,15 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Hashable, Iterable, Mapping
 
-from ..config import ModelRules
-from ..keys import Tenant
+from ..config.keys import Tenant
+from ..config.rules import ModelGroup, ModelRules
 from ..lifecycle import ModelState
 from ..messages import (
     Done,
     ModelsSnapshot,
     WaitDue,
 )
-from ..rules import ModelGroup
 from . import plans, views
 from .children import Children
 from .plans import RequestPlan
@@ -63,6 +62,7 @@ class Policy:
                            models_max_per_node, tenants, aging_s, host_margin, suspended_max)
         self.state.cuts.on = preempt
         self.rules = Rules(self.state)
+        self.moves = self.rules.moves
         self.children = Children(self.state, self.rules)
         self.cuts = Preemption(self.state, self.rules, self._model_let_go)
         self.tiers = Tiers(self.state, self.rules)
@@ -118,18 +118,18 @@ class Policy:
         tenants = self.state.tenants
         # 1. Nothing is served while shutting down, nor for a model that is not there.
         if self.state.shutting_down:
-            self.rules.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0,
+            self.moves.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0,
                          model=model, reason="shutdown")
-            return self.rules.flush()
+            return self.moves.flush()
         if rec is None:
-            self.rules.refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
-            return self.rules.flush()
+            self.moves.refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
+            return self.moves.flush()
         rules, breaker = rec.rules, rec.breaker
         entry = self.state.queue.entry(model)
         over = tenants.over_quota(key, now) if counted else None
         # 2. A key over its rate or token budget is told when to come back; not queued.
         if over is not None:
-            self.rules.refuse(ticket, 429, f"{over.message}; try again in "
+            self.moves.refuse(ticket, 429, f"{over.message}; try again in "
                               f"{over.retry_after_s:.1f} s", "rate_limit_error",
                               retry_after_s=over.retry_after_s, model=model,
                               reason=over.reason, key=key)
@@ -140,25 +140,25 @@ class Policy:
                 and (into := self.state.route(rec, affinity)) is not None:
             if counted:
                 tenants.take(key, now)
-            self.rules.grant(ticket, into, now, key, cuttable=cuttable)
+            self.moves.grant(ticket, into, now, key, cuttable=cuttable)
             if rules.replicas is not None:  # busier copies: one more may be due
-                self.rules.scale(now)
+                self.rules.scaling.scale(now)
             if self.state.teams.brought:  # a together partner to bring back
                 self.rules.pump(now)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
         #    (a suspended one is there: it is woken).
         elif not autoload and self.state.absent(rec):
-            self.rules.refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
+            self.moves.refuse(ticket, 400, f"model '{model}' is not loaded and autoload is off; "
                          "load it with POST /models/load", "invalid_request_error")
         # 5. A backoff that outlasts the request's patience: say when to come back.
         elif (breaker.is_open(now) and rules.queue_timeout_s
               and now + rules.queue_timeout_s < breaker.retry_at
               and rec.group not in self.state.groups.active):  # (no copy of it is up)
-            self.rules.refuse(ticket, 503, self.rules.backoff_message(rec, now),
+            self.moves.refuse(ticket, 503, self.moves.backoff_message(rec, now),
                          retry_after_s=breaker.retry_at - now, model=model, reason="backoff")
         # 6. A full queue refuses at once (R-4.9).
         elif rules.queue_max and entry is not None and len(entry.waiters) >= rules.queue_max:
-            self.rules.refuse(ticket, 503, f"model '{model}' has {len(entry.waiters)} requests "
+            self.moves.refuse(ticket, 503, f"model '{model}' has {len(entry.waiters)} requests "
                          f"waiting already (queue_max {rules.queue_max}); try again later",
                          retry_after_s=1.0, model=model, reason="queue_full")
         # 7. Otherwise it waits, at most queue_timeout_s, in its class's order.
@@ -181,7 +181,7 @@ class Policy:
             if counted and ticket not in self.state.queue and ticket not in self.state.leases:
                 tenants.untake(key)  # refused as it came (every slot pinned): not counted
             self.cuts.ask(rec, now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def release(self, ticket: Hashable, now: float, shared: bool = False,
                 idle_s: float = 0.0, tokens: int = 0) -> list[Effect]:
@@ -193,7 +193,7 @@ class Policy:
             return self.cancel(ticket, now) if ticket in self.state.queue else []
         self._let_go(ticket, now, shared, idle_s, tokens)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def spend(self, ticket: Hashable, tokens: int, now: float) -> None:
         """The stream of `ticket` has used `tokens` more so far: its key's budget counts
@@ -211,7 +211,7 @@ class Policy:
             if ticket in self.state.leases:
                 self._let_go(ticket, now, shared, idle_s, tokens)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def _let_go(self, ticket: Hashable, now: float, shared: bool, idle_s: float,
                 tokens: int = 0) -> None:
@@ -238,20 +238,20 @@ class Policy:
         if shared or idle_s:
             rec.last_used = max(rec.last_used, now - idle_s)
         if self.state.teams.partners:
-            self.rules.used_together(rec, now)
+            self.rules.teams.used_together(rec, now)
         if rec.retiring and rec.in_flight == 0 and rec.state.is_serving:
             reason, for_model, note = rec.retire_as  # drained: now it may go
-            self.rules.stop(rec, reason, for_model, now, note=note)
+            self.moves.stop(rec, reason, for_model, now, note=note)
         else:
             self.rules.serve_waiters(rec, now)  # max_concurrency: the next in line
-        self.rules.idle(rec, now)
+        self.moves.idle(rec, now)
 
     def cancel(self, ticket: Hashable, now: float) -> list[Effect]:
         """The client of `ticket` left; a cancel that crossed its grant is a release (R-4.7)."""
         if self._leave_queue(ticket) is None:
             return self.release(ticket, now) if ticket in self.state.leases else []
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def _leave_queue(self, ticket: Hashable) -> Waiter | None:
         """Take a waiter out of the queue; None if it was not queued."""
@@ -263,7 +263,7 @@ class Policy:
             # Its claim (if any) goes with it: the load goes on, and the model then
             # sits idle, evictable; nothing is evicted on its behalf any more.
             for rec in self.state.groups.of(self.state.models[waiter.model]):
-                self.rules.idle(rec)
+                self.moves.idle(rec)
         return waiter
 
     def wait_due(self, ticket: Hashable, now: float) -> list[Effect]:
@@ -272,15 +272,15 @@ class Policy:
         if waiter is None or waiter.deadline is None or now < waiter.deadline:
             return []  # granted, refused or gone meanwhile
         rec = self.state.models[waiter.model]
-        why = (f"; {self.rules.backoff_message(rec, now)}" if rec.breaker.is_open(now) else
-               f" (state {self.rules.state_word(rec)}"
+        why = (f"; {self.moves.backoff_message(rec, now)}" if rec.breaker.is_open(now) else
+               f" (state {self.moves.state_word(rec)}"
                + (f"; {rec.waiting_for})" if rec.waiting_for else ")"))
         self._leave_queue(ticket)
         self.rules.pump(now)
-        self.rules.refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "
+        self.moves.refuse(ticket, 503, f"waited {now - waiter.queued_at:.1f} s for model "
                      f"'{waiter.model}' (queue_timeout_s){why}", retry_after_s=1.0,
                      model=waiter.model, reason="queue_timeout", key=waiter.key)
-        return self.rules.flush()
+        return self.moves.flush()
 
     # ------------------------------------------------------------ management
 
@@ -295,7 +295,7 @@ class Policy:
         self.rules.serve_queued(now)
         self.cuts.where(now)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def set_groups(self, groups: dict[str, ModelGroup], now: float) -> list[Effect]:
         """The model groups now (issue 25, teams.py): from the config, and each reload,
@@ -313,73 +313,73 @@ class Policy:
                 for rec in up:
                     for copy in state.groups.all_of(rec) if rec is not keep else ():
                         if copy.state.is_running and copy.state is not S.STOPPING:
-                            self.rules.retire(copy, now, "group", keep.group, note=(
+                            self.moves.retire(copy, now, "group", keep.group, note=(
                                 f"exclusive group '{name}' (a reload): one member runs "
                                 "at a time"))
             if group.together:
                 for rec in up:
-                    self.rules.bring_partners(rec, now)
+                    self.rules.teams.bring_partners(rec, now)
         for rec in state.models.values():
-            self.rules.idle(rec, now)
+            self.moves.idle(rec, now)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def load(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
         """POST /models/load: queue a load with no request behind it; ends a backoff."""
         rec = self.state.find(model)
         if rec is None:
-            self.rules.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
+            self.moves.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
         elif any(r.state.is_running and r.state not in (S.STOPPING, S.SUSPENDED)
                  for r in self.state.groups.of(rec)):
-            self.rules.refuse(ticket, 400, f"model '{model}' is already running",
+            self.moves.refuse(ticket, 400, f"model '{model}' is already running",
                          "invalid_request_error")
         elif self.state.shutting_down:
-            self.rules.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
+            self.moves.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
         else:
             rec.breaker.reset()
             self.state.queue.open(model).explicit = True
             self.state.out.append(Answer(ticket, Done()))
             self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def unload(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
         """POST /models/unload: stop the child now (busy or not); clears a failure."""
         rec = self.state.find(model)
         if rec is None:
-            self.rules.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
-            return self.rules.flush()
+            self.moves.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
+            return self.moves.flush()
         entry = self.state.queue.entry(model)
         if entry is not None and entry.explicit:
             entry.explicit = False
             if self.state.queue.close_if_empty(model):
-                self.rules.idle(rec)
+                self.moves.idle(rec)
         absent = self.state.absent(rec)
         if absent and rec.failed:
             rec.failed = False
             rec.breaker.reset()
-            self.rules.publish_state(rec, "failure cleared by unload", now)
+            self.moves.publish_state(rec, "failure cleared by unload", now)
         elif absent:
-            self.rules.refuse(ticket, 400, f"model '{model}' is not running",
+            self.moves.refuse(ticket, 400, f"model '{model}' is not running",
                          "invalid_request_error")
             self.rules.pump(now)  # a queued load it dropped may have held others up
-            return self.rules.flush()
+            return self.moves.flush()
         else:  # every child of it, a reload's old or new one too
             for copy in self.state.groups.all_of(rec):
                 if copy.state.is_running and copy.state is not S.STOPPING:
-                    self.rules.stop(copy, "manual", None, now)
+                    self.moves.stop(copy, "manual", None, now)
         self.state.out.append(Answer(ticket, Done()))
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def shutdown(self, now: float) -> list[Effect]:
         """Refuse every waiter, stop every child; `all_stopped` tells when it is over."""
         self.state.shutting_down = True
         for ticket in self.state.queue.clear():
-            self.rules.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
+            self.moves.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
         for rec in self.state.models.values():
             if rec.state.is_running and rec.state is not S.STOPPING:
-                self.rules.stop(rec, "shutdown", None, now)
-        return self.rules.flush()
+                self.moves.stop(rec, "shutdown", None, now)
+        return self.moves.flush()
 
     @property
     def all_stopped(self) -> bool:
@@ -392,4 +392,4 @@ class Policy:
         if self.state.wake_at is not None and now >= self.state.wake_at:
             self.state.wake_at = None
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()

@@ -16,9 +16,9 @@ import logging
 
 import msgspec
 
+from ..config.rules import alternate_name
 from ..ledger import node_of
 from ..lifecycle import ModelState
-from ..rules import alternate_name
 from .records import ModelRecord
 from .rules import Rules
 from .state import State
@@ -34,6 +34,7 @@ class Handovers:
     def __init__(self, state: State, rules: Rules) -> None:
         self.state = state
         self.rules = rules
+        self.moves = self.rules.moves
         self.pending: set[ModelRecord] = set()
         """Newcomers not started yet: their figures are not known, or the child the
         record had is still on its way out."""
@@ -52,7 +53,7 @@ class Handovers:
             return False
         if new.state in (S.LOADING, S.SUSPENDED):  # an earlier config's: it goes first
             new.takes_over = None
-            self.rules.stop(new, "reload", None, now)
+            self.moves.stop(new, "reload", None, now)
         new.takes_over = live.name
         self.pending.add(new)
         self.attempt(new, now)
@@ -91,7 +92,7 @@ class Handovers:
         if not state.has_capacity():
             short = f"no free slot (models_max {state.models_max})"
         elif state.memory_on:
-            plan = state.memory.plan(new, state.models, [], self.rules.loading_devices(new))
+            plan = state.memory.plan(new, state.models, [], self.moves.loading_devices(new))
             if plan.verdict != "go" or plan.note or plan.evict:
                 short = "not enough free memory for both children"
             else:
@@ -101,10 +102,10 @@ class Handovers:
             new.takes_over = None
             why = f"reload: {short}, so the old child stops before the new config loads"
             log.info("model %s: %s", live.name, why)
-            self.rules.publish_state(live, why, now)
-            self.rules.retire(live, now)
+            self.moves.publish_state(live, why, now)
+            self.moves.retire(live, now)
             return
-        self.rules.spawn(new, 0, now, why=(
+        self.moves.spawn(new, 0, now, why=(
             f"reload, make-before-break: loads beside {live.name}#{live.generation}, "
             "which serves until this is ready"))
 
@@ -120,4 +121,4 @@ class Handovers:
         new.takes_over = None
         self.state.groups.swap(new)
         if live is not None and (live.state.is_serving or live.state is S.SUSPENDED):
-            self.rules.retire(live, now)
+            self.moves.retire(live, now)

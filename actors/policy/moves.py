@@ -40,6 +40,7 @@ from .records import (
     eviction_cause,
 )
 from .state import State
+from .teamwork import Teamwork
 
 log = logging.getLogger("corral.scheduler")
 
@@ -58,10 +59,13 @@ def shown(copies: list[ModelRecord]) -> str:
 
 
 class Moves:
-    """One-step changes of one `State`, each adding its effects to `state.out`."""
+    """One-step changes of one `State`, each adding its effects to `state.out`. A step
+    that the model groups extend (a transition, a grant, a stop) calls its part of them
+    by name, last (`self.teams`, teamwork.py)."""
 
     def __init__(self, state: State) -> None:
         self.state = state
+        self.teams = Teamwork(state, self)
 
     def revoke_kept(self) -> None:
         """A queued request waits for a slot or memory that busy models hold. A model may
@@ -125,6 +129,8 @@ class Moves:
         key = (rec.name, reason)
         self.state.stats.evictions[key] = self.state.stats.evictions.get(key, 0) + 1
         self.state.out.append(Stop(rec.name, rec.generation, reason))
+        if self.state.teams.partners:  # a unit stop stops its together partners
+            self.teams.stopped(rec, reason, for_model, now)
 
     def suspend(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
                 now: float, shortfalls: list[Shortfall] | None = None) -> None:
@@ -239,6 +245,8 @@ class Moves:
             model=rec.group, generation=rec.generation, host=rec.host, port=rec.port,
             shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes,
             instance=rec.copy_name, solo=solo)))
+        if self.state.teams.partners:  # its together partners were used too
+            self.teams.granted(rec, now)
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,
@@ -306,6 +314,8 @@ class Moves:
             partner = state.groups.partner(rec)  # a reload's newcomer is its copy's now
             if partner is not None and partner.takes_over == rec.name:
                 state.groups.swap(partner)
+        if state.teams.partners:  # its partners' evictability may have changed
+            self.teams.moved(rec, now)
 
     def retire(self, rec: ModelRecord, now: float, reason: EvictionReason = "reload",
                for_model: str | None = None, note: str | None = None) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+from ..config.rules import ModelRules
 from ..ledger import Breakdown, Ledger, node_of
-from ..rules import ModelRules
 
 NOTHING: dict[str, int] = {}
 

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 import msgspec
 
-from ..keys import ANOTHER, unnamed
+from ..config.keys import ANOTHER, unnamed
 from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Evicted, Grant, Refusal, Revoke

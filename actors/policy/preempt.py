@@ -24,6 +24,7 @@ class Preemption:
                  let_go: Callable[[str, int, float, bool, float], None]) -> None:
         self.state = state
         self.rules = rules
+        self.moves = self.rules.moves
         self.let_go = let_go
 
     def ask(self, model: ModelRecord, now: float) -> None:
@@ -74,7 +75,7 @@ class Preemption:
         if rec is None or self.state.shutting_down:
             why = ("corral is shutting down" if rec is not None else
                    f"model '{name}' was removed")
-            self.rules.refuse(ticket, 503, f"{why} while a request was cut to be sent again",
+            self.moves.refuse(ticket, 503, f"{why} while a request was cut to be sent again",
                               retry_after_s=1.0)
         else:
             stats = self.state.stats
@@ -95,11 +96,11 @@ class Preemption:
             self.rules.serve_queued(now, key)
             self.where(now, key)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def not_cut(self, ticket: Hashable, now: float) -> list[Effect]:
         """The front could not cut `ticket` (its answer had begun): cut another."""
         slot = self.state.cuts.refused(ticket)
         if slot is not None and (rec := self.state.find(slot.model)) is not None:
             self.ask(rec, now)
-        return self.rules.flush()
+        return self.moves.flush()

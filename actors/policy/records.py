@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from ..config import ModelRules
+from ..config.rules import ModelRules
 from ..histogram import Histogram
 from ..ledger import Breakdown, MemoryInfo, MemoryStatus, MiB
 from ..lifecycle import ModelState

@@ -1,7 +1,7 @@
 """A model's copies (issue 24): which records are the replicas of one model, which of them
 a request goes to, and which one a load of the model starts.
 
-Each replica is a record of its own (`NAME`, `NAME@2` ...: actors/rules.py), so a replica
+Each replica is a record of its own (`NAME`, `NAME@2` ...: actors/config/rules.py), so a replica
 loads, serves, is evicted, suspended and reaped as any model is. What they share is kept
 on the model's own record, the first: its queue (requests wait for the model, not for a
 copy), its breaker, its figures, and the generation count, so that `(model, generation)`
@@ -15,8 +15,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable
 
+from ..config.rules import SEPARATOR
 from ..lifecycle import ModelState
-from ..rules import SEPARATOR
 from .records import ModelRecord
 
 S = ModelState

@@ -11,12 +11,16 @@ import logging
 from typing import Literal
 
 from ..histogram import observe
-from ..ledger import MiB, node_of
+from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Repump
+from .bringup import BringUp
+from .choice import Choice
+from .moves import Moves
 from .queue import QueueEntry
 from .records import Later, Measure, ModelRecord
 from .scale import Scaling
+from .state import State
 
 log = logging.getLogger("corral.scheduler")
 
@@ -26,8 +30,18 @@ WARM_RETRY_S = 0.5
 event (a memory plan each time a request comes and goes would be paid by requests)."""
 
 
-class Rules(Scaling):
-    """The decisions every event ends in, on one `State`."""
+class Rules:
+    """The decisions every event ends in, on one `State`, made of held parts that each
+    call by name: the one-step `moves` (with the model groups' part, `moves.teams`), the
+    victim `choice`, the way a model comes `up`, and the `scaling` of copies."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.moves = Moves(state)
+        self.teams = self.moves.teams
+        self.choice = Choice(state)
+        self.up = BringUp(state, self.moves)
+        self.scaling = Scaling(state, self.moves, self.choice, self.up)
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
@@ -45,7 +59,7 @@ class Rules(Scaling):
             self.tick(now)
             self.claim(now)
         if self.state.groups.wanting:
-            self.scale(now)
+            self.scaling.scale(now)
         if self.state.warm and not self.state.queue.entries:
             self.warm_up(now)
 
@@ -59,7 +73,7 @@ class Rules(Scaling):
             if entry is not None and entry.explicit and not entry.waiters:
                 entry.explicit = False
                 queue.close_if_empty(name)
-                self.idle(self.state.models[name])
+                self.moves.idle(self.state.models[name])
             dropped.discard(name)
 
     def warm_up(self, now: float) -> None:
@@ -79,31 +93,21 @@ class Rules(Scaling):
                 state.warm_after = now + WARM_RETRY_S
                 return
             if rec.state not in (S.UNLOADED, S.SUSPENDED) or rec.breaker.is_open(now) \
-                    or rec.failed or rec.removed or self.has_rival_up(rec.group):
+                    or rec.failed or rec.removed or self.teams.has_rival_up(rec.group):
                 continue
-            if state.memory_on:
-                busy = self.loading_devices(rec)
-                plan = (state.memory.plan_wake(rec, state.models, [], busy)
-                        if rec.state is S.SUSPENDED
-                        else state.memory.plan(rec, state.models, [], busy))
-                if plan.verdict != "go" or plan.note or plan.evict:
-                    state.warm_after = now + WARM_RETRY_S
-                    continue
-                if rec.state is S.UNLOADED:
-                    rec.placement = plan.devices
-                    rec.node = node_of(plan.devices[0]) if plan.devices else None
+            plan = self.up.plan(rec, []) if state.memory_on else None
+            if plan is not None and (plan.verdict != "go" or plan.note or plan.evict):
+                state.warm_after = now + WARM_RETRY_S  # only where it fits as things are
+                continue
             state.warming.add(rec)
-            if rec.state is S.SUSPENDED:
-                self.wake(rec, None, now)
-            else:
-                self.spawn(rec, 0, now)
+            self.up.go(rec, plan, now)
 
     def yield_warm(self, now: float) -> None:
         """A request waits for a place: background loads of warm models give it up."""
         for rec in list(self.state.warming):
             if rec.state is S.LOADING \
                     and rec.group not in self.state.queue.entries:
-                self.stop(rec, "warm", None, now, why="a request needs its place")
+                self.moves.stop(rec, "warm", None, now, why="a request needs its place")
 
     def relieve_host(self, now: float) -> None:
         """Less host RAM than host_memory_margin_mib is available: stop suspended models,
@@ -117,7 +121,7 @@ class Rules(Scaling):
                          key=lambda r: r.last_used, default=None)
             if victim is None:
                 return
-            self.stop(victim, "host_memory", None, now, why=(
+            self.moves.stop(victim, "host_memory", None, now, why=(
                 f"host RAM available is below host_memory_margin_mib "
                 f"({state.host.margin / MiB:.0f} MiB)"))
             stopping.append(victim)
@@ -140,18 +144,18 @@ class Rules(Scaling):
         state = self.state
         pinned_out = state.n_running > 0 and state.n_running_pinned == state.n_running \
             and self.state.n_stopping == 0 and self.state.n_suspending == 0
-        if self.pick_victim(now) is None and not pinned_out:
-            self.revoke_kept()
+        if self.choice.pick_victim(now) is None and not pinned_out:
+            self.moves.revoke_kept()
             if self.state.warming and any(self.state.needs_slot(e, now)
                                           for e in self.state.queue.entries.values()):
                 self.yield_warm(now)
             return  # every running model is busy, wanted or young: a release re-ticks
         needing = [e.model for e in self.state.queue.ordered(now)
                    if self.state.needs_slot(e, now)  # (an exclusive rival's is coming free)
-                   and not (state.teams.rivals and self.has_rival_up(e.model))]
+                   and not (state.teams.rivals and self.teams.has_rival_up(e.model))]
         while free < len(needing):
             model = needing[max(free, 0)]
-            victim = self.pick_victim(now, model)
+            victim = self.choice.pick_victim(now, model)
             if victim is None:
                 if pinned_out:
                     self.refuse_pinned_out(needing[max(free, 0):])
@@ -159,7 +163,7 @@ class Rules(Scaling):
                     needing.remove(model)  # the next in line may evict what it may not
                     continue
                 return
-            self.evict(victim, "lru", model, now)
+            self.moves.evict(victim, "lru", model, now)
             free += 1
 
     def refuse_kept_out(self, model: str) -> bool:
@@ -172,7 +176,7 @@ class Rules(Scaling):
                 not (r.pinned or state.kept_from(r, model))
                 or (r.rules.ttl_s and not r.pinned) or r.retiring for r in running):
             return False
-        self.refuse_entry(model, 503, (
+        self.moves.refuse_entry(model, 503, (
             f"model '{model}' cannot be loaded: all {state.models_max} slots (models_max) "
             f"are held by models its model groups keep from it, or pinned ones "
             f"({', '.join(sorted(r.name for r in running))}): persistent members are never "
@@ -184,7 +188,7 @@ class Rules(Scaling):
         """Refuse what no slot will ever come free for: every running model is pinned."""
         names = ", ".join(rec.name for rec in self.state.models.values() if rec.state.is_running)
         for model in models:
-            self.refuse_entry(model, 503, (
+            self.moves.refuse_entry(model, 503, (
                 f"model '{model}' cannot be loaded: all {self.state.models_max} slots (models_max) "
                 f"are held by pinned models ({names}); unload one or raise models_max"),
                 reason="pinned")
@@ -220,7 +224,7 @@ class Rules(Scaling):
         #    another member of its exclusive group still runs (it is being stopped).
         if rec.state is S.STOPPING:
             return "wait"
-        if state.teams.rivals and self.clear_rivals(rec, now):
+        if state.teams.rivals and self.teams.clear_rivals(rec, now):
             return "passed"  # its rival's slot comes back to it; others need not wait
         if not state.has_capacity():
             return "wait"
@@ -229,42 +233,38 @@ class Rules(Scaling):
             if self.claim_node(rec, now):
                 return "rescan"  # refused: the queue changed
             if rec.node is None:
-                self.revoke_kept()
+                self.moves.revoke_kept()
                 return "wait"
         # 4. A suspended model wakes where it sleeps, if it fits there.
         if rec.state is S.SUSPENDED:
             return self.claim_wake(entry, rec, now)
         # 5. One load per device at a time, as in the reference.
-        busy = self.loading_devices(rec) if state.memory_on else set()
+        busy = self.moves.loading_devices(rec) if state.memory_on else set()
         if busy and not state.memory.candidates(rec) \
                 and not busy.isdisjoint(state.memory.devices_of(rec)):
             return "wait"
         # 6. With memory accounting, the plan decides: evict, measure first, wait or refuse.
+        plan = None
         if state.memory_on:
-            victims = self.memory_victims(now, rec.group)
-            plan = state.memory.plan(rec, state.models, victims, busy)
-            for victim, shortfalls in plan.evict:  # none: a node's slot
-                self.evict(victim, "memory" if shortfalls else "lru", rec.name, now,
-                           shortfalls)
+            plan = self.up.plan(rec, self.choice.memory_victims(now, rec.group), busy)
+            self.up.make_room(plan, rec.name, now)
             if plan.measure:
                 rec.measure_requested_first = True
                 state.out.append(Measure(rec.group, front=True))
             if plan.verdict == "refuse":
                 assert plan.refusal is not None
-                self.refuse_entry(entry.model, 503, plan.refusal, reason="memory")
+                self.moves.refuse_entry(entry.model, 503, plan.refusal, reason="memory")
                 return "rescan"
             if plan.verdict == "wait":
-                self.revoke_kept()
+                self.moves.revoke_kept()
                 self.yield_warm(now)
                 return "wait"
             if plan.note:
                 log.warning("%s", plan.note)  # said once, by the plan that was carried out
-            rec.placement = plan.devices
-            rec.node = node_of(plan.devices[0]) if plan.devices else None
         # 7. It goes, and its together partners with it (queued as loads: a rescan).
         entry.claimed = True
-        self.spawn(rec, len(entry.waiters), now)
-        if state.teams.partners and self.bring_partners(rec, now):
+        self.up.go(rec, plan, now, n_waiting=len(entry.waiters))
+        if state.teams.partners and self.teams.bring_partners(rec, now):
             return "rescan"
         return "spawned"
 
@@ -275,19 +275,16 @@ class Rules(Scaling):
         for its exit to load it anew (elsewhere, if it may go elsewhere)."""
         state = self.state
         if state.memory_on:
-            victims = self.memory_victims(now, rec.group)
-            plan = state.memory.plan_wake(rec, state.models, victims,
-                                          self.loading_devices(rec))
-            for victim, shortfalls in plan.evict:
-                self.evict(victim, "memory", rec.name, now, shortfalls)
+            plan = self.up.plan(rec, self.choice.memory_victims(now, rec.group))
+            self.up.make_room(plan, rec.name, now, reason="memory")
             if plan.verdict == "refuse":
-                self.stop(rec, "wake_elsewhere", None, now, why=plan.refusal)
+                self.moves.stop(rec, "wake_elsewhere", None, now, why=plan.refusal)
                 return "wait"
             if plan.verdict == "wait":
-                self.revoke_kept()
+                self.moves.revoke_kept()
                 return "wait"
-        self.wake(rec, entry, now)
-        if state.teams.partners and self.bring_partners(rec, now):
+        self.up.go(rec, None, now, entry=entry)
+        if state.teams.partners and self.teams.bring_partners(rec, now):
             return "rescan"
         return "spawned"
 
@@ -297,12 +294,12 @@ class Rules(Scaling):
         of a node at its cap, or its requests are refused (then True: the queue changed)."""
         victims = self.state.victims.ranked(self.state.models, now, self.state.resident_until)
         if self.state.teams.kept:
-            victims = [v for v in victims if not self.kept_from(v, rec.group)]
+            victims = [v for v in victims if not self.choice.kept_from(v, rec.group)]
         choice = self.state.nodes.choose(rec, self.state.models, victims)
         rec.node = choice.node if choice.verdict == "go" else None
         rec.waiting_for = choice.why if choice.verdict == "wait" else None
         if choice.victim is not None:
-            self.stop(choice.victim, "lru", rec.name, now)
+            self.moves.stop(choice.victim, "lru", rec.name, now)
         elif choice.verdict == "wait":  # an idle model too young to go: wake when it is not
             young = [until for r in self.state.models.values()
                      if r.node in (rec.rules.nodes or []) and self.state.evictable(r)
@@ -312,7 +309,7 @@ class Rules(Scaling):
                 self.state.out.append(Later(self.state.wake_at - now, Repump()))
         if choice.verdict != "refuse":
             return False
-        self.refuse_entry(rec.group, 503, f"model '{rec.group}' cannot be started: "
+        self.moves.refuse_entry(rec.group, 503, f"model '{rec.group}' cannot be started: "
                            f"{choice.why}", retry_after_s=1.0,
                            reason="node_lost" if (choice.why or "").startswith("node lost")
                            else "node_cap")
@@ -345,7 +342,7 @@ class Rules(Scaling):
                 if waiter.key:
                     observe(self.state.stats.class_wait, tenants.of(waiter.key).priority,
                             waited)
-            self.grant(ticket, into, now, waiter.key, waiter)
+            self.moves.grant(ticket, into, now, waiter.key, waiter)
             if waiter.key and tenants.at_limit(waiter.key):
                 blocked.add(waiter.key)
         queue.close_if_empty(rec.group)

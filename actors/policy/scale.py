@@ -3,7 +3,7 @@ has fewer than `min` up, or fewer than `max` and its copies are busy (more than
 `target_in_flight` requests in flight each, for `scale_up_after_s`) or a request has
 waited in its queue for `scale_up_wait_s`. Copies above `min` go after
 `scale_down_idle_s` idle (state.ttl_after), and are the first victims of any model's need
-(Moves.extra_victim).
+(Choice.extra_victim).
 
 The rule for what a copy may take: a free slot and free memory; else an idle spare copy
 of another model (above its `min`); else another model only if it has been idle longer
@@ -17,19 +17,28 @@ from __future__ import annotations
 
 import math
 
-from ..ledger import node_of
+from ..config.rules import Replicas
 from ..lifecycle import ModelState
 from ..messages import Repump
-from ..rules import Replicas
-from .choice import Teamwork
+from .bringup import BringUp
+from .choice import Choice
+from .moves import Moves
 from .records import Later, ModelRecord
 from .replicas import UP
+from .state import State
 
 S = ModelState
 
 
-class Scaling(Teamwork):
-    """The scaling step of every decision (Rules.pump)."""
+class Scaling:
+    """The scaling step of every decision (Rules.pump), on one `State`: it chooses with
+    `choice`, brings copies up with `up` and evicts with `moves`."""
+
+    def __init__(self, state: State, moves: Moves, choice: Choice, up: BringUp) -> None:
+        self.state = state
+        self.moves = moves
+        self.choice = choice
+        self.up = up
 
     def scale(self, now: float) -> None:
         """Look at the models that may want a copy (`Groups.wanting`: a copy of theirs
@@ -106,7 +115,7 @@ class Scaling(Teamwork):
                 return  # a request for a model that is down goes first; or a slot is coming
             victim = next(iter(self.copy_victims(rec, waited, now)), None)
             if victim is not None:
-                self.evict(victim, "lru", rec.group, now)
+                self.moves.evict(victim, "lru", rec.group, now)
             return  # the next decision after its exit adds the copy
         if rec.rules.nodes is not None and not state.memory_on:  # a node's slot
             allowed = self.copy_victims(rec, waited, now)
@@ -114,37 +123,26 @@ class Scaling(Teamwork):
                                         avoid={r.node for r in group if r.state in UP})
             if choice.verdict != "go":
                 if choice.victim is not None:
-                    self.evict(choice.victim, "lru", rec.group, now)
+                    self.moves.evict(choice.victim, "lru", rec.group, now)
                 return
             rec.node = choice.node
+        plan = None
         if state.memory_on:
-            allowed = self.copy_victims(rec, waited, now)
-            busy = self.loading_devices(rec)
-            plan = (state.memory.plan_wake(rec, state.models, allowed, busy)
-                    if rec.state is S.SUSPENDED
-                    else state.memory.plan(rec, state.models, allowed, busy))
-            for victim, shortfalls in plan.evict:
-                self.evict(victim, "memory" if shortfalls else "lru", rec.group, now,
-                           shortfalls)
+            plan = self.up.plan(rec, self.copy_victims(rec, waited, now))
+            self.up.make_room(plan, rec.group, now)
             if plan.measure:
                 rec.measure_requested_first = True
             if plan.verdict != "go":
                 return
-            if rec.state is S.UNLOADED:
-                rec.placement = plan.devices
-                rec.node = node_of(plan.devices[0]) if plan.devices else None
-        if rec.state is S.SUSPENDED:
-            self.wake(rec, None, now)
-        else:
-            self.spawn(rec, 0, now, why=f"replica for {why}")
+        self.up.go(rec, plan, now, why=f"replica for {why}")
 
     def copy_victims(self, rec: ModelRecord, waited: float, now: float) -> list[ModelRecord]:
         """What a copy of `rec`'s model may evict, in order: idle spare copies of other
         models (above their `min`), then models idle longer than `waited` (least recently
         used first; `waited` is infinite for a copy that `min` asks for: it takes only
         what is free or spare, so models that fill their `min` never evict each other)."""
-        victims = self.memory_victims(now, rec.group)
-        spare = self.spares(victims)
+        victims = self.choice.memory_victims(now, rec.group)
+        spare = self.choice.spares(victims)
         return [v for v in victims if v.group != rec.group and v.state.is_serving
                 and (v in spare or now - v.idle_from > waited)]
 

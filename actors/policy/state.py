@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from ..config import ModelRules
-from ..keys import Tenant
+from ..config.keys import Tenant
+from ..config.rules import ModelRules
 from ..ledger import Ledger
 from ..lifecycle import ModelState
 from .breaker import Breaker

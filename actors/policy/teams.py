@@ -1,5 +1,7 @@
 """The model groups of issue 25 (`[groups.NAME]`), called teams here (a model's copies
-are its `Groups`, replicas.py); choice.py carries their rules out:
+are its `Groups`, replicas.py): `Teams`, the config's groups as the policy asks them;
+their rules are carried out by `Teamwork` (teamwork.py; the persistent rule is the victim
+choice's, choice.py):
 
 - **persistent**: a member is never a victim for a model outside its group.
 - **exclusive**: at most one member runs. Loading one stops the others first: an idle
@@ -14,8 +16,8 @@ are its `Groups`, replicas.py); choice.py carries their rules out:
 
 from __future__ import annotations
 
+from ..config.rules import ModelGroup
 from ..messages import EvictionReason
-from ..rules import ModelGroup
 
 UNIT_STOPS: frozenset[EvictionReason] = frozenset({"lru", "memory", "ttl", "manual", "group"})
 """The stops of one member that stop its `together` partners (not a crash or a reload:

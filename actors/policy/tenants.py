@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..keys import Tenant
+from ..config.keys import Tenant
 
 log = logging.getLogger("corral.scheduler")
 

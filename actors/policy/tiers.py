@@ -31,6 +31,7 @@ class Tiers:
     def __init__(self, state: State, rules: Rules) -> None:
         self.state = state
         self.rules = rules
+        self.moves = self.rules.moves
 
     def suspended(self, model: str, generation: int, ok: bool, detail: str, host_bytes: int,
                   now: float) -> list[Effect]:
@@ -45,16 +46,16 @@ class Tiers:
             self.state.host.suspended(rec, host_bytes)
             rec.suspends += 1
             rec.draining = self.state.watched(rec)
-            self.rules.transition(rec, S.SUSPENDED, f"suspended, {host_bytes / MiB:.0f} MiB "
+            self.moves.transition(rec, S.SUSPENDED, f"suspended, {host_bytes / MiB:.0f} MiB "
                                   "to host RAM", now)
             if self.state.watched(rec):
                 # Its devices hold what the monitor still sees until its next report.
                 self.state.ledger.unreserve(model)
                 rec.awaiting_usage = False
             self.state.out.append(Track(model, "suspended", rec.pid))  # the host tier's too
-            self.rules.idle(rec, now)
+            self.moves.idle(rec, now)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def woken(self, model: str, generation: int, ok: bool, detail: str,
               now: float) -> list[Effect]:
@@ -77,16 +78,16 @@ class Tiers:
             rec.last_used = 0.0 if warmed and entry is None else now  # unasked: first victim
             rec.ended_at = now
             self.state.warming.discard(rec)
-            self.rules.transition(rec, S.LOADED, "woken", now)
+            self.moves.transition(rec, S.LOADED, "woken", now)
             rec.awaiting_usage = self.state.watched(rec)
             self.state.unsettled.add(rec)
             self.state.out.append(Track(model, "woken", rec.pid))
             if entry is not None:
                 entry.explicit = False
                 self.rules.serve_waiters(rec, now)
-            self.rules.idle(rec)
+            self.moves.idle(rec)
         self.rules.pump(now)
-        return self.rules.flush()
+        return self.moves.flush()
 
     def _failed(self, rec: ModelRecord, reason: EvictionReason, why: str, now: float) -> None:
         """A suspend or wake failed: the child is stopped, and it counts as a failure."""
@@ -94,7 +95,7 @@ class Tiers:
         backoff = rec.breaker.failed(now, None, grow=False)
         if backoff:
             self.state.out.append(Later(backoff, Repump()))
-        self.rules.stop(rec, reason, None, now, why=why)
+        self.moves.stop(rec, reason, None, now, why=why)
 
     def ttl_due(self, model: str, generation: int, now: float) -> list[Effect]:
         """A model's idle TTL may have run out: suspend it (ttl_suspend_s) or stop it
@@ -114,18 +115,18 @@ class Tiers:
         elif rec.state is S.SUSPENDED or after == rec.rules.ttl_s \
                 or self.state.above_min(rec) \
                 or self.state.handing_over(rec):  # a copy above min (scale_down_idle_s)
-            self.rules.stop(rec, "ttl", None, now)
+            self.moves.stop(rec, "ttl", None, now)
             self.rules.pump(now)
         else:  # ttl_suspend_s: suspend if it may; else it stays until ttl_s
             state = self.state
             why = state.host.why_not(rec, state.ledger, state.stopping_suspended())
             if why is None and (not state.host.suspended_max
                                 or state.n_suspended < state.host.suspended_max):
-                self.rules.suspend(rec, "ttl", None, now)
+                self.moves.suspend(rec, "ttl", None, now)
                 self.rules.pump(now)
             else:
                 log.info("model %s: idle for ttl_suspend_s, not suspended: %s", model,
                          why or f"suspended_max ({state.host.suspended_max}) reached")
                 rec.ttl_skipped = rec.idle_from
-                self.rules.idle(rec, now)
-        return self.rules.flush()
+                self.moves.idle(rec, now)
+        return self.moves.flush()

@@ -8,26 +8,21 @@ so a stop arriving mid-start is handled at once.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, assert_never
 
-import msgspec
-
-from .base import BaseActor, CrashHandler, Inbox, tell_or_drop
-from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, placement_env, port_in_use
-from .config import ModelConfig
-from .health import Liveness, wait_ready_http
-from .hooks import HookSteps
-from .lifecycle import IllegalTransition, describe_exit
-from .liveness import LivenessSteps
-from .llama import LLAMA_STATE, LlamaState, is_llama, split_args, state_change
-from .messages import (
+from ..base import BaseActor, CrashHandler, tell_or_drop
+from ..childproc import CHILD_HOST, ChildProcess, LogRing, pick_port, port_in_use
+from ..config.hooks import HookName
+from ..config.model import ModelConfig
+from ..config.suspend import Step
+from ..lifecycle import IllegalTransition, describe_exit
+from ..llama import read_state, state_change
+from ..messages import (
     ChildCached,
     ChildExited,
     ChildLine,
@@ -35,6 +30,7 @@ from .messages import (
     ChildSwitched,
     ChildTimedOut,
     HookRan,
+    Inbox,
     InstanceExited,
     InstanceMessage,
     InstanceReady,
@@ -51,16 +47,19 @@ from .messages import (
     SuspendInstance,
     WakeInstance,
 )
+from ..runtime.timers import Timers
+from . import launch
+from .health import Liveness
+from .hooks import HookSteps, Waits
+from .liveness import LivenessWatch
 from .phases import TRANSITIONS, Phase, StopSequence
 from .sidejobs import SideJobs
-from .suspend import Step
-from .timers import Timers
 
 BIND_RETRIES = 3
 """A child that exits while its port is taken by someone else is respawned on a new port."""
 
 
-class ModelInstance(HookSteps, LivenessSteps, BaseActor):
+class ModelInstance(BaseActor):
     """One model's child: spawn on StartInstance, stop on StopInstance, report facts."""
 
     def __init__(self, model: str, config: ModelConfig, scheduler: Inbox[SchedulerMessage],
@@ -73,15 +72,15 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
         self.jobs = SideJobs(model, lambda m: tell_or_drop(self.actor_ref, m), log_ring,
                              prompt_cache)
         """Suspends, wakes, prompt caches and liveness checks, on helper threads."""
+        self.hooks = HookSteps(model, self.actor_ref, log_ring, self.log)
+        self.watch = LivenessWatch(model, self.actor_ref, scheduler, timers, self.jobs,
+                                   self.log)
         self.liveness_of = liveness or (lambda _: Liveness())
         """The liveness rule of a config (top-level defaults filled in)."""
-        self.liveness = Liveness()
         self.devices: list[str] | None = None
         """Where the Scheduler placed the current child (None: where its config says)."""
         self.key: str | None = None
         """The key the current child requires (a child on a cluster node: issue 19, R8)."""
-        self.missed = 0
-        """Liveness checks failed in a row."""
         self.model = model
         self.serves = model
         """`{model}` in its argv: its own name, or the model a replica copies (issue 24)."""
@@ -102,16 +101,11 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
         self.port = 0
         self.cause: str | None = None
         """Why corral ended the child, if it did (load timeout); else its exit speaks."""
-        self.abandon_probe = threading.Event()
         self.bind_retries = 0
         self.llama = config.health == "llama"
         self.asleep = False
         """A llama child said `sleeping` (and has not said `ready` since)."""
-        self.stopping = StopSequence()
-
-    @property
-    def inbox(self) -> Inbox[InstanceMessage]:  # (the hook and liveness steps')
-        return self.actor_ref
+        self.stopping = StopSequence(timers, self.actor_ref)
 
     def on_receive(self, message: InstanceMessage) -> None:
         match message:
@@ -141,13 +135,17 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
                 self.handle_load_timeout(spawn_id)
             case ChildTimedOut(spawn_id=spawn_id):
                 self.handle_stop_timeout(spawn_id)
-            case LivenessTick(spawn_id=spawn_id):
-                self.handle_liveness_tick(spawn_id)
-            case LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail):
-                self.handle_liveness_result(spawn_id, ok, detail, rearm=True)
-            case LivenessMiss(generation=generation, detail=detail):
-                if generation == self.generation:
-                    self.handle_liveness_result(self.spawn_id, False, detail, rearm=False)
+            case LivenessTick(spawn_id=spawn_id) if spawn_id == self.spawn_id:
+                self.watch.tick(spawn_id, self.phase, self.host, self.port,
+                                self.config.health_path)
+            case LivenessResult(spawn_id=spawn_id, ok=ok, detail=detail) \
+                    if spawn_id == self.spawn_id and self.phase is Phase.READY:
+                self.watch.result(spawn_id, self.generation, ok, detail, poll=True)
+            case LivenessMiss(generation=generation, detail=detail) \
+                    if generation == self.generation and self.phase is Phase.READY:
+                self.watch.result(self.spawn_id, generation, False, detail, poll=False)
+            case LivenessTick() | LivenessResult() | LivenessMiss():
+                pass  # stale: another child's, or one not ready
             case HookRan(hook_id=hook_id, hook=hook, failure=failure):
                 self.handle_hook_ran(hook_id, hook, failure)
             case _:
@@ -160,7 +158,7 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
             self.log.warning("actor stopping with child pid %d alive; killing its group",
                              self.child.pid)
             self.child.signal_group(signal.SIGKILL)
-        self.kill_hook()
+        self.hooks.kill()
 
     def _to(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
@@ -177,11 +175,11 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
                                f"{self.phase.value} (#{self.generation})")
         self.generation, self.config, self.serves = generation, config, serves or self.model
         self.llama = config.health == "llama"
-        self.liveness = self.liveness_of(config)
+        self.watch.start(self.liveness_of(config), self.llama)
         self.devices = devices
         self.key = key if config.key_argument is not None else None
         self.bind_retries = 0
-        self.stop_reason = None
+        self.hooks.stop_reason = None
         if not self.run_hook("before_load"):
             self.spawn_child()
 
@@ -190,29 +188,15 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
         spawn_id = self.spawn_id
         self.port = pick_port(self.host)
         self.cause = None
-        argv = self.config.argv(self.serves, self.host, self.port, devices=self.devices)
-        argv += split_args(argv, self.devices, is_llama(self.config.cmd, self.config.health))
-        argv += self.jobs.cache_args(self.config)
-        shown = list(argv)
-        if self.key is not None and (flag := self.config.key_argument) is not None:
-            argv += [flag, self.key]
-            shown += [flag, "<the head's key>"]
-        env = {**os.environ, **self.extra_env, **placement_env(self.devices), **self.config.env}
-        if self.llama:  # llama-server acts as a router's child when this is set
-            env["LLAMA_SERVER_ROUTER_PORT"] = str(self.router_port)
+        argv, shown = launch.argv(self.config, self.serves, self.host, self.port,
+                                  self.devices, self.jobs.cache_args(self.config), self.key)
+        env = launch.env(self.config, self.extra_env, self.devices, self.router_port)
         ref = self.actor_ref
         self.log_ring.append(f"corral: {self.model}#{self.generation} starting on port "
                              f"{self.port}")  # marks each generation for log followers
-
-        def on_line(line: str) -> None:  # on the output reader thread: filter, pass on
-            if line.startswith(LLAMA_STATE):
-                tell_or_drop(ref, ChildLine(spawn_id=spawn_id, line=line))
-
         try:
-            self.child = ChildProcess(argv, env, self.log_ring, label=self.model,
-                                      on_exit=lambda: tell_or_drop(
-                                          ref, ChildExited(spawn_id=spawn_id)),
-                                      on_line=on_line if self.llama else None)
+            self.child = launch.spawn(argv, env, self.log_ring, self.model, self.llama,
+                                      spawn_id, lambda m: tell_or_drop(ref, m))
         except (OSError, subprocess.SubprocessError) as e:
             self.log.error("cannot start %s: %s", shown[0], e)
             self.scheduler.tell(InstanceExited(
@@ -224,13 +208,9 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
                                             pid=self.child.pid))
         self.log.info("spawned %s#%d pid %d on port %d: %s", self.model, self.generation,
                       self.child.pid, self.port, " ".join(shown))
-        self.abandon_probe = threading.Event()
         self.asleep = self.jobs.restoring = False
         if not self.llama:  # a llama child says `ready` itself (R-3.3)
-            threading.Thread(
-                target=wait_ready_http, daemon=True, name=f"{self.model}-ready",
-                args=(self.host, self.port, self.config.health_path, self.abandon_probe,
-                      lambda: tell_or_drop(ref, ChildReady(spawn_id=spawn_id)))).start()
+            self.jobs.poll_ready(spawn_id, self.host, self.port, self.config.health_path)
         self.timers.after(self.config.load_timeout_s, ref,
                           ChildTimedOut(spawn_id=spawn_id, stage="load"))
 
@@ -266,16 +246,13 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
         self.scheduler.tell(InstanceReady(
             model=self.model, generation=self.generation, pid=self.child.pid, port=self.port,
             info=info, host=self.host, upstream_key=self.key))
-        self.missed = 0
-        self.arm_liveness()
+        self.watch.ready(self.spawn_id)
 
     def handle_state_line(self, line: str) -> None:
         """One line of the llama child protocol: loading progress, ready, sleeping."""
-        try:
-            said = msgspec.json.decode(line[len(LLAMA_STATE):], type=LlamaState)
-        except msgspec.DecodeError as e:
-            self.log.warning("%s#%d: unreadable state line (%s): %.200s", self.model,
-                             self.generation, e, line)
+        said = read_state(line)
+        if isinstance(said, str):
+            self.log.warning("%s#%d: %s", self.model, self.generation, said)
             return
         payload = said.payload if isinstance(said.payload, dict) else {}
         change = state_change(said.state, self.phase is Phase.STARTING, self.asleep)
@@ -288,22 +265,21 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
                                                  state=change, payload=payload))
 
     def handle_stop(self, generation: int, reason: str) -> None:
-        if generation == self.generation and self.hook_waits is not None \
-                and self.hook_waits[0] == "before_load":
-            self.stop_kept = reason  # said once the hook has ended (it is ended now)
-            self.kill_hook(forget=False)
+        if generation == self.generation and self.hooks.waiting("before_load"):
+            self.hooks.stop_kept = reason  # said once the hook has ended (it is ended now)
+            self.hooks.kill(forget=False)
             return
         if generation != self.generation or self.phase in (Phase.IDLE, Phase.STOPPING):
             return  # stale, or already on its way out
         assert self.child is not None
-        self.abandon_probe.set()
-        self.stop_reason, was = reason, self.phase
+        self.jobs.stop_polling()
+        self.hooks.stop_reason, was = reason, self.phase
         if self.phase is Phase.STARTING:
             # still loading: it may not handle SIGTERM yet, so kill at once (R-3.4)
             self.log.info("stopping %s#%d while loading (%s): SIGKILL", self.model,
                           generation, reason)
             self.child.signal_group(signal.SIGKILL)
-            self.kill_hook()  # an after_ready hook has nothing to wait for now
+            self.hooks.kill()  # an after_ready hook has nothing to wait for now
             self._to(Phase.STOPPING)
             return
         self._to(Phase.STOPPING)
@@ -320,17 +296,10 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
             self.begin_stop_steps(reason)
 
     def begin_stop_steps(self, reason: str) -> None:
+        assert self.child is not None
         plan = self.stopping.begin(self.llama, self.config.stop_timeout_s)
         self.log.info("stopping %s#%d (%s): %s", self.model, self.generation, reason, plan)
-        self.next_stop_step()
-
-    def next_stop_step(self) -> None:
-        """Take the next step of the stop, and give the child its time to exit."""
-        assert self.child is not None
-        wait_s = self.stopping.take(self.child)
-        if wait_s is not None:
-            self.timers.after(wait_s, self.actor_ref,
-                              ChildTimedOut(spawn_id=self.spawn_id, stage="stop"))
+        self.stopping.take(self.child, self.spawn_id)
 
     def handle_switch(self, generation: int, step: Step) -> None:
         """Suspend (`sleep`) or wake the child by its config's `suspend` method, on a
@@ -364,20 +333,21 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
         assert self.child is not None
         self.cause = f"not ready within load_timeout_s={self.config.load_timeout_s:g}"
         self.log.warning("%s#%d %s; killing it", self.model, self.generation, self.cause)
-        self.abandon_probe.set()
+        self.jobs.stop_polling()
         self.child.signal_group(signal.SIGKILL)
 
     def handle_stop_timeout(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.phase is not Phase.STOPPING \
                 or not self.stopping.left:
             return
+        assert self.child is not None
         self.log.warning("%s#%d %s", self.model, self.generation, self.stopping.ignored())
-        self.next_stop_step()
+        self.stopping.take(self.child, spawn_id)
 
     def handle_exited(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.child is None or self.phase is Phase.IDLE:
             return
-        self.abandon_probe.set()
+        self.jobs.stop_polling()
         was = self.phase
         returncode = self.child.reap()
         self._to(Phase.IDLE)
@@ -396,5 +366,35 @@ class ModelInstance(HookSteps, LivenessSteps, BaseActor):
                              f"{self.child.pid} {description}")
         self.scheduler.tell(InstanceExited(model=self.model, generation=self.generation,
                                            returncode=returncode, description=description))
-        self.kill_hook()  # (an after_ready or before_stop one, now for nothing)
-        self.run_hook("after_exit", reason=self.stop_reason or description)
+        self.hooks.kill()  # (an after_ready or before_stop one, now for nothing)
+        self.run_hook("after_exit", reason=self.hooks.stop_reason or description)
+
+    # ------------------------------------------------------------ hooks
+
+    def run_hook(self, name: HookName, then: Waits = None, reason: str = "") -> bool:
+        """Start hook `name` if the config has one (`then`: what its end goes on with)."""
+        pid = self.child.pid if self.child is not None and name != "before_load" else ""
+        return self.hooks.run(name, self.config, {
+            "model": self.serves, "port": str(self.port) if pid else "", "pid": str(pid),
+            "devices": ",".join(self.devices or []), "reason": reason}, then)
+
+    def handle_hook_ran(self, hook_id: int, name: HookName, failure: str | None) -> None:
+        then = self.hooks.ran(hook_id, name, failure, self.generation)
+        if then is False:
+            return  # stale
+        if name == "before_load" and self.phase is Phase.IDLE:
+            why = self.hooks.load_stopped(failure)
+            if why is None:
+                self.spawn_child()
+            else:
+                self.scheduler.tell(InstanceExited(model=self.model, generation=self.generation,
+                                                   returncode=1, description=why))
+        elif name == "after_ready" and self.phase is Phase.STARTING:
+            if failure is None:
+                self.report_ready(then if isinstance(then, dict) else None)
+            elif self.child is not None:
+                self.cause = f"after_ready hook failed: {failure}"
+                self.child.signal_group(signal.SIGKILL)
+        elif name == "before_stop" and self.phase is Phase.STOPPING \
+                and isinstance(then, tuple):
+            self.stop_steps(*then)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
-from ..config import HttpConfig
+from ..config.model import HttpConfig
 from .edge import Answer
 from .exchange import Exchange
 from .flow import WriteStall, cut

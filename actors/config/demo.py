@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .config import Config, DeviceConfig, ModelConfig
+from .model import Config, DeviceConfig, ModelConfig
 
 
 def demo_config() -> Config:

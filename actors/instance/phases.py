@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import signal
 
-from .childproc import ChildProcess
-from .lifecycle import State
-from .llama import LLAMA_EXIT
+from ..childproc import ChildProcess
+from ..lifecycle import State
+from ..llama import LLAMA_EXIT
+from ..messages import ChildTimedOut, Inbox, InstanceMessage
+from ..runtime.timers import Timers
 
 KILL_GRACE_S = 2.0
 """After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
@@ -55,9 +57,12 @@ def stop_steps(llama: bool, stop_timeout_s: float) -> tuple[StopStep, ...]:
 
 
 class StopSequence:
-    """The steps of a stop under way (R-3.4): the one taken last, and those left."""
+    """The steps of a stop under way (R-3.4): the one taken last, and those left; each
+    step but the last arms a ChildTimedOut for the child's time to exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, timers: Timers, inbox: Inbox[InstanceMessage]) -> None:
+        self.timers = timers
+        self.inbox = inbox
         self.left: tuple[StopStep, ...] = ()
         self.taken: StopStep = ("", 0.0)
 
@@ -68,16 +73,18 @@ class StopSequence:
             f"{said(what)} after {wait_s:g} s"
             for (_, wait_s), (what, _) in itertools.pairwise(steps)])
 
-    def take(self, child: ChildProcess) -> float | None:
-        """Take the next step; returns how long the child has before the one after it
-        (None: that was the last)."""
+    def take(self, child: ChildProcess, spawn_id: int) -> None:
+        """Take the next step, and give child `spawn_id` its time to exit before the one
+        after it (if any)."""
         self.taken, self.left = self.left[0], self.left[1:]
         what, wait_s = self.taken
         if what == "exit":
             child.write_stdin(LLAMA_EXIT)
         else:
             child.signal_group(getattr(signal, what))
-        return wait_s if self.left else None
+        if self.left:
+            self.timers.after(wait_s, self.inbox,
+                              ChildTimedOut(spawn_id=spawn_id, stage="stop"))
 
     def ignored(self) -> str:
         """What the child ignored, and what comes next."""

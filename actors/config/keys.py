@@ -2,7 +2,7 @@
 models it may use, whether it may manage corral, and the rules the Scheduler keeps for
 it (policy/tenants.py).
 
-Only a key's SHA-256 is held (config_load reads the key and keeps its digest). A key a
+Only a key's SHA-256 is held (load.py reads the key and keeps its digest). A key a
 client sends is hashed and compared with every known digest in constant time, all of
 them every time, so neither the time taken nor where a match was found tells anything.
 """
@@ -17,7 +17,7 @@ from fnmatch import fnmatchcase
 
 import msgspec
 
-from .config import Config, KeyConfig
+from .model import Config, KeyConfig
 
 API_KEY_NAME = "api_key"
 """The name the single top-level `api_key` goes by (an admin key)."""

@@ -10,7 +10,7 @@ the hook carries the run's marker in its environment (CORRAL_HOOK_RUN), which co
 sweeps for again once this process has ended. Only a process that both leaves the
 chain (before this one ends) and clears its environment escapes.
 
-    python -m actors.hook_shim ARGV...
+    python -m actors.instance.hook_shim ARGV...
 
 Its exit status is the hook's (128 + N for a hook killed by signal N).
 """
@@ -77,7 +77,7 @@ def _sweep_once(token: str, descendants: bool, deadline: float) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m actors.hook_shim ARGV...", file=sys.stderr)
+        print("usage: python -m actors.instance.hook_shim ARGV...", file=sys.stderr)
         return 2
     parent = os.getppid()
     token = os.environ.setdefault(MARK, f"{os.getpid()}-{os.urandom(8).hex()}")

@@ -1,4 +1,4 @@
-"""The `[http]` table of the configuration (actors/config.py): the edge's limits and
+"""The `[http]` table of the configuration (model.py): the edge's limits and
 timeouts."""
 
 from __future__ import annotations

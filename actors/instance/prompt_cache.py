@@ -37,8 +37,8 @@ from typing import Any
 
 import msgspec
 
+from ..config.paths import folder_name
 from . import childcall
-from .paths import folder_name
 
 SLOT_FILE = re.compile(r"slot(\d+)\.bin")
 DIGEST = re.compile(r"[0-9a-f]{16}")

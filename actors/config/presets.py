@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError
+from .model import ConfigError
 
 TRUTHY = {"on", "enabled", "true", "1"}
 FALSEY = {"off", "disabled", "false", "0"}

@@ -12,8 +12,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from .base import Inbox
-from .messages import Acquire, Cancel, Cut, Grant, Refusal, Requeue, SchedulerMessage
+from ..messages import Acquire, Cancel, Cut, Grant, Inbox, Refusal, Requeue, SchedulerMessage
 
 SchedulerInbox = Inbox[SchedulerMessage]
 """The Scheduler's ref, as the loop side holds it."""

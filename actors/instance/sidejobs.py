@@ -12,11 +12,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from ..childproc import LogRing
+from ..config.model import ModelConfig
+from ..config.suspend import Step, Suspend
+from ..messages import (
+    ChildCached,
+    ChildReady,
+    ChildSwitched,
+    InstanceMessage,
+    LivenessResult,
+)
 from . import prompt_cache, suspend
-from .childproc import LogRing
-from .config import ModelConfig
-from .health import probe_health
-from .messages import ChildCached, ChildSwitched, InstanceMessage, LivenessResult
+from .health import probe_health, wait_ready_http
 
 log = logging.getLogger("corral.instance")
 
@@ -38,6 +45,8 @@ class SideJobs:
         self.ready_info: dict[str, Any] | None = None
         self.saving: str | None = None
         """The reason of a stop whose steps wait for the prompt cache to be saved."""
+        self.abandon = threading.Event()
+        """Ends the current child's readiness poll."""
 
     def cache_args(self, config: ModelConfig) -> list[str]:
         """At a spawn: the arguments that tell the child where to save its slots (none
@@ -59,7 +68,7 @@ class SideJobs:
         """The current child has saved slots to restore."""
         return self.here is not None and any(self.here.glob("slot*.bin"))
 
-    def switch(self, spawn_id: int, how: suspend.Suspend, step: suspend.Step, host: str,
+    def switch(self, spawn_id: int, how: Suspend, step: Step, host: str,
                port: int, pid: int, timeout_s: float) -> None:
         def done(failure: str | None, grew: int) -> None:
             self.tell(ChildSwitched(spawn_id=spawn_id, step=step, failure=failure,
@@ -94,6 +103,17 @@ class SideJobs:
         """The restore is over: what the child said when it got ready."""
         self.restoring = False
         return self.ready_info
+
+    def poll_ready(self, spawn_id: int, host: str, port: int, path: str) -> None:
+        """Poll a new `http` child's health path until it answers (R-3.3): a ChildReady,
+        unless `stop_polling` comes first."""
+        self.abandon = abandon = threading.Event()
+        self._thread("ready", lambda: wait_ready_http(
+            host, port, path, abandon, lambda: self.tell(ChildReady(spawn_id=spawn_id))))
+
+    def stop_polling(self) -> None:
+        """The child is stopping or gone: its readiness poll ends."""
+        self.abandon.set()
 
     def probe(self, spawn_id: int, host: str, port: int, path: str, timeout_s: float) -> None:
         """One liveness check of the child's health path (R-3.5)."""

@@ -1,5 +1,5 @@
 """Lifecycle hooks (issue 25): the commands a model's `hooks` table names, run around its
-child by its ModelInstance (config_hooks.py says what each is for).
+child by its ModelInstance (config/hooks.py says what each is for).
 
 A hook is a child process like any other (childproc.py): argv exec'd, never a shell, in
 its own process group, led by hook_shim.py so that the whole group dies with corral
@@ -21,17 +21,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from .base import Inbox
-from .childproc import ChildProcess, LogRing
-from .config import ModelConfig
-from .config_hooks import HOOK_PLACEHOLDER, HookName
+from ..childproc import ChildProcess, LogRing
+from ..config.hooks import HOOK_PLACEHOLDER, HookName
+from ..config.model import ModelConfig
+from ..messages import HookRan, Inbox, InstanceMessage
 from .hook_shim import MARK, sweep
-from .messages import HookRan, InstanceExited, InstanceMessage, SchedulerMessage
 from .phases import Phase
-
-log = logging.getLogger("corral.instance")
 
 END_GRACE_S = 2.0
 """How long a hook's group leader has, once told to end the hook, to kill what it
@@ -81,7 +78,7 @@ class HookRun:
             done.set()
             self.wake.set()
         try:
-            self.child = ChildProcess([sys.executable, "-m", "actors.hook_shim", *argv],
+            self.child = ChildProcess([sys.executable, "-m", "actors.instance.hook_shim", *argv],
                                       {**os.environ, MARK: token}, ring, on_exit=exited,
                                       on_line=lambda line: last.__setitem__(0, line),
                                       label=f"hook-{name}")
@@ -117,62 +114,50 @@ class HookRun:
 
 
 class HookSteps:
-    """The hook steps of a ModelInstance (instance.py): when each hook runs, and what its
-    end does."""
+    """The hooks of one ModelInstance (actor.py), a part it holds: which hook runs, and
+    what waits for its end. The actor says when each runs and carries its end out."""
 
-    model: str
-    serves: str
-    config: ModelConfig
-    phase: Phase
-    generation: int
-    spawn_id: int
-    port: int
-    devices: list[str] | None
-    child: ChildProcess | None
-    cause: str | None
-    log_ring: LogRing
-    scheduler: Inbox[SchedulerMessage]
-    @property
-    def inbox(self) -> Inbox[InstanceMessage]:
-        raise NotImplementedError  # ModelInstance's
+    def __init__(self, model: str, inbox: Inbox[InstanceMessage], ring: LogRing,
+                 log: logging.Logger) -> None:
+        self.model = model
+        self.inbox = inbox
+        self.ring = ring
+        self.log = log
+        self.running: HookRun | None = None
+        self.hook_id = 0
+        """Stamps each hook's HookRan: an older one is stale."""
+        self.waits: tuple[HookName, Waits] | None = None
+        """What waits for the running hook's end: before_load the spawn, after_ready the
+        ready's info, before_stop the stop's reason."""
+        self.stop_kept: str | None = None
+        """A stop that came while before_load ran (the child is then never started)."""
+        self.stop_reason: str | None = None
+        """Why corral stops the current child ({reason} of before_stop and after_exit)."""
 
-    hook_run: HookRun | None = None
-    hook_id = 0
-    """Stamps each hook's HookRan: an older one is stale."""
-    hook_waits: tuple[HookName, Waits] | None = None
-    """What waits for the running hook's end: before_load the spawn, after_ready the
-    ready's info, before_stop the stop's reason."""
-    stop_kept: str | None = None
-    """A stop that came while before_load ran (the child is then never started)."""
-    stop_reason: str | None = None
-    """Why corral stops the current child ({reason} of before_stop and after_exit)."""
+    def waiting(self, name: HookName) -> bool:
+        """Whether hook `name` runs, with something waiting for its end."""
+        return self.waits is not None and self.waits[0] == name
 
-    def spawn_child(self) -> None: ...
-    def report_ready(self, info: dict[str, Any] | None) -> None: ...
-    def stop_steps(self, reason: str, was: Phase) -> None: ...
-
-    def run_hook(self, name: HookName, then: Waits = None, reason: str = "") -> bool:
-        """Start hook `name` if the config has one (`then`: what its end goes on with);
-        whether it did. An after_exit hook is for nothing that follows: it is not the
-        running hook (a later start neither waits for it nor kills it)."""
-        argv = getattr(self.config.hooks, name)
+    def run(self, name: HookName, config: ModelConfig, values: dict[str, str],
+            then: Waits = None) -> bool:
+        """Start hook `name` if `config` has one, its placeholders filled from `values`
+        (`then`: what its end goes on with); whether it did. An after_exit hook is for
+        nothing that follows: it is not the running hook (a later start neither waits for
+        it nor kills it)."""
+        argv = getattr(config.hooks, name)
         if not argv:
             return False
-        pid = self.child.pid if self.child is not None and name != "before_load" else ""
-        values = {"model": self.serves, "port": str(self.port) if pid else "",
-                  "pid": str(pid), "devices": ",".join(self.devices or []),
-                  "reason": reason}
         argv = [HOOK_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in argv]
-        run, ref = HookRun(), self.inbox
-        timeout_s = self.config.hook_timeout_s or 30.0
+        run, ref, ring = HookRun(), self.inbox, self.ring
+        timeout_s = config.hook_timeout_s or 30.0
         hook_id = 0
         if name != "after_exit":
             self.hook_id += 1
             hook_id = self.hook_id
-            self.hook_run, self.hook_waits = run, (name, then)
+            self.running, self.waits = run, (name, then)
 
         def job() -> None:
-            failure = run.run(name, argv, timeout_s, self.log_ring)
+            failure = run.run(name, argv, timeout_s, ring)
             tell: Callable[[InstanceMessage], None] = ref.tell
             try:
                 tell(HookRan(hook_id=hook_id, hook=name, failure=failure))
@@ -182,39 +167,32 @@ class HookSteps:
         threading.Thread(target=job, daemon=True, name=f"{self.model}-{name}").start()
         return True
 
-    def kill_hook(self, forget: bool = True) -> None:
+    def kill(self, forget: bool = True) -> None:
         """End the running hook; `forget`: what waits for its end is gone too (its
         HookRan, when it comes, is stale), else its end still decides (a stop kept)."""
-        if self.hook_run is not None:
-            self.hook_run.kill()
+        if self.running is not None:
+            self.running.kill()
         if forget:
-            self.hook_run = self.hook_waits = None
+            self.running = self.waits = None
             self.hook_id += 1
 
-    def handle_hook_ran(self, hook_id: int, name: HookName, failure: str | None) -> None:
+    def ran(self, hook_id: int, name: HookName, failure: str | None,
+            generation: int) -> Waits | Literal[False]:
+        """Hook `name` ended (`failure`: why it failed); what waited for its end, or
+        False when nothing did (an after_exit, or a hook of a child gone meanwhile)."""
         if failure is not None:
-            log.warning("%s#%d: hook %s failed: %s", self.model, self.generation, name,
-                        failure)
-        if hook_id != self.hook_id or self.hook_waits is None:
-            return  # an after_exit, or a hook of a child gone meanwhile
-        _, then = self.hook_waits
-        self.hook_run = self.hook_waits = None
-        if name == "before_load" and self.phase is Phase.IDLE:
-            kept, self.stop_kept = self.stop_kept, None
-            if kept is not None or failure is not None:
-                self.scheduler.tell(InstanceExited(
-                    model=self.model, generation=self.generation, returncode=1,
-                    description=f"before_load hook failed: {failure}" if failure
-                    else f"stopped ({kept}) while its before_load hook ran"))
-            else:
-                self.spawn_child()
-        elif name == "after_ready" and self.phase is Phase.STARTING:
-            if failure is None:
-                self.report_ready(then if isinstance(then, dict) else None)
-            elif self.child is not None:
-                self.cause = f"after_ready hook failed: {failure}"
-                self.child.signal_group(signal.SIGKILL)
-        elif name == "before_stop" and self.phase is Phase.STOPPING \
-                and isinstance(then, tuple):
-            self.stop_steps(*then)
+            self.log.warning("%s#%d: hook %s failed: %s", self.model, generation, name,
+                             failure)
+        if hook_id != self.hook_id or self.waits is None:
+            return False
+        _, then = self.waits
+        self.running = self.waits = None
+        return then
 
+    def load_stopped(self, failure: str | None) -> str | None:
+        """before_load ended (`failure`: why it failed): why the child is not started
+        (its hook failed, or a stop came meanwhile), None when it is."""
+        kept, self.stop_kept = self.stop_kept, None
+        if failure is not None:
+            return f"before_load hook failed: {failure}"
+        return None if kept is None else f"stopped ({kept}) while its before_load hook ran"

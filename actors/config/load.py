@@ -1,4 +1,4 @@
-"""Loading a config: TOML decoded into config.py's Structs, unknown keys rejected (R-2.1),
+"""Loading a config: TOML decoded into model.py's Structs, unknown keys rejected (R-2.1),
 then the checks their types cannot express.
 
 Every error names the file, the key path and what was expected, e.g.
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import msgspec
 
-from .config import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig, Replicas
-from .config_hooks import HOOK_PLACEHOLDER
-from .config_virtual import VirtualModel
+from ..llama import is_llama
+from .hooks import HOOK_PLACEHOLDER
 from .keys import API_KEY_NAME
-from .llama import is_llama
+from .model import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig, Replicas
 from .paths import folder_name, name_problem
 from .rules import ModelGroup, alternate_name, replica_name
 from .suspend import check as check_suspend
+from .virtual import VirtualModel
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -247,7 +247,7 @@ def _together_units(groups: dict[str, ModelGroup]) -> list[set[str]]:
 
 def _resolve_keys(config: Config, source: str) -> Config:
     """Check [keys] and [priorities], read each key from its file or environment variable
-    and keep only its SHA-256 (actors/keys.py compares digests)."""
+    and keep only its SHA-256 (keys.py compares digests)."""
     resolved: dict[str, KeyConfig] = {}
     owners: dict[str, str] = {}
     if config.api_key is not None:

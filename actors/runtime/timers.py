@@ -14,7 +14,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
-from .base import Inbox, tell_or_drop
+from ..base import tell_or_drop
+from ..messages import Inbox
 
 M = TypeVar("M")
 

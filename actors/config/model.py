@@ -1,5 +1,5 @@
 """Configuration: the msgspec Structs a TOML file decodes into, each key with its default
-and meaning (R-2.1), and the built-in demo. Reading and checking a file: config_load.py.
+and meaning (R-2.1). Reading and checking a file: load.py; the demo: demo.py.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from .config_downloads import DownloadsConfig
-from .config_hooks import Hooks
-from .config_http import HttpConfig
-from .config_virtual import VirtualModel
+from .downloads import DownloadsConfig
+from .hooks import Hooks
+from .http import HttpConfig
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
+from .virtual import VirtualModel
 
 __all__ = ["Config", "ConfigError", "HttpConfig", "ModelConfig", "ModelRules", "Replicas"]
 
@@ -98,7 +98,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """With a `[cluster]`: the nodes it may run on, in order of preference (default: the
     machine corral runs on)."""
     suspend: Suspend | None = None
-    """How its child gives its devices back and keeps its process (actors/suspend.py):
+    """How its child gives its devices back and keeps its process (suspend.py):
     `"vllm"`, `{ sleep = [cmd...], wake = [cmd...] }` or `{ sleep_http = "POST /path",
     wake_http = "POST /path" }`. To make room, corral then suspends it while host memory
     allows, and wakes it for its next request (issue 23); None: it is stopped."""
@@ -111,16 +111,16 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     at the lowest priority: never evicting for it, giving way to any request."""
     keep_prompt_cache: bool = False
     """llama-server children: save the slots' prompt caches before corral stops the child,
-    restore them after its next ready (actors/prompt_cache.py)."""
+    restore them after its next ready (instance/prompt_cache.py)."""
     replicas: Annotated[int, Meta(ge=1, le=64)] | Replicas = 1
     """Copies of it that may run at once behind its one name (issue 24): `N`, or a table
-    (actors/rules.py): `{ min = 1, max = 4, route = "prefix" }`."""
+    (config/rules.py): `{ min = 1, max = 4, route = "prefix" }`."""
     make_before_break: bool = True
     """A reload that changes it loads the new config beside its serving child where a
     slot and memory are free, then drains the old (actors/policy/handover.py); false, or
     no room: the old child stops first."""
     hooks: Hooks = Hooks()
-    """Commands run around its child (actors/hooks.py); each one it does not set is the
+    """Commands run around its child (instance/hooks.py); each one it does not set is the
     top-level `[hooks]` one."""
     hook_timeout_s: PositiveSeconds | None = None
     """Longest run of one hook (default: the top-level hook_timeout_s)."""
@@ -187,7 +187,7 @@ class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
 
 
 class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """One `[keys.NAME]` table: a named API key and what it may do (actors/keys.py). The
+    """One `[keys.NAME]` table: a named API key and what it may do (config/keys.py). The
     key itself is never in the config file: `key_file` or `key_env` holds it."""
 
     key_file: str | None = None
@@ -310,13 +310,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     cluster: ClusterConfig = ClusterConfig()
     models: dict[str, ModelConfig] = {}
     hooks: Hooks = Hooks()
-    """Every model's hooks, unless its own table sets that one (actors/hooks.py)."""
+    """Every model's hooks, unless its own table sets that one (instance/hooks.py)."""
     downloads: DownloadsConfig = DownloadsConfig()
     hook_timeout_s: PositiveSeconds = 30.0
     groups: dict[str, ModelGroup] = {}
     """Models that swap, load or stay together (actors/policy/teams.py)."""
     virtual: dict[str, VirtualModel] = {}
-    """Names that stand for the first of several models that can serve (http/virtual.py)."""
+    """Names that stand for the first of several models that can serve (http/tries.py)."""
 
     def instances(self) -> dict[str, ModelConfig]:
         """Every child a model may run as, by the name of its instance (its replicas'

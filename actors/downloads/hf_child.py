@@ -3,7 +3,7 @@
 downloads folder, in a process of its own, so that corral can follow it, cancel it and
 outlive it.
 
-    python -m actors.hf_download REPO[@REVISION] DIR
+    python -m actors.downloads.hf_child REPO[@REVISION] DIR
 
 It honours HF_ENDPOINT and HF_TOKEN as huggingface_hub does. On stdout it says
 `corral-download: {json}` lines: `{"total": B}` once it knows the size, `{"downloaded":
@@ -41,7 +41,7 @@ def on_disk(folder: Path) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        say(error="usage: python -m actors.hf_download REPO[@REVISION] DIR")
+        say(error="usage: python -m actors.downloads.hf_child REPO[@REVISION] DIR")
         return 2
     repo, _, revision = argv[0].partition("@")
     dest = Path(argv[1])

@@ -1,5 +1,5 @@
 """The `hooks` tables (issue 25): commands corral runs around a model's child, as
-llama-swap users asked for (llama-swap#156, #413, #1064). Run by actors/hooks.py."""
+llama-swap users asked for (llama-swap#156, #413, #1064). Run by actors/instance/hooks.py."""
 
 from __future__ import annotations
 

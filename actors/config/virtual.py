@@ -1,6 +1,6 @@
 """The `[virtual.NAME]` tables (issue 25): one name for several models, as llama-swap's
 selectors and ModelMesh's vmodels. A request for NAME goes to one of its models; which,
-is actors/http/virtual.py's."""
+is http/tries.py's (`to_virtual`)."""
 
 from __future__ import annotations
 
