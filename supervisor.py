@@ -214,6 +214,27 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
     for sig in (signal.SIGINT, signal.SIGTERM):  # again, should Ray have set its own
         loop.add_signal_handler(sig, stop.set)
     router = ManagementApi(sup, config, reload)
+    if reload is not None:
+        add_sighup_reload(router)
+    port = await start_api(router, sup, config, stop, crashed)
+    if port is None:
+        return 1
+    log.info("corral listening on http://%s:%d (models: %s)", config.host, port,
+             ", ".join(config.models) or "none")
+    print(f"corral: listening on http://{config.host}:{port}", flush=True)
+    freeze_startup_heap()
+    await stop.wait()
+    log.info("shutting down%s", f" after a crash of {crashed[0]}" if crashed else "")
+    await router.stop()
+    clean = await asyncio.to_thread(sup.stop)
+    log.info("stopped %s", "cleanly" if clean else "(some children had to be killed)")
+    return 1 if crashed else 0
+
+
+def add_sighup_reload(router: ManagementApi) -> None:
+    """Make SIGHUP reload the config through `router`, as GET /models?reload=1 does."""
+    loop = asyncio.get_running_loop()
+
     async def reload_on_sighup() -> None:
         try:
             summary = await router.reload()
@@ -229,14 +250,18 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
-    if reload is not None:
-        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+
+
+async def start_api(router: ManagementApi, sup: Supervisor, config: Config,
+                    stop: asyncio.Event, crashed: list[str]) -> int | None:
+    """Start the HTTP API; its port, or None if it could not start (`sup` is then stopped)."""
     try:
-        port = await router.start(config.host, config.port)
+        return await router.start(config.host, config.port)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", config.host, config.port, e)
         await asyncio.to_thread(sup.stop)
-        return 1
+        return None
     except pykka.ActorDeadError:  # an actor crashed as the API started: on_crash comes
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), CRASH_SAID_S)
@@ -244,17 +269,7 @@ async def serve(config: Config, reload: Callable[[], Config] | None = None) -> i
                  else "an actor")
         await router.stop()
         await asyncio.to_thread(sup.stop)
-        return 1
-    log.info("corral listening on http://%s:%d (models: %s)", config.host, port,
-             ", ".join(config.models) or "none")
-    print(f"corral: listening on http://{config.host}:{port}", flush=True)
-    freeze_startup_heap()
-    await stop.wait()
-    log.info("shutting down%s", f" after a crash of {crashed[0]}" if crashed else "")
-    await router.stop()
-    clean = await asyncio.to_thread(sup.stop)
-    log.info("stopped %s", "cleanly" if clean else "(some children had to be killed)")
-    return 1 if crashed else 0
+        return None
 
 
 async def start_or_stop(sup: Supervisor, stop: asyncio.Event) -> BaseException | None:

@@ -730,16 +730,23 @@ class Shutdown(Message, frozen=True, kw_only=True):
     reply: Reply
 
 
-SchedulerMessage = (
+SchedulerRequest = (
     Acquire | Release | Spend | Releases | Requeue | NotCut | Cancel | LoadModel | UnloadModel
     | GetModels | GetPlan | Ping
-    | Subscribe | WatchGrants | TtlDue | WaitDue | Repump | SaveBudgets | Unhealthy | AnswerLate
-    | InstancesAttached
-    | InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
-    | InstanceExited | InstanceSuspended | InstanceWoken | NodeChanged
-    | Reconfigure
-    | GetDevices | MeasureStarted | Measured | DevicesReported | Shutdown
 )
+"""What the fronts, the management API and an embedding program ask the Scheduler."""
+ChildReport = (
+    InstanceStarted | InstanceReady | InstanceAdopted | InstanceSeen | InstanceReported
+    | InstanceExited | InstanceSuspended | InstanceWoken | NodeChanged
+    | GetDevices | MeasureStarted | Measured | DevicesReported
+)
+"""What the instances, the MeasureWorker and the DeviceMonitor report (and ask: devices)."""
+SchedulerOther = (
+    Subscribe | WatchGrants | TtlDue | WaitDue | Repump | SaveBudgets | Unhealthy | AnswerLate
+    | InstancesAttached | Reconfigure | Shutdown
+)
+"""Timers, subscriptions, liveness, the start, reloads and the shutdown."""
+SchedulerMessage = SchedulerRequest | ChildReport | SchedulerOther
 
 
 # ---------------------------------------------------------------- ModelInstance inbox

@@ -22,6 +22,7 @@ from .messages import (
     Alive,
     AnswerLate,
     Cancel,
+    ChildReport,
     Cut,
     DevicesReported,
     Event,
@@ -60,6 +61,8 @@ from .messages import (
     Revoke,
     SaveBudgets,
     SchedulerMessage,
+    SchedulerOther,
+    SchedulerRequest,
     Shutdown,
     Spend,
     StartInstance,
@@ -149,6 +152,24 @@ class Scheduler(BaseActor):
             self.early.append(message)
             return
         now = self.clock()
+        match message:
+            case (Acquire() | Release() | Spend() | Releases() | Cancel() | Requeue()
+                  | NotCut() | LoadModel() | UnloadModel() | GetModels() | GetPlan() | Ping()):
+                self.on_request(message, now)
+            case (InstanceStarted() | InstanceReady() | InstanceAdopted() | NodeChanged()
+                  | InstanceSeen() | InstanceReported() | InstanceExited()
+                  | InstanceSuspended() | InstanceWoken() | MeasureStarted() | Measured()
+                  | DevicesReported() | GetDevices()):
+                self.on_report(message, now)
+            case _:
+                self.on_other(message, now)
+        if self.shutdown_replies and self.policy.all_stopped:
+            for reply in self.shutdown_replies:
+                reply.send(True)
+            self.shutdown_replies.clear()
+
+    def on_request(self, message: SchedulerRequest, now: float) -> None:
+        """What a front, the management API or an embedding program asks."""
         p = self.policy
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
@@ -179,27 +200,13 @@ class Scheduler(BaseActor):
                 reply.send(p.plan(model, now, key, autoload, kept, shown))
             case Ping(reply=reply):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.state.queue)))
-            case TtlDue(model=model, generation=gen):
-                self._carry_out(p.tiers.ttl_due(model, gen, now))
-            case WaitDue(ticket=ticket):
-                self._carry_out(p.wait_due(ticket, now))
-            case Repump():
-                self._carry_out(p.repump(now))
-            case SaveBudgets():
-                self.save_budgets(now)
-                if self.timers is not None:
-                    self.timers.after(budgets.SAVE_EVERY_S, self.actor_ref, SaveBudgets())
-            case Unhealthy(model=model, generation=gen, detail=detail):
-                self._carry_out(p.children.instance_unhealthy(model, gen, detail, now))
-            case AnswerLate(model=model, generation=gen, detail=detail):
-                if model in self.instances:
-                    self.instances[model].tell(LivenessMiss(generation=gen, detail=detail))
-            case Subscribe(sink=sink):
-                self.subscribers.append(sink)
-            case WatchGrants(sink=sink):
-                self.grant_watchers.append(sink)
-            case InstancesAttached(instances=instances, monitor=monitor, measurer=measurer):
-                self.attach(instances, monitor, measurer, now)
+            case _:
+                assert_never(message)
+
+    def on_report(self, message: ChildReport, now: float) -> None:
+        """What a child's instance, the MeasureWorker or the DeviceMonitor reports."""
+        p = self.policy
+        match message:
             case InstanceStarted(model=model, generation=gen, pid=pid):
                 self._carry_out(p.children.instance_started(model, gen, pid))
             case InstanceReady(model=model, generation=gen, pid=pid, port=port, info=info,
@@ -223,15 +230,6 @@ class Scheduler(BaseActor):
                 self._carry_out(p.tiers.suspended(model, gen, ok, detail, host_bytes, now))
             case InstanceWoken(model=model, generation=gen, ok=ok, detail=detail):
                 self._carry_out(p.tiers.woken(model, gen, ok, detail, now))
-            case Reconfigure(models=models, instances=instances, reply=reply,
-                             tenants=tenants, aging_s=aging_s, preempt=preempt, groups=groups):
-                self.reconfigure(models, instances, reply, now)
-                if tenants is not None:
-                    self._carry_out(p.set_tenants(tenants, aging_s or 0.0, now, preempt))
-                if groups is not None:
-                    self._carry_out(p.set_groups(groups, now))
-            case GetDevices(reply=reply):
-                reply.send(p.children.devices_snapshot())
             case MeasureStarted(model=model):
                 self._carry_out(p.children.measure_started(model))
             case Measured(model=model, result=result, min=min_, max=max_, error=error):
@@ -239,16 +237,49 @@ class Scheduler(BaseActor):
                                                     now, error, at_load=result == "at_load"))
             case DevicesReported(report=report):
                 self._carry_out(p.children.devices_reported(report, now))
+            case GetDevices(reply=reply):
+                reply.send(p.children.devices_snapshot())
+            case _:
+                assert_never(message)
+
+    def on_other(self, message: SchedulerOther, now: float) -> None:
+        """Timers, subscriptions, liveness, reloads and the shutdown."""
+        p = self.policy
+        match message:
+            case TtlDue(model=model, generation=gen):
+                self._carry_out(p.tiers.ttl_due(model, gen, now))
+            case WaitDue(ticket=ticket):
+                self._carry_out(p.wait_due(ticket, now))
+            case Repump():
+                self._carry_out(p.repump(now))
+            case SaveBudgets():
+                self.save_budgets(now)
+                if self.timers is not None:
+                    self.timers.after(budgets.SAVE_EVERY_S, self.actor_ref, SaveBudgets())
+            case Unhealthy(model=model, generation=gen, detail=detail):
+                self._carry_out(p.children.instance_unhealthy(model, gen, detail, now))
+            case AnswerLate(model=model, generation=gen, detail=detail):
+                if model in self.instances:
+                    self.instances[model].tell(LivenessMiss(generation=gen, detail=detail))
+            case Subscribe(sink=sink):
+                self.subscribers.append(sink)
+            case WatchGrants(sink=sink):
+                self.grant_watchers.append(sink)
+            case InstancesAttached(instances=instances, monitor=monitor, measurer=measurer):
+                self.attach(instances, monitor, measurer, now)
+            case Reconfigure(models=models, instances=instances, reply=reply,
+                             tenants=tenants, aging_s=aging_s, preempt=preempt, groups=groups):
+                self.reconfigure(models, instances, reply, now)
+                if tenants is not None:
+                    self._carry_out(p.set_tenants(tenants, aging_s or 0.0, now, preempt))
+                if groups is not None:
+                    self._carry_out(p.set_groups(groups, now))
             case Shutdown(reply=reply):
                 self.save_budgets(now)
                 self.shutdown_replies.append(reply)
                 self._carry_out(p.shutdown(now))
             case _:
                 assert_never(message)
-        if self.shutdown_replies and p.all_stopped:
-            for reply in self.shutdown_replies:
-                reply.send(True)
-            self.shutdown_replies.clear()
 
     def attach(self, instances: dict[str, Inbox[InstanceMessage]],
                monitor: Inbox[MonitorMessage] | None, measurer: Inbox[MeasureMessage] | None,

@@ -100,42 +100,12 @@ async def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
     head = Corral(config(ns), "--ray", address, log_level="WARNING")
     try:
         async with session() as s:
-            cold: dict[str, list[float]] = {"here": [], "there": []}
-            for _ in range(args.runs):
-                for model in ("here", "there"):
-                    start = time.perf_counter()
-                    r = await send(s, head.url, model)
-                    assert r.status == 200, r
-                    cold[model].append(time.perf_counter() - start)
-                    await unload(s, head.url, model)
-            out["cold_start_ms"] = {m: statistics.median(v) * 1e3 for m, v in cold.items()}
-            out["cold_start_ms"]["agent_adds"] = (out["cold_start_ms"]["there"]
-                                                  - out["cold_start_ms"]["here"])
-            for model in ("here", "there"):
-                await send(s, head.url, model)
-            out["proxy"] = {}
-            for concurrency in (1, 16):
-                for model in ("here", "there", "here", "there"):
-                    row = await proxy(s, head, model, args.requests, concurrency)
-                    out["proxy"].setdefault(f"c{concurrency}", {}).setdefault(model, []).append(
-                        row)
+            out["cold_start_ms"] = await cold_starts(s, head.url, args.runs)
+            out["proxy"] = await proxy_runs(s, head, args.requests)
             ray.init(address=address, log_to_driver=False)
-            lost: list[float] = []
-            for _ in range(3):
-                await wait_for(s, head.url, "there", lambda m: m["status"]["value"] == "loaded")
-                agent = ray.get_actor("corral-agent-node_b", namespace=ns)
-                pid = ray.get(agent.hello.remote())["pid"]
-                start = time.perf_counter()
-                os.kill(pid, signal.SIGKILL)
-                await wait_for(s, head.url, "there",
-                               lambda m: "node lost" in str(m["status"].get("exit")))
-                lost.append(time.perf_counter() - start)
-                for _ in range(100):  # the agent is back after agent_retry_s
-                    if (await send(s, head.url, "there")).status == 200:
-                        break
-                    await asyncio.sleep(0.2)
-            out["node_lost_s"] = lost
+            out["node_lost_s"] = await node_lost(s, head.url, ns)
         head.stop()
+        # 4. Head restarts, here so that `finally` stops whichever head is running
         adoption: list[dict[str, float]] = []
         for _ in range(3):
             start = time.perf_counter()
@@ -153,6 +123,54 @@ async def measure(args: argparse.Namespace, address: str) -> dict[str, Any]:
     finally:
         head.stop()
     return out
+
+
+async def cold_starts(s: aiohttp.ClientSession, url: str, runs: int) -> dict[str, float]:
+    """1. Median cold start of `here` and `there`, and what the agent adds to it."""
+    cold: dict[str, list[float]] = {"here": [], "there": []}
+    for _ in range(runs):
+        for model in ("here", "there"):
+            start = time.perf_counter()
+            r = await send(s, url, model)
+            assert r.status == 200, r
+            cold[model].append(time.perf_counter() - start)
+            await unload(s, url, model)
+    medians = {m: statistics.median(v) * 1e3 for m, v in cold.items()}
+    medians["agent_adds"] = medians["there"] - medians["here"]
+    return medians
+
+
+async def proxy_runs(s: aiohttp.ClientSession, head: Corral,
+                     requests: int) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """2. Both models loaded, `requests` each run at c=1 then c=16, interleaved."""
+    for model in ("here", "there"):
+        await send(s, head.url, model)
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for concurrency in (1, 16):
+        for model in ("here", "there", "here", "there"):
+            row = await proxy(s, head, model, requests, concurrency)
+            rows.setdefault(f"c{concurrency}", {}).setdefault(model, []).append(row)
+    return rows
+
+
+async def node_lost(s: aiohttp.ClientSession, url: str, ns: str) -> list[float]:
+    """3. Seconds from SIGKILLing `there`'s agent to `node lost` in GET /models, 3 times."""
+    import ray
+
+    lost: list[float] = []
+    for _ in range(3):
+        await wait_for(s, url, "there", lambda m: m["status"]["value"] == "loaded")
+        agent = ray.get_actor("corral-agent-node_b", namespace=ns)
+        pid = ray.get(agent.hello.remote())["pid"]
+        start = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(s, url, "there", lambda m: "node lost" in str(m["status"].get("exit")))
+        lost.append(time.perf_counter() - start)
+        for _ in range(100):  # the agent is back after agent_retry_s
+            if (await send(s, url, "there")).status == 200:
+                break
+            await asyncio.sleep(0.2)
+    return lost
 
 
 def main(argv: list[str]) -> int:

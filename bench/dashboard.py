@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -32,6 +32,9 @@ from bench.common import (
     write_json,
 )
 from bench.support import CHROMIUM, CHROMIUM_ARGS, Corral, fake_cmd, toml_config
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser
 
 
 async def count_events(url: str, seen: list[int], ready: asyncio.Event) -> None:
@@ -65,36 +68,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async with async_playwright() as p, session() as s:
             browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             await swap(s, corral.url, 2)  # both models started once before measuring
-
-            async def measure(pages: int, requests: int, idle_s: float) -> dict[str, Any]:
-                # A context each, as separate people: one browser keeps at most six
-                # connections to a host, and each page holds one for its event stream.
-                contexts = [await browser.new_context() for _ in range(pages)]
-                for context in contexts:
-                    page = await context.new_page()
-                    await page.goto(corral.url + "/ui")
-                    await page.locator("#link.live").wait_for()
-                await asyncio.sleep(1.0)  # the pages' first fetches are done
-                events, cpu, start = seen[0], cpu_seconds(corral.proc.pid), time.monotonic()
-                if requests:
-                    await swap(s, corral.url, requests)
-                    await asyncio.sleep(0.5)  # the last events' refetches
-                else:
-                    await asyncio.sleep(idle_s)
-                took = time.monotonic() - start
-                row = {"pages": pages, "requests": requests, "events": seen[0] - events,
-                       "cpu_s": cpu_seconds(corral.proc.pid) - cpu, "wall_s": took}
-                for context in contexts:
-                    await context.close()
-                return row
-
             for r in range(args.rounds):
                 for pages in (0, args.pages):
-                    rows.append({"round": r, **await measure(pages, args.swaps, 0.0)})
-                    rows.append({"round": r, **await measure(pages, 0, args.idle_s)})
+                    busy = await measure(browser, s, corral, seen, pages, args.swaps, 0.0)
+                    rows.append({"round": r, **busy})
+                    idle = await measure(browser, s, corral, seen, pages, 0, args.idle_s)
+                    rows.append({"round": r, **idle})
                     print(json.dumps(rows[-2]), json.dumps(rows[-1]), file=sys.stderr)
             await browser.close()
         counter.cancel()
+    return summary(args, rows)
+
+
+async def measure(browser: Browser, s: aiohttp.ClientSession, corral: Corral, seen: list[int],
+                  pages: int, requests: int, idle_s: float) -> dict[str, Any]:
+    """One run with `pages` pages open: `requests` swaps, or none for `idle_s`; its row."""
+    # A context each, as separate people: one browser keeps at most six
+    # connections to a host, and each page holds one for its event stream.
+    contexts = [await browser.new_context() for _ in range(pages)]
+    for context in contexts:
+        page = await context.new_page()
+        await page.goto(corral.url + "/ui")
+        await page.locator("#link.live").wait_for()
+    await asyncio.sleep(1.0)  # the pages' first fetches are done
+    events, cpu, start = seen[0], cpu_seconds(corral.proc.pid), time.monotonic()
+    if requests:
+        await swap(s, corral.url, requests)
+        await asyncio.sleep(0.5)  # the last events' refetches
+    else:
+        await asyncio.sleep(idle_s)
+    took = time.monotonic() - start
+    row = {"pages": pages, "requests": requests, "events": seen[0] - events,
+           "cpu_s": cpu_seconds(corral.proc.pid) - cpu, "wall_s": took}
+    for context in contexts:
+        await context.close()
+    return row
+
+
+def summary(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result: the rows, with the medians of CPU per event and CPU while idle."""
 
     def of(pages: int, busy: bool) -> list[dict[str, Any]]:
         return [x for x in rows if x["pages"] == pages and bool(x["requests"]) == busy]

@@ -13,11 +13,12 @@ On a machine with an NVIDIA driver it
   3. kills the child and measures how long the driver takes to show the memory free
      again (the bounded wait corral allows before it stops counting a dead child).
 With --suspend (issue 23), between 2. and 3.: suspends the child with NVIDIA's
-`cuda-checkpoint --toggle --pid PID` through corral's own suspend code (actors/suspend.py),
-checks that NVML shows its memory leave the GPU and the child's resident host memory
-grow by about as much (what corral charges the host tier), wakes it with the same
-command, checks that the memory is back on the GPU and that the child reads back what
-it wrote there before. Skipped, with the reason, where cuda-checkpoint is not installed.
+`cuda-checkpoint --toggle --pid PID` through corral's own suspend code
+(actors/instance/suspend.py), checks that NVML shows its memory leave the GPU and the
+child's resident host memory grow by about as much (what corral charges the host tier),
+wakes it with the same command, checks that the memory is back on the GPU and that the
+child reads back what it wrote there before. Skipped, with the reason, where
+cuda-checkpoint is not installed.
 It prints what it saw and exits 0 when everything matched, 1 on a mismatch, and 77
 (skipped) where there is no NVIDIA driver (or, with --suspend, no cuda-checkpoint).
 """
@@ -30,15 +31,19 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from actors.config.suspend import SuspendCommands
 from actors.device import DeviceMonitor, NvmlBackend, process_tree
 from actors.instance.suspend import run, tree_rss
+from actors.ledger import DeviceSample
 
 MiB = 1024 * 1024
 SKIP = 77
+Check = Callable[[bool, str], None]
+"""Records one check: prints it, adds it to the report, counts it if it failed."""
 
 ALLOC_CHILD = r"""
 import ctypes, sys
@@ -87,7 +92,8 @@ def poll(predicate: Any, timeout_s: float) -> tuple[Any, float]:
         time.sleep(0.01)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the device, the allocation, the suspend check and the report file."""
     p = argparse.ArgumentParser(prog="python -m bench gpu-check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--alloc-mib", type=int, default=1024)
@@ -96,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suspend", action="store_true",
                    help="also suspend and wake the child with cuda-checkpoint")
     p.add_argument("--cuda-checkpoint", default=None, metavar="PATH")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     report: dict[str, Any] = {"checks": []}
     problems: list[str] = []
 
@@ -111,6 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         print(f"skipped: no usable NVIDIA driver ({type(e).__name__}: {e})")
         return SKIP
+    samples = list_devices(backend, report, check)
+    if args.device >= len(samples):
+        check(False, f"--device {args.device} exists")
+        return finish(report, problems, args.json)
+    name = samples[args.device].name
+    before = samples[args.device].free
+    pid = child_check(args, backend, name, before, report, check)
+    release_check(args, backend, pid, name, before, report, check)
+    backend.close()
+    code = finish(report, problems, args.json)
+    return SKIP if code == 0 and report.get("suspend_skipped") else code
+
+
+def list_devices(backend: NvmlBackend, report: dict[str, Any], check: Check) -> list[DeviceSample]:
+    """Step 1: every device as NvmlBackend reads it, cross-checked with nvidia-smi."""
     samples = backend.sample()
     report["devices"] = [{"name": s.name, "total": s.total, "free": s.free} for s in samples]
     for s in samples:
@@ -130,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                 check(abs(free - s.free) <= max(256 * MiB, s.total // 50),
                       f"{s.name} free {s.free // MiB} MiB is near nvidia-smi's "
                       f"{free // MiB} MiB")
+    return samples
 
-    if args.device >= len(samples):
-        check(False, f"--device {args.device} exists")
-        return finish(report, problems, args.json)
-    name = samples[args.device].name
+
+def child_check(args: argparse.Namespace, backend: NvmlBackend, name: str, before: int,
+                report: dict[str, Any], check: Check) -> int:
+    """Step 2: a child allocates on `name`, is attributed (and suspended); reaped, its pid."""
     size = args.alloc_mib * MiB
-    before = samples[args.device].free
     child = subprocess.Popen([sys.executable, "-c", ALLOC_CHILD, str(args.device), str(size)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -145,26 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         check(line == "allocated", f"a child allocated {args.alloc_mib} MiB on {name} "
               f"({line or 'no output'})")
         if line == "allocated":
-            tree = process_tree(child.pid)
-
-            def attributed() -> int:
-                table = backend.processes(tree)
-                if table is None:
-                    return 0
-                return DeviceMonitor.usage_of(tree, table).get(name, 0)
-
-            table = backend.processes(tree)
-            if table is None:
-                print("NVML pids are not this namespace's (a container): checking free memory")
-                after = backend.sample()[args.device].free
-                check(before - after >= size * 0.9, f"free memory on {name} dropped by "
-                      f"{(before - after) // MiB} MiB (>= 90% of {args.alloc_mib})")
-            else:
-                used, took = poll(lambda: attributed() >= size, 5.0)
-                seen = attributed()
-                report["attributed_bytes"] = seen
-                check(bool(used), f"the monitor attributes {seen // MiB} MiB on {name} to the "
-                      f"child's pid tree (>= {args.alloc_mib} MiB; seen after {took:.3f} s)")
+            attribution_check(args, backend, child.pid, name, before, report, check)
             if args.suspend:
                 skipped = suspend_check(args, backend, child, size, check)
                 if skipped:
@@ -172,21 +178,50 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         child.kill()
         child.wait()
+    return child.pid
+
+
+def attribution_check(args: argparse.Namespace, backend: NvmlBackend, pid: int, name: str,
+                      before: int, report: dict[str, Any], check: Check) -> None:
+    """The child's memory on `name` is its pid tree's, or (in a container) free dropped."""
+    size = args.alloc_mib * MiB
+    tree = process_tree(pid)
+
+    def attributed() -> int:
+        table = backend.processes(tree)
+        if table is None:
+            return 0
+        return DeviceMonitor.usage_of(tree, table).get(name, 0)
+
+    table = backend.processes(tree)
+    if table is None:
+        print("NVML pids are not this namespace's (a container): checking free memory")
+        after = backend.sample()[args.device].free
+        check(before - after >= size * 0.9, f"free memory on {name} dropped by "
+              f"{(before - after) // MiB} MiB (>= 90% of {args.alloc_mib})")
+    else:
+        used, took = poll(lambda: attributed() >= size, 5.0)
+        seen = attributed()
+        report["attributed_bytes"] = seen
+        check(bool(used), f"the monitor attributes {seen // MiB} MiB on {name} to the "
+              f"child's pid tree (>= {args.alloc_mib} MiB; seen after {took:.3f} s)")
+
+
+def release_check(args: argparse.Namespace, backend: NvmlBackend, pid: int, name: str,
+                  before: int, report: dict[str, Any], check: Check) -> None:
+    """Step 3: how long the driver takes to show the reaped child's memory free again."""
     back, took = poll(lambda: backend.sample()[args.device].free >= before - 64 * MiB, 10.0)
     report["release_s"] = took
     check(bool(back), f"the driver showed the memory free again {took:.3f} s after the "
           "child was reaped")
     if backend.processes(set()) is not None:
-        gone, took = poll(lambda: child.pid not in (backend.processes(set()) or {}).get(
+        gone, took = poll(lambda: pid not in (backend.processes(set()) or {}).get(
             name, {}), 10.0)
         check(bool(gone), f"NVML stopped listing the dead child after {took:.3f} s")
-    backend.close()
-    code = finish(report, problems, args.json)
-    return SKIP if code == 0 and report.get("suspend_skipped") else code
 
 
 def suspend_check(args: argparse.Namespace, backend: NvmlBackend, child: subprocess.Popen[str],
-                  size: int, check: Any) -> str | None:
+                  size: int, check: Check) -> str | None:
     """Suspend and wake `child` (holding `size` bytes on the GPU) with cuda-checkpoint,
     as corral does; returns why it was skipped, if it was."""
     tool = args.cuda_checkpoint or shutil.which("cuda-checkpoint")

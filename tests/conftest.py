@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +16,12 @@ from tests.helpers import Corral
 
 MARK = "CORRAL_TEST_RUN"
 # Inherited by every process the tests start (and by a pytest run inside a network
-# namespace for the cluster tests, whose processes the outer run then checks too).
+# namespace for the cluster tests, whose processes the outer run then checks too). With
+# pytest-xdist each worker has a mark of its own: a worker that ends first checks only
+# the processes its own tests started, never those another worker's tests still run.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if WORKER and not os.environ.get(MARK, "").endswith(f"-{WORKER}"):
+    os.environ[MARK] = f"{os.environ.get(MARK) or uuid.uuid4().hex}-{WORKER}"
 os.environ.setdefault(MARK, uuid.uuid4().hex)
 
 
@@ -34,10 +41,15 @@ def our_processes() -> list[psutil.Process]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind() -> Iterator[None]:
+    # Each run (each worker) has a home of its own for what corral keeps by default
+    # (XDG_STATE_HOME: state_dir), so tests that run side by side share nothing on disk.
+    home = tempfile.mkdtemp(prefix=f"corral-test-{WORKER or 'run'}-")
+    os.environ["XDG_STATE_HOME"] = os.path.join(home, "state")
     yield
     left = psutil.wait_procs(our_processes(), timeout=5)[1]
     for proc in left:
         proc.kill()
+    shutil.rmtree(home, ignore_errors=True)
     assert not left, f"processes left behind by the tests: {left}"
 
 
@@ -67,3 +79,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if report.when == "call":
         item.rep_call = report  # type: ignore[attr-defined]
     return report
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked `alone` run on one worker, one after another (xdist's loadgroup)."""
+    for item in items:
+        if item.get_closest_marker("alone") is not None:
+            item.add_marker(pytest.mark.xdist_group("alone"))

@@ -58,7 +58,7 @@ def test_the_cluster_tests_inside_a_private_network_namespace() -> None:
     why = _why_not()
     if why is not None:
         pytest.skip(why)
-    run = subprocess.run(in_private_netns([sys.executable, "-m", "pytest", "-q",
+    run = subprocess.run(in_private_netns([sys.executable, "-m", "pytest", "-q", "-n", "0",
                                            "-p", "no:cacheprovider", __file__]),
                          cwd=ROOT, capture_output=True, text=True, timeout=880)
     assert run.returncode == 0, run.stdout[-20_000:] + run.stderr[-5_000:]

@@ -198,6 +198,22 @@ def test_the_top_of_actors_is_short_and_every_folder_has_a_note() -> None:
         assert not missing, f"{folder}/__init__.py's note does not name {missing}"
 
 
+FUNCTION_MAX = 60
+
+
+def test_no_function_is_over_60_lines() -> None:
+    """A long decision becomes numbered steps or named parts (issue 38: 10 were over 60)."""
+    long = {}
+    code = [*(ROOT / "actors").rglob("*.py"), ROOT / "supervisor.py",
+            *(ROOT / "bench").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
+    for path in sorted(code):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno \
+                    and (n := node.end_lineno - node.lineno + 1) > FUNCTION_MAX:
+                long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
+    assert long == {}, f"over {FUNCTION_MAX} lines: {long}"
+
+
 def test_no_module_is_over_400_lines_but_the_message_catalogue() -> None:
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "actors").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

@@ -109,6 +109,16 @@ def chatter(n_lines: int, line_bytes: int) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m actors.fake_model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(p)
+    add_failure_args(p)
+    add_llama_args(p)
+    add_memory_args(p)
+    add_measure_args(p)
+    return p.parse_args(argv)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Where it listens, what it is called, how fast it loads, answers and reads."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="fake")
@@ -121,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token rate; 0 = as fast as possible")
     p.add_argument("--upload-bytes-per-s", type=float, default=0.0, metavar="R",
                    help="read uploads (multipart bodies) no faster than this")
+
+
+def add_failure_args(p: argparse.ArgumentParser) -> None:
+    """The failure knobs: crash, wedge, hang, ignore SIGTERM, the exit status."""
     p.add_argument("--crash-after-requests", type=int, default=None, metavar="N",
                    help="exit abruptly when request N+1 arrives")
     p.add_argument("--wedge-after-requests", type=int, default=None, metavar="N",
@@ -132,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--exit-code", type=int, default=1,
                    help="status for the crash knobs (default 1)")
+
+
+def add_llama_args(p: argparse.ArgumentParser) -> None:
+    """llama-server's ways: its child protocol, its flags, its idle sleep, its chatter."""
     p.add_argument("--llama-protocol", action="store_true",
                    help="speak llama-server's child protocol: state lines on stdout "
                         "(loading, ready, sleeping), the exit command on stdin")
@@ -145,6 +163,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="once ready, print N numbered lines at once (a chatty server)")
     p.add_argument("--log-line-bytes", type=int, default=40, metavar="B",
                    help="... each B bytes long")
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """Simulated device memory, and vLLM's sleep mode that moves it to host RAM."""
     p.add_argument("--device-mib", type=float, default=0.0, metavar="N",
                    help="MiB this model uses on every simulated device (CORRAL_DEVICES)")
     p.add_argument("--grow-to-mib", type=float, default=None, metavar="N",
@@ -161,6 +183,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trickle", choices=("sleep", "wake"), default=None,
                    help="with --sleep-mode: that step is done, but its answer's body "
                         "comes one byte a second (each read of it waits only 1 s)")
+
+
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """What it reports when started with CORRAL_ROLE=measure."""
     p.add_argument("--measure-min-mib", type=float, default=None, metavar="N",
                    help="the measured min (smallest context); default: as --measure-mib")
     p.add_argument("--measure-mib", type=float, default=None, metavar="N",
@@ -172,7 +198,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="when measured, report a failure")
     p.add_argument("--measure-malformed", action="store_true",
                    help="when measured, print a malformed result")
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,17 @@ class Snapshot(Collector):
         self.key_use = key_use or {}
 
     def collect(self) -> Iterator[Metric]:
+        """Every family, in the order the exposition lists them."""
+        yield from self.totals()
+        yield from self.per_model()
+        yield from self.suspended()
+        yield from self.replicas()
+        yield from self.request_times()
+        yield from self.keys()
+        yield from self.device_memory()
+
+    def totals(self) -> Iterator[Metric]:
+        """Slots, the queue, what was granted, cut and joined, and the open event streams."""
         snap = self.models
         yield GaugeMetricFamily("corral_models_running", "Children holding a slot (loading, "
                                 "loaded, sleeping or stopping, not suspended); models_max "
@@ -88,6 +99,9 @@ class Snapshot(Collector):
         for kind, n in sorted(self.streams.items()):
             streams.add_metric([kind], n)
         yield streams
+
+    def per_model(self) -> Iterator[Metric]:
+        """Each model's state, requests, loads, evictions, refusals, queue wait and load time."""
         state = GaugeMetricFamily("corral_model_state", "1 for the state a model is in.",
                                   labels=["model", "state"])
         failed = GaugeMetricFamily("corral_model_failed", "1 when a model's last child "
@@ -109,27 +123,7 @@ class Snapshot(Collector):
                                      "requests waited in the queue.", labels=["model"])
         load = HistogramMetricFamily("corral_model_load_seconds", "Spawn to ready, for the "
                                      "loads that succeeded.", labels=["model"])
-        suspends = CounterMetricFamily("corral_model_suspends", "Times a model's child was "
-                                       "suspended (its devices given back, kept in host "
-                                       "RAM).", labels=["model"])
-        wakes = CounterMetricFamily("corral_model_wakes", "Times a model's suspended child "
-                                    "was woken.", labels=["model"])
-        host = GaugeMetricFamily("corral_model_host_bytes", "Host RAM a model's suspended "
-                                 "child holds.", labels=["model"])
-        copies = GaugeMetricFamily("corral_replica_state", "1 for the state each copy of "
-                                   "a model with replicas is in.",
-                                   labels=["model", "replica", "state"])
-        copy_in_flight = GaugeMetricFamily("corral_replica_in_flight", "Requests granted "
-                                           "to each copy of a model with replicas.",
-                                           labels=["model", "replica"])
-        for v in snap.models:
-            for c in v.replicas or []:
-                copy_in_flight.add_metric([v.name, c.name], c.in_flight)
-                for s in STATES:
-                    copies.add_metric([v.name, c.name, s], float(c.state == s))
-            suspends.add_metric([v.name], v.suspends)
-            wakes.add_metric([v.name], v.wakes)
-            host.add_metric([v.name], v.host_bytes or 0)
+        for v in self.models.models:
             for s in STATES:
                 state.add_metric([v.name, s], float(v.state == s))
             failed.add_metric([v.name], float(v.failed))
@@ -143,8 +137,40 @@ class Snapshot(Collector):
             for family, view in ((wait, v.queue_wait), (load, v.load_time)):
                 if view is not None:
                     family.add_metric([v.name], buckets(view), view.sum)
-        yield from (state, failed, in_flight, waiting, loads, evictions, refusals, wait, load,
-                    suspends, wakes, host, copies, copy_in_flight)
+        yield from (state, failed, in_flight, waiting, loads, evictions, refusals, wait, load)
+
+    def suspended(self) -> Iterator[Metric]:
+        """Each model's suspends and wakes, and the host RAM its suspended child holds."""
+        suspends = CounterMetricFamily("corral_model_suspends", "Times a model's child was "
+                                       "suspended (its devices given back, kept in host "
+                                       "RAM).", labels=["model"])
+        wakes = CounterMetricFamily("corral_model_wakes", "Times a model's suspended child "
+                                    "was woken.", labels=["model"])
+        host = GaugeMetricFamily("corral_model_host_bytes", "Host RAM a model's suspended "
+                                 "child holds.", labels=["model"])
+        for v in self.models.models:
+            suspends.add_metric([v.name], v.suspends)
+            wakes.add_metric([v.name], v.wakes)
+            host.add_metric([v.name], v.host_bytes or 0)
+        yield from (suspends, wakes, host)
+
+    def replicas(self) -> Iterator[Metric]:
+        """The state and requests of each copy of a model with replicas."""
+        copies = GaugeMetricFamily("corral_replica_state", "1 for the state each copy of "
+                                   "a model with replicas is in.",
+                                   labels=["model", "replica", "state"])
+        copy_in_flight = GaugeMetricFamily("corral_replica_in_flight", "Requests granted "
+                                           "to each copy of a model with replicas.",
+                                           labels=["model", "replica"])
+        for v in self.models.models:
+            for c in v.replicas or []:
+                copy_in_flight.add_metric([v.name, c.name], c.in_flight)
+                for s in STATES:
+                    copies.add_metric([v.name, c.name, s], float(c.state == s))
+        yield from (copies, copy_in_flight)
+
+    def request_times(self) -> Iterator[Metric]:
+        """The front's clock on proxied requests: to the answer's head, and to its end."""
         for key, name, what in (
                 ("first_byte", "corral_request_first_byte_seconds", "to the answer's head"),
                 ("duration", "corral_request_duration_seconds", "to the answer's end")):
@@ -154,8 +180,9 @@ class Snapshot(Collector):
             for (model, status), view in sorted(self.times.get(key, {}).items()):
                 family.add_metric([model, status], buckets(view), view.sum)
             yield family
-        yield from self.keys()
-        dev = self.devices
+
+    def device_memory(self) -> Iterator[Metric]:
+        """Each device's memory: its total, others' use, what is free, what each model holds."""
         total = GaugeMetricFamily("corral_device_total_bytes", "A device's memory.",
                                   labels=["device"])
         external = GaugeMetricFamily("corral_device_external_bytes", "Memory used on a "
@@ -165,7 +192,7 @@ class Snapshot(Collector):
                                       "or holds (the margin not taken off).", labels=["device"])
         held = GaugeMetricFamily("corral_device_held_bytes", "Memory a model holds on a "
                                  "device.", labels=["device", "model"])
-        for d in dev.devices:
+        for d in self.devices.devices:
             total.add_metric([d.name], d.total)
             external.add_metric([d.name], d.external)
             available.add_metric([d.name], d.available)

@@ -137,6 +137,18 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     host = hosts[0] if hosts else None
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
+    refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
+    if refused is not None:
+        return refused
+    if req.length is not None and req.length > limits.max_body:
+        return limits.too_big()
+    return None if expect is None else _check_expect(req, expect)
+
+
+def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | None,
+                  fetch_site: bytes | None, bearer: list[bytes],
+                  api_key: list[bytes]) -> Answer | None:
+    """Who may send `req` (R5): the refusal, or None with its key set as `req.key`."""
     path = req.url.partition(b"?")[0]
     keys = gate.keys
     if keys is None and gate.origins is not None and path not in _HEALTH:
@@ -147,13 +159,15 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     if isinstance(who, Answer):
         return who
     req.key = who
-    if req.length is not None and req.length > limits.max_body:
-        return limits.too_big()
-    if expect is not None:
-        if expect.strip().lower() != b"100-continue":
-            return Answer(417, f"unsupported expectation {expect.decode('latin-1')!r} "
-                          "(only 100-continue is)")
-        req.wants_continue = not req.http10
+    return None
+
+
+def _check_expect(req: Request, expect: bytes) -> Answer | None:
+    """A 417 for an Expect corral cannot meet, or None with `req.wants_continue` set."""
+    if expect.strip().lower() != b"100-continue":
+        return Answer(417, f"unsupported expectation {expect.decode('latin-1')!r} "
+                      "(only 100-continue is)")
+    req.wants_continue = not req.http10
     return None
 
 

@@ -20,14 +20,15 @@ from typing import Protocol
 
 import msgspec
 
-from ..messages import AnswerLate, Refusal
+from ..messages import AnswerLate, Grant, Refusal
 from ..runtime.bridge import LoopReply
 from .affinity import affinity
 from .edge import NOT_FORWARDED, Answer, refusal_answer
-from .pool import Pool
+from .pool import Pool, Pools
 from .request import Request
+from .routes import ModelRoute, Routes
 from .services import Services
-from .shares import SharedGrant
+from .shares import SharedGrant, Shares
 from .upstream import Broke
 from .usage import Meter
 
@@ -107,90 +108,123 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
                    again: bool = False) -> None:
     """Serve `ex` with an instance of `model` (or of one of `among`, the Scheduler's
     pick), trying the next where it may; a refusal `fall_back` takes is not answered."""
-    front = ex.services
-    routes = front.routes
+    services = ex.services
+    routes, shares = services.routes, services.shares
     gone: tuple[int, Pool] | None = None  # the child that went away before answering
-    replays = 0  # instances that went away with the request sent to them
     cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
-    was_cut = False  # a request is cut at most once
+    replays, was_cut = 0, False  # instances gone with the request; it is cut at most once
     route = routes.models.get(model)
     near = affinity(ex.req.body, route.prefix_bytes) if route and route.prefix_bytes else 0
     for tries in range(MAX_INSTANCES):
+        # 1. A grant: the one it was cut from again, an open one joined, or the Scheduler's.
         found: SharedGrant | Refusal | None = (
-            await front.shares.requeue(cut) if cut is not None else
-            front.shares.join(model, ex.req.key, near, among)  # no coroutine: the usual
-            or await front.shares.acquire(model, autoload, ex.req.key,
-                                          retry=tries > 0 or again,
-                                          cuttable=not was_cut and ex.req.upload is None,
-                                          affinity=near, among=among))
+            await shares.requeue(cut) if cut is not None else
+            shares.join(model, ex.req.key, near, among)  # no coroutine: the usual
+            or await shares.acquire(model, autoload, ex.req.key, retry=tries > 0 or again,
+                                    cuttable=not was_cut and ex.req.upload is None,
+                                    affinity=near, among=among))
         cut = None
-        if gone is not None:
+        if gone is not None:  # one past the child that went away with it
             generation, pool = gone
-            found = await front.shares.acquire_past(
+            found = await shares.acquire_past(
                 found, generation, autoload,
                 pool if ex.broke_kind is Broke.GONE else None, ex.req.key, near)
-        if found is None:
-            ex.answer(Answer(502, f"{ex.what} is unreachable: {ex.broke} (its child is "
-                             "still running and may have the request, so it is not sent "
-                             "again)"))
-            return
-        if isinstance(found, Refusal):
-            if fall_back is None or not fall_back(found):
-                answer = refusal_answer(found)
-                said = routes.said_to(ex.req.key, answer.message)
-                ex.answer(answer if said is answer.message else
-                          msgspec.structs.replace(answer, message=said))
+        # 2. None, or a refusal: answered here (unless `fall_back` takes the refusal).
+        if found is None or isinstance(found, Refusal):
+            _refuse(ex, routes, found, fall_back)
             return
         share, grant = found, found.grant
         model, among = grant.model, ()  # (a virtual model's member: tried again if need be)
-        if not grant.shareable:  # a grant of its own: the Scheduler may cut it
-            if share.ticket.cut:  # before it was sent: nothing is lost
+        # 3. A grant of its own the Scheduler may cut; cut before it was sent, it waits again.
+        if not grant.shareable:
+            if share.ticket.cut:
                 cut, was_cut = share, True
                 continue
             ex.ticket, share.ticket.on_cut = share.ticket, ex.cut_off
+        # 4. Sent to its child; then its slot is given back, unless it was cut.
         sent = False
         try:
             route = routes.models.get(grant.model)
-            pool = front.pools.get((grant.host, grant.port, f"{grant.model}#{grant.generation}"),
-                                   route.pool_cap if route else None)
-            late = route.first_byte_timeout_s if route else None
-            ex.may_retry = tries < MAX_INSTANCES - 1
-            ex.may_replay = (ex.may_retry and replays < MAX_REPLAYS
-                             and ex.req.upload is None)  # an upload is sent once
+            pool = _pool_for(ex, services.pools, grant, route, tries, replays)
             own = grant.upstream_key  # a node child's own (R8); the client's is dropped
-            await ex.forward(pool, NOT_FORWARDED, late,
+            await ex.forward(pool, NOT_FORWARDED, route.first_byte_timeout_s if route else None,
                              (b"Authorization: Bearer " + own.encode(),) if own else ())
             sent = True
-        finally:  # a child that broke with a request is not kept for the next
-            share.ticket.on_cut = ex.ticket = None
-            if not sent:  # its client left, or a bug: no Requeue follows a cut
-                ex.cut = False
-            if not ex.cut:
-                front.shares.release(share, route.lease_linger_s if route else 0.0,
-                                     keep=ex.broke_kind is None,
-                                     tokens=ex.meter.rest() if ex.meter else 0)
+        finally:
+            _let_go(ex, shares, share, route, sent)
+        # 5. Cut before its answer began: it waits again, with the grant it was cut from.
         if ex.cut:
-            log.info("%s: a request was cut for a higher class before its answer began; it "
-                     "waits again (priority_preempt)", ex.what)
-            ex.cut, cut, was_cut = False, share, True
-            ex.wait_again()
+            cut, was_cut = share, True
+            _wait_again_cut(ex)
             continue
-        if ex.late is not None:
-            front.scheduler().tell(AnswerLate(model=grant.instance or grant.model,
-                                              generation=grant.generation, detail=ex.late))
-        if ex.finished:
-            return
-        # Nothing of the final answer was sent: the next instance gets the request,
-        # unless its child is still there (Shares.acquire_past) or was stopped on
-        # purpose (unloaded, unhealthy, corral stopping): an operator's stop is not
-        # undone by a request that comes back for the model.
-        if grant.serving <= front.stopped.get(grant.instance or model, (0, 0)):
-            ex.answer(Answer(503, f"{ex.what} was stopped while it had this request "
-                             f"({ex.broke}); not sent again", headers=(("Retry-After", "1"),)))
+        # 6. Answered, or its child was stopped on purpose: done. Else its next instance.
+        if _ends_here(ex, services, grant, model):
             return
         replays += ex.broke_kind is Broke.GONE
-        log.warning("%s#%d went away before answering (%s); the request goes to its next "
-                    "instance, unless that child is still there", ex.what, grant.generation,
-                    ex.broke)
         gone = (grant.generation, pool)
-        ex.wait_again()  # not when it failed as it connected
+
+
+def _refuse(ex: Attempt, routes: Routes, found: Refusal | None,
+            fall_back: Callable[[Refusal], bool] | None) -> None:
+    """Answer a request no instance took: a 502, or the refusal `fall_back` does not take."""
+    if found is None:
+        ex.answer(Answer(502, f"{ex.what} is unreachable: {ex.broke} (its child is "
+                         "still running and may have the request, so it is not sent "
+                         "again)"))
+    elif fall_back is None or not fall_back(found):
+        answer = refusal_answer(found)
+        said = routes.said_to(ex.req.key, answer.message)
+        ex.answer(answer if said is answer.message else
+                  msgspec.structs.replace(answer, message=said))
+
+
+def _pool_for(ex: Attempt, pools: Pools, grant: Grant, route: ModelRoute | None, tries: int,
+              replays: int) -> Pool:
+    """The pool of `grant`'s child, `ex` told whether it may go again if that breaks."""
+    pool = pools.get((grant.host, grant.port, f"{grant.model}#{grant.generation}"),
+                     route.pool_cap if route else None)
+    ex.may_retry = tries < MAX_INSTANCES - 1
+    ex.may_replay = (ex.may_retry and replays < MAX_REPLAYS
+                     and ex.req.upload is None)  # an upload is sent once
+    return pool
+
+
+def _let_go(ex: Attempt, shares: Shares, share: SharedGrant, route: ModelRoute | None,
+            sent: bool) -> None:
+    """After a try: the cut unhooked, and the slot released unless it was cut (kept)."""
+    share.ticket.on_cut = ex.ticket = None
+    if not sent:  # its client left, or a bug: no Requeue follows a cut
+        ex.cut = False
+    if not ex.cut:  # a child that broke with a request is not kept for the next
+        shares.release(share, route.lease_linger_s if route else 0.0,
+                       keep=ex.broke_kind is None, tokens=ex.meter.rest() if ex.meter else 0)
+
+
+def _wait_again_cut(ex: Attempt) -> None:
+    """`ex` was cut before its answer began: it waits for its slot again."""
+    log.info("%s: a request was cut for a higher class before its answer began; it "
+             "waits again (priority_preempt)", ex.what)
+    ex.cut = False
+    ex.wait_again()
+
+
+def _ends_here(ex: Attempt, services: Services, grant: Grant, model: str) -> bool:
+    """Whether `ex` ends with `grant`'s child (answered, or a 503); else it waits for the next."""
+    if ex.late is not None:
+        services.scheduler().tell(AnswerLate(model=grant.instance or grant.model,
+                                             generation=grant.generation, detail=ex.late))
+    if ex.finished:
+        return True
+    # Nothing of the final answer was sent: the next instance gets the request,
+    # unless its child is still there (Shares.acquire_past) or was stopped on
+    # purpose (unloaded, unhealthy, corral stopping): an operator's stop is not
+    # undone by a request that comes back for the model.
+    if grant.serving <= services.stopped.get(grant.instance or model, (0, 0)):
+        ex.answer(Answer(503, f"{ex.what} was stopped while it had this request "
+                         f"({ex.broke}); not sent again", headers=(("Retry-After", "1"),)))
+        return True
+    log.warning("%s#%d went away before answering (%s); the request goes to its next "
+                "instance, unless that child is still there", ex.what, grant.generation,
+                ex.broke)
+    ex.wait_again()  # not when it failed as it connected
+    return False

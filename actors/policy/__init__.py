@@ -21,7 +21,8 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | who waits for which model, in which order            | `RequestQueue`         | queue.py    |
 | suspends and wakes that ended; the TTL timers        | `Tiers`                | tiers.py    |
 | host RAM for suspended models, suspended_max         | `HostTier`             | host.py     |
-| the ledger, and a plan for each load                 | `Memory`, `Plan`       | memory.py   |
+| the ledger, and a plan for each load                 | `Memory`               | memory.py   |
+| a plan; the places a model may go, weighed           | `Plan`, `Weighing`     | weigh.py    |
 | the device sets a model may be placed on             | `Places`               | places.py   |
 | keys: classes, limits, exact quota windows           | `Tenants`              | tenants.py  |
 | which running request a higher class may cut         | `Cuts`, `Slot`         | cuts.py     |

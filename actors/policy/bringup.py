@@ -16,11 +16,11 @@ from __future__ import annotations
 from ..ledger import node_of
 from ..lifecycle import ModelState
 from ..messages import EvictionReason
-from .memory import Plan
 from .moves import Moves
 from .queue import QueueEntry
 from .records import ModelRecord
 from .state import State
+from .weigh import Plan
 
 S = ModelState
 

@@ -307,6 +307,19 @@ class Children:
         self.state.now = now
         for name, rules in (retuned or {}).items():
             self._set_rules(self.state.models[name], rules)
+        self._add(added, now)
+        self._remove(removed, now)
+        restarted = self._change(changed, now)
+        groups = self.state.groups
+        for entry in self.state.queue.entries.values():  # its copy was taken out: claim again
+            if entry.claimed and not any(r.state in (S.LOADING, S.STOPPING, S.WAKING)
+                                         for r in groups.of(self.state.models[entry.model])):
+                entry.claimed = False
+        self.rules.pump(now)
+        return self.moves.flush(), restarted
+
+    def _add(self, added: dict[str, ModelRules | bool], now: float) -> None:
+        """A reload's new models (a copy is measured as its model)."""
         for name, given in added.items():
             rules = given if isinstance(given, ModelRules) else ModelRules(pinned=given)
             old = self.state.models.get(name)
@@ -319,8 +332,11 @@ class Children:
                 self.state.add_model(name, now, rules=rules)
             if self.state.memory_on and not rules.group:  # a copy is measured as its model
                 self.state.out.append(Measure(name, front=False))
-        groups = self.state.groups
-        alternates = groups.alternates
+
+    def _remove(self, removed: list[str], now: float) -> None:
+        """A reload's removed models (and their reloads' newcomers): their requests are
+        refused, their children stop once their requests have ended."""
+        alternates = self.state.groups.alternates
         for name in dict.fromkeys(removed + [a.name for n in removed
                                              if (a := alternates.get(n)) is not None
                                              and a.name in self.state.models]):
@@ -334,7 +350,11 @@ class Children:
                 self.moves.retire(rec, now)
             else:
                 self.state.drop(name)  # a child still releasing: external from now on
-        restarted = []
+
+    def _change(self, changed: dict[str, ModelRules | bool], now: float) -> list[str]:
+        """A reload's changed models: new rules and figures; a running one hands over to
+        a new child (or stops first where both do not fit). Returns those that restart."""
+        groups, restarted = self.state.groups, []
         for name, given in changed.items():
             rec = self.state.models[name]
             self._set_rules(rec, given if isinstance(given, ModelRules)
@@ -352,12 +372,7 @@ class Children:
                 if not self.handovers.begin(rec, now):
                     for r in running:
                         self.moves.retire(r, now)
-        for entry in self.state.queue.entries.values():  # its copy was taken out: claim again
-            if entry.claimed and not any(r.state in (S.LOADING, S.STOPPING, S.WAKING)
-                                         for r in groups.of(self.state.models[entry.model])):
-                entry.claimed = False
-        self.rules.pump(now)
-        return self.moves.flush(), restarted
+        return restarted
 
     def _set_rules(self, rec: ModelRecord, rules: ModelRules) -> None:
         """`rules` for config record `rec`, and its alternate (handover.py)."""

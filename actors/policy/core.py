@@ -19,21 +19,13 @@ from collections.abc import Collection, Hashable, Iterable, Mapping
 from ..config.keys import Tenant
 from ..config.rules import ModelGroup, ModelRules
 from ..lifecycle import ModelState
-from ..messages import (
-    Done,
-    ModelsSnapshot,
-    WaitDue,
-)
+from ..messages import Done, ModelsSnapshot, WaitDue
 from . import plans, views
 from .children import Children
 from .plans import RequestPlan
 from .preempt import Preemption
 from .queue import Waiter
-from .records import (
-    Answer,
-    Effect,
-    Later,
-)
+from .records import Answer, Effect, Later, ModelRecord
 from .rules import Rules
 from .state import State
 from .tiers import Tiers
@@ -138,13 +130,7 @@ class Policy:
         #    max_concurrency.
         elif entry is None and not (key and tenants.at_limit(key)) \
                 and (into := self.state.route(rec, affinity)) is not None:
-            if counted:
-                tenants.take(key, now)
-            self.moves.grant(ticket, into, now, key, cuttable=cuttable)
-            if rules.replicas is not None:  # busier copies: one more may be due
-                self.rules.scaling.scale(now)
-            if self.state.teams.brought:  # a together partner to bring back
-                self.rules.pump(now)
+            self._serve_now(ticket, into, now, key, counted, cuttable)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
         #    (a suspended one is there: it is woken).
         elif not autoload and self.state.absent(rec):
@@ -163,25 +149,44 @@ class Policy:
                          retry_after_s=1.0, model=model, reason="queue_full")
         # 7. Otherwise it waits, at most queue_timeout_s, in its class's order.
         else:
-            if counted:
-                tenants.take(key, now)
-            deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
-            if rules.replicas is not None:  # its queue: a copy may be due
-                self.state.groups.wanting.add(model)
-            entry = self.state.queue.add(ticket, model, now, deadline, key,
-                                         tenants.of(key).level if key else tenants.level,
-                                         cuttable, affinity=affinity)
-            if deadline is not None:
-                self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
-            log.debug("request for %s queued (%d waiting for it, %d entries)",
-                      model, len(entry.waiters), len(self.state.queue.entries))
-            if (into := self.state.route(rec, affinity)) is not None:
-                self.rules.serve_waiters(into, now)  # others wait only for their keys' limits
-            self.rules.pump(now)
-            if counted and ticket not in self.state.queue and ticket not in self.state.leases:
-                tenants.untake(key)  # refused as it came (every slot pinned): not counted
-            self.cuts.ask(rec, now)
+            self._queue(ticket, model, rec, now, key, counted, cuttable, affinity)
         return self.moves.flush()
+
+    def _serve_now(self, ticket: Hashable, into: ModelRecord, now: float, key: str,
+                   counted: bool, cuttable: bool) -> None:
+        """Step 3 of `acquire`: `into`, serving with room, takes the request at once."""
+        if counted:
+            self.state.tenants.take(key, now)
+        self.moves.grant(ticket, into, now, key, cuttable=cuttable)
+        if into.rules.replicas is not None:  # busier copies: one more may be due
+            self.rules.scaling.scale(now)
+        if self.state.teams.brought:  # a together partner to bring back
+            self.rules.pump(now)
+
+    def _queue(self, ticket: Hashable, model: str, rec: ModelRecord, now: float, key: str,
+               counted: bool, cuttable: bool, affinity: int) -> None:
+        """Step 7 of `acquire`: the request waits for `model` (`rec`), at most
+        queue_timeout_s, in its class's order; the rules run (it may be served at once,
+        or cut its way in)."""
+        rules, tenants = rec.rules, self.state.tenants
+        if counted:
+            tenants.take(key, now)
+        deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
+        if rules.replicas is not None:  # its queue: a copy may be due
+            self.state.groups.wanting.add(model)
+        entry = self.state.queue.add(ticket, model, now, deadline, key,
+                                     tenants.of(key).level if key else tenants.level,
+                                     cuttable, affinity=affinity)
+        if deadline is not None:
+            self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
+        log.debug("request for %s queued (%d waiting for it, %d entries)",
+                  model, len(entry.waiters), len(self.state.queue.entries))
+        if (into := self.state.route(rec, affinity)) is not None:
+            self.rules.serve_waiters(into, now)  # others wait only for their keys' limits
+        self.rules.pump(now)
+        if counted and ticket not in self.state.queue and ticket not in self.state.leases:
+            tenants.untake(key)  # refused as it came (every slot pinned): not counted
+        self.cuts.ask(rec, now)
 
     def release(self, ticket: Hashable, now: float, shared: bool = False,
                 idle_s: float = 0.0, tokens: int = 0) -> list[Effect]:

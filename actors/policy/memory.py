@@ -5,56 +5,21 @@ means for the ledger: reports.py). It decides; the core carries the plan out.
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
 
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB, node_of
 from ..lifecycle import ModelState
 from ..messages import Shortfall
 from .nodes import NodeSlots
-from .places import Places, shortage
+from .places import Places
 from .records import ModelRecord
 from .reports import Reports
+from .weigh import Around, Plan, Weighing
 
 log = logging.getLogger("corral.scheduler")
 
 S = ModelState
-
-
-@dataclass
-class Plan:
-    verdict: Literal["go", "wait", "refuse"]
-    evict: list[tuple[ModelRecord, list[Shortfall]]] = field(default_factory=list)
-    """Stop these first (reason `memory`), with what the newcomer lacked on each device."""
-    measure: bool = False
-    """Ask for a measurement at the front of the measure queue."""
-    refusal: str | None = None
-    devices: list[str] | None = None
-    """Where it goes, when corral places it (R-5.9)."""
-    fits_once_freed: bool = False
-    """It fits once the children already stopping have given their memory back."""
-    note: str | None = None
-    """What to log if this plan is carried out: a plan is a pure decision, weighed for
-    places that may not be chosen, and logs nothing itself."""
-
-
-@dataclass
-class Around:
-    """What a plan's places share: the memory of the models on their way out, and per
-    device the models holding some of it."""
-
-    coming_back: dict[str, int]
-    holders: dict[str, list[ModelRecord]]
-
-    def but(self, leaving: ModelRecord, ledger: Ledger) -> Around:
-        """The same, with `leaving`'s memory coming back too."""
-        coming_back = dict(self.coming_back)
-        for d, size in ledger.held.get(leaving.name, {}).items():
-            coming_back[d] = coming_back.get(d, 0) + size
-        return Around(coming_back, self.holders)
 
 
 class Memory(Reports):
@@ -150,9 +115,30 @@ class Memory(Reports):
     def _plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
               victims: list[ModelRecord], busy: set[str] | None,
               exhaustive: bool) -> Plan:
+        """R-5.7's decision, in this order."""
+        # 1. A model not measured yet waits: its measurement decides.
         if not rec.memory_settled:
-            return Plan("wait", measure=not rec.measure_requested_first)  # the measurement decides
+            return Plan("wait", measure=not rec.measure_requested_first)
+        # 2. Bound to nodes, or placed by corral, with no place to go: it waits for the
+        #    devices to report, or is refused; one corral does not place fits as it is.
         places = self.candidates(rec)
+        nowhere = self._nowhere(rec, places)
+        if nowhere is not None:
+            return nowhere
+        if not places:
+            return self.fit(rec, self.need(rec), models, victims)
+        # 3. One load per device at a time: the places with a load in flight wait.
+        free_places = [p for p in places if not set(p) & busy] if busy else places
+        if not free_places:
+            return Plan("wait")
+        # 4. Where it fits as things are: the cheapest there is. Else each place is
+        #    weighed, in the order of its lower bound, until none left can cost less.
+        weighing = Weighing(self, rec, models, victims, free_places)
+        return weighing.fits_now() or weighing.cheapest(exhaustive)
+
+    def _nowhere(self, rec: ModelRecord, places: list[list[str]]) -> Plan | None:
+        """Step 2 of a plan: a wait or a refusal for a model with no place to go, bound
+        to nodes or to be placed on GPUs (None: it has places, or needs none)."""
         nodes = rec.rules.nodes
         if nodes is not None and not any(node_of(d) in nodes for d in self.ledger.devices):
             return Plan("wait")  # none of its nodes has reported its devices yet
@@ -161,116 +147,18 @@ class Memory(Reports):
             return Plan("refuse", refusal=(
                 f"model '{rec.name}' cannot be placed: {'node lost: ' if lost else ''}none "
                 f"of its nodes ({', '.join(nodes)}) has a GPU up (GET /nodes)"))
-        if not places:
-            if rec.rules.placeable and (rec.rules.devices or rec.rules.devices_per_instance > 1):
-                if not self.ledger.devices:
-                    return Plan("wait")  # the first device report re-pumps
-                gpus = sorted(n for n, d in self.ledger.devices.items() if d.kind == "device")
-                return Plan("refuse", refusal=(
-                    f"model '{rec.name}' cannot be placed: it needs "
-                    f"{rec.rules.devices_per_instance} of {rec.rules.devices or 'any GPU'} "
-                    f"(devices, devices_per_instance), and the GPUs seen are {gpus}"))
-            return self._fit(rec, self.need(rec), models, victims)
-        free_places = [p for p in places if not set(p) & busy] if busy else places
-        if not free_places:
-            return Plan("wait")  # each place has a load in flight: one per device at a time
-        rooms = {node: self.nodes.room(node, rec, models, victims)
-                 for node in {node_of(p[0]) for p in free_places} if node is not None}
-        full = {node: room for node, room in rooms.items() if room.kind != "free"}
-        available: dict[str, int | None] = dict(self.ledger.all_available())
-        frees = [sum([available.get(d) or 0 for d in devices]) for devices in free_places]
-        short_at = shortage(self.need(rec), len(free_places[0]), available, self.ledger)
-        placed: dict[int, Breakdown | None] = {}
+        if places or not (rec.rules.placeable and (rec.rules.devices
+                                                   or rec.rules.devices_per_instance > 1)):
+            return None
+        if not self.ledger.devices:
+            return Plan("wait")  # the first device report re-pumps
+        gpus = sorted(n for n, d in self.ledger.devices.items() if d.kind == "device")
+        return Plan("refuse", refusal=(
+            f"model '{rec.name}' cannot be placed: it needs "
+            f"{rec.rules.devices_per_instance} of {rec.rules.devices or 'any GPU'} "
+            f"(devices, devices_per_instance), and the GPUs seen are {gpus}"))
 
-        def need_at(i: int) -> Breakdown | None:
-            if i not in placed:
-                placed[i] = self.placed_need(rec, free_places[i])
-            return placed[i]
-
-        # The cheapest there is: where it fits as things are, the most free memory of
-        # those, the first of equals.
-        spread = {d for devices in free_places for d in devices}
-        room_now = set() if short_at([], None) else {d for d in spread
-                                                     if not short_at([d], None)}
-        fits = [i for i, devices in enumerate(free_places)
-                if room_now.issuperset(devices) and node_of(devices[0]) not in full]
-        if fits:
-            plan = Plan("go")
-            plan.devices = list(free_places[min(fits, key=lambda i: (-frees[i], i))])
-            return plan  # (the cached lists are shared: a copy)
-        around = self._around(models)
-        rank_of = {v.name: i for i, v in enumerate(victims)}
-        on_device: dict[str, list[ModelRecord]] = {}  # the victims holding memory there
-        for v in victims:
-            for d in self.ledger.held.get(v.name, {}):
-                on_device.setdefault(d, []).append(v)
-
-        def weigh(i: int) -> tuple[tuple[float, ...], Plan] | None:
-            """The plan at place i, and its cost: what it takes, how recently used its
-            victims were, less free memory; None where the node's slots are all busy."""
-            devices, need = free_places[i], need_at(i)
-            on = set(devices)
-            useful = sorted({v.name: v for d in devices for v in on_device.get(d, [])}
-                            .values(), key=lambda v: rank_of[v.name])
-            room = full.get(node_of(devices[0]) or "")
-            if room is not None and room.kind == "busy":
-                return None  # the node has models_max_per_node running, none of them idle
-            if room is None:
-                plan = self._fit(rec, need, models, useful, on, around)
-            elif room.victim is None:  # "freeing": a child stopping there frees the slot
-                plan = self._fit(rec, need, models, useful, on, around)
-                if plan.verdict == "go":
-                    plan.verdict, plan.fits_once_freed = "wait", True
-            else:  # a slot on its node first: its least recently used idle model goes
-                slot = room.victim
-                useful = [v for v in useful if v is not slot]
-                plan = self._fit(rec, need, models, useful, on, around.but(slot, self.ledger))
-                plan.evict.insert(0, (slot, []))
-                if plan.verdict == "go":
-                    plan.verdict = "wait"  # for the slot: its exit re-pumps
-            plan.devices = list(devices)
-            rank = (0 if plan.verdict == "go" and not plan.evict
-                    else 1 if plan.fits_once_freed and not plan.evict
-                    else 2 if plan.evict else 3 if plan.verdict != "refuse" else 4)
-            recency = max((v.last_used for v, _ in plan.evict), default=0.0)
-            return (rank, recency, -frees[i], i), plan
-
-        # The lower bound of each place (weigh() only where it may win), from facts per
-        # device found once: short even with what is coming back, a place costs an
-        # eviction (its first victim's use at least) or a wait, unless nothing else holds
-        # memory there (then it goes anyway).
-        first_on = {d: on[0].last_used for d, on in on_device.items()}  # its LRU victim's
-        alone = {d for d in spread if not any(r is not rec for r in around.holders.get(d, ()))}
-        roomy = {d for d in spread if not short_at([d], around.coming_back)}
-        off_short = short_at([], around.coming_back)  # (what it needs off the GPUs)
-        victim_of = {node: room.victim for node, room in full.items() if room.victim}
-
-        def bound(i: int) -> tuple[float, ...]:
-            devices = free_places[i]
-            if alone.issuperset(devices):
-                return (0, 0.0, -frees[i], i)
-            if not off_short and roomy.issuperset(devices):
-                return (1, 0.0, -frees[i], i)
-            slot = victim_of.get(node_of(devices[0]) or "") if victim_of else None
-            if slot is not None:
-                return (2, slot.last_used, -frees[i], i)
-            firsts = [first_on[d] for d in devices if d in first_on]
-            return (2, min(firsts), -frees[i], i) if firsts else (3, 0.0, -frees[i], i)
-
-        best: tuple[tuple[float, ...], Plan] | None = None
-        lows = [bound(i) for i in range(len(free_places))]  # (each ends in i: unique)
-        heapq.heapify(lows)
-        while lows:
-            low = heapq.heappop(lows)
-            i = int(low[-1])
-            if best is not None and best[0] <= low and not exhaustive:
-                break  # no place left can cost less (R-5.9: the same choice, weighed less)
-            weighed = weigh(i)
-            if weighed is not None and (best is None or weighed[0] < best[0]):
-                best = weighed
-        return best[1] if best is not None else Plan("wait")
-
-    def _around(self, models: dict[str, ModelRecord]) -> Around:
+    def around(self, models: dict[str, ModelRecord]) -> Around:
         """What every place a plan weighs shares, computed once for all of them."""
         going = [name for name in self.ledger.held  # (only what they hold counts)
                  if (r := models.get(name)) is not None
@@ -283,12 +171,12 @@ class Memory(Reports):
                     holders.setdefault(d, []).append(holder)
         return Around(self.ledger.holds_of(going), holders)
 
-    def _fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
+    def fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
              victims: list[ModelRecord], on: set[str] | None = None,
              around: Around | None = None) -> Plan:
         """Whether `need` fits, after evicting which of `victims`; `on`: the devices it is
         being placed on (then only models holding memory there count as "others")."""
-        around = around or self._around(models)
+        around = around or self.around(models)
         plan = Plan("wait")
         coming_back = dict(around.coming_back)
         short = self.ledger.deficit(need, coming_back)
@@ -348,6 +236,6 @@ class Memory(Reports):
                       model=max(0, row.self_bytes - own.get(row.name, 0)))
             for row in need.devices])
         useful = [v for v in victims if not on.isdisjoint(self.ledger.held.get(v.name, {}))]
-        plan = self._fit(rec, extra, models, useful, on or None)
+        plan = self.fit(rec, extra, models, useful, on or None)
         plan.devices = rec.placement
         return plan

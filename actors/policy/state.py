@@ -46,57 +46,68 @@ class State:
         self.leases: dict[Hashable, tuple[str, int, str]] = {}
         """Ticket -> (model, generation, key), for every granted request not yet
         released."""
-        self.tenants = Tenants(tenants)
-        """Every key's class, limits and usage (issue 22)."""
         self.revocable: dict[tuple[str, int], None] = {}
         """(model, generation) of the unpinned children granted a shareable grant since the
         last revocation (a set, in order): the front may be keeping it idle after its last
         request (a lease, actors/http/shares.py)."""
-        self.cuts = Cuts()
-        """The requests that may be cut for a higher class (priority_preempt)."""
-        self.nodes = NodeSlots(models_max_per_node)
-        """The cluster's nodes that are up, and the models_max_per_node rule."""
-        self.memory = Memory(memory_margin, account_host, self.nodes)
-        self.host = HostTier(host_margin, suspended_max)
-        """Host RAM for suspended models (issue 23)."""
-        self.victims = Victims(self.evictable)
         self.unsettled: set[ModelRecord] = set()
         """Records that were loading or not yet charged their real use (awaiting_usage)
         when last looked at: a superset of those that are (Moves.loading_devices)."""
-        self.warming: set[ModelRecord] = set()
-        """Records whose load (or wake) is a warm model's that nobody asked for: a
-        request waiting for a place makes it give way (rules.yield_warm), and once it
-        serves it is the first victim."""
-        self.groups = Groups()
-        """The models that run as several copies (issue 24)."""
-        self.teams = Teams()
-        """The model groups: exclusive, together, persistent (issue 25)."""
-        self.memory.kept = self.kept_from
         self.stats = Stats()
         self.shutting_down = False
-        self.n_running = 0
-        self.n_stopping = 0
-        self.n_running_pinned = 0
-        self.n_suspending = 0
-        self.n_suspended = 0
-        """Counts kept by `Moves.transition` (and a pin change), so a decision is O(1):
-        `n_running` counts the children that hold a slot (models_max), `n_suspended` the
-        suspended and suspending ones (suspended_max)."""
         self.last_generation: dict[str, int] = {}
         """Model -> the generation of its record when a reload dropped it: a model added
         back goes on counting from there, so a late lease or event of its old record is
         never taken for one of its new."""
-        self.warm: list[str] = []
-        """The models with `warm`, in config order (kept by `rewarm`)."""
-        self.warm_after = 0.0
-        self.warm_due = False
-        """No warm-up is tried before `warm_after`; a Repump for then is pending."""
         self.now = 0.0
         """The time of the latest event (what a `queue` event's waits are measured at)."""
         self.wake_at: float | None = None
         """A Repump is due then (a young victim comes of age)."""
         self.out: list[Effect] = []
         """Effects decided since the last event, in order."""
+        self._compose(tenants, models_max_per_node, memory_margin, account_host, host_margin,
+                      suspended_max)
+        self._count()
+
+    def _compose(self, tenants: dict[str, Tenant] | None, models_max_per_node: int,
+                 memory_margin: int, account_host: bool, host_margin: int,
+                 suspended_max: int) -> None:
+        """The parts, each keeping one concern of what the policy knows."""
+        self.tenants = Tenants(tenants)
+        """Every key's class, limits and usage (issue 22)."""
+        self.cuts = Cuts()
+        """The requests that may be cut for a higher class (priority_preempt)."""
+        self.nodes = NodeSlots(models_max_per_node)
+        """The cluster's nodes that are up, and the models_max_per_node rule."""
+        self.memory = Memory(memory_margin, account_host, self.nodes)
+        self.memory.kept = self.kept_from
+        self.host = HostTier(host_margin, suspended_max)
+        """Host RAM for suspended models (issue 23)."""
+        self.victims = Victims(self.evictable)
+        self.groups = Groups()
+        """The models that run as several copies (issue 24)."""
+        self.teams = Teams()
+        """The model groups: exclusive, together, persistent (issue 25)."""
+
+    def _count(self) -> None:
+        """The counts kept by `Moves.transition` (and a pin change), so that a decision is
+        O(1), and the warm models' bookkeeping."""
+        self.n_running = 0
+        """The children that hold a slot (models_max)."""
+        self.n_stopping = 0
+        self.n_running_pinned = 0
+        self.n_suspending = 0
+        self.n_suspended = 0
+        """The suspended and suspending children (suspended_max)."""
+        self.warm: list[str] = []
+        """The models with `warm`, in config order (kept by `rewarm`)."""
+        self.warming: set[ModelRecord] = set()
+        """Records whose load (or wake) is a warm model's that nobody asked for: a
+        request waiting for a place makes it give way (rules.yield_warm), and once it
+        serves it is the first victim."""
+        self.warm_after = 0.0
+        self.warm_due = False
+        """No warm-up is tried before `warm_after`; a Repump for then is pending."""
 
     @property
     def ledger(self) -> Ledger:

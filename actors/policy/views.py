@@ -122,6 +122,15 @@ def key_views(p: State, now: float) -> list[KeyView]:
 
 def check(p: State) -> None:
     """Raise AssertionError if the state is inconsistent (tests run it after every step)."""
+    _check_queue(p)
+    _check_leases(p)
+    _check_counts(p)
+    _check_copies(p)
+    _check_records(p)
+
+
+def _check_queue(p: State) -> None:
+    """Nobody waits for a model that could serve; a claimed entry has a child coming."""
     p.queue.check()
     for name, entry in p.queue.entries.items():
         copies = p.groups.of(p.models[name])
@@ -134,6 +143,11 @@ def check(p: State) -> None:
         if entry.claimed:
             assert any(r.state in (S.LOADING, S.STOPPING, S.WAKING) for r in copies), \
                 f"{name}: claim without child"
+
+
+def _check_leases(p: State) -> None:
+    """Every grant is counted in flight once, by its model and by its key; a slot a
+    higher class may cut is a grant's."""
     for rec in p.models.values():
         live = sum(1 for (n, g, _) in p.leases.values()
                    if n == rec.name and g == rec.generation)
@@ -151,12 +165,22 @@ def check(p: State) -> None:
         assert p.leases.get(ticket, ("",))[0] == slot.model, f"cut slot {ticket!r}: no lease"
         assert p.cuts.slots[slot.model][ticket] is slot
     assert sum(map(len, p.cuts.slots.values())) == len(p.cuts.of), "cut slots"
+
+
+def _check_counts(p: State) -> None:
+    """The counts kept for O(1) decisions are what the records say."""
     recs = list(p.models.values())
     assert p.n_running == sum(r.holds_slot for r in recs), "n_running"
     assert p.n_stopping == sum(r.state is S.STOPPING and r.holds_slot for r in recs)
     assert p.n_running_pinned == sum(r.holds_slot and r.pinned for r in recs)
     assert p.n_suspending == sum(r.state is S.SUSPENDING for r in recs), "n_suspending"
     assert p.n_suspended == sum(r.state in (S.SUSPENDING, S.SUSPENDED) for r in recs)
+    assert p.models_max <= 0 or p.n_running <= p.models_max, "over models_max"
+    assert not p.host.suspended_max or p.n_suspended <= p.host.suspended_max, "suspended_max"
+
+
+def _check_copies(p: State) -> None:
+    """A model's copies: at most its max, one generation each, active while one is up."""
     for name, group in p.groups.members.items():
         most = group[0].rules.replicas
         assert most is not None and (group[0].alternate_of or group[0].name) == name, \
@@ -169,6 +193,11 @@ def check(p: State) -> None:
         assert all(r.rules.replicas is not None and r.group == name and not r.removed
                    for r in group), f"{name}: a member that is not its copy"
     assert set(p.groups.active) <= set(p.groups.members), "active groups without members"
+
+
+def _check_records(p: State) -> None:
+    """Each record's flags agree with its state; memory is held only by a child."""
+    recs = list(p.models.values())
     assert p.warming <= set(recs), "warming: a record that is not the model's"
     for rec in recs:
         assert not rec.releasing or rec in p.memory.releasing, f"{rec.name}: releasing"
@@ -180,8 +209,6 @@ def check(p: State) -> None:
         assert rec.name not in p.host.unseen or rec.state in (
             S.SUSPENDING, S.SUSPENDED, S.WAKING, S.STOPPING), \
             f"{rec.name}: host bytes of no suspend"
-    assert p.models_max <= 0 or p.n_running <= p.models_max, "over models_max"
-    assert not p.host.suspended_max or p.n_suspended <= p.host.suspended_max, "suspended_max"
     p.victims.check(p.models)
     for name in p.ledger.held:
         rec = p.models[name]
