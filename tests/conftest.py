@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -79,6 +80,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if report.when == "call":
         item.rep_call = report  # type: ignore[attr-defined]
     return report
+
+
+@pytest.fixture(autouse=True)
+def alone_when_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked `alone` runs while no other test runs, on any worker: it waits for
+    the running ones to end, and none starts until it has (a lock file per run: every test
+    holds the room shared, an `alone` one holds it whole; the turnstile lets no new test
+    in while one waits for the room)."""
+    if not WORKER:  # one process: nothing runs beside it
+        yield
+        return
+    locks = Path(tempfile.gettempdir()) / f"corral-tests-{os.environ[MARK].rsplit('-', 1)[0]}"
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(f"{locks}.turnstile", "a") as turnstile, open(f"{locks}.room", "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if alone:
+            fcntl.flock(room, fcntl.LOCK_EX)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(room, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -278,7 +278,7 @@ def test_a_suspend_and_wake_within_a_liveness_interval_do_not_double_the_checks(
     from actors.instance.actor import ModelInstance
     from actors.instance.health import Liveness
     from actors.instance.phases import Phase
-    from actors.messages import LivenessTick
+    from actors.messages import LivenessResult, LivenessTick
 
     armed: list[object] = []
 
@@ -294,9 +294,9 @@ def test_a_suspend_and_wake_within_a_liveness_interval_do_not_double_the_checks(
     probes: list[int] = []
     inst.jobs.switch = lambda *a, **k: None  # type: ignore[method-assign]
     inst.jobs.probe = lambda spawn_id, *a: probes.append(spawn_id)  # type: ignore[method-assign]
-    inst.liveness = Liveness(interval_s=10.0, failures=3)
+    inst.watch.start(Liveness(interval_s=10.0, failures=3), llama=False)
     inst.phase, inst.generation, inst.spawn_id, inst.child = Phase.READY, 1, 1, Child()  # type: ignore[assignment]
-    inst.arm_liveness()  # ready: the first chain's tick is pending
+    inst.watch.ready(1)  # ready: the first chain's tick is pending
     inst.handle_switch(1, "sleep")
     inst.handle_switched(1, "sleep", None, 0)
     inst.handle_switch(1, "wake")
@@ -305,9 +305,9 @@ def test_a_suspend_and_wake_within_a_liveness_interval_do_not_double_the_checks(
         ticks = [m for m in armed if isinstance(m, LivenessTick)]
         armed.clear()
         for tick in ticks:
-            inst.handle_liveness_tick(tick.spawn_id)
+            inst.on_receive(tick)
         for spawn_id in list(probes):
-            inst.handle_liveness_result(spawn_id, True, "", rearm=True)
+            inst.on_receive(LivenessResult(spawn_id=spawn_id, ok=True, detail=""))
         probes.clear()
     pending = [m for m in armed if isinstance(m, LivenessTick)]
     assert len(pending) == 1, f"{len(pending)} liveness chains for one child"
