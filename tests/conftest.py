@@ -83,15 +83,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 @pytest.fixture(autouse=True)
-def alone_when_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+def alone_when_marked(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A test marked `alone` runs while no other test runs, on any worker: it waits for
     the running ones to end, and none starts until it has (a lock file per run: every test
     holds the room shared, an `alone` one holds it whole; the turnstile lets no new test
     in while one waits for the room)."""
-    if not WORKER:  # one process: nothing runs beside it
+    run = getattr(request.config, "workerinput", {}).get("testrunuid")
+    if run is None:  # one process: nothing runs beside it
         yield
         return
-    locks = Path(tempfile.gettempdir()) / f"corral-tests-{os.environ[MARK].rsplit('-', 1)[0]}"
+    # the run's temporary folder, above each worker's own (kept and removed as pytest does)
+    locks = tmp_path_factory.getbasetemp().parent / f"alone-{run}"
     alone = request.node.get_closest_marker("alone") is not None
     with open(f"{locks}.turnstile", "a") as turnstile, open(f"{locks}.room", "a") as room:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
