@@ -14,7 +14,8 @@ from typing import TypeVar, assert_never, cast
 from . import budgets
 from .base import BaseActor, CrashHandler
 from .config.keys import tenants_of
-from .config.model import Config, ModelConfig, ModelRules, copies, same_child
+from .config.model import Config, ModelConfig, ModelRules, copies
+from .config.reload import same_child
 from .config.rules import alternate_name
 from .ledger import MiB
 from .messages import (

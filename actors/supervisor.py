@@ -15,7 +15,8 @@ import pykka
 
 from .childproc import LogRing
 from .config.keys import tenants_of
-from .config.model import Config, ConfigError, ModelConfig, same_child
+from .config.model import Config, ConfigError, ModelConfig
+from .config.reload import same_child
 from .config.rules import alternate_name
 from .device import DeviceMonitor, discover
 from .instance.actor import ModelInstance

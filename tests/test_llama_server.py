@@ -241,3 +241,28 @@ def test_a_burst_wider_than_the_childs_http_threads_is_not_held_up(corral, tmp_p
     assert wait_until(lambda: not [
         k for k in psutil.Process(c.proc.pid).net_connections("tcp")
         if k.raddr and k.raddr.port == child_port and k.status == psutil.CONN_ESTABLISHED])
+
+
+def test_the_router_paths_reach_a_real_child(corral, tmp_path, models) -> None:
+    """Issue 39: the token counters (with the official clients), the stream control and
+    a child's own settings, answered by llama-server itself."""
+    import anthropic
+    import openai
+
+    c = serve(corral, preset(tmp_path, three(models)))
+    counted = anthropic.Anthropic(api_key="none", base_url=c.url, max_retries=0) \
+        .messages.count_tokens(model="m0", messages=[{"role": "user", "content": "hi there"}])
+    assert counted.input_tokens > 0
+    assert c.state("m0") == "loaded"
+    counted = openai.OpenAI(api_key="none", base_url=f"{c.url}/v1", max_retries=0) \
+        .responses.input_tokens.count(model="m1", input="hi there")
+    assert counted.input_tokens > 0
+    status, body, headers = request(c.port, "POST", "/v1/chat/completions/input_tokens", {
+        "model": "m0", "messages": [{"role": "user", "content": "hi there"}]})
+    assert status == 200 and body["input_tokens"] > 0, body
+    for path, body in (("/slots/0?action=erase&model=m0", {}),
+                       ("/props?model=m0", {}), ("/lora-adapters", {"model": "m0"})):
+        status, said, headers = request(c.port, "POST", path, body)
+        # the child's own answer (POST /props needs its --props: a 403 of its own)
+        assert headers.get("content-security-policy") == "sandbox", (path, status, said)
+        assert status in (200, 400, 403, 501), (path, status, said)

@@ -9,12 +9,14 @@ key with its default and meaning, and the checks their types cannot express.
 | `[http]`: the edge's limits, workers, upload paths     | `HttpConfig`             | http.py      |
 | `[hooks]`: commands around a child                     | `Hooks`                  | hooks.py     |
 | `[virtual.NAME]`: one name for several models          | `VirtualModel`           | virtual.py   |
+| `[ollama]`: Ollama's API on or off                     | `OllamaConfig`           | ollama.py    |
 | `[downloads]`: where and how much                      | `DownloadsConfig`        | downloads.py |
 | a model's `suspend` key and its check                  | `Suspend`, `check`       | suspend.py   |
 | what the policy needs of a model; replicas; groups     | `ModelRules`, `Replicas` | rules.py     |
 | named keys, built from the config; a caller's key      | `Keys`, `Tenant`         | keys.py      |
 | a name made a folder: one rule                         | `folder_name`            | paths.py     |
 | llama.cpp's `--models-preset` INI and `--models-dir`   | `llama_models`           | presets.py   |
+| what a reload changes without a restart                | `same_child`             | reload.py    |
 | what `corral serve` runs with no config                | `demo_config`            | demo.py      |
 
 What may be imported here: the standard library, msgspec and the vocabulary at the top of

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -15,6 +15,7 @@ from msgspec import Meta
 from .downloads import DownloadsConfig
 from .hooks import Hooks
 from .http import HttpConfig
+from .ollama import OllamaConfig
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
 from .virtual import VirtualModel
@@ -33,19 +34,12 @@ def copies(models: dict[str, ModelConfig]) -> dict[str, tuple[str, ModelConfig]]
             for name, model in models.items() for i in range(1, model.copies + 1)}
 
 
-def same_child(a: ModelConfig, b: ModelConfig) -> bool:
-    """`a` and `b` differ at most in what only the policy reads (`replicas`,
-    `make_before_break`, and `hooks`, which a child uses from its next load): a reload
-    between them keeps the children running."""
-    def rest(m: ModelConfig) -> ModelConfig:
-        return msgspec.structs.replace(m, replicas=1, make_before_break=True, hooks=Hooks(),
-                                       hook_timeout_s=None)
-
-    return rest(a) == rest(b)
-
-
 class ConfigError(Exception):
     """A config that cannot be used; the message says where and what to fix."""
+
+
+Modality = Literal["text", "image", "audio"]
+Capability = Literal["completion", "chat", "embedding", "rerank", "tools"]
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -109,6 +103,16 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     warm: bool = False
     """Load (or wake) it in the background whenever a slot and memory are free for it,
     at the lowest priority: never evicting for it, giving way to any request."""
+    context_length: Annotated[int, Meta(ge=1)] | None = None
+    modalities: list[Modality] | None = None
+    capabilities: list[Capability] | None = None
+    """What `/v1/models` says it is (issue 39): its context length, what it takes in and
+    what it does; unset, read from a llama-server child's `/props` once it is ready
+    (remembered across restarts), else `["text"]` and what its argv says it is."""
+    metadata: dict[str, Any] = {}
+    """Anything else `/v1/models` shows of it, as given (a name, a description, tags)."""
+    unlisted: bool = False
+    """Served, but not shown in `/v1/models` (corral's own `GET /models` shows it)."""
     keep_prompt_cache: bool = False
     """llama-server children: save the slots' prompt caches before corral stops the child,
     restore them after its next ready (instance/prompt_cache.py)."""
@@ -252,6 +256,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     models_max_per_node: Annotated[int, Meta(ge=0)] = 0
     """With a [cluster]: most children running at once on one node (0: no limit)."""
     autoload: bool = True
+    include_aliases: bool = False
+    """`/v1/models` lists each alias as an entry of its own (`alias_of` its model)."""
     api_key: str | None = None
     api_key_file: str | None = None
     keys: dict[str, KeyConfig] = {}
@@ -312,6 +318,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     hooks: Hooks = Hooks()
     """Every model's hooks, unless its own table sets that one (instance/hooks.py)."""
     downloads: DownloadsConfig = DownloadsConfig()
+    ollama: OllamaConfig = OllamaConfig()
     hook_timeout_s: PositiveSeconds = 30.0
     groups: dict[str, ModelGroup] = {}
     """Models that swap, load or stay together (actors/policy/teams.py)."""

@@ -155,6 +155,11 @@ def add_llama_args(p: argparse.ArgumentParser) -> None:
                         "(loading, ready, sleeping), the exit command on stdin")
     p.add_argument("--ignore-exit-command", action="store_true",
                    help="with --llama-protocol: do not leave on the exit command")
+    p.add_argument("--n-ctx", type=int, default=4096, metavar="N",
+                   help="the context its /props says it runs with")
+    p.add_argument("--vision", action="store_true", help="its /props says it takes images")
+    p.add_argument("--embedding", "--embeddings", action="store_true",
+                   help="llama-server's flag for an embedding model, taken (it embeds anyway)")
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="llama-server's flag, taken and printed (no slot is saved)")
     p.add_argument("--sleep-idle-s", type=float, default=None, metavar="S",

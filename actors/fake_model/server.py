@@ -23,7 +23,12 @@ UPLOAD_PATHS = ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/image
                 "/v1/images/variations"]
 _MODEL_FIELD = re.compile(rb'name="model"\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--', re.S)
 ECHO_PATHS = ["/v1/responses", "/v1/messages", "/rerank", "/v1/rerank", "/reranking",
-              "/infill", "/apply-template", "/v1/audio/speech", "/v1/images/generations"]
+              "/infill", "/apply-template", "/v1/audio/speech", "/v1/images/generations",
+              "/v1/chat/completions/control", "/props", "/lora-adapters",
+              "/slots/{id_slot}"]
+COUNT_PATHS = ["/v1/messages/count_tokens", "/v1/chat/completions/input_tokens",
+               "/chat/completions/input_tokens", "/v1/responses/input_tokens"]
+"""Token counters: a token a word of every string in the body (as /tokenize counts)."""
 
 
 class FakeModel:
@@ -85,7 +90,9 @@ class FakeModel:
 
     async def props(self, request: web.Request) -> web.Response:
         return web.json_response({"model_alias": self.args.model, "role": "model",
-                                  "pid": os.getpid(), "total_slots": 1})
+                                  "pid": os.getpid(), "total_slots": 1,
+                                  "default_generation_settings": {"n_ctx": self.args.n_ctx},
+                                  "modalities": {"vision": self.args.vision, "audio": False}})
 
     async def debug_stats(self, request: web.Request) -> web.Response:
         sleep = self.vllm_sleep
@@ -202,7 +209,19 @@ class FakeModel:
         body = await self._body(request)
         self.stats["completed"] += 1
         return web.json_response({"object": "echo", "path": request.path,
-                                  "model": self.args.model, "received_model": body.get("model")})
+                                  "query": dict(request.query), "model": self.args.model,
+                                  "received_model": body.get("model")})
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's `{"input_tokens": N}`, and OpenAI's with its `object`."""
+        if (refused := self._not_ready()) is not None:
+            return refused
+        self._count_request()
+        body = await self._body(request)
+        self.stats["completed"] += 1
+        words = sum(len(text.split()) for text in strings(body))
+        shape = {} if "messages/" in request.path else {"object": "response.input_tokens"}
+        return web.json_response({**shape, "input_tokens": words})
 
     async def upload(self, request: web.Request) -> web.Response:
         """A multipart upload (audio, image): read as it comes (at --upload-bytes-per-s),
@@ -261,8 +280,22 @@ class FakeModel:
         r.add_post("/detokenize", self.detokenize)
         for path in ECHO_PATHS:
             r.add_post(path, self.echo)
+        for path in COUNT_PATHS:
+            r.add_post(path, self.count_tokens)
         for path in UPLOAD_PATHS:
             r.add_post(path, self.upload)
         if self.vllm_sleep is not None:
             self.vllm_sleep.routes(app)
         return app
+
+
+def strings(value: Any) -> list[str]:
+    """Every string in a JSON value but its `model`, `role` and `type` fields."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() if k not in ("model", "role", "type")
+                for t in strings(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in strings(v)]
+    return []

@@ -6,41 +6,44 @@ worker process); nothing here decides scheduling. A request that
 names a model asks the Scheduler for a grant through the bridge (`actors/runtime/bridge.py`) and is
 then streamed to and from the child; everything else goes to the management API.
 
-| concern                                           | type                     | file          |
-|---------------------------------------------------|--------------------------|---------------|
-| the port: accept, limits, drain, what all share   | `Front`                  | front.py      |
-| one client connection: pipelining, timers, flow   | `Connection`, `Hub`      | connection.py |
-| parsing and screening requests as they arrive     | `Reader`, `screen`       | request.py    |
-| an upload's start, held until its grant           | `Held`                   | held.py       |
-| a client that takes nothing: the watch, the cut   | `WriteStall`, `cut`      | flow.py       |
-| one request and its answer, in phases             | `Exchange`               | exchange.py   |
-| what an exchange may use of its front             | `Services`               | services.py   |
-| what an exchange writes to: its connection        | `Client`                 | exchange.py   |
-| a keyed request's tokens; each key's use          | `Meter`, `KeyUses`       | usage.py      |
-| the text one event of a stream carries            | `text_bytes`             | eventtext.py  |
-| joining a held grant; keeping it (a lease)        | `Shares`, `SharedGrant`  | shares.py     |
-| connections to one child; all pools               | `Pool`, `Pools`          | pool.py       |
-| one connection to a child and its answers         | `Upstream`, `Broke`      | upstream.py   |
-| the rules both servers share; the routing table   | `Routes`, `Answer`, ...  | edge.py       |
-| the model table as the front sees it              | `Routes`, `ModelRoute`   | routes.py     |
-| which instance a request goes to, and retries     | `to_model`, `to_virtual` | tries.py      |
-| which copy a prompt belongs to (route "prefix")   | `affinity`               | affinity.py   |
-| multipart uploads, routed by their model field    | `FormSniffer`            | upload.py     |
-| a connection's deadlines: slow heads, idle, stall | `Timers`, `Watch`        | deadlines.py  |
-| who may call: the key, or the Host and Origin     | `check_key`, `Origins`   | callers.py    |
-| corral's own endpoints (aiohttp, loopback only)   | `ManagementApi`          | api.py        |
-| load, unload, download and delete a model         | `ModelCommands`          | manage.py     |
-| a model's entry in GET /models                    | `entry`                  | listing.py    |
-| what a key may ask; GET /keys, /models/plan       | `may_call`, `plan`       | tenancy.py    |
-| a key's allowance of those (plans_per_min)        | `Allowances`, `refuse`   | allowance.py  |
-| more fronts in processes of their own             | `Fronts`, `Workers`      | workers.py    |
-| corral's end of one worker's channel              | `Link`, `RemoteTicket`   | link.py       |
-| a front worker's process                          | `serve`, `Corral`        | worker.py     |
-| what crosses between corral and its workers       | `Setup`, `FrontCounts`   | control.py    |
-| its event and log streams (/models/sse, /logs)    | `Streams`                | events.py     |
-| /metrics and the front's request times            | `render`, `RequestTimes` | metrics.py    |
-| the dashboard page and its CSP                    | `PAGE`, `ui.html`        | dashboard.py  |
-| the CLI's management commands                     | `run`, `COMMANDS`        | client.py     |
+| concern                                            | type                     | file          |
+|----------------------------------------------------|--------------------------|---------------|
+| the port: accept, limits, drain, what all share    | `Front`                  | front.py      |
+| one client connection: pipelining, timers, flow    | `Connection`, `Hub`      | connection.py |
+| parsing and screening requests as they arrive      | `Reader`, `screen`       | request.py    |
+| an upload's start, held until its grant            | `Held`                   | held.py       |
+| a client that takes nothing: the watch, the cut    | `WriteStall`, `cut`      | flow.py       |
+| one request and its answer, in phases              | `Exchange`               | exchange.py   |
+| what an exchange may use of its front              | `Services`               | services.py   |
+| what an exchange writes to: its connection         | `Client`                 | exchange.py   |
+| a keyed request's tokens; each key's use           | `Meter`, `KeyUses`       | usage.py      |
+| the text one event of a stream carries             | `text_bytes`             | eventtext.py  |
+| joining a held grant; keeping it (a lease)         | `Shares`, `SharedGrant`  | shares.py     |
+| connections to one child; all pools                | `Pool`, `Pools`          | pool.py       |
+| one connection to a child and its answers          | `Upstream`, `Broke`      | upstream.py   |
+| the rules both servers share; the routing table    | `Routes`, `Answer`, ...  | edge.py       |
+| the model table as the front sees it               | `Routes`, `ModelRoute`   | routes.py     |
+| which instance a request goes to, and retries      | `to_model`, `to_virtual` | tries.py      |
+| which copy a prompt belongs to (route "prefix")    | `affinity`               | affinity.py   |
+| multipart uploads, routed by their model field     | `FormSniffer`            | upload.py     |
+| a connection's deadlines: slow heads, idle, stall  | `Timers`, `Watch`        | deadlines.py  |
+| who may call: the key, or the Host and Origin      | `check_key`, `Origins`   | callers.py    |
+| corral's own endpoints (aiohttp, loopback only)    | `ManagementApi`          | api.py        |
+| load, unload, download and delete a model          | `ModelCommands`          | manage.py     |
+| a model's entry in GET /models                     | `entry`                  | listing.py    |
+| what a model is: context, modalities, capabilities | `Cards`                  | cards.py      |
+| Ollama's API: its shapes, made of the OpenAI one   | `openai_messages`, ...   | ollama.py     |
+| Ollama's API: its handlers                         | `OllamaApi`              | ollama_api.py |
+| what a key may ask; GET /keys, /models/plan        | `may_call`, `plan`       | tenancy.py    |
+| a key's allowance of those (plans_per_min)         | `Allowances`, `refuse`   | allowance.py  |
+| more fronts in processes of their own              | `Fronts`, `Workers`      | workers.py    |
+| corral's end of one worker's channel               | `Link`, `RemoteTicket`   | link.py       |
+| a front worker's process                           | `serve`, `Corral`        | worker.py     |
+| what crosses between corral and its workers        | `Setup`, `FrontCounts`   | control.py    |
+| its event and log streams (/models/sse, /logs)     | `Streams`                | events.py     |
+| /metrics and the front's request times             | `render`, `RequestTimes` | metrics.py    |
+| the dashboard page and its CSP                     | `PAGE`, `ui.html`        | dashboard.py  |
+| the CLI's management commands                      | `run`, `COMMANDS`        | client.py     |
 
 What may be imported here: everything below it (the top of `actors/`, `config/`,
 `runtime/`, `downloads/`), and of the policy only what a key's plan needs

@@ -17,14 +17,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 import pykka
 from aiohttp import web
 
 from ..config.keys import KeyRule, Keys
 from ..config.model import Config, ConfigError, ModelConfig
 from ..downloads import Downloads
-from ..ledger import node_of
 from ..messages import (
     Alive,
     DevicesSnapshot,
@@ -40,12 +38,15 @@ from ..runtime.bridge import LoopReply
 from ..supervisor import Supervisor
 from . import allowance, dashboard, listing, tenancy
 from .callers import check_key
+from .cards import Cards
 from .control import FrontCounts
 from .edge import OPEN_PATHS, Answer
 from .events import Streams, log_text
 from .front import Front
 from .manage import ModelCommands, answer_response, error
 from .metrics import render
+from .ollama import MODEL_CALLS
+from .ollama_api import OllamaApi
 from .routes import Routes
 from .workers import Fronts
 
@@ -86,6 +87,11 @@ class ManagementApi(ModelCommands):
         """Shown by the front on every request it passes here (edge.FRONT_HEADER)."""
         self.downloads: Downloads | None = None
         """POST /models (started with the loop)."""
+        self.cards = Cards(config.state_path())
+        """What each model is, as /v1/models shows it (a llama child's /props)."""
+        self.ollama = OllamaApi(self)
+        self.front_at = ("127.0.0.1", 0)
+        """Where corral's own front listens (Ollama's calls are made of requests to it)."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -93,8 +99,8 @@ class ManagementApi(ModelCommands):
         app = web.Application(client_max_size=int(self.config.max_body_mib * 1024 * 1024),
                               middlewares=[self._errors, self._auth])
         r = app.router
-        r.add_get("/", self.root)
-        r.add_get("/ui", self.ui)
+        r.add_get("/", dashboard.root)
+        r.add_get("/ui", dashboard.ui)
         r.add_get("/health", self.health)
         r.add_get("/v1/health", self.health)
         r.add_get("/models", self.list_models)
@@ -111,6 +117,8 @@ class ManagementApi(ModelCommands):
         r.add_get("/devices", self.devices)
         r.add_get("/nodes", self.nodes)
         r.add_get("/keys", self.keys_list)
+        if self.config.ollama.enabled:
+            self.ollama.routes(app)
         planning = asyncio.Lock()
         r.add_get("/models/plan", lambda q: tenancy.plan(q, self.names, self.sup.config,
                                                          self._ask, planning, self._counts))
@@ -119,7 +127,9 @@ class ManagementApi(ModelCommands):
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0 picks one); return the port."""
         loop = asyncio.get_running_loop()
-        self.sup.subscribe(loop, self.streams.publish)
+        self.sup.subscribe(loop, self.cards.watching(
+            self.streams.publish, lambda: self.sup.config.models,
+            lambda: self._ask(lambda r: GetModels(reply=r)), self._node_of))
         self.downloads = Downloads(self.config, self.streams.publish, self.downloaded)
         # handler_cancellation: the front closing its connection (its client left)
         # cancels the handler.
@@ -134,7 +144,13 @@ class ManagementApi(ModelCommands):
         self.fronts = Fronts(self.front, self.config, api_port, self.front_secret,
                              lambda: self.sup.scheduler_ref)
         self.sup.watch_grants(loop, self.fronts.grant_notice)
-        return await self.fronts.listen(host, port)
+        port = await self.fronts.listen(host, port)
+        self.front_at = (host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
+        return port
+
+    def front_url(self) -> str:
+        host, port = self.front_at
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     async def stop(self) -> None:
         """Drain (R-6.7): stop accepting, end event streams (the front cuts those whose
@@ -147,6 +163,7 @@ class ManagementApi(ModelCommands):
             await self.fronts.drain(self.config.http.drain_timeout_s)
         if self.runner is not None:
             await self.runner.cleanup()
+        await self.ollama.close()
 
     # ------------------------------------------------------------ middleware
 
@@ -187,8 +204,9 @@ class ManagementApi(ModelCommands):
             return answer_response(who)
         if who is not None and not tenancy.may_call(who, request):
             return error(403, tenancy.refused(who, request), "permission_error")
-        if who is not None and (wait_s := self.allowances.take(
-                who.name, who.plans_per_min, time.monotonic())) is not None:
+        if who is not None and request.path not in MODEL_CALLS and (
+                wait_s := self.allowances.take(who.name, who.plans_per_min,
+                                               time.monotonic())) is not None:
             return await allowance.refuse(who, wait_s)  # before any Scheduler work (S7)
         request["key"] = who
         return await handler(request)
@@ -202,16 +220,6 @@ class ManagementApi(ModelCommands):
         return await asyncio.wait_for(reply.future, ASK_TIMEOUT_S)
 
     # ------------------------------------------------------------ router endpoints
-
-    async def root(self, request: web.Request) -> web.Response:
-        """A browser asking for / is sent to the dashboard."""
-        if "text/html" in request.headers.get("Accept", ""):
-            raise web.HTTPFound("/ui")
-        return error(404, "corral: the dashboard is at /ui; the API is /v1/*, /models, "
-                     "/devices, /metrics", "not_found_error")
-
-    async def ui(self, request: web.Request) -> web.Response:
-        return web.Response(body=dashboard.PAGE, headers=dashboard.HEADERS)
 
     async def health(self, request: web.Request) -> web.Response:
         if self.sup.crashed.is_set():
@@ -286,13 +294,9 @@ class ManagementApi(ModelCommands):
             except ConfigError as e:
                 log.error("reload refused: %s", e)
                 return error(400, f"reload refused, nothing changed: {e}")
-        snap = await self._ask(lambda r: GetModels(reply=r))
-        assert isinstance(snap, ModelsSnapshot)
-        models = self.sup.config.models  # read once: every entry from the same table
-        counts = await self._counts()
         key = request.get("key")
-        entries = (self._entry(view, models, counts) for view in snap.models
-                   if tenancy.visible(key, view.name, models))
+        shown = await self.models_seen(key)
+        models = self.sup.config.models
         # a key that may name a virtual model is served by any member: it sees them all
         virtual = [v.entry(n, None if tenancy.visible(key, n, models) else
                            [m for m in v.models if tenancy.visible(key, m, models)])
@@ -300,9 +304,19 @@ class ManagementApi(ModelCommands):
                    if any(tenancy.visible(key, m, models) for m in (n, *v.models))]
         pending = [v for v in self.downloads.views() if tenancy.visible(key, v["id"], models)
                    ] if self.downloads is not None else []  # (S8: a member key, its own)
-        return web.json_response({"object": "list", "data": [
-            *(tenancy.shown(e, key, self._said(key)) for e in entries if e), *virtual,
-            *pending]})
+        if request.path == "/v1/models":  # the OpenAI list: unlisted ones out, aliases in
+            shown = listing.openai_list(shown, models, self.sup.config.include_aliases)
+        return web.json_response({"object": "list", "data": [*shown, *virtual, *pending]})
+
+    async def models_seen(self, key: KeyRule | None) -> list[dict[str, Any]]:
+        """Every model's entry the caller with `key` may see, as it may see it."""
+        snap = await self._ask(lambda r: GetModels(reply=r))
+        assert isinstance(snap, ModelsSnapshot)
+        models = self.sup.config.models  # read once: every entry from the same table
+        counts = await self._counts()
+        entries = (self._entry(view, models, counts) for view in snap.models
+                   if tenancy.visible(key, view.name, models))
+        return [tenancy.shown(e, key, self._said(key)) for e in entries if e]
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of
@@ -336,7 +350,8 @@ class ManagementApi(ModelCommands):
         if model is None:
             return None
         return listing.entry(view, model, self.sup.config.rules_of(model), counts,
-                             self._node_of(view.name), int(self.started))
+                             self._node_of(view.name), int(self.started),
+                             self.cards.view(view.name, model))
 
     def _node_of(self, model: str) -> str | None:
         """The Ray node a model's child runs on (None: corral's own machine, or none)."""
@@ -347,14 +362,7 @@ class ManagementApi(ModelCommands):
         """GET /devices: per device total, external, held per model, available (bytes)."""
         snap = await self._ask(lambda r: GetDevices(reply=r))
         assert isinstance(snap, DevicesSnapshot)
-        body = msgspec.to_builtins(snap)
-        body.pop("type", None)
-        by_node: dict[str, list[str]] = {}
-        for device in body["devices"]:  # a Ray node's devices are NODE/DEVICE
-            device["node"] = node_of(device["name"])
-            by_node.setdefault(device["node"] or "", []).append(device["name"])
-        body["by_node"] = by_node  # "": corral's own machine
-        return web.json_response(body)
+        return web.json_response(listing.devices(snap))
 
     async def nodes(self, request: web.Request) -> web.Response:
         """GET /nodes: the Ray nodes' agents (an empty list without a [cluster])."""

@@ -13,6 +13,10 @@ import hashlib
 import re
 from importlib import resources
 
+from aiohttp import web
+
+from .edge import error_body
+
 
 def _hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
@@ -42,3 +46,17 @@ HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
+
+
+async def root(request: web.Request) -> web.Response:
+    """A browser asking for / is sent to the dashboard."""
+    if "text/html" in request.headers.get("Accept", ""):
+        raise web.HTTPFound("/ui")
+    return web.json_response(error_body(404, "corral: the dashboard is at /ui; the API is "
+                                        "/v1/*, /models, /devices, /metrics",
+                                        "not_found_error"), status=404)
+
+
+async def ui(request: web.Request) -> web.Response:
+    """The dashboard page."""
+    return web.Response(body=PAGE, headers=HEADERS)

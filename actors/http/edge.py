@@ -42,9 +42,20 @@ PROXIED_POST = frozenset({
     "/v1/messages", "/completion", "/completions", "/chat/completions", "/embedding",
     "/embeddings", "/rerank", "/reranking", "/v1/rerank", "/tokenize", "/detokenize",
     "/infill", "/apply-template", "/v1/audio/speech", "/v1/images/generations",
+    "/v1/messages/count_tokens", "/v1/chat/completions/input_tokens",
+    "/chat/completions/input_tokens", "/v1/responses/input_tokens",
+    "/v1/chat/completions/control",
 })
 """POST paths whose body names the model (R-6.1); speech and image generation too
-(issue 25: llama-swap and vLLM's router route them)."""
+(issue 25: llama-swap and vLLM's router route them), and the token counters and the
+stream control llama.cpp's router forwards (issue 39: Claude Code asks
+/v1/messages/count_tokens before each turn)."""
+ADMIN_POST = frozenset({"/props", "/lora-adapters"})
+"""A child's own settings, forwarded as llama.cpp's router forwards them, with
+/slots/{id}?action=save|restore|erase (ADMIN_POST_UNDER): for an admin key only (they
+change what every key's requests get, or show others' prompts). The model is `?model=`,
+else the body's `model`."""
+ADMIN_POST_UNDER = "/slots/"
 UPLOAD_POST = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations",
                          "/v1/images/edits", "/v1/images/variations"})
 """POST paths whose multipart body is an upload, named by its `model` field (upload.py),
@@ -192,7 +203,13 @@ def model_of_body(body: bytes) -> str | Answer:
 
 
 _PROXIED = frozenset(p.encode() for p in PROXIED_POST)
+_ADMIN_POST = frozenset(p.encode() for p in ADMIN_POST)
 _OWN_GET = frozenset(p.encode() for p in OWN_GET)
+
+
+def admin_post(path: bytes) -> bool:
+    """A POST to a child's own settings (ADMIN_POST, a slot's action)."""
+    return path in _ADMIN_POST or path.startswith(b"/slots/")
 
 
 def target(method: bytes, url: bytes, body: bytes, routes: Routes,
@@ -208,6 +225,14 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
         name: str | Answer = named
     elif method == b"POST" and path in _PROXIED:
         name = model_of_body(body)
+    elif method == b"POST" and admin_post(path):
+        if routes.keys is not None and (key is None or not key.admin):
+            return Answer(401, "invalid or missing API key (send Authorization: Bearer KEY)") \
+                if key is None else Answer(403, f"key '{key.name}' may not POST "
+                                           f"{path.decode('latin-1')} of a model (it changes "
+                                           "what every key gets): that needs an admin key")
+        name = (fields["model"] or Answer(400, "?model= is empty; name a model")) \
+            if "model" in fields else model_of_body(body)
     elif method in (b"GET", b"HEAD") and "model" in fields and path not in _OWN_GET:
         name = fields["model"] or Answer(400, "?model= is empty; name a model")
     else:

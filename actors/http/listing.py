@@ -9,7 +9,8 @@ from typing import Any
 import msgspec
 
 from ..config.model import ModelConfig, ModelRules
-from ..messages import ModelView
+from ..ledger import node_of
+from ..messages import DevicesSnapshot, ModelView
 from .control import FrontCounts
 
 
@@ -33,7 +34,8 @@ def expires_in(view: ModelView, rules: ModelRules, counts: FrontCounts) -> float
 
 
 def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontCounts,
-          node: str | None, created: int) -> dict[str, Any]:
+          node: str | None, created: int, card: dict[str, Any]) -> dict[str, Any]:
+    """The entry; `card`: what the model is (cards.py)."""
     status: dict[str, Any] = {"value": view.state, "args": model.cmd}
     if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
         status["failed"] = True
@@ -62,6 +64,7 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
         "node": node,
         "last_eviction": msgspec.to_builtins(view.last_eviction),
         "memory": msgspec.to_builtins(view.memory),
+        **card,
     }
     if view.replicas is not None:  # issue 24: each copy, as the Scheduler sees it
         out["replicas"] = [msgspec.to_builtins(r) for r in view.replicas]
@@ -69,3 +72,31 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
     for key, value in (view.info or {}).items():
         out.setdefault(key, value)
     return out
+
+
+def openai_list(entries: list[dict[str, Any]], models: dict[str, ModelConfig],
+                include_aliases: bool) -> list[dict[str, Any]]:
+    """GET /v1/models: the entries of models not `unlisted`, and with `include_aliases`
+    each alias as an entry of its own (`alias_of` its model), after it."""
+    out = []
+    for e in entries:
+        model = models.get(e["id"])
+        if model is not None and model.unlisted:
+            continue
+        out.append(e)
+        if include_aliases:
+            out += [{**e, "id": alias, "alias_of": e["id"]} for alias in e["aliases"]]
+    return out
+
+
+def devices(snap: DevicesSnapshot) -> dict[str, Any]:
+    """GET /devices: per device total, external, held per model, available (bytes), and
+    the devices of each node (`""`: corral's own machine)."""
+    body: dict[str, Any] = msgspec.to_builtins(snap)
+    body.pop("type", None)
+    by_node: dict[str, list[str]] = {}
+    for device in body["devices"]:  # a Ray node's devices are NODE/DEVICE
+        device["node"] = node_of(device["name"])
+        by_node.setdefault(device["node"] or "", []).append(device["name"])
+    body["by_node"] = by_node
+    return body
