@@ -113,7 +113,7 @@ def test_keep_prompt_cache_is_for_llama_server_children_only() -> None:
 def test_a_reload_that_changed_only_a_rule_keeps_the_cache(corral, tmp_path) -> None:
     c, _ = setup(tmp_path, corral)
     turn(c.port, "a")
-    models = {"a": {**llama(tmp_path / "a.gguf"), "ttl_s": 600},
+    models = {"a": {**llama(tmp_path / "a.gguf"), "stop_timeout_s": 7},
               "b": llama(tmp_path / "b.gguf")}
     (Path(c.log_path).parent / "corral.toml").write_text(toml_config(
         models, models_max=1, state_dir=str(tmp_path / "state")))
