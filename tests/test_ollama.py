@@ -20,14 +20,19 @@ OPS = {"Authorization": "Bearer ops-secret"}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
     home = tmp_path_factory.mktemp("ollama")
-    for name in ("alice", "ops"):
+    for name in ("alice", "ops", "carol"):
         (home / f"{name}.key").write_text(f"{name}-secret\n")
     c = Corral(toml_config(
         {"chat": {"cmd": fake_cmd(), "ttl_s": 300, "context_length": 8192},
          "embed": {"cmd": fake_cmd("--embedding")},
-         "secret": {"cmd": fake_cmd()}},
-        models_max=3, ollama={"enabled": True},
-        keys={"alice": {"key_file": str(home / "alice.key"), "models": ["chat", "embed"]},
+         "secret": {"cmd": fake_cmd()},
+         "hidden": {"cmd": fake_cmd(), "unlisted": True},
+         "crashy": {"cmd": fake_cmd("--crash-after-s", "2", "--tokens-per-s", "5")}},
+        models_max=4, ollama={"enabled": True},
+        keys={"alice": {"key_file": str(home / "alice.key"),
+                        "models": ["chat", "embed", "hidden", "crashy"]},
+              "carol": {"key_file": str(home / "carol.key"), "models": ["chat"],
+                        "requests_per_min": 2},
               "ops": {"key_file": str(home / "ops.key"), "admin": True}}), home=home)
     c.key = "ops-secret"
     try:
@@ -42,7 +47,7 @@ def client(c: Corral, headers: dict[str, str] = ALICE) -> ollama.Client:
 
 def test_list_shows_what_the_key_may_use(served: Corral) -> None:
     names = {m.model for m in client(served).list().models}
-    assert names == {"chat", "embed"}  # not `secret`: alice may not use it
+    assert names == {"chat", "embed", "crashy"}  # not `secret` (not hers), not `hidden`
     status, body, _ = request(served.port, "GET", "/api/version", headers=ALICE)
     assert status == 200 and body["version"]
 
@@ -141,3 +146,64 @@ def test_off_unless_enabled(corral, tmp_path: Path) -> None:
     c = corral(toml_config({"chat": {"cmd": fake_cmd()}}))
     status, _, _ = request(c.port, "GET", "/api/tags")
     assert status == 404
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "1e10", "1" + "0" * 400, '"3000000h"',
+                                   "true", '"soon"'])
+def test_a_keep_alive_that_is_no_duration_is_refused_and_changes_nothing(
+        served: Corral, value: str) -> None:
+    """The review: an admin's NaN went into the live config and stopped every timer."""
+    before = served.models()["chat"]
+    raw = b'{"model": "chat", "prompt": "hi", "keep_alive": ' + value.encode() + b"}"
+    status, body, _ = request(served.port, "POST", "/api/generate", raw=raw, headers=OPS)
+    assert status == 400 and "keep_alive" in body["error"], body
+    assert served.models()["chat"]["pid"] == before["pid"]
+    status, body, _ = request(served.port, "GET", "/models", headers=OPS)
+    assert status == 200  # (valid JSON: no NaN anywhere)
+
+
+def test_an_empty_prompts_load_is_a_request_the_key_pays_for(served: Corral) -> None:
+    """The review: a member's empty-prompt loads were free, past its quota."""
+    carol = client(served, {"Authorization": "Bearer carol-secret"})
+    assert [carol.generate(model="chat", prompt="").done_reason for _ in range(2)] == \
+        ["load", "load"]
+    with pytest.raises(ollama.ResponseError) as refused:
+        carol.generate(model="chat", prompt="")
+    assert refused.value.status_code == 429
+
+
+def test_a_stream_that_breaks_says_so_and_is_never_done(served: Corral) -> None:
+    """The review: a child that died mid-answer ended the NDJSON stream `done: stop`."""
+    parts = []
+    with pytest.raises(ollama.ResponseError) as broke:
+        for part in client(served).chat(model="crashy", stream=True,
+                                        options={"num_predict": 100},
+                                        messages=[{"role": "user", "content": "hi"}]):
+            parts.append(part)
+    assert parts and not any(p.done for p in parts), "a broken answer is never done"
+    assert broke.value.error
+
+
+def test_bad_messages_are_a_400_naming_them(served: Corral) -> None:
+    for message, said in (({"role": "user", "content": "x", "tool_calls": [1]}, "tool_calls"),
+                          ({"role": "user", "content": "x", "images": 5}, "images"),
+                          ({"role": "user", "content": 5}, "content"), ("x", "role")):
+        status, body, _ = request(served.port, "POST", "/api/chat", {
+            "model": "chat", "messages": [message], "stream": False}, headers=ALICE)
+        assert status == 400 and said in body["error"], (message, body)
+
+
+def test_translations_that_cannot_be_made_say_so() -> None:
+    from actors.http import cards
+    from actors.http import ollama as shapes
+
+    assert isinstance(shapes.ollama_tool_calls(
+        [{"function": {"name": "f", "arguments": '{"ci{"x": 1}ty'}}]), str)
+    assert cards.card_of({"n_ctx": True}).context_length is None
+    assert cards.card_of({"default_generation_settings": {"n_ctx": 512}}).context_length == 512
+
+
+def test_only_a_slots_number_is_a_slot(served: Corral) -> None:
+    status, _, headers = request(served.port, "POST", "/slots/../props?model=chat",
+                                 {"model": "chat"}, headers=OPS)
+    assert "content-security-policy" not in headers and status in (400, 404), status

@@ -57,7 +57,8 @@ def card_of(props: object) -> Card:
     said = props.get("modalities")
     modalities = ["text"] + ([m for m, key in (("image", "vision"), ("audio", "audio"))
                              if said.get(key) is True] if isinstance(said, dict) else [])
-    return Card(context_length=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else None,
+    known = isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0
+    return Card(context_length=n_ctx if known else None,
                 modalities=modalities)
 
 
@@ -88,11 +89,17 @@ class Cards:
         except OSError:
             return  # none yet
         try:
-            raw = msgspec.json.decode(data, type=dict[str, tuple[str, Card]])
-            self.known = dict(raw)
+            raw = msgspec.json.decode(data, type=dict[str, msgspec.Raw])
         except (msgspec.DecodeError, RecursionError) as e:
             set_aside(self.path, f"not a file of model cards: {e}", log,
                       "each llama model's /props is asked again once it is loaded")
+            return
+        for name, entry in raw.items():  # one bad entry costs only itself
+            try:
+                self.known[name] = msgspec.json.decode(entry, type=tuple[str, Card])
+            except (msgspec.DecodeError, RecursionError):
+                log.warning("%s: the card of %r does not decode; asked again", self.path,
+                            name[:100])
 
     def view(self, name: str, config: ModelConfig) -> dict[str, Any]:
         """What `/v1/models` shows of what the model is: the config's, else its child's."""
@@ -138,7 +145,7 @@ class Cards:
                 log.info("%s: GET /props answered %d: no card read", name, status)
                 return
             card = card_of(json.loads(body))
-        except (OSError, ValueError) as e:  # (TimeoutError is an OSError)
+        except (OSError, ValueError, RecursionError) as e:  # (TimeoutError: an OSError)
             log.info("%s: GET /props failed (%s): no card read", name, e)
             return
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl
@@ -207,9 +208,12 @@ _ADMIN_POST = frozenset(p.encode() for p in ADMIN_POST)
 _OWN_GET = frozenset(p.encode() for p in OWN_GET)
 
 
+_SLOT = re.compile(rb"/slots/[0-9]{1,9}")
+
+
 def admin_post(path: bytes) -> bool:
-    """A POST to a child's own settings (ADMIN_POST, a slot's action)."""
-    return path in _ADMIN_POST or path.startswith(b"/slots/")
+    """A POST to a child's own settings (ADMIN_POST, a slot's action: /slots/N)."""
+    return path in _ADMIN_POST or _SLOT.fullmatch(path) is not None
 
 
 def target(method: bytes, url: bytes, body: bytes, routes: Routes,

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from ..config.keys import KeyRule
 from ..config.model import Config, ModelConfig
 from ..downloads import DownloadRequest, Downloads
 from ..messages import (
@@ -22,7 +20,6 @@ from ..messages import (
     GetModels,
     LoadModel,
     ModelsSnapshot,
-    ModelView,
     Refusal,
     ReloadSummary,
     SchedulerMessage,
@@ -53,10 +50,6 @@ def answer_response(answer: Answer) -> web.Response:
 
 
 Body = TypeVar("Body", ModelName, DownloadRequest)
-
-
-LOAD_POLL_S = 0.05
-"""How often a load that an Ollama client waits for is looked at."""
 
 
 class RoutesSink(Protocol):
@@ -110,32 +103,6 @@ class ModelCommands:
         assert isinstance(answer, Done)
         return web.json_response({"success": True})
 
-    async def load_model(self, name: str, key: KeyRule | None) -> str | None:
-        """Load `name` for a caller with `key` and wait until it serves (Ollama's empty
-        prompt); why not, if not."""
-        model = self.names.get(name)
-        if model is None or (key is not None and not key.may_use((name, model))):
-            return f"model '{name}' not found"
-        view = await self._view_of(model)
-        if view is None or view.state != "loaded":
-            answer = await self._ask(lambda r: LoadModel(model=model, reply=r))
-            if isinstance(answer, Refusal) and "already" not in answer.message:
-                return refusal_answer(answer).message
-        deadline = time.monotonic() + self.latest.models[model].load_timeout_s
-        while (view := await self._view_of(model)) is None \
-                or view.state not in ("loaded", "sleeping"):
-            if view is None or (view.failed and view.state == "unloaded") \
-                    or time.monotonic() > deadline:
-                return f"model '{name}' did not load" + (
-                    f": {view.last_exit}" if view is not None and view.last_exit else "")
-            await asyncio.sleep(LOAD_POLL_S)
-        return None
-
-    async def _view_of(self, model: str) -> ModelView | None:
-        snap = await self._ask(lambda r: GetModels(reply=r))
-        assert isinstance(snap, ModelsSnapshot)
-        return next((v for v in snap.models if v.name == model), None)
-
     async def unload_model(self, name: str) -> None:
         """Unload `name` (Ollama's `keep_alive` 0, once its answer is done)."""
         model = self.names.get(name)
@@ -150,9 +117,9 @@ class ModelCommands:
             return
         async with self.reloading:
             current = self.latest.models[model]
-            wanted = msgspec.structs.replace(
+            wanted = msgspec.convert(msgspec.to_builtins(msgspec.structs.replace(
                 current, pinned=ttl_s is None,
-                ttl_s=current.ttl_s if ttl_s is None else ttl_s)
+                ttl_s=current.ttl_s if ttl_s is None else ttl_s)), ModelConfig)  # checked
             if wanted == current:
                 return
             config = msgspec.structs.replace(

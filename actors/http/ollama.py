@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +42,8 @@ MODEL_CALLS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embed
 """Counted by the request corral makes of its front, not twice."""
 NEVER = "0001-01-01T00:00:00Z"
 """What Ollama says of a model that does not expire."""
+KEEP_ALIVE_MAX_S = 365 * 86400.0
+"""The longest keep_alive taken (longer: -1, which keeps it until told otherwise)."""
 DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
 UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
@@ -64,7 +67,6 @@ class Host(Protocol):
 
     async def unload_model(self, name: str) -> None: ...
 
-    async def load_model(self, name: str, key: KeyRule | None) -> str | None: ...
 
 
 def error(status: int, message: str) -> web.Response:
@@ -78,14 +80,21 @@ def now_iso() -> str:
 
 def keep_alive_s(value: object) -> float | str | None:
     """A `keep_alive` in seconds (None: forever); a str: why it is not one."""
-    if isinstance(value, bool):
-        return "keep_alive must be a duration (\"5m\", 300, 0 or -1)"
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := DURATION.match(value.strip())):
-        seconds = float(m.group(1)) * UNITS[m.group(2)]
-    else:
-        return f"keep_alive {value!r} is not a duration (\"5m\", 300, 0 or -1)"
+    wrong = (f"keep_alive {str(value)[:40]!r} is not a duration (\"5m\", 300, 0 or -1; at "
+             f"most {KEEP_ALIVE_MAX_S / 86400:g} days)")
+    try:
+        if isinstance(value, bool):
+            return wrong
+        if isinstance(value, int | float):
+            seconds = float(value)
+        elif isinstance(value, str) and (m := DURATION.match(value.strip())):
+            seconds = float(m.group(1)) * UNITS[m.group(2)]
+        else:
+            return wrong
+    except OverflowError:
+        return wrong
+    if not math.isfinite(seconds) or seconds > KEEP_ALIVE_MAX_S:
+        return wrong
     return None if seconds < 0 else seconds
 
 
@@ -94,20 +103,28 @@ def openai_messages(messages: object) -> list[dict[str, Any]] | str:
     if not isinstance(messages, list):
         return "messages must be a list"
     out = []
-    for m in messages:
+    for n, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return "each message must be an object with a role"
+            return f"messages[{n}] must be an object with a role"
         content: str | list[dict[str, Any]] = m.get("content") or ""
-        if m.get("images"):
+        if not isinstance(content, str):
+            return f"messages[{n}].content must be a string"
+        images, calls = m.get("images") or [], m.get("tool_calls") or []
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            return f"messages[{n}].images must be a list of base64 strings"
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            return f"messages[{n}].tool_calls must be a list of {{\"function\": {{...}}}}"
+        if images:
             content = [{"type": "text", "text": content}, *(
                 {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i}"}}
-                for i in m["images"])]
+                for i in images)]
         said: dict[str, Any] = {"role": m["role"], "content": content}
-        if m.get("tool_calls"):
-            said["tool_calls"] = [{"type": "function", "id": f"call_{n}", "function": {
-                "name": c.get("function", {}).get("name"),
-                "arguments": json.dumps(c.get("function", {}).get("arguments", {}))}}
-                for n, c in enumerate(m["tool_calls"])]
+        if calls:
+            said["tool_calls"] = [{"type": "function", "id": f"call_{k}", "function": {
+                "name": c["function"].get("name"),
+                "arguments": json.dumps(c["function"].get("arguments", {}))}}
+                for k, c in enumerate(calls)]
         out.append(said)
     return out
 
@@ -128,15 +145,15 @@ def openai_options(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def ollama_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI's tool calls as Ollama's (arguments as an object)."""
+def ollama_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]] | str:
+    """OpenAI's tool calls as Ollama's (arguments as an object); a str: what is wrong."""
     out = []
     for c in calls:
         function = c.get("function") or {}
         try:
             arguments = json.loads(function.get("arguments") or "{}")
         except json.JSONDecodeError:
-            arguments = {}
+            return f"the model's call of {function.get('name')!r} has arguments that are not JSON"
         out.append({"function": {"name": function.get("name"), "arguments": arguments}})
     return out
 

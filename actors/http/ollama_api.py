@@ -51,14 +51,16 @@ class OllamaApi:
             {"name": e["id"], "model": e["id"], "modified_at": now_iso(),
              "size": self._size(e), "digest": ollama.digest(e["id"], models[e["id"]]),
              "details": ollama.details(models[e["id"]])}
-            for e in await self.host.models_seen(request.get("key")) if e["id"] in models]})
+            for e in await self.host.models_seen(request.get("key"))
+            if e["id"] in models and not models[e["id"]].unlisted]})
 
     async def ps(self, request: web.Request) -> web.Response:
         models, now = self.host.latest.models, time.time()
         loaded = []
         for e in await self.host.models_seen(request.get("key")):
             status = e["status"]
-            if e["id"] not in models or status["value"] not in ("loaded", "sleeping"):
+            if e["id"] not in models or models[e["id"]].unlisted \
+                    or status["value"] not in ("loaded", "sleeping"):
                 continue
             expires = status.get("expires_in_s")
             loaded.append({
@@ -135,9 +137,9 @@ class OllamaApi:
                 f"{self.host.front_url()}/v1/embeddings", json={
                     "model": body.get("model"), "input": given},
                 headers=self._auth(request)) as resp:
-            said = await resp.json(content_type=None)
             if resp.status != 200:
-                return error(resp.status, message_of(said))
+                return await relayed_error(resp)
+            said = await resp.json(content_type=None)
         vectors = [d["embedding"] for d in said.get("data", [])]
         await self._after(body, kept)
         if legacy:
@@ -160,7 +162,7 @@ class OllamaApi:
         async with self._session().post(f"{self.host.front_url()}{path}", json=ask,
                                         headers=self._auth(request)) as resp:
             if resp.status != 200:
-                return error(resp.status, message_of(await resp.json(content_type=None)))
+                return await relayed_error(resp)
             answer: web.StreamResponse
             if not stream:
                 answer = self._whole(await resp.json(), body, field, started)
@@ -174,11 +176,12 @@ class OllamaApi:
         choice = (said.get("choices") or [{}])[0]
         message = choice.get("message") or {}
         text = message.get("content") if "message" in choice else choice.get("text")
-        out: dict[str, Any] = {"model": body.get("model"), "created_at": now_iso(),
-                               **self._text(field, text or "", message.get("tool_calls")),
-                               **ollama.done_fields(choice.get("finish_reason"),
-                                                    said.get("usage"), started)}
-        return web.json_response(out)
+        said_text = self._text(field, text or "", message.get("tool_calls"))
+        if "error" in said_text:
+            return error(502, said_text["error"])
+        return web.json_response({"model": body.get("model"), "created_at": now_iso(),
+                                  **said_text, **ollama.done_fields(
+                                      choice.get("finish_reason"), said.get("usage"), started)})
 
     async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse,
                       body: dict[str, Any], field: str, started: float) -> web.StreamResponse:
@@ -187,38 +190,54 @@ class OllamaApi:
         finish, usage = None, None
         calls: dict[int, dict[str, Any]] = {}
         async for event in ollama.sse_data(resp.content):
+            if "error" in event:  # the answer broke: said, and never `done`
+                await out.write(line({"error": message_of(event)}))
+                await out.write_eof()
+                return out
             usage = event.get("usage") or usage
-            for choice in event.get("choices") or []:
-                finish = choice.get("finish_reason") or finish
-                delta = choice.get("delta") or {}
-                for call in delta.get("tool_calls") or []:
-                    kept = calls.setdefault(call.get("index", 0),
-                                            {"function": {"name": None, "arguments": ""}})
-                    function = call.get("function") or {}
-                    kept["function"]["name"] = function.get("name") or kept["function"]["name"]
-                    kept["function"]["arguments"] += function.get("arguments") or ""
-                text = delta.get("content") if "delta" in choice else choice.get("text")
-                if text:
-                    await out.write(line({"model": body.get("model"), "created_at": now_iso(),
-                                          **self._text(field, text), "done": False}))
-        await out.write(line({"model": body.get("model"), "created_at": now_iso(),
-                              **self._text(field, "", list(calls.values()) or None),
-                              **ollama.done_fields(finish, usage, started)}))
+            choice = next((c for c in event.get("choices") or [] if c.get("index", 0) == 0),
+                          None)  # (Ollama has one answer: the first choice's)
+            if choice is None:
+                continue
+            finish = choice.get("finish_reason") or finish
+            delta = choice.get("delta") or {}
+            for call in delta.get("tool_calls") or []:
+                kept = calls.setdefault(call.get("index", 0),
+                                        {"function": {"name": None, "arguments": ""}})
+                function = call.get("function") or {}
+                kept["function"]["name"] = function.get("name") or kept["function"]["name"]
+                kept["function"]["arguments"] += function.get("arguments") or ""
+            text = delta.get("content") if "delta" in choice else choice.get("text")
+            if text:
+                await out.write(line({"model": body.get("model"), "created_at": now_iso(),
+                                      **self._text(field, text), "done": False}))
+        last = self._text(field, "", list(calls.values()) or None)
+        await out.write(line(last if "error" in last else {
+            "model": body.get("model"), "created_at": now_iso(), **last,
+            **ollama.done_fields(finish, usage, started)}))
         await out.write_eof()
         return out
 
     @staticmethod
     def _text(field: str, text: str, calls: list[dict[str, Any]] | None = None
               ) -> dict[str, Any]:
+        """The text (and tool calls) of one line; `{"error": ...}` for calls that are not
+        JSON."""
         if field == "response":
             return {"response": text}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
-            message["tool_calls"] = ollama.ollama_tool_calls(calls)
+            translated = ollama.ollama_tool_calls(calls)
+            if isinstance(translated, str):
+                return {"error": translated}
+            message["tool_calls"] = translated
         return {"message": message}
 
     async def _load_only(self, request: web.Request, body: dict[str, Any]) -> web.Response:
-        """An empty prompt: load the model (or, with keep_alive 0, unload it)."""
+        """An empty prompt: load the model (with keep_alive 0: unload it). The load is a
+        request like any other (`POST /tokenize` of nothing, through the front): routed,
+        queued and counted against the caller's key; any answer of the child's own (its
+        `Content-Security-Policy: sandbox`) means it is loaded."""
         kept = await self._keep_alive(request, body)
         if isinstance(kept, web.Response):
             return kept
@@ -227,9 +246,11 @@ class OllamaApi:
             await self.host.unload_model(name)
             reason = "unload"
         else:
-            refused = await self.host.load_model(name, request.get("key"))
-            if refused is not None:
-                return error(404 if "not found" in refused else 400, refused)
+            async with self._session().post(
+                    f"{self.host.front_url()}/tokenize", json={"model": name, "content": ""},
+                    headers=self._auth(request)) as resp:
+                if "Content-Security-Policy" not in resp.headers:  # corral's own refusal
+                    return await relayed_error(resp)
             reason = "load"
         return web.json_response({"model": name, "created_at": now_iso(), "response": "",
                                   "done": True, "done_reason": reason})
@@ -273,8 +294,9 @@ class OllamaApi:
 
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=10))
+            self.session = aiohttp.ClientSession(  # no cap of its own: the front's hold
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         return self.session
 
     @staticmethod
@@ -299,11 +321,27 @@ def line(value: dict[str, Any]) -> bytes:
 
 def message_of(said: object) -> str:
     """The message of an OpenAI-shaped error (or the body as it is)."""
-    if isinstance(said, dict) and isinstance(said.get("error"), dict):
-        return str(said["error"].get("message", said["error"]))
-    return str(said)
+    if isinstance(said, dict):
+        err = said.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if isinstance(err, str):
+            return err
+    return str(said)[:2000]
 
 
 def datetime_of(epoch: float) -> str:
     """An instant as Ollama writes it."""
     return datetime.fromtimestamp(epoch, UTC).isoformat().replace("+00:00", "Z")
+
+
+async def relayed_error(resp: aiohttp.ClientResponse) -> web.Response:
+    """The front's (or the child's) error, as Ollama's: its status, its message (the body
+    as text when it is not JSON) and its Retry-After."""
+    raw = await resp.read()
+    try:
+        message = message_of(json.loads(raw))
+    except ValueError:
+        message = raw[:2000].decode(errors="replace") or resp.reason or "error"
+    headers = {"Retry-After": v} if (v := resp.headers.get("Retry-After")) else None
+    return web.json_response({"error": message}, status=resp.status, headers=headers)
