@@ -11,14 +11,14 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.support import ROOT, Corral, fake_cmd, request, toml_config, wait_until
 
-__all__ = ["ROOT", "SSE", "Corral", "chat", "fails_first", "fake_cmd", "pid_alive", "request",
-           "toml_config", "wait_until"]
+__all__ = ["ROOT", "SSE", "Corral", "chat", "fails_first", "fake_cmd", "key_files", "pid_alive",
+           "request", "serving", "toml_config", "wait_until"]
 
 
 def fails_first(starts: int, counter: Path) -> list[str]:
@@ -106,6 +106,25 @@ class SSE:
             with contextlib.suppress(OSError):
                 self._conn.sock.shutdown(socket.SHUT_RDWR)
         self._conn.close()
+
+
+def key_files(home: Path, *names: str) -> dict[str, str]:
+    """A key file `NAME.key` holding `NAME-secret` for each name; name -> its path."""
+    for name in names:
+        (home / f"{name}.key").write_text(f"{name}-secret\n")
+    return {name: str(home / f"{name}.key") for name in names}
+
+
+@contextlib.contextmanager
+def serving(home: Path, config: str, admin_key: str | None = None) -> Iterator[Corral]:
+    """A corral on `config` for a module's tests (`admin_key`: what its `models()` and
+    `state()` ask with), stopped after them."""
+    c = Corral(config, home=home)
+    c.key = admin_key
+    try:
+        yield c
+    finally:
+        c.stop()
 
 
 def pid_alive(pid: int) -> bool:

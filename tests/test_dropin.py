@@ -14,7 +14,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.helpers import Corral, fake_cmd, request, toml_config
+from tests.helpers import Corral, fake_cmd, key_files, request, serving, toml_config
 
 ALICE = {"Authorization": "Bearer alice-secret"}
 OPS = {"Authorization": "Bearer ops-secret"}
@@ -25,20 +25,15 @@ def dropin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
     """Two fake children, `chat` (with an alias) and `other`; alice may use `chat` only,
     at 3 requests a minute; ops is the admin."""
     home = tmp_path_factory.mktemp("dropin")
-    for name in ("alice", "ops"):
-        (home / f"{name}.key").write_text(f"{name}-secret\n")
-    c = Corral(toml_config(
-        {"chat": {"cmd": fake_cmd(), "aliases": ["claude-sonnet-4"]},
-         "other": {"cmd": fake_cmd()}},
-        models_max=2,
-        keys={"alice": {"key_file": str(home / "alice.key"), "models": ["chat"],
-                        "requests_per_min": 3},
-              "ops": {"key_file": str(home / "ops.key"), "admin": True}}), home=home)
-    c.key = "ops-secret"
-    try:
+    keys = key_files(home, "alice", "ops")
+    with serving(home, toml_config(
+            {"chat": {"cmd": fake_cmd(), "aliases": ["claude-sonnet-4"]},
+             "other": {"cmd": fake_cmd()}},
+            models_max=2,
+            keys={"alice": {"key_file": keys["alice"], "models": ["chat"],
+                            "requests_per_min": 3},
+                  "ops": {"key_file": keys["ops"], "admin": True}}), "ops-secret") as c:
         yield c
-    finally:
-        c.stop()
 
 
 def post(c: Corral, path: str, body: dict[str, Any], headers: dict[str, str]

@@ -29,6 +29,15 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` reads from, made absolute (in `package`)."""
+    base = node.module or ""
+    if node.level:
+        up = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(up + ([base] if base else []))
+    return base
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The modules of `known` that `name` imports."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -37,10 +46,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([base] if base else []))
+            base = absolute(node, package)
             submodules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
             targets = submodules or [base]  # `from . import views` imports views only
         else:
@@ -133,10 +139,7 @@ def loads(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([base] if base else []))
+            base = absolute(node, package)
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
                        for a in node.names]
         else:

@@ -11,7 +11,15 @@ from pathlib import Path
 import ollama
 import pytest
 
-from tests.helpers import Corral, fake_cmd, request, toml_config, wait_until
+from tests.helpers import (
+    Corral,
+    fake_cmd,
+    key_files,
+    request,
+    serving,
+    toml_config,
+    wait_until,
+)
 
 ALICE = {"Authorization": "Bearer alice-secret"}
 OPS = {"Authorization": "Bearer ops-secret"}
@@ -20,25 +28,20 @@ OPS = {"Authorization": "Bearer ops-secret"}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
     home = tmp_path_factory.mktemp("ollama")
-    for name in ("alice", "ops", "carol"):
-        (home / f"{name}.key").write_text(f"{name}-secret\n")
-    c = Corral(toml_config(
-        {"chat": {"cmd": fake_cmd(), "ttl_s": 300, "context_length": 8192},
-         "embed": {"cmd": fake_cmd("--embedding")},
-         "secret": {"cmd": fake_cmd()},
-         "hidden": {"cmd": fake_cmd(), "unlisted": True},
-         "crashy": {"cmd": fake_cmd("--crash-after-s", "2", "--tokens-per-s", "5")}},
-        models_max=4, ollama={"enabled": True},
-        keys={"alice": {"key_file": str(home / "alice.key"),
-                        "models": ["chat", "embed", "hidden", "crashy"]},
-              "carol": {"key_file": str(home / "carol.key"), "models": ["chat"],
-                        "requests_per_min": 2},
-              "ops": {"key_file": str(home / "ops.key"), "admin": True}}), home=home)
-    c.key = "ops-secret"
-    try:
+    keys = key_files(home, "alice", "ops", "carol")
+    with serving(home, toml_config(
+            {"chat": {"cmd": fake_cmd(), "ttl_s": 300, "context_length": 8192},
+             "embed": {"cmd": fake_cmd("--embedding")},
+             "secret": {"cmd": fake_cmd()},
+             "hidden": {"cmd": fake_cmd(), "unlisted": True},
+             "crashy": {"cmd": fake_cmd("--crash-after-s", "2", "--tokens-per-s", "5")}},
+            models_max=4, ollama={"enabled": True},
+            keys={"alice": {"key_file": keys["alice"],
+                            "models": ["chat", "embed", "hidden", "crashy"]},
+                  "carol": {"key_file": keys["carol"], "models": ["chat"],
+                            "requests_per_min": 2},
+                  "ops": {"key_file": keys["ops"], "admin": True}}), "ops-secret") as c:
         yield c
-    finally:
-        c.stop()
 
 
 def client(c: Corral, headers: dict[str, str] = ALICE) -> ollama.Client:
