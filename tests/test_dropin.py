@@ -57,6 +57,13 @@ def test_the_responses_apis_input_tokens_reaches_its_model(dropin: Corral) -> No
     assert dropin.state("other") == "loaded"
 
 
+def test_the_responses_api_reaches_its_model(dropin: Corral) -> None:
+    client = openai.OpenAI(api_key="ops-secret", base_url=f"{dropin.url}/v1", max_retries=0)
+    said = client.responses.create(model="claude-sonnet-4", input="hi")
+    assert said.model_extra is not None and said.model_extra["path"] == "/v1/responses"
+    assert said.model_extra["received_model"] == "claude-sonnet-4"  # as the client named it
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions/input_tokens",
                                   "/chat/completions/input_tokens"])
 def test_chat_input_tokens_is_forwarded(dropin: Corral, path: str) -> None:

@@ -478,7 +478,9 @@ def test_a_pipelining_client_is_bounded_and_noticed_when_it_leaves(edge) -> None
     of parsed requests (1.2-1.7 MiB a connection), 32 KiB of tiny headers 750 KiB; and a
     pipelining client that left was never noticed (reading stops behind a running
     request, so its EOF was not read), its request in flight for good."""
-    with Raw(edge.port) as raw:  # more than MAX_PIPELINED behind a running one
+    # 33 answers of 0.25 s each, one after another: 8 s on a quiet machine, so the reads
+    # wait up to 60 s (a busy one takes longer; what is asserted is which answers come)
+    with Raw(edge.port, timeout_s=60.0) as raw:  # more than MAX_PIPELINED behind a running one
         one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\n"
                b"x-odd: slow\r\nContent-Length: 15\r\n\r\n{\"model\":\"odd\"}")
         raw.send(one * 40)
