@@ -154,7 +154,8 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from actors.http.exchange import Exchange, Phase
+    from actors.http.exchange import Exchange
+    from actors.http.phase import Phase
     from actors.http.shares import Shares
     from actors.http.tries import to_model
     from actors.messages import Acquire, Cancel, Release, Requeue
@@ -200,7 +201,8 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 keep_alive=True, head_only=False, chunked=False, sse=False,
                 what="model 'a'", upstream=None, out=[], done=None, status=0,
                 first_at=None, late=None, broke=None, broke_kind=None, may_replay=False,
-                may_retry=False, meter=None, ticket=None, cut=False, timer=None).items():
+                may_retry=False, meter=None, ticket=None, cut=False, timer=None,
+                kept=None).items():
             setattr(ex, name, value)
         ex.task = loop.create_task(to_model(ex, "a", True))
         for _ in range(1000):  # loop turns until the request is sent

@@ -17,6 +17,7 @@ import pytest
 
 from actors.http.control import Ask
 from actors.http.link import Link
+from actors.http.resumable import Resumables
 from actors.http.worker import Corral
 from actors.messages import Cancel, Refusal
 from actors.runtime.bridge import acquire
@@ -209,7 +210,7 @@ def test_a_reused_request_id_does_not_lose_a_ticket() -> None:
 
     async def go() -> None:
         link = Link(1, _Proc(), lambda: scheduler,  # type: ignore[arg-type]
-                    lambda *_: None)
+                    lambda *_: None, Resumables(1.0, 60.0))
         link._on(Ask(id=7, model="a", autoload=True))
         with pytest.raises(ValueError, match="asked for twice"):  # serve() kills the worker
             link._on(Ask(id=7, model="a", autoload=True))
@@ -302,7 +303,8 @@ def test_a_revocation_round_waits_for_every_worker_but_not_for_ever(
         return Release(ticket=object(), shared=False, idle_s=float(n))
 
     async def go() -> None:
-        workers = w.Workers(3, lambda i: None, lambda: scheduler, ())  # type: ignore[arg-type,return-value]
+        workers = w.Workers(3, lambda i: None, lambda: scheduler, (),  # type: ignore[arg-type,return-value]
+                            Resumables(1.0, 60.0))
         links = {1: _Link(1), 2: _Link(2)}
         workers.links = links  # type: ignore[assignment]
         revoke = Revoke(grants=(("a", 1),))

@@ -55,6 +55,13 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     """POST paths, besides the four upload endpoints, whose multipart body is an upload
     routed by its `model` field (actors/http/upload.py); corral's own paths never are.
     A multipart POST anywhere else goes where its JSON twin would (issue 37, S1)."""
+    resumable_max_mib: Annotated[float, Meta(ge=0)] = 64.0
+    """What corral keeps of streamed answers whose request carried `X-Conversation-Id`, all
+    together (actors/http/resumable.py): past it, ended ones are forgotten first, then the
+    biggest live one loses its oldest bytes. 0: no stream is resumable (the header is
+    passed on to the child, and a client that leaves cancels the work as without it)."""
+    resumable_ttl_s: PositiveSeconds = 300.0
+    """How long an ended resumable answer can still be read (GET /v1/stream/{id})."""
     allowed_hosts: tuple[str, ...] = ()
     """Without an api_key, the Host names served besides IP literals, `localhost` and
     `host` (a guard against DNS rebinding); `"*"` allows any."""

@@ -14,6 +14,9 @@ then streamed to and from the child; everything else goes to the management API.
 | an upload's start, held until its grant            | `Held`                   | held.py       |
 | a client that takes nothing: the watch, the cut    | `WriteStall`, `cut`      | flow.py       |
 | one request and its answer, in phases              | `Exchange`               | exchange.py   |
+| an exchange's phases                               | `Phase`                  | phase.py      |
+| answers kept for a client to resume               | `Resumables`, `Tee`      | resumable.py  |
+| their endpoints: GET/DELETE /v1/stream, lookup     | `StreamApi`, `EventIds`  | stream_api.py |
 | what an exchange may use of its front              | `Services`               | services.py   |
 | what an exchange writes to: its connection         | `Client`                 | exchange.py   |
 | a keyed request's tokens; each key's use           | `Meter`, `KeyUses`       | usage.py      |
@@ -23,7 +26,7 @@ then streamed to and from the child; everything else goes to the management API.
 | one connection to a child and its answers          | `Upstream`, `Broke`      | upstream.py   |
 | the rules both servers share; the routing table    | `Routes`, `Answer`, ...  | edge.py       |
 | the model table as the front sees it               | `Routes`, `ModelRoute`   | routes.py     |
-| which instance a request goes to, and retries      | `to_model`, `to_virtual` | tries.py      |
+| which instance a request goes to, and retries      | `to_any`, `to_model`     | tries.py      |
 | which copy a prompt belongs to (route "prefix")    | `affinity`               | affinity.py   |
 | multipart uploads, routed by their model field     | `FormSniffer`            | upload.py     |
 | a connection's deadlines: slow heads, idle, stall  | `Timers`, `Watch`        | deadlines.py  |

@@ -47,7 +47,9 @@ from .manage import ModelCommands, answer_response, error
 from .metrics import render
 from .ollama import MODEL_CALLS
 from .ollama_api import OllamaApi
+from .resumable import Resumables
 from .routes import Routes
+from .stream_api import StreamApi, stream_call
 from .workers import Fronts
 
 log = logging.getLogger("corral.api")
@@ -81,6 +83,8 @@ class ManagementApi(ModelCommands):
         self.fronts: Fronts | None = None
         """The front and its workers (http.workers)."""
         self.streams = Streams(config.http.event_ping_s)
+        self.kept = Resumables(config.http.resumable_max_mib, config.http.resumable_ttl_s)
+        """Resumable answers (X-Conversation-Id), every front's."""
         self.runner: web.AppRunner | None = None
         self.started = time.time()
         self.front_secret = secrets.token_hex(16)
@@ -117,6 +121,7 @@ class ManagementApi(ModelCommands):
         r.add_get("/devices", self.devices)
         r.add_get("/nodes", self.nodes)
         r.add_get("/keys", self.keys_list)
+        StreamApi(self.kept).routes(app)
         if self.config.ollama.enabled:
             self.ollama.routes(app)
         planning = asyncio.Lock()
@@ -140,7 +145,8 @@ class ManagementApi(ModelCommands):
         api_port = int(self.runner.addresses[0][1])
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler_ref, api_port,
-                           self.config.http, self.config.max_body_mib, self.front_secret)
+                           self.config.http, self.config.max_body_mib, self.front_secret,
+                           self.kept)
         self.fronts = Fronts(self.front, self.config, api_port, self.front_secret,
                              lambda: self.sup.scheduler_ref)
         self.sup.watch_grants(loop, self.fronts.grant_notice)
@@ -159,6 +165,7 @@ class ManagementApi(ModelCommands):
         if self.downloads is not None:
             self.downloads.stop()
         self.streams.end()
+        self.kept.close()
         if self.fronts is not None:
             await self.fronts.drain(self.config.http.drain_timeout_s)
         if self.runner is not None:
@@ -204,7 +211,8 @@ class ManagementApi(ModelCommands):
             return answer_response(who)
         if who is not None and not tenancy.may_call(who, request):
             return error(403, tenancy.refused(who, request), "permission_error")
-        if who is not None and request.path not in MODEL_CALLS and (
+        if who is not None and request.path not in MODEL_CALLS and not stream_call(
+                request.path) and (
                 wait_s := self.allowances.take(who.name, who.plans_per_min,
                                                time.monotonic())) is not None:
             return await allowance.refuse(who, wait_s)  # before any Scheduler work (S7)

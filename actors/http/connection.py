@@ -27,8 +27,9 @@ import httptools
 
 from .deadlines import PROBE_EVERY_S, PROBE_FIRST_S, Timers, Watch
 from .edge import Answer
-from .exchange import Exchange, Phase
+from .exchange import Exchange
 from .flow import WriteStall
+from .phase import Phase
 from .request import Gate, Limits, Reader, Request
 from .services import Services
 

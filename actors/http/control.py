@@ -145,8 +145,31 @@ class Listening(Frame, frozen=True):
     port: int
 
 
+class StreamOpen(Frame, frozen=True):
+    """Keep the answer of a request with X-Conversation-Id `conversation` (resumable.py);
+    the worker calls it `token` from now on."""
+
+    token: int
+    conversation: str
+    key: str
+    model: str
+
+
+class StreamBytes(Frame, frozen=True):
+    token: int
+    data: bytes
+
+
+class StreamEnd(Frame, frozen=True):
+    """Its request has ended (`why`: early); `drop`: its answer was not a stream."""
+
+    token: int
+    why: str = ""
+    drop: bool = False
+
+
 FromWorker = (Ask | Let | Spent | LetAll | Revoked | Again | Uncut | Drop | Late | Counted
-              | Listening)
+              | Listening | StreamOpen | StreamBytes | StreamEnd)
 
 
 # ---------------------------------------------------------------- corral -> worker
@@ -181,7 +204,14 @@ class Drain(Frame, frozen=True):
     timeout_s: float
 
 
-ToWorker = Answered | Notice | RevokeAsk | NewRoutes | CountAsk | Drain
+class StreamStop(Frame, frozen=True):
+    """Stop the request of `token` (DELETE /v1/stream/{id}, or its id is refused)."""
+
+    token: int
+    why: str
+
+
+ToWorker = Answered | Notice | RevokeAsk | NewRoutes | CountAsk | Drain | StreamStop
 
 _encoder = msgspec.msgpack.Encoder()
 _LENGTH = struct.Struct(">I")

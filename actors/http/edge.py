@@ -32,6 +32,9 @@ REFRAMED = HOP_BY_HOP | {b"content-length"}
 (its own length, chunks, or the close)."""
 NOT_FORWARDED = REFRAMED | {b"authorization", b"x-api-key", b"host", b"expect"}
 """Not sent to a child: the key stays with corral (R-6.2), Host and Expect are ours."""
+NOT_KEPT = NOT_FORWARDED | {b"x-conversation-id"}
+"""Not sent to a child when corral keeps the answer (resumable.py): a llama-server child
+would keep it too, and would not stop its work when corral does."""
 FRONT_HEADER = b"x-corral-front"
 """Carries the front's secret to the management API, which serves no one else (its own
 port is on loopback, where a web page could find it: R5 applies there too)."""

@@ -2,15 +2,8 @@
 
 An `Exchange` owns everything that belongs to one request — its grant, its upstream
 connection, the flags of the answer being written — so that nothing of one request can
-leak into the next on the same client connection (issue 10). Its phases:
-
-    waiting ──> forwarding ──> streaming ──> done
-       └───────────┴──────────────┴────────────^
-
-waiting: for the Scheduler's grant and a pooled connection; forwarding: the request is
-sent, no answer head yet (a 502/504 can still be given); streaming: the child's head has
-gone to the client (from here a failure can only end the stream); done. Which instance
-it goes to, and when it goes again, is tries.py's.
+leak into the next on the same client connection (issue 10). Its phases are phase.py's;
+which instance it goes to, and when it goes again, is tries.py's.
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ from typing import Protocol
 
 import pykka
 
-from ..lifecycle import IllegalTransition, State
+from ..lifecycle import IllegalTransition
 from ..messages import NotCut
 from ..runtime.bridge import LoopReply
 from .edge import (
@@ -33,32 +26,16 @@ from .edge import (
     sse_error_event,
     target,
 )
+from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
 from .request import Request
+from .resumable import Tee
 from .services import Services
-from .tries import to_model, to_virtual
+from .tries import to_any
 from .upstream import Broke, Upstream
 from .usage import Meter
 
 log = logging.getLogger("corral.front")
-
-
-
-class Phase(State):
-    WAITING = "waiting"
-    FORWARDING = "forwarding"
-    STREAMING = "streaming"
-    DONE = "done"
-
-
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.WAITING: frozenset({Phase.FORWARDING, Phase.DONE}),
-    Phase.FORWARDING: frozenset({Phase.STREAMING, Phase.DONE, Phase.WAITING}),  # a retry
-    Phase.STREAMING: frozenset({Phase.DONE}),
-    Phase.DONE: frozenset(),
-}
-API = "corral's API"
-"""What an exchange forwards to until it is given to a model."""
 
 
 class Client(Protocol):
@@ -75,9 +52,9 @@ class Exchange:
     """One request on one client connection, from its grant to the last byte of its answer."""
 
     __slots__ = ("broke", "broke_kind", "chunked", "client", "cut", "done", "first_at",
-                 "head_only", "keep_alive", "late", "loop", "may_replay", "may_retry", "meter",
-                 "out", "phase", "req", "services", "sse", "status", "task", "ticket",
-                 "timer", "upstream", "what")
+                 "head_only", "keep_alive", "kept", "late", "loop", "may_replay", "may_retry",
+                 "meter", "out", "phase", "req", "services", "sse", "status", "task",
+                 "ticket", "timer", "upstream", "what")
 
     def __init__(self, services: Services, client: Client, req: Request) -> None:
         self.services = services
@@ -120,6 +97,8 @@ class Exchange:
         """It was cut for a higher class before its answer began: it waits again."""
         self.timer: asyncio.TimerHandle | None = None
         """Its first-byte timeout (first_byte_timeout_s), while it runs."""
+        self.kept: Tee | None = None
+        """Where its answer is kept (X-Conversation-Id): it outlives its client."""
         self.loop = client.loop
         self.task = client.loop.create_task(self.run())
 
@@ -151,6 +130,8 @@ class Exchange:
                 self.upstream = None
             if self.req.upload is not None:
                 self.req.upload.close()
+            if self.kept is not None:
+                self.kept.end("its request ended before the child's answer did")
             self.phase = Phase.DONE
             self.client.exchange_done(self)
 
@@ -166,23 +147,7 @@ class Exchange:
         if isinstance(to, Answer):
             self.answer(to)
             return
-        model, autoload = to
-        self.what = f"model '{model}'"
-        key = self.req.key
-        self.meter = Meter(self.req, key.charge_every) if key is not None else None
-        started = self.loop.time()
-        try:
-            if model in front.routes.virtual:
-                await to_virtual(self, model, autoload)
-            else:
-                await to_model(self, model, autoload)
-        finally:  # an answer begun or given: how long it took, for /metrics
-            if self.status:
-                end = self.loop.time()
-                front.times.observe(model, self.status, (self.first_at or end) - started,
-                                    end - started)
-            if self.meter is not None and self.meter.answered and self.req.key is not None:
-                front.key_uses.add(self.req.key.name, *self.meter.used())
+        await to_any(self, *to)
 
     async def forward(self, pool: Pool, drop: frozenset[bytes],
                       first_byte_timeout_s: float | None, extra: tuple[bytes, ...] = ()) -> None:
@@ -334,12 +299,17 @@ class Exchange:
         self.out.append(head.data)
         if self.meter is not None:
             self.meter.began(status, head.sse)
+        if self.kept is not None and not (head.sse and status == 200):
+            self.kept.drop()  # an error, or a whole answer: nothing to resume
+            self.kept = None
 
     def response_body(self, body: bytes) -> None:
         if (meter := self.meter) is not None:
             meter.feed(body)
             if self.ticket is not None and (more := meter.due()):
                 self.services.shares.spend(self.ticket, more)  # the key's next sees it
+        if self.kept is not None:
+            self.kept.feed(body)
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
 
     def flush(self) -> None:
@@ -354,6 +324,9 @@ class Exchange:
         if self.chunked:
             self.out.append(b"0\r\n\r\n")
         self.flush()
+        if self.kept is not None:
+            self.kept.end()
+            self.kept = None
         self._to(Phase.DONE)
         self._resolve()
 
@@ -387,8 +360,29 @@ class Exchange:
             self.upstream.resume_reading()
 
     def client_gone(self) -> None:
-        """The client closed: leave the queue, or drop the request upstream."""
+        """The client closed: leave the queue, or drop the request upstream; unless its
+        answer is kept (resumable.py): then it runs on, for a reader to come."""
+        if self.kept is not None:
+            log.info("the client of a resumable stream (%s) left; its answer is kept",
+                     self.what)
+            self.resume_upstream()  # (paused for a client that took nothing)
+            return
         if self.upstream is not None:
             self.upstream.detach()  # mid-answer: it cannot be reused
             self.upstream = None
         self.task.cancel()
+
+    def stop(self, why: str) -> None:
+        """Its kept answer was stopped (DELETE /v1/stream/{id}, or replaced): end it and
+        the child's work, as a client that leaves does."""
+        self.kept = None
+        if self.phase in (Phase.WAITING, Phase.FORWARDING):
+            self.answer(Answer(409, f"{self.what}: {why}"))
+        elif self.phase is Phase.STREAMING:
+            if self.sse and self.chunked:
+                self.response_body(sse_error_event(self.what, why))
+                self.out.append(b"0\r\n\r\n")
+            self.flush()
+            self.keep_alive = False
+            self._to(Phase.DONE)
+        self.client_gone()

@@ -34,6 +34,7 @@ from .edge import FRONT_HEADER
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .request import Limits
+from .resumable import Keeper, Resumables
 from .routes import Routes
 from .shares import Shares
 from .usage import KeyUses
@@ -68,7 +69,8 @@ class Front:
     """Everything the client connections share."""
 
     def __init__(self, routes: Routes, scheduler: Callable[[], SchedulerInbox], api_port: int,
-                 http: HttpConfig, max_body_mib: float, api_secret: str = "") -> None:
+                 http: HttpConfig, max_body_mib: float, api_secret: str = "",
+                 keeper: Keeper | None = None) -> None:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
@@ -84,6 +86,10 @@ class Front:
         self.api_address = ("127.0.0.1", api_port, API_TAG)
         self.to_api: tuple[bytes, ...] = (FRONT_HEADER + b": " + api_secret.encode(),)
         """What the front adds to every request it passes to the management API."""
+        self.keeper: Keeper = keeper or Resumables(http.resumable_max_mib,
+                                                   http.resumable_ttl_s)
+        """Where resumable answers are kept: corral's one registry (a worker's goes over
+        its channel to it)."""
         self.stopped: dict[str, tuple[int, int]] = {}
         """Model, or a replica's own name -> the newest (generation, epoch) withdrawn to stop
         or suspend on purpose: a request its child dropped is not sent on to the next

@@ -42,10 +42,15 @@ from .control import (
     Listening,
     Revoked,
     Spent,
+    StreamBytes,
+    StreamEnd,
+    StreamOpen,
+    StreamStop,
     Uncut,
     frame,
     read_frame,
 )
+from .resumable import Keeper, Tee
 
 log = logging.getLogger("corral.workers")
 
@@ -70,12 +75,27 @@ class RemoteTicket:
             pass  # the loop is closed: corral is gone
 
 
+class RemoteProducer:
+    """A worker's request whose answer is kept here: stopped over the channel."""
+
+    __slots__ = ("link", "token")
+
+    def __init__(self, link: Link, token: int) -> None:
+        self.link = link
+        self.token = token
+
+    def stop(self, why: str) -> None:
+        self.link.kept.pop(self.token, None)
+        self.link.send(StreamStop(token=self.token, why=why))
+
+
 class Link:
     """One worker process and its channel, on corral's loop."""
 
     def __init__(self, index: int, proc: asyncio.subprocess.Process,
                  scheduler: Callable[[], SchedulerInbox],
-                 revoked: Callable[[int, int, tuple[Release, ...]], None]) -> None:
+                 revoked: Callable[[int, int, tuple[Release, ...]], None],
+                 keeper: Keeper) -> None:
         self.index = index
         self.proc = proc
         self.scheduler = scheduler
@@ -94,6 +114,9 @@ class Link:
         """When it listened (loop time)."""
         self.answered_at = 0.0
         """When it last answered a CountAsk (loop time)."""
+        self.keeper = keeper
+        self.kept: dict[int, Tee] = {}
+        """The worker's resumable answers, by its token for each."""
         self._replies = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
 
@@ -163,9 +186,26 @@ class Link:
                 future = self.counts.pop(reply, None)
                 if future is not None and not future.done():
                     future.set_result(counts)
+            case StreamOpen() | StreamBytes() | StreamEnd():
+                self._kept(message)
             case Listening(port=port):
                 if not self.listening.done():
                     self.listening.set_result(port)
+
+    def _kept(self, message: StreamOpen | StreamBytes | StreamEnd) -> None:
+        match message:
+            case StreamOpen(token=token, conversation=id_, key=key, model=model):
+                kept = self.keeper.keep(id_, key, model, RemoteProducer(self, token))
+                if isinstance(kept, str):
+                    self.send(StreamStop(token=token, why=kept))
+                else:
+                    self.kept[token] = kept
+            case StreamBytes(token=token, data=data):
+                if (tee := self.kept.get(token)) is not None:
+                    tee.feed(data)
+            case StreamEnd(token=token, why=why, drop=drop):
+                if (tee := self.kept.pop(token, None)) is not None:
+                    tee.drop() if drop else tee.end(why)
 
     def _releases(self, lets: list[Let]) -> tuple[Release, ...]:
         return tuple(Release(ticket=t, shared=let.shared, idle_s=let.idle_s, tokens=let.tokens)
@@ -182,6 +222,9 @@ class Link:
         for ticket in self.tickets.values():
             self._tell(Cancel(ticket=ticket))
         self.tickets.clear()
+        for tee in self.kept.values():
+            tee.end(f"front worker {self.index} went away")
+        self.kept.clear()
         if not self.listening.done():
             self.listening.set_exception(RuntimeError(
                 f"front worker {self.index} exited before it listened"))

@@ -17,6 +17,7 @@ from ..config.keys import KeyRule, Keys
 from ..config.model import HttpConfig
 from .callers import Origins, key_of
 from .edge import OPEN_PATHS, Answer
+from .resumable import CONVERSATION_ID
 from .upload import Upload, upload_of, upload_paths
 
 MAX_HEADERS = 100
@@ -30,7 +31,7 @@ _HEALTH = frozenset({b"/health", b"/v1/health"})
 class Limits:
     """The edge's size limits in bytes (from `[http]` and max_body_mib)."""
 
-    __slots__ = ("max_body", "max_header", "max_url", "uploads")
+    __slots__ = ("max_body", "max_header", "max_url", "resumable", "uploads")
 
     def __init__(self, http: HttpConfig, max_body_mib: float) -> None:
         self.max_header = int(http.max_header_kib * 1024)
@@ -38,6 +39,8 @@ class Limits:
         self.max_body = int(max_body_mib * 1024 * 1024)
         self.uploads = upload_paths(http.upload_paths)
         """The paths whose multipart POST is an upload."""
+        self.resumable = http.resumable_max_mib > 0
+        """X-Conversation-Id is corral's (resumable.py), not the child's."""
 
     def too_big(self) -> Answer:
         return Answer(413, f"request body over the {self.max_body / 2**20:g} MiB "
@@ -52,9 +55,9 @@ class Request:
     """One request as parsed; `answer` is set when corral refuses it itself."""
 
     __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "content_type",
-                 "continue_sent", "headers", "headers_done", "http10", "keep_alive", "key",
-                 "length", "method", "upload", "url", "url_parts", "url_size",
-                 "wants_continue")
+                 "continue_sent", "conversation", "headers", "headers_done", "http10",
+                 "keep_alive", "key", "length", "method", "upload", "url", "url_parts",
+                 "url_size", "wants_continue")
 
     def __init__(self) -> None:
         self.url_parts: list[bytes] = []
@@ -79,6 +82,8 @@ class Request:
         """The key it came with (None: no key is needed, or a path open to all)."""
         self.upload: Upload | None = None
         """Its body when it streams through (a multipart upload, upload.py)."""
+        self.conversation: str | None = None
+        """Its X-Conversation-Id, when its streamed answer is to be kept (resumable.py)."""
 
 
 class Gate(Protocol):
@@ -101,6 +106,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     bearer: list[bytes] = []
     api_key: list[bytes] = []
     expect = origin = fetch_site = None
+    conversation: list[bytes] = []
     for name, value in req.headers:
         size += len(name) + len(value) + 4
         lname = name.lower()
@@ -123,6 +129,8 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
             fetch_site = value
         elif lname == b"expect":
             expect = value
+        elif lname == b"x-conversation-id" and limits.resumable:
+            conversation.append(value)
     if size > limits.max_header:
         return limits.header_too_big()
     if len(req.headers) > MAX_HEADERS:
@@ -140,6 +148,11 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
     if refused is not None:
         return refused
+    if conversation:
+        if len(conversation) > 1 or not CONVERSATION_ID.fullmatch(conversation[0]):
+            return Answer(400, "X-Conversation-Id must be one header of 1 to 128 of "
+                          "A-Z a-z 0-9 . _ : ~ + / = @ -")
+        req.conversation = conversation[0].decode()
     if req.length is not None and req.length > limits.max_body:
         return limits.too_big()
     return None if expect is None else _check_expect(req, expect)

@@ -10,6 +10,7 @@ from typing import Protocol
 from ..runtime.bridge import SchedulerInbox
 from .metrics import RequestTimes
 from .pool import Pool, Pools
+from .resumable import Keeper
 from .routes import Routes
 from .shares import Shares
 from .usage import KeyUses
@@ -24,6 +25,7 @@ class Services(Protocol):
     times: RequestTimes
     stopped: dict[str, tuple[int, int]]
     key_uses: KeyUses
+    keeper: Keeper
     draining: bool
     to_api: tuple[bytes, ...]
     scheduler: Callable[[], SchedulerInbox]

@@ -19,6 +19,7 @@ from ..policy.plans import RequestPlan
 from ..runtime.bridge import LoopReply
 from .control import FrontCounts
 from .edge import Answer, parse_autoload
+from .stream_api import stream_call
 
 MEMBER_GETS = frozenset({"/models", "/v1/models", "/props", "/models/plan"})
 """What a key that is not an admin may ask of corral's own API besides calling models
@@ -29,6 +30,8 @@ def may_call(rule: KeyRule | None, request: web.Request) -> bool:
     """Whether the caller's key may make this request of the management API."""
     if rule is None or rule.admin or request.path.startswith("/api/"):
         return True  # (Ollama's API: what it does is asked of the front with the key)
+    if stream_call(request.path):
+        return True  # (its own resumable streams)
     return (request.method in ("GET", "HEAD") and "reload" not in request.query
             and (request.path in MEMBER_GETS or request.path.startswith("/v1/models/")))
 

@@ -14,6 +14,7 @@ cuts a request at most once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -23,9 +24,10 @@ import msgspec
 from ..messages import AnswerLate, Grant, Refusal
 from ..runtime.bridge import LoopReply
 from .affinity import affinity
-from .edge import NOT_FORWARDED, Answer, refusal_answer
+from .edge import NOT_FORWARDED, NOT_KEPT, Answer, refusal_answer
 from .pool import Pool, Pools
 from .request import Request
+from .resumable import Tee
 from .routes import ModelRoute, Routes
 from .services import Services
 from .shares import SharedGrant, Shares
@@ -55,6 +57,12 @@ class Attempt(Protocol):
     ticket: LoopReply | None
     may_retry: bool
     may_replay: bool
+    kept: Tee | None
+    status: int
+    first_at: float | None
+    loop: asyncio.AbstractEventLoop
+
+    def stop(self, why: str) -> None: ...
 
     @property
     def finished(self) -> bool: ...
@@ -68,6 +76,33 @@ class Attempt(Protocol):
     def cut_off(self) -> None: ...
 
     def wait_again(self) -> None: ...
+
+
+async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
+    """Serve `ex` with `model`, virtual or not; then count how long it took (/metrics) and
+    what its key used. Its answer is kept when it asks (X-Conversation-Id: resumable.py)."""
+    front, key = ex.services, ex.req.key
+    ex.what = f"model '{model}'"
+    ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
+    if ex.req.conversation is not None and ex.req.method == b"POST":
+        kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)
+        if isinstance(kept, str):
+            ex.answer(Answer(409, kept))
+            return
+        ex.kept = kept
+    started = ex.loop.time()
+    try:
+        if model in front.routes.virtual:
+            await to_virtual(ex, model, autoload)
+        else:
+            await to_model(ex, model, autoload)
+    finally:  # an answer begun or given
+        if ex.status:
+            end = ex.loop.time()
+            front.times.observe(model, ex.status, (ex.first_at or end) - started,
+                                end - started)
+        if ex.meter is not None and ex.meter.answered and key is not None:
+            front.key_uses.add(key.name, *ex.meter.used())
 
 
 async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
@@ -147,7 +182,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
             route = routes.models.get(grant.model)
             pool = _pool_for(ex, services.pools, grant, route, tries, replays)
             own = grant.upstream_key  # a node child's own (R8); the client's is dropped
-            await ex.forward(pool, NOT_FORWARDED, route.first_byte_timeout_s if route else None,
+            await ex.forward(pool, NOT_KEPT if ex.kept is not None else NOT_FORWARDED,
+                             route.first_byte_timeout_s if route else None,
                              (b"Authorization: Bearer " + own.encode(),) if own else ())
             sent = True
         finally:

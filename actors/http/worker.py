@@ -49,12 +49,17 @@ from .control import (
     Revoked,
     Setup,
     Spent,
+    StreamBytes,
+    StreamEnd,
+    StreamOpen,
+    StreamStop,
     ToWorker,
     Uncut,
     frame,
     read_frame,
 )
 from .front import Front
+from .resumable import Producer, Tee
 
 log = logging.getLogger("corral.worker")
 
@@ -126,6 +131,46 @@ class Corral:
         ticket.send(value)
 
 
+class RemoteKept:
+    """This worker's resumable answers, kept in corral's process (resumable.py): each
+    request's bytes go over the channel, named by a token."""
+
+    def __init__(self, corral: Corral) -> None:
+        self.corral = corral
+        self.tokens = itertools.count(1)
+        self.producers: dict[int, Producer] = {}
+
+    def keep(self, id_: str, key: str, model: str, producer: Producer) -> Tee | str:
+        token = next(self.tokens)
+        self.producers[token] = producer
+        self.corral._send(StreamOpen(token=token, conversation=id_, key=key, model=model))
+        return RemoteTee(self, token)  # (corral may refuse the id: a StreamStop then)
+
+    def stopped(self, token: int, why: str) -> None:
+        producer = self.producers.pop(token, None)
+        if producer is not None:
+            producer.stop(why)
+
+
+class RemoteTee:
+    __slots__ = ("kept", "token")
+
+    def __init__(self, kept: RemoteKept, token: int) -> None:
+        self.kept = kept
+        self.token = token
+
+    def feed(self, data: bytes) -> None:
+        self.kept.corral._send(StreamBytes(token=self.token, data=data))
+
+    def end(self, why: str = "") -> None:
+        self.kept.producers.pop(self.token, None)
+        self.kept.corral._send(StreamEnd(token=self.token, why=why))
+
+    def drop(self) -> None:
+        self.kept.producers.pop(self.token, None)
+        self.kept.corral._send(StreamEnd(token=self.token, drop=True))
+
+
 async def serve() -> int:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
@@ -137,8 +182,9 @@ async def serve() -> int:
     setup = msgspec.msgpack.decode(data, type=Setup)
     logging.getLogger().setLevel(setup.log_level)
     corral = Corral(out)
+    kept = RemoteKept(corral)
     front = Front(setup.routes, lambda: corral, setup.api_port, setup.http,
-                  setup.max_body_mib, setup.api_secret)
+                  setup.max_body_mib, setup.api_secret, kept)
     port = await front.listen(setup.host, setup.port, fds=setup.fds)
     corral._send(Listening(port=port))
     loops.freeze_startup_heap()
@@ -174,6 +220,8 @@ async def serve() -> int:
                 front.routes = routes
             case CountAsk(reply=reply):
                 corral._send(Counted(reply=reply, counts=front.counts()))
+            case StreamStop(token=token, why=why):
+                kept.stopped(token, why)
             case Drain(timeout_s=timeout_s):
                 drain(timeout_s, "told to by corral")
     if not ending:  # the channel ended: corral's process is gone

@@ -29,6 +29,7 @@ from ..runtime.bridge import SchedulerInbox
 from .control import Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
 from .front import Front
 from .link import Link, tell
+from .resumable import Keeper
 from .routes import Routes
 
 log = logging.getLogger("corral.workers")
@@ -61,8 +62,11 @@ class Workers:
     """corral's front workers: started, told, counted, drained, restarted."""
 
     def __init__(self, n: int, setup: Callable[[int], Setup],
-                 scheduler: Callable[[], SchedulerInbox], pass_fds: tuple[int, ...]) -> None:
+                 scheduler: Callable[[], SchedulerInbox], pass_fds: tuple[int, ...],
+                 keeper: Keeper) -> None:
         self.n = n
+        self.keeper = keeper
+        """corral's resumable answers, a worker's among them."""
         self.setup = setup
         self.scheduler = scheduler
         self.links: dict[int, Link] = {}
@@ -91,7 +95,8 @@ class Workers:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "actors.http.worker", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, pass_fds=self.pass_fds)
-        link = self.links[index] = Link(index, proc, self.scheduler, self.revoked)
+        link = self.links[index] = Link(index, proc, self.scheduler, self.revoked,
+                                             self.keeper)
         link.send(self.setup(index))
         task = asyncio.get_running_loop().create_task(self._run(link))
         self.tasks.add(task)
@@ -252,7 +257,7 @@ class Fronts:
                              api_secret=self.api_secret,
                              http=self.config.http, max_body_mib=self.config.max_body_mib,
                              routes=self.front.routes)
-            self.workers = Workers(n, setup, self.scheduler, fds)
+            self.workers = Workers(n, setup, self.scheduler, fds, self.front.keeper)
             await self.workers.start()
         return port
 
