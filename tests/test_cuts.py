@@ -197,12 +197,12 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 services=services, client=None, loop=loop, phase=Phase.WAITING,
                 req=SimpleNamespace(method=b"POST", url=b"/v1/chat/completions",
                                     headers=[], body=b"{}", key=None, http10=False,
-                                    upload=None),
+                                    upload=None, upgrade=False, conversation=None),
                 keep_alive=True, head_only=False, chunked=False, sse=False,
                 what="model 'a'", upstream=None, out=[], done=None, status=0,
                 first_at=None, late=None, broke=None, broke_kind=None, may_replay=False,
                 may_retry=False, meter=None, ticket=None, cut=False, timer=None,
-                kept=None).items():
+                kept=None, upgrade=False).items():
             setattr(ex, name, value)
         ex.task = loop.create_task(to_model(ex, "a", True))
         for _ in range(1000):  # loop turns until the request is sent

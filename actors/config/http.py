@@ -62,6 +62,10 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     passed on to the child, and a client that leaves cancels the work as without it)."""
     resumable_ttl_s: PositiveSeconds = 300.0
     """How long an ended resumable answer can still be read (GET /v1/stream/{id})."""
+    websocket_max_frame_mib: Annotated[float, Meta(gt=0)] = 16.0
+    """A WebSocket frame larger than this, either way, closes the socket (1009)."""
+    websocket_idle_s: Annotated[float, Meta(ge=0)] = 300.0
+    """A WebSocket with nothing either way for this long is closed (1001); 0: never."""
     allowed_hosts: tuple[str, ...] = ()
     """Without an api_key, the Host names served besides IP literals, `localhost` and
     `host` (a guard against DNS rebinding); `"*"` allows any."""

@@ -113,6 +113,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Anything else `/v1/models` shows of it, as given (a name, a description, tags)."""
     unlisted: bool = False
     """Served, but not shown in `/v1/models` (corral's own `GET /models` shows it)."""
+    websocket: bool = False
+    """A WebSocket upgrade on any path with `?model=` goes to it (without it, only on
+    `/v1/realtime`): actors/http/tunnel.py."""
     keep_prompt_cache: bool = False
     """llama-server children: save the slots' prompt caches before corral stops the child,
     restore them after its next ready (instance/prompt_cache.py)."""

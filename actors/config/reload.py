@@ -11,12 +11,13 @@ from .model import ModelConfig
 def same_child(a: ModelConfig, b: ModelConfig) -> bool:
     """`a` and `b` differ at most in what only the policy reads (`replicas`,
     `make_before_break`, `ttl_s`, `pinned`, and `hooks`, which a child uses from its next
-    load) or only the listing shows (what it is, `unlisted`): a reload between them keeps
-    the children running."""
+    load), only the listing shows (what it is, `unlisted`) or only the front reads
+    (`websocket`): a reload between them keeps the children running."""
     def rest(m: ModelConfig) -> ModelConfig:
         return msgspec.structs.replace(m, replicas=1, make_before_break=True, hooks=Hooks(),
                                        hook_timeout_s=None, ttl_s=None, pinned=False,
                                        context_length=None, modalities=None,
-                                       capabilities=None, metadata={}, unlisted=False)
+                                       capabilities=None, metadata={}, unlisted=False,
+                                       websocket=False)
 
     return rest(a) == rest(b)

@@ -11,4 +11,5 @@ out here, not shared.
 | the HTTP side: the OpenAI subset, /health, the request knobs   | server.py    |
 | the rest it tells corral: llama state lines, memory, measuring | protocols.py |
 | vLLM's sleep mode, faked: sleep, wake, is_sleeping            | suspend.py   |
+| WebSockets (/v1/realtime, /ws): an echo with knobs             | sockets.py   |
 """

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from .protocols import llama_state
+from .sockets import Sockets
 from .suspend import Sleep
 
 UPLOAD_PATHS = ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/images/edits",
@@ -284,6 +285,7 @@ class FakeModel:
             r.add_post(path, self.count_tokens)
         for path in UPLOAD_PATHS:
             r.add_post(path, self.upload)
+        Sockets(self.stats).routes(app)
         if self.vllm_sleep is not None:
             self.vllm_sleep.routes(app)
         return app

@@ -17,6 +17,7 @@ then streamed to and from the child; everything else goes to the management API.
 | an exchange's phases                               | `Phase`                  | phase.py      |
 | answers kept for a client to resume               | `Resumables`, `Tee`      | resumable.py  |
 | their endpoints: GET/DELETE /v1/stream, lookup     | `StreamApi`, `EventIds`  | stream_api.py |
+| a WebSocket: two connections relayed, in limits    | `Tunnel`, `Frames`       | tunnel.py     |
 | what an exchange may use of its front              | `Services`               | services.py   |
 | what an exchange writes to: its connection         | `Client`                 | exchange.py   |
 | a keyed request's tokens; each key's use           | `Meter`, `KeyUses`       | usage.py      |

@@ -109,13 +109,12 @@ class Connection(Timers, asyncio.Protocol):
         self._arm(self.front.http.header_timeout_s, self._header_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.front.forget(self)
         self.transport = None
         self._disarm()
         self.stall.stop()
-        if self.exchange is not None:
-            self.exchange.client_gone()
-        elif self.front.draining:
+        if self.exchange is None or not self.exchange.client_gone():
+            self.front.forget(self)  # (a kept answer holds its slot until it ends)
+        if self.exchange is None and self.front.draining:
             self.front.exchange_finished()
         for req in (self.reader.req, *self.pending):  # uploads no exchange will close:
             if req is not None and req.upload is not None:  # their held start goes now,
@@ -293,6 +292,7 @@ class Connection(Timers, asyncio.Protocol):
         if self.front.draining:
             self.front.exchange_finished()
         if self.transport is None:
+            self.front.forget(self)
             return
         if exchange.req.upload is not None and not exchange.req.complete:
             self.linger()  # answered before its body was whole: the rest is dropped
@@ -385,6 +385,9 @@ class Connection(Timers, asyncio.Protocol):
         self.reader.stop()
 
     def drain(self) -> None:
-        """Shutdown: let the running answer finish, answer nothing new."""
-        if self.exchange is None and not self.lingering:
+        """Shutdown: let the running answer finish, answer nothing new; a kept answer
+        whose client has left is stopped (nobody may resume it now)."""
+        if self.transport is None and self.exchange is not None:
+            self.exchange.stop("corral is shutting down")
+        elif self.exchange is None and not self.lingering:
             self.next_request()

@@ -61,6 +61,14 @@ class Timers:
     def _disarm(self) -> None:
         self.deadline = math.inf
 
+    def hand_over(self) -> asyncio.Transport | None:
+        """The connection becomes a WebSocket's (tunnel.py): no parse, deadline or watch
+        of its own from here; its loss still comes here, through the tunnel."""
+        self._disarm()
+        self.stall.stop()
+        self.reader.stop()
+        return self.transport
+
     def _stall_watch(self) -> None:
         if self.transport is not None:
             self.stall.watch(self.loop.time(), self.transport.get_write_buffer_size())

@@ -220,14 +220,17 @@ def admin_post(path: bytes) -> bool:
 
 
 def target(method: bytes, url: bytes, body: bytes, routes: Routes,
-           key: KeyRule | None = None, named: str | None = None,
+           key: KeyRule | None = None, named: str | None = None, upgrade: bool = False,
            ) -> tuple[str, bool] | Answer | None:
     """Where a request goes: to a model, as (its canonical name, autoload: named by a
     POST's body, by an upload's form (`named`), or `?model=` on a GET not of corral's
-    own), the management API (None), or nowhere, with the 400 (or the 403: not for its
-    `key`) that says why."""
+    own, a WebSocket's (`upgrade`) included), the management API (None), or nowhere,
+    with the 400 (or the 403: not for its `key`) that says why."""
     path, _, query = url.partition(b"?")
     fields = parse_query(query.decode("latin-1")) if query else {}
+    if upgrade and ("model" not in fields or path in _OWN_GET):
+        return Answer(400, "a WebSocket goes to a model: name it with ?model= (on "
+                      "/v1/realtime, or any path of a model with websocket = true)")
     if method == b"POST" and named is not None:
         name: str | Answer = named
     elif method == b"POST" and path in _PROXIED:
@@ -255,7 +258,12 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
         return Answer(400, f"model '{name}' not found")
     if key is not None and not any(key.may_use(n) for n in routes.uses(model)):
         return Answer(403, f"key '{key.name}' may not use model '{name}'")
-    if key is not None and not key.admin and method != b"POST" and path not in MEMBER_GETS:
+    if upgrade and path != b"/v1/realtime" and not (
+            (route := routes.models.get(model)) is not None and route.websocket):
+        return Answer(400, f"model '{name}' takes WebSockets on /v1/realtime only "
+                      "(websocket = true in its config: on any path)")
+    if (key is not None and not key.admin and method != b"POST" and not upgrade
+            and path not in MEMBER_GETS):
         return Answer(403, f"key '{key.name}' may not GET {path.decode('latin-1')} of a "
                       "model (it may show others' requests): that needs an admin key")
     autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload

@@ -32,13 +32,15 @@ from .request import Request
 from .resumable import Tee
 from .services import Services
 from .tries import to_any
+from .tunnel import Client as TunnelClient
+from .tunnel import open_tunnel
 from .upstream import Broke, Upstream
 from .usage import Meter
 
 log = logging.getLogger("corral.front")
 
 
-class Client(Protocol):
+class Client(TunnelClient, Protocol):
     """What an exchange writes its answer to: its client connection."""
 
     loop: asyncio.AbstractEventLoop
@@ -54,7 +56,7 @@ class Exchange:
     __slots__ = ("broke", "broke_kind", "chunked", "client", "cut", "done", "first_at",
                  "head_only", "keep_alive", "kept", "late", "loop", "may_replay", "may_retry",
                  "meter", "out", "phase", "req", "services", "sse", "status", "task",
-                 "ticket", "timer", "upstream", "what")
+                 "ticket", "timer", "upgrade", "upstream", "what")
 
     def __init__(self, services: Services, client: Client, req: Request) -> None:
         self.services = services
@@ -64,6 +66,7 @@ class Exchange:
         self.keep_alive = req.keep_alive
         """Whether the client connection stays open after this answer."""
         self.head_only = req.method == b"HEAD"
+        self.upgrade = req.upgrade
         self.chunked = False
         """The answer is re-framed as chunks for the client (the child gave no length)."""
         self.sse = False
@@ -85,8 +88,7 @@ class Exchange:
         request may be sent again (`broke_kind` says where)."""
         self.broke_kind: Broke | None = None
         self.may_replay = False
-        """Whether a child that goes away with the request before answering hands it on to
-        the model's next instance instead of answering 502."""
+        """Whether a child gone with it before answering hands it to the next instance."""
         self.may_retry = False
         """Whether a child that cannot be reached hands the request on (`Broke.REFUSED`)."""
         self.meter: Meter | None = None
@@ -140,7 +142,7 @@ class Exchange:
         upload = self.req.upload
         to = target(self.req.method, self.req.url, self.req.body, front.routes, self.req.key,
                     upload.model if upload is not None and isinstance(upload.model, str)
-                    else None)
+                    else None, self.req.upgrade)
         if to is None:
             await self.forward(front.api_pool(), TO_API_DROPPED, None, front.to_api)
             return
@@ -160,7 +162,8 @@ class Exchange:
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
         head += extra
         upload = req.upload
-        head.append(b"Content-Length: %d" % len(req.body) if upload is None
+        head.append(b"Connection: Upgrade\r\nUpgrade: websocket" if req.upgrade
+                    else b"Content-Length: %d" % len(req.body) if upload is None
                     else upload.framing())
         data = b"\r\n".join(head) + b"\r\n\r\n" + req.body
         loop = self.loop
@@ -267,7 +270,10 @@ class Exchange:
                 and (self.req.upload is None or self.req.complete))
 
     def answer(self, answer: Answer) -> None:
-        """corral's own answer, in place of a child's."""
+        """corral's own answer, in place of a child's (an error: nothing to keep)."""
+        if self.kept is not None:
+            self.kept.drop()
+            self.kept = None
         self._head(answer.status)
         self.keep_alive = self._may_keep_alive()
         self.client.write(answer.encode(self.keep_alive, self.head_only))
@@ -299,8 +305,10 @@ class Exchange:
         self.out.append(head.data)
         if self.meter is not None:
             self.meter.began(status, head.sse)
-        if self.kept is not None and not (head.sse and status == 200):
-            self.kept.drop()  # an error, or a whole answer: nothing to resume
+        if self.kept is not None and head.sse and status == 200:
+            self.kept.began()
+        elif self.kept is not None:  # an error, or a whole answer: nothing to resume
+            self.kept.drop()
             self.kept = None
 
     def response_body(self, body: bytes) -> None:
@@ -339,15 +347,25 @@ class Exchange:
             log.warning("%s broke off a response: %s", self.what, why)
             if kind is Broke.SILENT:
                 self.late = why
-            if self.sse and self.chunked:
-                self.response_body(sse_error_event(self.what, why))
-                self.out.append(b"0\r\n\r\n")
-            self.flush()
-            # Without an in-band way to say it, cutting the connection is the only way
-            # a client can tell a broken answer from a whole one.
-            self.keep_alive = False
-            self._to(Phase.DONE)
+            self._break_off(why)
         self._resolve()
+
+    def _break_off(self, why: str) -> None:
+        """End a begun answer that will not be whole: an error event, and the close."""
+        if self.sse and self.chunked:
+            self.response_body(sse_error_event(self.what, why))
+            self.out.append(b"0\r\n\r\n")
+        self.flush()
+        self.keep_alive = False
+        self._to(Phase.DONE)
+
+    def upgraded(self, transport: asyncio.Transport, headers: list[tuple[bytes, bytes]],
+                 rest: bytes) -> None:
+        """The child took the WebSocket: tunnel.py's (with the grant) till it ends."""
+        self._head(101)
+        self._to(Phase.STREAMING)
+        self.upstream = None
+        open_tunnel(self.client, transport, headers, rest, self.services.http, self.what)
 
     # ------------------------------------------------------------ the client
 
@@ -359,30 +377,24 @@ class Exchange:
         if self.upstream is not None:
             self.upstream.resume_reading()
 
-    def client_gone(self) -> None:
+    def client_gone(self) -> bool:
         """The client closed: leave the queue, or drop the request upstream; unless its
-        answer is kept (resumable.py): then it runs on, for a reader to come."""
+        answer is kept (resumable.py): then it runs on, for a reader to come (True)."""
         if self.kept is not None:
-            log.info("the client of a resumable stream (%s) left; its answer is kept",
-                     self.what)
+            log.info("%s: a resumable stream's client left; its answer is kept", self.what)
             self.resume_upstream()  # (paused for a client that took nothing)
-            return
+            return True
         if self.upstream is not None:
             self.upstream.detach()  # mid-answer: it cannot be reused
             self.upstream = None
         self.task.cancel()
+        return False
 
     def stop(self, why: str) -> None:
-        """Its kept answer was stopped (DELETE /v1/stream/{id}, or replaced): end it and
-        the child's work, as a client that leaves does."""
+        """Its kept answer was stopped (a DELETE, a refused id): ended as if its client left."""
         self.kept = None
         if self.phase in (Phase.WAITING, Phase.FORWARDING):
             self.answer(Answer(409, f"{self.what}: {why}"))
         elif self.phase is Phase.STREAMING:
-            if self.sse and self.chunked:
-                self.response_body(sse_error_event(self.what, why))
-                self.out.append(b"0\r\n\r\n")
-            self.flush()
-            self.keep_alive = False
-            self._to(Phase.DONE)
+            self._break_off(why)
         self.client_gone()

@@ -199,7 +199,7 @@ class Link:
                 if isinstance(kept, str):
                     self.send(StreamStop(token=token, why=kept))
                 else:
-                    self.kept[token] = kept
+                    self.kept[token] = kept.began()  # (sent as its answer began)
             case StreamBytes(token=token, data=data):
                 if (tee := self.kept.get(token)) is not None:
                     tee.feed(data)

@@ -56,8 +56,8 @@ class Request:
 
     __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "content_type",
                  "continue_sent", "conversation", "headers", "headers_done", "http10",
-                 "keep_alive", "key", "length", "method", "upload", "url", "url_parts",
-                 "url_size", "wants_continue")
+                 "keep_alive", "key", "length", "method", "upgrade", "upload", "url",
+                 "url_parts", "url_size", "wants_continue")
 
     def __init__(self) -> None:
         self.url_parts: list[bytes] = []
@@ -84,6 +84,8 @@ class Request:
         """Its body when it streams through (a multipart upload, upload.py)."""
         self.conversation: str | None = None
         """Its X-Conversation-Id, when its streamed answer is to be kept (resumable.py)."""
+        self.upgrade = False
+        """A WebSocket's opening (tunnel.py): nothing after its head is HTTP."""
 
 
 class Gate(Protocol):
@@ -105,7 +107,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     hosts: list[bytes] = []
     bearer: list[bytes] = []
     api_key: list[bytes] = []
-    expect = origin = fetch_site = None
+    expect = origin = fetch_site = upgrade_to = None
     conversation: list[bytes] = []
     for name, value in req.headers:
         size += len(name) + len(value) + 4
@@ -129,6 +131,8 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
             fetch_site = value
         elif lname == b"expect":
             expect = value
+        elif lname == b"upgrade":
+            upgrade_to = value
         elif lname == b"x-conversation-id" and limits.resumable:
             conversation.append(value)
     if size > limits.max_header:
@@ -138,8 +142,8 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     if req.url_size > limits.max_url:
         return Answer(414, f"URL over the {limits.max_url // 1024} KiB limit "
                       "(http.max_url_kib)")
-    if upgrade:
-        return Answer(400, "upgrades are not supported")
+    if upgrade and (refused := _check_upgrade(req, upgrade_to)) is not None:
+        return refused
     if len(hosts) > 1:
         return Answer(400, "more than one Host header (RFC 9112 3.2); send one")
     host = hosts[0] if hosts else None
@@ -148,11 +152,8 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
     if refused is not None:
         return refused
-    if conversation:
-        if len(conversation) > 1 or not CONVERSATION_ID.fullmatch(conversation[0]):
-            return Answer(400, "X-Conversation-Id must be one header of 1 to 128 of "
-                          "A-Z a-z 0-9 . _ : ~ + / = @ -")
-        req.conversation = conversation[0].decode()
+    if conversation and (refused := _check_conversation(req, conversation)) is not None:
+        return refused
     if req.length is not None and req.length > limits.max_body:
         return limits.too_big()
     return None if expect is None else _check_expect(req, expect)
@@ -172,6 +173,26 @@ def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | 
     if isinstance(who, Answer):
         return who
     req.key = who
+    return None
+
+
+def _check_conversation(req: Request, ids: list[bytes]) -> Answer | None:
+    """A 400 for a bad X-Conversation-Id, or None with `req.conversation` set."""
+    if len(ids) > 1 or not CONVERSATION_ID.fullmatch(ids[0]):
+        return Answer(400, "X-Conversation-Id must be one header of 1 to 128 of "
+                      "A-Z a-z 0-9 . _ : ~ + / = @ -")
+    req.conversation = ids[0].decode()
+    return None
+
+
+def _check_upgrade(req: Request, upgrade_to: bytes | None) -> Answer | None:
+    """A 400 for an upgrade that is not a WebSocket's opening, or None with `req.upgrade`
+    set (tunnel.py: nothing after its head is HTTP)."""
+    if (req.method != b"GET" or upgrade_to is None or req.length
+            or upgrade_to.strip().lower() != b"websocket"):
+        return Answer(400, "the only upgrade corral passes on is a WebSocket's (a GET "
+                      "with Upgrade: websocket and no body)")
+    req.upgrade, req.keep_alive = True, False
     return None
 
 

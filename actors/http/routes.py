@@ -23,6 +23,8 @@ class ModelRoute(msgspec.Struct, frozen=True):
     longer than its ttl_s, so that the TTL is not held up by it)."""
     prefix_bytes: int = 0
     """Copies routed by prompt prefix: how much of it names the copy (0: not so routed)."""
+    websocket: bool = False
+    """A WebSocket on any path goes to it (else only on /v1/realtime): tunnel.py."""
 
 
 class Routes(msgspec.Struct, frozen=True):
@@ -63,7 +65,7 @@ class Routes(msgspec.Struct, frozen=True):
                                    min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
                                    else linger_s,
                                    c.prefix_bytes if (c := m.replica_rules) and
-                                   c.route == "prefix" else 0)
+                                   c.route == "prefix" else 0, m.websocket)
                   for name, m in config.models.items()}
         known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
         return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),

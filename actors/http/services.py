@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from ..config.http import HttpConfig
 from ..runtime.bridge import SchedulerInbox
 from .metrics import RequestTimes
 from .pool import Pool, Pools
@@ -20,6 +21,7 @@ class Services(Protocol):
     """What an exchange uses of the front that runs it (front.Front)."""
 
     routes: Routes
+    http: HttpConfig
     shares: Shares
     pools: Pools
     times: RequestTimes

@@ -16,6 +16,8 @@ the answers of its own key: another key's id reads as unknown.
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from aiohttp import web
 
@@ -25,6 +27,8 @@ from .resumable import CONVERSATION_ID, Resumable, Resumables
 
 MAX_LOOKUP = 1000
 """Ids one lookup may ask about."""
+MAX_LOOKUP_BYTES = MAX_LOOKUP * 140
+"""The body of a lookup of that many ids (quoted, with commas) and room to spare."""
 
 
 def stream_call(path: str) -> bool:
@@ -38,6 +42,11 @@ class Lookup(msgspec.Struct, forbid_unknown_fields=True):
     conversation_ids: list[str]
 
 
+EVENT_END = re.compile(rb"(\r?\n)(\r?\n)")
+"""A blank line after a line: the end of an event (lines end in LF or CRLF; a lone CR,
+which SSE allows too, no child sends)."""
+
+
 class EventIds:
     """Adds `id: OFFSET` to each whole event of a stream read from `offset` (the offset
     just past the event), so that an EventSource resumes with Last-Event-ID."""
@@ -45,24 +54,24 @@ class EventIds:
     def __init__(self, offset: int) -> None:
         self.offset = offset
         self.pending = b""
+        """The start of an event not yet whole (written as it is at the stream's end)."""
 
     def feed(self, data: bytes) -> bytes:
         data, self.pending = self.pending + data, b""
         out: list[bytes] = []
         start = 0
-        while True:
-            end, sep = data.find(b"\n\n", start), b"\n"
-            crlf = data.find(b"\r\n\r\n", start)
-            if crlf != -1 and (end == -1 or crlf < end):
-                end, sep = crlf, b"\r\n"
-            if end == -1:
-                break
-            stop = end + 2 * len(sep)
-            self.offset += stop - start
-            out.append(data[start:end + len(sep)] + b"id: %d" % self.offset + sep + sep)
-            start = stop
+        for end in EVENT_END.finditer(data):
+            self.offset += end.end() - start
+            sep = end.group(2)
+            out.append(data[start:end.end(1)] + b"id: %d" % self.offset + sep + sep)
+            start = end.end()
         self.pending = data[start:]
         return b"".join(out)
+
+
+def _error_event(message: str) -> bytes:
+    return b"data: " + msgspec.json.encode(
+        {"error": {"code": 410, "type": "server_error", "message": message}}) + b"\n\n"
 
 
 def _owner(request: web.Request) -> str:
@@ -84,7 +93,7 @@ def _start(request: web.Request, stream: Resumable) -> tuple[int, bool] | web.Re
     ids = raw is None
     if raw is None:
         raw = request.headers.get("Last-Event-ID", "0")
-    if not raw.isdigit() or len(raw) > 18:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
         return error(400, f"the offset must be a whole number of bytes (?from= or "
                      f"Last-Event-ID), got {raw!r}")
     offset = int(raw)
@@ -132,14 +141,17 @@ class StreamApi:
         while True:
             data = stream.read(offset)
             if data is None:  # the reader fell behind what is kept
-                await resp.write(b'data: {"error": {"code": 410, "type": "server_error", '
-                                 b'"message": "this reader fell behind what corral keeps '
-                                 b'of the answer (http.resumable_max_mib)"}}\n\n')
+                await resp.write(_error_event("this reader fell behind what corral keeps "
+                                              "of the answer (http.resumable_max_mib)"))
                 break
-            if data:
+            if data:  # (a slice at a time, each written before the next is read)
                 offset += len(data)
                 await resp.write(ids.feed(data) if ids is not None else data)
             elif stream.done:
+                if ids is not None and ids.pending:
+                    await resp.write(ids.pending)
+                if stream.why:
+                    await resp.write(_error_event(f"the answer was stopped: {stream.why}"))
                 break
             else:
                 await stream.changed()
@@ -154,6 +166,9 @@ class StreamApi:
         return web.Response(status=204)  # (as llama.cpp: an unknown id too)
 
     async def lookup(self, request: web.Request) -> web.StreamResponse:
+        if (request.content_length or 0) > MAX_LOOKUP_BYTES:
+            return error(400, f"a lookup body is at most {MAX_LOOKUP_BYTES} bytes "
+                         f"({MAX_LOOKUP} conversation_ids)")
         try:
             body = msgspec.json.decode(await request.read(), type=Lookup)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

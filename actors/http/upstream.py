@@ -11,7 +11,8 @@ the connection is idle closes it, but one it sends just after the next request w
 on it cannot be told from that request's answer.
 
 Answers are parsed strictly: 100 Continue is consumed, other 1xx answers (103 Early
-Hints) are passed on as interim answers and never end the exchange, 101 is an error, and
+Hints) are passed on as interim answers and never end the exchange, 101 is an error but
+to a WebSocket's opening (then the connection leaves its pool for the tunnel), and
 an answer without a length that ends when the child closes (HTTP/1.0) is complete. An
 answer head is bounded like a request's (R6), and a child silent in the middle of an
 answer is cut after `upstream_idle_timeout_s` (R7).
@@ -74,6 +75,15 @@ class Sink(Protocol):
     def flush(self) -> None: ...
     def response_done(self) -> None: ...
     def upstream_broke(self, reason: str, kind: Broke) -> None: ...
+
+    @property
+    def upgrade(self) -> bool:
+        """The request opens a WebSocket: a 101 hands the connection over."""
+
+    def upgraded(self, transport: asyncio.Transport, headers: list[tuple[bytes, bytes]],
+                 rest: bytes) -> None:
+        """The child answered 101: the connection is the WebSocket's now (`rest`: what
+        came after the head)."""
 
 
 class Home(Protocol):
@@ -275,9 +285,15 @@ class Upstream(asyncio.Protocol):
             self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._broke(sink, "it answered 101 Switching Protocols, which corral does not "
-                        "pass on")
+        except httptools.HttpParserUpgrade as e:
+            if (sink.upgrade and self.transport is not None
+                    and self.parser.get_status_code() == 101):
+                self.sink = None
+                self._forget()  # out of the pool, open: the tunnel's (tunnel.py)
+                sink.upgraded(self.transport, self.headers, data[e.args[0]:])
+                return
+            self._broke(sink, "it answered 101 Switching Protocols to a request that "
+                        "opened no WebSocket")
             return
         except httptools.HttpParserError as e:
             if not self.finished:

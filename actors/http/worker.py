@@ -143,8 +143,8 @@ class RemoteKept:
     def keep(self, id_: str, key: str, model: str, producer: Producer) -> Tee | str:
         token = next(self.tokens)
         self.producers[token] = producer
-        self.corral._send(StreamOpen(token=token, conversation=id_, key=key, model=model))
-        return RemoteTee(self, token)  # (corral may refuse the id: a StreamStop then)
+        return RemoteTee(self, token, StreamOpen(token=token, conversation=id_, key=key,
+                                                 model=model))
 
     def stopped(self, token: int, why: str) -> None:
         producer = self.producers.pop(token, None)
@@ -153,22 +153,35 @@ class RemoteKept:
 
 
 class RemoteTee:
-    __slots__ = ("kept", "token")
+    """A request's answer, kept in corral's process from its first byte (corral may
+    refuse its id then: a StreamStop comes back)."""
 
-    def __init__(self, kept: RemoteKept, token: int) -> None:
+    __slots__ = ("kept", "opening", "token")
+
+    def __init__(self, kept: RemoteKept, token: int, opening: StreamOpen) -> None:
         self.kept = kept
         self.token = token
+        self.opening: StreamOpen | None = opening
+        """Sent when its answer begins as a stream (None: sent)."""
+
+    def began(self) -> RemoteTee:
+        if self.opening is not None:
+            self.kept.corral._send(self.opening)
+            self.opening = None
+        return self
 
     def feed(self, data: bytes) -> None:
         self.kept.corral._send(StreamBytes(token=self.token, data=data))
 
     def end(self, why: str = "") -> None:
         self.kept.producers.pop(self.token, None)
-        self.kept.corral._send(StreamEnd(token=self.token, why=why))
+        if self.opening is None:
+            self.kept.corral._send(StreamEnd(token=self.token, why=why))
 
     def drop(self) -> None:
         self.kept.producers.pop(self.token, None)
-        self.kept.corral._send(StreamEnd(token=self.token, drop=True))
+        if self.opening is None:
+            self.kept.corral._send(StreamEnd(token=self.token, drop=True))
 
 
 async def serve() -> int:
