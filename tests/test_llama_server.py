@@ -266,3 +266,38 @@ def test_the_router_paths_reach_a_real_child(corral, tmp_path, models) -> None:
         # the child's own answer (POST /props needs its --props: a 403 of its own)
         assert headers.get("content-security-policy") == "sandbox", (path, status, said)
         assert status in (200, 400, 403, 501), (path, status, said)
+
+
+def test_a_resumable_stream_from_a_real_child(corral, tmp_path, models) -> None:
+    """Issue 39: a stream with X-Conversation-Id outlives its client; the rest is read
+    back from where the client left, byte for byte as llama-server sent it."""
+    c = serve(corral, preset(tmp_path, three(models)))
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": "m0", "stream": True, "max_tokens": 64, "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}]}),
+        headers={"Content-Type": "application/json", "X-Conversation-Id": "real-1"})
+    resp = conn.getresponse()
+    head = b""
+    while head.count(b"\n\n") < 2:
+        head += resp.readline()
+    assert conn.sock is not None
+    conn.sock.close()  # the client leaves
+    conn.close()
+
+    def get(offset: int) -> bytes:
+        reader = http.client.HTTPConnection("127.0.0.1", c.port, timeout=30)
+        try:
+            reader.request("GET", f"/v1/stream/real-1?from={offset}")
+            answer = reader.getresponse()
+            assert answer.status == 200
+            return answer.read()
+        finally:
+            reader.close()
+    whole = head + get(len(head))
+    assert get(0) == whole  # what the client had, then the rest: the answer, once
+    events = [e[6:] for e in whole.decode().split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 64
+    wait_until(lambda: c.models()["m0"]["in_flight"] == 0, 15, "nothing in flight")
