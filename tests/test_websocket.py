@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -325,3 +326,37 @@ def test_a_model_with_an_open_socket_is_no_eviction_victim(tmp_path: Path) -> No
         assert status == 200 and c.state("a") == "unloaded"
     with Corral(config, home=tmp_path) as c:
         run(go(c))
+
+
+def test_a_childs_answer_other_than_101_never_reaches_the_client(served: Corral) -> None:
+    """Review finding: an upgrade to a path a member key may not GET (/props, /slots)
+    was answered by the child as a plain GET, and the answer was relayed."""
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as s:
+        s.sendall(handshake("/props?model=comfy", b"Upgrade: websocket\r\n"))
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 502")
+    assert b"answered 200 to a WebSocket's opening" in answer
+    assert b"n_ctx" not in answer  # nothing of the child's page
+
+
+def test_sigterm_closes_open_sockets_with_1001_at_once(tmp_path: Path) -> None:
+    config = toml_config({"rt": {"cmd": fake_cmd()}}, http={"drain_timeout_s": 60})
+    c = Corral(config, home=tmp_path)
+    try:
+        async def go() -> float:
+            async with websockets.connect(url(c, "/v1/realtime?model=rt")) as ws:
+                await ws.send("hi")
+                assert await ws.recv() == "hi"
+                began = time.monotonic()
+                c.proc.send_signal(signal.SIGTERM)
+                with pytest.raises(ConnectionClosed) as closed:
+                    await ws.recv()
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+                assert "shutting down" in closed.value.rcvd.reason
+                return time.monotonic() - began
+        assert run(go()) < 30  # not the 60 s drain: it is closed, not waited for
+        assert c.proc.wait(60) == 0
+    finally:
+        c.stop()

@@ -32,6 +32,7 @@ from .flow import WriteStall
 from .phase import Phase
 from .request import Gate, Limits, Reader, Request
 from .services import Services
+from .tunnel import Tunnel
 
 log = logging.getLogger("corral.front")
 
@@ -72,6 +73,8 @@ class Connection(Timers, asyncio.Protocol):
         self.pending: collections.deque[Request] = collections.deque()
         """Whole requests behind the running exchange (bounded by one read: see module)."""
         self.exchange: Exchange | None = None
+        self.tunnel: Tunnel | None = None
+        """The WebSocket that took the connection over (tunnel.py)."""
         self.deadline = math.inf
         """When `on_deadline` runs (loop time): the Front checks every connection once a
         second (a timer per request cost more than the rest of the front's bookkeeping)."""
@@ -387,7 +390,9 @@ class Connection(Timers, asyncio.Protocol):
     def drain(self) -> None:
         """Shutdown: let the running answer finish, answer nothing new; a kept answer
         whose client has left is stopped (nobody may resume it now)."""
-        if self.transport is None and self.exchange is not None:
+        if self.tunnel is not None:
+            self.tunnel.shut("corral is shutting down")
+        elif self.transport is None and self.exchange is not None:
             self.exchange.stop("corral is shutting down")
         elif self.exchange is None and not self.lingering:
             self.next_request()

@@ -15,7 +15,7 @@ from typing import Protocol
 from ..config.model import HttpConfig
 from .edge import Answer
 from .exchange import Exchange
-from .flow import WriteStall, cut
+from .flow import WriteStall, cut, unsent
 from .request import Reader
 
 PROBE_FIRST_S = 0.05
@@ -71,12 +71,12 @@ class Timers:
 
     def _stall_watch(self) -> None:
         if self.transport is not None:
-            self.stall.watch(self.loop.time(), self.transport.get_write_buffer_size())
+            self.stall.watch(self.loop.time(), unsent(self.transport))
 
     def check_deadline(self, now: float) -> None:
         """Called by the Front once a second."""
         if self.transport is not None and self.stall.stalled(
-                now, left := self.transport.get_write_buffer_size()):
+                now, left := unsent(self.transport)):
             self.front.warn("stalled", f"cut a client that took none of the {left} bytes "
                             "waiting for it in "
                             f"{self.front.http.write_timeout_s:g} s (http.write_timeout_s)")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import math
 import socket
 import struct
+import termios
 
 
 class WriteStall:
@@ -43,6 +45,19 @@ class WriteStall:
             return False
         self.stop()
         return True
+
+
+def unsent(transport: asyncio.Transport) -> int:
+    """Bytes written to `transport` that its peer has not taken: corral's buffer and the
+    kernel's send queue (on loopback that queue alone can hold megabytes, so a reader
+    that takes some shows it there long before corral's buffer moves)."""
+    waiting = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            waiting += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ,
+                                                      b"\0\0\0\0"))[0]
+    return waiting
 
 
 def cut(transport: asyncio.Transport) -> None:

@@ -10,7 +10,10 @@ limits in both directions:
   (1009), the other end a close (1001), and both connections end;
 - nothing either way for `http.websocket_idle_s` closes both (1001, "idle");
 - an end that takes nothing of what is written to it for `http.write_timeout_s` is cut,
-  and the other end is not read meanwhile (no byte waits in corral beyond one read).
+  and the other end is not read meanwhile (no byte waits in corral beyond one read);
+- an end that has sent its EOF ends the tunnel `http.write_timeout_s` later, if the
+  other has not closed by then (a close handshake takes less);
+- corral's drain (SIGTERM) closes every tunnel at once (1001).
 
 A close corral writes goes at a frame boundary only (a frame's header is relayed whole
 or held back until it is), so neither end ever reads a torn frame.
@@ -26,7 +29,7 @@ from typing import Protocol
 
 from ..config.http import HttpConfig
 from .edge import REFRAMED
-from .flow import cut
+from .flow import cut, unsent
 
 log = logging.getLogger("corral.front")
 
@@ -103,6 +106,9 @@ class Client(Protocol):
 
     def write(self, data: bytes) -> None: ...
 
+    tunnel: Tunnel | None
+    """The tunnel that took it over (its drain closes it)."""
+
     def hand_over(self) -> asyncio.Transport | None:
         """Its transport, the tunnel's from now (None: the client has left)."""
 
@@ -119,7 +125,8 @@ def open_tunnel(client: Client, child_side: asyncio.Transport,
     if client_side is None:
         child_side.close()  # its client left as the child said yes
         return
-    Tunnel(client, client_side, child_side, http, what).relay(True, rest)
+    client.tunnel = Tunnel(client, client_side, child_side, http, what)
+    client.tunnel.relay(True, rest)
 
 
 class End(asyncio.Protocol):
@@ -163,8 +170,13 @@ class Tunnel:
         self.last = self.loop.time()
         self.ended = False
         self.eofs = [False, False]
+        """Each end has sent its EOF (and the other was given it: nothing more is
+        written to that one)."""
+        self.closing: asyncio.TimerHandle | None = None
         self.stalls: list[asyncio.TimerHandle | None] = [None, None]
         """Each end's write timeout, while it is to blame for taking nothing."""
+        self.waiting = [0, 0]
+        """Each end's bytes waiting for it when its watch began (`_stalled`)."""
         self.blocked = [False, False]
         """Each end takes nothing for now (its transport's buffer is full)."""
         self.gone = [False, False]
@@ -197,8 +209,11 @@ class Tunnel:
         side = self.sides[not from_child]
         if all(self.eofs) or not side.can_write_eof():
             self.end("", {})
-        elif not side.is_closing():
+            return
+        if not side.is_closing():
             side.write_eof()
+        if self.closing is None:
+            self.closing = self.loop.call_later(self.write_timeout_s, self.end, "", {})
 
     def full(self, to_child: bool, full: bool) -> None:
         """The end `to_child` takes nothing more for now (`full`), or takes again: the
@@ -222,6 +237,7 @@ class Tunnel:
 
     def _watch(self, end: bool) -> None:
         if self.stalls[end] is None:
+            self.waiting[end] = unsent(self.sides[end])
             self.stalls[end] = self.loop.call_later(self.write_timeout_s, self._stalled, end)
 
     def _unwatch(self, end: bool) -> None:
@@ -231,6 +247,9 @@ class Tunnel:
 
     def _stalled(self, to_child: bool) -> None:
         self.stalls[to_child] = None
+        if unsent(self.sides[to_child]) < self.waiting[to_child]:
+            self._watch(to_child)  # it took some: a slow reader, not a stalled one
+            return
         who = "child" if to_child else "client"
         log.warning("WebSocket to %s: its %s took nothing for %g s (http.write_timeout_s); "
                     "cut", self.what, who, self.write_timeout_s)
@@ -260,19 +279,24 @@ class Tunnel:
         if self.ended:
             return
         self.ended = True
-        for timer in (self.idle, *self.stalls):
+        for timer in (self.idle, self.closing, *self.stalls):
             if timer is not None:
                 timer.cancel()
+        self.loop.call_later(self.write_timeout_s, self._cut_rest)
         for to_child, side in ((False, self.sides[0]), (True, self.sides[1])):
             if self.blocked[to_child]:
                 cut(side)  # it takes nothing: a close would wait on it for ever
                 continue
             code = codes.get(to_child)
-            if code is not None and not side.is_closing() and self.frames[
-                    not to_child].at_boundary:
+            if (code is not None and not side.is_closing() and not self.eofs[not to_child]
+                    and self.frames[not to_child].at_boundary):
                 side.write(close_frame(code, why, masked=to_child))
             side.close()
-        self.loop.call_later(self.write_timeout_s, self._cut_rest)
+
+    def shut(self, why: str) -> None:
+        """corral stops (its drain): both ends get a close now, not a cut later."""
+        log.info("WebSocket to %s: closed, %s", self.what, why)
+        self.end(why, {False: GOING_AWAY, True: GOING_AWAY})
 
     def _cut_rest(self) -> None:
         """An end that has not taken its last bytes and gone by now is cut."""

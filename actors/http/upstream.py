@@ -345,6 +345,9 @@ class Upstream(asyncio.Protocol):
             if status != 100:
                 self.sink.response_interim(status, headers)
             return
+        if self.sink.upgrade:  # a WebSocket's opening: 101, or none of the child's answer
+            self._broke(self.sink, f"it answered {status} to a WebSocket's opening")
+            return  # (it might be a page a key may not GET: /slots shows prompts)
         self.head_seen = True
         self.streamed = has_length = False
         for name, _ in headers:
