@@ -48,6 +48,8 @@ def test_leases_of_a_live_child_all_get_a_connection(n: int) -> None:
 class Sink:
     """Records what an upstream reports (the exchange's side of the seam)."""
 
+    upgrade = False  # (no WebSocket's opening)
+
     def __init__(self) -> None:
         self.heads: list[int] = []
         self.body = b""
