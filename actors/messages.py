@@ -70,6 +70,10 @@ class Grant(Message, frozen=True, kw_only=True):
     """A shareable grant of a model with copies: the Scheduler routes each request among
     them, so one joins it only while no request is on it (a lease for the lone client),
     and only with the same prompt hash (shares.py)."""
+    waited: str = ""
+    """What the request waited for: "load", "wake", or "" (the journal's)."""
+    room: tuple[str, ...] = ()
+    """What was done to make room for that load or wake: "stop X", "suspend X"."""
 
     @property
     def serving(self) -> tuple[int, int]:

@@ -10,6 +10,7 @@ key with its default and meaning, and the checks their types cannot express.
 | `[hooks]`: commands around a child                     | `Hooks`                  | hooks.py     |
 | `[virtual.NAME]`: one name for several models          | `VirtualModel`           | virtual.py   |
 | `[ollama]`: Ollama's API on or off                     | `OllamaConfig`           | ollama.py    |
+| `[journal]`: what is kept of every request             | `JournalConfig`          | journal.py   |
 | `[downloads]`: where and how much                      | `DownloadsConfig`        | downloads.py |
 | a model's `suspend` key and its check                  | `Suspend`, `check`       | suspend.py   |
 | what the policy needs of a model; replicas; groups     | `ModelRules`, `Replicas` | rules.py     |

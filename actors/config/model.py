@@ -15,6 +15,7 @@ from msgspec import Meta
 from .downloads import DownloadsConfig
 from .hooks import Hooks
 from .http import HttpConfig
+from .journal import JournalConfig
 from .ollama import OllamaConfig
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
@@ -322,6 +323,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     """Every model's hooks, unless its own table sets that one (instance/hooks.py)."""
     downloads: DownloadsConfig = DownloadsConfig()
     ollama: OllamaConfig = OllamaConfig()
+    journal: JournalConfig = JournalConfig()
     hook_timeout_s: PositiveSeconds = 30.0
     groups: dict[str, ModelGroup] = {}
     """Models that swap, load or stay together (actors/policy/teams.py)."""

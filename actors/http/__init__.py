@@ -15,6 +15,7 @@ then streamed to and from the child; everything else goes to the management API.
 | a client that takes nothing: the watch, the cut    | `WriteStall`, `cut`      | flow.py       |
 | one request and its answer, in phases              | `Exchange`               | exchange.py   |
 | an exchange's phases                               | `Phase`                  | phase.py      |
+| an exchange's answer: what its upstream reports    | `Relay`                  | relay.py      |
 | answers kept for a client to resume               | `Resumables`, `Tee`      | resumable.py  |
 | their endpoints: GET/DELETE /v1/stream, lookup     | `StreamApi`, `EventIds`  | stream_api.py |
 | a WebSocket: two connections relayed, in limits    | `Tunnel`, `Frames`       | tunnel.py     |

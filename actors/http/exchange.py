@@ -21,19 +21,16 @@ from ..runtime.bridge import LoopReply
 from .edge import (
     TO_API_DROPPED,
     Answer,
-    interim_head,
-    relay_head,
-    sse_error_event,
     target,
 )
 from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
+from .relay import Relay
 from .request import Request
 from .resumable import Tee
 from .services import Services
 from .tries import to_any
 from .tunnel import Client as TunnelClient
-from .tunnel import open_tunnel
 from .upstream import Broke, Upstream
 from .usage import Meter
 
@@ -50,13 +47,13 @@ class Client(TunnelClient, Protocol):
     def exchange_done(self, exchange: Exchange) -> None: ...
 
 
-class Exchange:
+class Exchange(Relay):
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("broke", "broke_kind", "chunked", "client", "cut", "done", "first_at",
-                 "head_only", "keep_alive", "kept", "late", "loop", "may_replay", "may_retry",
-                 "meter", "out", "phase", "req", "services", "sse", "status", "task",
-                 "ticket", "timer", "upgrade", "upstream", "what")
+    __slots__ = ("broke", "broke_kind", "cut", "done", "may_replay", "may_retry", "task",
+                 "timer", "upgrade")
+
+    client: Client  # (more of it than its answer's side uses)
 
     def __init__(self, services: Services, client: Client, req: Request) -> None:
         self.services = services
@@ -263,12 +260,6 @@ class Exchange:
         self.keep_alive = False
         self.task.cancel()
 
-    def _may_keep_alive(self) -> bool:
-        """The client connection may serve another request after this answer: corral is
-        not draining, and no upload is still arriving (its rest is dropped)."""
-        return (self.keep_alive and not self.services.draining
-                and (self.req.upload is None or self.req.complete))
-
     def answer(self, answer: Answer) -> None:
         """corral's own answer, in place of a child's (an error: nothing to keep)."""
         if self.kept is not None:
@@ -282,90 +273,6 @@ class Exchange:
     def _resolve(self) -> None:
         if self.done is not None and not self.done.done():
             self.done.set_result(None)
-
-    # ------------------------------------------------------------ the answer (Sink)
-
-    def response_interim(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        if self.phase is not Phase.FORWARDING or self.req.http10:
-            return  # an HTTP/1.0 client knows no interim answers
-        self.out.append(interim_head(status, headers))
-
-    def _head(self, status: int) -> None:
-        self.status = status
-        if self.first_at is None:
-            self.first_at = self.loop.time()
-
-    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self._head(status)
-        self._to(Phase.STREAMING)
-        head = relay_head(status, headers, from_child=self.what != API,
-                          keep_alive=self._may_keep_alive(),
-                          head_only=self.head_only, http10=self.req.http10)
-        self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
-        self.out.append(head.data)
-        if self.meter is not None:
-            self.meter.began(status, head.sse)
-        if self.kept is not None and head.sse and status == 200:
-            self.kept.began()
-        elif self.kept is not None:  # an error, or a whole answer: nothing to resume
-            self.kept.drop()
-            self.kept = None
-
-    def response_body(self, body: bytes) -> None:
-        if (meter := self.meter) is not None:
-            meter.feed(body)
-            if self.ticket is not None and (more := meter.due()):
-                self.services.shares.spend(self.ticket, more)  # the key's next sees it
-        if self.kept is not None:
-            self.kept.feed(body)
-        self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
-
-    def flush(self) -> None:
-        """What one read of the child's answer produced, in one write."""
-        out = self.out
-        if out:
-            self.client.write(out[0] if len(out) == 1 else b"".join(out))
-            out.clear()
-
-    def response_done(self) -> None:
-        self.upstream = None  # given back to its pool, or closed, by itself
-        if self.chunked:
-            self.out.append(b"0\r\n\r\n")
-        self.flush()
-        if self.kept is not None:
-            self.kept.end()
-            self.kept = None
-        self._to(Phase.DONE)
-        self._resolve()
-
-    def upstream_broke(self, why: str, kind: Broke) -> None:
-        self.upstream = None
-        if self.phase is Phase.FORWARDING:
-            self.out.clear()  # interim answers only; the final one is ours
-            self._unreachable(why, kind)
-        elif self.phase is Phase.STREAMING:
-            log.warning("%s broke off a response: %s", self.what, why)
-            if kind is Broke.SILENT:
-                self.late = why
-            self._break_off(why)
-        self._resolve()
-
-    def _break_off(self, why: str) -> None:
-        """End a begun answer that will not be whole: an error event, and the close."""
-        if self.sse and self.chunked:
-            self.response_body(sse_error_event(self.what, why))
-            self.out.append(b"0\r\n\r\n")
-        self.flush()
-        self.keep_alive = False
-        self._to(Phase.DONE)
-
-    def upgraded(self, transport: asyncio.Transport, headers: list[tuple[bytes, bytes]],
-                 rest: bytes) -> None:
-        """The child took the WebSocket: tunnel.py's (with the grant) till it ends."""
-        self._head(101)
-        self._to(Phase.STREAMING)
-        self.upstream = None
-        open_tunnel(self.client, transport, headers, rest, self.services.http, self.what)
 
     # ------------------------------------------------------------ the client
 

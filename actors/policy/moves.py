@@ -46,6 +46,8 @@ log = logging.getLogger("corral.scheduler")
 
 S = ModelState
 SUSPENDED = frozenset({S.SUSPENDING, S.SUSPENDED})
+ROOM_KEPT = 8
+"""What is kept of what was done to make room for a model (ModelRecord.room)."""
 
 
 def shown(copies: list[ModelRecord]) -> str:
@@ -210,6 +212,10 @@ class Moves:
                                     devices=shortfalls or [], action=action, why=why)
         rec.evicted_at = self.state.now
         self.state.out.append(Publish(rec.last_eviction))
+        beneficiary = self.state.models.get(for_model) if for_model else None
+        if beneficiary is not None:
+            beneficiary.room.append((self.state.now, f"{action} {rec.name}"))
+            del beneficiary.room[:-ROOM_KEPT]
 
     def grant(self, ticket: Hashable, rec: ModelRecord, now: float, key: str = "",
               waiter: Waiter | None = None, cuttable: bool = False) -> None:
@@ -241,10 +247,15 @@ class Moves:
             self.state.revocable[(rec.group, rec.generation)] = None  # as the front has it
         if rec.rules.replicas is not None:  # busier copies: one more may be due
             self.state.groups.wanting.add(rec.group)
+        waited = ""  # what a queued request waited for, and the room made: the journal's
+        room: tuple[str, ...] = ()
+        if waiter is not None and rec.ready_at is not None and rec.ready_at >= waiter.queued_at:
+            waited = "wake" if rec.woke_at == rec.ready_at else "load"
+            room = tuple(what for at, what in rec.room if at >= waiter.queued_at)
         self.state.out.append(Answer(ticket, Grant(
             model=rec.group, generation=rec.generation, host=rec.host, port=rec.port,
             shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes,
-            instance=rec.copy_name, solo=solo)))
+            instance=rec.copy_name, solo=solo, waited=waited, room=room)))
         if self.state.teams.partners:  # its together partners were used too
             self.teams.granted(rec, now)
 

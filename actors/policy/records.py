@@ -231,6 +231,11 @@ class ModelRecord:
     ttl_skipped: float | None = None
     """The idle_from whose ttl_suspend_s found no room to suspend in: its TTL goes on
     to ttl_s (a use since makes it count again)."""
+    woke_at: float | None = None
+    """When its child last woke (`ready_at` is then the same: it was a wake)."""
+    room: list[tuple[float, str]] = field(default_factory=list)
+    """What was done to make room for it, lately (when, "stop X" / "suspend X"): a
+    request that waited for its load is told (Grant.room)."""
 
     def __deepcopy__(self, memo: dict[int, object]) -> ModelRecord:
         """A copy for a plan (plans.py): its fields are values (numbers, strings, frozen

@@ -73,7 +73,7 @@ class Tiers:
             observe(self.state.stats.wake_time, model, took)
             self.state.host.awake(rec)
             rec.wakes += 1
-            rec.ready_at = now
+            rec.ready_at = rec.woke_at = now
             warmed = rec in self.state.warming
             rec.last_used = 0.0 if warmed and entry is None else now  # unasked: first victim
             rec.ended_at = now

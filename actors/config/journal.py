@@ -1,0 +1,22 @@
+"""The `[journal]` table (issue 40): one record of every request, kept in memory and in
+SQLite under `state_dir`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class JournalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What corral keeps of the requests it served (actors/journal/)."""
+
+    enabled: bool = True
+    """false: no record is kept (GET /requests answers 404 naming this key)."""
+    keep_days: Annotated[float, Meta(gt=0)] = 7.0
+    """Records older than this are deleted from the file."""
+    max_mib: Annotated[float, Meta(gt=0)] = 256.0
+    """The file's size bound: past it, the oldest records are deleted."""
+    ring: Annotated[int, Meta(ge=1, le=1_000_000)] = 2000
+    """Records kept in memory (the newest), answered when the file cannot be."""

@@ -1,0 +1,145 @@
+"""The answer's side of an exchange (exchange.py): what an upstream connection reports
+(upstream.py's `Sink`), relayed to the client, and a WebSocket's opening handed to its
+tunnel. `Relay` is the exchange's base, as deadlines.py's `Timers` is its connection's:
+it declares what it uses of the exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from .edge import Answer, interim_head, relay_head, sse_error_event
+from .phase import API, Phase
+from .resumable import Tee
+from .services import Services
+from .tunnel import Client, open_tunnel
+from .upstream import Broke, Upstream
+from .usage import Meter
+
+if TYPE_CHECKING:
+    from ..runtime.bridge import LoopReply
+    from .request import Request
+
+log = logging.getLogger("corral.front")
+
+
+class Relay:
+    """An exchange's answer, as its upstream connection reports it."""
+
+    __slots__ = ("chunked", "client", "first_at", "head_only", "keep_alive", "kept", "late",
+                 "loop", "meter", "out", "phase", "req", "services", "sse", "status",
+                 "ticket", "upstream", "what")
+
+    services: Services
+    client: Client
+    req: Request
+    loop: asyncio.AbstractEventLoop
+    phase: Phase
+    what: str
+    out: list[bytes]
+    status: int
+    first_at: float | None
+    head_only: bool
+    keep_alive: bool
+    chunked: bool
+    sse: bool
+    late: str | None
+    meter: Meter | None
+    ticket: LoopReply | None
+    kept: Tee | None
+    upstream: Upstream | None
+
+    def _to(self, phase: Phase) -> None: ...
+    def _unreachable(self, why: str, kind: Broke) -> None: ...
+    def _resolve(self) -> None: ...
+    def answer(self, answer: Answer) -> None: ...
+
+    def _may_keep_alive(self) -> bool:
+        """The client connection may serve another request after this answer: corral is
+        not draining, and no upload is still arriving (its rest is dropped)."""
+        return (self.keep_alive and not self.services.draining
+                and (self.req.upload is None or self.req.complete))
+
+    def response_interim(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.phase is not Phase.FORWARDING or self.req.http10:
+            return  # an HTTP/1.0 client knows no interim answers
+        self.out.append(interim_head(status, headers))
+
+    def _head(self, status: int) -> None:
+        self.status = status
+        if self.first_at is None:
+            self.first_at = self.loop.time()
+
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._head(status)
+        self._to(Phase.STREAMING)
+        head = relay_head(status, headers, from_child=self.what != API,
+                          keep_alive=self._may_keep_alive(),
+                          head_only=self.head_only, http10=self.req.http10)
+        self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
+        self.out.append(head.data)
+        if self.meter is not None:
+            self.meter.began(status, head.sse)
+        if self.kept is not None and head.sse and status == 200:
+            self.kept.began()
+        elif self.kept is not None:  # an error, or a whole answer: nothing to resume
+            self.kept.drop()
+            self.kept = None
+
+    def response_body(self, body: bytes) -> None:
+        if (meter := self.meter) is not None:
+            meter.feed(body)
+            if self.ticket is not None and (more := meter.due()):
+                self.services.shares.spend(self.ticket, more)  # the key's next sees it
+        if self.kept is not None:
+            self.kept.feed(body)
+        self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+
+    def flush(self) -> None:
+        """What one read of the child's answer produced, in one write."""
+        out = self.out
+        if out:
+            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    def response_done(self) -> None:
+        self.upstream = None  # given back to its pool, or closed, by itself
+        if self.chunked:
+            self.out.append(b"0\r\n\r\n")
+        self.flush()
+        if self.kept is not None:
+            self.kept.end()
+            self.kept = None
+        self._to(Phase.DONE)
+        self._resolve()
+
+    def upstream_broke(self, why: str, kind: Broke) -> None:
+        self.upstream = None
+        if self.phase is Phase.FORWARDING:
+            self.out.clear()  # interim answers only; the final one is ours
+            self._unreachable(why, kind)
+        elif self.phase is Phase.STREAMING:
+            log.warning("%s broke off a response: %s", self.what, why)
+            if kind is Broke.SILENT:
+                self.late = why
+            self._break_off(why)
+        self._resolve()
+
+    def _break_off(self, why: str) -> None:
+        """End a begun answer that will not be whole: an error event, and the close."""
+        if self.sse and self.chunked:
+            self.response_body(sse_error_event(self.what, why))
+            self.out.append(b"0\r\n\r\n")
+        self.flush()
+        self.keep_alive = False
+        self._to(Phase.DONE)
+
+    def upgraded(self, transport: asyncio.Transport, headers: list[tuple[bytes, bytes]],
+                 rest: bytes) -> None:
+        """The child took the WebSocket: tunnel.py's (with the grant) till it ends."""
+        self._head(101)
+        self._to(Phase.STREAMING)
+        self.upstream = None
+        open_tunnel(self.client, transport, headers, rest, self.services.http, self.what)
