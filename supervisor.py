@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--for-key", metavar="NAME", default="",
                              help="plan for the named key's class and limits (an admin may "
                                   "name any key; another key plans for itself)")
+        if name == "requests":
+            for flag, what in (("--model", "a model's (asked for, or that answered)"),
+                               ("--key", "a key's"), ("--status", "404, or a class: 5xx"),
+                               ("--since", "Unix seconds, or a span back: 15m, 2h"),
+                               ("--limit", "how many (default 100)")):
+                cmd.add_argument(flag, default="", help=what)
         if name == "logs":
             cmd.add_argument("-f", "--follow", action="store_true",
                              help="keep printing new lines (across restarts of the model)")
@@ -328,8 +334,10 @@ def client(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"corral: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    query = {f: getattr(args, f, "") for f in ("model", "key", "status", "since", "limit")}
     return http_client.run(args.url, key, args.command, getattr(args, "name", None),
-                           getattr(args, "follow", False), getattr(args, "for_key", ""))
+                           getattr(args, "follow", False), getattr(args, "for_key", ""),
+                           query)
 
 
 def main(argv: list[str] | None = None) -> int:

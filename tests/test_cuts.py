@@ -155,6 +155,7 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
     from types import SimpleNamespace
 
     from actors.http.exchange import Exchange
+    from actors.http.journaling import Trace
     from actors.http.phase import Phase
     from actors.http.shares import Shares
     from actors.http.tries import to_model
@@ -197,12 +198,16 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 services=services, client=None, loop=loop, phase=Phase.WAITING,
                 req=SimpleNamespace(method=b"POST", url=b"/v1/chat/completions",
                                     headers=[], body=b"{}", key=None, http10=False,
-                                    upload=None, upgrade=False, conversation=None),
+                                    upload=None, upgrade=False, conversation=None,
+                                    request_id=None, body_size=2),
                 keep_alive=True, head_only=False, chunked=False, sse=False,
                 what="model 'a'", upstream=None, out=[], done=None, status=0,
                 first_at=None, late=None, broke=None, broke_kind=None, may_replay=False,
                 may_retry=False, meter=None, ticket=None, cut=False, timer=None,
                 kept=None, upgrade=False).items():
+            setattr(ex, name, value)
+        ex.trace = Trace(ex.req, loop.time())
+        for name, value in {}.items():
             setattr(ex, name, value)
         ex.task = loop.create_task(to_model(ex, "a", True))
         for _ in range(1000):  # loop turns until the request is sent

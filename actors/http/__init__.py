@@ -19,6 +19,8 @@ then streamed to and from the child; everything else goes to the management API.
 | answers kept for a client to resume               | `Resumables`, `Tee`      | resumable.py  |
 | their endpoints: GET/DELETE /v1/stream, lookup     | `StreamApi`, `EventIds`  | stream_api.py |
 | a WebSocket: two connections relayed, in limits    | `Tunnel`, `Frames`       | tunnel.py     |
+| a request's id and its journal record, as it goes  | `Trace`, `record_of`     | journaling.py |
+| the journal's endpoints: GET /requests             | `RequestsApi`, `parse`   | requests_api.py |
 | what an exchange may use of its front              | `Services`               | services.py   |
 | what an exchange writes to: its connection         | `Client`                 | exchange.py   |
 | a keyed request's tokens; each key's use           | `Meter`, `KeyUses`       | usage.py      |
@@ -51,7 +53,7 @@ then streamed to and from the child; everything else goes to the management API.
 | the CLI's management commands                      | `run`, `COMMANDS`        | client.py     |
 
 What may be imported here: everything below it (the top of `actors/`, `config/`,
-`runtime/`, `downloads/`), and of the policy only what a key's plan needs
+`runtime/`, `downloads/`, `journal/`), and of the policy only what a key's plan needs
 (tenancy.py); nothing imports this folder but the `corral` command.
 
 Conventions that cross files:

@@ -23,6 +23,7 @@ from aiohttp import web
 from ..config.keys import KeyRule, Keys
 from ..config.model import Config, ConfigError, ModelConfig
 from ..downloads import Downloads
+from ..journal.store import Journal
 from ..messages import (
     Alive,
     DevicesSnapshot,
@@ -47,6 +48,7 @@ from .manage import ModelCommands, answer_response, error
 from .metrics import render
 from .ollama import MODEL_CALLS
 from .ollama_api import OllamaApi
+from .requests_api import RequestsApi
 from .resumable import Resumables
 from .routes import Routes
 from .stream_api import StreamApi, stream_call
@@ -85,6 +87,7 @@ class ManagementApi(ModelCommands):
         self.streams = Streams(config.http.event_ping_s)
         self.kept = Resumables(config.http.resumable_max_mib, config.http.resumable_ttl_s)
         """Resumable answers (X-Conversation-Id), every front's."""
+        self.journal = Journal.of(config)
         self.runner: web.AppRunner | None = None
         self.started = time.time()
         self.front_secret = secrets.token_hex(16)
@@ -116,12 +119,13 @@ class ManagementApi(ModelCommands):
         r.add_delete("/models", self.delete_download)
         r.add_get("/models/sse", self.streams.events)
         r.add_get("/models/logs", self.logs)
-        r.add_get("/props", self.props)
+        r.add_get("/props", lambda q: listing.router_props(self.config))
         r.add_get("/metrics", self.metrics)
         r.add_get("/devices", self.devices)
         r.add_get("/nodes", self.nodes)
         r.add_get("/keys", self.keys_list)
         StreamApi(self.kept).routes(app)
+        RequestsApi(self.journal).routes(app)
         if self.config.ollama.enabled:
             self.ollama.routes(app)
         planning = asyncio.Lock()
@@ -146,7 +150,7 @@ class ManagementApi(ModelCommands):
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler_ref, api_port,
                            self.config.http, self.config.max_body_mib, self.front_secret,
-                           self.kept)
+                           self.kept, self.journal)
         self.fronts = Fronts(self.front, self.config, api_port, self.front_secret,
                              lambda: self.sup.scheduler_ref)
         self.sup.watch_grants(loop, self.fronts.grant_notice)
@@ -171,6 +175,8 @@ class ManagementApi(ModelCommands):
         if self.runner is not None:
             await self.runner.cleanup()
         await self.ollama.close()
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.close)
 
     # ------------------------------------------------------------ middleware
 
@@ -240,12 +246,6 @@ class ManagementApi(ModelCommands):
         assert isinstance(alive, Alive)
         return web.json_response({"status": "ok", "running": alive.running,
                                   "queue_depth": alive.queue_depth})
-
-    async def props(self, request: web.Request) -> web.StreamResponse:
-        return web.json_response({"role": "router", "max_instances": self.config.models_max,
-                                  "models_autoload": self.config.autoload,
-                                  "model_alias": "corral", "model_path": "none",
-                                  "default_generation_settings": {"params": {}, "n_ctx": 0}})
 
     async def _counts(self) -> FrontCounts:
         """What the fronts know that the Scheduler does not (every worker's, summed)."""

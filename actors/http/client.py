@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -24,29 +25,34 @@ COMMANDS = {
     "plan": ("what one more request for a model would get now: served, queued, a load "
              "(and what it evicts) or refused", "corral plan llama-8b --for-key batch"),
     "keys": ("named keys: class, limits and what each has used", "corral keys"),
+    "requests": ("the newest requests, from the journal: queue wait, what they waited for, "
+                 "first byte, tokens", "corral requests --model llama-8b --status 5xx"),
 }
 """command -> (help, example), for the CLI's parser."""
 
 
 def run(url: str, key: str | None, command: str, name: str | None = None,
-        follow: bool = False, for_key: str = "") -> int:
+        follow: bool = False, for_key: str = "", query: dict[str, str] | None = None) -> int:
     """Run one of COMMANDS against the corral at `url`; the exit status."""
     base = url.rstrip("/")
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     if command == "logs":
-        query = urllib.parse.urlencode({"model": name, "follow": int(follow)})
-        req = urllib.request.Request(f"{base}/models/logs?{query}", headers=headers)
+        fields = urllib.parse.urlencode({"model": name, "follow": int(follow)})
+        req = urllib.request.Request(f"{base}/models/logs?{fields}", headers=headers)
         return ask(base, req, print_event_lines if follow else print_text,
                    None if follow else 10.0)
     if command in ("load", "unload"):
         req = urllib.request.Request(f"{base}/models/{command}", method="POST",
                                      data=json.dumps({"model": name}).encode(),
                                      headers=headers)
+    elif command == "requests":
+        fields = urllib.parse.urlencode({k: v for k, v in (query or {}).items() if v})
+        req = urllib.request.Request(f"{base}/requests?{fields}", headers=headers)
     elif command == "plan":
-        query = urllib.parse.urlencode({"model": name, **({"key": for_key} if for_key else {})})
-        req = urllib.request.Request(f"{base}/models/plan?{query}", headers=headers)
+        fields = urllib.parse.urlencode({"model": name, **({"key": for_key} if for_key else {})})
+        req = urllib.request.Request(f"{base}/models/plan?{fields}", headers=headers)
     else:
         path = {"devices": "/devices", "keys": "/keys"}.get(command, "/models")
         req = urllib.request.Request(base + path, headers=headers)
@@ -84,12 +90,30 @@ def show(command: str, name: str | None, base: str, headers: dict[str, str],
     if command == "keys":
         print_keys(data)
         return 0
+    if command == "requests":
+        print_requests(data["data"])
+        return 0
     for model in data["data"]:
         status = model["status"]
         extra = f"  ({status.get('exit')})" if status.get("failed") else ""
         print(f"{model['id']:<24} {status['value']:<9} in_flight={model['in_flight']} "
               f"waiting={model['waiting']} memory={model['memory']['status']}{extra}")
     return 0
+
+
+def print_requests(records: list[dict[str, Any]]) -> None:
+    """`corral requests`: oldest first, so the newest is at the bottom of the terminal."""
+    print(f"{'time':<8} {'id':<20} {'key':<10} {'model':<18} {'status':>6} {'queue':>7} "
+          f"{'waited':<16} {'ttfb':>7} {'took':>7} {'tokens':>11}")
+    for r in reversed(records):
+        waited = r.get("waited", "") + (f" ({', '.join(r['room'])})" if r.get("room") else "")
+        tokens = f"{r.get('tokens_in', '-')}/{r.get('tokens_out', '-')}"
+        ttfb = f"{r['ttfb_s']:.3f}" if r.get("ttfb_s") is not None else "-"
+        print(f"{time.strftime('%H:%M:%S', time.localtime(r['at'])):<8} {r['id'][:20]:<20} "
+              f"{r.get('key', '')[:10]:<10} {r.get('served') or r.get('model', ''):<18.18} "
+              f"{r.get('status', 0):>6} {r.get('queue_s', 0):>7.3f} {waited[:16]:<16} "
+              f"{ttfb:>7} {r.get('duration_s', 0):>7.3f} {tokens:>11}"
+              + (f"  {r['error'][:60]}" if r.get("error") else ""))
 
 
 def print_text(resp: HTTPResponse) -> int:

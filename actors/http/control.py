@@ -16,6 +16,7 @@ import struct
 import msgspec
 
 from ..config.model import HttpConfig
+from ..journal.record import Record
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .routes import Routes
 
@@ -37,6 +38,8 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     http: HttpConfig
     max_body_mib: float
     routes: Routes
+    journal: bool = False
+    """Its requests' records go to corral's journal (Journaled)."""
 
 
 class TimeRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,8 +171,14 @@ class StreamEnd(Frame, frozen=True):
     drop: bool = False
 
 
+class Journaled(Frame, frozen=True):
+    """A request's record, for corral's journal."""
+
+    record: Record
+
+
 FromWorker = (Ask | Let | Spent | LetAll | Revoked | Again | Uncut | Drop | Late | Counted
-              | Listening | StreamOpen | StreamBytes | StreamEnd)
+              | Listening | StreamOpen | StreamBytes | StreamEnd | Journaled)
 
 
 # ---------------------------------------------------------------- corral -> worker

@@ -68,8 +68,8 @@ where its JSON twin goes: a child's own control paths (/sleep, /slots/0) are the
 management API's, which refuses them to a key without admin (issue 37, S1: a member key
 put a shared child to sleep with a one-field form)."""
 OWN_GET = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/sse",
-                     "/models/logs", "/models/plan", "/devices", "/nodes", "/keys", "/",
-                     "/ui"})
+                     "/models/logs", "/models/plan", "/devices", "/nodes", "/keys", "/requests",
+                     "/", "/ui"})
 """corral's own GET paths: served by the management API even with ?model= (all other
 GETs that name a model, /props and /metrics included, go to the model, as in llama.cpp)."""
 OWN_POST = frozenset({"/models/load", "/models/unload", "/models"})
@@ -291,7 +291,8 @@ def interim_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 def relay_head(status: int, headers: list[tuple[bytes, bytes]], *, from_child: bool,
-               keep_alive: bool, head_only: bool, http10: bool) -> RelayHead:
+               keep_alive: bool, head_only: bool, http10: bool,
+               request_id: str = "") -> RelayHead:
     """The head of an answer relayed to the client: hop-by-hop headers dropped, the
     child headers added (`from_child`), and its framing: the child's length, chunks, or
     (HTTP/1.0) the close."""
@@ -304,10 +305,14 @@ def relay_head(status: int, headers: list[tuple[bytes, bytes]], *, from_child: b
             length = value
         elif lname == b"content-type" and value.startswith(SSE_PREFIX):
             sse = True
+        elif lname == b"x-request-id":
+            request_id = ""  # the child's own says it (it was given corral's)
         if lname not in REFRAMED:
             out.append(name + b": " + value)
     if from_child:
         out += CHILD_HEADERS
+    if request_id:
+        out.append(b"X-Request-Id: " + request_id.encode())
     if status in (204, 304):
         pass  # no body, so no length either (RFC 9110 8.6: a 204 must not say one)
     elif length is not None:

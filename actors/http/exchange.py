@@ -13,6 +13,7 @@ import functools
 import logging
 from typing import Protocol
 
+import msgspec
 import pykka
 
 from ..lifecycle import IllegalTransition
@@ -23,6 +24,7 @@ from .edge import (
     Answer,
     target,
 )
+from .journaling import Trace, record_of
 from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
 from .relay import Relay
@@ -51,7 +53,7 @@ class Exchange(Relay):
     """One request on one client connection, from its grant to the last byte of its answer."""
 
     __slots__ = ("broke", "broke_kind", "cut", "done", "may_replay", "may_retry", "task",
-                 "timer", "upgrade")
+                 "timer", "trace", "upgrade")
 
     client: Client  # (more of it than its answer's side uses)
 
@@ -98,6 +100,8 @@ class Exchange(Relay):
         """Its first-byte timeout (first_byte_timeout_s), while it runs."""
         self.kept: Tee | None = None
         """Where its answer is kept (X-Conversation-Id): it outlives its client."""
+        self.trace = Trace(req, client.loop.time())
+        """What the journal keeps of it."""
         self.loop = client.loop
         self.task = client.loop.create_task(self.run())
 
@@ -131,6 +135,9 @@ class Exchange(Relay):
                 self.req.upload.close()
             if self.kept is not None:
                 self.kept.end("its request ended before the child's answer did")
+            if (recorder := self.services.recorder) is not None and not self.trace.to_api:
+                recorder.add(record_of(self.trace, self.req, self.status, self.first_at,
+                                       self.loop.time(), self.meter, self.sse))
             self.phase = Phase.DONE
             self.client.exchange_done(self)
 
@@ -141,6 +148,7 @@ class Exchange(Relay):
                     upload.model if upload is not None and isinstance(upload.model, str)
                     else None, self.req.upgrade)
         if to is None:
+            self.trace.to_api = True  # (corral's own: not a request the journal keeps)
             await self.forward(front.api_pool(), TO_API_DROPPED, None, front.to_api)
             return
         if isinstance(to, Answer):
@@ -158,6 +166,8 @@ class Exchange(Relay):
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
         head += extra
+        if self.trace.made_id:  # (the client's own goes on with its headers)
+            head.append(b"X-Request-Id: " + self.trace.id.encode())
         upload = req.upload
         head.append(b"Connection: Upgrade\r\nUpgrade: websocket" if req.upgrade
                     else b"Content-Length: %d" % len(req.body) if upload is None
@@ -265,6 +275,9 @@ class Exchange(Relay):
         if self.kept is not None:
             self.kept.drop()
             self.kept = None
+        self.trace.error = answer.message
+        answer = msgspec.structs.replace(answer, headers=(
+            *answer.headers, ("X-Request-Id", self.trace.id)))
         self._head(answer.status)
         self.keep_alive = self._may_keep_alive()
         self.client.write(answer.encode(self.keep_alive, self.head_only))

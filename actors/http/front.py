@@ -31,6 +31,7 @@ from .callers import Origins
 from .connection import Connection
 from .control import FrontCounts, TimeRow
 from .edge import FRONT_HEADER
+from .journaling import Recorder
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .request import Limits
@@ -70,7 +71,7 @@ class Front:
 
     def __init__(self, routes: Routes, scheduler: Callable[[], SchedulerInbox], api_port: int,
                  http: HttpConfig, max_body_mib: float, api_secret: str = "",
-                 keeper: Keeper | None = None) -> None:
+                 keeper: Keeper | None = None, recorder: Recorder | None = None) -> None:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
@@ -90,6 +91,8 @@ class Front:
                                                    http.resumable_ttl_s)
         """Where resumable answers are kept: corral's one registry (a worker's goes over
         its channel to it)."""
+        self.recorder = recorder
+        """Where each request's record goes: corral's journal (None: [journal] is off)."""
         self.stopped: dict[str, tuple[int, int]] = {}
         """Model, or a replica's own name -> the newest (generation, epoch) withdrawn to stop
         or suspend on purpose: a request its child dropped is not sent on to the next

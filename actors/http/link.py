@@ -36,6 +36,7 @@ from .control import (
     Drop,
     FromWorker,
     FrontCounts,
+    Journaled,
     Late,
     Let,
     LetAll,
@@ -50,6 +51,7 @@ from .control import (
     frame,
     read_frame,
 )
+from .journaling import Recorder
 from .resumable import Keeper, Tee
 
 log = logging.getLogger("corral.workers")
@@ -95,7 +97,7 @@ class Link:
     def __init__(self, index: int, proc: asyncio.subprocess.Process,
                  scheduler: Callable[[], SchedulerInbox],
                  revoked: Callable[[int, int, tuple[Release, ...]], None],
-                 keeper: Keeper) -> None:
+                 keeper: Keeper, recorder: Recorder | None = None) -> None:
         self.index = index
         self.proc = proc
         self.scheduler = scheduler
@@ -115,6 +117,7 @@ class Link:
         self.answered_at = 0.0
         """When it last answered a CountAsk (loop time)."""
         self.keeper = keeper
+        self.recorder = recorder
         self.kept: dict[int, Tee] = {}
         """The worker's resumable answers, by its token for each."""
         self._replies = itertools.count()
@@ -188,6 +191,9 @@ class Link:
                     future.set_result(counts)
             case StreamOpen() | StreamBytes() | StreamEnd():
                 self._kept(message)
+            case Journaled(record=record):
+                if self.recorder is not None:
+                    self.recorder.add(record)
             case Listening(port=port):
                 if not self.listening.done():
                     self.listening.set_result(port)

@@ -7,11 +7,20 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
-from ..config.model import ModelConfig, ModelRules
+from ..config.model import Config, ModelConfig, ModelRules
 from ..ledger import node_of
 from ..messages import DevicesSnapshot, ModelView
 from .control import FrontCounts
+
+
+async def router_props(config: Config) -> web.Response:
+    """GET /props of corral itself: llama.cpp's router's shape."""
+    return web.json_response({"role": "router", "max_instances": config.models_max,
+                              "models_autoload": config.autoload,
+                              "model_alias": "corral", "model_path": "none",
+                              "default_generation_settings": {"params": {}, "n_ctx": 0}})
 
 
 def in_flight(view: ModelView, counts: FrontCounts) -> int:

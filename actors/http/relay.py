@@ -11,6 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .edge import Answer, interim_head, relay_head, sse_error_event
+from .journaling import Trace
 from .phase import API, Phase
 from .resumable import Tee
 from .services import Services
@@ -50,6 +51,7 @@ class Relay:
     ticket: LoopReply | None
     kept: Tee | None
     upstream: Upstream | None
+    trace: Trace
 
     def _to(self, phase: Phase) -> None: ...
     def _unreachable(self, why: str, kind: Broke) -> None: ...
@@ -77,7 +79,8 @@ class Relay:
         self._to(Phase.STREAMING)
         head = relay_head(status, headers, from_child=self.what != API,
                           keep_alive=self._may_keep_alive(),
-                          head_only=self.head_only, http10=self.req.http10)
+                          head_only=self.head_only, http10=self.req.http10,
+                          request_id=self.trace.id)
         self.keep_alive, self.chunked, self.sse = head.keep_alive, head.chunked, head.sse
         self.out.append(head.data)
         if self.meter is not None:
@@ -89,6 +92,10 @@ class Relay:
             self.kept = None
 
     def response_body(self, body: bytes) -> None:
+        trace = self.trace
+        if trace.first_body is None:
+            trace.first_body = self.loop.time()
+        trace.bytes_out += len(body)
         if (meter := self.meter) is not None:
             meter.feed(body)
             if self.ticket is not None and (more := meter.due()):
@@ -121,6 +128,7 @@ class Relay:
             self.out.clear()  # interim answers only; the final one is ours
             self._unreachable(why, kind)
         elif self.phase is Phase.STREAMING:
+            self.trace.error = why
             log.warning("%s broke off a response: %s", self.what, why)
             if kind is Broke.SILENT:
                 self.late = why

@@ -26,6 +26,7 @@ TOO_LONG = 1 << 62
 """The Content-Length of a request that gives one of more than 18 digits."""
 _OPEN = frozenset(p.encode() for p in OPEN_PATHS)
 _HEALTH = frozenset({b"/health", b"/v1/health"})
+_IDS = frozenset({b"x-conversation-id", b"x-request-id"})
 
 
 class Limits:
@@ -56,8 +57,8 @@ class Request:
 
     __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "content_type",
                  "continue_sent", "conversation", "headers", "headers_done", "http10",
-                 "keep_alive", "key", "length", "method", "upgrade", "upload", "url",
-                 "url_parts", "url_size", "wants_continue")
+                 "keep_alive", "key", "length", "method", "request_id", "upgrade", "upload",
+                 "url", "url_parts", "url_size", "wants_continue")
 
     def __init__(self) -> None:
         self.url_parts: list[bytes] = []
@@ -85,6 +86,8 @@ class Request:
         self.conversation: str | None = None
         """Its X-Conversation-Id, when its streamed answer is to be kept (resumable.py)."""
         self.upgrade = False
+        self.request_id: str | None = None
+        """Its client's X-Request-Id, where it sent a usable one (journaling.py)."""
         """A WebSocket's opening (tunnel.py): nothing after its head is HTTP."""
 
 
@@ -108,7 +111,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     bearer: list[bytes] = []
     api_key: list[bytes] = []
     expect = origin = fetch_site = upgrade_to = None
-    conversation: list[bytes] = []
+    ids: list[tuple[bytes, bytes]] = []
     for name, value in req.headers:
         size += len(name) + len(value) + 4
         lname = name.lower()
@@ -133,8 +136,8 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
             expect = value
         elif lname == b"upgrade":
             upgrade_to = value
-        elif lname == b"x-conversation-id" and limits.resumable:
-            conversation.append(value)
+        elif lname in _IDS:
+            ids.append((lname, value))
     if size > limits.max_header:
         return limits.header_too_big()
     if len(req.headers) > MAX_HEADERS:
@@ -152,7 +155,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
     if refused is not None:
         return refused
-    if conversation and (refused := _check_conversation(req, conversation)) is not None:
+    if ids and (refused := _check_ids(req, ids, limits.resumable)) is not None:
         return refused
     if req.length is not None and req.length > limits.max_body:
         return limits.too_big()
@@ -176,12 +179,20 @@ def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | 
     return None
 
 
-def _check_conversation(req: Request, ids: list[bytes]) -> Answer | None:
-    """A 400 for a bad X-Conversation-Id, or None with `req.conversation` set."""
-    if len(ids) > 1 or not CONVERSATION_ID.fullmatch(ids[0]):
-        return Answer(400, "X-Conversation-Id must be one header of 1 to 128 of "
-                      "A-Z a-z 0-9 . _ : ~ + / = @ -")
-    req.conversation = ids[0].decode()
+def _check_ids(req: Request, ids: list[tuple[bytes, bytes]], resumable: bool,
+               ) -> Answer | None:
+    """A 400 for a bad X-Conversation-Id (when corral keeps answers), or None with
+    `req.conversation` and `req.request_id` set (a request id corral cannot use is
+    replaced by one of its own, not refused)."""
+    conversation = [v for n, v in ids if n == b"x-conversation-id"] if resumable else []
+    if conversation:
+        if len(conversation) > 1 or not CONVERSATION_ID.fullmatch(conversation[0]):
+            return Answer(400, "X-Conversation-Id must be one header of 1 to 128 of "
+                          "A-Z a-z 0-9 . _ : ~ + / = @ -")
+        req.conversation = conversation[0].decode()
+    for name, value in ids:
+        if name == b"x-request-id" and CONVERSATION_ID.fullmatch(value):
+            req.request_id = value.decode()
     return None
 
 

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from ..config.http import HttpConfig
 from ..runtime.bridge import SchedulerInbox
+from .journaling import Recorder
 from .metrics import RequestTimes
 from .pool import Pool, Pools
 from .resumable import Keeper
@@ -28,6 +29,7 @@ class Services(Protocol):
     stopped: dict[str, tuple[int, int]]
     key_uses: KeyUses
     keeper: Keeper
+    recorder: Recorder | None
     draining: bool
     to_api: tuple[bytes, ...]
     scheduler: Callable[[], SchedulerInbox]

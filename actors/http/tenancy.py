@@ -30,8 +30,9 @@ def may_call(rule: KeyRule | None, request: web.Request) -> bool:
     """Whether the caller's key may make this request of the management API."""
     if rule is None or rule.admin or request.path.startswith("/api/"):
         return True  # (Ollama's API: what it does is asked of the front with the key)
-    if stream_call(request.path):
-        return True  # (its own resumable streams)
+    if stream_call(request.path) or (request.method == "GET" and (
+            request.path == "/requests" or request.path.startswith("/requests/"))):
+        return True  # (its own resumable streams, and its own requests' records)
     return (request.method in ("GET", "HEAD") and "reload" not in request.query
             and (request.path in MEMBER_GETS or request.path.startswith("/v1/models/")))
 

@@ -25,6 +25,7 @@ from ..messages import AnswerLate, Grant, Refusal
 from ..runtime.bridge import LoopReply
 from .affinity import affinity
 from .edge import NOT_FORWARDED, NOT_KEPT, Answer, refusal_answer
+from .journaling import Trace
 from .pool import Pool, Pools
 from .request import Request
 from .resumable import Tee
@@ -58,6 +59,7 @@ class Attempt(Protocol):
     may_retry: bool
     may_replay: bool
     kept: Tee | None
+    trace: Trace
     status: int
     first_at: float | None
     loop: asyncio.AbstractEventLoop
@@ -83,7 +85,9 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
     what its key used. Its answer is kept when it asks (X-Conversation-Id: resumable.py)."""
     front, key = ex.services, ex.req.key
     ex.what = f"model '{model}'"
-    ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
+    ex.meter = (Meter(ex.req, key.charge_every) if key is not None else
+                Meter(ex.req, lines=False) if front.recorder is not None else None)
+    ex.trace.model = model
     if ex.req.conversation is not None and ex.req.method == b"POST":
         kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)
         if isinstance(kept, str):
@@ -143,15 +147,15 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
                    again: bool = False) -> None:
     """Serve `ex` with an instance of `model` (or of one of `among`, the Scheduler's
     pick), trying the next where it may; a refusal `fall_back` takes is not answered."""
-    services = ex.services
-    routes, shares = services.routes, services.shares
+    routes, shares = (services := ex.services).routes, services.shares
     gone: tuple[int, Pool] | None = None  # the child that went away before answering
     cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
     replays, was_cut = 0, False  # instances gone with the request; it is cut at most once
-    route = routes.models.get(model)
-    near = affinity(ex.req.body, route.prefix_bytes) if route and route.prefix_bytes else 0
+    near = affinity(ex.req.body, route.prefix_bytes) if (
+        route := routes.models.get(model)) and route.prefix_bytes else 0
     for tries in range(MAX_INSTANCES):
         # 1. A grant: the one it was cut from again, an open one joined, or the Scheduler's.
+        ex.trace.asking(ex.loop.time())
         found: SharedGrant | Refusal | None = (
             await shares.requeue(cut) if cut is not None else
             shares.join(model, ex.req.key, near, among)  # no coroutine: the usual
@@ -168,7 +172,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         if found is None or isinstance(found, Refusal):
             _refuse(ex, routes, found, fall_back)
             return
-        share, grant = found, found.grant
+        share, grant = found, ex.trace.granted(found.grant, ex.loop.time())
         model, among = grant.model, ()  # (a virtual model's member: tried again if need be)
         # 3. A grant of its own the Scheduler may cut; cut before it was sent, it waits again.
         if not grant.shareable:
@@ -233,14 +237,15 @@ def _let_go(ex: Attempt, shares: Shares, share: SharedGrant, route: ModelRoute |
         ex.cut = False
     if not ex.cut:  # a child that broke with a request is not kept for the next
         shares.release(share, route.lease_linger_s if route else 0.0,
-                       keep=ex.broke_kind is None, tokens=ex.meter.rest() if ex.meter else 0)
+                       keep=ex.broke_kind is None,
+                       tokens=ex.meter.rest() if ex.meter and ex.req.key else 0)
 
 
 def _wait_again_cut(ex: Attempt) -> None:
     """`ex` was cut before its answer began: it waits for its slot again."""
     log.info("%s: a request was cut for a higher class before its answer began; it "
              "waits again (priority_preempt)", ex.what)
-    ex.cut = False
+    ex.cut, ex.trace.cut = False, True
     ex.wait_again()
 
 

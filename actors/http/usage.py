@@ -57,7 +57,12 @@ _CARRY = max(len(k) for k in _KEYS) - 1
 _INT = re.compile(rb"-?[0-9]+")
 
 
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
+    prompt_tokens_details: _Details | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     input_tokens: int | None = None
@@ -70,6 +75,8 @@ class _Timings(msgspec.Struct):
     prompt_n: int | None = None
     cache_n: int | None = None
     predicted_n: int | None = None
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
 
 
 _decode_usage = msgspec.json.Decoder(_Usage, strict=False).decode
@@ -88,11 +95,18 @@ class Sent(Protocol):
 class Meter:
     """One answer's tokens, fed its body as it is relayed."""
 
-    __slots__ = ("answered", "carry", "charge_every", "charged", "events", "figures",
-                 "line", "long", "ok", "pending", "request", "result", "stream", "texts")
+    __slots__ = ("answered", "cached", "carry", "charge_every", "charged", "events", "figures",
+                 "line", "lines", "long", "ok", "pending", "request", "result", "speeds",
+                 "stream", "texts")
 
-    def __init__(self, request: Sent, charge_every: int = 0) -> None:
+    def __init__(self, request: Sent, charge_every: int = 0, lines: bool = True) -> None:
         self.request = request
+        self.lines = lines
+        """A stream's events are counted (a key's: its answer may say no usage)."""
+        self.cached: int | None = None
+        """Prompt tokens the child had cached (the journal's)."""
+        self.speeds: tuple[float | None, float | None] = (None, None)
+        """llama-server's timings: prompt and predicted tokens per second."""
         self.charge_every = charge_every
         """Charge a stream as it goes each time it has used this many more (0: never)."""
         self.charged = 0
@@ -136,7 +150,7 @@ class Meter:
                     self._value(key, seen[at:at + WINDOW])
                 at = seen.find(key, at + len(key))
         self.carry = seen[-_CARRY:]
-        if self.stream:
+        if self.stream and self.lines:
             self._lines(body)
 
     # ------------------------------------------------------------ figures
@@ -191,6 +205,10 @@ class Meter:
             del self.pending[:-MAX_PENDING]
 
     def _usage(self, u: _Usage) -> None:
+        details = u.prompt_tokens_details
+        cached = details.cached_tokens if details is not None else u.cache_read_input_tokens
+        if cached is not None:
+            self.cached = max(self.cached or 0, _bound(cached))
         if u.prompt_tokens is not None:
             self._take(0, u.prompt_tokens)
         elif u.input_tokens is not None:  # Anthropic's does not count its cache's
@@ -202,6 +220,10 @@ class Meter:
             self._take(1, completion)
 
     def _timings(self, t: _Timings) -> None:
+        if t.cache_n is not None:
+            self.cached = max(self.cached or 0, _bound(t.cache_n))
+        if t.prompt_per_second is not None or t.predicted_per_second is not None:
+            self.speeds = (t.prompt_per_second, t.predicted_per_second)
         if t.prompt_n is not None:  # prompt_n: what was not in the cache already
             self._take(4, _bound(t.prompt_n) + _bound(t.cache_n or 0))
         if t.predicted_n is not None:
@@ -295,6 +317,15 @@ class Meter:
         rest = sum(self.used()) - self.charged
         self.charged += rest
         return rest
+
+    def said(self) -> tuple[int | None, int | None, int | None]:
+        """(prompt, completion, cached) as the answer itself said them (the journal's:
+        no rule of thumb), once it is over."""
+        if self.pending:
+            self._more(b"\n")
+        found = self._found()
+        prompt, completion = found if found is not None else (None, None)
+        return prompt, completion, self.cached
 
     def used(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens), once the answer is over."""

@@ -17,6 +17,7 @@ import sys
 import msgspec
 import pykka
 
+from ..journal.record import Record
 from ..messages import (
     Acquire,
     AnswerLate,
@@ -39,6 +40,7 @@ from .control import (
     Counted,
     Drain,
     Drop,
+    Journaled,
     Late,
     Let,
     LetAll,
@@ -152,6 +154,16 @@ class RemoteKept:
             producer.stop(why)
 
 
+class RemoteRecorder:
+    """This worker's requests' records, sent to corral's journal."""
+
+    def __init__(self, corral: Corral) -> None:
+        self.corral = corral
+
+    def add(self, record: Record) -> None:
+        self.corral._send(Journaled(record=record))
+
+
 class RemoteTee:
     """A request's answer, kept in corral's process from its first byte (corral may
     refuse its id then: a StreamStop comes back)."""
@@ -195,9 +207,9 @@ async def serve() -> int:
     setup = msgspec.msgpack.decode(data, type=Setup)
     logging.getLogger().setLevel(setup.log_level)
     corral = Corral(out)
-    kept = RemoteKept(corral)
     front = Front(setup.routes, lambda: corral, setup.api_port, setup.http,
-                  setup.max_body_mib, setup.api_secret, kept)
+                  setup.max_body_mib, setup.api_secret, kept := RemoteKept(corral),
+                  RemoteRecorder(corral) if setup.journal else None)
     port = await front.listen(setup.host, setup.port, fds=setup.fds)
     corral._send(Listening(port=port))
     loops.freeze_startup_heap()

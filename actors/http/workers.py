@@ -28,6 +28,7 @@ from ..messages import Release, Releases, Revoke, Withdraw
 from ..runtime.bridge import SchedulerInbox
 from .control import Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
 from .front import Front
+from .journaling import Recorder
 from .link import Link, tell
 from .resumable import Keeper
 from .routes import Routes
@@ -63,8 +64,9 @@ class Workers:
 
     def __init__(self, n: int, setup: Callable[[int], Setup],
                  scheduler: Callable[[], SchedulerInbox], pass_fds: tuple[int, ...],
-                 keeper: Keeper) -> None:
+                 keeper: Keeper, recorder: Recorder | None = None) -> None:
         self.n = n
+        self.recorder = recorder
         self.keeper = keeper
         """corral's resumable answers, a worker's among them."""
         self.setup = setup
@@ -96,7 +98,7 @@ class Workers:
             sys.executable, "-m", "actors.http.worker", stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, pass_fds=self.pass_fds)
         link = self.links[index] = Link(index, proc, self.scheduler, self.revoked,
-                                             self.keeper)
+                                             self.keeper, self.recorder)
         link.send(self.setup(index))
         task = asyncio.get_running_loop().create_task(self._run(link))
         self.tasks.add(task)
@@ -256,8 +258,10 @@ class Fronts:
                              host=host, port=port, fds=list(fds), api_port=self.api_port,
                              api_secret=self.api_secret,
                              http=self.config.http, max_body_mib=self.config.max_body_mib,
-                             routes=self.front.routes)
-            self.workers = Workers(n, setup, self.scheduler, fds, self.front.keeper)
+                             routes=self.front.routes,
+                             journal=self.front.recorder is not None)
+            self.workers = Workers(n, setup, self.scheduler, fds, self.front.keeper,
+                                   self.front.recorder)
             await self.workers.start()
         return port
 

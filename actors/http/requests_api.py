@@ -1,0 +1,93 @@
+"""The journal's endpoints (actors/journal/), in the management API:
+
+    GET /requests?model=&key=&status=&since=&limit=   the newest records that match
+    GET /requests/{id}                                 one request's records (its id may
+                                                       be a client's, used more than once)
+
+An admin key sees every key's; any other key its own (`key=` of another is a 403).
+`status` is a status (`404`) or a class (`5` or `5xx`); `since` Unix seconds, or a span
+back from now (`30s`, `15m`, `2h`, `1d`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import msgspec
+from aiohttp import web
+
+from ..config.keys import KeyRule
+from ..journal.store import MAX_LIMIT, Journal, Query
+from .manage import error
+
+_SPAN = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse(fields: dict[str, str], now: float) -> Query | str:
+    """The query a request's fields ask for, or what is wrong with them."""
+    q = Query(model=fields.get("model") or None, key=fields.get("key") or None)
+    if (status := fields.get("status")):
+        digits = status.lower().removesuffix("xx")
+        if not (digits.isascii() and digits.isdigit()) or not 0 < len(digits) <= 3:
+            return f"status must be a status (404) or a class (5 or 5xx), got {status!r}"
+        q.status = int(digits)
+    if (since := fields.get("since")):
+        span = _SPAN.fullmatch(since)
+        try:
+            q.since = now - float(span[1]) * _UNIT[span[2]] if span else float(since)
+        except ValueError:
+            return f"since must be Unix seconds or a span (30s, 15m, 2h, 1d), got {since!r}"
+    if (limit := fields.get("limit")):
+        if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_LIMIT:
+            return f"limit must be 1 to {MAX_LIMIT}, got {limit!r}"
+        q.limit = int(limit)
+    return q
+
+
+class RequestsApi:
+    def __init__(self, journal: Journal | None) -> None:
+        self.journal = journal
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/requests", self.list)
+        app.router.add_get("/requests/{id}", self.one)
+
+    def _off(self) -> web.Response | None:
+        if self.journal is None:
+            return error(404, "the request journal is off ([journal] enabled = false)",
+                         "not_found_error")
+        return None
+
+    async def list(self, request: web.Request) -> web.StreamResponse:
+        if (off := self._off()) is not None:
+            return off
+        q = parse(dict(request.query), time.time())
+        if isinstance(q, str):
+            return error(400, q)
+        rule: KeyRule | None = request.get("key")
+        if rule is not None and not rule.admin:
+            if q.key not in (None, rule.name):
+                return error(403, f"key '{rule.name}' may see its own requests only",
+                             "permission_error")
+            q.key = rule.name
+        return await self._answer(q)
+
+    async def one(self, request: web.Request) -> web.StreamResponse:
+        if (off := self._off()) is not None:
+            return off
+        rule: KeyRule | None = request.get("key")
+        q = Query(id=request.match_info["id"], limit=20,
+                  key=rule.name if rule is not None and not rule.admin else None)
+        answer = await self._answer(q)
+        if answer.status == 200 and answer.text == '{"data":[]}':
+            return error(404, f"no request '{q.id}' in the journal", "not_found_error")
+        return answer
+
+    async def _answer(self, q: Query) -> web.Response:
+        assert self.journal is not None
+        records = await asyncio.to_thread(self.journal.query, q)
+        return web.Response(body=msgspec.json.encode({"data": records}),
+                            content_type="application/json")

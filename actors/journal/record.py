@@ -1,0 +1,56 @@
+"""One request's record in the journal: what it asked, what corral did for it, what it
+got, and how long each part took."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A request, once it has ended (its answer written, or its client gone)."""
+
+    id: str
+    """Its X-Request-Id: the client's, or corral's own (returned on the answer)."""
+    at: float
+    """When its head had arrived (Unix seconds)."""
+    method: str
+    path: str
+    key: str = ""
+    """The name of its key ("" without keys)."""
+    model: str = ""
+    """The model it named (a virtual model's name, as asked)."""
+    served: str = ""
+    """The model that answered it (a virtual model's member)."""
+    copy: str = ""
+    """The copy that answered it (`NAME@2`; "" for the model's own)."""
+    status: int = 0
+    """Its answer's status (0: none was given: its client left first)."""
+    error: str = ""
+    bytes_in: int = 0
+    bytes_out: int = 0
+    queue_s: float = 0.0
+    """How long it waited for its grant."""
+    waited: str = ""
+    """What it waited for: "load" or "wake" ("": neither)."""
+    room: list[str] = []
+    """What was done to make room for that load or wake ("stop X", "suspend X")."""
+    ttfb_s: float | None = None
+    """From its arrival to its answer's head."""
+    ttft_s: float | None = None
+    """From its arrival to the first byte of a streamed answer's body."""
+    duration_s: float = 0.0
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+    tokens_cached: int | None = None
+    prompt_per_s: float | None = None
+    """llama-server's timings: prompt tokens per second."""
+    predicted_per_s: float | None = None
+    """llama-server's timings: generated tokens per second."""
+    cut: bool = False
+    """It was cut for a higher class, and waited again."""
+    kept: bool = False
+    """Its answer was kept to be resumed (X-Conversation-Id)."""
+
+
+COLUMNS = tuple(f for f in Record.__struct_fields__ if f != "room")
+"""The file's columns (`room` is stored as JSON)."""
