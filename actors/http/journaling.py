@@ -5,6 +5,7 @@ A front worker's records go over its channel to corral's journal (`RemoteRecorde
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import time
@@ -15,6 +16,8 @@ from ..messages import Grant
 from .request import Request
 from .usage import Meter
 
+TAIL = 8192
+"""How much of an answer's end is kept to read its usage in (`usage`, `timings`)."""
 _PREFIX = os.urandom(4).hex()
 _COUNT = itertools.count(1)
 
@@ -34,8 +37,8 @@ class Trace:
     """One request's journal fields, filled as it goes."""
 
     __slots__ = ("asked_at", "at", "bytes_out", "copy", "cut", "error", "first_body", "id",
-                 "made_id", "model", "queue_s", "room", "served", "started", "to_api",
-                 "waited")
+                 "made_id", "model", "queue_s", "room", "served", "started", "tail",
+                 "tail_size", "to_api", "waited")
 
     def __init__(self, req: Request, started: float) -> None:
         self.made_id = req.request_id is None
@@ -49,6 +52,18 @@ class Trace:
         self.bytes_out = 0
         self.first_body: float | None = None
         self.cut = self.to_api = False
+        self.tail: collections.deque[bytes] | None = None
+        """The answer's last TAIL bytes, where its tokens are read at its end (a request
+        without a key: a key's meter reads them as they pass)."""
+        self.tail_size = 0
+
+    def keep(self, body: bytes) -> None:
+        tail = self.tail
+        assert tail is not None
+        tail.append(body)
+        self.tail_size += len(body)
+        while self.tail_size - len(tail[0]) >= TAIL:
+            self.tail_size -= len(tail.popleft())
 
     def asking(self, now: float) -> None:
         self.asked_at = now
@@ -67,6 +82,10 @@ def record_of(t: Trace, req: Request, status: int, first_at: float | None, now: 
     path = req.url.partition(b"?")[0][:512].decode("latin-1")
     tokens_in = tokens_out = cached = None
     speeds: tuple[float | None, float | None] = (None, None)
+    if meter is None and t.tail and status:
+        meter = Meter(req, lines=False)
+        meter.began(status, streamed)
+        meter.feed(b"".join(t.tail))
     if meter is not None and meter.answered:
         (tokens_in, tokens_out, cached), speeds = meter.said(), meter.speeds
     return Record(

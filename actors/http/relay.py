@@ -100,6 +100,8 @@ class Relay:
             meter.feed(body)
             if self.ticket is not None and (more := meter.due()):
                 self.services.shares.spend(self.ticket, more)  # the key's next sees it
+        elif trace.tail is not None:
+            trace.keep(body)
         if self.kept is not None:
             self.kept.feed(body)
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)

@@ -15,6 +15,7 @@ cuts a request at most once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -85,8 +86,9 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
     what its key used. Its answer is kept when it asks (X-Conversation-Id: resumable.py)."""
     front, key = ex.services, ex.req.key
     ex.what = f"model '{model}'"
-    ex.meter = (Meter(ex.req, key.charge_every) if key is not None else
-                Meter(ex.req, lines=False) if front.recorder is not None else None)
+    ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
+    if ex.meter is None and front.recorder is not None:
+        ex.trace.tail = collections.deque()  # (its tokens, for the journal)
     ex.trace.model = model
     if ex.req.conversation is not None and ex.req.method == b"POST":
         kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)

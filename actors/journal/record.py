@@ -51,6 +51,3 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     kept: bool = False
     """Its answer was kept to be resumed (X-Conversation-Id)."""
 
-
-COLUMNS = tuple(f for f in Record.__struct_fields__ if f != "room")
-"""The file's columns (`room` is stored as JSON)."""

@@ -21,7 +21,7 @@ import msgspec
 
 from ..config.journal import JournalConfig
 from ..config.model import Config
-from .record import COLUMNS, Record
+from .record import Record
 
 log = logging.getLogger("corral.journal")
 
@@ -34,16 +34,16 @@ PRUNE_EVERY_S = 60.0
 MAX_LIMIT = 10_000
 """The most records one query returns."""
 
-_INSERT = (f"INSERT INTO requests ({', '.join(COLUMNS)}, room) VALUES "
-           f"({', '.join('?' for _ in COLUMNS)}, ?)")
+_INSERT = "INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?)"
 _SCHEMA = (
-    f"CREATE TABLE IF NOT EXISTS requests ({', '.join(COLUMNS)}, room)",
+    "CREATE TABLE IF NOT EXISTS requests (at, id, key, model, served, status, record)",
     "CREATE INDEX IF NOT EXISTS requests_at ON requests (at)",
     "CREATE INDEX IF NOT EXISTS requests_model ON requests (model, at)",
     "CREATE INDEX IF NOT EXISTS requests_key ON requests (key, at)",
     "CREATE INDEX IF NOT EXISTS requests_id ON requests (id)",
 )
-_room = msgspec.json.Encoder()
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Record).decode
 
 
 class Query(msgspec.Struct, kw_only=True):
@@ -68,20 +68,8 @@ class Query(msgspec.Struct, kw_only=True):
 
 
 def _row(r: Record) -> tuple[object, ...]:
-    return (*(getattr(r, c) for c in COLUMNS), _room.encode(r.room) if r.room else None)
-
-
-_FIELDS = (*COLUMNS, "room")
-
-
-def _record(row: tuple[object, ...]) -> Record:
-    fields = {k: v for k, v in zip(_FIELDS, row, strict=True) if v is not None}
-    if isinstance(room := fields.get("room"), bytes | str):
-        fields["room"] = msgspec.json.decode(room)
-    for flag in ("cut", "kept"):
-        if flag in fields:
-            fields[flag] = bool(fields[flag])
-    return msgspec.convert(fields, Record)
+    """A record as a row: what queries select by, and the whole record (msgpack)."""
+    return r.at, r.id, r.key, r.model, r.served, r.status, _encode(r)
 
 
 class Journal:
@@ -156,13 +144,13 @@ class Journal:
         if q.since is not None:
             where.append("at >= ?")
             args.append(q.since)
-        sql = (f"SELECT {', '.join(_FIELDS)} FROM requests"
+        sql = ("SELECT record FROM requests"
                + (f" WHERE {' AND '.join(where)}" if where else "")
                + " ORDER BY at DESC LIMIT ?")
         assert self.path is not None
         db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5)
         try:
-            return [_record(row) for row in db.execute(sql, (*args, limit))]
+            return [_decode(row[0]) for row in db.execute(sql, (*args, limit))]
         finally:
             db.close()
 
@@ -184,9 +172,10 @@ class Journal:
         while True:
             batch, stop = self._batch()
             try:
-                if batch:
-                    with db:
-                        db.executemany(_INSERT, [_row(r) for r in batch])
+                if batch:  # (one transaction: a statement alone would be one each)
+                    db.execute("BEGIN")
+                    db.executemany(_INSERT, [_row(r) for r in batch])
+                    db.execute("COMMIT")
                     self.written += len(batch)
                 if time.monotonic() - pruned > PRUNE_EVERY_S:
                     self._prune(db)
@@ -220,18 +209,16 @@ class Journal:
 
     def _prune(self, db: sqlite3.Connection) -> None:
         """Delete what is older than keep_days, then the oldest while over max_mib."""
-        with db:
-            db.execute("DELETE FROM requests WHERE at < ?",
-                       (time.time() - self.config.keep_days * 86400,))
+        db.execute("DELETE FROM requests WHERE at < ?",
+                   (time.time() - self.config.keep_days * 86400,))
         limit = self.config.max_mib * 1024 * 1024
         for _ in range(20):
             pages, free, size = (db.execute(f"PRAGMA {p}").fetchone()[0]
                                  for p in ("page_count", "freelist_count", "page_size"))
             if (pages - free) * size <= limit:
                 return
-            with db:
-                db.execute("DELETE FROM requests WHERE rowid IN (SELECT rowid FROM requests "
-                           "ORDER BY at LIMIT (SELECT count(*) / 5 + 1 FROM requests))")
+            db.execute("DELETE FROM requests WHERE rowid IN (SELECT rowid FROM requests "
+                       "ORDER BY at LIMIT (SELECT count(*) / 5 + 1 FROM requests))")
 
     def _broke(self, e: BaseException) -> None:
         self.broken = f"{type(e).__name__}: {e}"
