@@ -190,16 +190,17 @@ class Journal:
                 return
 
     def _batch(self) -> tuple[list[Record], bool]:
+        """The next records to write: the first, then what came while the writer slept
+        (it sleeps rather than wait on the queue, so that a record put does not wake it:
+        a wake a record cost the event loop's thread the GIL, each time)."""
         first = self.pending.get()
         if first is None:
             return [], True
+        time.sleep(BATCH_WAIT_S)
         batch = [first]
-        deadline = time.monotonic() + BATCH_WAIT_S
         while len(batch) < BATCH_MAX:
-            left = deadline - time.monotonic()
             try:
-                item = self.pending.get(timeout=left) if left > 0 else \
-                    self.pending.get_nowait()
+                item = self.pending.get_nowait()
             except queue.Empty:
                 break
             if item is None:
