@@ -12,6 +12,7 @@ from bench import (
     dashboard,
     exit_latency,
     gpu_check,
+    journal,
     lease,
     load,
     overhead,
@@ -30,7 +31,7 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
             "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
             "tenants": tenants.main, "prompt-cache": prompt_cache.main,
-            "replicas": replicas.main, "uploads": uploads.main}
+            "replicas": replicas.main, "uploads": uploads.main, "journal": journal.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -55,6 +56,8 @@ SUMMARY = {
                 "and 2 copies, and time to first token routed by prompt prefix or load",
     "uploads": "multipart uploads straight to a child and through corral: MiB/s, and "
                "corral's peak memory for them",
+    "journal": "the request journal's file: CPU per record written, and its queries' "
+               "times over 100,000 records",
     "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
 }
 

@@ -155,3 +155,12 @@ def test_replicas_bench_runs_on_a_real_llama_server(tmp_path) -> None:
     (r,) = json.loads(path.read_text())["rounds"]
     assert r["one_tok_s"] > 0 and r["two_tok_s"] > 0
     assert r["prefix"]["cache_n"] > 0  # the second turns reused their first's prompt
+
+
+def test_journal_bench_runs(tmp_path) -> None:
+    path = tmp_path / "j.json"
+    bench("journal", "--records", "2000", "--rounds", "1", "--json", str(path))
+    data = json.loads(path.read_text())
+    assert data["records"] == 2000 and data["rounds"][0]["write_cpu_us"] > 0
+    assert set(data["rounds"][0]) == {"write_cpu_us", "model_and_key_ms", "status_class_ms",
+                                      "id_ms", "newest_ms"}
