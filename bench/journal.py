@@ -19,23 +19,29 @@ import time
 from pathlib import Path
 
 from actors.config.journal import JournalConfig
-from actors.journal.record import Record
+from actors.journal.record import Row
 from actors.journal.store import Journal, Query
 from bench.common import machine, write_json
 
 STATUSES = (200, 200, 200, 200, 400, 404, 429, 500, 502, 503)
+SAID = (b'"usage":{"prompt_tokens":30,"completion_tokens":120,"total_tokens":150}}')
+
+
+def row(id_: str, at: float, *, key: str = "", model: str = "", served: str = "",
+        status: int = 200, room: tuple[str, ...] = (), said: bytes = b"") -> Row:
+    """A request's row as a front hands it in, its other figures those of a short chat."""
+    return Row(id_, at, b"POST", b"/v1/chat/completions", key, model, served, "", status, "",
+               120, 900, 0.001, "", room, 0.02, 0.02, 0.4, None, bytearray(said) or None,
+               False, False)
 
 
 def one_round(n: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         journal = Journal(JournalConfig(max_mib=4096), Path(folder) / "journal.sqlite")
         now = time.time() - n
-        records = [Record(id=f"bench-{i:x}", at=now + i, method="POST",
-                          path="/v1/chat/completions", key=f"k{i % 10}",
-                          model=f"m{i % 50}", served=f"m{i % 50}",
-                          status=STATUSES[i % 10], bytes_in=120, bytes_out=900,
-                          queue_s=0.001, ttfb_s=0.02, ttft_s=0.02, duration_s=0.4,
-                          tokens_in=30, tokens_out=120) for i in range(n)]
+        records = [row(f"bench-{i:x}", now + i, key=f"k{i % 10}", model=f"m{i % 50}",
+                       served=f"m{i % 50}", status=STATUSES[i % 10], said=SAID)
+                   for i in range(n)]
         began = time.process_time()
         for record in records:
             journal.add(record)

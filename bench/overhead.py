@@ -4,6 +4,7 @@ interleaved round by round in one run.
     python -m bench overhead [--rounds 3] [--requests 600] [--json FILE]
     python -m bench overhead --llama-server BIN     # also: corral vs llama-server's router
     python -m bench overhead --baseline REV         # also: the corral of git revision REV
+    python -m bench overhead --journal-off          # also: corral with [journal] off
 
 Small non-streaming requests (max_tokens 1) at concurrency 1, 16 and 64, and streams at
 1, 64 and 256 at once from a child that streams at --tokens-per-s (a realistic rate).
@@ -170,39 +171,57 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
         old = (stack.enter_context(Corral(toml, root=args.baseline_root,
                                                    log_level="WARNING"))
                if args.baseline_root else None)
+        # --journal-off: the same corral without its request journal, in the same run
+        bare = (stack.enter_context(Corral(toml_config(
+            {"small": {"cmd": fake_cmd()},
+             "stream": {"cmd": fake_cmd("--tokens-per-s", str(args.tokens_per_s))}},
+            models_max=2, journal={"enabled": False}), log_level="WARNING"))
+            if args.journal_off else None)
         async with session() as s:
             for model in ("small", "stream"):  # load both; learn their children's ports
                 await send(s, corral.url, model)
-                if old:
-                    await send(s, old.url, model)
+                for other in (old, bare):
+                    if other:
+                        await send(s, other.url, model)
             listing = await get_json(s, corral.url + "/models")
             ports = {m["id"]: m["port"] for m in listing["data"]}
             cpu = {"corral": corral.proc.pid}
             if old:
                 cpu["corral-baseline"] = old.proc.pid
+            if bare:
+                cpu["corral-nojournal"] = bare.proc.pid
 
             def targets(model: str) -> dict[str, tuple[str, str]]:
                 out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),
                        "corral": (corral.url, model)}
                 if old:
                     out["corral-baseline"] = (old.url, model)
+                if bare:
+                    out["corral-nojournal"] = (bare.url, model)
                 return out
 
-            others = ["corral", "corral-baseline"] if old else ["corral"]
+            others = ["corral"] + [name for name, on in (("corral-baseline", old),
+                                                         ("corral-nojournal", bare)) if on]
             for c in args.concurrency:
                 sides = await compare(s, targets("small"), args.rounds,
                                       max(args.requests, c), c, stream=False, max_tokens=1,
                                       cpu=cpu)
                 for other in others:
                     rows.append(row(f"small c={c}", sides, "direct", other, "requests"))
-                print_rows(rows[-len(others):], "direct", "corral")
+                if bare:  # the journal's own cost: corral against corral without it
+                    rows.append(row(f"small c={c} [journal]", sides, "corral-nojournal",
+                                    "corral", "requests"))
+                print_rows(rows[-len(others) - bool(bare):], "direct", "corral")
             n_tokens = int(args.tokens_per_s * args.stream_seconds)
             for n in args.streams:
                 sides = await compare(s, targets("stream"), args.rounds, n, n, stream=True,
                                       max_tokens=n_tokens, cpu=cpu)
                 for other in others:
                     rows.append(row(f"streams n={n}", sides, "direct", other, "tokens"))
-                print_rows(rows[-len(others):], "direct", "corral")
+                if bare:
+                    rows.append(row(f"streams n={n} [journal]", sides, "corral-nojournal",
+                                    "corral", "tokens"))
+                print_rows(rows[-len(others) - bool(bare):], "direct", "corral")
     return rows
 
 
@@ -245,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", metavar="BIN")
     ap.add_argument("--baseline", metavar="REV",
                     help="also the corral of git revision REV (a worktree), side by side")
+    ap.add_argument("--journal-off", action="store_true",
+                    help="also corral with [journal] enabled = false, side by side")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     with baseline(args.baseline) as args.baseline_root:

@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.config.journal import JournalConfig
-from actors.journal.record import Record
+from actors.journal.record import Row
 from actors.journal.store import Journal, Query
+from bench.journal import row
 from tests.helpers import (
     ROOT,
     Corral,
@@ -185,11 +186,11 @@ def test_front_workers_records_reach_the_journal(tmp_path: Path) -> None:
 NOW = time.time()  # (records older than keep_days are deleted as they are written)
 statuses = st.sampled_from([200, 201, 400, 404, 429, 500, 502, 503])
 records_st = st.lists(st.builds(
-    Record, id=st.sampled_from(["r1", "r2", "r3", "r4"]), at=st.floats(NOW - 1000, NOW),
-    method=st.just("POST"), path=st.just("/v1/chat/completions"),
+    row, st.sampled_from(["r1", "r2", "r3", "r4"]), st.floats(NOW - 1000, NOW),
     key=st.sampled_from(["", "alice", "bob"]), model=st.sampled_from(["a", "b", "v"]),
     served=st.sampled_from(["", "a", "b"]), status=statuses,
-    room=st.lists(st.sampled_from(["stop a", "suspend b"]), max_size=2)), max_size=40)
+    room=st.tuples() | st.tuples(st.sampled_from(["stop a", "suspend b"]))),
+    max_size=250)
 queries = st.builds(Query, id=st.none() | st.sampled_from(["r1", "r3"]),
                     model=st.none() | st.sampled_from(["a", "b", "v"]),
                     key=st.none() | st.sampled_from(["", "alice"]),
@@ -201,7 +202,7 @@ queries = st.builds(Query, id=st.none() | st.sampled_from(["r1", "r3"]),
 @settings(max_examples=40, deadline=None)
 @given(records=records_st, queries=st.lists(queries, min_size=1, max_size=5))
 def test_the_file_and_the_ring_answer_alike(tmp_path_factory: pytest.TempPathFactory,
-                                            records: list[Record],
+                                            records: list[Row],
                                             queries: list[Query]) -> None:
     records = list({r.at: r for r in records}.values())  # (the order of equal times is
     path = tmp_path_factory.mktemp("j") / "journal.sqlite"  # either's own)
@@ -223,9 +224,7 @@ def test_a_hundred_thousand_records_are_queried_by_model_and_key(tmp_path: Path)
     """The figure is the bench's (bench/README.md); here, that the answer is right."""
     journal = Journal(JournalConfig(), tmp_path / "journal.sqlite")
     for i in range(100_000):
-        journal.add(Record(id=f"r{i}", at=NOW - 100_000 + i, method="POST",
-                           path="/v1/chat/completions", key=f"k{i % 10}", model=f"m{i % 50}",
-                           status=200))
+        journal.add(row(f"r{i}", NOW - 100_000 + i, key=f"k{i % 10}", model=f"m{i % 50}"))
     journal.close(60)
     began = time.monotonic()
     found = journal.query(Query(model="m7", key="k7", limit=100))

@@ -16,7 +16,7 @@ import struct
 import msgspec
 
 from ..config.model import HttpConfig
-from ..journal.record import Record
+from ..journal.record import Row
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .routes import Routes
 
@@ -174,7 +174,7 @@ class StreamEnd(Frame, frozen=True):
 class Journaled(Frame, frozen=True):
     """A request's record, for corral's journal."""
 
-    record: Record
+    row: Row
 
 
 FromWorker = (Ask | Let | Spent | LetAll | Revoked | Again | Uncut | Drop | Late | Counted

@@ -24,7 +24,7 @@ from .edge import (
     Answer,
     target,
 )
-from .journaling import Trace, record_of
+from .journaling import Trace, row_of
 from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
 from .relay import Relay
@@ -136,8 +136,8 @@ class Exchange(Relay):
             if self.kept is not None:
                 self.kept.end("its request ended before the child's answer did")
             if (recorder := self.services.recorder) is not None and not self.trace.to_api:
-                recorder.add(record_of(self.trace, self.req, self.status, self.first_at,
-                                       self.loop.time(), self.meter, self.sse))
+                recorder.add(row_of(self.trace, self.req, self.status, self.first_at,
+                                    self.loop.time(), self.meter, self.sse))
             self.phase = Phase.DONE
             self.client.exchange_done(self)
 

@@ -1,23 +1,25 @@
 """What the front keeps of each request for the journal (actors/journal/): its id
 (`X-Request-Id`, the client's or corral's own, returned on its answer and sent on to
-the child), and a `Trace` its exchange fills as it goes, made a `Record` at its end.
-A front worker's records go over its channel to corral's journal (`RemoteRecorder`)."""
+the child), and a `Trace` its exchange fills as it goes, made a `Row` at its end: its
+figures raw, read into a `Record` (its tokens too) only when someone asks. A front
+worker's rows go over its channel to corral's journal (`RemoteRecorder`)."""
 
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import time
 from typing import Protocol
 
-from ..journal.record import Record
+from ..journal.record import Record, Row
 from ..messages import Grant
 from .request import Request
 from .usage import Meter
 
-TAIL = 8192
-"""How much of an answer's end is kept to read its usage in (`usage`, `timings`)."""
+SAID = 1024
+"""How much of an answer's end is kept to read its tokens in, when its record is read
+(`usage` and `timings` end an answer, or its stream's last event: a search for them on
+the loop cost more than the rest of the record)."""
 _PREFIX = os.urandom(4).hex()
 _COUNT = itertools.count(1)
 
@@ -30,7 +32,7 @@ def new_id() -> str:
 class Recorder(Protocol):
     """Where a front's records go."""
 
-    def add(self, record: Record) -> None: ...
+    def add(self, row: Row) -> None: ...
 
 
 class Trace:
@@ -38,7 +40,7 @@ class Trace:
 
     __slots__ = ("asked_at", "at", "bytes_out", "copy", "cut", "error", "first_body", "id",
                  "made_id", "model", "queue_s", "room", "served", "started", "tail",
-                 "tail_size", "to_api", "waited")
+                 "to_api", "waited")
 
     def __init__(self, req: Request, started: float) -> None:
         self.made_id = req.request_id is None
@@ -52,18 +54,17 @@ class Trace:
         self.bytes_out = 0
         self.first_body: float | None = None
         self.cut = self.to_api = False
-        self.tail: collections.deque[bytes] | None = None
-        """The answer's last TAIL bytes, where its tokens are read at its end (a request
-        without a key: a key's meter reads them as they pass)."""
-        self.tail_size = 0
+        self.tail: bytearray | None = None
+        """The answer's last SAID bytes (or up to eight times that), where its tokens
+        are read when its record is (a request without a key: a key's meter reads them
+        as they pass)."""
 
     def keep(self, body: bytes) -> None:
         tail = self.tail
         assert tail is not None
-        tail.append(body)
-        self.tail_size += len(body)
-        while self.tail_size - len(tail[0]) >= TAIL:
-            self.tail_size -= len(tail.popleft())
+        tail += body
+        if len(tail) > 8 * SAID:
+            del tail[:-SAID]
 
     def asking(self, now: float) -> None:
         self.asked_at = now
@@ -76,26 +77,44 @@ class Trace:
         return grant
 
 
-def record_of(t: Trace, req: Request, status: int, first_at: float | None, now: float,
-              meter: Meter | None, streamed: bool) -> Record:
-    """The record of a request at its end."""
-    path = req.url.partition(b"?")[0][:512].decode("latin-1")
-    tokens_in = tokens_out = cached = None
-    speeds: tuple[float | None, float | None] = (None, None)
-    if meter is None and t.tail and status:
-        meter = Meter(req, lines=False)
-        meter.began(status, streamed)
-        meter.feed(b"".join(t.tail))
+def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: float,
+           meter: Meter | None, streamed: bool) -> Row:
+    """The row of a request at its end: little more than its figures, copied."""
+    tokens = said = None
     if meter is not None and meter.answered:
-        (tokens_in, tokens_out, cached), speeds = meter.said(), meter.speeds
+        tokens = (*meter.said(), *meter.speeds)
+    elif (tail := t.tail) and status:
+        del tail[:-SAID]
+        said = tail
+    url = req.url
+    return Row(t.id, t.at, req.method, url.partition(b"?")[0][:512] if b"?" in url else url[:512],
+               req.key.name if req.key is not None else "", t.model, t.served, t.copy,
+               status, t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited,
+               t.room, None if first_at is None else first_at - t.started,
+               None if t.first_body is None or not streamed else t.first_body - t.started,
+               now - t.started, tokens, said, t.cut, bool(req.conversation))
+
+
+class _Sized:
+    body_size = 0  # (a meter reads the request's size for its rule of thumb, unused here)
+
+
+def record_of(r: Row) -> Record:
+    """A row as the journal's readers see it, its tokens read from what the answer said."""
+    tokens = r.tokens
+    if tokens is None and r.said:
+        meter = Meter(_Sized(), lines=False)
+        meter.began(r.status, False)
+        meter.feed(bytes(r.said))
+        tokens = (*meter.said(), *meter.speeds)
+    tokens_in, tokens_out, cached, prompt_per_s, predicted_per_s = tokens or (None,) * 5
     return Record(
-        id=t.id, at=t.at, method=req.method.decode("latin-1"), path=path,
-        key=req.key.name if req.key is not None else "", model=t.model, served=t.served,
-        copy=t.copy, status=status, error=t.error[:1000], bytes_in=req.body_size,
-        bytes_out=t.bytes_out, queue_s=round(t.queue_s, 6), waited=t.waited,
-        room=list(t.room), ttfb_s=None if first_at is None else round(first_at - t.started, 6),
-        ttft_s=None if t.first_body is None or not streamed else round(
-            t.first_body - t.started, 6),
-        duration_s=round(now - t.started, 6), tokens_in=tokens_in, tokens_out=tokens_out,
-        tokens_cached=cached, prompt_per_s=speeds[0], predicted_per_s=speeds[1],
-        cut=t.cut, kept=bool(req.conversation))
+        id=r.id, at=r.at, method=r.method.decode("latin-1"), path=r.path.decode("latin-1"),
+        key=r.key, model=r.model, served=r.served, copy=r.copy, status=r.status,
+        error=r.error, bytes_in=r.bytes_in, bytes_out=r.bytes_out,
+        queue_s=round(r.queue_s, 6), waited=r.waited, room=list(r.room),
+        ttfb_s=None if r.ttfb_s is None else round(r.ttfb_s, 6),
+        ttft_s=None if r.ttft_s is None else round(r.ttft_s, 6),
+        duration_s=round(r.duration_s, 6), tokens_in=tokens_in, tokens_out=tokens_out,
+        tokens_cached=cached, prompt_per_s=prompt_per_s, predicted_per_s=predicted_per_s,
+        cut=r.cut, kept=r.kept)

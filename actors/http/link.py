@@ -191,9 +191,9 @@ class Link:
                     future.set_result(counts)
             case StreamOpen() | StreamBytes() | StreamEnd():
                 self._kept(message)
-            case Journaled(record=record):
+            case Journaled(row=row):
                 if self.recorder is not None:
-                    self.recorder.add(record)
+                    self.recorder.add(row)
             case Listening(port=port):
                 if not self.listening.done():
                     self.listening.set_result(port)

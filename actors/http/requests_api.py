@@ -20,6 +20,7 @@ from aiohttp import web
 
 from ..config.keys import KeyRule
 from ..journal.store import MAX_LIMIT, Journal, Query
+from .journaling import record_of
 from .manage import error
 
 _SPAN = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
@@ -88,6 +89,9 @@ class RequestsApi:
 
     async def _answer(self, q: Query) -> web.Response:
         assert self.journal is not None
-        records = await asyncio.to_thread(self.journal.query, q)
-        return web.Response(body=msgspec.json.encode({"data": records}),
+        return web.Response(body=await asyncio.to_thread(self._read, q),
                             content_type="application/json")
+
+    def _read(self, q: Query) -> bytes:
+        assert self.journal is not None
+        return msgspec.json.encode({"data": list(map(record_of, self.journal.query(q)))})

@@ -15,7 +15,6 @@ cuts a request at most once.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -88,7 +87,7 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
     ex.what = f"model '{model}'"
     ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
     if ex.meter is None and front.recorder is not None:
-        ex.trace.tail = collections.deque()  # (its tokens, for the journal)
+        ex.trace.tail = bytearray()  # (its tokens, for the journal)
     ex.trace.model = model
     if ex.req.conversation is not None and ex.req.method == b"POST":
         kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)

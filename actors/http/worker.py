@@ -17,7 +17,7 @@ import sys
 import msgspec
 import pykka
 
-from ..journal.record import Record
+from ..journal.record import Row
 from ..messages import (
     Acquire,
     AnswerLate,
@@ -160,8 +160,8 @@ class RemoteRecorder:
     def __init__(self, corral: Corral) -> None:
         self.corral = corral
 
-    def add(self, record: Record) -> None:
-        self.corral._send(Journaled(record=record))
+    def add(self, row: Row) -> None:
+        self.corral._send(Journaled(row=row))
 
 
 class RemoteTee:

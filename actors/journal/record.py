@@ -51,3 +51,35 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     kept: bool = False
     """Its answer was kept to be resumed (X-Conversation-Id)."""
 
+
+
+class Row(msgspec.Struct, array_like=True, gc=False):
+    """A request as the fronts hand it in: its figures raw, made a `Record` only when it
+    is read (actors/http/journaling.py), so that writing one costs a request little."""
+
+    id: str
+    at: float
+    method: bytes
+    path: bytes
+    key: str
+    model: str
+    served: str
+    copy: str
+    status: int
+    error: str
+    bytes_in: int
+    bytes_out: int
+    queue_s: float
+    waited: str
+    room: tuple[str, ...]
+    ttfb_s: float | None
+    ttft_s: float | None
+    duration_s: float
+    tokens: tuple[int | None, int | None, int | None, float | None, float | None] | None
+    """(in, out, cached, prompt/s, predicted/s) as a key's meter read them (None: read
+    them in `said` instead)."""
+    said: bytearray | None
+    """The answer's last bytes (a request without a key: its tokens are read in them
+    when it is read)."""
+    cut: bool
+    kept: bool
