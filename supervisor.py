@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--url", default="http://127.0.0.1:8080",
                          help="the corral to ask (default: %(default)s)")
         add_key_args(cmd, "its api_key, if it has one")
-        if name in ("load", "unload", "logs", "plan"):
-            cmd.add_argument("name")
+        if name in ("load", "unload", "logs", "plan", "cancel"):
+            cmd.add_argument("name" if name != "cancel" else "id")
         if name == "plan":
             cmd.add_argument("--for-key", metavar="NAME", default="",
                              help="plan for the named key's class and limits (an admin may "
@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                                ("--since", "Unix seconds, or a span back: 15m, 2h"),
                                ("--limit", "how many (default 100)")):
                 cmd.add_argument(flag, default="", help=what)
+            cmd.add_argument("--running", action="store_true",
+                             help="what is queued and running now, not the journal")
         if name == "logs":
             cmd.add_argument("-f", "--follow", action="store_true",
                              help="keep printing new lines (across restarts of the model)")
@@ -335,7 +337,10 @@ def client(args: argparse.Namespace) -> int:
         print(f"corral: {e}", file=sys.stderr)
         return EXIT_CONFIG
     query = {f: getattr(args, f, "") for f in ("model", "key", "status", "since", "limit")}
-    return http_client.run(args.url, key, args.command, getattr(args, "name", None),
+    if getattr(args, "running", False):
+        query = {"state": "running", "model": query["model"], "key": query["key"]}
+    return http_client.run(args.url, key, args.command,
+                           getattr(args, "name", None) or getattr(args, "id", None),
                            getattr(args, "follow", False), getattr(args, "for_key", ""),
                            query)
 

@@ -8,6 +8,7 @@ the journal, never a request."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -231,3 +232,19 @@ def test_a_hundred_thousand_records_are_queried_by_model_and_key(tmp_path: Path)
     took = time.monotonic() - began
     assert [r.id for r in found[:2]] == ["r99957", "r99907"] and len(found) == 100
     assert took < 5  # (generous: a busy machine; the bench measures it)
+
+
+def test_a_file_of_an_older_layout_is_moved_aside(tmp_path: Path) -> None:
+    old = tmp_path / "journal.sqlite"
+    db = sqlite3.connect(old)
+    db.execute("CREATE TABLE requests (at, id, key, model, served, status, record)")
+    db.commit()
+    db.close()
+    journal = Journal(JournalConfig(), old)
+    journal.add(row("r1", NOW, model="a"))
+    journal.close()
+    assert journal.broken is None and journal.written == 1
+    assert [r.id for r in journal.query(Query(model="a"))] == ["r1"]
+    kept = sqlite3.connect(tmp_path / "journal.sqlite.v1")
+    assert kept.execute("SELECT name FROM sqlite_master").fetchall() == [("requests",)]
+    kept.close()

@@ -125,7 +125,7 @@ class ManagementApi(ModelCommands):
         r.add_get("/nodes", self.nodes)
         r.add_get("/keys", self.keys_list)
         StreamApi(self.kept).routes(app)
-        RequestsApi(self.journal).routes(app)
+        RequestsApi(self.journal, lambda: self.fronts).routes(app)
         if self.config.ollama.enabled:
             self.ollama.routes(app)
         planning = asyncio.Lock()

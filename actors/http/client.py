@@ -26,7 +26,10 @@ COMMANDS = {
              "(and what it evicts) or refused", "corral plan llama-8b --for-key batch"),
     "keys": ("named keys: class, limits and what each has used", "corral keys"),
     "requests": ("the newest requests, from the journal: queue wait, what they waited for, "
-                 "first byte, tokens", "corral requests --model llama-8b --status 5xx"),
+                 "first byte, tokens; with --running, what is queued and running now",
+                 "corral requests --model llama-8b --status 5xx"),
+    "cancel": ("end a queued or running request, by its id (X-Request-Id)",
+               "corral cancel 3f2a9c1e-1b"),
 }
 """command -> (help, example), for the CLI's parser."""
 
@@ -47,9 +50,16 @@ def run(url: str, key: str | None, command: str, name: str | None = None,
         req = urllib.request.Request(f"{base}/models/{command}", method="POST",
                                      data=json.dumps({"model": name}).encode(),
                                      headers=headers)
+    elif command == "cancel":
+        req = urllib.request.Request(
+            f"{base}/requests/{urllib.parse.quote(name or '', safe='')}/cancel", method="POST",
+            headers=headers)
     elif command == "requests":
-        fields = urllib.parse.urlencode({k: v for k, v in (query or {}).items() if v})
+        query = query or {}
+        fields = urllib.parse.urlencode({k: v for k, v in query.items() if v})
         req = urllib.request.Request(f"{base}/requests?{fields}", headers=headers)
+        shown = print_running if query.get("state") == "running" else print_requests
+        return ask(base, req, lambda resp: shown(json.load(resp)["data"]))
     elif command == "plan":
         fields = urllib.parse.urlencode({"model": name, **({"key": for_key} if for_key else {})})
         req = urllib.request.Request(f"{base}/models/plan?{fields}", headers=headers)
@@ -90,8 +100,8 @@ def show(command: str, name: str | None, base: str, headers: dict[str, str],
     if command == "keys":
         print_keys(data)
         return 0
-    if command == "requests":
-        print_requests(data["data"])
+    if command == "cancel":
+        print(f"cancelled: {data['id']} ({data['cancelled']})")
         return 0
     for model in data["data"]:
         status = model["status"]
@@ -101,7 +111,7 @@ def show(command: str, name: str | None, base: str, headers: dict[str, str],
     return 0
 
 
-def print_requests(records: list[dict[str, Any]]) -> None:
+def print_requests(records: list[dict[str, Any]]) -> int:
     """`corral requests`: oldest first, so the newest is at the bottom of the terminal."""
     print(f"{'time':<8} {'id':<20} {'key':<10} {'model':<18} {'status':>6} {'queue':>7} "
           f"{'waited':<16} {'ttfb':>7} {'took':>7} {'tokens':>11}")
@@ -114,6 +124,19 @@ def print_requests(records: list[dict[str, Any]]) -> None:
               f"{r.get('status', 0):>6} {r.get('queue_s', 0):>7.3f} {waited[:16]:<16} "
               f"{ttfb:>7} {r.get('duration_s', 0):>7.3f} {tokens:>11}"
               + (f"  {r['error'][:60]}" if r.get("error") else ""))
+    return 0
+
+
+def print_running(running: list[dict[str, Any]]) -> int:
+    """`corral requests --running`: the queued first, then the running."""
+    print(f"{'id':<20} {'key':<10} {'model':<18} {'state':<8} {'place':>5} {'waited':>8} "
+          f"{'elapsed':>8} {'bytes':>9}")
+    for r in running:
+        print(f"{r['id'][:20]:<20} {r.get('key', '')[:10]:<10} "
+              f"{r.get('served') or r['model']:<18.18} {r['state']:<8} "
+              f"{r.get('position') or '':>5} {r['waited_s']:>8.3f} {r['elapsed_s']:>8.3f} "
+              f"{r['bytes_out']:>9}")
+    return 0
 
 
 def print_text(resp: HTTPResponse) -> int:

@@ -18,6 +18,7 @@ import msgspec
 from ..config.model import HttpConfig
 from ..journal.record import Row
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
+from .inflight import Running
 from .routes import Routes
 
 MAX_FRAME = 64 << 20
@@ -142,6 +143,14 @@ class Counted(Frame, frozen=True):
     counts: FrontCounts
 
 
+class LiveNow(Frame, frozen=True):
+    """The answer to LiveAsk `reply`: the worker's requests now (after the cancel)."""
+
+    reply: int
+    running: list[Running]
+    cancelled: int = 0
+
+
 class Listening(Frame, frozen=True):
     """The worker's front listens on `port`."""
 
@@ -178,7 +187,7 @@ class Journaled(Frame, frozen=True):
 
 
 FromWorker = (Ask | Let | Spent | LetAll | Revoked | Again | Uncut | Drop | Late | Counted
-              | Listening | StreamOpen | StreamBytes | StreamEnd | Journaled)
+              | Listening | StreamOpen | StreamBytes | StreamEnd | Journaled | LiveNow)
 
 
 # ---------------------------------------------------------------- corral -> worker
@@ -209,6 +218,15 @@ class CountAsk(Frame, frozen=True):
     reply: int
 
 
+class LiveAsk(Frame, frozen=True):
+    """Its requests now, after cancelling those with id `cancel` (of key `key`, if any)."""
+
+    reply: int
+    cancel: str = ""
+    key: str | None = None
+    by: str = ""
+
+
 class Drain(Frame, frozen=True):
     timeout_s: float
 
@@ -220,7 +238,8 @@ class StreamStop(Frame, frozen=True):
     why: str
 
 
-ToWorker = Answered | Notice | RevokeAsk | NewRoutes | CountAsk | Drain | StreamStop
+ToWorker = (Answered | Notice | RevokeAsk | NewRoutes | CountAsk | Drain | StreamStop
+            | LiveAsk)
 
 _encoder = msgspec.msgpack.Encoder()
 _LENGTH = struct.Struct(">I")

@@ -24,6 +24,7 @@ from .edge import (
     Answer,
     target,
 )
+from .inflight import CANCELLED
 from .journaling import Trace, row_of
 from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
@@ -135,6 +136,7 @@ class Exchange(Relay):
                 self.req.upload.close()
             if self.kept is not None:
                 self.kept.end("its request ended before the child's answer did")
+            self.services.live.exchanges.discard(self)
             if (recorder := self.services.recorder) is not None and not self.trace.to_api:
                 recorder.add(row_of(self.trace, self.req, self.status, self.first_at,
                                     self.loop.time(), self.meter, self.sse))
@@ -309,6 +311,31 @@ class Exchange(Relay):
             self.upstream = None
         self.task.cancel()
         return False
+
+    @property
+    def key_name(self) -> str:
+        return self.req.key.name if self.req.key is not None else ""
+
+    @property
+    def path(self) -> str:
+        return self.req.url.partition(b"?")[0][:512].decode("latin-1")
+
+    def cancel(self, why: str) -> None:
+        """POST /requests/{id}/cancel (inflight.py): a queued request gets 499; a running
+        one loses its child connection (the child stops its work) and its answer ends as
+        if its client had left (a kept answer too; a WebSocket is shut)."""
+        log.info("%s: request %s %s", self.what, self.trace.id, why)
+        self.trace.error = why
+        if self.kept is not None:
+            self.kept.end(why)
+            self.kept = None
+        if self.phase in (Phase.WAITING, Phase.FORWARDING):
+            self.answer(Answer(499, why, CANCELLED))
+        elif self.client.tunnel is not None:
+            self.client.tunnel.shut(why)
+        elif self.phase is Phase.STREAMING:
+            self._break_off(why)
+        self.client_gone()
 
     def stop(self, why: str) -> None:
         """Its kept answer was stopped (a DELETE, a refused id): ended as if its client left."""

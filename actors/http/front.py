@@ -31,6 +31,7 @@ from .callers import Origins
 from .connection import Connection
 from .control import FrontCounts, TimeRow
 from .edge import FRONT_HEADER
+from .inflight import Live
 from .journaling import Recorder
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
@@ -93,6 +94,8 @@ class Front:
         its channel to it)."""
         self.recorder = recorder
         """Where each request's record goes: corral's journal (None: [journal] is off)."""
+        self.live = Live()
+        """Its model requests now (GET /requests?state=running, and their cancel)."""
         self.stopped: dict[str, tuple[int, int]] = {}
         """Model, or a replica's own name -> the newest (generation, epoch) withdrawn to stop
         or suspend on purpose: a request its child dropped is not sent on to the next

@@ -41,6 +41,8 @@ from .control import (
     Let,
     LetAll,
     Listening,
+    LiveAsk,
+    LiveNow,
     Revoked,
     Spent,
     StreamBytes,
@@ -110,7 +112,8 @@ class Link:
         """The worker's requests that corral has asked the Scheduler for and that are
         neither released nor cancelled."""
         self.listening: asyncio.Future[int] = self.loop.create_future()
-        self.counts: dict[int, asyncio.Future[FrontCounts]] = {}
+        self.asked: dict[int, asyncio.Future[object]] = {}
+        """What was asked of it (CountAsk, LiveAsk) and is not answered yet, by reply."""
         self.last_counts = FrontCounts()
         self.started_at: float | None = None
         """When it listened (loop time)."""
@@ -186,9 +189,9 @@ class Link:
                 self._tell(late)
             case Counted(reply=reply, counts=counts):
                 self.last_counts, self.answered_at = counts, self.loop.time()
-                future = self.counts.pop(reply, None)
-                if future is not None and not future.done():
-                    future.set_result(counts)
+                self._answered(reply, counts)
+            case LiveNow(reply=reply):
+                self._answered(reply, message)
             case StreamOpen() | StreamBytes() | StreamEnd():
                 self._kept(message)
             case Journaled(row=row):
@@ -236,17 +239,33 @@ class Link:
                 f"front worker {self.index} exited before it listened"))
 
     async def ask_counts(self) -> FrontCounts | None:
+        counts = await self._ask(lambda reply: CountAsk(reply=reply), "counts")
+        return counts if isinstance(counts, FrontCounts) else None
+
+    async def ask_live(self, cancel: str = "", key: str | None = None,
+                       by: str = "") -> LiveNow | None:
+        """Its requests now, after cancelling those with id `cancel` (of `key`)."""
+        live = await self._ask(
+            lambda reply: LiveAsk(reply=reply, cancel=cancel, key=key, by=by), "requests")
+        return live if isinstance(live, LiveNow) else None
+
+    async def _ask(self, question: Callable[[int], msgspec.Struct], what: str) -> object:
         reply = next(self._replies)
-        future = self.counts[reply] = self.loop.create_future()
-        self.send(CountAsk(reply=reply))
+        future = self.asked[reply] = self.loop.create_future()
+        self.send(question(reply))
         try:
             return await asyncio.wait_for(future, COUNTS_TIMEOUT_S)
         except TimeoutError:
-            log.warning("front worker %d gave no counts within %g s; left out of them",
-                        self.index, COUNTS_TIMEOUT_S)
+            log.warning("front worker %d gave no %s within %g s; left out of them",
+                        self.index, what, COUNTS_TIMEOUT_S)
             return None
         finally:
-            self.counts.pop(reply, None)
+            self.asked.pop(reply, None)
+
+    def _answered(self, reply: int, value: object) -> None:
+        future = self.asked.pop(reply, None)
+        if future is not None and not future.done():
+            future.set_result(value)
 
 
 def tell(scheduler: Callable[[], SchedulerInbox], message: object) -> None:

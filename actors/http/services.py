@@ -9,6 +9,7 @@ from typing import Protocol
 
 from ..config.http import HttpConfig
 from ..runtime.bridge import SchedulerInbox
+from .inflight import Live
 from .journaling import Recorder
 from .metrics import RequestTimes
 from .pool import Pool, Pools
@@ -30,6 +31,7 @@ class Services(Protocol):
     key_uses: KeyUses
     keeper: Keeper
     recorder: Recorder | None
+    live: Live
     draining: bool
     to_api: tuple[bytes, ...]
     scheduler: Callable[[], SchedulerInbox]

@@ -31,8 +31,10 @@ def may_call(rule: KeyRule | None, request: web.Request) -> bool:
     if rule is None or rule.admin or request.path.startswith("/api/"):
         return True  # (Ollama's API: what it does is asked of the front with the key)
     if stream_call(request.path) or (request.method == "GET" and (
-            request.path == "/requests" or request.path.startswith("/requests/"))):
-        return True  # (its own resumable streams, and its own requests' records)
+            request.path == "/requests" or request.path.startswith("/requests/"))) or (
+            request.method == "POST" and request.path.startswith("/requests/")
+            and request.path.endswith("/cancel")):
+        return True  # (its own resumable streams, its own requests and their records)
     return (request.method in ("GET", "HEAD") and "reload" not in request.query
             and (request.path in MEMBER_GETS or request.path.startswith("/v1/models/")))
 

@@ -25,6 +25,7 @@ from ..messages import AnswerLate, Grant, Refusal
 from ..runtime.bridge import LoopReply
 from .affinity import affinity
 from .edge import NOT_FORWARDED, NOT_KEPT, Answer, refusal_answer
+from .inflight import Cancellable
 from .journaling import Trace
 from .pool import Pool, Pools
 from .request import Request
@@ -44,8 +45,8 @@ MAX_INSTANCES = 6
 never had it) do not count as replays, but a limit there must be."""
 
 
-class Attempt(Protocol):
-    """What a request's tries use of its exchange (exchange.py)."""
+class Attempt(Cancellable, Protocol):
+    """What a request's tries use of its exchange (exchange.py); what inflight.py does."""
 
     services: Services
     req: Request
@@ -89,6 +90,7 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
     if ex.meter is None and front.recorder is not None:
         ex.trace.tail = bytearray()  # (its tokens, for the journal)
     ex.trace.model = model
+    front.live.exchanges.add(ex)
     if ex.req.conversation is not None and ex.req.method == b"POST":
         kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)
         if isinstance(kept, str):

@@ -45,6 +45,8 @@ from .control import (
     Let,
     LetAll,
     Listening,
+    LiveAsk,
+    LiveNow,
     NewRoutes,
     Notice,
     RevokeAsk,
@@ -245,6 +247,10 @@ async def serve() -> int:
                 front.routes = routes
             case CountAsk(reply=reply):
                 corral._send(Counted(reply=reply, counts=front.counts()))
+            case LiveAsk(reply=reply, cancel=id_, key=key, by=by):
+                n = front.live.cancel(id_, key, by) if id_ else 0
+                corral._send(LiveNow(reply=reply, running=front.live.running(loop.time()),
+                                     cancelled=n))
             case StreamStop(token=token, why=why):
                 kept.stopped(token, why)
             case Drain(timeout_s=timeout_s):

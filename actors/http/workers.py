@@ -28,6 +28,7 @@ from ..messages import Release, Releases, Revoke, Withdraw
 from ..runtime.bridge import SchedulerInbox
 from .control import Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
 from .front import Front
+from .inflight import Running, ranked
 from .journaling import Recorder
 from .link import Link, tell
 from .resumable import Keeper
@@ -284,6 +285,22 @@ class Fronts:
         if self.workers is None:
             return own
         return merge([own, *await self.workers.counts()])
+
+    async def running(self, cancel: str = "", key: str | None = None,
+                      by: str = "") -> tuple[list[Running], int]:
+        """Every front's requests now, ranked (inflight.py), after cancelling those with
+        id `cancel` (of key `key`, when given); and how many were."""
+        live = self.front.live
+        n = live.cancel(cancel, key, by) if cancel else 0
+        running = live.running(asyncio.get_running_loop().time())
+        if self.workers is not None:
+            for answer in await asyncio.gather(*(
+                    link.ask_live(cancel, key, by) for link in self.workers.links.values()
+                    if link.proc.returncode is None)):
+                if answer is not None:
+                    running += answer.running
+                    n += answer.cancelled
+        return ranked(running), n
 
     async def drain(self, timeout_s: float) -> None:
         if self.workers is None:
