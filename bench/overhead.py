@@ -161,10 +161,14 @@ def print_rows(rows: list[dict[str, Any]], base: str, other: str) -> None:
               f"{r['ratio']:>7.3f} {p50:>8.2f} {p99:>8.2f} {cpu:>14}")
 
 
-async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
-    toml = toml_config({"small": {"cmd": fake_cmd()},
+def fake_config(args: argparse.Namespace, **top: Any) -> str:
+    return toml_config({"small": {"cmd": fake_cmd()},
                         "stream": {"cmd": fake_cmd("--tokens-per-s", str(args.tokens_per_s))}},
-                       models_max=2)
+                       models_max=2, **top)
+
+
+async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
+    toml = fake_config(args)
     rows = []
     with Corral(toml, log_level="WARNING") as corral, contextlib.ExitStack() as stack:
         # --baseline: the corral of another revision, in the same run
@@ -172,11 +176,8 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                    log_level="WARNING"))
                if args.baseline_root else None)
         # --journal-off: the same corral without its request journal, in the same run
-        bare = (stack.enter_context(Corral(toml_config(
-            {"small": {"cmd": fake_cmd()},
-             "stream": {"cmd": fake_cmd("--tokens-per-s", str(args.tokens_per_s))}},
-            models_max=2, journal={"enabled": False}), log_level="WARNING"))
-            if args.journal_off else None)
+        bare = (stack.enter_context(Corral(fake_config(args, journal={"enabled": False}),
+                                           log_level="WARNING")) if args.journal_off else None)
         async with session() as s:
             for model in ("small", "stream"):  # load both; learn their children's ports
                 await send(s, corral.url, model)

@@ -42,6 +42,38 @@ def chat(port: int, model: str, max_tokens: int = 4, headers: dict[str, str] | N
     return status, body
 
 
+class Call(threading.Thread):
+    """A chat request (X-Request-Id `id_`) on a thread; a stream's lines are kept as they
+    come."""
+
+    def __init__(self, port: int, model: str, id_: str, headers: dict[str, str] | None = None,
+                 stream: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.port, self.model, self.id, self.stream = port, model, id_, stream
+        self.headers = headers or {}
+        self.status = 0
+        self.lines: list[bytes] = []
+        self.body: Any = None
+        self.start()
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(
+                {"model": self.model, "max_tokens": 2000, "stream": self.stream,
+                 "messages": [{"role": "user", "content": "hi"}]}),
+                {**self.headers, "Content-Type": "application/json", "X-Request-Id": self.id})
+            resp = conn.getresponse()
+            self.status = resp.status
+            if self.stream:
+                while line := resp.readline():
+                    self.lines.append(line)
+            else:
+                self.body = json.loads(resp.read())
+        finally:
+            conn.close()
+
+
 class SSE:
     """Follows an event stream (GET /models/sse unless told) on a thread; `wait_for`
     blocks until a matching event. A named event's data gets its name as "event"."""

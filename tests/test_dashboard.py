@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bench.support import CHROMIUM, CHROMIUM_ARGS
-from tests.helpers import chat, fake_cmd, request, toml_config, wait_until
+from tests.helpers import Call, chat, fake_cmd, request, toml_config, wait_until
 
 try:
     from playwright.sync_api import sync_playwright
@@ -250,5 +250,47 @@ def test_the_keys_panel_and_the_what_if_button(corral, page, tmp_path: Path) -> 
     plan.filter(has_text="a").first.wait_for()
     text = plan.inner_text()
     assert text.startswith("a load") or "give back" in text, text
+    no_sideways_scroll(page, 400)
+    assert page.problems == []
+
+
+def test_the_activity_view(corral, page) -> None:
+    """The journal as a table, newest first and filtered; what runs now, with a cancel
+    button that ends it; and a request's timeline, its parts drawn to scale."""
+    c = corral(toml_config({"a": {"cmd": fake_cmd("--tokens-per-s", "20")},
+                            "b": {"cmd": fake_cmd()}}, models_max=1))
+    assert chat(c.port, "b", headers={"X-Request-Id": "first-b"})[0] == 200
+    page.goto(f"http://127.0.0.1:{c.port}/ui")
+    page.locator('#journal tr[data-id="first-b"]').wait_for()
+
+    streaming = Call(c.port, "a", "long-a", stream=True)
+    wait_until(lambda: streaming.lines, 30, "the stream's first event")
+    running = page.locator('#running tr[data-id="long-a"]')
+    wait_text(running, "running")
+    running.locator('[data-action="cancel"]').click()
+    running.wait_for(state="detached")
+    streaming.join(30)
+    assert not streaming.is_alive() and any(b"cancelled" in x for x in streaming.lines)
+    wait_text(page.locator("#running-none"), "nothing is queued or running")
+
+    page.locator('#journal tr[data-id="long-a"]').wait_for()
+    rows = page.locator("#journal tr[data-id]")
+    assert rows.first.get_attribute("data-id") == "long-a"  # newest first
+    page.locator('#journal tr[data-id="first-b"]').click()
+    svg = page.locator("#timeline svg")
+    svg.wait_for()
+    duration = float(svg.get_attribute("data-duration"))
+    parts = svg.locator("rect").evaluate_all(
+        "rs => rs.map(r => [r.dataset.part, +r.getAttribute('width'), +r.dataset.s])")
+    assert parts[0][0] == "queued" and duration > 0, parts  # (b's load first)
+    assert "queued (load)" in page.locator("#timeline").inner_text()
+    assert abs(sum(p[1] for p in parts) - 1000) < 1, parts  # its whole length
+    for _, width, took in parts:  # each as wide as it took
+        assert abs(width - took / duration * 1000) < 1, parts
+
+    page.locator('#filters input[name="model"]').fill("b")
+    page.locator('#journal tr[data-id="long-a"]').wait_for(state="detached")
+    assert page.locator("#journal tr[data-id]").evaluate_all(
+        "rs => rs.map(r => r.dataset.id)") == ["first-b"]
     no_sideways_scroll(page, 400)
     assert page.problems == []

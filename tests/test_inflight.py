@@ -6,11 +6,8 @@ connection (the child sees its client leave) and its stream ends with an error e
 
 from __future__ import annotations
 
-import http.client
-import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ import pytest
 
 from tests.helpers import (
     ROOT,
+    Call,
     Corral,
     fake_cmd,
     key_files,
@@ -44,35 +42,6 @@ def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Corral]:
         yield c
 
 
-class Call(threading.Thread):
-    """One request on a thread; a stream's lines are kept as they come."""
-
-    def __init__(self, port: int, model: str, id_: str, stream: bool = False) -> None:
-        super().__init__(daemon=True)
-        self.port, self.model, self.id, self.stream = port, model, id_, stream
-        self.status = 0
-        self.lines: list[bytes] = []
-        self.body: Any = None
-        self.start()
-
-    def run(self) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(
-                {"model": self.model, "max_tokens": 2000, "stream": self.stream,
-                 "messages": [{"role": "user", "content": "hi"}]}),
-                {**ALICE, "Content-Type": "application/json", "X-Request-Id": self.id})
-            resp = conn.getresponse()
-            self.status = resp.status
-            if self.stream:
-                while line := resp.readline():
-                    self.lines.append(line)
-            else:
-                self.body = json.loads(resp.read())
-        finally:
-            conn.close()
-
-
 def running(c: Corral, headers: dict[str, str] = OPS, query: str = "") -> list[dict[str, Any]]:
     status, body, _ = request(c.port, "GET", f"/requests?state=running{query}",
                               headers=headers)
@@ -82,9 +51,9 @@ def running(c: Corral, headers: dict[str, str] = OPS, query: str = "") -> list[d
 
 def test_a_queued_and_a_running_request_are_listed_and_cancelled(served: Corral) -> None:
     c = served
-    streaming = Call(c.port, "a", "run-a", stream=True)
+    streaming = Call(c.port, "a", "run-a", ALICE, stream=True)
     wait_until(lambda: streaming.lines, 30, "the stream's first event")
-    queued = Call(c.port, "b", "wait-b")  # models_max = 1, and a is busy: it waits
+    queued = Call(c.port, "b", "wait-b", ALICE)  # models_max = 1, and a is busy: it waits
 
     now = wait_until(lambda: (r := running(c)) and len(r) == 2 and r, 30, "both listed")
     assert [(r["id"], r["state"], r.get("position")) for r in now] == [
@@ -131,7 +100,7 @@ def test_a_queued_and_a_running_request_are_listed_and_cancelled(served: Corral)
 
 def test_the_cli_lists_and_cancels(served: Corral, tmp_path: Path) -> None:
     c = served
-    streaming = Call(c.port, "a", "cli-a", stream=True)
+    streaming = Call(c.port, "a", "cli-a", ALICE, stream=True)
     wait_until(lambda: streaming.lines, 30, "the stream's first event")
     key_file = tmp_path / "ops.key"
 

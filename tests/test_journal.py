@@ -83,6 +83,12 @@ def test_each_request_has_an_id_and_a_record_of_what_it_waited_for(served: Corra
     second = journaled(served, "mine-7")
     assert second["waited"] == "load" and second["room"] == ["stop a"]
     assert 0 < second["queue_s"] <= second["ttfb_s"] <= second["ttft_s"]
+    # The next for b waits for nothing, though the open grant it may join did.
+    status, _, headers = request(served.port, "POST", "/v1/chat/completions",
+                                 {"model": "b", "max_tokens": 1, "messages": []},
+                                 headers={**ALICE, "X-Request-Id": "mine-8"})
+    third = journaled(served, "mine-8")
+    assert "waited" not in third and "room" not in third, third
 
 
 def test_a_refusal_is_kept_too_with_its_error(served: Corral) -> None:

@@ -69,10 +69,12 @@ class Trace:
     def asking(self, now: float) -> None:
         self.asked_at = now
 
-    def granted(self, grant: Grant, now: float) -> Grant:
+    def granted(self, grant: Grant, now: float, joined: bool = False) -> Grant:
+        """`joined`: another's open grant (shares.py), whose load or wake it did not wait
+        for."""
         self.queue_s += now - self.asked_at
         self.served, self.copy = grant.model, grant.instance
-        if grant.waited:
+        if grant.waited and not joined:
             self.waited, self.room = grant.waited, grant.room
         return grant
 

@@ -159,12 +159,11 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
     for tries in range(MAX_INSTANCES):
         # 1. A grant: the one it was cut from again, an open one joined, or the Scheduler's.
         ex.trace.asking(ex.loop.time())
-        found: SharedGrant | Refusal | None = (
-            await shares.requeue(cut) if cut is not None else
-            shares.join(model, ex.req.key, near, among)  # no coroutine: the usual
-            or await shares.acquire(model, autoload, ex.req.key, retry=tries > 0 or again,
-                                    cuttable=not was_cut and ex.req.upload is None,
-                                    affinity=near, among=among))
+        joined = None if cut is not None else shares.join(model, ex.req.key, near, among)
+        found: SharedGrant | Refusal | None = (  # joined: no coroutine, the usual
+            await shares.requeue(cut) if cut is not None else joined or await shares.acquire(
+                model, autoload, ex.req.key, retry=tries > 0 or again, affinity=near,
+                cuttable=not was_cut and ex.req.upload is None, among=among))
         cut = None
         if gone is not None:  # one past the child that went away with it
             generation, pool = gone
@@ -175,7 +174,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         if found is None or isinstance(found, Refusal):
             _refuse(ex, routes, found, fall_back)
             return
-        share, grant = found, ex.trace.granted(found.grant, ex.loop.time())
+        share, grant = found, ex.trace.granted(found.grant, ex.loop.time(), found is joined)
         model, among = grant.model, ()  # (a virtual model's member: tried again if need be)
         # 3. A grant of its own the Scheduler may cut; cut before it was sent, it waits again.
         if not grant.shareable:

@@ -235,26 +235,10 @@ async def serve() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     loop.add_signal_handler(signal.SIGTERM, drain, setup.http.drain_timeout_s, "SIGTERM")
     while (data := await read_frame(reader)) is not None:
-        match decoder.decode(data):
-            case Answered(id=id_, value=value):
-                corral.answered(id_, value)
-            case Notice(notice=notice):
-                front.grant_notice(notice)
-            case RevokeAsk(round=round_, revoke=revoke):
-                idle = front.shares.revoked_idle(revoke)
-                corral._send(Revoked(round=round_, lets=[corral._let(r) for r in idle]))
-            case NewRoutes(routes=routes):
-                front.routes = routes
-            case CountAsk(reply=reply):
-                corral._send(Counted(reply=reply, counts=front.counts()))
-            case LiveAsk(reply=reply, cancel=id_, key=key, by=by):
-                n = front.live.cancel(id_, key, by) if id_ else 0
-                corral._send(LiveNow(reply=reply, running=front.live.running(loop.time()),
-                                     cancelled=n))
-            case StreamStop(token=token, why=why):
-                kept.stopped(token, why)
-            case Drain(timeout_s=timeout_s):
-                drain(timeout_s, "told to by corral")
+        if isinstance(message := decoder.decode(data), Drain):
+            drain(message.timeout_s, "told to by corral")
+        else:
+            carry_out(message, front, corral, kept)
     if not ending:  # the channel ended: corral's process is gone
         log.warning("front worker %d: corral's process is gone; draining", setup.index)
         corral.closed = True  # a request now gets 503
@@ -262,6 +246,28 @@ async def serve() -> int:
     else:
         await ending[0]
     return 0
+
+
+def carry_out(message: ToWorker, front: Front, corral: Corral, kept: RemoteKept) -> None:
+    """What corral's process tells or asks this worker (but Drain)."""
+    match message:
+        case Answered(id=id_, value=value):
+            corral.answered(id_, value)
+        case Notice(notice=notice):
+            front.grant_notice(notice)
+        case RevokeAsk(round=round_, revoke=revoke):
+            idle = front.shares.revoked_idle(revoke)
+            corral._send(Revoked(round=round_, lets=[corral._let(r) for r in idle]))
+        case NewRoutes(routes=routes):
+            front.routes = routes
+        case CountAsk(reply=reply):
+            corral._send(Counted(reply=reply, counts=front.counts()))
+        case LiveAsk(reply=reply, cancel=id_, key=key, by=by):
+            n = front.live.cancel(id_, key, by) if id_ else 0
+            corral._send(LiveNow(reply=reply, cancelled=n, running=front.live.running(
+                asyncio.get_running_loop().time())))
+        case StreamStop(token=token, why=why):
+            kept.stopped(token, why)
 
 
 def main() -> int:

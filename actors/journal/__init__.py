@@ -4,7 +4,7 @@ in memory (the newest) and in SQLite under `state_dir`, for `GET /requests` and
 
 | concern                                          | type                 | file      |
 |--------------------------------------------------|----------------------|-----------|
-| one request's record, and its columns            | `Record`             | record.py |
+| one request's row as written; its record as read | `Row`, `Record`      | record.py |
 | the ring, the file, its writer thread and query  | `Journal`, `Query`   | store.py  |
 
 Records are written off the event loop, in batches, by one thread; a full or broken disk
