@@ -17,13 +17,19 @@ BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 
 @dataclass
 class Histogram:
-    """Observations in BUCKETS_S buckets (the last is +Inf)."""
+    """Observations in buckets bounded by `bounds` (BUCKETS_S unless told; the last
+    bucket is +Inf)."""
 
-    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
+    bounds: tuple[float, ...] = BUCKETS_S
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS_S, value)] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
     def view(self) -> HistogramView:
@@ -33,9 +39,10 @@ class Histogram:
 K = TypeVar("K", bound=Hashable)
 
 
-def observe(table: dict[K, Histogram], key: K, value: float) -> None:
+def observe(table: dict[K, Histogram], key: K, value: float,
+            bounds: tuple[float, ...] = BUCKETS_S) -> None:
     """Count `value` in `table[key]`, made on first use."""
     hist = table.get(key)
     if hist is None:
-        hist = table[key] = Histogram()
+        hist = table[key] = Histogram(bounds)
     hist.observe(value)

@@ -19,20 +19,19 @@ import time
 from pathlib import Path
 
 from actors.config.journal import JournalConfig
-from actors.journal.record import Row
+from actors.journal.record import Row, Said
 from actors.journal.store import Journal, Query
 from bench.common import machine, write_json
 
 STATUSES = (200, 200, 200, 200, 400, 404, 429, 500, 502, 503)
-SAID = (b'"usage":{"prompt_tokens":30,"completion_tokens":120,"total_tokens":150}}')
+SAID = Said(30, 120)
 
 
 def row(id_: str, at: float, *, key: str = "", model: str = "", served: str = "",
-        status: int = 200, room: tuple[str, ...] = (), said: bytes = b"") -> Row:
+        status: int = 200, room: tuple[str, ...] = (), said: Said | None = None) -> Row:
     """A request's row as a front hands it in, its other figures those of a short chat."""
     return Row(id_, at, b"POST", b"/v1/chat/completions", key, model, served, "", status, "",
-               120, 900, 0.001, "", room, 0.02, 0.02, 0.4, None, bytearray(said) or None,
-               False, False)
+               120, 900, 0.001, "", room, 0.02, 0.02, 0.4, said, False, False)
 
 
 def one_round(n: int) -> dict[str, float]:

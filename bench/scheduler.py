@@ -118,6 +118,7 @@ def scrape_cost(n_models: int, scrapes: int = 20) -> float:
     """CPU ms to render GET /metrics from a snapshot of `n_models` models, each loaded,
     with queue-wait and load-time histograms, evictions and refusals."""
     from actors.histogram import Histogram, observe
+    from actors.http.control import FrontCounts
     from actors.http.metrics import render
     from actors.messages import DevicesSnapshot, DeviceView
 
@@ -138,7 +139,7 @@ def scrape_cost(n_models: int, scrapes: int = 20) -> float:
                               backends=["simulated"], devices=views)
     start = time.process_time()
     for _ in range(scrapes):
-        render(snap, devices, 0, {}, None)
+        render(snap, devices, FrontCounts(), None)
     return (time.process_time() - start) / scrapes * 1e3
 
 

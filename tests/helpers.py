@@ -47,9 +47,10 @@ class Call(threading.Thread):
     come."""
 
     def __init__(self, port: int, model: str, id_: str, headers: dict[str, str] | None = None,
-                 stream: bool = False) -> None:
+                 stream: bool = False, max_tokens: int = 2000) -> None:
         super().__init__(daemon=True)
         self.port, self.model, self.id, self.stream = port, model, id_, stream
+        self.max_tokens = max_tokens
         self.headers = headers or {}
         self.status = 0
         self.lines: list[bytes] = []
@@ -60,7 +61,7 @@ class Call(threading.Thread):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         try:
             conn.request("POST", "/v1/chat/completions", json.dumps(
-                {"model": self.model, "max_tokens": 2000, "stream": self.stream,
+                {"model": self.model, "max_tokens": self.max_tokens, "stream": self.stream,
                  "messages": [{"role": "user", "content": "hi"}]}),
                 {**self.headers, "Content-Type": "application/json", "X-Request-Id": self.id})
             resp = conn.getresponse()

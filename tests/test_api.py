@@ -218,6 +218,9 @@ def test_metrics_are_valid_prometheus_exposition(corral) -> None:
         "corral_model_load_seconds": "histogram", "corral_device_total_bytes": "gauge",
         "corral_request_first_byte_seconds": "histogram",
         "corral_request_duration_seconds": "histogram",
+        "corral_model_time_to_first_token_seconds": "histogram",
+        "corral_model_time_per_output_token_seconds": "histogram",
+        "corral_model_tokens_per_second": "histogram", "corral_model_tokens": "counter",
         "corral_device_external_bytes": "gauge", "corral_device_available_bytes": "gauge",
         "corral_device_held_bytes": "gauge"}
     assert all(f.documentation for f in families.values())  # HELP on every family

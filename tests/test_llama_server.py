@@ -301,3 +301,31 @@ def test_a_resumable_stream_from_a_real_child(corral, tmp_path, models) -> None:
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 64
     wait_until(lambda: c.models()["m0"]["in_flight"] == 0, 15, "nothing in flight")
+
+
+def test_speeds_tokens_and_the_childs_own_metrics(corral, tmp_path, models) -> None:
+    """Issue 40: a real child's `usage` and `timings` reach /metrics and the journal
+    (its speeds among them), and its own /metrics (--metrics) is merged, labelled."""
+    c = serve(corral, preset(tmp_path, three(models, "metrics = true\n")))
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "model": "m0", "stream": True, "max_tokens": 16, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi"}]}),
+        headers={"Content-Type": "application/json", "X-Request-Id": "speedy"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read().rstrip().endswith(b"data: [DONE]")
+    conn.close()
+
+    def journaled() -> dict[str, Any] | None:
+        status, body, _ = request(c.port, "GET", "/requests/speedy")
+        return body["data"][0] if status == 200 else None
+    record = wait_until(journaled, 15, "the record")
+    assert record["tokens_out"] == 16 and record["tokens_in"] > 0, record
+    assert record["predicted_per_s"] > 0 and record["ttft_s"] > 0, record
+    status, text, _ = request(c.port, "GET", "/metrics?children=1")
+    assert status == 200
+    lines = text.splitlines()
+    assert 'corral_model_tokens_total{kind="completion",model="m0"} 16.0' in lines
+    assert 'corral_model_tokens_per_second_count{model="m0"} 1.0' in lines
+    assert 'corral_child_scrape_ok{copy="",model="m0"} 1.0' in lines
+    assert any(line.startswith("llamacpp:") and 'model="m0"' in line for line in lines), text

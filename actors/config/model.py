@@ -16,6 +16,7 @@ from .downloads import DownloadsConfig
 from .hooks import Hooks
 from .http import HttpConfig
 from .journal import JournalConfig
+from .metrics import MetricsConfig
 from .ollama import OllamaConfig
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
@@ -324,6 +325,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     downloads: DownloadsConfig = DownloadsConfig()
     ollama: OllamaConfig = OllamaConfig()
     journal: JournalConfig = JournalConfig()
+    metrics: MetricsConfig = MetricsConfig()
     hook_timeout_s: PositiveSeconds = 30.0
     groups: dict[str, ModelGroup] = {}
     """Models that swap, load or stay together (actors/policy/teams.py)."""

@@ -185,6 +185,9 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="with --sleep-mode: a wake from level 1 takes S seconds")
     p.add_argument("--sleep-device-mib", type=float, default=0.0, metavar="N",
                    help="with --sleep-mode: MiB left on each device while asleep")
+    p.add_argument("--metrics", action="store_true",
+                   help="serve GET /metrics in Prometheus's text format (llama-server's "
+                        "--metrics)")
     p.add_argument("--trickle", choices=("sleep", "wake"), default=None,
                    help="with --sleep-mode: that step is done, but its answer's body "
                         "comes one byte a second (each read of it waits only 1 s)")

@@ -100,6 +100,17 @@ class FakeModel:
         slept = {"sleeps": sleep.sleeps, "wakes": sleep.wakes} if sleep is not None else {}
         return web.json_response({**self.stats, **slept, "pid": os.getpid()})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """--metrics: its counts, as llama-server's `llamacpp:` families look."""
+        busy = self.stats["started"] - self.stats["completed"] - self.stats["cancelled"]
+        return web.Response(text=(
+            "# HELP fake:requests_total Requests it started.\n"
+            "# TYPE fake:requests_total counter\n"
+            f"fake:requests_total {self.stats['started']}\n"
+            "# HELP fake:requests_processing Requests it is answering.\n"
+            "# TYPE fake:requests_processing gauge\n"
+            f"fake:requests_processing {busy}\n"), content_type="text/plain")
+
     async def completion(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._not_ready()) is not None:
             return refused
@@ -272,6 +283,8 @@ class FakeModel:
         r.add_get("/props", self.props)
         r.add_get("/slots", self.props)
         r.add_get("/debug/stats", self.debug_stats)
+        if self.args.metrics:
+            r.add_get("/metrics", self.metrics)
         for path in ["/v1/chat/completions", "/chat/completions", "/v1/completions",
                      "/completions", "/completion"]:
             r.add_post(path, self.completion)

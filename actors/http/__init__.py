@@ -24,7 +24,10 @@ then streamed to and from the child; everything else goes to the management API.
 | what is queued and running now; its cancel        | `Live`, `Running`        | inflight.py   |
 | what an exchange may use of its front              | `Services`               | services.py   |
 | what an exchange writes to: its connection         | `Client`                 | exchange.py   |
-| a keyed request's tokens; each key's use           | `Meter`, `KeyUses`       | usage.py      |
+| a keyed request's tokens, as they pass             | `Meter`                  | usage.py      |
+| what an answer says it used (usage, timings)       | `said`, `Said`           | figures.py    |
+| each model's speeds and tokens; each key's use     | `Speeds`, `KeyUses`      | speeds.py     |
+| the children's own /metrics, merged and labelled   | `Children`, `scrape`     | scrape.py     |
 | the text one event of a stream carries             | `text_bytes`             | eventtext.py  |
 | joining a held grant; keeping it (a lease)         | `Shares`, `SharedGrant`  | shares.py     |
 | connections to one child; all pools                | `Pool`, `Pools`          | pool.py       |

@@ -20,6 +20,8 @@ from ..journal.record import Row
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .inflight import Running
 from .routes import Routes
+from .speeds import SpeedRow
+from .speeds import merge as merge_speeds
 
 MAX_FRAME = 64 << 20
 """A frame larger than this is a broken channel, not a message."""
@@ -61,8 +63,9 @@ class FrontCounts(msgspec.Struct, frozen=True, kw_only=True):
     kept_idle: dict[str, int] = {}
     """Model -> how many fronts keep its grant with no request on it (one each at most)."""
     times: list[TimeRow] = []
-    keys: dict[str, tuple[int, int, int]] = {}
-    """Named key -> (requests, prompt tokens, completion tokens) through this front."""
+    keys: dict[str, tuple[int, int, int, int]] = {}
+    """Named key -> (requests, prompt, completion and cached tokens) through this front."""
+    speeds: list[SpeedRow] = []
 
 
 class Frame(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -267,14 +270,14 @@ def merge(counts: list[FrontCounts]) -> FrontCounts:
     extra: dict[str, int] = {}
     kept: dict[str, float] = {}
     kept_by: dict[str, int] = {}
-    keys: dict[str, tuple[int, int, int]] = {}
+    keys: dict[str, tuple[int, int, int, int]] = {}
     times: dict[tuple[str, str], tuple[list[int], float, list[int], float]] = {}
     for c in counts:
         for model, n in c.extra.items():
             extra[model] = extra.get(model, 0) + n
-        for name, (n, p, t) in c.keys.items():
-            n0, p0, t0 = keys.get(name, (0, 0, 0))
-            keys[name] = (n0 + n, p0 + p, t0 + t)
+        for name, (n, p, t, k) in c.keys.items():
+            n0, p0, t0, k0 = keys.get(name, (0, 0, 0, 0))
+            keys[name] = (n0 + n, p0 + p, t0 + t, k0 + k)
         for model, idle in c.kept_idle_s.items():  # the latest use counts
             kept[model] = min(idle, kept.get(model, idle))
         for model, n in c.kept_idle.items():
@@ -291,7 +294,7 @@ def merge(counts: list[FrontCounts]) -> FrontCounts:
     return FrontCounts(
         joined_total=sum(c.joined_total for c in counts),
         extra={m: n for m, n in extra.items() if n}, kept_idle_s=kept, kept_idle=kept_by,
-        keys=keys,
+        keys=keys, speeds=merge_speeds(c.speeds for c in counts),
         times=[TimeRow(model=m, status=s, first_byte=HistogramView(counts=f, sum=fs),
                        duration=HistogramView(counts=d, sum=ds))
                for (m, s), (f, fs, d, ds) in times.items()])

@@ -39,7 +39,7 @@ from .request import Limits
 from .resumable import Keeper, Resumables
 from .routes import Routes
 from .shares import Shares
-from .usage import KeyUses
+from .speeds import KeyUses, Speeds
 
 log = logging.getLogger("corral.front")
 
@@ -80,6 +80,8 @@ class Front:
         self.times = RequestTimes()
         """Time to first byte and duration of the proxied requests (GET /metrics)."""
         self.key_uses = KeyUses()
+        self.speeds = Speeds()
+        """How fast each model answered through it, and what it used (GET /metrics)."""
         """What each named key used through this front (GET /metrics, GET /keys)."""
         self.http = http
         self.limits = Limits(http, max_body_mib)
@@ -156,7 +158,7 @@ class Front:
                  for (model, status), hist in self.times.first_byte.items()]
         return FrontCounts(joined_total=shares.joined_total, extra=dict(shares.extra),
                            kept_idle_s=kept, kept_idle=dict.fromkeys(kept, 1), times=times,
-                           keys=dict(self.key_uses.counts))
+                           keys=dict(self.key_uses.counts), speeds=self.speeds.rows())
 
     def api_pool(self) -> Pool:
         return self.pools.get(self.api_address, None)

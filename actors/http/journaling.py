@@ -11,15 +11,15 @@ import os
 import time
 from typing import Protocol
 
-from ..journal.record import Record, Row
+from ..journal.record import Record, Row, Said
 from ..messages import Grant
+from .figures import said
 from .request import Request
 from .usage import Meter
 
-SAID = 1024
-"""How much of an answer's end is kept to read its tokens in, when its record is read
-(`usage` and `timings` end an answer, or its stream's last event: a search for them on
-the loop cost more than the rest of the record)."""
+TAIL = 4096
+"""How much of an answer's end is kept to read its tokens in (`usage` and `timings` end
+an answer, or its stream's last events)."""
 _PREFIX = os.urandom(4).hex()
 _COUNT = itertools.count(1)
 
@@ -38,9 +38,9 @@ class Recorder(Protocol):
 class Trace:
     """One request's journal fields, filled as it goes."""
 
-    __slots__ = ("asked_at", "at", "bytes_out", "copy", "cut", "error", "first_body", "id",
-                 "made_id", "model", "queue_s", "room", "served", "started", "tail",
-                 "to_api", "waited")
+    __slots__ = ("asked_at", "at", "bytes_out", "copy", "cut", "error", "events",
+                 "first_body", "id", "made_id", "model", "queue_s", "room", "said", "served",
+                 "started", "tail", "to_api", "waited")
 
     def __init__(self, req: Request, started: float) -> None:
         self.made_id = req.request_id is None
@@ -55,17 +55,29 @@ class Trace:
         self.first_body: float | None = None
         self.cut = self.to_api = False
         self.tail: bytearray | None = None
-        """The answer's last SAID bytes (or up to eight times that), where its tokens
-        are read when its record is (a request without a key: a key's meter reads them
-        as they pass)."""
+        """The answer's last TAIL bytes (or up to eight times that), where its tokens
+        are read at its end (a request without a key: a key's meter reads them as they
+        pass)."""
+        self.events = 0
+        """Its stream's JSON events so far (a request without a key)."""
+        self.said: Said | None = None
+        """What its answer said it used, once it has ended (figures.py)."""
 
     def keep(self, body: bytes) -> None:
         tail = self.tail
         assert tail is not None
         tail += body
-        if len(tail) > 8 * SAID:
-            del tail[:-SAID]
+        self.events += body.count(b"data: {")
+        if len(tail) > 8 * TAIL:
+            del tail[:-TAIL]
 
+    def read(self, meter: Meter | None, stream: bool) -> Said | None:
+        """What the answer said it used, read once at its end."""
+        if meter is not None:
+            self.said = meter.as_said()
+        elif (tail := self.tail):
+            self.said = said(tail, whole=not stream and self.bytes_out == len(tail))
+        return self.said
     def asking(self, now: float) -> None:
         self.asked_at = now
 
@@ -82,34 +94,18 @@ class Trace:
 def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: float,
            meter: Meter | None, streamed: bool) -> Row:
     """The row of a request at its end: little more than its figures, copied."""
-    tokens = said = None
-    if meter is not None and meter.answered:
-        tokens = (*meter.said(), *meter.speeds)
-    elif (tail := t.tail) and status:
-        del tail[:-SAID]
-        said = tail
     url = req.url
     return Row(t.id, t.at, req.method, url.partition(b"?")[0][:512] if b"?" in url else url[:512],
                req.key.name if req.key is not None else "", t.model, t.served, t.copy,
                status, t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited,
                t.room, None if first_at is None else first_at - t.started,
                None if t.first_body is None or not streamed else t.first_body - t.started,
-               now - t.started, tokens, said, t.cut, bool(req.conversation))
-
-
-class _Sized:
-    body_size = 0  # (a meter reads the request's size for its rule of thumb, unused here)
+               now - t.started, t.said, t.cut, bool(req.conversation))
 
 
 def record_of(r: Row) -> Record:
     """A row as the journal's readers see it, its tokens read from what the answer said."""
-    tokens = r.tokens
-    if tokens is None and r.said:
-        meter = Meter(_Sized(), lines=False)
-        meter.began(r.status, False)
-        meter.feed(bytes(r.said))
-        tokens = (*meter.said(), *meter.speeds)
-    tokens_in, tokens_out, cached, prompt_per_s, predicted_per_s = tokens or (None,) * 5
+    t = r.tokens or Said()
     return Record(
         id=r.id, at=r.at, method=r.method.decode("latin-1"), path=r.path.decode("latin-1"),
         key=r.key, model=r.model, served=r.served, copy=r.copy, status=r.status,
@@ -117,6 +113,6 @@ def record_of(r: Row) -> Record:
         queue_s=round(r.queue_s, 6), waited=r.waited, room=list(r.room),
         ttfb_s=None if r.ttfb_s is None else round(r.ttfb_s, 6),
         ttft_s=None if r.ttft_s is None else round(r.ttft_s, 6),
-        duration_s=round(r.duration_s, 6), tokens_in=tokens_in, tokens_out=tokens_out,
-        tokens_cached=cached, prompt_per_s=prompt_per_s, predicted_per_s=predicted_per_s,
+        duration_s=round(r.duration_s, 6), tokens_in=t.prompt, tokens_out=t.completion,
+        tokens_cached=t.cached, prompt_per_s=t.prompt_per_s, predicted_per_s=t.predicted_per_s,
         cut=r.cut, kept=r.kept)

@@ -24,6 +24,8 @@ from prometheus_client.registry import Collector
 
 from ..histogram import BUCKETS_S, Histogram, observe
 from ..messages import DevicesSnapshot, HistogramView, ModelsSnapshot
+from .control import FrontCounts
+from .speeds import TOKENS_PER_S, TPOT_S, SpeedRow
 
 
 @dataclass
@@ -43,10 +45,11 @@ class RequestTimes:
 STATES = ("unloaded", "loading", "loaded", "sleeping", "stopping")
 
 
-def buckets(view: HistogramView) -> list[tuple[str, float]]:
+def buckets(view: HistogramView, bounds: tuple[float, ...] = BUCKETS_S
+            ) -> list[tuple[str, float]]:
     """Cumulative (le, count) pairs, +Inf last, as the Prometheus format wants them."""
     out, running = [], 0
-    for bound, count in zip((*BUCKETS_S, float("inf")), view.counts, strict=True):
+    for bound, count in zip((*bounds, float("inf")), view.counts, strict=True):
         running += count
         out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
     return out
@@ -59,10 +62,12 @@ Times = dict[str, dict[tuple[str, str], HistogramView]]
 class Snapshot(Collector):
     def __init__(self, models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
                  extra: dict[str, int], times: Times, streams: dict[str, int],
-                 key_use: dict[str, tuple[int, int, int]] | None = None) -> None:
+                 key_use: dict[str, tuple[int, int, int, int]] | None = None,
+                 speeds: list[SpeedRow] | None = None) -> None:
         self.models, self.devices, self.joined, self.extra = models, devices, joined, extra
         self.times, self.streams = times, streams
         self.key_use = key_use or {}
+        self.speeds = speeds or []
 
     def collect(self) -> Iterator[Metric]:
         """Every family, in the order the exposition lists them."""
@@ -71,6 +76,7 @@ class Snapshot(Collector):
         yield from self.suspended()
         yield from self.replicas()
         yield from self.request_times()
+        yield from self.model_speeds()
         yield from self.keys()
         yield from self.device_memory()
 
@@ -181,6 +187,30 @@ class Snapshot(Collector):
                 family.add_metric([model, status], buckets(view), view.sum)
             yield family
 
+    def model_speeds(self) -> Iterator[Metric]:
+        """How fast each model answered, and the tokens it took and made (speeds.py)."""
+        ttft = HistogramMetricFamily("corral_model_time_to_first_token_seconds", "Streamed "
+                                     "answers, from the request's arrival to the first "
+                                     "token's event (queue wait and load included), by the "
+                                     "model that answered.", labels=["model"])
+        tpot = HistogramMetricFamily("corral_model_time_per_output_token_seconds", "Streamed "
+                                     "answers: from the first token's event to the end, "
+                                     "over the tokens after the first.", labels=["model"])
+        tps = HistogramMetricFamily("corral_model_tokens_per_second", "Generation speed: "
+                                    "llama-server's predicted_per_second where it says, "
+                                    "else a stream's own.", labels=["model"])
+        tokens = CounterMetricFamily("corral_model_tokens", "Tokens of the answers that "
+                                     "succeeded, as they said them (a stream that says none: "
+                                     "its events), by kind (prompt, completion, cached: the "
+                                     "prompt's read from a cache).", labels=["model", "kind"])
+        for row in sorted(self.speeds, key=lambda r: r.model):
+            ttft.add_metric([row.model], buckets(row.ttft), row.ttft.sum)
+            tpot.add_metric([row.model], buckets(row.tpot, TPOT_S), row.tpot.sum)
+            tps.add_metric([row.model], buckets(row.tps, TOKENS_PER_S), row.tps.sum)
+            for kind, n in zip(("prompt", "completion", "cached"), row.tokens, strict=True):
+                tokens.add_metric([row.model, kind], n)
+        yield from (ttft, tpot, tps, tokens)
+
     def device_memory(self) -> Iterator[Metric]:
         """Each device's memory: its total, others' use, what is free, what each model holds."""
         total = GaugeMetricFamily("corral_device_total_bytes", "A device's memory.",
@@ -209,11 +239,13 @@ class Snapshot(Collector):
                                        "that reached a model.", labels=["key"])
         tokens = CounterMetricFamily("corral_key_tokens", "Tokens a named key used, from "
                                      "the children's usage (or its stream's events), by kind "
-                                     "(prompt, completion).", labels=["key", "kind"])
-        for key, (n, prompt, completion) in sorted(self.key_use.items()):
+                                     "(prompt, completion, cached: the prompt's read from a "
+                                     "cache).", labels=["key", "kind"])
+        for key, (n, prompt, completion, cached) in sorted(self.key_use.items()):
             requests.add_metric([key], n)
             tokens.add_metric([key, "prompt"], prompt)
             tokens.add_metric([key, "completion"], completion)
+            tokens.add_metric([key, "cached"], cached)
         in_flight = GaugeMetricFamily("corral_key_in_flight", "A named key's requests "
                                       "granted and not yet finished (those joining a "
                                       "shared grant not counted).", labels=["key"])
@@ -237,13 +269,18 @@ class Snapshot(Collector):
         yield from (requests, tokens, in_flight, refusals, cuts, wait)
 
 
-def render(models: ModelsSnapshot, devices: DevicesSnapshot, joined: int,
-           extra: dict[str, int], accept: str | None,
-           times: Times | None = None, streams: dict[str, int] | None = None,
-           key_use: dict[str, tuple[int, int, int]] | None = None) -> tuple[bytes, str]:
-    """The exposition and its content type, in the format `accept` asks for."""
+def render(models: ModelsSnapshot, devices: DevicesSnapshot, counts: FrontCounts,
+           accept: str | None, streams: dict[str, int] | None = None,
+           children: Collector | None = None) -> tuple[bytes, str]:
+    """The exposition and its content type, in the format `accept` asks for: the
+    Scheduler's snapshot, the fronts' `counts` and (`children`) the children's own
+    families, after corral's."""
+    times = {"first_byte": {(t.model, t.status): t.first_byte for t in counts.times},
+             "duration": {(t.model, t.status): t.duration for t in counts.times}}
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Snapshot(models, devices, joined, extra, times or {}, streams or {},
-                               key_use))
+    registry.register(Snapshot(models, devices, counts.joined_total, counts.extra, times,
+                               streams or {}, counts.keys, counts.speeds))
+    if children is not None:
+        registry.register(children)
     encoder, content_type = choose_encoder(accept or "")
     return encoder(registry), content_type

@@ -16,7 +16,7 @@ from .pool import Pool, Pools
 from .resumable import Keeper
 from .routes import Routes
 from .shares import Shares
-from .usage import KeyUses
+from .speeds import KeyUses, Speeds
 
 
 class Services(Protocol):
@@ -29,6 +29,7 @@ class Services(Protocol):
     times: RequestTimes
     stopped: dict[str, tuple[int, int]]
     key_uses: KeyUses
+    speeds: Speeds
     keeper: Keeper
     recorder: Recorder | None
     live: Live

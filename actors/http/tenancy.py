@@ -123,7 +123,7 @@ def keys_body(snap: ModelsSnapshot, counts: FrontCounts, config: Config) -> dict
     seen = {v.name: v for v in snap.keys}
     for name, k in config.keys.items():
         view = seen.get(name)
-        requests, prompt, completion = counts.keys.get(name, (0, 0, 0))
+        requests, prompt, completion, cached = counts.keys.get(name, (0, 0, 0, 0))
         data.append({
             "name": name, "admin": k.admin, "models": k.models,
             "priority": view.priority if view else k.priority,
@@ -137,6 +137,6 @@ def keys_body(snap: ModelsSnapshot, counts: FrontCounts, config: Config) -> dict
             "tokens_last_min": view.tokens_last_min if view else None,
             "tokens_carried": view.tokens_carried if view else None,
             "requests_total": requests, "prompt_tokens_total": prompt,
-            "completion_tokens_total": completion,
+            "completion_tokens_total": completion, "cached_tokens_total": cached,
             "refusals": view.refusals if view else {}, "cuts": view.cuts if view else 0})
     return {"object": "list", "data": data}

@@ -63,6 +63,7 @@ class Attempt(Cancellable, Protocol):
     trace: Trace
     status: int
     first_at: float | None
+    sse: bool
     loop: asyncio.AbstractEventLoop
 
     def stop(self, why: str) -> None: ...
@@ -82,14 +83,15 @@ class Attempt(Cancellable, Protocol):
 
 
 async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
-    """Serve `ex` with `model`, virtual or not; then count how long it took (/metrics) and
-    what its key used. Its answer is kept when it asks (X-Conversation-Id: resumable.py)."""
-    front, key = ex.services, ex.req.key
+    """Serve `ex` with `model`, virtual or not; then count how long it took, how fast its
+    model answered and what it and its key used (/metrics, the journal). Its answer is
+    kept when it asks (X-Conversation-Id: resumable.py)."""
+    front, key, trace = ex.services, ex.req.key, ex.trace
     ex.what = f"model '{model}'"
     ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
-    if ex.meter is None and front.recorder is not None:
-        ex.trace.tail = bytearray()  # (its tokens, for the journal)
-    ex.trace.model = model
+    if ex.meter is None:
+        trace.tail = bytearray()  # (where its tokens are read at its end)
+    trace.model = model
     front.live.exchanges.add(ex)
     if ex.req.conversation is not None and ex.req.method == b"POST":
         kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)
@@ -108,8 +110,13 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
             end = ex.loop.time()
             front.times.observe(model, ex.status, (ex.first_at or end) - started,
                                 end - started)
+            said = trace.read(ex.meter, ex.sse)
+            if ex.status < 400:
+                front.speeds.observe(trace.served or model, said, ex.meter.events if ex.meter
+                                     else trace.events, ex.sse, trace.started,
+                                     trace.first_body, end)
         if ex.meter is not None and ex.meter.answered and key is not None:
-            front.key_uses.add(key.name, *ex.meter.used())
+            front.key_uses.add(key.name, *ex.meter.used(), ex.meter.cached or 0)
 
 
 async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:

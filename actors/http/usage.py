@@ -39,9 +39,19 @@ from typing import Protocol
 
 import msgspec
 
+from ..journal.record import Said
 from .eventtext import text_bytes
+from .figures import (
+    MAX_TOKENS,
+    Timings,
+    Usage,
+    bound,
+    decode_timings,
+    decode_usage,
+    of_timings,
+    of_usage,
+)
 
-MAX_TOKENS = 1 << 31
 BYTES_PER_TOKEN = 4
 WINDOW = 4096
 """How much of an answer after a usage key is kept to read its value in."""
@@ -55,34 +65,6 @@ _KEYS = (_USAGE, _EVALUATED, _PREDICTED, _TIMINGS)
 _CARRY = max(len(k) for k in _KEYS) - 1
 """Bytes of one read kept for the next, so that a key cut in two is found once."""
 _INT = re.compile(rb"-?[0-9]+")
-
-
-class _Details(msgspec.Struct):
-    cached_tokens: int | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens_details: _Details | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cache_read_input_tokens: int | None = None
-    cache_creation_input_tokens: int | None = None
-
-
-class _Timings(msgspec.Struct):
-    prompt_n: int | None = None
-    cache_n: int | None = None
-    predicted_n: int | None = None
-    prompt_per_second: float | None = None
-    predicted_per_second: float | None = None
-
-
-_decode_usage = msgspec.json.Decoder(_Usage, strict=False).decode
-_decode_timings = msgspec.json.Decoder(_Timings, strict=False).decode
-def _bound(n: int) -> int:
-    return min(max(n, 0), MAX_TOKENS)
 
 
 class Sent(Protocol):
@@ -181,7 +163,7 @@ class Meter:
             return
         if rest[:1] != b"{":
             return  # null
-        decode = _decode_usage if key is _USAGE else _decode_timings
+        decode = decode_usage if key is _USAGE else decode_timings
         end = rest.find(b"}")
         while end >= 0:
             try:
@@ -191,10 +173,8 @@ class Meter:
             except msgspec.DecodeError:
                 end = rest.find(b"}", end + 1)  # an object inside it closed
                 continue
-            if isinstance(figures, _Usage):
-                self._usage(figures)
-            else:
-                self._timings(figures)
+            if isinstance(figures, Usage | Timings):
+                self._figures(figures)
             return
         self._wait(key, value, full)
 
@@ -204,34 +184,23 @@ class Meter:
             self.pending.append((key, value))
             del self.pending[:-MAX_PENDING]
 
-    def _usage(self, u: _Usage) -> None:
-        details = u.prompt_tokens_details
-        cached = details.cached_tokens if details is not None else u.cache_read_input_tokens
+    def _figures(self, figures: Usage | Timings) -> None:
+        at = 0 if isinstance(figures, Usage) else 4
+        prompt, completion, cached = (of_usage(figures) if isinstance(figures, Usage)
+                                      else of_timings(figures))
         if cached is not None:
-            self.cached = max(self.cached or 0, _bound(cached))
-        if u.prompt_tokens is not None:
-            self._take(0, u.prompt_tokens)
-        elif u.input_tokens is not None:  # Anthropic's does not count its cache's
-            self._take(0, _bound(u.input_tokens) + _bound(u.cache_read_input_tokens or 0)
-                       + _bound(u.cache_creation_input_tokens or 0))
-        completion = u.completion_tokens if u.completion_tokens is not None \
-            else u.output_tokens
+            self.cached = max(self.cached or 0, cached)
+        if isinstance(figures, Timings) and (figures.prompt_per_second is not None
+                                             or figures.predicted_per_second is not None):
+            self.speeds = (figures.prompt_per_second, figures.predicted_per_second)
+        if prompt is not None:
+            self._take(at, prompt)
         if completion is not None:
-            self._take(1, completion)
-
-    def _timings(self, t: _Timings) -> None:
-        if t.cache_n is not None:
-            self.cached = max(self.cached or 0, _bound(t.cache_n))
-        if t.prompt_per_second is not None or t.predicted_per_second is not None:
-            self.speeds = (t.prompt_per_second, t.predicted_per_second)
-        if t.prompt_n is not None:  # prompt_n: what was not in the cache already
-            self._take(4, _bound(t.prompt_n) + _bound(t.cache_n or 0))
-        if t.predicted_n is not None:
-            self._take(5, t.predicted_n)
+            self._take(at + 1, completion)
 
     def _take(self, at: int, n: int) -> None:
         old = self.figures[at]
-        n = _bound(n)
+        n = bound(n)
         if old is None or n > old:
             self.figures[at] = n
 
@@ -327,6 +296,16 @@ class Meter:
         prompt, completion = found if found is not None else (None, None)
         return prompt, completion, self.cached
 
+    def as_said(self) -> Said | None:
+        """What the answer said it used, once it is over (None: nothing)."""
+        if not self.answered:
+            return None
+        prompt, completion, cached = self.said()
+        if prompt is None and completion is None and cached is None and self.speeds == (
+                None, None):
+            return None
+        return Said(prompt, completion, cached, *self.speeds)
+
     def used(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens), once the answer is over."""
         if self.result is None:
@@ -351,19 +330,7 @@ class Meter:
     def _by_rule(self) -> tuple[int, int]:
         """(prompt, completion) of an answer without usage: the request's bytes / 4,
         and a stream's events, each its text's bytes / 4, one token at least."""
-        prompt = _bound(self.request.body_size // BYTES_PER_TOKEN)
+        prompt = bound(self.request.body_size // BYTES_PER_TOKEN)
         if not self.stream:
             return prompt, 0
-        return prompt, _bound(max(self.events, self.texts))
-
-
-class KeyUses:
-    """A front's count of what each named key used: requests, prompt and completion
-    tokens (GET /metrics, GET /keys; summed over the fronts)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, tuple[int, int, int]] = {}
-
-    def add(self, key: str, prompt: int, completion: int) -> None:
-        n, p, c = self.counts.get(key, (0, 0, 0))
-        self.counts[key] = (n + 1, p + prompt, c + completion)
+        return prompt, bound(max(self.events, self.texts))

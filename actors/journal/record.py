@@ -53,6 +53,18 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 
+class Said(msgspec.Struct, array_like=True, gc=False):
+    """An answer's own figures (None: it did not say)."""
+
+    prompt: int | None = None
+    """Its prompt's tokens, those read from a cache included."""
+    completion: int | None = None
+    cached: int | None = None
+    """Its prompt's tokens read from a cache."""
+    prompt_per_s: float | None = None
+    predicted_per_s: float | None = None
+
+
 class Row(msgspec.Struct, array_like=True, gc=False):
     """A request as the fronts hand it in: its figures raw, made a `Record` only when it
     is read (actors/http/journaling.py), so that writing one costs a request little."""
@@ -75,11 +87,7 @@ class Row(msgspec.Struct, array_like=True, gc=False):
     ttfb_s: float | None
     ttft_s: float | None
     duration_s: float
-    tokens: tuple[int | None, int | None, int | None, float | None, float | None] | None
-    """(in, out, cached, prompt/s, predicted/s) as a key's meter read them (None: read
-    them in `said` instead)."""
-    said: bytearray | None
-    """The answer's last bytes (a request without a key: its tokens are read in them
-    when it is read)."""
+    tokens: Said | None
+    """What its answer said it used (None: nothing)."""
     cut: bool
     kept: bool
