@@ -72,6 +72,8 @@ class Grant(Message, frozen=True, kw_only=True):
     and only with the same prompt hash (shares.py)."""
     waited: str = ""
     """What the request waited for: "load", "wake", or "" (the journal's)."""
+    waited_s: float = 0.0
+    """How long that load or wake took (its span in a trace)."""
     room: tuple[str, ...] = ()
     """What was done to make room for that load or wake: "stop X", "suspend X"."""
 

@@ -12,6 +12,7 @@ key with its default and meaning, and the checks their types cannot express.
 | `[ollama]`: Ollama's API on or off                     | `OllamaConfig`           | ollama.py    |
 | `[journal]`: what is kept of every request             | `JournalConfig`          | journal.py   |
 | `[metrics]`: children's own metrics beside corral's    | `MetricsConfig`          | metrics.py   |
+| `[tracing]`: OpenTelemetry traces over OTLP/HTTP       | `TracingConfig`          | tracing.py   |
 | `[downloads]`: where and how much                      | `DownloadsConfig`        | downloads.py |
 | a model's `suspend` key and its check                  | `Suspend`, `check`       | suspend.py   |
 | what the policy needs of a model; replicas; groups     | `ModelRules`, `Replicas` | rules.py     |

@@ -20,6 +20,7 @@ from .metrics import MetricsConfig
 from .ollama import OllamaConfig
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
+from .tracing import TracingConfig
 from .virtual import VirtualModel
 
 __all__ = ["Config", "ConfigError", "HttpConfig", "ModelConfig", "ModelRules", "Replicas"]
@@ -326,6 +327,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     ollama: OllamaConfig = OllamaConfig()
     journal: JournalConfig = JournalConfig()
     metrics: MetricsConfig = MetricsConfig()
+    tracing: TracingConfig = TracingConfig()
     hook_timeout_s: PositiveSeconds = 30.0
     groups: dict[str, ModelGroup] = {}
     """Models that swap, load or stay together (actors/policy/teams.py)."""

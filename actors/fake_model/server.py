@@ -37,6 +37,8 @@ class FakeModel:
         self.args = args
         self.ready = False
         self.stats = {"started": 0, "completed": 0, "cancelled": 0}
+        self.traceparent: str | None = None
+        """The W3C traceparent of the last completion asked (GET /debug/stats)."""
         self.created = int(time.time())
         self.last_active = time.monotonic()
         self.sleeping = False
@@ -98,7 +100,8 @@ class FakeModel:
     async def debug_stats(self, request: web.Request) -> web.Response:
         sleep = self.vllm_sleep
         slept = {"sleeps": sleep.sleeps, "wakes": sleep.wakes} if sleep is not None else {}
-        return web.json_response({**self.stats, **slept, "pid": os.getpid()})
+        return web.json_response({**self.stats, **slept, "pid": os.getpid(),
+                                  "traceparent": self.traceparent})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """--metrics: its counts, as llama-server's `llamacpp:` families look."""
@@ -115,6 +118,7 @@ class FakeModel:
         if (refused := self._not_ready()) is not None:
             return refused
         self._count_request()
+        self.traceparent = request.headers.get("traceparent")
         body = await self._body(request)
         n_tokens = int(body.get("max_tokens") or body.get("n_predict") or 16)
         chat = "chat" in request.path

@@ -28,6 +28,8 @@ then streamed to and from the child; everything else goes to the management API.
 | what an answer says it used (usage, timings)       | `said`, `Said`           | figures.py    |
 | each model's speeds and tokens; each key's use     | `Speeds`, `KeyUses`      | speeds.py     |
 | the children's own /metrics, merged and labelled   | `Children`, `scrape`     | scrape.py     |
+| a request's trace: traceparent in and out          | `Tracer`, `Ended`        | spans.py      |
+| its spans, made and posted over OTLP/HTTP          | `Exporter`, `spans_of`   | otlp.py       |
 | the text one event of a stream carries             | `text_bytes`             | eventtext.py  |
 | joining a held grant; keeping it (a lease)         | `Shares`, `SharedGrant`  | shares.py     |
 | connections to one child; all pools                | `Pool`, `Pools`          | pool.py       |

@@ -150,7 +150,7 @@ class ManagementApi(ModelCommands):
         log.info("management API on 127.0.0.1:%d (behind the front)", api_port)
         self.front = Front(Routes.of(self.config), lambda: self.sup.scheduler_ref, api_port,
                            self.config.http, self.config.max_body_mib, self.front_secret,
-                           self.kept, self.journal)
+                           self.kept, self.journal, self.config.tracing)
         self.fronts = Fronts(self.front, self.config, api_port, self.front_secret,
                              lambda: self.sup.scheduler_ref)
         self.sup.watch_grants(loop, self.fronts.grant_notice)

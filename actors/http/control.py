@@ -16,6 +16,7 @@ import struct
 import msgspec
 
 from ..config.model import HttpConfig
+from ..config.tracing import TracingConfig
 from ..journal.record import Row
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .inflight import Running
@@ -43,6 +44,8 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     routes: Routes
     journal: bool = False
     """Its requests' records go to corral's journal (Journaled)."""
+    tracing: TracingConfig = TracingConfig()
+    """Where its requests' spans go (it sends them itself)."""
 
 
 class TimeRow(msgspec.Struct, frozen=True, kw_only=True):

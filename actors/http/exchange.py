@@ -38,6 +38,7 @@ from .upstream import Broke, Upstream
 from .usage import Meter
 
 log = logging.getLogger("corral.front")
+TRACED = frozenset({b"traceparent"})
 
 
 class Client(TunnelClient, Protocol):
@@ -166,10 +167,14 @@ class Exchange(Relay):
         `may_replay` (then `broke` says why)."""
         req = self.req
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
+        if (spans := self.trace.spans) is not None:  # corral's traceparent, not the client's
+            drop = drop | TRACED
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
         head += extra
         if self.trace.made_id:  # (the client's own goes on with its headers)
             head.append(b"X-Request-Id: " + self.trace.id.encode())
+        if spans is not None:
+            head.append(spans.header())
         upload = req.upload
         head.append(b"Connection: Upgrade\r\nUpgrade: websocket" if req.upgrade
                     else b"Content-Length: %d" % len(req.body) if upload is None

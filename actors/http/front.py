@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from ..config.keys import Keys
 from ..config.model import HttpConfig
+from ..config.tracing import TracingConfig
 from ..messages import Revoke, Withdraw
 from ..runtime.bridge import SchedulerInbox
 from .callers import Origins
@@ -39,6 +40,7 @@ from .request import Limits
 from .resumable import Keeper, Resumables
 from .routes import Routes
 from .shares import Shares
+from .spans import Tracer
 from .speeds import KeyUses, Speeds
 
 log = logging.getLogger("corral.front")
@@ -72,7 +74,8 @@ class Front:
 
     def __init__(self, routes: Routes, scheduler: Callable[[], SchedulerInbox], api_port: int,
                  http: HttpConfig, max_body_mib: float, api_secret: str = "",
-                 keeper: Keeper | None = None, recorder: Recorder | None = None) -> None:
+                 keeper: Keeper | None = None, recorder: Recorder | None = None,
+                 tracing: TracingConfig | None = None) -> None:
         self.routes = routes
         """Replaced whole on reload (edge.Routes is immutable)."""
         self.scheduler = scheduler
@@ -96,6 +99,8 @@ class Front:
         its channel to it)."""
         self.recorder = recorder
         """Where each request's record goes: corral's journal (None: [journal] is off)."""
+        self.tracer = Tracer(tracing) if tracing is not None and tracing.endpoint else None
+        """Where its requests' spans go ([tracing]; None: off)."""
         self.live = Live()
         """Its model requests now (GET /requests?state=running, and their cancel)."""
         self.stopped: dict[str, tuple[int, int]] = {}
@@ -234,6 +239,8 @@ class Front:
             log.warning("drain: %d answers still running after %g s (http.drain_timeout_s); "
                         "cutting them", busy, timeout_s)
         self.close()
+        if self.tracer is not None:  # (the spans of what ended are sent first)
+            await asyncio.to_thread(self.tracer.close)
 
     def exchange_finished(self) -> None:
         if self.draining and not any(c.exchange is not None for c in self.connections):

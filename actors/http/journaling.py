@@ -29,6 +29,22 @@ def new_id() -> str:
     return f"{_PREFIX}-{next(_COUNT):x}"
 
 
+class Spans:
+    """One request's ids: its trace's, its parent's (the client's span), its own, and
+    the one its child is told."""
+
+    __slots__ = ("child", "parent", "root", "trace_id")
+
+    def __init__(self, trace_id: bytes, parent: bytes) -> None:
+        self.trace_id, self.parent = trace_id, parent
+        self.root, self.child = os.urandom(8), os.urandom(8)
+
+    def header(self) -> bytes:
+        """The traceparent its child is sent."""
+        return b"traceparent: 00-%s-%s-01" % (self.trace_id.hex().encode(),
+                                               self.child.hex().encode())
+
+
 class Recorder(Protocol):
     """Where a front's records go."""
 
@@ -39,8 +55,9 @@ class Trace:
     """One request's journal fields, filled as it goes."""
 
     __slots__ = ("asked_at", "at", "bytes_out", "copy", "cut", "error", "events",
-                 "first_body", "id", "made_id", "model", "queue_s", "room", "said", "served",
-                 "started", "tail", "to_api", "waited")
+                 "first_body", "granted_at", "id", "made_id", "model", "queue_s", "room",
+                 "said", "served", "spans", "started", "tail", "to_api", "waited",
+                 "waited_s")
 
     def __init__(self, req: Request, started: float) -> None:
         self.made_id = req.request_id is None
@@ -62,6 +79,11 @@ class Trace:
         """Its stream's JSON events so far (a request without a key)."""
         self.said: Said | None = None
         """What its answer said it used, once it has ended (figures.py)."""
+        self.granted_at: float | None = None
+        self.waited_s = 0.0
+        """How long the load or wake it waited for took."""
+        self.spans: Spans | None = None
+        """Its trace's ids, when it is traced ([tracing]: spans.py)."""
 
     def keep(self, body: bytes) -> None:
         tail = self.tail
@@ -85,9 +107,10 @@ class Trace:
         """`joined`: another's open grant (shares.py), whose load or wake it did not wait
         for."""
         self.queue_s += now - self.asked_at
+        self.granted_at = now
         self.served, self.copy = grant.model, grant.instance
         if grant.waited and not joined:
-            self.waited, self.room = grant.waited, grant.room
+            self.waited, self.room, self.waited_s = grant.waited, grant.room, grant.waited_s
         return grant
 
 

@@ -26,7 +26,7 @@ TOO_LONG = 1 << 62
 """The Content-Length of a request that gives one of more than 18 digits."""
 _OPEN = frozenset(p.encode() for p in OPEN_PATHS)
 _HEALTH = frozenset({b"/health", b"/v1/health"})
-_IDS = frozenset({b"x-conversation-id", b"x-request-id"})
+_IDS = frozenset({b"x-conversation-id", b"x-request-id", b"traceparent"})
 
 
 class Limits:
@@ -57,8 +57,8 @@ class Request:
 
     __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "content_type",
                  "continue_sent", "conversation", "headers", "headers_done", "http10",
-                 "keep_alive", "key", "length", "method", "request_id", "upgrade", "upload",
-                 "url", "url_parts", "url_size", "wants_continue")
+                 "keep_alive", "key", "length", "method", "request_id", "traceparent",
+                 "upgrade", "upload", "url", "url_parts", "url_size", "wants_continue")
 
     def __init__(self) -> None:
         self.url_parts: list[bytes] = []
@@ -88,6 +88,8 @@ class Request:
         self.upgrade = False
         self.request_id: str | None = None
         """Its client's X-Request-Id, where it sent a usable one (journaling.py)."""
+        self.traceparent: bytes | None = None
+        """Its client's W3C traceparent, as sent (spans.py reads it when traces are on)."""
         """A WebSocket's opening (tunnel.py): nothing after its head is HTTP."""
 
 
@@ -193,6 +195,8 @@ def _check_ids(req: Request, ids: list[tuple[bytes, bytes]], resumable: bool,
     for name, value in ids:
         if name == b"x-request-id" and CONVERSATION_ID.fullmatch(value):
             req.request_id = value.decode()
+        elif name == b"traceparent":
+            req.traceparent = value.strip()
     return None
 
 

@@ -16,6 +16,7 @@ from .pool import Pool, Pools
 from .resumable import Keeper
 from .routes import Routes
 from .shares import Shares
+from .spans import Tracer
 from .speeds import KeyUses, Speeds
 
 
@@ -33,6 +34,7 @@ class Services(Protocol):
     keeper: Keeper
     recorder: Recorder | None
     live: Live
+    tracer: Tracer | None
     draining: bool
     to_api: tuple[bytes, ...]
     scheduler: Callable[[], SchedulerInbox]

@@ -33,6 +33,7 @@ from .resumable import Tee
 from .routes import ModelRoute, Routes
 from .services import Services
 from .shares import SharedGrant, Shares
+from .spans import Ended
 from .upstream import Broke
 from .usage import Meter
 
@@ -93,6 +94,8 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
         trace.tail = bytearray()  # (where its tokens are read at its end)
     trace.model = model
     front.live.exchanges.add(ex)
+    if front.tracer is not None:
+        trace.spans = front.tracer.begin(ex.req)
     if ex.req.conversation is not None and ex.req.method == b"POST":
         kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)
         if isinstance(kept, str):
@@ -117,6 +120,9 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
                                      trace.first_body, end)
         if ex.meter is not None and ex.meter.answered and key is not None:
             front.key_uses.add(key.name, *ex.meter.used(), ex.meter.cached or 0)
+        if trace.spans is not None and front.tracer is not None:
+            front.tracer.end(Ended(trace.spans, trace, ex.req, ex.status, ex.sse,
+                                   ex.loop.time()))
 
 
 async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:

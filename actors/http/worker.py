@@ -211,7 +211,7 @@ async def serve() -> int:
     corral = Corral(out)
     front = Front(setup.routes, lambda: corral, setup.api_port, setup.http,
                   setup.max_body_mib, setup.api_secret, kept := RemoteKept(corral),
-                  RemoteRecorder(corral) if setup.journal else None)
+                  RemoteRecorder(corral) if setup.journal else None, setup.tracing)
     port = await front.listen(setup.host, setup.port, fds=setup.fds)
     corral._send(Listening(port=port))
     loops.freeze_startup_heap()

@@ -260,7 +260,8 @@ class Fronts:
                              api_secret=self.api_secret,
                              http=self.config.http, max_body_mib=self.config.max_body_mib,
                              routes=self.front.routes,
-                             journal=self.front.recorder is not None)
+                             journal=self.front.recorder is not None,
+                             tracing=self.config.tracing)
             self.workers = Workers(n, setup, self.scheduler, fds, self.front.keeper,
                                    self.front.recorder)
             await self.workers.start()

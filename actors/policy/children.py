@@ -76,7 +76,7 @@ class Children:
         observe(self.state.stats.load_time, model, now - rec.state_since)
         rec.info, rec.progress = info, None
         rec.failed = False
-        rec.ready_at = now
+        rec.ready_at, rec.ready_took = now, now - rec.state_since
         # A warm-up nobody asked for since: the first victim.
         warmed = rec in self.state.warming and rec.group not in self.state.queue.entries
         rec.last_used = 0.0 if warmed else now

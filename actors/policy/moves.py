@@ -247,15 +247,16 @@ class Moves:
             self.state.revocable[(rec.group, rec.generation)] = None  # as the front has it
         if rec.rules.replicas is not None:  # busier copies: one more may be due
             self.state.groups.wanting.add(rec.group)
-        waited = ""  # what a queued request waited for, and the room made: the journal's
+        waited, took = "", 0.0  # what a queued request waited for, and the room made
         room: tuple[str, ...] = ()
         if waiter is not None and rec.ready_at is not None and rec.ready_at >= waiter.queued_at:
             waited = "wake" if rec.woke_at == rec.ready_at else "load"
+            took = rec.ready_took
             room = tuple(what for at, what in rec.room if at >= waiter.queued_at)
         self.state.out.append(Answer(ticket, Grant(
             model=rec.group, generation=rec.generation, host=rec.host, port=rec.port,
             shareable=shareable, upstream_key=rec.upstream_key, epoch=rec.wakes,
-            instance=rec.copy_name, solo=solo, waited=waited, room=room)))
+            instance=rec.copy_name, solo=solo, waited=waited, waited_s=took, room=room)))
         if self.state.teams.partners:  # its together partners were used too
             self.teams.granted(rec, now)
 

@@ -233,6 +233,8 @@ class ModelRecord:
     to ttl_s (a use since makes it count again)."""
     woke_at: float | None = None
     """When its child last woke (`ready_at` is then the same: it was a wake)."""
+    ready_took: float = 0.0
+    """How long its child's last load or wake took (Grant.waited_s)."""
     room: list[tuple[float, str]] = field(default_factory=list)
     """What was done to make room for it, lately (when, "stop X" / "suspend X"): a
     request that waited for its load is told (Grant.room)."""

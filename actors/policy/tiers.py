@@ -74,6 +74,7 @@ class Tiers:
             self.state.host.awake(rec)
             rec.wakes += 1
             rec.ready_at = rec.woke_at = now
+            rec.ready_took = took
             warmed = rec in self.state.warming
             rec.last_used = 0.0 if warmed and entry is None else now  # unasked: first victim
             rec.ended_at = now
