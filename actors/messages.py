@@ -166,6 +166,9 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """Where its running child was placed."""
     queue_wait: HistogramView | None = None
     load_time: HistogramView | None = None
+    wake_time: HistogramView | None = None
+    state_for_s: float | None = None
+    """How long it has been in its state (a load's time so far, say)."""
     refusals: dict[str, int] = {}
     """Reason -> requests for it corral answered with an error of its own."""
     phase: str | None = None

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from .cluster import ClusterConfig
 from .downloads import DownloadsConfig
 from .hooks import Hooks
 from .http import HttpConfig
@@ -23,7 +24,8 @@ from .suspend import Suspend
 from .tracing import TracingConfig
 from .virtual import VirtualModel
 
-__all__ = ["Config", "ConfigError", "HttpConfig", "ModelConfig", "ModelRules", "Replicas"]
+__all__ = ["ClusterConfig", "Config", "ConfigError", "HttpConfig", "ModelConfig", "ModelRules",
+           "Replicas"]
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
@@ -119,6 +121,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     websocket: bool = False
     """A WebSocket upgrade on any path with `?model=` goes to it (without it, only on
     `/v1/realtime`): actors/http/tunnel.py."""
+    send_loading_state: bool | Literal["reasoning"] | None = None
+    """A streamed chat that waits is told why as it waits (None: the top-level key's)."""
     keep_prompt_cache: bool = False
     """llama-server children: save the slots' prompt caches before corral stops the child,
     restore them after its next ready (instance/prompt_cache.py)."""
@@ -228,30 +232,6 @@ class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     sha256sum`); corral fills it in from them."""
 
 
-class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The `[cluster]` table: corral across machines, on a Ray cluster (actors/cluster/)."""
-
-    ray_address: str | None = None
-    """The Ray cluster to join as a driver (`corral serve --ray ADDRESS`); None: none."""
-    namespace: str = "corral"
-    """The Ray namespace of corral's node agents (one corral per namespace)."""
-    nodes: list[str] = []
-    """Ray nodes to run agents on, each named by a custom resource or a label value it
-    has; that name is the corral node's name."""
-    advertise: dict[str, str] = {}
-    """Per node, the address its children bind and the front dials (default: the Ray
-    node's address)."""
-    agent_retry_s: PositiveSeconds = 5.0
-    """After a node's agent is lost, how long before the head tries to start it again
-    (its models are placed elsewhere meanwhile)."""
-    keep_on_exit: bool = True
-    """When the head stops, leave the nodes' children running for the next head to adopt
-    (those whose config is unchanged); false: stop them, as on one machine."""
-    connect_timeout_s: PositiveSeconds = 30.0
-    """How long `corral serve` tries to join the Ray cluster at ray_address before it
-    gives up, saying so, with exit status 2."""
-
-
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The whole file."""
 
@@ -325,6 +305,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     """Every model's hooks, unless its own table sets that one (instance/hooks.py)."""
     downloads: DownloadsConfig = DownloadsConfig()
     ollama: OllamaConfig = OllamaConfig()
+    send_loading_state: bool | Literal["reasoning"] = False
+    """A streamed chat that waits for its model gets SSE comments while it waits (its
+    place, what it waits for, the load's progress, an ETA); "reasoning": as
+    `reasoning_content` deltas (llama-swap's way). http/loading.py."""
     journal: JournalConfig = JournalConfig()
     metrics: MetricsConfig = MetricsConfig()
     tracing: TracingConfig = TracingConfig()

@@ -29,6 +29,7 @@ then streamed to and from the child; everything else goes to the management API.
 | each model's speeds and tokens; each key's use     | `Speeds`, `KeyUses`      | speeds.py     |
 | the children's own /metrics, merged and labelled   | `Children`, `scrape`     | scrape.py     |
 | a request's trace: traceparent in and out          | `Tracer`, `Ended`        | spans.py      |
+| a waiting stream told why, as it waits             | `Loading`, `board_of`    | loading.py    |
 | its spans, made and posted over OTLP/HTTP          | `Exporter`, `spans_of`   | otlp.py       |
 | the text one event of a stream carries             | `text_bytes`             | eventtext.py  |
 | joining a held grant; keeping it (a lease)         | `Shares`, `SharedGrant`  | shares.py     |

@@ -20,6 +20,7 @@ from ..config.tracing import TracingConfig
 from ..journal.record import Row
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .inflight import Running
+from .loading import Waiting
 from .routes import Routes
 from .speeds import SpeedRow
 from .speeds import merge as merge_speeds
@@ -224,6 +225,12 @@ class CountAsk(Frame, frozen=True):
     reply: int
 
 
+class BoardNow(Frame, frozen=True):
+    """What each model's requests wait for now (loading.py)."""
+
+    board: dict[str, Waiting]
+
+
 class LiveAsk(Frame, frozen=True):
     """Its requests now, after cancelling those with id `cancel` (of key `key`, if any)."""
 
@@ -245,7 +252,7 @@ class StreamStop(Frame, frozen=True):
 
 
 ToWorker = (Answered | Notice | RevokeAsk | NewRoutes | CountAsk | Drain | StreamStop
-            | LiveAsk)
+            | LiveAsk | BoardNow)
 
 _encoder = msgspec.msgpack.Encoder()
 _LENGTH = struct.Struct(">I")

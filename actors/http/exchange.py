@@ -19,13 +19,10 @@ import pykka
 from ..lifecycle import IllegalTransition
 from ..messages import NotCut
 from ..runtime.bridge import LoopReply
-from .edge import (
-    TO_API_DROPPED,
-    Answer,
-    target,
-)
+from .edge import TO_API_DROPPED, Answer, error_type, target
 from .inflight import CANCELLED
 from .journaling import Trace, row_of
+from .loading import Loading, Waiting, error_event
 from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
 from .relay import Relay
@@ -104,6 +101,10 @@ class Exchange(Relay):
         """Where its answer is kept (X-Conversation-Id): it outlives its client."""
         self.trace = Trace(req, client.loop.time())
         """What the journal keeps of it."""
+        self.loading: Loading | None = None
+        """Its waiting told in its stream (send_loading_state: loading.py)."""
+        self.held: bytearray | None = None
+        """A child's error answer after that stream's head: its end's error event."""
         self.loop = client.loop
         self.task = client.loop.create_task(self.run())
 
@@ -166,6 +167,8 @@ class Exchange(Relay):
         in WAITING or FORWARDING when the child went away before answering and
         `may_replay` (then `broke` says why)."""
         req = self.req
+        if self.loading is not None:  # granted: nothing more is told (loading.py)
+            self.loading.stop()
         head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
         if (spans := self.trace.spans) is not None:  # corral's traceparent, not the client's
             drop = drop | TRACED
@@ -278,11 +281,20 @@ class Exchange(Relay):
         self.task.cancel()
 
     def answer(self, answer: Answer) -> None:
-        """corral's own answer, in place of a child's (an error: nothing to keep)."""
+        """corral's own answer, in place of a child's (an error: nothing to keep); after a
+        loading head (loading.py), the stream's last event."""
         if self.kept is not None:
             self.kept.drop()
             self.kept = None
         self.trace.error = answer.message
+        if self.loading is not None:
+            self.loading.stop()
+            if self.loading.sent:
+                self.status = answer.status
+                self.client.write(error_event(answer.status, answer.message, answer.type
+                                              or error_type(answer.status)) + b"0\r\n\r\n")
+                self._to(Phase.DONE)
+                return
         answer = msgspec.structs.replace(answer, headers=(
             *answer.headers, ("X-Request-Id", self.trace.id)))
         self._head(answer.status)
@@ -316,6 +328,19 @@ class Exchange(Relay):
             self.upstream = None
         self.task.cancel()
         return False
+
+    def write(self, data: bytes) -> None:  # (loading.py's)
+        self.client.write(data)
+
+    def place(self) -> int:
+        """Its place among this front's requests queued for its model (loading.py)."""
+        mine = self.trace
+        return 1 + sum(ex.phase is Phase.WAITING and ex.trace.model == mine.model
+                       and ex.trace.started < mine.started
+                       for ex in self.services.live.exchanges)
+
+    def board(self) -> Waiting | None:
+        return self.services.board.get(self.trace.model)
 
     @property
     def key_name(self) -> str:

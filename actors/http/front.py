@@ -34,6 +34,7 @@ from .control import FrontCounts, TimeRow
 from .edge import FRONT_HEADER
 from .inflight import Live
 from .journaling import Recorder
+from .loading import Waiting
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .request import Limits
@@ -101,6 +102,9 @@ class Front:
         """Where each request's record goes: corral's journal (None: [journal] is off)."""
         self.tracer = Tracer(tracing) if tracing is not None and tracing.endpoint else None
         """Where its requests' spans go ([tracing]; None: off)."""
+        self.board: dict[str, Waiting] = {}
+        """What each model's requests wait for now (loading.py; corral's process sets it
+        each TICK_S while a model sends its loading state)."""
         self.live = Live()
         """Its model requests now (GET /requests?state=running, and their cancel)."""
         self.stopped: dict[str, tuple[int, int]] = {}

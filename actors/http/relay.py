@@ -10,8 +10,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from .edge import Answer, interim_head, relay_head, sse_error_event
+from .edge import SSE_PREFIX, Answer, interim_head, relay_head, sse_error_event
 from .journaling import Trace
+from .loading import Loading, error_event
 from .phase import API, Phase
 from .resumable import Tee
 from .services import Services
@@ -24,14 +25,16 @@ if TYPE_CHECKING:
     from .request import Request
 
 log = logging.getLogger("corral.front")
+HELD = 64 * 1024
+"""How much of a child's error answer after a loading head is kept for its error event."""
 
 
 class Relay:
     """An exchange's answer, as its upstream connection reports it."""
 
-    __slots__ = ("chunked", "client", "first_at", "head_only", "keep_alive", "kept", "late",
-                 "loop", "meter", "out", "phase", "req", "services", "sse", "status",
-                 "ticket", "upstream", "what")
+    __slots__ = ("chunked", "client", "first_at", "head_only", "held", "keep_alive", "kept",
+                 "late", "loading", "loop", "meter", "out", "phase", "req", "services", "sse",
+                 "status", "ticket", "upstream", "what")
 
     services: Services
     client: Client
@@ -52,6 +55,8 @@ class Relay:
     kept: Tee | None
     upstream: Upstream | None
     trace: Trace
+    loading: Loading | None
+    held: bytearray | None
 
     def _to(self, phase: Phase) -> None: ...
     def _unreachable(self, why: str, kind: Broke) -> None: ...
@@ -77,6 +82,9 @@ class Relay:
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._head(status)
         self._to(Phase.STREAMING)
+        if self.loading is not None and self.loading.sent:
+            self._after_loading(status, headers)
+            return
         head = relay_head(status, headers, from_child=self.what != API,
                           keep_alive=self._may_keep_alive(),
                           head_only=self.head_only, http10=self.req.http10,
@@ -88,6 +96,23 @@ class Relay:
         if self.kept is not None and head.sse and status == 200:
             self.kept.began()
         elif self.kept is not None:  # an error, or a whole answer: nothing to resume
+            self.kept.drop()
+            self.kept = None
+
+    def _after_loading(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The child's answer to a stream whose head went already (loading.py): its
+        events follow; an answer that is not an event stream is held, and ends the
+        stream as an error event."""
+        sse = any(n.lower() == b"content-type" and v.startswith(SSE_PREFIX)
+                  for n, v in headers)
+        self.chunked = self.sse = True
+        if status != 200 or not sse:
+            self.held = bytearray()
+        if self.meter is not None:
+            self.meter.began(status, sse)
+        if self.kept is not None and self.held is None:
+            self.kept.began()
+        elif self.kept is not None:
             self.kept.drop()
             self.kept = None
 
@@ -104,6 +129,9 @@ class Relay:
             trace.keep(body)
         if self.kept is not None:
             self.kept.feed(body)
+        if (held := self.held) is not None:  # (loading.py: an error after the head)
+            held += body[:HELD - len(held)]
+            return
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
 
     def flush(self) -> None:
@@ -115,6 +143,10 @@ class Relay:
 
     def response_done(self) -> None:
         self.upstream = None  # given back to its pool, or closed, by itself
+        if self.held is not None:
+            said = self.held.decode("utf-8", "replace")
+            self.trace.error = f"{self.what} answered {self.status}: {said}"[:1000]
+            self.out.append(error_event(self.status, self.trace.error))
         if self.chunked:
             self.out.append(b"0\r\n\r\n")
         self.flush()

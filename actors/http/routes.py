@@ -25,6 +25,8 @@ class ModelRoute(msgspec.Struct, frozen=True):
     """Copies routed by prompt prefix: how much of it names the copy (0: not so routed)."""
     websocket: bool = False
     """A WebSocket on any path goes to it (else only on /v1/realtime): tunnel.py."""
+    loading: str = ""
+    """A streamed chat that waits is told so: "comments" or "reasoning" (loading.py)."""
 
 
 class Routes(msgspec.Struct, frozen=True):
@@ -65,8 +67,14 @@ class Routes(msgspec.Struct, frozen=True):
                                    min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
                                    else linger_s,
                                    c.prefix_bytes if (c := m.replica_rules) and
-                                   c.route == "prefix" else 0, m.websocket)
+                                   c.route == "prefix" else 0, m.websocket,
+                                   _loading(config.send_loading_state if m.send_loading_state
+                                            is None else m.send_loading_state))
                   for name, m in config.models.items()}
         known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
         return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
                    known_as, dict(config.virtual))
+
+
+def _loading(value: bool | str) -> str:
+    return "reasoning" if value == "reasoning" else "comments" if value else ""

@@ -11,6 +11,7 @@ from ..config.http import HttpConfig
 from ..runtime.bridge import SchedulerInbox
 from .inflight import Live
 from .journaling import Recorder
+from .loading import Waiting
 from .metrics import RequestTimes
 from .pool import Pool, Pools
 from .resumable import Keeper
@@ -35,6 +36,7 @@ class Services(Protocol):
     recorder: Recorder | None
     live: Live
     tracer: Tracer | None
+    board: dict[str, Waiting]
     draining: bool
     to_api: tuple[bytes, ...]
     scheduler: Callable[[], SchedulerInbox]

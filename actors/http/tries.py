@@ -27,6 +27,7 @@ from .affinity import affinity
 from .edge import NOT_FORWARDED, NOT_KEPT, Answer, refusal_answer
 from .inflight import Cancellable
 from .journaling import Trace
+from .loading import Loading, Shown, wants
 from .pool import Pool, Pools
 from .request import Request
 from .resumable import Tee
@@ -46,7 +47,7 @@ MAX_INSTANCES = 6
 never had it) do not count as replays, but a limit there must be."""
 
 
-class Attempt(Cancellable, Protocol):
+class Attempt(Cancellable, Shown, Protocol):
     """What a request's tries use of its exchange (exchange.py); what inflight.py does."""
 
     services: Services
@@ -62,6 +63,7 @@ class Attempt(Cancellable, Protocol):
     may_replay: bool
     kept: Tee | None
     trace: Trace
+    loading: Loading | None
     status: int
     first_at: float | None
     sse: bool
@@ -96,6 +98,10 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
     front.live.exchanges.add(ex)
     if front.tracer is not None:
         trace.spans = front.tracer.begin(ex.req)
+    if (route := front.routes.models.get(model)) is not None and route.loading \
+            and not ex.req.http10 and wants(ex.req.method, ex.req.url, ex.req.body):
+        ex.loading = Loading(ex, model, route.loading)  # (told as it waits: loading.py)
+        ex.loading.arm(ex.loop)
     if ex.req.conversation is not None and ex.req.method == b"POST":
         kept = front.keeper.keep(ex.req.conversation, key.name if key else "", model, ex)
         if isinstance(kept, str):
@@ -109,6 +115,8 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
         else:
             await to_model(ex, model, autoload)
     finally:  # an answer begun or given
+        if ex.loading is not None:
+            ex.loading.stop()
         if ex.status:
             end = ex.loop.time()
             front.times.observe(model, ex.status, (ex.first_at or end) - started,

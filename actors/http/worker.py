@@ -36,6 +36,7 @@ from .control import (
     Again,
     Answered,
     Ask,
+    BoardNow,
     CountAsk,
     Counted,
     Drain,
@@ -268,6 +269,8 @@ def carry_out(message: ToWorker, front: Front, corral: Corral, kept: RemoteKept)
                 asyncio.get_running_loop().time())))
         case StreamStop(token=token, why=why):
             kept.stopped(token, why)
+        case BoardNow(board=board):
+            front.board = board
 
 
 def main() -> int:

@@ -23,14 +23,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pykka
+
 from ..config.model import Config
-from ..messages import Release, Releases, Revoke, Withdraw
-from ..runtime.bridge import SchedulerInbox
-from .control import Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
+from ..messages import GetModels, ModelsSnapshot, Release, Releases, Revoke, Withdraw
+from ..runtime.bridge import LoopReply, SchedulerInbox
+from .control import BoardNow, Drain, FrontCounts, NewRoutes, Notice, RevokeAsk, Setup, merge
 from .front import Front
 from .inflight import Running, ranked
 from .journaling import Recorder
 from .link import Link, tell
+from .loading import TICK_S, board_of
 from .resumable import Keeper
 from .routes import Routes
 
@@ -43,6 +46,8 @@ HEALTHY_S = 60.0
 wait (up to RESTART_MAX_S); one that ran longer, after RESTART_AFTER_S."""
 START_TIMEOUT_S = 30.0
 HEARTBEAT_S = 5.0
+BOARD_TIMEOUT_S = 5.0
+"""A Scheduler that gives no snapshot within this leaves the board as it was."""
 HUNG_AFTER_S = 20.0
 REVOKE_WAIT_S = 1.0
 """A worker that has not answered a Revoke within this is not waited for: the others'
@@ -243,10 +248,12 @@ class Fronts:
         self.api_secret = api_secret
         self.workers: Workers | None = None
         self.scheduler = scheduler
+        self.boarding: asyncio.Task[None] | None = None
 
     async def listen(self, host: str, port: int) -> int:
         n = self.config.http.workers
         port = await self.front.listen(host, port)
+        self.boarding = asyncio.create_task(self._keep_board())
         if n > 1:
             # The workers accept on corral's own listening sockets, inherited: nothing else
             # can bind the port beside them (SO_REUSEPORT would let any process of the same
@@ -303,7 +310,26 @@ class Fronts:
                     n += answer.cancelled
         return ranked(running), n
 
+    async def _keep_board(self) -> None:
+        """Each TICK_S while a model sends its loading state: what each model's requests
+        wait for (loading.py), from the Scheduler's snapshot, to every front."""
+        while True:
+            if any(r.loading for r in self.front.routes.models.values()):
+                reply = LoopReply(asyncio.get_running_loop())
+                try:
+                    self.scheduler().tell(GetModels(reply=reply))
+                    snap = await asyncio.wait_for(reply.future, BOARD_TIMEOUT_S)
+                except (TimeoutError, pykka.ActorDeadError):
+                    snap = None
+                if isinstance(snap, ModelsSnapshot):
+                    self.front.board = board = board_of(snap)
+                    for link in self.workers.links.values() if self.workers else ():
+                        link.send(BoardNow(board=board))
+            await asyncio.sleep(TICK_S)
+
     async def drain(self, timeout_s: float) -> None:
+        if self.boarding is not None:
+            self.boarding.cancel()
         if self.workers is None:
             await self.front.drain(timeout_s)
             return

@@ -55,6 +55,8 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             devices=child.placement, queue_oldest_s=oldest,
             queue_wait=(h.view() if (h := p.stats.queue_wait.get(rec.name)) else None),
             load_time=(h.view() if (h := p.stats.load_time.get(rec.name)) else None),
+            wake_time=(h.view() if (h := p.stats.wake_time.get(rec.name)) else None),
+            state_for_s=now - child.state_since,
             refusals={r: n for (m, r), n in p.stats.refusals.items() if m == rec.name},
             queue_position=places.get(rec.name) if oldest is not None else None,
             phase=child.state.value if child.state.value != child.state.shown else None,
