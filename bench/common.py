@@ -267,12 +267,12 @@ async def llama_pair(binary: str, models_max: int, n_models: int = 2,
                 with (Corral(*args, log_level="WARNING") as corral,
                       contextlib.ExitStack() as stack):
                     urls = {"llama-router": f"http://127.0.0.1:{port}", "corral": corral.url}
-                    pids = {"llama-router": router.pid, "corral": corral.proc.pid}
+                    pids = {"llama-router": (router.pid,), "corral": corral.pids()}
                     if baseline_root is not None:
                         old = stack.enter_context(
                             Corral(*args, root=baseline_root, log_level="WARNING"))
                         urls["corral-baseline"] = old.url
-                        pids["corral-baseline"] = old.proc.pid
+                        pids["corral-baseline"] = old.pids()
                     async with session() as s:
                         await wait_up(s, urls["llama-router"])
                     yield urls, pids

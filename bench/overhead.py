@@ -45,6 +45,10 @@ from bench.common import (
 )
 from bench.support import Corral, fake_cmd, toml_config
 
+SETTLE_S = 1.0
+"""After a case's last round: what its processes still do for it (a journal's writer
+flushes every 0.25 s) is counted in their whole-case CPU."""
+
 
 @dataclass
 class Round:
@@ -62,6 +66,9 @@ class Side:
     """Every round of one way of sending the requests."""
 
     rounds: list[Round] = field(default_factory=list)
+    whole_cpu_s: float = 0.0
+    """Its processes' CPU from before its first round to a settle after the case's last:
+    what a process does after a round (a journal's writer) is counted too."""
 
     def rate(self, per: str = "requests") -> float:
         """The median over rounds of requests (or tokens) per second."""
@@ -80,7 +87,7 @@ class Side:
 async def run_round(s: aiohttp.ClientSession, url: str, model: str, n: int,
                     concurrency: int, *, stream: bool, max_tokens: int,
                     extra: dict[str, Any] | None = None,
-                    cpu_of: int | None = None) -> Round:
+                    cpu_of: tuple[int, ...] = ()) -> Round:
     """One round: streams through aiohttp (the token rate is the child's), small
     requests through `lean_requests` (the client's own CPU matters there)."""
     queue = list(range(n))
@@ -92,31 +99,36 @@ async def run_round(s: aiohttp.ClientSession, url: str, model: str, n: int,
             results.append(await send(s, url, model, stream=stream, max_tokens=max_tokens,
                                       extra=extra))
 
-    cpu0 = cpu_seconds(cpu_of) if cpu_of else 0.0
+    cpu0 = sum(map(cpu_seconds, cpu_of))
     start = time.perf_counter()
     if stream:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     else:
         results = await lean_requests(url, model, n, concurrency, max_tokens, extra)
     wall = time.perf_counter() - start
-    cpu = cpu_seconds(cpu_of) - cpu0 if cpu_of else 0.0
+    cpu = sum(map(cpu_seconds, cpu_of)) - cpu0
     return Round(wall, results, cpu)
 
 
 async def compare(s: aiohttp.ClientSession, targets: dict[str, tuple[str, str]],
                   rounds: int, n: int, concurrency: int, *, stream: bool, max_tokens: int,
                   extra: dict[str, Any] | None = None,
-                  cpu: dict[str, int] | None = None) -> dict[str, Side]:
+                  cpu: dict[str, tuple[int, ...]] | None = None) -> dict[str, Side]:
     """Interleaved rounds over `targets` (name -> (base URL, model)), order rotating;
     `cpu` names the processes (by pid) whose CPU time each side's rounds are charged."""
     sides = {name: Side() for name in targets}
     names = list(targets)
+    before = {name: sum(map(cpu_seconds, pids)) for name, pids in (cpu or {}).items()}
     for i in range(rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
             url, model = targets[name]
             sides[name].rounds.append(await run_round(
                 s, url, model, n, concurrency, stream=stream, max_tokens=max_tokens,
-                extra=extra, cpu_of=(cpu or {}).get(name)))
+                extra=extra, cpu_of=(cpu or {}).get(name, ())))
+    await asyncio.sleep(SETTLE_S)
+    for name, pids in (cpu or {}).items():
+        if name in sides:
+            sides[name].whole_cpu_s = sum(map(cpu_seconds, pids)) - before[name]
     return sides
 
 
@@ -140,6 +152,7 @@ def row(case: str, sides: dict[str, Side], base: str, other: str, per: str) -> d
                          for rd in cpu_rounds)
             out[f"{name}_cpu_us_per_{per[:-1]}"] = (sum(rd.cpu_s for rd in cpu_rounds)
                                                     / max(served, 1) * 1e6)
+            out[f"{name}_whole_cpu_us_per_{per[:-1]}"] = side.whole_cpu_s / max(served, 1) * 1e6
     return out
 
 
@@ -159,6 +172,11 @@ def print_rows(rows: list[dict[str, Any]], base: str, other: str) -> None:
         print(f"{r['case'] + ' (' + unit + ')':<36} {r[r['base']]:>12,.0f} "
               f"{r[r['other']]:>12,.0f} "
               f"{r['ratio']:>7.3f} {p50:>8.2f} {p99:>8.2f} {cpu:>14}")
+        if r["case"].endswith("[journal]"):  # corral's CPU without it, then with it
+            whole = [r.get(f"{r[side]}_whole_cpu_us_per_{per}") for side in ("base", "other")]
+            if None not in whole:
+                print(f"{'  whole case, its writer included':<36} cpu us {whole[0]:.1f} / "
+                      f"{whole[1]:.1f}: {whole[1] / whole[0] - 1:+.1%}")
 
 
 def fake_config(args: argparse.Namespace, **top: Any) -> str:
@@ -186,11 +204,11 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
                         await send(s, other.url, model)
             listing = await get_json(s, corral.url + "/models")
             ports = {m["id"]: m["port"] for m in listing["data"]}
-            cpu = {"corral": corral.proc.pid}
+            cpu = {"corral": corral.pids()}  # (its journal's writer too)
             if old:
-                cpu["corral-baseline"] = old.proc.pid
+                cpu["corral-baseline"] = old.pids()
             if bare:
-                cpu["corral-nojournal"] = bare.proc.pid
+                cpu["corral-nojournal"] = bare.pids()
 
             def targets(model: str) -> dict[str, tuple[str, str]]:
                 out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -156,6 +158,13 @@ class Corral:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def pids(self) -> tuple[int, ...]:
+        """corral's process and its journal's writer (a child of its own, when on): what
+        a bench charges corral's CPU to."""
+        writers = [p.pid for p in psutil.Process(self.proc.pid).children()
+                   if "actors.journal.writer" in " ".join(p.cmdline())]
+        return (self.proc.pid, *writers)
 
     def models(self) -> dict[str, dict[str, Any]]:
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else None

@@ -52,11 +52,16 @@ def test_overhead_bench_runs(tmp_path) -> None:
     path = tmp_path / "o.json"
     bench("overhead", "--rounds", "1", "--requests", "20", "--concurrency", "2",
           "--streams", "2", "--tokens-per-s", "50", "--stream-seconds", "0.2",
-          "--json", str(path))
+          "--journal-off", "--json", str(path))
     rows = json.loads(path.read_text())["rows"]
-    assert [r["case"] for r in rows] == ["small c=2", "streams n=2"]
-    assert all(r["errors"] == {"direct": 0, "corral": 0} for r in rows)
-    assert rows[0]["corral"] > 0 and rows[1]["corral"] > 0
+    assert [r["case"] for r in rows] == [
+        "small c=2", "small c=2 [corral-nojournal]", "small c=2 [journal]", "streams n=2",
+        "streams n=2 [corral-nojournal]", "streams n=2 [journal]"]
+    assert rows[0]["errors"] == {"direct": 0, "corral": 0}
+    assert rows[0]["corral"] > 0 and rows[3]["corral"] > 0
+    # The journal's row: corral with it against corral without, its writer's CPU in.
+    assert rows[2]["corral_whole_cpu_us_per_request"] > 0
+    assert rows[2]["corral-nojournal_whole_cpu_us_per_request"] > 0
 
 
 def test_lease_bench_runs(tmp_path) -> None:
@@ -162,5 +167,7 @@ def test_journal_bench_runs(tmp_path) -> None:
     bench("journal", "--records", "2000", "--rounds", "1", "--json", str(path))
     data = json.loads(path.read_text())
     assert data["records"] == 2000 and data["rounds"][0]["write_cpu_us"] > 0
-    assert set(data["rounds"][0]) == {"write_cpu_us", "model_and_key_ms", "status_class_ms",
+    assert data["rounds"][0]["writer_cpu_us"] > 0  # (its writer: a process of its own)
+    assert set(data["rounds"][0]) == {"write_cpu_us", "writer_cpu_us", "model_and_key_ms",
+                                      "status_class_ms",
                                       "id_ms", "newest_ms"}
