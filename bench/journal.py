@@ -32,7 +32,7 @@ SAID = Said(30, 120)
 def row(id_: str, at: float, *, key: str = "", model: str = "", served: str = "",
         status: int = 200, room: tuple[str, ...] = (), said: Said | None = None) -> Row:
     """A request's row as a front hands it in, its other figures those of a short chat."""
-    return Row(id_, at, b"POST", b"/v1/chat/completions", key, model, served, "", status, "",
+    return Row(id_, at, key, model, served, status, b"POST", b"/v1/chat/completions", "", "",
                120, 900, 0.001, "", room, 0.02, 0.02, 0.4, said, False, False)
 
 

@@ -118,9 +118,10 @@ def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: flo
            meter: Meter | None, streamed: bool) -> Row:
     """The row of a request at its end: little more than its figures, copied."""
     url = req.url
-    return Row(t.id, t.at, req.method, url.partition(b"?")[0][:512] if b"?" in url else url[:512],
-               req.key.name if req.key is not None else "", t.model, t.served, t.copy,
-               status, t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited,
+    return Row(t.id, t.at, req.key.name if req.key is not None else "", t.model, t.served,
+               status, req.method,
+               url.partition(b"?")[0][:512] if b"?" in url else url[:512], t.copy,
+               t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited,
                t.room, None if first_at is None else first_at - t.started,
                None if t.first_body is None or not streamed else t.first_body - t.started,
                now - t.started, t.said, t.cut, bool(req.conversation))

@@ -65,19 +65,31 @@ class Said(msgspec.Struct, array_like=True, gc=False):
     predicted_per_s: float | None = None
 
 
-class Row(msgspec.Struct, array_like=True, gc=False):
-    """A request as the fronts hand it in: its figures raw, made a `Record` only when it
-    is read (actors/http/journaling.py), so that writing one costs a request little."""
+class Head(msgspec.Struct, array_like=True, gc=False):
+    """A row's first fields: what the file's writer needs of it (writer.py)."""
 
     id: str
     at: float
-    method: bytes
-    path: bytes
     key: str
     model: str
     served: str
-    copy: str
     status: int
+
+
+class Row(msgspec.Struct, array_like=True, gc=False):
+    """A request as the fronts hand it in: its figures raw, made a `Record` only when it
+    is read (actors/http/journaling.py), so that writing one costs a request little. What
+    the file's pages are selected by comes first: its writer reads those alone (`Head`)."""
+
+    id: str
+    at: float
+    key: str
+    model: str
+    served: str
+    status: int
+    method: bytes
+    path: bytes
+    copy: str
     error: str
     bytes_in: int
     bytes_out: int

@@ -48,8 +48,9 @@ class Journal:
         self.config = config
         self.path = path
         self.ring: collections.deque[Row] = collections.deque(maxlen=config.ring)
-        self.pending: collections.deque[Row] = collections.deque()
-        """Rows for the feeder (appended on the loop, taken by the feeder: both atomic)."""
+        self.pending: list[Row] = []
+        """Rows for the feeder: appended on the loop, taken whole by the feeder."""
+        self.lock = threading.Lock()
         self.closing = threading.Event()
         self.broken: str | None = None if path is not None else "no file (state_dir)"
         """Why the file is not written (None: it is)."""
@@ -77,7 +78,8 @@ class Journal:
         if len(self.pending) > MAX_PENDING:
             self.dropped += 1
             return
-        self.pending.append(row)
+        with self.lock:
+            self.pending.append(row)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending, then stop the writer (it ends with its stdin)."""
@@ -116,8 +118,8 @@ class Journal:
         assert writer.stdin is not None and writer.stdout is not None
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
-            take = self.pending.popleft
-            batch = [take() for _ in range(len(self.pending))]
+            with self.lock:
+                batch, self.pending = self.pending, []
             try:
                 if batch:
                     data = _encode(batch)
@@ -142,8 +144,9 @@ class Journal:
         self.broken = why
         log.error("the request journal stopped writing %s (%s); requests go on, and the "
                   "newest %d records stay in memory", self.path, why, self.config.ring)
-        self.dropped += len(self.pending)  # what waits is lost with the file
-        self.pending.clear()
+        with self.lock:  # what waits is lost with the file
+            self.dropped += len(self.pending)
+            self.pending = []
 
 
 _ROOT = str(Path(__file__).resolve().parents[2])

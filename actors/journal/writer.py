@@ -13,6 +13,7 @@ open or write prints `broken: WHY` and exits 3, and corral's ring goes on withou
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import sys
 import time
@@ -24,46 +25,58 @@ from typing import BinaryIO
 import msgspec
 
 from .file import INSERT, PAGE, PAIR, PRUNE_EVERY_S, SEP, open_file, prune
-from .record import Row
+from .record import Head
 
-_decode = msgspec.msgpack.Decoder(list[Row]).decode
-_encode = msgspec.msgpack.Encoder().encode
+_heads = msgspec.msgpack.Decoder(list[Head]).decode
+_raws = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
 _LENGTH = struct.Struct(">I")
 
 
-def page(rows: list[Row]) -> tuple[object, ...]:
-    """Rows as one row of the file: what queries select pages by, and the rows."""
-    models, served, keys = (list(map(attrgetter(a), rows)) for a in ("model", "served", "key"))
-    ats = list(map(attrgetter("at"), rows))
+def pages(frame: bytes) -> tuple[list[tuple[object, ...]], int]:
+    """A frame's rows as rows of the file, PAGE a page: what queries select pages by (read
+    from the rows' heads alone), and the rows as they came (never decoded whole); and
+    how many rows."""
+    heads, raws = _heads(frame), _raws(frame)
+    return ([page(heads[i:i + PAGE], raws[i:i + PAGE]) for i in range(0, len(heads), PAGE)],
+            len(heads))
+
+
+def page(heads: list[Head], raws: list[msgspec.Raw]) -> tuple[object, ...]:
+    models, served, keys = (list(map(attrgetter(a), heads)) for a in ("model", "served", "key"))
+    ats = list(map(attrgetter("at"), heads))
     pairs = {*zip(models, keys, strict=True), *zip(served, keys, strict=True)}
-    return (min(ats), max(ats), _joined(map(attrgetter("id"), rows)),
+    n = len(raws)  # (a msgpack array's head, then its items: PAGE is under 65,536)
+    array = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+    return (min(ats), max(ats), _joined(map(attrgetter("id"), heads)),
             _joined({*models, *served}), _joined(set(keys)),
             _joined(m + PAIR + k for m, k in pairs),
-            _joined(map(str, set(map(attrgetter("status"), rows)))), _encode(rows))
+            _joined(map(str, set(map(attrgetter("status"), heads)))),
+            array + b"".join(raws))
 
 
 def _joined(values: Iterable[str]) -> str:
     return SEP + SEP.join(values) + SEP
 
 
-def frames(stream: BinaryIO) -> Iterable[list[Row]]:
+def frames(stream: BinaryIO) -> Iterable[bytes]:
     while len(head := stream.read(4)) == 4:
-        body = stream.read(_LENGTH.unpack(head)[0])
-        yield _decode(body)
+        yield stream.read(_LENGTH.unpack(head)[0])
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.nice(10)  # (background work: the fronts and the children go first)
     path, keep_days, max_mib = Path(argv[0]), float(argv[1]), float(argv[2])
     written = 0
     try:
         db = open_file(path)
         pruned = 0.0
-        for rows in frames(sys.stdin.buffer):
+        for frame in frames(sys.stdin.buffer):
+            made, n = pages(frame)
             db.execute("BEGIN")  # (one transaction: a statement alone would be one each)
-            db.executemany(INSERT, [page(rows[i:i + PAGE]) for i in range(0, len(rows), PAGE)])
+            db.executemany(INSERT, made)
             db.execute("COMMIT")
-            written += len(rows)
+            written += n
             if time.monotonic() - pruned > PRUNE_EVERY_S:
                 prune(db, keep_days, max_mib)
                 pruned = time.monotonic()
