@@ -8,6 +8,7 @@ the journal, never a request."""
 from __future__ import annotations
 
 import os
+import resource
 import sqlite3
 import subprocess
 import sys
@@ -16,11 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.config.journal import JournalConfig
+from actors.journal.file import MAX_LIMIT, select
 from actors.journal.record import Row
 from actors.journal.store import Journal, Query
 from bench.journal import row
@@ -218,11 +221,10 @@ def test_the_file_and_the_ring_answer_alike(tmp_path_factory: pytest.TempPathFac
         journal.add(r)
     journal.close()
     assert journal.broken is None and journal.written == len(records)
-    for q in queries:
-        from_file = journal.query(q)
-        journal.broken = "read the ring"
-        from_ring = journal.query(q)
-        journal.broken = None
+    for q in queries:  # the file alone, and the ring alone
+        limit = max(1, min(q.limit, MAX_LIMIT))
+        from_file = select(path, q, limit)
+        from_ring = [r for r in reversed(journal.ring) if q.matches(r)][:limit]
         key = sorted  # (equal times may come in either order)
         assert key(map(repr, from_file)) == key(map(repr, from_ring))
 
@@ -254,3 +256,29 @@ def test_a_file_of_an_older_layout_is_moved_aside(tmp_path: Path) -> None:
     kept = sqlite3.connect(tmp_path / "journal.sqlite.v1")
     assert kept.execute("SELECT name FROM sqlite_master").fetchall() == [("requests",)]
     kept.close()
+
+
+def test_a_full_disk_stops_the_journal_not_the_requests(tmp_path: Path) -> None:
+    """The writer's file may not grow (its file size limit set to what it has: a disk
+    that is full): the journal says it stopped, requests go on, and their records are
+    answered from memory."""
+    with Corral(toml_config({"a": {"cmd": fake_cmd()}}), home=tmp_path) as c:
+        assert request(c.port, "POST", "/v1/chat/completions",
+                       {"model": "a", "max_tokens": 1, "messages": []})[0] == 200
+        assert request(c.port, "GET", "/requests")[1]["data"]  # (from memory at first)
+        writer = next(p for p in psutil.Process(c.proc.pid).children()
+                      if "actors.journal.writer" in " ".join(p.cmdline()))
+        size = sum(f.stat().st_size for f in tmp_path.rglob("journal.sqlite*"))
+        resource.prlimit(writer.pid, resource.RLIMIT_FSIZE, (size, size))
+        ids = []
+        for _ in range(300):  # more than the file has room for
+            status, _, headers = request(c.port, "POST", "/v1/chat/completions",
+                                         {"model": "a", "max_tokens": 1, "messages": [],
+                                          "padding": "x" * 2000})
+            assert status == 200  # requests go on
+            ids.append(headers["x-request-id"])
+        wait_until(lambda: "the request journal stopped writing" in c.log(), 15,
+                   "the journal stopped")
+        assert "full" in c.log() or "too large" in c.log().lower(), c.log()[-2000:]
+        assert journaled(c, ids[-1])["status"] == 200  # from memory
+        assert not writer.is_running()

@@ -90,17 +90,18 @@ class Journal:
     # ------------------------------------------------------------ reading
 
     def query(self, q: Query) -> list[Row]:
-        """The newest rows that match (blocking: call it off the loop). From the file
-        while it is written, else from the ring."""
+        """The newest rows that match (blocking: call it off the loop), the newest to end
+        first: the ring's (those not in the file yet among them), then the file's."""
         limit = max(1, min(q.limit, MAX_LIMIT))
+        newest = [r for r in reversed(self.ring) if q.matches(r)][:limit]
         if self.broken is None and self.path is not None and self.path.exists():
             try:
-                return select(self.path, q, limit)
+                seen = {(r.id, r.at) for r in newest}
+                newest += [r for r in select(self.path, q, limit) if (r.id, r.at) not in seen]
             except Exception as e:  # (sqlite3.Error, a page it cannot decode)
                 log.warning("the journal's file could not be read (%s); answered from the "
                             "%d records in memory", e, len(self.ring))
-        out = [r for r in reversed(self.ring) if q.matches(r)]
-        return out[:limit]  # (the newest to end first, as the file answers)
+        return newest[:limit]
 
     # ------------------------------------------------------------ the feeder thread
 

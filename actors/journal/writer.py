@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import struct
 import sys
 import time
@@ -66,6 +67,7 @@ def frames(stream: BinaryIO) -> Iterable[bytes]:
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.nice(10)  # (background work: the fronts and the children go first)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (a file size limit: an error, said)
     path, keep_days, max_mib = Path(argv[0]), float(argv[1]), float(argv[2])
     written = 0
     try:
