@@ -282,3 +282,26 @@ def test_a_full_disk_stops_the_journal_not_the_requests(tmp_path: Path) -> None:
         assert "full" in c.log() or "too large" in c.log().lower(), c.log()[-2000:]
         assert journaled(c, ids[-1])["status"] == 200  # from memory
         assert not writer.is_running()
+
+
+def test_capture_keeps_bodies_for_admins_and_never_a_key(tmp_path: Path) -> None:
+    keys = key_files(tmp_path, "alice", "ops")
+    with serving(tmp_path, toml_config(
+            {"a": {"cmd": fake_cmd()}},
+            journal={"capture": True, "capture_kib": 1},
+            keys={"alice": {"key_file": keys["alice"]},
+                  "ops": {"key_file": keys["ops"], "admin": True}})) as c:
+        status, _, _ = request(c.port, "POST", "/v1/chat/completions", {
+            "model": "a", "max_tokens": 3, "messages": [
+                {"role": "user", "content": "the-prompt " + "x" * 5000}]},
+            headers={**ALICE, "X-Request-Id": "cap-1"})
+        assert status == 200
+        mine = journaled(c, "cap-1")  # (as ops: an admin)
+        assert mine["body"].startswith('{"model": "a"') and "the-prompt" in mine["body"]
+        assert len(mine["body"].encode()) <= 1024  # capture_kib
+        assert "tok0 tok1 tok2" in mine["answer"]
+        status, body, _ = request(c.port, "GET", "/requests/cap-1", headers=ALICE)
+        assert status == 200 and "body" not in body["data"][0]  # her own, but no bodies
+        assert "answer" not in body["data"][0]
+    stored = b"".join(p.read_bytes() for p in tmp_path.rglob("journal.sqlite*"))
+    assert b"the-prompt" in stored and b"alice-secret" not in stored

@@ -20,3 +20,7 @@ class JournalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """The file's size bound: past it, the oldest records are deleted."""
     ring: Annotated[int, Meta(ge=1, le=1_000_000)] = 2000
     """Records kept in memory (the newest), answered when the file cannot be."""
+    capture: bool = False
+    """Keep each model request's body and its answer's too, up to capture_kib each,
+    shown to admin keys only. Headers (a key, Authorization) are never kept."""
+    capture_kib: Annotated[int, Meta(ge=1, le=1024)] = 32

@@ -47,6 +47,8 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     """Its requests' records go to corral's journal (Journaled)."""
     tracing: TracingConfig = TracingConfig()
     """Where its requests' spans go (it sends them itself)."""
+    capture: int = 0
+    """[journal] capture: bytes of each body and answer its records keep."""
 
 
 class TimeRow(msgspec.Struct, frozen=True, kw_only=True):

@@ -102,6 +102,8 @@ class Front:
         """Where each request's record goes: corral's journal (None: [journal] is off)."""
         self.tracer = Tracer(tracing) if tracing is not None and tracing.endpoint else None
         """Where its requests' spans go ([tracing]; None: off)."""
+        self.capture = recorder.capture if recorder is not None else 0
+        """[journal] capture: bytes of each model request's body and answer kept (0: none)."""
         self.board: dict[str, Waiting] = {}
         """What each model's requests wait for now (loading.py; corral's process sets it
         each TICK_S while a model sends its loading state)."""

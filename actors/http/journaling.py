@@ -48,16 +48,19 @@ class Spans:
 class Recorder(Protocol):
     """Where a front's records go."""
 
+    capture: int
+    """[journal] capture: bytes of each body and answer its records keep (0: none)."""
+
     def add(self, row: Row) -> None: ...
 
 
 class Trace:
     """One request's journal fields, filled as it goes."""
 
-    __slots__ = ("asked_at", "at", "bytes_out", "copy", "cut", "error", "events",
-                 "first_body", "granted_at", "id", "made_id", "model", "queue_s", "room",
-                 "said", "served", "spans", "started", "tail", "to_api", "waited",
-                 "waited_s")
+    __slots__ = ("answer", "asked", "asked_at", "at", "bytes_out", "capture", "copy", "cut",
+                 "error", "events", "first_body", "granted_at", "id", "made_id", "model",
+                 "queue_s", "room", "said", "served", "spans", "started", "tail", "to_api",
+                 "waited", "waited_s")
 
     def __init__(self, req: Request, started: float) -> None:
         self.made_id = req.request_id is None
@@ -84,6 +87,10 @@ class Trace:
         """How long the load or wake it waited for took."""
         self.spans: Spans | None = None
         """Its trace's ids, when it is traced ([tracing]: spans.py)."""
+        self.capture = 0
+        """[journal] capture: how much of its body and its answer's is kept (0: none)."""
+        self.asked: bytes | None = None
+        self.answer: bytearray | None = None
 
     def keep(self, body: bytes) -> None:
         tail = self.tail
@@ -92,6 +99,16 @@ class Trace:
         self.events += body.count(b"data: {")
         if len(tail) > 8 * TAIL:
             del tail[:-TAIL]
+
+    def captures(self, req: Request, limit: int) -> None:
+        """Keep its body and its answer's, `limit` bytes of each ([journal] capture)."""
+        self.capture, self.asked, self.answer = limit, req.body[:limit], bytearray()
+
+    def captured(self, body: bytes) -> None:
+        answer = self.answer
+        assert answer is not None
+        if len(answer) < self.capture:
+            answer += body[:self.capture - len(answer)]
 
     def read(self, meter: Meter | None, stream: bool) -> Said | None:
         """What the answer said it used, read once at its end."""
@@ -124,11 +141,12 @@ def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: flo
                t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited,
                t.room, None if first_at is None else first_at - t.started,
                None if t.first_body is None or not streamed else t.first_body - t.started,
-               now - t.started, t.said, t.cut, bool(req.conversation))
+               now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
+               bytes(t.answer) if t.answer is not None else None)
 
 
-def record_of(r: Row) -> Record:
-    """A row as the journal's readers see it, its tokens read from what the answer said."""
+def record_of(r: Row, bodies: bool = False) -> Record:
+    """A row as the journal's readers see it (`bodies`: what capture kept, for an admin)."""
     t = r.tokens or Said()
     return Record(
         id=r.id, at=r.at, method=r.method.decode("latin-1"), path=r.path.decode("latin-1"),
@@ -139,4 +157,7 @@ def record_of(r: Row) -> Record:
         ttft_s=None if r.ttft_s is None else round(r.ttft_s, 6),
         duration_s=round(r.duration_s, 6), tokens_in=t.prompt, tokens_out=t.completion,
         tokens_cached=t.cached, prompt_per_s=t.prompt_per_s, predicted_per_s=t.predicted_per_s,
-        cut=r.cut, kept=r.kept)
+        cut=r.cut, kept=r.kept,
+        body=r.asked.decode("utf-8", "replace") if bodies and r.asked is not None else None,
+        answer=r.answer.decode("utf-8", "replace") if bodies and r.answer is not None
+        else None)

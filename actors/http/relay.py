@@ -127,6 +127,8 @@ class Relay:
                 self.services.shares.spend(self.ticket, more)  # the key's next sees it
         elif trace.tail is not None:
             trace.keep(body)
+        if trace.answer is not None:
+            trace.captured(body)
         if self.kept is not None:
             self.kept.feed(body)
         if (held := self.held) is not None:  # (loading.py: an error after the head)

@@ -92,7 +92,7 @@ class RequestsApi:
                 r for r in running if (q.key is None or r.key == q.key)
                 and (q.model is None or q.model in (r.model, r.served))][:q.limit]}),
                 content_type="application/json")
-        return await self._answer(q)
+        return await self._answer(q, rule is None or rule.admin)
 
     async def cancel(self, request: web.Request) -> web.StreamResponse:
         """End request {id}: 200 with how many were (a client's id may name several)."""
@@ -117,16 +117,18 @@ class RequestsApi:
         rule: KeyRule | None = request.get("key")
         q = Query(id=request.match_info["id"], limit=20,
                   key=rule.name if rule is not None and not rule.admin else None)
-        answer = await self._answer(q)
+        answer = await self._answer(q, rule is None or rule.admin)
         if answer.status == 200 and answer.text == '{"data":[]}':
             return error(404, f"no request '{q.id}' in the journal", "not_found_error")
         return answer
 
-    async def _answer(self, q: Query) -> web.Response:
+    async def _answer(self, q: Query, admin: bool) -> web.Response:
+        """The records, with what [journal] capture kept for an admin only."""
         assert self.journal is not None
-        return web.Response(body=await asyncio.to_thread(self._read, q),
+        return web.Response(body=await asyncio.to_thread(self._read, q, admin),
                             content_type="application/json")
 
-    def _read(self, q: Query) -> bytes:
+    def _read(self, q: Query, admin: bool) -> bytes:
         assert self.journal is not None
-        return msgspec.json.encode({"data": list(map(record_of, self.journal.query(q)))})
+        return msgspec.json.encode({"data": [record_of(r, admin)
+                                             for r in self.journal.query(q)]})

@@ -37,6 +37,7 @@ class Services(Protocol):
     live: Live
     tracer: Tracer | None
     board: dict[str, Waiting]
+    capture: int
     draining: bool
     to_api: tuple[bytes, ...]
     scheduler: Callable[[], SchedulerInbox]

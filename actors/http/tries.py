@@ -98,6 +98,8 @@ async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
     front.live.exchanges.add(ex)
     if front.tracer is not None:
         trace.spans = front.tracer.begin(ex.req)
+    if front.capture:
+        trace.captures(ex.req, front.capture)
     if (route := front.routes.models.get(model)) is not None and route.loading \
             and not ex.req.http10 and wants(ex.req.method, ex.req.url, ex.req.body):
         ex.loading = Loading(ex, model, route.loading)  # (told as it waits: loading.py)

@@ -160,8 +160,9 @@ class RemoteKept:
 class RemoteRecorder:
     """This worker's requests' records, sent to corral's journal."""
 
-    def __init__(self, corral: Corral) -> None:
+    def __init__(self, corral: Corral, capture: int) -> None:
         self.corral = corral
+        self.capture = capture
 
     def add(self, row: Row) -> None:
         self.corral._send(Journaled(row=row))
@@ -212,7 +213,8 @@ async def serve() -> int:
     corral = Corral(out)
     front = Front(setup.routes, lambda: corral, setup.api_port, setup.http,
                   setup.max_body_mib, setup.api_secret, kept := RemoteKept(corral),
-                  RemoteRecorder(corral) if setup.journal else None, setup.tracing)
+                  RemoteRecorder(corral, setup.capture) if setup.journal else None,
+                  setup.tracing)
     port = await front.listen(setup.host, setup.port, fds=setup.fds)
     corral._send(Listening(port=port))
     loops.freeze_startup_heap()

@@ -268,7 +268,7 @@ class Fronts:
                              http=self.config.http, max_body_mib=self.config.max_body_mib,
                              routes=self.front.routes,
                              journal=self.front.recorder is not None,
-                             tracing=self.config.tracing)
+                             tracing=self.config.tracing, capture=self.front.capture)
             self.workers = Workers(n, setup, self.scheduler, fds, self.front.keeper,
                                    self.front.recorder)
             await self.workers.start()

@@ -50,6 +50,10 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     """It was cut for a higher class, and waited again."""
     kept: bool = False
     """Its answer was kept to be resumed (X-Conversation-Id)."""
+    body: str | None = None
+    """Its body, as far as [journal] capture kept it (admin keys only)."""
+    answer: str | None = None
+    """Its answer's body, as far as capture kept it (admin keys only)."""
 
 
 
@@ -103,3 +107,7 @@ class Row(msgspec.Struct, array_like=True, gc=False):
     """What its answer said it used (None: nothing)."""
     cut: bool
     kept: bool
+    asked: bytes | None = None
+    """Its body's first [journal] capture_kib (capture = true)."""
+    answer: bytes | None = None
+    """Its answer's body's first capture_kib (capture = true)."""

@@ -47,6 +47,8 @@ class Journal:
     def __init__(self, config: JournalConfig, path: Path | None) -> None:
         self.config = config
         self.path = path
+        self.capture = config.capture_kib * 1024 if config.capture else 0
+        """Bytes of each body and answer its records keep (0: none)."""
         self.ring: collections.deque[Row] = collections.deque(maxlen=config.ring)
         self.pending: list[Row] = []
         """Rows for the feeder: appended on the loop, taken whole by the feeder."""
