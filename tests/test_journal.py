@@ -305,3 +305,16 @@ def test_capture_keeps_bodies_for_admins_and_never_a_key(tmp_path: Path) -> None
         assert "answer" not in body["data"][0]
     stored = b"".join(p.read_bytes() for p in tmp_path.rglob("journal.sqlite*"))
     assert b"the-prompt" in stored and b"alice-secret" not in stored
+
+
+def test_a_request_refused_at_its_head_has_an_id_and_a_record(served: Corral) -> None:
+    status, _, headers = request(served.port, "POST", "/v1/chat/completions",
+                                 {"model": "a", "messages": []},
+                                 headers={"X-Request-Id": "no-key-1"})
+    assert status == 401 and headers["x-request-id"] == "no-key-1"
+    record = journaled(served, "no-key-1")
+    assert record["status"] == 401 and "API key" in record["error"]
+    assert record["path"] == "/v1/chat/completions" and record["method"] == "POST"
+    status, _, headers = request(served.port, "GET", "/health", headers={
+        "X-Huge": "x" * 70_000})  # (a head over the limit: bytes that were no request)
+    assert status == 431 and headers["x-request-id"]

@@ -29,6 +29,7 @@ from .deadlines import PROBE_EVERY_S, PROBE_FIRST_S, Timers, Watch
 from .edge import Answer
 from .exchange import Exchange
 from .flow import WriteStall
+from .journaling import refused
 from .phase import Phase
 from .request import Gate, Limits, Reader, Request
 from .services import Services
@@ -257,7 +258,7 @@ class Connection(Timers, asyncio.Protocol):
         req.answer = answer
         req.keep_alive = False
         if not self.busy:
-            self.answer_early(answer, req.method == b"HEAD")
+            self.answer_early(answer, req.method == b"HEAD", req)
 
     def send_continue(self, req: Request) -> None:
         if not req.continue_sent and not req.complete:
@@ -317,7 +318,7 @@ class Connection(Timers, asyncio.Protocol):
             self._arm(self.front.http.keep_alive_timeout_s, self._idle_late)
         elif req.headers_done:
             if req.answer is not None:
-                self.answer_early(req.answer, req.method == b"HEAD")
+                self.answer_early(req.answer, req.method == b"HEAD", req)
                 return
             if req.wants_continue:
                 self.send_continue(req)
@@ -338,9 +339,10 @@ class Connection(Timers, asyncio.Protocol):
         else:
             self.answer_early(answer)
 
-    def answer_early(self, answer: Answer, head_only: bool = False) -> None:
-        """Answer now and close; drop what the client still sends meanwhile."""
-        self.write(answer.encode(False, head_only))
+    def answer_early(self, answer: Answer, head_only: bool = False,
+                     req: Request | None = None) -> None:
+        """Answer now, with an id (`req`'s record kept), and close (the rest is dropped)."""
+        self.write(refused(answer, req, self.front.recorder).encode(False, head_only))
         self.linger()
 
     def linger(self) -> None:

@@ -16,7 +16,7 @@ from ..config.model import HttpConfig
 from .edge import Answer
 from .exchange import Exchange
 from .flow import WriteStall, cut, unsent
-from .request import Reader
+from .request import Reader, Request
 
 PROBE_FIRST_S = 0.05
 PROBE_EVERY_S = 1.0
@@ -51,7 +51,8 @@ class Timers:
     probing: bool
 
     def close(self) -> None: ...
-    def answer_early(self, answer: Answer, head_only: bool = False) -> None: ...
+    def answer_early(self, answer: Answer, head_only: bool = False,
+                     req: Request | None = None) -> None: ...
     def _probe(self, next_s: float) -> None: ...
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:

@@ -11,8 +11,11 @@ import os
 import time
 from typing import Protocol
 
+import msgspec
+
 from ..journal.record import Record, Row, Said
 from ..messages import Grant
+from .edge import Answer
 from .figures import said
 from .request import Request
 from .usage import Meter
@@ -161,3 +164,15 @@ def record_of(r: Row, bodies: bool = False) -> Record:
         body=r.asked.decode("utf-8", "replace") if bodies and r.asked is not None else None,
         answer=r.answer.decode("utf-8", "replace") if bodies and r.answer is not None
         else None)
+
+
+def refused(answer: Answer, req: Request | None, recorder: Recorder | None) -> Answer:
+    """corral's answer to a request it refused before it was one (its head: no key, too
+    big; or bytes that were none): with an id, and (a request's) its record."""
+    id_ = req.request_id if req is not None and req.request_id else new_id()
+    if req is not None and recorder is not None:
+        recorder.add(Row(id_, time.time(), req.key.name if req.key is not None else "", "",
+                         "", answer.status, req.method, req.url.partition(b"?")[0][:512], "",
+                         answer.message[:1000], req.body_size, 0, 0.0, "", (), None, None,
+                         0.0, None, False, False))
+    return msgspec.structs.replace(answer, headers=(*answer.headers, ("X-Request-Id", id_)))

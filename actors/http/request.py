@@ -154,6 +154,9 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     host = hosts[0] if hosts else None
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
+    for name, value in ids:  # (first: a refusal of its caller names it too)
+        if name == b"x-request-id" and CONVERSATION_ID.fullmatch(value):
+            req.request_id = value.decode()
     refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
     if refused is not None:
         return refused
@@ -184,8 +187,8 @@ def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | 
 def _check_ids(req: Request, ids: list[tuple[bytes, bytes]], resumable: bool,
                ) -> Answer | None:
     """A 400 for a bad X-Conversation-Id (when corral keeps answers), or None with
-    `req.conversation` and `req.request_id` set (a request id corral cannot use is
-    replaced by one of its own, not refused)."""
+    `req.conversation` and `req.traceparent` set (`req.request_id` is set before: a
+    request id corral cannot use is replaced by one of its own, not refused)."""
     conversation = [v for n, v in ids if n == b"x-conversation-id"] if resumable else []
     if conversation:
         if len(conversation) > 1 or not CONVERSATION_ID.fullmatch(conversation[0]):
@@ -193,9 +196,7 @@ def _check_ids(req: Request, ids: list[tuple[bytes, bytes]], resumable: bool,
                           "A-Z a-z 0-9 . _ : ~ + / = @ -")
         req.conversation = conversation[0].decode()
     for name, value in ids:
-        if name == b"x-request-id" and CONVERSATION_ID.fullmatch(value):
-            req.request_id = value.decode()
-        elif name == b"traceparent":
+        if name == b"traceparent":
             req.traceparent = value.strip()
     return None
 
