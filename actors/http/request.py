@@ -154,9 +154,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     host = hosts[0] if hosts else None
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
-    for name, value in ids:  # (first: a refusal of its caller names it too)
-        if name == b"x-request-id" and CONVERSATION_ID.fullmatch(value):
-            req.request_id = value.decode()
+    _take_id(req, ids)  # (first: a refusal of its caller names it too)
     refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
     if refused is not None:
         return refused
@@ -182,6 +180,13 @@ def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | 
         return who
     req.key = who
     return None
+
+
+def _take_id(req: Request, ids: list[tuple[bytes, bytes]]) -> None:
+    """`req.request_id`: its client's X-Request-Id, where it is one corral can use."""
+    for name, value in ids:
+        if name == b"x-request-id" and CONVERSATION_ID.fullmatch(value):
+            req.request_id = value.decode()
 
 
 def _check_ids(req: Request, ids: list[tuple[bytes, bytes]], resumable: bool,
