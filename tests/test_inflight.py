@@ -94,7 +94,7 @@ def test_a_queued_and_a_running_request_are_listed_and_cancelled(served: Corral)
         return got if {"run-a", "wait-b"} <= got.keys() else None
     journal = wait_until(recorded, 15, "both in the journal")
     assert journal["wait-b"]["status"] == 499
-    assert "cancelled by POST /requests/wait-b/cancel (key 'alice')" in journal["wait-b"]["error"]
+    assert "cancelled by POST /requests/wait-b/cancel (its own key)" in journal["wait-b"]["error"]
     assert journal["run-a"]["status"] == 200 and "cancelled" in journal["run-a"]["error"]
 
 

@@ -318,3 +318,25 @@ def test_a_request_refused_at_its_head_has_an_id_and_a_record(served: Corral) ->
     status, _, headers = request(served.port, "GET", "/health", headers={
         "X-Huge": "x" * 70_000})  # (a head over the limit: bytes that were no request)
     assert status == 431 and headers["x-request-id"]
+
+
+def test_a_reader_that_holds_the_file_is_waited_for(tmp_path: Path) -> None:
+    """Review of issue 40: a reader holding the file longer than its busy timeout (a
+    backup, the sqlite3 shell) stopped the journal for the rest of the run."""
+    with Corral(toml_config({"a": {"cmd": fake_cmd()}}), home=tmp_path) as c:
+        assert request(c.port, "POST", "/v1/chat/completions",
+                       {"model": "a", "max_tokens": 1, "messages": []})[0] == 200
+        path = wait_until(lambda: next(tmp_path.rglob("journal.sqlite"), None), 15, "file")
+        wait_until(lambda: select(path, Query(), 10), 15, "the first row in the file")
+        reader = sqlite3.connect(path)
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM pages").fetchone()  # (its read lock, held)
+        ids = [request(c.port, "POST", "/v1/chat/completions",
+                       {"model": "a", "max_tokens": 1, "messages": []})[2]["x-request-id"]
+               for _ in range(3)]
+        time.sleep(7)  # (longer than the file's 5 s busy timeout: the point of the test)
+        reader.rollback()
+        reader.close()
+        wait_until(lambda: {r.id for r in select(path, Query(), 10)} >= set(ids), 30,
+                   "the rows written once the reader let go")
+        assert "stopped writing" not in c.log()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -107,3 +108,56 @@ def test_an_error_after_the_head_ends_the_stream_with_an_error_event(served: Cor
     rows: list[dict[str, Any]] = wait_until(lambda: request(
         served.port, "GET", "/requests?model=broken")[1]["data"], 15, "its record")
     assert rows[0]["status"] == 503 and rows[0]["error"]
+
+
+def unloaded(c: Corral, model: str) -> None:
+    if c.state(model) != "unloaded":
+        assert request(c.port, "POST", "/models/unload", {"model": model})[0] == 200
+    wait_until(lambda: c.state(model) == "unloaded", 15, f"{model} unloaded")
+
+
+def chunks(data: bytes) -> tuple[list[bytes], bytes]:
+    """A chunked body's chunks and what follows its end (an AssertionError: not chunked)."""
+    out = []
+    while True:
+        size, _, data = data.partition(b"\r\n")
+        n = int(size, 16)  # (a ValueError: bytes that are no chunk, an interim answer say)
+        if n == 0:
+            assert data.startswith(b"\r\n"), data[:80]
+            return out, data[2:]
+        out.append(data[:n])
+        assert data[n:n + 2] == b"\r\n"
+        data = data[n + 2:]
+
+
+def test_a_loading_stream_is_chunks_only_and_its_close_is_said(served: Corral) -> None:
+    """Review of issue 40: corral's own probe (100 Continue, for a client behind a
+    pipelined request) and a child's interim answers must not come inside the chunks;
+    a client that says close is told close."""
+    unloaded(served, "slow")
+    body = json.dumps({"model": "slow", "stream": True, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as s:
+        s.sendall(head + body + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # pipelined
+        data = b""
+        while b"\r\n0\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            more = s.recv(65536)
+            assert more, data[-300:]
+            data += more
+    first, _, rest = data.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200") and b"Connection: keep-alive" in first
+    events, after = chunks(rest)
+    assert b"100 Continue" not in b"".join(events)
+    assert any(e.startswith(b": corral: waiting") for e in events)
+    assert events[-1].rstrip().endswith(b"data: [DONE]")
+    assert after.startswith(b"HTTP/1.1 200")  # the pipelined request's, after the stream
+
+    unloaded(served, "slow")
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as s:
+        s.sendall(head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + body)
+        data = b""
+        while more := s.recv(65536):  # (to the close)
+            data += more
+    assert b"Connection: close" in data.partition(b"\r\n\r\n")[0]

@@ -96,3 +96,28 @@ def test_each_copy_of_a_model_with_replicas_is_labelled(tmp_path: Path) -> None:
         assert sample(text, "corral_child_scrape_ok", model="r", copy="r@2") == 1
         assert sample(text, "fake:requests_processing", model="r", copy="r") == 0
         assert sample(text, "fake:requests_processing", model="r", copy="r@2") == 0
+
+
+def test_a_childs_figures_are_numbers_or_nothing() -> None:
+    """Review of issue 40: "nan" or a negative speed made the histograms' sums NaN."""
+    from actors.http.figures import said
+    got = said(b'{"timings":{"predicted_per_second":"nan","prompt_per_second":-7,'
+               b'"predicted_n":3}}', whole=True)
+    assert got is not None and got.completion == 3
+    assert got.prompt_per_s is None and got.predicted_per_s is None
+
+
+def test_childrens_families_that_clash_or_do_not_parse_are_left_out() -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.openmetrics.exposition import generate_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from actors.http.scrape import Children
+    texts = ['# TYPE h histogram\nh_bucket{le="abc"} 1\nh_bucket{le="+Inf"} 1\nh_count 1\n'
+             'h_sum 1\n# TYPE g gauge\ng 1\n', "# TYPE g counter\ng_total 2\n"]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Children([("a", "", 1), ("b", "", 2)], texts))
+    out = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(out)}  # (OpenMetrics)
+    assert "h" not in families and families["g"].type == "gauge"
+    assert [s.labels["model"] for s in families["g"].samples] == ["a"]

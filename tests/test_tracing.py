@@ -153,3 +153,31 @@ def test_a_bad_endpoint_is_named(tmp_path: Path) -> None:
                           str(config)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "tracing: endpoint must be an http:// or https:// URL" in out.stderr
+
+
+def test_a_collector_that_answers_garbage_once_gets_the_next_batches(tmp_path: Path) -> None:
+    """Review of issue 40: an answer that is not HTTP killed the exporter's thread."""
+    import socket as sock
+
+    server = sock.create_server(("127.0.0.1", 0))
+    got: list[bytes] = []
+
+    def collector() -> None:
+        for n in range(2):
+            conn, _ = server.accept()
+            with conn:
+                data = conn.recv(1 << 20)
+                got.append(data)
+                conn.sendall(b"garbage\r\n\r\n" if n == 0 else
+                             b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    threading.Thread(target=collector, daemon=True).start()
+    try:
+        with serving(tmp_path, toml_config({"a": {"cmd": fake_cmd()}}, tracing={
+                "endpoint": f"http://127.0.0.1:{server.getsockname()[1]}"})) as c:
+            assert chat(c.port, "a")[0] == 200
+            wait_until(lambda: len(got) == 1, 15, "the first batch")
+            assert chat(c.port, "a")[0] == 200
+            wait_until(lambda: len(got) == 2, 15, "the next batch, after the garbage")
+            assert "traces could not be sent" in c.log()
+    finally:
+        server.close()

@@ -155,7 +155,7 @@ class Connection(Timers, asyncio.Protocol):
         EOF would not be seen)."""
         ex = self.exchange
         if (self.transport is None or ex is None or ex.phase not in _BEFORE_ANSWER
-                or ex.req.http10):
+                or ex.req.http10 or ex.head_sent):  # (a loading head: its ticks probe)
             self.probing = False
             return
         self.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -334,13 +334,14 @@ class Exchange(Relay):
 
     def place(self) -> int:
         """Its place among this front's requests queued for its model (loading.py)."""
-        mine = self.trace
-        return 1 + sum(ex.phase is Phase.WAITING and ex.trace.model == mine.model
-                       and ex.trace.started < mine.started
-                       for ex in self.services.live.exchanges)
+        return self.services.live.place(self, self.loop.time())
 
     def board(self) -> Waiting | None:
         return self.services.board.get(self.trace.model)
+
+    def keeps_alive(self) -> bool:
+        self.keep_alive = self._may_keep_alive()  # (what its loading head says holds)
+        return self.keep_alive
 
     @property
     def key_name(self) -> str:

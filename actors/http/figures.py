@@ -8,6 +8,7 @@ a whole answer), for /metrics and the journal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import msgspec
@@ -123,7 +124,13 @@ def _of(e: Envelope | None) -> Said | None:
         prompt = prompt if prompt is not None else p
         completion = completion if completion is not None else c
         cached = cached if cached is not None else k
-    return Said(prompt, completion, cached, t.prompt_per_second, t.predicted_per_second)
+    return Said(prompt, completion, cached, rate(t.prompt_per_second),
+                rate(t.predicted_per_second))
+
+
+def rate(value: float | None) -> float | None:
+    """A speed a child said: a finite number above 0, or none."""
+    return value if value is not None and 0 < value < math.inf else None
 
 
 def _last(tail: bytes | bytearray, key: bytes, decode: Callable[[memoryview], object]) -> object:

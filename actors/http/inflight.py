@@ -18,6 +18,7 @@ from .journaling import Trace
 from .phase import Phase
 
 CANCELLED = "cancelled"
+PLACES_EVERY_S = 0.5
 
 
 class Running(msgspec.Struct, kw_only=True):
@@ -65,6 +66,20 @@ class Live:
 
     def __init__(self) -> None:
         self.exchanges: set[Cancellable] = set()
+        self.places: dict[Cancellable, int] = {}
+        self.placed_at = -1.0
+
+    def place(self, ex: Cancellable, now: float) -> int:
+        """`ex`'s place among the requests queued here for its model, by arrival (all of
+        them placed at once, at most once each PLACES_EVERY_S: every waiting stream asks
+        each second, loading.py)."""
+        if now - self.placed_at > PLACES_EVERY_S:
+            self.placed_at, self.places = now, {}
+            counts: dict[str, int] = {}
+            for w in sorted((w for w in self.exchanges if w.phase is Phase.WAITING),
+                            key=lambda w: w.trace.started):
+                self.places[w] = counts[w.trace.model] = counts.get(w.trace.model, 0) + 1
+        return self.places.get(ex, 1)
 
     def running(self, now: float) -> list[Running]:
         """Every one, `now` the loop's time."""

@@ -97,6 +97,9 @@ class Shown(Protocol):
 
     def board(self) -> Waiting | None: ...
 
+    def keeps_alive(self) -> bool:
+        """Whether its connection may serve another request after this answer."""
+
 
 class Loading:
     """One waiting stream's: armed when it asks, stopped at its grant."""
@@ -125,7 +128,8 @@ class Loading:
                 b"HTTP/1.1 200 OK", b"Content-Type: text/event-stream",
                 b"Cache-Control: no-cache", *CHILD_HEADERS,
                 b"X-Request-Id: " + self.ex.trace.id.encode(),
-                b"Transfer-Encoding: chunked", b"Connection: keep-alive")) + b"\r\n\r\n")
+                b"Transfer-Encoding: chunked", b"Connection: keep-alive"
+                if self.ex.keeps_alive() else b"Connection: close")) + b"\r\n\r\n")
         self.ex.write(chunk(self._event(self.text(loop.time()))))
         self.handle = loop.call_later(TICK_S, self._tick, loop)
 

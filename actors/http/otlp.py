@@ -49,7 +49,7 @@ class Ended(Protocol):
     until: float
 
 EXPORT_EVERY_S = 1.0
-MAX_PENDING = 20_000
+MAX_PENDING = 10_000
 POST_TIMEOUT_S = 5.0
 WARN_EVERY_S = 60.0
 SERVER, CLIENT, INTERNAL = (Span.SpanKind.SPAN_KIND_SERVER, Span.SpanKind.SPAN_KIND_CLIENT,
@@ -186,7 +186,7 @@ class Exporter:
                     timeout=POST_TIMEOUT_S) as answer:
                 answer.read()
             self.sent += len(batch)
-        except (OSError, urllib.error.URLError) as e:  # (an HTTPError too)
+        except Exception as e:  # (OSError, an HTTP error, an answer that is not HTTP)
             self.dropped += len(batch)
             if time.monotonic() - self.warned > WARN_EVERY_S:
                 self.warned = time.monotonic()

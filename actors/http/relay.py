@@ -69,8 +69,13 @@ class Relay:
         return (self.keep_alive and not self.services.draining
                 and (self.req.upload is None or self.req.complete))
 
+    @property
+    def head_sent(self) -> bool:
+        """Its answer's head went before its grant (loading.py): only chunks follow."""
+        return self.loading is not None and self.loading.sent
+
     def response_interim(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        if self.phase is not Phase.FORWARDING or self.req.http10:
+        if self.phase is not Phase.FORWARDING or self.req.http10 or self.head_sent:
             return  # an HTTP/1.0 client knows no interim answers
         self.out.append(interim_head(status, headers))
 
@@ -145,9 +150,10 @@ class Relay:
 
     def response_done(self) -> None:
         self.upstream = None  # given back to its pool, or closed, by itself
-        if self.held is not None:
+        if self.held is not None:  # (an answer that is no stream: an error to its client)
             said = self.held.decode("utf-8", "replace")
             self.trace.error = f"{self.what} answered {self.status}: {said}"[:1000]
+            self.status = self.status if self.status >= 400 else 502
             self.out.append(error_event(self.status, self.trace.error))
         if self.chunked:
             self.out.append(b"0\r\n\r\n")

@@ -99,7 +99,8 @@ class RequestsApi:
         id_ = request.match_info["id"]
         rule: KeyRule | None = request.get("key")
         key = rule.name if rule is not None and not rule.admin else None
-        by = f"POST /requests/{id_}/cancel" + (f" (key '{rule.name}')" if rule else "")
+        by = f"POST /requests/{id_}/cancel" + ("" if rule is None else " (an admin key)"
+                                              if rule.admin else " (its own key)")
         _, n = await self._running(id_, key, by)
         if not n:
             return error(404, f"no request '{id_}' is queued or running"

@@ -104,9 +104,31 @@ class Children(Collector):
             if family.name.startswith("corral_"):
                 continue  # (corral's own names are corral's)
             into = families.get(family.name)
+            why = ("another child's has another type" if into is not None
+                   and into.type != family.type else "" if _bounds_read(family)
+                   else "a bucket or quantile that is not a number")
+            if why:
+                log.info("%s: its /metrics family %s is left out (%s)", model, family.name,
+                         why)
+                continue
             if into is None:
                 into = families[family.name] = Metric(family.name, family.documentation,
                                                       family.type, family.unit)
             into.samples += [s._replace(labels={**s.labels, **labels})
                              for s in family.samples]
         return True
+
+
+def _bounds_read(family: Metric) -> bool:
+    """Every `le` of a histogram's buckets and `quantile` of a summary is a number (the
+    text format lets any string through; OpenMetrics would then refuse all of it)."""
+    bound = {"histogram": "le", "gaugehistogram": "le", "summary": "quantile"}.get(family.type)
+    if bound is None:
+        return True
+    try:
+        for s in family.samples:
+            if bound in s.labels:
+                float(s.labels[bound])
+    except ValueError:
+        return False
+    return True

@@ -16,6 +16,7 @@ With `[tracing]` off none of this runs, and otlp.py (the `otel` extra) is not im
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
@@ -38,7 +39,9 @@ class Ended:
 
     def __init__(self, spans: Spans, trace: Trace, req: Request, status: int,
                  stream: bool, until: float) -> None:
-        self.spans, self.trace, self.status, self.stream = spans, trace, status, stream
+        kept = copy.copy(trace)  # (its times: not its bodies, which may be large)
+        kept.tail = kept.answer = kept.asked = None
+        self.spans, self.trace, self.status, self.stream = spans, kept, status, stream
         self.method, self.path = req.method, req.url.partition(b"?")[0]
         self.key = req.key.name if req.key is not None else ""
         self.said: Said | None = trace.said

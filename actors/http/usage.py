@@ -50,6 +50,7 @@ from .figures import (
     decode_usage,
     of_timings,
     of_usage,
+    rate,
 )
 
 BYTES_PER_TOKEN = 4
@@ -192,7 +193,7 @@ class Meter:
             self.cached = max(self.cached or 0, cached)
         if isinstance(figures, Timings) and (figures.prompt_per_second is not None
                                              or figures.predicted_per_second is not None):
-            self.speeds = (figures.prompt_per_second, figures.predicted_per_second)
+            self.speeds = (rate(figures.prompt_per_second), rate(figures.predicted_per_second))
         if prompt is not None:
             self._take(at, prompt)
         if completion is not None:

@@ -60,6 +60,8 @@ class Journal:
         """Rows the file lost: the feeder was too far behind, or the file broke."""
         self.written = 0
         """Rows the writer wrote (known once it has ended: `close`)."""
+        self.unreadable = False
+        """A query found the file unreadable (said once in the log)."""
         self.writer: subprocess.Popen[bytes] | None = None
         self.thread: threading.Thread | None = None
         if path is not None:
@@ -96,13 +98,15 @@ class Journal:
         first: the ring's (those not in the file yet among them), then the file's."""
         limit = max(1, min(q.limit, MAX_LIMIT))
         newest = [r for r in reversed(self.ring) if q.matches(r)][:limit]
-        if self.broken is None and self.path is not None and self.path.exists():
+        if self.path is not None and self.path.exists():  # (what it has, written or not)
             try:
                 seen = {(r.id, r.at) for r in newest}
                 newest += [r for r in select(self.path, q, limit) if (r.id, r.at) not in seen]
             except Exception as e:  # (sqlite3.Error, a page it cannot decode)
-                log.warning("the journal's file could not be read (%s); answered from the "
-                            "%d records in memory", e, len(self.ring))
+                if not self.unreadable:
+                    log.warning("the journal's file could not be read (%s); answered from "
+                                "the %d records in memory", e, len(self.ring))
+                self.unreadable = True
         return newest[:limit]
 
     # ------------------------------------------------------------ the feeder thread

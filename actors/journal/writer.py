@@ -12,9 +12,11 @@ open or write prints `broken: WHY` and exits 3, and corral's ring goes on withou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import sqlite3
 import struct
 import sys
 import time
@@ -31,6 +33,8 @@ from .record import Head
 _heads = msgspec.msgpack.Decoder(list[Head]).decode
 _raws = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
 _LENGTH = struct.Struct(">I")
+BUSY_TRIES = 12
+"""With the file's 5 s busy timeout: a reader may hold it a minute before the file stops."""
 
 
 def pages(frame: bytes) -> tuple[list[tuple[object, ...]], int]:
@@ -64,6 +68,22 @@ def frames(stream: BinaryIO) -> Iterable[bytes]:
         yield stream.read(_LENGTH.unpack(head)[0])
 
 
+def commit(db: sqlite3.Connection, made: list[tuple[object, ...]]) -> None:
+    """Pages in one transaction (a statement alone would be one each); a reader that holds
+    the file (a backup, the sqlite3 shell) is waited for, BUSY_TRIES times its timeout."""
+    for tries in range(BUSY_TRIES):
+        try:
+            db.execute("BEGIN")
+            db.executemany(INSERT, made)
+            db.execute("COMMIT")
+            return
+        except sqlite3.OperationalError as e:
+            if ("locked" not in str(e) and "busy" not in str(e)) or tries == BUSY_TRIES - 1:
+                raise
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.nice(10)  # (background work: the fronts and the children go first)
@@ -75,9 +95,7 @@ def main(argv: list[str]) -> int:
         pruned = 0.0
         for frame in frames(sys.stdin.buffer):
             made, n = pages(frame)
-            db.execute("BEGIN")  # (one transaction: a statement alone would be one each)
-            db.executemany(INSERT, made)
-            db.execute("COMMIT")
+            commit(db, made)
             written += n
             if time.monotonic() - pruned > PRUNE_EVERY_S:
                 prune(db, keep_days, max_mib)
