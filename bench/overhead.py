@@ -208,7 +208,7 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
             if old:
                 cpu["corral-baseline"] = old.pids()
             if bare:
-                cpu["corral-nojournal"] = bare.pids()
+                cpu["corral-nojournal"] = bare.pids(journal=False)
 
             def targets(model: str) -> dict[str, tuple[str, str]]:
                 out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),

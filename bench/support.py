@@ -159,12 +159,17 @@ class Corral:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def pids(self) -> tuple[int, ...]:
-        """corral's process and its journal's writer (a child of its own, when on): what
-        a bench charges corral's CPU to."""
-        writers = [p.pid for p in psutil.Process(self.proc.pid).children()
-                   if "actors.journal.writer" in " ".join(p.cmdline())]
-        return (self.proc.pid, *writers)
+    def pids(self, journal: bool = True, wait_s: float = 3.0) -> tuple[int, ...]:
+        """corral's process and its journal's writer (a child of its own, started by the
+        first rows: waited for up to `wait_s` with `journal`): what a bench charges
+        corral's CPU to."""
+        deadline = time.monotonic() + (wait_s if journal else 0.0)
+        while True:
+            writers = [p.pid for p in psutil.Process(self.proc.pid).children()
+                       if "actors.journal.writer" in " ".join(p.cmdline())]
+            if writers or time.monotonic() >= deadline:
+                return (self.proc.pid, *writers)
+            time.sleep(0.05)
 
     def models(self) -> dict[str, dict[str, Any]]:
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else None

@@ -112,30 +112,41 @@ class Journal:
     # ------------------------------------------------------------ the feeder thread
 
     def _feed(self) -> None:
+        writer = None  # (started by the first rows: a corral that serves none has none)
+        while True:
+            stop = self.closing.wait(BATCH_WAIT_S)
+            with self.lock:
+                batch, self.pending = self.pending, []
+            if batch and writer is None and (writer := self._start()) is None:
+                return
+            try:
+                if batch and writer is not None and writer.stdin is not None:
+                    data = _encode(batch)
+                    writer.stdin.write(_LENGTH.pack(len(data)) + data)
+                    writer.stdin.flush()
+            except OSError:  # (its stdin closed: it broke, and said why)
+                self.dropped += len(batch)
+            if stop or (writer is not None and writer.poll() is not None):
+                break
+        if writer is not None:
+            self._end(writer)
+
+    def _start(self) -> subprocess.Popen[bytes] | None:
         assert self.path is not None
         try:
-            self.writer = writer = subprocess.Popen(
+            self.writer = subprocess.Popen(
                 [sys.executable, "-m", "actors.journal.writer", str(self.path),
                  repr(self.config.keep_days), repr(self.config.max_mib)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=_ROOT,
                 start_new_session=True)  # (Ctrl-C is corral's: it ends with its stdin)
         except OSError as e:
             self._broke(f"its writer could not start: {e}")
-            return
+            return None
+        return self.writer
+
+    def _end(self, writer: subprocess.Popen[bytes]) -> None:
+        """Close its stdin (it writes what it has, then exits) and read what it says."""
         assert writer.stdin is not None and writer.stdout is not None
-        while True:
-            stop = self.closing.wait(BATCH_WAIT_S)
-            with self.lock:
-                batch, self.pending = self.pending, []
-            try:
-                if batch:
-                    data = _encode(batch)
-                    writer.stdin.write(_LENGTH.pack(len(data)) + data)
-                    writer.stdin.flush()
-            except OSError:  # (its stdin closed: it broke, and said why)
-                self.dropped += len(batch)
-            if writer.poll() is not None or stop:
-                break
         try:
             writer.stdin.close()
         except OSError:
