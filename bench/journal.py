@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from actors.config.journal import JournalConfig
-from actors.journal.record import Row, Said
+from actors.journal.record import Row, Said, encode
 from actors.journal.store import Journal, Query
 from bench.common import machine, write_json
 
@@ -45,7 +45,7 @@ def one_round(n: int) -> dict[str, float]:
                    for i in range(n)]
         began, children = time.process_time(), _children_cpu()
         for record in records:
-            journal.add(record)
+            journal.add(encode(record))
         journal.close(600)
         cpu_us = (time.process_time() - began) / n * 1e6
         writer_us = (_children_cpu() - children) / n * 1e6  # (it has exited: close)

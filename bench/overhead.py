@@ -4,7 +4,8 @@ interleaved round by round in one run.
     python -m bench overhead [--rounds 3] [--requests 600] [--json FILE]
     python -m bench overhead --llama-server BIN     # also: corral vs llama-server's router
     python -m bench overhead --baseline REV         # also: the corral of git revision REV
-    python -m bench overhead --journal-off          # also: corral with [journal] off
+    python -m bench overhead --journal-off          # instead: the journal's cost, on
+                                                    # against off (bench/journal_cost.py)
 
 Small non-streaming requests (max_tokens 1) at concurrency 1, 16 and 64, and streams at
 1, 64 and 256 at once from a child that streams at --tokens-per-s (a realistic rate).
@@ -29,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from actors.runtime import loop
+from bench import journal_cost
 from bench.common import (
     Result,
     baseline,
@@ -44,10 +46,6 @@ from bench.common import (
     write_json,
 )
 from bench.support import Corral, fake_cmd, toml_config
-
-SETTLE_S = 1.0
-"""After a case's last round: what its processes still do for it (a journal's writer
-flushes every 0.25 s) is counted in their whole-case CPU."""
 
 
 @dataclass
@@ -66,9 +64,6 @@ class Side:
     """Every round of one way of sending the requests."""
 
     rounds: list[Round] = field(default_factory=list)
-    whole_cpu_s: float = 0.0
-    """Its processes' CPU from before its first round to a settle after the case's last:
-    what a process does after a round (a journal's writer) is counted too."""
 
     def rate(self, per: str = "requests") -> float:
         """The median over rounds of requests (or tokens) per second."""
@@ -118,17 +113,12 @@ async def compare(s: aiohttp.ClientSession, targets: dict[str, tuple[str, str]],
     `cpu` names the processes (by pid) whose CPU time each side's rounds are charged."""
     sides = {name: Side() for name in targets}
     names = list(targets)
-    before = {name: sum(map(cpu_seconds, pids)) for name, pids in (cpu or {}).items()}
     for i in range(rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
             url, model = targets[name]
             sides[name].rounds.append(await run_round(
                 s, url, model, n, concurrency, stream=stream, max_tokens=max_tokens,
                 extra=extra, cpu_of=(cpu or {}).get(name, ())))
-    await asyncio.sleep(SETTLE_S)
-    for name, pids in (cpu or {}).items():
-        if name in sides:
-            sides[name].whole_cpu_s = sum(map(cpu_seconds, pids)) - before[name]
     return sides
 
 
@@ -152,7 +142,6 @@ def row(case: str, sides: dict[str, Side], base: str, other: str, per: str) -> d
                          for rd in cpu_rounds)
             out[f"{name}_cpu_us_per_{per[:-1]}"] = (sum(rd.cpu_s for rd in cpu_rounds)
                                                     / max(served, 1) * 1e6)
-            out[f"{name}_whole_cpu_us_per_{per[:-1]}"] = side.whole_cpu_s / max(served, 1) * 1e6
     return out
 
 
@@ -172,11 +161,6 @@ def print_rows(rows: list[dict[str, Any]], base: str, other: str) -> None:
         print(f"{r['case'] + ' (' + unit + ')':<36} {r[r['base']]:>12,.0f} "
               f"{r[r['other']]:>12,.0f} "
               f"{r['ratio']:>7.3f} {p50:>8.2f} {p99:>8.2f} {cpu:>14}")
-        if r["case"].endswith("[journal]"):  # corral's CPU without it, then with it
-            whole = [r.get(f"{r[side]}_whole_cpu_us_per_{per}") for side in ("base", "other")]
-            if None not in whole:
-                print(f"{'  whole case, its writer included':<36} cpu us {whole[0]:.1f} / "
-                      f"{whole[1]:.1f}: {whole[1] / whole[0] - 1:+.1%}")
 
 
 def fake_config(args: argparse.Namespace, **top: Any) -> str:
@@ -193,54 +177,39 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
         old = (stack.enter_context(Corral(toml, root=args.baseline_root,
                                                    log_level="WARNING"))
                if args.baseline_root else None)
-        # --journal-off: the same corral without its request journal, in the same run
-        bare = (stack.enter_context(Corral(fake_config(args, journal={"enabled": False}),
-                                           log_level="WARNING")) if args.journal_off else None)
         async with session() as s:
             for model in ("small", "stream"):  # load both; learn their children's ports
                 await send(s, corral.url, model)
-                for other in (old, bare):
-                    if other:
-                        await send(s, other.url, model)
+                if old:
+                    await send(s, old.url, model)
             listing = await get_json(s, corral.url + "/models")
             ports = {m["id"]: m["port"] for m in listing["data"]}
             cpu = {"corral": corral.pids()}  # (its journal's writer too)
             if old:
                 cpu["corral-baseline"] = old.pids()
-            if bare:
-                cpu["corral-nojournal"] = bare.pids(journal=False)
 
             def targets(model: str) -> dict[str, tuple[str, str]]:
                 out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),
                        "corral": (corral.url, model)}
                 if old:
                     out["corral-baseline"] = (old.url, model)
-                if bare:
-                    out["corral-nojournal"] = (bare.url, model)
                 return out
 
-            others = ["corral"] + [name for name, on in (("corral-baseline", old),
-                                                         ("corral-nojournal", bare)) if on]
+            others = ["corral"] + (["corral-baseline"] if old else [])
             for c in args.concurrency:
                 sides = await compare(s, targets("small"), args.rounds,
                                       max(args.requests, c), c, stream=False, max_tokens=1,
                                       cpu=cpu)
                 for other in others:
                     rows.append(row(f"small c={c}", sides, "direct", other, "requests"))
-                if bare:  # the journal's own cost: corral against corral without it
-                    rows.append(row(f"small c={c} [journal]", sides, "corral-nojournal",
-                                    "corral", "requests"))
-                print_rows(rows[-len(others) - bool(bare):], "direct", "corral")
+                print_rows(rows[-len(others):], "direct", "corral")
             n_tokens = int(args.tokens_per_s * args.stream_seconds)
             for n in args.streams:
                 sides = await compare(s, targets("stream"), args.rounds, n, n, stream=True,
                                       max_tokens=n_tokens, cpu=cpu)
                 for other in others:
                     rows.append(row(f"streams n={n}", sides, "direct", other, "tokens"))
-                if bare:
-                    rows.append(row(f"streams n={n} [journal]", sides, "corral-nojournal",
-                                    "corral", "tokens"))
-                print_rows(rows[-len(others) - bool(bare):], "direct", "corral")
+                print_rows(rows[-len(others):], "direct", "corral")
     return rows
 
 
@@ -284,9 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", metavar="REV",
                     help="also the corral of git revision REV (a worktree), side by side")
     ap.add_argument("--journal-off", action="store_true",
-                    help="also corral with [journal] enabled = false, side by side")
+                    help="instead: corral with its journal against corral without it (and "
+                         "against a control without it), in --pairs sets of processes")
+    ap.add_argument("--pairs", type=int, default=9, help="with --journal-off")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.journal_off:
+        write_json(args.json, {"bench": "overhead --journal-off", "machine": machine(),
+                               "params": {k: v for k, v in vars(args).items() if k != "json"},
+                               "rows": _run(journal_cost.run(args, fake_config))})
+        return 0
     with baseline(args.baseline) as args.baseline_root:
         rows = _run(fake_side_by_side(args))
         if args.llama_server:

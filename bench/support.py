@@ -161,15 +161,23 @@ class Corral:
 
     def pids(self, journal: bool = True, wait_s: float = 3.0) -> tuple[int, ...]:
         """corral's process and its journal's writer (a child of its own, started by the
-        first rows: waited for up to `wait_s` with `journal`): what a bench charges
-        corral's CPU to."""
+        first rows: waited for up to `wait_s` with `journal`, and then until it is idle):
+        what a bench charges corral's CPU to."""
         deadline = time.monotonic() + (wait_s if journal else 0.0)
         while True:
-            writers = [p.pid for p in psutil.Process(self.proc.pid).children()
+            writers = [p for p in psutil.Process(self.proc.pid).children()
                        if "actors.journal.writer" in " ".join(p.cmdline())]
             if writers or time.monotonic() >= deadline:
-                return (self.proc.pid, *writers)
+                break
             time.sleep(0.05)
+        last = None  # its start (an interpreter's, its imports) is no request's cost:
+        while writers and time.monotonic() < deadline + wait_s:  # until it is idle
+            cpu = sum(sum(w.cpu_times()[:2]) for w in writers)
+            if cpu == last:
+                break
+            last = cpu
+            time.sleep(0.3)
+        return (self.proc.pid, *(w.pid for w in writers))
 
     def models(self) -> dict[str, dict[str, Any]]:
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else None

@@ -52,16 +52,25 @@ def test_overhead_bench_runs(tmp_path) -> None:
     path = tmp_path / "o.json"
     bench("overhead", "--rounds", "1", "--requests", "20", "--concurrency", "2",
           "--streams", "2", "--tokens-per-s", "50", "--stream-seconds", "0.2",
-          "--journal-off", "--json", str(path))
+          "--json", str(path))
     rows = json.loads(path.read_text())["rows"]
-    assert [r["case"] for r in rows] == [
-        "small c=2", "small c=2 [corral-nojournal]", "small c=2 [journal]", "streams n=2",
-        "streams n=2 [corral-nojournal]", "streams n=2 [journal]"]
+    assert [r["case"] for r in rows] == ["small c=2", "streams n=2"]
     assert rows[0]["errors"] == {"direct": 0, "corral": 0}
-    assert rows[0]["corral"] > 0 and rows[3]["corral"] > 0
-    # The journal's row: corral with it against corral without, its writer's CPU in.
-    assert rows[2]["corral_whole_cpu_us_per_request"] > 0
-    assert rows[2]["corral-nojournal_whole_cpu_us_per_request"] > 0
+    assert rows[0]["corral"] > 0 and rows[1]["corral"] > 0
+    assert rows[0]["corral_cpu_us_per_request"] > 0
+
+
+def test_the_journals_cost_bench_runs(tmp_path) -> None:
+    """Corral with its journal, without, and the control, in one set of processes."""
+    path = tmp_path / "j.json"
+    bench("overhead", "--journal-off", "--pairs", "1", "--requests", "20", "--concurrency",
+          "2", "--streams", "2", "--tokens-per-s", "50", "--stream-seconds", "0.2",
+          "--json", str(path))
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["small c=2", "streams n=2"]
+    assert all(r["errors"] == 0 and r["sets"] == 1 for r in rows)
+    assert all(r["cpu_us"][side] > 0 for r in rows for side in ("on", "off", "control"))
+    assert rows[0]["journal_cpu_us"]["writer"] > 0  # (its writer's own, counted apart)
 
 
 def test_lease_bench_runs(tmp_path) -> None:

@@ -17,7 +17,6 @@ import msgspec
 
 from ..config.model import HttpConfig
 from ..config.tracing import TracingConfig
-from ..journal.record import Row
 from ..messages import AnswerLate, Cut, Grant, HistogramView, Refusal, Revoke, Withdraw
 from .inflight import Running
 from .loading import Waiting
@@ -190,9 +189,10 @@ class StreamEnd(Frame, frozen=True):
 
 
 class Journaled(Frame, frozen=True):
-    """A request's record, for corral's journal."""
+    """A request's record, for corral's journal: its row as the journal keeps it
+    (record.py `encode`), inline in the frame."""
 
-    row: Row
+    row: msgspec.Raw
 
 
 FromWorker = (Ask | Let | Spent | LetAll | Revoked | Again | Uncut | Drop | Late | Counted

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..journal.record import Record, Row, Said
+from ..journal.record import Record, Row, Said, encode
 from ..messages import Grant
 from .edge import Answer
 from .figures import said
@@ -54,7 +54,7 @@ class Recorder(Protocol):
     capture: int
     """[journal] capture: bytes of each body and answer its records keep (0: none)."""
 
-    def add(self, row: Row) -> None: ...
+    def add(self, row: bytes) -> None: ...
 
 
 class Trace:
@@ -120,6 +120,7 @@ class Trace:
         elif (tail := self.tail):
             self.said = said(tail, whole=not stream and self.bytes_out == len(tail))
         return self.said
+
     def asking(self, now: float) -> None:
         self.asked_at = now
 
@@ -135,17 +136,18 @@ class Trace:
 
 
 def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: float,
-           meter: Meter | None, streamed: bool) -> Row:
-    """The row of a request at its end: little more than its figures, copied."""
+           meter: Meter | None, streamed: bool) -> bytes:
+    """The row of a request at its end, encoded (a tuple of `Row`'s fields, in order):
+    little more than its figures, copied."""
     url = req.url
-    return Row(t.id, t.at, req.key.name if req.key is not None else "", t.model, t.served,
-               status, req.method,
-               url.partition(b"?")[0][:512] if b"?" in url else url[:512], t.copy,
-               t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited,
-               t.room, None if first_at is None else first_at - t.started,
-               None if t.first_body is None or not streamed else t.first_body - t.started,
-               now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
-               bytes(t.answer) if t.answer is not None else None)
+    return encode((t.id, t.at, req.key.name if req.key is not None else "", t.model, t.served,
+                   status, req.method,
+                   url.partition(b"?")[0][:512] if b"?" in url else url[:512], t.copy,
+                   t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited, t.room,
+                   None if first_at is None else first_at - t.started,
+                   None if t.first_body is None or not streamed else t.first_body - t.started,
+                   now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
+                   bytes(t.answer) if t.answer is not None else None))
 
 
 def record_of(r: Row, bodies: bool = False) -> Record:
@@ -171,8 +173,9 @@ def refused(answer: Answer, req: Request | None, recorder: Recorder | None) -> A
     big; or bytes that were none): with an id, and (a request's) its record."""
     id_ = req.request_id if req is not None and req.request_id else new_id()
     if req is not None and recorder is not None:
-        recorder.add(Row(id_, time.time(), req.key.name if req.key is not None else "", "",
-                         "", answer.status, req.method, req.url.partition(b"?")[0][:512], "",
-                         answer.message[:1000], req.body_size, 0, 0.0, "", (), None, None,
-                         0.0, None, False, False))
+        recorder.add(encode(Row(
+            id_, time.time(), req.key.name if req.key is not None else "", "", "",
+            answer.status, req.method, req.url.partition(b"?")[0][:512], "",
+            answer.message[:1000], req.body_size, 0, 0.0, "", (), None, None, 0.0, None, False,
+            False)))
     return msgspec.structs.replace(answer, headers=(*answer.headers, ("X-Request-Id", id_)))

@@ -196,7 +196,7 @@ class Link:
                 self._kept(message)
             case Journaled(row=row):
                 if self.recorder is not None:
-                    self.recorder.add(row)
+                    self.recorder.add(bytes(row))
             case Listening(port=port):
                 if not self.listening.done():
                     self.listening.set_result(port)

@@ -17,7 +17,6 @@ import sys
 import msgspec
 import pykka
 
-from ..journal.record import Row
 from ..messages import (
     Acquire,
     AnswerLate,
@@ -164,8 +163,8 @@ class RemoteRecorder:
         self.corral = corral
         self.capture = capture
 
-    def add(self, row: Row) -> None:
-        self.corral._send(Journaled(row=row))
+    def add(self, row: bytes) -> None:
+        self.corral._send(Journaled(row=msgspec.Raw(row)))
 
 
 class RemoteTee:

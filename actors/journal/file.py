@@ -17,7 +17,7 @@ from .record import Row
 
 log = logging.getLogger("corral.journal")
 
-PAGE = 100
+PAGE = 500
 """Rows in one page of the file, at most."""
 PRUNE_EVERY_S = 60.0
 MAX_LIMIT = 10_000

@@ -83,7 +83,12 @@ class Head(msgspec.Struct, array_like=True, gc=False):
 class Row(msgspec.Struct, array_like=True, gc=False):
     """A request as the fronts hand it in: its figures raw, made a `Record` only when it
     is read (actors/http/journaling.py), so that writing one costs a request little. What
-    the file's pages are selected by comes first: its writer reads those alone (`Head`)."""
+    the file's pages are selected by comes first: its writer reads those alone (`Head`).
+
+    A front hands it in encoded (`encode` of a tuple of these fields, in this order: the
+    same msgpack array as the struct's): one bytes object a row is what the ring keeps
+    and the feeder joins, where a struct (measured: +7 to +13 % CPU at c=16) or a tuple
+    (which the collector tracks) held a dozen objects a request allocated."""
 
     id: str
     at: float
@@ -111,3 +116,22 @@ class Row(msgspec.Struct, array_like=True, gc=False):
     """Its body's first [journal] capture_kib (capture = true)."""
     answer: bytes | None = None
     """Its answer's body's first capture_kib (capture = true)."""
+
+
+
+encode = msgspec.msgpack.Encoder().encode
+"""A row (a `Row`, or a tuple of its fields in order) as the journal keeps it."""
+_rows = msgspec.msgpack.Decoder(list[Row]).decode
+
+
+def array(raws: list[bytes] | list[msgspec.Raw]) -> bytes:
+    """Encoded rows as one msgpack array of them."""
+    n = len(raws)
+    head = (bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 65536
+            else b"\xdd" + n.to_bytes(4, "big"))
+    return head + b"".join(raws)
+
+
+def decoded(raws: list[bytes]) -> list[Row]:
+    """Encoded rows, decoded in one call."""
+    return _rows(array(raws))

@@ -21,15 +21,15 @@ import struct
 import sys
 import time
 from collections.abc import Iterable
-from operator import attrgetter
 from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
 
 from .file import INSERT, PAGE, PAIR, PRUNE_EVERY_S, SEP, open_file, prune
-from .record import Head
+from .record import Head, array
 
+_astuple = msgspec.structs.astuple
 _heads = msgspec.msgpack.Decoder(list[Head]).decode
 _raws = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
 _LENGTH = struct.Struct(">I")
@@ -47,16 +47,11 @@ def pages(frame: bytes) -> tuple[list[tuple[object, ...]], int]:
 
 
 def page(heads: list[Head], raws: list[msgspec.Raw]) -> tuple[object, ...]:
-    models, served, keys = (list(map(attrgetter(a), heads)) for a in ("model", "served", "key"))
-    ats = list(map(attrgetter("at"), heads))
+    ids, ats, keys, models, served, statuses = zip(*map(_astuple, heads), strict=True)
     pairs = {*zip(models, keys, strict=True), *zip(served, keys, strict=True)}
-    n = len(raws)  # (a msgpack array's head, then its items: PAGE is under 65,536)
-    array = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
-    return (min(ats), max(ats), _joined(map(attrgetter("id"), heads)),
-            _joined({*models, *served}), _joined(set(keys)),
-            _joined(m + PAIR + k for m, k in pairs),
-            _joined(map(str, set(map(attrgetter("status"), heads)))),
-            array + b"".join(raws))
+    return (min(ats), max(ats), _joined(ids), _joined({*models, *served}), _joined(set(keys)),
+            _joined(m + PAIR + k for m, k in pairs), _joined(map(str, set(statuses))),
+            array(raws))
 
 
 def _joined(values: Iterable[str]) -> str:
