@@ -6,10 +6,13 @@ key with its default and meaning, and the checks their types cannot express.
 |--------------------------------------------------------|--------------------------|--------------|
 | the whole file; a model, a key, a device, the cluster  | `Config`, `ModelConfig`  | model.py     |
 | reading and checking a file; every error names its key | `load_config`            | load.py      |
+| the checks that span tables: devices, variants' names  | `check_devices`          | checks.py    |
 | `[http]`: the edge's limits, workers, upload paths     | `HttpConfig`             | http.py      |
 | `[cluster]`: corral on a Ray cluster's nodes           | `ClusterConfig`          | cluster.py   |
 | `[hooks]`: commands around a child                     | `Hooks`                  | hooks.py     |
 | `[virtual.NAME]`: one name for several models          | `VirtualModel`           | virtual.py   |
+| a model's request filters and variants                 | `Params`, `Rewrite`      | params.py    |
+| `${NAME}` and `${env.NAME}` in every string            | `expand`                 | macros.py    |
 | `[ollama]`: Ollama's API on or off                     | `OllamaConfig`           | ollama.py    |
 | `[journal]`: what is kept of every request             | `JournalConfig`          | journal.py   |
 | `[metrics]`: children's own metrics beside corral's    | `MetricsConfig`          | metrics.py   |

@@ -16,40 +16,28 @@ from pathlib import Path
 import msgspec
 
 from ..llama import is_llama
+from .checks import check_devices, check_variants
 from .hooks import HOOK_PLACEHOLDER
 from .keys import API_KEY_NAME
-from .model import PLACEHOLDER, Config, ConfigError, KeyConfig, ModelConfig, Replicas
-from .paths import folder_name, name_problem
+from .macros import expand
+from .model import (
+    PLACEHOLDER,
+    STOP_PLACEHOLDER,
+    Config,
+    ConfigError,
+    KeyConfig,
+    ModelConfig,
+    Replicas,
+)
+from .params import Params
+from .paths import name_problem
 from .rules import ModelGroup, alternate_name, replica_name
 from .suspend import check as check_suspend
 from .virtual import VirtualModel
 
-_DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _ANY_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _KEY_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
-
-
-def _validate_devices(config: Config, source: str) -> None:
-    names: set[str] = set()
-    for i, device in enumerate(config.devices):
-        if (not _DEVICE_NAME.fullmatch(device.name) or device.name == "host"
-                or folder_name(device.name) != device.name):  # its ledger's folder
-            raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is not a usable "
-                              "device name (letters, digits, '_.:-', not starting with "
-                              "'.'; not 'host')")
-        if device.name in names:
-            raise ConfigError(f"{source}: devices[{i}].name: {device.name!r} is declared twice")
-        names.add(device.name)
-    for name, model in config.models.items():
-        if model.measure == "declared" and not model.memory_mib:
-            raise ConfigError(f"{source}: models.{name}.memory_mib: measure = \"declared\" "
-                              "needs the figures, e.g. memory_mib = {gpu0 = 4096}")
-        for key in model.memory_mib:
-            if names and key != "host" and key not in names:
-                raise ConfigError(
-                    f"{source}: models.{name}.memory_mib: unknown device {key!r}; "
-                    f"declared devices: {', '.join(sorted(names))} (or 'host')")
 
 
 def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
@@ -94,7 +82,7 @@ def _validate_replicas(config: Config, source: str) -> None:
 
 
 def _validate(config: Config, source: str) -> Config:
-    _validate_devices(config, source)
+    check_devices(config, source)
     _validate_replicas(config, source)
     seen: dict[str, str] = {}
     for name, model in config.models.items():
@@ -119,6 +107,11 @@ def _validate(config: Config, source: str) -> Config:
                 "key_flag = \"\" to run it there with none (anyone who can reach the "
                 "node can use it)")
         _validate_suspend(name, model, source)
+        if model.stop_cmd and model.nodes:
+            raise ConfigError(f"{source}: models.{name}.stop_cmd: not supported yet for a "
+                              "model on cluster nodes")
+        _check_placeholders(model.stop_cmd or [], STOP_PLACEHOLDER,
+                            f"{source}: models.{name}.stop_cmd", "{model}, {port} or {pid}")
         if not model.health_path.startswith("/"):
             raise ConfigError(f"{source}: models.{name}.health_path: must start with '/', "
                               f"got {model.health_path!r}")
@@ -131,6 +124,7 @@ def _validate(config: Config, source: str) -> Config:
                 raise ConfigError(f"{source}: models.{name}.aliases: {alias!r} is already "
                                   f"the name or an alias of model {owner!r}")
             seen[alias] = name
+    check_variants(config, seen, source)
     config = _resolve_hooks(_resolve_groups(config, source), source)
     if config.api_key is not None and not config.api_key.strip():
         raise ConfigError(f"{source}: api_key: empty; an empty key would turn "
@@ -327,6 +321,7 @@ def _describe(error: msgspec.ValidationError, prefix: str = "") -> str:
 
 def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
     """Decode a TOML-shaped dict; raise ConfigError naming `source` and the key path."""
+    data = expand(data, source)  # ${NAME}, ${env.NAME}: macros.py
     for section, kind in (("models", ModelConfig), ("keys", KeyConfig),
                           ("groups", ModelGroup), ("virtual", VirtualModel)):
         tables = data.get(section)
@@ -340,6 +335,13 @@ def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
                         f"{source}: models.{name}.suspend: {how!r} is not a method; use "
                         '"vllm", { sleep = [...], wake = [...] } or { sleep_http = '
                         '"POST /path", wake_http = "POST /path" }')
+                variants = table.get("variants") if isinstance(table, dict) else None
+                for variant, params in (variants.items() if isinstance(variants, dict) else ()):
+                    try:  # (msgspec names a variant `[...]`)
+                        msgspec.convert(params, type=Params)
+                    except msgspec.ValidationError as e:
+                        at = f"{section}.{name}.variants.{variant}"
+                        raise ConfigError(f"{source}: {_describe(e, at)}") from None
                 try:
                     msgspec.convert(table, type=kind)
                 except msgspec.ValidationError as e:

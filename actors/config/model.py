@@ -19,6 +19,7 @@ from .http import HttpConfig
 from .journal import JournalConfig
 from .metrics import MetricsConfig
 from .ollama import OllamaConfig
+from .params import Params
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
 from .tracing import TracingConfig
@@ -31,6 +32,7 @@ PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
 PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
+STOP_PLACEHOLDER = re.compile(r"\{(model|port|pid)\}")
 
 
 def copies(models: dict[str, ModelConfig]) -> dict[str, tuple[str, ModelConfig]]:
@@ -54,12 +56,19 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """argv, never run through a shell; `{port}`, `{host}` and `{model}` are filled in."""
     env: dict[str, str] = {}
     aliases: list[str] = []
+    set_params: dict[str, Any] = {}
+    strip_params: list[str] = []
+    variants: dict[str, Params] = {}
+    """Request filters, and names served by the same child with their own (params.py)."""
     health: Literal["http", "llama"] = "http"
     """Readiness (R-3.3): `http` polls health_path; `llama` reads llama-server's child
     protocol (state lines on stdout, the exit command on stdin)."""
     health_path: str = "/health"
     load_timeout_s: PositiveSeconds = 600.0
     stop_timeout_s: PositiveSeconds = 10.0
+    stop_cmd: Annotated[list[str], Meta(min_length=1)] | None = None
+    """Run to stop a ready child before its signals (`docker stop NAME`); {model}, {port},
+    {pid} filled. The child has stop_timeout_s to exit; then SIGTERM, then SIGKILL."""
     pinned: bool = False
     """Never evicted to make room (it still stops on unload and shutdown)."""
     load_on_startup: bool = False
@@ -378,3 +387,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             for alias in model.aliases:
                 names[alias] = name
         return names
+
+    def request_names(self) -> dict[str, str]:
+        """`resolve_aliases`, and each variant's name -> its model's (params.py)."""
+        return {**self.resolve_aliases(), **{f"{name}-{v}": name for name, m in
+                                             self.models.items() for v in m.variants}}

@@ -72,7 +72,7 @@ class Downloads:
         wrong = registry.repo_problem(name)
         if wrong is not None:
             return Refused(400, wrong)
-        taken = {*self.config.resolve_aliases(), *self.config.virtual,
+        taken = {*self.config.request_names(), *self.config.virtual,
                  *(job.alias for job in self.jobs.values() if job.alias)}
         if name in models or name in taken:
             return Refused(400, f"'{name}' is a model (or an alias, or a virtual model) "
@@ -361,7 +361,7 @@ class Downloads:
         job.ended = time.time()
         log.log(logging.INFO if ok else logging.WARNING, "download of %s %s", job.name,
                 "finished" if ok else f"failed: {job.error}")
-        alias = job.alias if job.alias not in self.config.resolve_aliases() else None
+        alias = job.alias if job.alias not in self.config.request_names() else None
         model = registry.served_as(self.config, job.name, job.format, job.path,
                                    self.llama_server, alias) if ok else None
         self.publish(DownloadFinished(model=job.name, path=job.path, served=model is not None)

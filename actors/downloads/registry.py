@@ -185,7 +185,7 @@ def remembered(config: Config, llama_server: str | None) -> dict[str, ModelConfi
     table (a configured model of the same name wins). Never raises for the registry."""
     folder = folder_of(config)
     out = {}
-    taken = {*config.resolve_aliases(), *config.virtual}
+    taken = {*config.request_names(), *config.virtual}
     for name, entry in usable(folder, read(folder)).items():
         if name in taken:
             continue  # a configured name won since: the configured model is served

@@ -39,6 +39,8 @@ class FakeModel:
         self.stats = {"started": 0, "completed": 0, "cancelled": 0}
         self.traceparent: str | None = None
         """The W3C traceparent of the last completion asked (GET /debug/stats)."""
+        self.last_body: dict[str, Any] | None = None
+        """The JSON body of the last completion asked, as it came (GET /debug/stats)."""
         self.created = int(time.time())
         self.last_active = time.monotonic()
         self.sleeping = False
@@ -101,7 +103,8 @@ class FakeModel:
         sleep = self.vllm_sleep
         slept = {"sleeps": sleep.sleeps, "wakes": sleep.wakes} if sleep is not None else {}
         return web.json_response({**self.stats, **slept, "pid": os.getpid(),
-                                  "traceparent": self.traceparent})
+                                  "traceparent": self.traceparent,
+                                  "last_body": self.last_body})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """--metrics: its counts, as llama-server's `llamacpp:` families look."""
@@ -119,7 +122,7 @@ class FakeModel:
             return refused
         self._count_request()
         self.traceparent = request.headers.get("traceparent")
-        body = await self._body(request)
+        self.last_body = body = await self._body(request)
         n_tokens = int(body.get("max_tokens") or body.get("n_predict") or 16)
         chat = "chat" in request.path
         if body.get("stream"):

@@ -73,7 +73,7 @@ class ManagementApi(ModelCommands):
         self.latest = config
         """The config last applied whole (a reload's), keys included: the Supervisor's
         keeps its model table only."""
-        self.names = config.resolve_aliases()
+        self.names = config.request_names()
         self.keys = Keys.of(config)
         """Who may call (replaced on reload)."""
         self.allowances = allowance.Allowances()
@@ -288,7 +288,7 @@ class ManagementApi(ModelCommands):
     def applied(self, config: Config) -> None:
         """A new model table is live: names, keys and routes follow it."""
         self.latest = config
-        self.names = config.resolve_aliases()
+        self.names = config.request_names()
         self.keys = Keys.of(config)
         if self.downloads is not None:
             self.downloads.config = config
@@ -322,9 +322,8 @@ class ManagementApi(ModelCommands):
         assert isinstance(snap, ModelsSnapshot)
         models = self.sup.config.models  # read once: every entry from the same table
         counts = await self._counts()
-        entries = (self._entry(view, models, counts) for view in snap.models
-                   if tenancy.visible(key, view.name, models))
-        return [tenancy.shown(e, key, self._said(key)) for e in entries if e]
+        entries = [e for view in snap.models if (e := self._entry(view, models, counts))]
+        return listing.seen(entries, key, models, self._said(key))
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of

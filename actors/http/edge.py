@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl
 import msgspec
 
 from ..config.keys import KeyRule
+from ..config.params import Rewrite
 from ..messages import Refusal
 from .routes import Routes
 
@@ -206,6 +207,30 @@ def model_of_body(body: bytes) -> str | Answer:
     return head.model
 
 
+def rewritten(method: bytes, url: bytes, body: bytes, rw: Rewrite) -> bytes | Answer | None:
+    """`body` with `rw` done to it (a model's filters or a variant's: params.py), for a
+    POST to a model's API with a JSON body (None: nothing to do). Its size is the edge's
+    bound already; what it becomes is its top-level fields changed, nothing deeper."""
+    if method != b"POST" or url.partition(b"?")[0] not in _PROXIED or not body:
+        return None
+    try:
+        fields = _decode_any(body)
+    except msgspec.DecodeError as e:
+        return Answer(400, f"invalid JSON body: {e}")
+    except RecursionError:
+        return Answer(400, f"invalid JSON body: nested deeper than {JSON_DEPTH_LIMIT} levels")
+    if not isinstance(fields, dict):
+        return Answer(400, "the body must be a JSON object")
+    for name in rw.strip:
+        fields.pop(name, None)
+    fields.update(rw.set)
+    if rw.model:
+        fields["model"] = rw.model
+    return _encode(fields)
+
+
+_decode_any = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
 _PROXIED = frozenset(p.encode() for p in PROXIED_POST)
 _ADMIN_POST = frozenset(p.encode() for p in ADMIN_POST)
 _OWN_GET = frozenset(p.encode() for p in OWN_GET)
@@ -221,11 +246,11 @@ def admin_post(path: bytes) -> bool:
 
 def target(method: bytes, url: bytes, body: bytes, routes: Routes,
            key: KeyRule | None = None, named: str | None = None, upgrade: bool = False,
-           ) -> tuple[str, bool] | Answer | None:
-    """Where a request goes: to a model, as (its canonical name, autoload: named by a
-    POST's body, by an upload's form (`named`), or `?model=` on a GET not of corral's
-    own, a WebSocket's (`upgrade`) included), the management API (None), or nowhere,
-    with the 400 (or the 403: not for its `key`) that says why."""
+           ) -> tuple[str, bool, str] | Answer | None:
+    """Where a request goes: to a model, as (its canonical name, autoload, the name asked
+    for: named by a POST's body, by an upload's form (`named`), or `?model=` on a GET not
+    of corral's own, a WebSocket's (`upgrade`) included), the management API (None), or
+    nowhere, with the 400 (or the 403: not for its `key`) that says why."""
     path, _, query = url.partition(b"?")
     fields = parse_query(query.decode("latin-1")) if query else {}
     if upgrade and ("model" not in fields or path in _OWN_GET):
@@ -254,9 +279,10 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
     model = routes.names.get(name)
     if model is None and name in routes.virtual:
         model = name  # tries.py picks its member
-    elif model is None:
+    elif model is None and (model := routes.variants.get(name)) is None:
         return Answer(400, f"model '{name}' not found")
-    if key is not None and not any(key.may_use(n) for n in routes.uses(model)):
+    if key is not None and not any(key.may_use(n) for n in routes.uses(model)) and not (
+            name in routes.variants and key.may_use((name,))):  # (a variant alone)
         return Answer(403, f"key '{key.name}' may not use model '{name}'")
     if upgrade and path != b"/v1/realtime" and not (
             (route := routes.models.get(model)) is not None and route.websocket):
@@ -267,7 +293,7 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
         return Answer(403, f"key '{key.name}' may not GET {path.decode('latin-1')} of a "
                       "model (it may show others' requests): that needs an admin key")
     autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload
-    return autoload if isinstance(autoload, Answer) else (model, autoload)
+    return autoload if isinstance(autoload, Answer) else (model, autoload, name)
 
 
 CHILD_HEADERS = (b"Content-Security-Policy: sandbox", b"X-Content-Type-Options: nosniff")

@@ -4,14 +4,18 @@ only the config says (its command, aliases)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from ..config.keys import KeyRule
 from ..config.model import Config, ModelConfig, ModelRules
+from ..config.params import variant_name
 from ..ledger import node_of
 from ..messages import DevicesSnapshot, ModelView
+from . import tenancy
 from .control import FrontCounts
 
 
@@ -83,13 +87,32 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
     return out
 
 
+def seen(entries: list[dict[str, Any]], key: KeyRule | None, models: dict[str, ModelConfig],
+         said: Callable[[str], str]) -> list[dict[str, Any]]:
+    """The entries the caller with `key` may see, as it may see them, each model's
+    variants after it (params.py): its state, since the same children serve them. A key
+    may be given a variant and not its model."""
+    out = []
+    for e in entries:
+        base = tenancy.visible(key, e["id"], models)
+        if base:
+            out.append(tenancy.shown(e, key, said))
+        model = models.get(e["id"])
+        for v in model.variants if model is not None else ():
+            name = variant_name(e["id"], v)
+            if base or (key is not None and key.may_use((name,))):
+                out.append(tenancy.shown({**e, "id": name, "aliases": [],
+                                          "variant_of": e["id"]}, key, said))
+    return out
+
+
 def openai_list(entries: list[dict[str, Any]], models: dict[str, ModelConfig],
                 include_aliases: bool) -> list[dict[str, Any]]:
     """GET /v1/models: the entries of models not `unlisted`, and with `include_aliases`
     each alias as an entry of its own (`alias_of` its model), after it."""
     out = []
     for e in entries:
-        model = models.get(e["id"])
+        model = models.get(e.get("variant_of") or e["id"])
         if model is not None and model.unlisted:
             continue
         out.append(e)

@@ -7,6 +7,7 @@ import msgspec
 
 from ..config.keys import KeyRule, Keys, unnamed
 from ..config.model import Config
+from ..config.params import Params, Rewrite, rewrites, variant_name
 from ..config.virtual import VirtualModel
 from ..llama import is_llama, llama_pool_cap
 
@@ -42,6 +43,10 @@ class Routes(msgspec.Struct, frozen=True):
     """Model -> its name and aliases (what a key's `models` globs are matched with)."""
     virtual: dict[str, VirtualModel] = {}
     """Names that stand for one of several models (tries.py `to_virtual`)."""
+    variants: dict[str, str] = {}
+    """A variant's name -> its model's: served by the model's children (params.py)."""
+    rewrites: dict[str, Rewrite] = {}
+    """A model's or variant's name -> what is done to its requests' bodies (none: nothing)."""
 
     def uses(self, model: str) -> list[tuple[str, ...]]:
         """The names a key must match one of to use `model`: its own (and aliases'); for
@@ -72,8 +77,13 @@ class Routes(msgspec.Struct, frozen=True):
                                             is None else m.send_loading_state))
                   for name, m in config.models.items()}
         known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
+        rewritten = {n: r for name, m in config.models.items() for n, r in rewrites(
+            name, Params(set_params=m.set_params, strip_params=m.strip_params),
+            m.variants).items()}
+        variants = {variant_name(name, v): name for name, m in config.models.items()
+                    for v in m.variants}
         return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
-                   known_as, dict(config.virtual))
+                   known_as, dict(config.virtual), variants, rewritten)
 
 
 def _loading(value: bool | str) -> str:

@@ -24,7 +24,7 @@ import msgspec
 from ..messages import AnswerLate, Grant, Refusal
 from ..runtime.bridge import LoopReply
 from .affinity import affinity
-from .edge import NOT_FORWARDED, NOT_KEPT, Answer, refusal_answer
+from .edge import NOT_FORWARDED, NOT_KEPT, Answer, refusal_answer, rewritten
 from .inflight import Cancellable
 from .journaling import Trace
 from .loading import Loading, Shown, wants
@@ -85,16 +85,27 @@ class Attempt(Cancellable, Shown, Protocol):
     def wait_again(self) -> None: ...
 
 
-async def to_any(ex: Attempt, model: str, autoload: bool) -> None:
-    """Serve `ex` with `model`, virtual or not; then count how long it took, how fast its
-    model answered and what it and its key used (/metrics, the journal). Its answer is
-    kept when it asks (X-Conversation-Id: resumable.py)."""
+async def to_any(ex: Attempt, model: str, autoload: bool, asked: str = "") -> None:
+    """Serve `ex` with `model`, virtual or not (`asked`: a variant of it, params.py); then
+    count how long it took, how fast its model answered and what it and its key used
+    (/metrics, the journal). Its answer is kept when it asks (X-Conversation-Id)."""
     front, key, trace = ex.services, ex.req.key, ex.trace
-    ex.what = f"model '{model}'"
+    named = asked if asked in front.routes.variants else model
+    if named != model and ex.req.upload is not None:
+        ex.answer(Answer(400, f"'{named}' is a variant of model '{model}': its parameters "
+                         f"are set on JSON bodies; send an upload to '{model}'"))
+        return
+    if (rw := front.routes.rewrites.get(named)) is not None and (body := rewritten(
+            ex.req.method, ex.req.url, ex.req.body, rw)) is not None:
+        if isinstance(body, Answer):
+            ex.answer(body)
+            return
+        ex.req.body = body
+    ex.what = f"model '{named}'"
     ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
     if ex.meter is None:
         trace.tail = bytearray()  # (where its tokens are read at its end)
-    trace.model = model
+    trace.model = named
     front.live.exchanges.add(ex)
     if front.tracer is not None:
         trace.spans = front.tracer.begin(ex.req)

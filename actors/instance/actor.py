@@ -297,7 +297,7 @@ class ModelInstance(BaseActor):
 
     def begin_stop_steps(self, reason: str) -> None:
         assert self.child is not None
-        plan = self.stopping.begin(self.llama, self.config.stop_timeout_s)
+        plan = self.stopping.begin(self.llama, self.config, self.model, self.port, self.child.pid)
         self.log.info("stopping %s#%d (%s): %s", self.model, self.generation, reason, plan)
         self.stopping.take(self.child, self.spawn_id)
 
@@ -360,13 +360,13 @@ class ModelInstance(BaseActor):
                              self.model, self.generation, description, self.port)
             self.spawn_child()
             return
-        self.log.info("%s#%d pid %d %s", self.model, self.generation, self.child.pid,
-                      description)
+        self.log.info("%s#%d pid %d %s", self.model, self.generation, self.child.pid, description)
         self.log_ring.append(f"corral: {self.model}#{self.generation} pid "
                              f"{self.child.pid} {description}")
         self.scheduler.tell(InstanceExited(model=self.model, generation=self.generation,
                                            returncode=returncode, description=description))
         self.hooks.kill()  # (an after_ready or before_stop one, now for nothing)
+        self.stopping.end_command()
         self.run_hook("after_exit", reason=self.hooks.stop_reason or description)
 
     # ------------------------------------------------------------ hooks

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
+import os
 import signal
+import subprocess
 
 from ..childproc import ChildProcess
+from ..config.model import STOP_PLACEHOLDER, ModelConfig
 from ..lifecycle import State
 from ..llama import LLAMA_EXIT
 from ..messages import ChildTimedOut, Inbox, InstanceMessage
 from ..runtime.timers import Timers
+
+log = logging.getLogger("corral.instance")
 
 KILL_GRACE_S = 2.0
 """After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
@@ -49,8 +56,12 @@ def said(what: str) -> str:
     return "the exit command" if what == "exit" else what
 
 
-def stop_steps(llama: bool, stop_timeout_s: float) -> tuple[StopStep, ...]:
-    """How a ready child is stopped (R-3.4): a llama child is asked to exit first."""
+def stop_steps(llama: bool, stop_timeout_s: float,
+               command: bool = False) -> tuple[StopStep, ...]:
+    """How a ready child is stopped (R-3.4): by its stop_cmd first where it has one (a
+    container's `docker stop`), else a llama child is asked to exit first."""
+    if command:
+        return (("stop_cmd", stop_timeout_s), ("SIGTERM", KILL_GRACE_S), ("SIGKILL", 0.0))
     if llama:
         return (("exit", stop_timeout_s), ("SIGTERM", KILL_GRACE_S), ("SIGKILL", 0.0))
     return (("SIGTERM", stop_timeout_s), ("SIGKILL", 0.0))
@@ -65,10 +76,16 @@ class StopSequence:
         self.inbox = inbox
         self.left: tuple[StopStep, ...] = ()
         self.taken: StopStep = ("", 0.0)
+        self.command: list[str] = []
+        self.running: subprocess.Popen[bytes] | None = None
+        """The stop_cmd under way, ended at the next step if it has not ended by then."""
 
-    def begin(self, llama: bool, stop_timeout_s: float) -> str:
-        """Start a stop; returns its plan in words."""
-        self.left = steps = stop_steps(llama, stop_timeout_s)
+    def begin(self, llama: bool, config: ModelConfig, model: str, port: int, pid: int) -> str:
+        """Start a stop of child `pid` of `model`; returns its plan in words."""
+        fill = {"{model}": model, "{port}": str(port), "{pid}": str(pid)}
+        self.command = [STOP_PLACEHOLDER.sub(lambda m: fill[m.group(0)], arg)
+                        for arg in config.stop_cmd or []]
+        self.left = steps = stop_steps(llama, config.stop_timeout_s, bool(self.command))
         return ", ".join([said(steps[0][0])] + [
             f"{said(what)} after {wait_s:g} s"
             for (_, wait_s), (what, _) in itertools.pairwise(steps)])
@@ -78,7 +95,15 @@ class StopSequence:
         after it (if any)."""
         self.taken, self.left = self.left[0], self.left[1:]
         what, wait_s = self.taken
-        if what == "exit":
+        self.end_command()
+        if what == "stop_cmd":
+            try:  # (its own session: it is ended, whole, if it outlasts its step)
+                self.running = subprocess.Popen(
+                    self.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, start_new_session=True)
+            except OSError as e:
+                log.warning("stop_cmd %s could not run (%s)", self.command, e)
+        elif what == "exit":
             child.write_stdin(LLAMA_EXIT)
         else:
             child.signal_group(getattr(signal, what))
@@ -86,7 +111,18 @@ class StopSequence:
             self.timers.after(wait_s, self.inbox,
                               ChildTimedOut(spawn_id=spawn_id, stage="stop"))
 
+    def end_command(self) -> None:
+        """End the stop_cmd if it still runs (the child's end, or the next step, came
+        first), and reap it."""
+        running, self.running = self.running, None
+        if running is not None and running.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(running.pid, signal.SIGKILL)
+        if running is not None:
+            running.wait()
+
     def ignored(self) -> str:
         """What the child ignored, and what comes next."""
         what, wait_s = self.taken
         return f"ignored {said(what)} for {wait_s:g} s; {said(self.left[0][0])}"
+
