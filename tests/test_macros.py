@@ -18,15 +18,14 @@ def test_macros_and_the_environment_fill_every_string(monkeypatch: pytest.Monkey
     monkeypatch.setenv("CORRAL_TEST_MODELS", "/srv/models")
     config = parse_config({
         "macros": {"models": "${env.CORRAL_TEST_MODELS}", "gguf": "${models}/q.gguf",
-                   "port": 8081, "ttl": 2.5},
-        "port": "${port}",
-        "models": {"q": {"cmd": ["llama-server", "-m", "${gguf}", "--port", "{port}"],
-                         "ttl_s": "${ttl}", "env": {"HOME": "${env.CORRAL_TEST_MODELS}",
-                                                     "LITERAL": "$${HOME}"}}}}, "c.toml")
+                   "ctx": 8192},
+        "models": {"q": {"cmd": ["llama-server", "-m", "${gguf}", "-c", "${ctx}"],
+                         "env": {"HOME": "${env.CORRAL_TEST_MODELS}", "LITERAL": "$${HOME}"},
+                         "aliases": ["${ctx}"]}}}, "c.toml")
     q = config.models["q"]
-    assert q.cmd == ["llama-server", "-m", "/srv/models/q.gguf", "--port", "{port}"]
-    assert (config.port, q.ttl_s) == (8081, 2.5)
+    assert q.cmd == ["llama-server", "-m", "/srv/models/q.gguf", "-c", "8192"]
     assert q.env == {"HOME": "/srv/models", "LITERAL": "${HOME}"}
+    assert q.aliases == ["8192"]  # (a number macro is text, where text is asked for)
 
 
 @pytest.mark.parametrize("data, expected", [
@@ -41,6 +40,7 @@ def test_macros_and_the_environment_fill_every_string(monkeypatch: pytest.Monkey
     ({"macros": {"x": True}}, "c.toml: macros.x: Expected a string or a number, got bool"),
     ({"macros": "a"}, "c.toml: macros: Expected a table of names, got str"),
     ({"macros": {"b": "${a}", "a": "1"}}, "c.toml: macros.b: ${a} is not a macro"),
+    ({"macros": {"p": 1}, "port": "${p}"}, "c.toml: port: Expected `int`, got `str`"),
 ])
 def test_a_name_that_is_no_macro_is_an_error_naming_its_key(
         data: dict[str, Any], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:

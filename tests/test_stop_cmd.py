@@ -52,6 +52,31 @@ def test_a_stop_cmd_that_does_nothing_is_followed_by_the_signals(tmp_path: Path)
                     if "time.sleep(600)" in " ".join(p.cmdline())]
 
 
+def test_what_a_stop_cmd_leaves_running_is_ended_and_one_that_cannot_run_waits_for_nothing(
+        tmp_path: Path) -> None:
+    marker = f"corral-stop-cmd-{tmp_path.name}"
+    config = toml_config({
+        "m": {"cmd": fake_cmd(), "stop_timeout_s": 30,  # (SIGTERM ends it: the leftover)
+              "stop_cmd": ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(301)' "
+                           f"{marker} & kill {{pid}}"]},
+        "n": {"cmd": fake_cmd(), "stop_timeout_s": 30, "stop_cmd": ["/nonexistent/stop"]}})
+    with Corral(config) as c:
+        for model in ("m", "n"):
+            assert chat(c.port, model)[0] == 200
+        began = time.monotonic()
+        for model in ("m", "n"):
+            assert request(c.port, "POST", "/models/unload", {"model": model})[0] == 200
+            c.wait_state(model, "unloaded", 20)
+        assert time.monotonic() - began < 20  # (neither waited its 30 s)
+        assert "stop_cmd ['/nonexistent/stop'] cannot run (no such program); SIGTERM now" \
+            in c.log()
+
+        def left() -> list[psutil.Process]:
+            return [p for p in psutil.process_iter(["cmdline"])
+                    if marker in " ".join(p.info["cmdline"] or [])]
+        wait_until(lambda: not left(), 10, "the stop_cmd's leftover to be ended")
+
+
 @pytest.mark.parametrize("model, expected", [
     ({"stop_cmd": ["docker", "stop", "{host}"]},
      "models.m.stop_cmd[2]: unknown placeholder {host}; use {model}, {port} or {pid}"),

@@ -39,6 +39,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
     with serving(home, toml_config(
             {"q": Q, "other": {"cmd": fake_cmd(), "unlisted": True,
                                "variants": {"hidden": {}}}}, models_max=1,
+            virtual={"vq": {"models": ["q"]}}, ollama={"enabled": True},
             keys={"alice": {"key_file": keys["alice"], "models": ["q-thinking"]},
                   "ops": {"key_file": keys["ops"], "admin": True}}), "ops-secret") as c:
         yield c
@@ -72,7 +73,7 @@ def test_variants_are_served_by_their_models_child_with_their_parameters(
     assert sent["temperature"] == 0.1 and "top_p" not in sent and sent["stream"] is True
     assert child(served, "q")["pid"] == first["pid"]
     assert [m["id"] for m in served.models().values()
-            if m["status"]["value"] == "loaded" and "variant_of" not in m] == ["q"]
+            if m.get("status", {}).get("value") == "loaded" and "variant_of" not in m] == ["q"]
 
 
 def test_variants_are_listed_after_their_model(served: Corral) -> None:
@@ -144,3 +145,47 @@ def test_check_config_explains_a_variant_that_takes_a_name(tmp_path: Path) -> No
                                           '[virtual.m-fast]\nmodels = ["m"]\n'))
     assert result.returncode != 0
     assert "models.m.variants.fast: its name 'm-fast' is already virtual model" in result.stderr
+
+
+def test_a_virtual_models_member_filters_the_request_as_its_own(served: Corral) -> None:
+    status, body = chat(served.port, "vq", headers=OPS, top_k=5, temperature=1.5)
+    assert status == 200, body
+    sent = child(served, "q")["last_body"]
+    assert sent["temperature"] == 0.7 and "top_k" not in sent and sent["model"] == "vq"
+
+
+def test_a_variant_strips_what_its_model_sets() -> None:
+    config = parse_config({"models": {"m": {
+        "cmd": ["x"], "set_params": {"top_p": 0.9},
+        "variants": {"free": {"strip_params": ["top_p"]}}}}}, "c.toml")
+    from actors.http.edge import rewritten
+    from actors.http.routes import Routes
+    rw = Routes.of(config).rewrites["m-free"]
+    out = rewritten(b"POST", b"/v1/chat/completions", b'{"model": "m-free", "top_p": 0.5, '
+                    b'"x": 1.10, "deep": ' + b"[" * 200 + b"]" * 200 + b"}", rw)
+    assert isinstance(out, bytes)
+    # its own fields are changed; the rest are the bytes that came, however deep
+    assert out == b'{"model":"m","x":1.10,"deep":' + b"[" * 200 + b"]" * 200 + b"}"
+
+
+def test_a_variant_is_for_requests_with_a_body(served: Corral) -> None:
+    """Its parameters are set on a body: a GET or a WebSocket named by it would reach its
+    model's child with none of them (and a key given the variant alone, its model)."""
+    status, body, _ = request(served.port, "GET", "/props?model=q-thinking", headers=OPS)
+    assert status == 400 and "variant of model 'q'" in body["error"]["message"]
+    upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}
+    status, body, _ = request(served.port, "GET", "/v1/realtime?model=q-thinking",
+                              headers={**ALICE, **upgrade})
+    assert status == 400 and "variant of model 'q'" in body["error"]["message"]
+
+
+def test_a_variant_is_retrieved_and_shown_as_itself(served: Corral) -> None:
+    status, body, _ = request(served.port, "GET", "/v1/models/q-thinking", headers=ALICE)
+    assert status == 200 and (body["id"], body["variant_of"]) == ("q-thinking", "q")
+    assert request(served.port, "GET", "/v1/models/q", headers=ALICE)[0] == 404
+    status, body, _ = request(served.port, "GET", "/api/tags", headers=ALICE)
+    assert status == 200 and [m["name"] for m in body["models"]] == ["q-thinking"]
+    status, body, _ = request(served.port, "POST", "/api/show", {"model": "q-thinking"},
+                              headers=OPS)
+    assert status == 200, body

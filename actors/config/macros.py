@@ -10,8 +10,10 @@ naming the key it is in; `$${` is a literal `${` (a shell's own variable, in a h
     [models.qwen]
     cmd = ["${env.HOME}/bin/llama-server", "-m", "${models}/qwen3-8b.gguf"]
 
-A macro's value may use the environment and the macros above it. A string that is one
-number macro and nothing else is that number (`port = "${port}"`).
+A macro's value (a string, or a number written as text) may use the environment and the
+macros above it. Macros are text: a key that takes a number takes it as a number, not as
+a macro. In `cmd`, hooks and `stop_cmd`, `{...}` are corral's placeholders, so a shell's
+own variable there is written `$HOME`, not `$${HOME}`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ def expand(data: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: macros: Expected a table of names, got "
                           f"{type(table).__name__}")
     macros: dict[str, str] = {}
-    numbers: dict[str, int | float] = {}
     for name, value in table.items():
         where = f"{source}: macros.{name}"
         if not _NAME.fullmatch(name) or name.startswith("env."):
@@ -45,10 +46,7 @@ def expand(data: dict[str, Any], source: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: Expected a string or a number, got "
                               f"{type(value).__name__}")
         macros[name] = _filled(str(value), macros, where)
-        if not isinstance(value, str):
-            numbers[name] = value
-    return {k: _walk(v, macros, numbers, f"{source}: {k}") for k, v in data.items()
-            if k != "macros"}
+    return {k: _walk(v, macros, f"{source}: {k}") for k, v in data.items() if k != "macros"}
 
 
 def _uses(value: object) -> bool:
@@ -61,18 +59,13 @@ def _uses(value: object) -> bool:
     return False
 
 
-def _walk(value: object, macros: dict[str, str], numbers: dict[str, int | float],
-          where: str) -> object:
+def _walk(value: object, macros: dict[str, str], where: str) -> object:
     if isinstance(value, str):
-        if "$" not in value:
-            return value
-        if (whole := _USE.fullmatch(value)) and whole.group(1) in numbers:
-            return numbers[whole.group(1)]
-        return _filled(value, macros, where)
+        return _filled(value, macros, where) if "$" in value else value
     if isinstance(value, list):
-        return [_walk(v, macros, numbers, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_walk(v, macros, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {k: _walk(v, macros, numbers, f"{where}.{k}") for k, v in value.items()}
+        return {k: _walk(v, macros, f"{where}.{k}") for k, v in value.items()}
     return value
 
 

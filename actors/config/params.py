@@ -33,14 +33,18 @@ class Params(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     strip_params: list[str] = []
 
 
+Step = tuple[tuple[str, ...], tuple[tuple[str, object], ...]]
+"""Names stripped, then (name, value)s set."""
+
+
 class Rewrite(msgspec.Struct, frozen=True):
-    """What is done to the body of a request for one name: stripped, then set (the base's
-    first, a variant's after), its `model` the base's."""
+    """What is done to the body of a request for one name: its steps in order (the base's
+    strip and set, then a variant's: a variant may strip what its base sets), and a
+    variant's `model` the base's."""
 
     model: str = ""
     """A variant's: the name its child is asked for, its model's ("": the name asked)."""
-    strip: tuple[str, ...] = ()
-    set: tuple[tuple[str, object], ...] = ()
+    steps: tuple[Step, ...] = ()
 
 
 def variant_name(model: str, variant: str) -> str:
@@ -50,12 +54,11 @@ def variant_name(model: str, variant: str) -> str:
 def rewrites(model: str, params: Params, variants: dict[str, Params]) -> dict[str, Rewrite]:
     """Name -> its rewrite, for the model and each of its variants (none where nothing is
     done to the model's own requests)."""
-    base = Rewrite("", tuple(params.strip_params), tuple(params.set_params.items()))
-    out = {model: base} if base.strip or base.set else {}
+    base = (tuple(params.strip_params), tuple(params.set_params.items()))
+    out = {model: Rewrite("", (base,))} if base[0] or base[1] else {}
     for name, v in variants.items():
         out[variant_name(model, name)] = Rewrite(
-            model, base.strip + tuple(v.strip_params),
-            base.set + tuple(v.set_params.items()))
+            model, (base, (tuple(v.strip_params), tuple(v.set_params.items()))))
     return out
 
 

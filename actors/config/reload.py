@@ -18,6 +18,7 @@ def same_child(a: ModelConfig, b: ModelConfig) -> bool:
                                        hook_timeout_s=None, ttl_s=None, pinned=False,
                                        context_length=None, modalities=None,
                                        capabilities=None, metadata={}, unlisted=False,
-                                       websocket=False)
+                                       websocket=False, set_params={}, strip_params=[],
+                                       variants={})
 
     return rest(a) == rest(b)

@@ -327,22 +327,15 @@ class ManagementApi(ModelCommands):
 
     async def retrieve_model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id} (the OpenAI SDK's `models.retrieve`): the model's entry of
-        GET /v1/models; an alias answers its model's entry."""
+        GET /v1/models, as the caller may see it; an alias answers its model's entry, a
+        variant its own."""
         given = request.match_info["id"]
-        name = self.names.get(given)
-        if name is not None and not tenancy.visible(request.get("key"), name,
-                                                    self.sup.config.models):
-            name = None  # not one the caller's key may use: as if there were none
-        snap = await self._ask(lambda r: GetModels(reply=r)) if name is not None else None
-        assert snap is None or isinstance(snap, ModelsSnapshot)
-        view = next((v for v in snap.models if v.name == name), None) if snap else None
-        entry = (self._entry(view, self.sup.config.models, await self._counts())
-                 if view is not None else None)
+        entry = next((e for e in await self.models_seen(request.get("key"))
+                      if e["id"] == given or given in e["aliases"]), None)
         if entry is None:
             return error(404, f"model '{given}' not found; GET /v1/models lists the models "
                          "and their aliases", "not_found_error")
-        key = request.get("key")
-        return web.json_response(tenancy.shown(entry, key, self._said(key)))
+        return web.json_response(entry)
 
     def _said(self, key: KeyRule | None) -> Callable[[str], str]:
         """How a text is said to `key` (no model it may not use named: Routes.said_to)."""

@@ -209,27 +209,29 @@ def model_of_body(body: bytes) -> str | Answer:
 
 def rewritten(method: bytes, url: bytes, body: bytes, rw: Rewrite) -> bytes | Answer | None:
     """`body` with `rw` done to it (a model's filters or a variant's: params.py), for a
-    POST to a model's API with a JSON body (None: nothing to do). Its size is the edge's
-    bound already; what it becomes is its top-level fields changed, nothing deeper."""
+    POST to a model's API with a JSON body (None: nothing to do). Its top-level fields are
+    read, each value left as its bytes (a big body costs a scan, not its objects), and
+    only those `rw` names change; the rest are written back as they came."""
     if method != b"POST" or url.partition(b"?")[0] not in _PROXIED or not body:
         return None
     try:
-        fields = _decode_any(body)
+        fields = _decode_fields(body)
     except msgspec.DecodeError as e:
-        return Answer(400, f"invalid JSON body: {e}")
+        return Answer(400, "the body must be a JSON object" if "Expected `object`" in str(e)
+                      else f"invalid JSON body: {e}")
     except RecursionError:
         return Answer(400, f"invalid JSON body: nested deeper than {JSON_DEPTH_LIMIT} levels")
-    if not isinstance(fields, dict):
-        return Answer(400, "the body must be a JSON object")
-    for name in rw.strip:
-        fields.pop(name, None)
-    fields.update(rw.set)
+    out: dict[str, object] = dict(fields)
+    for strip, put in rw.steps:
+        for name in strip:
+            out.pop(name, None)
+        out.update(put)
     if rw.model:
-        fields["model"] = rw.model
-    return _encode(fields)
+        out["model"] = rw.model
+    return _encode(out)
 
 
-_decode_any = msgspec.json.Decoder().decode
+_decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _encode = msgspec.json.Encoder().encode
 _PROXIED = frozenset(p.encode() for p in PROXIED_POST)
 _ADMIN_POST = frozenset(p.encode() for p in ADMIN_POST)
@@ -284,6 +286,9 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
     if key is not None and not any(key.may_use(n) for n in routes.uses(model)) and not (
             name in routes.variants and key.may_use((name,))):  # (a variant alone)
         return Answer(403, f"key '{key.name}' may not use model '{name}'")
+    if name in routes.variants and (upgrade or method != b"POST"):  # (its filters: bodies)
+        return Answer(400, f"'{name}' is a variant of model '{model}', for requests with a "
+                      f"JSON body; name '{model}' for this one")
     if upgrade and path != b"/v1/realtime" and not (
             (route := routes.models.get(model)) is not None and route.websocket):
         return Answer(400, f"model '{name}' takes WebSockets on /v1/realtime only "

@@ -49,25 +49,26 @@ class OllamaApi:
         models = self.host.latest.models
         return web.json_response({"models": [
             {"name": e["id"], "model": e["id"], "modified_at": now_iso(),
-             "size": self._size(e), "digest": ollama.digest(e["id"], models[e["id"]]),
-             "details": ollama.details(models[e["id"]])}
+             "size": self._size(e), "digest": ollama.digest(e["id"], models[base]),
+             "details": ollama.details(models[base])}
             for e in await self.host.models_seen(request.get("key"))
-            if e["id"] in models and not models[e["id"]].unlisted]})
+            if (base := e.get("variant_of") or e["id"]) in models
+            and not models[base].unlisted]})
 
     async def ps(self, request: web.Request) -> web.Response:
         models, now = self.host.latest.models, time.time()
         loaded = []
         for e in await self.host.models_seen(request.get("key")):
-            status = e["status"]
-            if e["id"] not in models or models[e["id"]].unlisted \
+            status, base = e["status"], e.get("variant_of") or e["id"]
+            if base not in models or models[base].unlisted \
                     or status["value"] not in ("loaded", "sleeping"):
                 continue
             expires = status.get("expires_in_s")
             loaded.append({
                 "name": e["id"], "model": e["id"], "size": self._size(e),
                 "size_vram": self._size(e, devices_only=True),
-                "digest": ollama.digest(e["id"], models[e["id"]]),
-                "details": ollama.details(models[e["id"]]),
+                "digest": ollama.digest(e["id"], models[base]),
+                "details": ollama.details(models[base]),
                 "expires_at": ollama.NEVER if expires is None else datetime_of(now + expires),
                 "context_length": e.get("context_length")})
         return web.json_response({"models": loaded})
@@ -79,7 +80,7 @@ class OllamaApi:
         entry = await self._entry(request, body)
         if isinstance(entry, web.Response):
             return entry
-        config = self.host.latest.models[entry["id"]]
+        config = self.host.latest.models[entry.get("variant_of") or entry["id"]]
         caps = [c for c in entry["capabilities"] if c in ("completion", "embedding", "tools")]
         caps += ["vision"] if "image" in entry["modalities"] else []
         info = {"general.architecture": "", "general.name": entry["id"]}

@@ -152,7 +152,7 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
     `fallback`, a member that refuses it (503: it cannot load, its queue is full, it
     backs off) hands it to the next."""
     routes = ex.services.routes
-    virtual, key = routes.virtual[name], ex.req.key
+    virtual, key, asked = routes.virtual[name], ex.req.key, ex.req.body
     left = [m for m in virtual.models if m in routes.models and (
         key is None or key.may_use((name,)) or key.may_use(routes.known_as.get(m, (m,))))]
     refused: list[Refusal] = []
@@ -168,7 +168,7 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
         refused.clear()
         among = tuple(left) if virtual.pick == "warm" and len(left) > 1 else ()
         await to_model(ex, name if among else left[0], autoload, among, fall_back,
-                       again=bool(tried))  # a fallback: its key counted it once
+                       again=bool(tried), asked=asked)  # a fallback: its key counted it once
         tried += 1
         if not refused:
             return
@@ -181,7 +181,7 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
 
 async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ...] = (),
                    fall_back: Callable[[Refusal], bool] | None = None,
-                   again: bool = False) -> None:
+                   again: bool = False, asked: bytes | None = None) -> None:
     """Serve `ex` with an instance of `model` (or of one of `among`, the Scheduler's
     pick), trying the next where it may; a refusal `fall_back` takes is not answered."""
     routes, shares = (services := ex.services).routes, services.shares
@@ -210,6 +210,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
             return
         share, grant = found, ex.trace.granted(found.grant, ex.loop.time(), found is joined)
         model, among = grant.model, ()  # (a virtual model's member: tried again if need be)
+        _as_member(ex, routes, model, asked)  # (a virtual model's member: its filters)
         # 3. A grant of its own the Scheduler may cut; cut before it was sent, it waits again.
         if not grant.shareable:
             if share.ticket.cut:
@@ -238,6 +239,17 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
             return
         replays += ex.broke_kind is Broke.GONE
         gone = (grant.generation, pool)
+
+
+def _as_member(ex: Attempt, routes: Routes, member: str, asked: bytes | None) -> None:
+    """A virtual model's request's body (`asked`: as it came; None: not a virtual model's)
+    as `member` takes it: its filters (params.py) on the body as it came (a fallback's
+    next member does not see the last one's)."""
+    if asked is None:
+        return
+    rw = routes.rewrites.get(member)
+    body = rewritten(ex.req.method, ex.req.url, asked, rw) if rw is not None else asked
+    ex.req.body = body if isinstance(body, bytes) else asked
 
 
 def _refuse(ex: Attempt, routes: Routes, found: Refusal | None,

@@ -297,7 +297,7 @@ class ModelInstance(BaseActor):
 
     def begin_stop_steps(self, reason: str) -> None:
         assert self.child is not None
-        plan = self.stopping.begin(self.llama, self.config, self.model, self.port, self.child.pid)
+        plan = self.stopping.begin(self.llama, self.config, self.serves, self.port, self.child.pid)
         self.log.info("stopping %s#%d (%s): %s", self.model, self.generation, reason, plan)
         self.stopping.take(self.child, self.spawn_id)
 

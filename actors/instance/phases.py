@@ -6,8 +6,11 @@ import contextlib
 import itertools
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 from ..childproc import ChildProcess
 from ..config.model import STOP_PLACEHOLDER, ModelConfig
@@ -17,6 +20,8 @@ from ..messages import ChildTimedOut, Inbox, InstanceMessage
 from ..runtime.timers import Timers
 
 log = logging.getLogger("corral.instance")
+_ROOT = str(Path(__file__).resolve().parents[2])
+"""Where `actors` is: the hooks' shim is run as its module from there."""
 
 KILL_GRACE_S = 2.0
 """After the exit command and stop_timeout_s, a llama child gets SIGTERM and this long."""
@@ -97,12 +102,16 @@ class StopSequence:
         what, wait_s = self.taken
         self.end_command()
         if what == "stop_cmd":
-            try:  # (its own session: it is ended, whole, if it outlasts its step)
-                self.running = subprocess.Popen(
-                    self.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, start_new_session=True)
-            except OSError as e:
-                log.warning("stop_cmd %s could not run (%s)", self.command, e)
+            if shutil.which(self.command[0]) is None:  # (nothing to wait for: the next step)
+                log.warning("stop_cmd %s cannot run (no such program); %s now",
+                            self.command, said(self.left[0][0]))
+                self.take(child, spawn_id)
+                return
+            # (led by the hooks' shim: its whole group ends with it, or with corral)
+            self.running = subprocess.Popen(
+                [sys.executable, "-m", "actors.instance.hook_shim", *self.command],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT)
         elif what == "exit":
             child.write_stdin(LLAMA_EXIT)
         else:
@@ -115,11 +124,14 @@ class StopSequence:
         """End the stop_cmd if it still runs (the child's end, or the next step, came
         first), and reap it."""
         running, self.running = self.running, None
-        if running is not None and running.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(running.pid, signal.SIGKILL)
-        if running is not None:
-            running.wait()
+        if running is None:
+            return
+        ended = running.poll()
+        with contextlib.suppress(ProcessLookupError):  # (and what it left in its group)
+            os.killpg(running.pid, signal.SIGKILL)
+        running.wait()
+        if ended not in (None, 0):
+            log.warning("stop_cmd %s exited %d", self.command, ended)
 
     def ignored(self) -> str:
         """What the child ignored, and what comes next."""
