@@ -189,3 +189,11 @@ def test_a_variant_is_retrieved_and_shown_as_itself(served: Corral) -> None:
     status, body, _ = request(served.port, "POST", "/api/show", {"model": "q-thinking"},
                               headers=OPS)
     assert status == 200, body
+
+
+def test_a_key_given_a_variant_alone_may_ask_for_its_plan(served: Corral) -> None:
+    status, body, _ = request(served.port, "GET", "/models/plan?model=q-thinking",
+                              headers=ALICE)
+    assert status == 200, body
+    assert body["model"] == "q"  # (its model's plan: the same child)
+    assert request(served.port, "GET", "/models/plan?model=q", headers=ALICE)[0] == 404

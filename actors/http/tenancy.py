@@ -83,7 +83,9 @@ def plan_target(request: web.Request, names: dict[str, str],
     if rule is not None and not rule.admin:
         if key != rule.name:
             return f"key '{rule.name}' may plan only for itself, not for key '{key}'"
-        if not visible(rule, model, config.models):
+        if not visible(rule, model, config.models) and not (
+                asked != model and asked not in config.models[model].aliases
+                and rule.may_use((asked,))):  # (a variant it was given alone)
             return f"model '{asked}' not found"
     elif key and key not in config.keys and not (key == API_KEY_NAME and config.api_key):
         return f"no key named '{key}' (GET /keys lists them)"
