@@ -267,7 +267,8 @@ class CopiesMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from("aab"), affinity=st.integers(0, 5))
     def acquire(self, model: str, affinity: int) -> None:
         self.n += 1
-        serving = any(r.state.is_serving and not r.retiring for r in self.copies())
+        serving = any(r.state.is_serving and not r.retiring  # (another's turn: turns.py)
+                      and not self.w.p.state.held(r) for r in self.copies())
         self.w.run(self.w.p.acquire(self.n, model, self.w.tick(), affinity=affinity))
         answer = self.w.answers.get(self.n)
         if model == "a" and serving:

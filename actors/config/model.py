@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from .cluster import ClusterConfig
+from .devices import DeviceConfig
 from .downloads import DownloadsConfig
 from .hooks import Hooks
 from .http import HttpConfig
@@ -25,8 +26,8 @@ from .suspend import Suspend
 from .tracing import TracingConfig
 from .virtual import VirtualModel
 
-__all__ = ["ClusterConfig", "Config", "ConfigError", "HttpConfig", "ModelConfig", "ModelRules",
-           "Replicas"]
+__all__ = ["ClusterConfig", "Config", "ConfigError", "DeviceConfig", "HttpConfig", "ModelConfig",
+           "ModelRules", "Replicas"]
 
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
@@ -201,14 +202,6 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         return "probe" if self.health == "llama" else "command"
 
 
-class DeviceConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """One `[[devices]]` table: a simulated device (R-5.8)."""
-
-    name: str
-    kind: Literal["simulated"]
-    total_mib: Annotated[float, Meta(gt=0)]
-
-
 class KeyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """One `[keys.NAME]` table: a named API key and what it may do (config/keys.py). The
     key itself is never in the config file: `key_file` or `key_env` holds it."""
@@ -282,6 +275,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     """Longest wait in the queue; then 503 + Retry-After (0: no limit)."""
     min_resident_s: NonNegativeSeconds = 0.0
     """A model loaded less than this long ago is not evicted for another (swap thrash)."""
+    swap_order: Literal["arrival", "batch"] = "arrival"
+    """While a model waits for a slot or room that busy models hold: "arrival" serves the
+    models in the order asked for; "batch" lets a loaded model serve its own requests for
+    max_swap_delay_s more first (actors/policy/turns.py)."""
+    max_swap_delay_s: NonNegativeSeconds = 10.0
     liveness_interval_s: NonNegativeSeconds = 10.0
     """How often loaded `http` children's health_path is polled (0: never)..."""
     liveness_failures: Annotated[int, Meta(ge=1)] = 3
@@ -349,7 +347,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             placeable=not model.placed_by_env, nodes=model.nodes,
             suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s,
             warm=model.warm, replicas=model.replica_rules, group=group,
-            make_before_break=model.make_before_break)
+            make_before_break=model.make_before_break,
+            swap_delay_s=self.max_swap_delay_s if self.swap_order == "batch" else 0.0)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""

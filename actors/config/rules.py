@@ -97,6 +97,10 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     """For a replica record: the model it is a copy of ("" for a model's own record)."""
     make_before_break: bool = True
     """A reload's new config loads beside its serving child (handover.py)."""
+    swap_delay_s: float = 0.0
+    """While another model waits for its place, it takes the requests that came up to
+    this long after that model's first (swap_order: 0 "arrival", max_swap_delay_s
+    "batch"; actors/policy/turns.py)."""
 
 
 class ModelGroup(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -19,6 +19,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | what the policy knows, and the queries on it         | `State`                | state.py    |
 | model records, effects, counters                     | `ModelRecord`, `Spawn` | records.py  |
 | who waits for which model, in which order            | `RequestQueue`         | queue.py    |
+| whose turn a slot is, that busy models give way to   | `Turns`, `Turn`        | turns.py    |
 | suspends and wakes that ended; the TTL timers        | `Tiers`                | tiers.py    |
 | host RAM for suspended models, suspended_max         | `HostTier`             | host.py     |
 | the ledger, and a plan for each load                 | `Memory`               | memory.py   |

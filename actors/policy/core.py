@@ -35,7 +35,6 @@ log = logging.getLogger("corral.scheduler")
 S = ModelState
 
 
-
 class Policy:
     """The scheduling state of one corral and the rules that change it: what a request,
     a person and a timer cause, each event method reading top-down. What children, the
@@ -125,11 +124,12 @@ class Policy:
                               f"{over.retry_after_s:.1f} s", "rate_limit_error",
                               retry_after_s=over.retry_after_s, model=model,
                               reason=over.reason, key=key)
-        # 3. A serving model with room takes it at once, unless others wait for it
-        #    (max_concurrency): nobody overtakes them (R-4.2); nor does a key at its own
-        #    max_concurrency.
+        # 3. A serving model with room takes it at once (R-4.2), unless others wait for it
+        #    (max_concurrency), its key is at its own, or another model's turn to have its
+        #    place has come (turns.py).
         elif entry is None and not (key and tenants.at_limit(key)) \
-                and (into := self.state.route(rec, affinity)) is not None:
+                and (into := self.state.route(rec, affinity)) is not None \
+                and (self.state.turn is None or self.state.takes(into, now)):
             self._serve_now(ticket, into, now, key, counted, cuttable)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
         #    (a suspended one is there: it is woken).

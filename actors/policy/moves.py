@@ -231,7 +231,8 @@ class Moves:
         # One grant of a model with copies serves one request at a time: the front would
         # send the requests that join a grant to its copy, past the routing (replicas.py);
         # it may keep one idle for the next lone request (Grant.solo).
-        shareable = not rec.rules.max_concurrency
+        shareable = not rec.rules.max_concurrency and not (  # (held: turns.py)
+            self.state.turn is not None and self.state.held(rec))
         solo = shareable and rec.rules.replicas is not None
         if (waiter.cuttable if waiter else cuttable) and rec.rules.max_concurrency \
                 and self.state.cuts.on:

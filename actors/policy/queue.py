@@ -133,6 +133,11 @@ class RequestQueue:
     def entry(self, model: str) -> QueueEntry | None:
         return self.entries.get(model)
 
+    def behind(self, model: str) -> None:
+        """`model`'s entry goes to the back: its waiters came after those of the entries
+        it was ahead of (actors/policy/turns.py)."""
+        self.entries[model] = self.entries.pop(model)
+
     def open(self, model: str) -> QueueEntry:
         """The model's entry, created at the back if it has none."""
         entry = self.entries.get(model)

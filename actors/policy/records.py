@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -129,6 +129,19 @@ Effect = (Spawn | Stop | Suspend | Wake | Answer | Preempt | Publish | Measure |
 
 
 # ---------------------------------------------------------------- state
+
+
+class Turn(NamedTuple):
+    """The model (its group) whose turn a slot is (turns.py), since when, and where it
+    may go."""
+
+    model: str
+    since: float
+    """Its oldest waiting request's arrival."""
+    devices: frozenset[str] | None
+    """With memory accounting, the devices it may use: only models on them are held."""
+    nodes: frozenset[str] | None
+    """Bound to cluster nodes (no memory accounting): only models on them are held."""
 
 
 @dataclass(eq=False)

@@ -21,6 +21,7 @@ from .queue import QueueEntry
 from .records import Later, Measure, ModelRecord
 from .scale import Scaling
 from .state import State
+from .turns import Turns
 
 log = logging.getLogger("corral.scheduler")
 
@@ -42,6 +43,7 @@ class Rules:
         self.choice = Choice(state)
         self.up = BringUp(state, self.moves)
         self.scaling = Scaling(state, self.moves, self.choice, self.up)
+        self.turns = Turns(state)
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
@@ -58,10 +60,22 @@ class Rules:
             self.state.teams.brought = False
             self.tick(now)
             self.claim(now)
+        if self.state.turn is not None or self.state.queue.entries:
+            self.take_turns(now)
         if self.state.groups.wanting:
             self.scaling.scale(now)
         if self.state.warm and not self.state.queue.entries:
             self.warm_up(now)
+
+    def take_turns(self, now: float) -> None:
+        """Find whose turn a slot is (turns.py); while it changes, the models it held
+        serve what they may now, and the rules run again for the models it holds."""
+        for _ in range(4):  # (each round claims, or spends a turn: a few at most)
+            if not self.turns.update(now):
+                return
+            self.serve_queued(now)
+            self.tick(now)
+            self.claim(now)
 
     def drop_partner_loads(self) -> None:
         """Loads of together partners queued for nobody, whose group stopped meanwhile."""
@@ -326,9 +340,13 @@ class Rules:
             return
         blocked = {key for key in entry.lanes if key and tenants.at_limit(key)}
         copies = rec.rules.replicas is not None
+        cutoff = self.state.cutoff(rec) if self.state.turn is not None else None
         while entry.waiters and self.state.has_room(rec):
             ticket = queue.next_of(entry, now, blocked)
             if ticket is None:
+                break
+            if cutoff is not None and queue.waiters[ticket].queued_at >= cutoff:
+                queue.behind(rec.group)  # another's turn (turns.py): what is left came after
                 break
             into = self.state.route(rec, queue.waiters[ticket].affinity) if copies else rec
             if into is None:

@@ -17,7 +17,7 @@ from .host import HostTier
 from .memory import Memory
 from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
-from .records import Effect, ModelRecord, Stats
+from .records import Effect, ModelRecord, Stats, Turn
 from .replicas import UP, Groups
 from .teams import Teams
 from .tenants import Tenants
@@ -63,6 +63,10 @@ class State:
         """The time of the latest event (what a `queue` event's waits are measured at)."""
         self.wake_at: float | None = None
         """A Repump is due then (a young victim comes of age)."""
+        self.turn: Turn | None = None
+        """The model whose turn a slot is, and the models it holds (turns.py)."""
+        self.spent: Turn | None = None
+        """The last turn that could not help (turns.py): it is not had again."""
         self.out: list[Effect] = []
         """Effects decided since the last event, in order."""
         self._compose(tenants, models_max_per_node, memory_margin, account_host, host_margin,
@@ -205,8 +209,32 @@ class State:
 
     def evictable(self, rec: ModelRecord) -> bool:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
-                and rec.group not in self.queue.entries and not rec.removed
+                and (rec.group not in self.queue.entries or self.held(rec)) and not rec.removed
                 and not (self.teams.partners and self.partner_busy(rec)))
+
+    def held(self, rec: ModelRecord) -> bool:
+        """`rec` is held for the model whose turn it is (turns.py): serving, unpinned, on
+        a device or node that model may use, and not kept from it by a group."""
+        turn = self.turn
+        return (turn is not None and rec.group != turn.model and rec.state.is_serving
+                and not rec.pinned and not rec.removed
+                and (turn.devices is None
+                     or not self.memory.devices_of(rec).isdisjoint(turn.devices))
+                and (turn.nodes is None or rec.node in turn.nodes)
+                and not self.kept_from(rec, turn.model))
+
+    def cutoff(self, rec: ModelRecord) -> float | None:
+        """The requests `rec` takes came before this (None: all of them, it is not held):
+        what waited for it when it became ready, and what came before the turn began,
+        and its swap_delay_s after the later of the two (turns.py)."""
+        turn = self.turn
+        return None if turn is None or not self.held(rec) else \
+            max(turn.since, rec.ready_at or 0.0) + rec.rules.swap_delay_s
+
+    def takes(self, rec: ModelRecord, at: float) -> bool:
+        """`rec` may take a request that came at `at`."""
+        cutoff = self.cutoff(rec) if self.turn is not None else None
+        return cutoff is None or at < cutoff
 
     def kept_from(self, rec: ModelRecord, for_model: str | None) -> bool:
         """`rec` is no victim for `for_model` (teams.py): it is in a persistent group
