@@ -20,12 +20,14 @@ from bench import (
     replicas,
     scheduler,
     swap,
+    swap_order,
     tenants,
     tokenize_rate,
     uploads,
 )
 
 COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
+            "swap-order": swap_order.main,
             "scheduler": scheduler.main, "tokenize": tokenize_rate.main, "chaos": chaos.main,
             "dashboard": dashboard.main, "cluster": cluster.main,
             "cluster-sim": cluster_sim.main, "exit-latency": exit_latency.main,
@@ -37,6 +39,8 @@ SUMMARY = {
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
     "swap": "corral's share of a cold start, and swap latency at models_max 1 (--suspend: "
             "stopping against suspending)",
+    "swap-order": "swaps and waits on an alternating workload, swap_order arrival against "
+                  "batch",
     "prompt-cache": "a conversation's next turn after its llama-server model was swapped "
                     "out and back, with and without keep_prompt_cache",
     "scheduler": "pure scheduler decisions per second by size, and actor round trips",

@@ -110,6 +110,15 @@ def test_swap_bench_runs(tmp_path) -> None:
     assert data["cold_push"]["corral_ms"]["n"] == 2 and data["swap"]["corral_ms"]["n"] == 2
 
 
+def test_swap_order_bench_runs(tmp_path) -> None:
+    path = tmp_path / "o.json"
+    bench("swap-order", "--rounds", "1", "--seconds", "2", "--clients", "2",
+          "--load-s", "0.1", "--json", str(path))
+    (figures,) = json.loads(path.read_text())["rounds"]
+    assert set(figures) == {"arrival", "batch"}
+    assert all(f["req_per_s"] > 0 and f["loads_per_min"] > 0 for f in figures.values())
+
+
 def test_load_bench_runs_against_a_corral(corral, tmp_path) -> None:
     from tests.helpers import fake_cmd, toml_config
 
@@ -129,7 +138,7 @@ def test_bench_help_lists_every_bench() -> None:
     assert out.returncode == 0, out.stderr
     for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard",
                  "cluster", "cluster-sim", "exit-latency", "gpu-check", "lease", "ceiling",
-                 "tenants"):
+                 "tenants", "swap-order"):
         assert f"\n  {name} " in out.stdout
     bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)

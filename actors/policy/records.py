@@ -132,16 +132,13 @@ Effect = (Spawn | Stop | Suspend | Wake | Answer | Preempt | Publish | Measure |
 
 
 class Turn(NamedTuple):
-    """The model (its group) whose turn a slot is (turns.py), since when, and where it
-    may go."""
+    """The model (its group) whose turn a slot is (turns.py), since when, and the models
+    it needs gone, which are held for it."""
 
     model: str
     since: float
     """Its oldest waiting request's arrival."""
-    devices: frozenset[str] | None
-    """With memory accounting, the devices it may use: only models on them are held."""
-    nodes: frozenset[str] | None
-    """Bound to cluster nodes (no memory accounting): only models on them are held."""
+    held: frozenset[str]
 
 
 @dataclass(eq=False)

@@ -43,7 +43,7 @@ class Rules:
         self.choice = Choice(state)
         self.up = BringUp(state, self.moves)
         self.scaling = Scaling(state, self.moves, self.choice, self.up)
-        self.turns = Turns(state)
+        self.turns = Turns(state, self.up.plan)
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""

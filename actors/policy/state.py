@@ -213,15 +213,10 @@ class State:
                 and not (self.teams.partners and self.partner_busy(rec)))
 
     def held(self, rec: ModelRecord) -> bool:
-        """`rec` is held for the model whose turn it is (turns.py): serving, unpinned, on
-        a device or node that model may use, and not kept from it by a group."""
+        """`rec` is held for the model whose turn it is (turns.py): it serves, and that
+        model needs it gone."""
         turn = self.turn
-        return (turn is not None and rec.group != turn.model and rec.state.is_serving
-                and not rec.pinned and not rec.removed
-                and (turn.devices is None
-                     or not self.memory.devices_of(rec).isdisjoint(turn.devices))
-                and (turn.nodes is None or rec.node in turn.nodes)
-                and not self.kept_from(rec, turn.model))
+        return turn is not None and rec.name in turn.held and rec.state.is_serving
 
     def cutoff(self, rec: ModelRecord) -> float | None:
         """The requests `rec` takes came before this (None: all of them, it is not held):

@@ -5,10 +5,13 @@ llama.cpp's rule (R-4.2) proxies a request for a loaded model at once. Under a s
 stream of requests for A, a request for B that needs A's place waited until A had no
 request at all, which might be never (llama-swap#612; `queue_timeout_s` was the only
 bound). Now the first entry in the queue's order that waits for a slot has the *turn*,
-from `since`, its oldest request's arrival. Each model whose place it could take
-(`State.held`: serving, unpinned, on its devices or nodes, not kept from it by a group)
-takes only the requests that came before `since` plus its `swap_delay_s`; later ones
-queue behind. The model drains, is the LRU victim, and the waiter's load goes.
+from `since`, its oldest request's arrival, and the models it needs gone are *held*:
+the least recently used busy model that may be evicted for it, or, with memory
+accounting, those the memory plan would evict were the busy ones idle (`Turn.held`).
+A held model takes only the requests that came before `since` (or before it became
+ready, if later: what it was loaded for) plus its `swap_delay_s`; later ones queue
+behind. It drains, is the victim, and the waiter's load goes; the other models serve on
+as before.
 
 - `swap_order = "arrival"` (the default, delay 0): models are served in the order they
   were asked for, ABAB, each swap serving what had queued.
@@ -17,7 +20,8 @@ queue behind. The model drains, is the LRU victim, and the waiter's load goes.
   waiter's extra wait.
 
 The fronts are told too: a held model's grants are withdrawn once its cutoff has passed
-(`Withdraw`), so no request joins them on a front without asking.
+(`Withdraw`), and those it makes meanwhile are not shared, so no request joins them on
+a front without asking.
 
 A turn that cannot help is *spent*: once every model it holds is idle and old enough to
 be evicted and the waiter still cannot go (it waits for something no eviction gives),
@@ -27,85 +31,158 @@ those models take requests again, and the next entry in line may have its turn.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from ..lifecycle import ModelState
 from ..messages import Repump, Withdraw
 from .queue import QueueEntry
 from .records import Later, ModelRecord, Turn
 from .state import State
+from .weigh import Plan
 
 log = logging.getLogger("corral.scheduler")
 
-S = ModelState
+
+def up(rec: ModelRecord) -> bool:
+    """`rec` serves, or is on its way to (a load, a wake)."""
+    return rec.state.is_serving or rec.state in (ModelState.LOADING, ModelState.WAKING)
+
 
 
 class Turns:
     """The turn on one `State`: found after each decision (`update`), read by the rules
-    through `State.held` and `State.takes`."""
+    through `State.held` and `State.cutoff`. `plan`: the memory plan of a model's load,
+    evicting only the victims given (BringUp.plan)."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State,
+                 plan: Callable[[ModelRecord, list[ModelRecord]], Plan]) -> None:
         self.state = state
-        self.held: list[ModelRecord] = []
-        """The models the turn held when it began (those serving then)."""
+        self.plan = plan
         self.pending: list[ModelRecord] = []
-        """Of those, the ones whose grants the fronts have not been told to withdraw yet
-        (their cutoff is still to come; grants made while held are not shared at all)."""
+        """Held models whose grants the fronts have not been told to withdraw yet (their
+        cutoff is still to come)."""
         self.due: float | None = None
         """A Repump is due then: a held model's cutoff (a batch's delay) comes."""
+        self.seen: tuple[object, ...] = ()
+        """What the turn was last found by (`unchanged`)."""
+        self.memo: tuple[tuple[str, float], tuple[int, ...], frozenset[str]] | None = None
+        """The last `victims`: for which turn, the memory's state then, and them."""
 
     def update(self, now: float) -> bool:
         """Find the turn as things are now; whether it changed (its held models may take
         their waiters, or become victims: the rules run again)."""
         state = self.state
+        if self.unchanged(now):
+            return False
         turn = self.find(now) if state.queue.entries else None
         if turn is not None and turn == state.turn and self.spent(turn, now):
             state.spent = turn
-            log.info("model %s: its turn is spent (the models it waits for are idle, and "
-                     "it still cannot load); they take requests again", turn.model)
+            log.info("model %s: its turn is spent (%s idle and it still cannot load); they "
+                     "take requests again", turn.model, ", ".join(sorted(turn.held)))
             turn = self.find(now)
         changed = turn != state.turn
         if changed:
-            state.turn = turn
-            self.held = [r for r in state.models.values() if state.held(r)] if turn else []
-            self.pending = list(self.held)
-            if turn is not None:
-                log.debug("model %s has the turn (waiting since %.3f)", turn.model, turn.since)
+            state.turn, self.due = turn, None
+            self.pending = [state.models[n] for n in turn.held] if turn else []
+            if turn is not None and turn.held:
+                log.info("model %s waits for %s (its turn: what comes for %s now waits "
+                         "behind it)", turn.model, ", ".join(sorted(turn.held)),
+                         "them" if len(turn.held) > 1 else "it")
         if turn is not None and self.pending and (changed or self.due is None
                                                   or now >= self.due):
             self.withdraw(turn, now)
         return changed
 
+    def unchanged(self, now: float) -> bool:
+        """Nothing the turn is found by has changed since it last was: no model changed
+        state (the memory's epoch), nor the device figures, the entries, the turn's
+        first request, or what its held models have in flight; nor has a cutoff come.
+        (The turn is looked for after each decision: this keeps that O(1).)"""
+        state = self.state
+        turn = state.turn
+        entry = state.queue.entry(turn.model) if turn is not None else None
+        seen = (state.memory.epoch, state.ledger.version if state.memory_on else 0,
+                len(state.queue.entries), next(iter(entry.waiters), None) if entry else None,
+                tuple(state.models[n].in_flight for n in turn.held) if turn else ())
+        if seen == self.seen and (self.due is None or now < self.due):
+            return True
+        self.seen = seen
+        return False
+
     def find(self, now: float) -> Turn | None:
-        """The turn: the first entry, in the queue's order, with requests waiting for a
+        """The turn: the one it is while its model still waits and a model it holds still
+        serves; else the first entry, in the queue's order, with requests waiting for a
         slot for a model none of whose copies serves (other than the turn last spent)."""
         state = self.state
         if not state.memory_on and state.has_capacity():
             return None  # (a slot is free: whatever it waits for, no eviction gives it)
-        for entry in state.queue.ordered(now):
-            turn = self.of(entry, now)
-            if turn is not None and turn != state.spent:
+        turn = state.turn
+        if turn is not None and (entry := state.queue.entry(turn.model)) is not None \
+                and self.waits(entry, now):
+            since = self.since(entry)
+            held = self.victims(turn.model, since)
+            if held == turn.held and since == turn.since:
                 return turn
+            if (turn := Turn(turn.model, since, held)) != state.spent:
+                return turn
+        for entry in state.queue.ordered(now):
+            if self.waits(entry, now):
+                since = self.since(entry)
+                turn = Turn(entry.model, since, self.victims(entry.model, since))
+                if turn != state.spent:
+                    return turn
         return None
 
-    def of(self, entry: QueueEntry, now: float) -> Turn | None:
-        """The turn `entry` would have, if it may have one."""
+    def waits(self, entry: QueueEntry, now: float) -> bool:
+        """`entry` has requests that wait for a slot for a model none of whose copies
+        serves."""
         state = self.state
-        if not entry.waiters or not state.needs_slot(entry, now):
-            return None
-        rec = state.models[entry.model]
-        if any(r.state.is_serving for r in state.groups.of(rec)):
-            return None  # (a copy serves: more copies are not worth another's wait)
-        memory = state.memory_on
-        return Turn(entry.model, state.queue.waiters[next(iter(entry.waiters))].queued_at,
-                    frozenset(state.memory.devices_of(rec)) if memory else None,
-                    frozenset(rec.rules.nodes) if rec.rules.nodes is not None
-                    and not memory else None)
+        return bool(entry.waiters) and state.needs_slot(entry, now) and not any(
+            r.state.is_serving for r in state.groups.of(state.models[entry.model]))
+
+    def since(self, entry: QueueEntry) -> float:
+        return self.state.queue.waiters[next(iter(entry.waiters))].queued_at
+
+    def victims(self, model: str, since: float) -> frozenset[str]:
+        """The models up (or coming up) that `model` needs gone: the least recently used
+        that may go for it; with memory accounting, those its plan would evict were they
+        all idle (and the least recently used, if it needs a slot too). One coming up is
+        held once it serves: it serves what it was loaded for first. Chosen once a turn,
+        while they are up (with memory accounting, again when the memory has changed)."""
+        state = self.state
+        rec = state.groups.target(state.models[model])
+        assert rec is not None
+        memory = (state.memory.epoch, state.ledger.version, state.n_running,
+                  state.n_stopping) if state.memory_on else ()
+        if (memo := self.memo) is not None and memo[0] == (model, since) and (
+                memo[1] == memory or memo[2]) and all(up(state.models[n]) for n in memo[2]):
+            return memo[2]  # (nothing it was chosen by has changed: a plan is dear)
+        held = self.choose(rec, model)
+        self.memo = ((model, since), memory, held)
+        return held
+
+    def choose(self, rec: ModelRecord, model: str) -> frozenset[str]:
+        state = self.state
+        may = [r for r in state.models.values()
+               if up(r) and not r.pinned and not r.removed and r.group != rec.group
+               and not state.kept_from(r, model)
+               and (rec.rules.nodes is None or state.memory_on or r.node in rec.rules.nodes)]
+        if not may:
+            return frozenset()
+        if not state.memory_on:
+            return frozenset((min(may, key=lambda r: r.last_used).name,))
+        may.sort(key=lambda r: r.last_used)
+        plan = self.plan(rec, may)
+        held = {victim.name for victim, _ in plan.evict} if plan.verdict == "go" else set()
+        if not state.has_capacity() and not held:
+            held.add(may[0].name)
+        return frozenset(held)
 
     def spent(self, turn: Turn, now: float) -> bool:
         """Every model `turn` holds is idle and old enough to go, and its waiter still
         cannot: holding them longer would only make their own requests wait."""
         state = self.state
-        held = [r for r in self.held if state.held(r)]  # (not those stopped meanwhile)
+        held = [r for n in turn.held if state.held(r := state.models[n])]
         return bool(held) and all(not r.in_flight and state.resident_until(r) <= now
                                   for r in held)
 
@@ -115,9 +192,9 @@ class Turns:
         state = self.state
         due, pending = None, []
         for rec in self.pending:
-            if not state.held(rec):
+            cutoff = state.cutoff(rec)
+            if cutoff is None:
                 continue  # (it stopped meanwhile)
-            cutoff = turn.since + rec.rules.swap_delay_s
             if cutoff > now:
                 due = cutoff if due is None else min(due, cutoff)
                 pending.append(rec)
@@ -126,7 +203,8 @@ class Turns:
             state.out.append(Withdraw(model=rec.group, generation=rec.generation,
                                       epoch=rec.wakes, instance=rec.copy_name))
         self.pending = pending
-        if due is not None and (self.due is None or self.due <= now or due < self.due):
+        if due is None:
+            self.due = None
+        elif self.due is None or self.due <= now or due < self.due:
             self.due = due
             state.out.append(Later(due - now, Repump()))
-
