@@ -457,6 +457,8 @@ class GetPlan(Message, frozen=True, kw_only=True):
     one, and for how long (the shortest)."""
     shown: frozenset[str] | None = None
     """The model names the asking key may see (None: all)."""
+    affinity: int = 0
+    """The request's session's (`?session=`: actors/http/affinity.py), if it names one."""
     reply: Reply
 
 

@@ -197,8 +197,8 @@ class Scheduler(BaseActor):
             case GetModels(reply=reply):
                 reply.send(p.snapshot(now))
             case GetPlan(model=model, key=key, autoload=autoload, kept=kept, shown=shown,
-                         reply=reply):
-                reply.send(p.plan(model, now, key, autoload, kept, shown))
+                         affinity=affinity, reply=reply):
+                reply.send(p.plan(model, now, key, autoload, kept, shown, affinity))
             case Ping(reply=reply):
                 reply.send(Alive(running=p.running_count(), queue_depth=len(p.state.queue)))
             case _:

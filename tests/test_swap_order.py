@@ -38,6 +38,10 @@ def test_under_a_steady_stream_for_a_b_gets_the_slot_after_what_came_before_it()
     w.acquire("b0", "b")  # needs a's slot: from now on, b has the turn
     assert w.p.state.turn is not None and w.p.state.turn.model == "b"
     assert w.acquire("a1", "a") is None  # came after b0: it waits behind it
+    plan = w.p.plan("a", w.now)
+    assert plan.decision == "queue" and "model 'b', asked for first" in (plan.waiting_for or "")
+    assert "a to end the requests that came before it" in (w.p.plan("b", w.now).waiting_for
+                                                             or "")
     w.release("a0")  # a drains: it is the victim
     assert w.stops[-1] == ("a", "lru") and w.state("a") == "stopping"
     w.exited("a")

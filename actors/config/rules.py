@@ -15,6 +15,9 @@ from msgspec import Meta
 
 SEPARATOR = "@"
 """Between a model's name and a replica's number: `NAME@2`."""
+SESSION = 1 << 63
+"""A request's affinity at or above this is its session's (a hash of its session header,
+actors/http/affinity.py); below it, its prompt's start (route "prefix")."""
 
 
 class Replicas(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -35,6 +38,10 @@ class Replicas(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     """How much of a prompt names its copy (a chat's system messages and first other
     message, or a completion's `prompt`: actors/http/affinity.py)."""
     prefix_overload: Annotated[int, Meta(ge=0)] = 4
+    session_ttl_s: Annotated[float, Meta(ge=0)] = 600.0
+    """A conversation named by a session header (`http.session_headers`) stays on its copy
+    while it comes back within this long (0: sessions are not pinned), ahead of the
+    prefix hash, with the same prefix_overload bound (actors/policy/replicas.py)."""
     target_in_flight: Annotated[int, Meta(ge=1)] = 4
     """A copy is added when the copies average more requests in flight than this..."""
     scale_up_after_s: Annotated[float, Meta(ge=0)] = 5.0

@@ -8,6 +8,11 @@ completion hashes the first `prefix_bytes` of `prompt`. Requests whose prompts b
 alike get the same hash, and the Scheduler sends them to the same copy
 (policy/replicas.py), whose prompt cache then holds that beginning already.
 
+A request with a session header (http.session_headers) belongs to its session instead
+(`placement`): its hash has the top bit (SESSION) set, so the Scheduler tells the two
+apart, pins the session to its copy for `session_ttl_s`, and gives each session of a key
+a lane of its own in the queue.
+
 Only the fields that make the prompt are decoded; a body that has none of them, or that
 is not what a chat or completion body is, gets 0 (no affinity: least loaded).
 """
@@ -17,6 +22,8 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
+
+from ..config.rules import SESSION
 
 
 class _Part(msgspec.Struct):
@@ -37,7 +44,7 @@ _decode = msgspec.json.Decoder(_Prompt).decode
 
 
 def affinity(body: bytes, prefix_bytes: int) -> int:
-    """The prompt's start hashed to 64 bits, never 0; 0 when it has none."""
+    """The prompt's start hashed to 63 bits, never 0; 0 when it has none."""
     try:
         head = _decode(body)
     except (msgspec.DecodeError, RecursionError):
@@ -61,4 +68,13 @@ def affinity(body: bytes, prefix_bytes: int) -> int:
     if not text:
         return 0
     digest = hashlib.blake2b(bytes(text[:prefix_bytes]), digest_size=8).digest()
-    return int.from_bytes(digest, "little") or 1
+    return int.from_bytes(digest, "little") % SESSION or 1
+
+
+def placement(session: bytes | None, body: bytes, prefix_bytes: int) -> int:
+    """Where a request belongs among its model's copies: its session's (a hash at or
+    above SESSION), else its prompt's start (`prefix_bytes`: route "prefix"), else 0."""
+    if session:
+        digest = hashlib.blake2b(session, digest_size=8, person=b"session").digest()
+        return SESSION | int.from_bytes(digest, "little") % SESSION
+    return affinity(body, prefix_bytes) if prefix_bytes else 0

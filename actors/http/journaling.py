@@ -147,7 +147,8 @@ def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: flo
                    None if first_at is None else first_at - t.started,
                    None if t.first_body is None or not streamed else t.first_body - t.started,
                    now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
-                   bytes(t.answer) if t.answer is not None else None))
+                   bytes(t.answer) if t.answer is not None else None,
+                   req.session.decode("latin-1") if req.session else ""))
 
 
 def record_of(r: Row, bodies: bool = False) -> Record:
@@ -162,7 +163,7 @@ def record_of(r: Row, bodies: bool = False) -> Record:
         ttft_s=None if r.ttft_s is None else round(r.ttft_s, 6),
         duration_s=round(r.duration_s, 6), tokens_in=t.prompt, tokens_out=t.completion,
         tokens_cached=t.cached, prompt_per_s=t.prompt_per_s, predicted_per_s=t.predicted_per_s,
-        cut=r.cut, kept=r.kept,
+        cut=r.cut, kept=r.kept, session=r.session,
         body=r.asked.decode("utf-8", "replace") if bodies and r.asked is not None else None,
         answer=r.answer.decode("utf-8", "replace") if bodies and r.answer is not None
         else None)

@@ -32,7 +32,7 @@ _IDS = frozenset({b"x-conversation-id", b"x-request-id", b"traceparent"})
 class Limits:
     """The edge's size limits in bytes (from `[http]` and max_body_mib)."""
 
-    __slots__ = ("max_body", "max_header", "max_url", "resumable", "uploads")
+    __slots__ = ("max_body", "max_header", "max_url", "resumable", "sessions", "uploads")
 
     def __init__(self, http: HttpConfig, max_body_mib: float) -> None:
         self.max_header = int(http.max_header_kib * 1024)
@@ -42,6 +42,8 @@ class Limits:
         """The paths whose multipart POST is an upload."""
         self.resumable = http.resumable_max_mib > 0
         """X-Conversation-Id is corral's (resumable.py), not the child's."""
+        self.sessions = frozenset(h.lower().encode() for h in http.session_headers)
+        """The headers that name a request's session (http.session_headers)."""
 
     def too_big(self) -> Answer:
         return Answer(413, f"request body over the {self.max_body / 2**20:g} MiB "
@@ -57,8 +59,9 @@ class Request:
 
     __slots__ = ("answer", "body", "body_parts", "body_size", "complete", "content_type",
                  "continue_sent", "conversation", "headers", "headers_done", "http10",
-                 "keep_alive", "key", "length", "method", "request_id", "traceparent",
-                 "upgrade", "upload", "url", "url_parts", "url_size", "wants_continue")
+                 "keep_alive", "key", "length", "method", "request_id", "session",
+                 "traceparent", "upgrade", "upload", "url", "url_parts", "url_size",
+                 "wants_continue")
 
     def __init__(self) -> None:
         self.url_parts: list[bytes] = []
@@ -88,6 +91,8 @@ class Request:
         self.upgrade = False
         self.request_id: str | None = None
         """Its client's X-Request-Id, where it sent a usable one (journaling.py)."""
+        self.session: bytes | None = None
+        """Its session header's value (http.session_headers), the first it has."""
         self.traceparent: bytes | None = None
         """Its client's W3C traceparent, as sent (spans.py reads it when traces are on)."""
         """A WebSocket's opening (tunnel.py): nothing after its head is HTTP."""
@@ -138,7 +143,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
             expect = value
         elif lname == b"upgrade":
             upgrade_to = value
-        elif lname in _IDS:
+        elif lname in _IDS or lname in limits.sessions:
             ids.append((lname, value))
     if size > limits.max_header:
         return limits.header_too_big()
@@ -154,7 +159,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     host = hosts[0] if hosts else None
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
-    _take_id(req, ids)  # (first: a refusal of its caller names it too)
+    _take_id(req, ids, limits.sessions)  # (first: a refusal of its caller names it too)
     refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
     if refused is not None:
         return refused
@@ -182,11 +187,14 @@ def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | 
     return None
 
 
-def _take_id(req: Request, ids: list[tuple[bytes, bytes]]) -> None:
-    """`req.request_id`: its client's X-Request-Id, where it is one corral can use."""
+def _take_id(req: Request, ids: list[tuple[bytes, bytes]], sessions: frozenset[bytes]) -> None:
+    """`req.request_id`: its client's X-Request-Id, where it is one corral can use; and
+    `req.session`: the first of its session headers (http.session_headers)."""
     for name, value in ids:
         if name == b"x-request-id" and CONVERSATION_ID.fullmatch(value):
             req.request_id = value.decode()
+        elif name in sessions and req.session is None:
+            req.session = value.strip()[:256] or None
 
 
 def _check_ids(req: Request, ids: list[tuple[bytes, bytes]], resumable: bool,

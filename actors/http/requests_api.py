@@ -35,7 +35,8 @@ _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def parse(fields: dict[str, str], now: float) -> Query | str:
     """The query a request's fields ask for, or what is wrong with them."""
-    q = Query(model=fields.get("model") or None, key=fields.get("key") or None)
+    q = Query(model=fields.get("model") or None, key=fields.get("key") or None,
+              session=fields.get("session") or None)
     if (status := fields.get("status")):
         digits = status.lower().removesuffix("xx")
         if not (digits.isascii() and digits.isdigit()) or not 0 < len(digits) <= 3:

@@ -17,6 +17,7 @@ from ..config.model import Config, ModelConfig
 from ..messages import GetPlan, ModelsSnapshot, SchedulerMessage
 from ..policy.plans import RequestPlan
 from ..runtime.bridge import LoopReply
+from .affinity import placement
 from .control import FrontCounts
 from .edge import Answer, parse_autoload
 from .stream_api import stream_call
@@ -112,9 +113,11 @@ async def plan(request: web.Request, names: dict[str, str], config: Config,
              frozenset(n for n in config.models if visible(rule, n, config.models)))
     fronts = await counts()  # grants they keep idle are given back once revoked: no wait
     kept = {m: (fronts.kept_idle.get(m, 1), s) for m, s in fronts.kept_idle_s.items()}
+    session = request.query.get("session", "").encode()  # (as its header would say)
+    near = placement(session[:256], b"", 0) if session else 0
     async with one_at_a_time:
         answer = await ask(lambda r: GetPlan(model=model, key=key, autoload=autoload,
-                                             kept=kept, shown=shown, reply=r))
+                                             kept=kept, shown=shown, affinity=near, reply=r))
     assert isinstance(answer, RequestPlan)
     return web.json_response(msgspec.to_builtins(answer))
 

@@ -43,6 +43,8 @@ class Query(msgspec.Struct, kw_only=True):
     status: int | None = None
     """An exact status, or a class: 4 for every 4xx."""
     since: float | None = None
+    session: str | None = None
+    """Its session header's value (no column of the file: its rows decide)."""
     limit: int = 100
 
     def matches(self, r: Row) -> bool:
@@ -51,7 +53,8 @@ class Query(msgspec.Struct, kw_only=True):
                 and (self.key is None or r.key == self.key)
                 and (self.status is None or r.status == self.status
                      or (self.status < 10 and r.status // 100 == self.status))
-                and (self.since is None or r.at >= self.since))
+                and (self.since is None or r.at >= self.since)
+                and (self.session is None or r.session == self.session))
 
     def where(self) -> tuple[str, list[object]]:
         """The pages that may hold a match: each value is in its page's column between

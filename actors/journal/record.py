@@ -54,6 +54,8 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Its body, as far as [journal] capture kept it (admin keys only)."""
     answer: str | None = None
     """Its answer's body, as far as capture kept it (admin keys only)."""
+    session: str = ""
+    """Its session header's value (http.session_headers): its conversation."""
 
 
 
@@ -116,6 +118,8 @@ class Row(msgspec.Struct, array_like=True, gc=False):
     """Its body's first [journal] capture_kib (capture = true)."""
     answer: bytes | None = None
     """Its answer's body's first capture_kib (capture = true)."""
+    session: str = ""
+    """Its session header's value (http.session_headers)."""
 
 
 

@@ -80,10 +80,10 @@ class Policy:
 
     def plan(self, model: str, now: float, key: str = "", autoload: bool = True,
              kept: Mapping[str, tuple[int, float]] | None = None,
-             shown: Collection[str] | None = None) -> RequestPlan:
+             shown: Collection[str] | None = None, affinity: int = 0) -> RequestPlan:
         """GET /models/plan: what `acquire` would do with one more request now, decided
         on a copy of this policy (plans.py)."""
-        return plans.plan(self, model, now, key, autoload, kept, shown)
+        return plans.plan(self, model, now, key, autoload, kept, shown, affinity)
 
     def running_count(self) -> int:
         return self.state.n_running
@@ -128,7 +128,7 @@ class Policy:
         #    (max_concurrency), its key is at its own, or another model's turn to have its
         #    place has come (turns.py).
         elif entry is None and not (key and tenants.at_limit(key)) \
-                and (into := self.state.route(rec, affinity)) is not None \
+                and (into := self.state.route(rec, affinity, now)) is not None \
                 and (self.state.turn is None or self.state.takes(into, now)):
             self._serve_now(ticket, into, now, key, counted, cuttable)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
@@ -181,7 +181,7 @@ class Policy:
             self.state.out.append(Later(rules.queue_timeout_s, WaitDue(ticket=ticket)))
         log.debug("request for %s queued (%d waiting for it, %d entries)",
                   model, len(entry.waiters), len(self.state.queue.entries))
-        if (into := self.state.route(rec, affinity)) is not None:
+        if (into := self.state.route(rec, affinity, now)) is not None:
             self.rules.serve_waiters(into, now)  # others wait only for their keys' limits
         self.rules.pump(now)
         if counted and ticket not in self.state.queue and ticket not in self.state.leases:

@@ -36,7 +36,8 @@ class Policy(Protocol):
     state: State
 
     def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
-                key: str = "", retry: bool = False) -> list[Effect]: ...
+                key: str = "", retry: bool = False, cuttable: bool = False,
+                affinity: int = 0) -> list[Effect]: ...
 
     def release_all(self, releases: Iterable[tuple[Hashable, bool, float, int]],
                     now: float) -> list[Effect]: ...
@@ -68,6 +69,9 @@ class RequestPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     host: str | None = None
     port: int | None = None
     """grant: the instance that would serve it."""
+    copy: str = ""
+    """grant: the copy that would serve it (`NAME@2`; "" for the model's own); a session
+    (`?session=`) is given the copy it is pinned to."""
     position: int | None = None
     """queue or load: its place among the requests waiting for the model (1: next)."""
     ahead: dict[str, int] = {}
@@ -137,19 +141,20 @@ def decide(effects: list[Effect], ticket: Hashable, model: str) -> Decision:
 
 def plan(policy: Policy, model: str, now: float, key: str = "", autoload: bool = True,
          kept: Mapping[str, tuple[int, float]] | None = None,
-         shown: Collection[str] | None = None) -> RequestPlan:
+         shown: Collection[str] | None = None, affinity: int = 0) -> RequestPlan:
     """What a request for `model` with `key` would get at `now`: the story to its end.
 
     `kept`: the models whose grants the fronts keep with no request on them (how many
     fronts keep one, and for how long): a request that waits only for those to be given
     back is planned past it, as a `load` that revokes them and evicts (issue 37: it read
     as `queue`, "waiting for the fronts", though nothing in flight holds it). `shown`:
-    the model names the asking key may see (None: all); the others are not named (S8)."""
+    the model names the asking key may see (None: all); the others are not named (S8).
+    `affinity`: its session's (a copy it is pinned to is the one it gets)."""
     copy_ = twin(policy)
     probe = _Probe()
     _quiet.planning.on = True
     try:
-        effects = copy_.acquire(probe, model, now, autoload, key)
+        effects = copy_.acquire(probe, model, now, autoload, key, affinity=affinity)
         decision = decide(effects, probe, model)
         revoked: list[str] = []
         if decision == "queue" and kept:
@@ -208,7 +213,7 @@ def _plan(policy: Policy, copy_: Policy, probe: _Probe, effects: list[Effect],
         if isinstance(answer, Grant):
             return RequestPlan(decision="grant", model=name, key=key,
                                generation=answer.generation, host=answer.host,
-                               port=answer.port)
+                               port=answer.port, copy=answer.instance)
         assert isinstance(answer, Refusal)
         return RequestPlan(decision="refuse", model=name, key=key, status=answer.status,
                            message=answer.message, retry_after_s=answer.retry_after_s)
@@ -271,6 +276,12 @@ def _waiting_for(copy_: Policy, rec: ModelRecord, effects: list[Effect],
     if rec.waiting_for:
         return rec.waiting_for
     state = copy_.state
+    if (turn := state.turn) is not None and state.held(rec):
+        return (f"model '{turn.model}', asked for first, to have its place (swap_order): "
+                f"{rec.name} ends what came before, then gives way")
+    if turn is not None and turn.model == rec.group and turn.held:
+        return (f"{', '.join(sorted(turn.held))} to end the requests that came before it "
+                "(its turn, swap_order), then a slot")
     if rec.state in (ModelState.UNLOADED, ModelState.SUSPENDED) and not state.has_capacity():
         busy = [r.name for r in state.models.values() if r.state.is_running]
         return (f"a free slot (models_max {state.models_max}; running, none of them idle: "

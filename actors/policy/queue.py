@@ -10,14 +10,21 @@ higher level goes first, a waiter's level rising by one for every `aging_s` it h
 served least goes next (round robin, by requests: one unit for all, so that keys with and
 without a token budget can be weighed together); FIFO within a key. Each key's waiters
 of an entry are its *lane*. Without keys there is one lane, and the order is arrival
-order, at no extra cost.
+order, at no extra cost. Within a lane, the requests that came with a session header
+(their affinity is a session's) are served session by session, the least served first,
+FIFO within each (`by_session`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
+from ..config.rules import SESSION
+
+SCAN = 256
+"""Waiters of a key's lane looked at for the session to serve next (`by_session`)."""
 KILLS_OUTLIVED_MAX = 2
 """A queued request outlives this many loads killed by a signal (the OOM killer, an
 operator, chaos) before one answers it: as many as a request whose child died under it
@@ -65,9 +72,16 @@ class QueueEntry:
     back starts level with the least served key that waits, so it cannot claim a backlog
     of turns."""
 
+    sessions: int = 0
+    """Its waiters that came with a session (http.session_headers): while there are any,
+    each key's lane is served session by session (`RequestQueue.by_session`)."""
+    by_session: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(key, session) -> the requests granted to it here (0: none)."""
+
     def copy(self) -> QueueEntry:
         return QueueEntry(self.model, dict(self.waiters), self.explicit, self.claimed,
-                          {k: dict(lane) for k, lane in self.lanes.items()}, dict(self.served))
+                          {k: dict(lane) for k, lane in self.lanes.items()}, dict(self.served),
+                          self.sessions, dict(self.by_session))
 
     def put(self, ticket: Hashable, key: str, first: bool = False) -> None:
         """Add `ticket` at the back of its lane, or at its front (`first`)."""
@@ -117,7 +131,7 @@ class RequestQueue:
         new = RequestQueue(self.aging_s)
         memo[id(self)] = new
         new.waiters = {t: Waiter(w.model, w.queued_at, w.deadline, w.key, w.level,
-                                 w.kills_outlived, w.cuttable, w.again)
+                                 w.kills_outlived, w.cuttable, w.again, w.affinity)
                        for t, w in self.waiters.items()}
         new.entries = {m: e.copy() for m, e in self.entries.items()}
         new.changed = set(self.changed)
@@ -154,6 +168,7 @@ class RequestQueue:
         entry.put(ticket, key, first=again)
         self.waiters[ticket] = Waiter(model, now, deadline, key, level, cuttable=cuttable,
                                       again=again, affinity=affinity)
+        entry.sessions += affinity >= SESSION
         self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
         return entry
@@ -161,7 +176,9 @@ class RequestQueue:
     def _forget(self, ticket: Hashable) -> Waiter:
         """Take `ticket` out of `waiters`, its entry and the level counts."""
         waiter = self.waiters.pop(ticket)
-        self.entries[waiter.model].pull(ticket, waiter.key)
+        entry = self.entries[waiter.model]
+        entry.pull(ticket, waiter.key)
+        entry.sessions -= waiter.affinity >= SESSION
         left = self.levels[waiter.level] - 1
         if left:
             self.levels[waiter.level] = left
@@ -182,7 +199,9 @@ class RequestQueue:
         max_concurrency); None if there is none."""
         lanes = entry.lanes
         if len(lanes) == 1 and not skip:
-            return next(iter(entry.waiters), None)
+            ticket = next(iter(entry.waiters), None)
+            return ticket if not entry.sessions or ticket is None else \
+                self.by_session(entry, ticket)
         best_rank: float | None = None
         best_level = 0
         heads: list[tuple[str, Hashable, Waiter]] = []
@@ -200,7 +219,28 @@ class RequestQueue:
         # the class that won; among its keys, the least served, then the longest waiting
         _, ticket, _ = min(((k, t, w) for k, t, w in heads if w.level == best_level),
                            key=lambda h: (entry.served.get(h[0], 0.0), h[2].queued_at))
-        return ticket
+        return ticket if not entry.sessions else self.by_session(entry, ticket)
+
+    def by_session(self, entry: QueueEntry, ticket: Hashable) -> Hashable:
+        """Within the lane of `ticket`'s key: the first waiter of the session (or of the
+        requests with none) granted least here, the earliest on a tie, among the first
+        SCAN waiters; one cut from its slot (`again`) first. One agent's burst of
+        parallel sub-tasks then cannot keep the same key's other conversation waiting."""
+        head = self.waiters[ticket]
+        if head.again:
+            return ticket
+        best, least = ticket, None
+        looked: set[int] = set()
+        for t in itertools.islice(entry.lanes[head.key], SCAN):
+            session = self.waiters[t].affinity
+            session = session if session >= SESSION else 0
+            if session in looked:
+                continue
+            looked.add(session)
+            served = entry.by_session.get((head.key, session), 0.0)
+            if least is None or served < least:
+                best, least = t, served
+        return best
 
     def served(self, model: str, key: str, amount: float) -> None:
         """Count `amount` (grants) as served to `key` in `model`'s entry."""
@@ -233,7 +273,12 @@ class RequestQueue:
 
     def take(self, ticket: Hashable) -> Waiter:
         """Take `ticket` out of a non-empty entry that stays (it is being granted)."""
-        return self._forget(ticket)
+        waiter = self._forget(ticket)
+        entry = self.entries[waiter.model]
+        if entry.sessions or entry.by_session:  # (its session's turns within its key)
+            one = (waiter.key, waiter.affinity if waiter.affinity >= SESSION else 0)
+            entry.by_session[one] = entry.by_session.get(one, 0.0) + 1.0
+        return waiter
 
     def drop(self, model: str) -> list[tuple[Hashable, Waiter]]:
         """Remove the model's entry; return its waiters, oldest first."""

@@ -15,7 +15,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ..config.rules import SEPARATOR
+from ..config.rules import SEPARATOR, SESSION
 from ..lifecycle import ModelState
 from .records import ModelRecord
 
@@ -57,6 +57,9 @@ class Groups:
         first -> the copy each went to (`home`)."""
         self.homed: dict[str, dict[str, int]] = {}
         """Model -> copy -> how many of those prompts went to it."""
+        self.seen: dict[str, OrderedDict[int, float]] = {}
+        """Model -> the sessions among its prompts, least recently first -> when each
+        last came (`expire`)."""
 
     def add(self, rec: ModelRecord) -> None:
         if rec.rules.replicas is None or rec.removed or not self.is_current(rec):
@@ -166,12 +169,14 @@ class Groups:
         return None
 
     def route(self, rec: ModelRecord, affinity: int,
-              has_room: Callable[[ModelRecord], bool]) -> ModelRecord | None:
-        """The copy of `rec`'s model a request goes to now, None if none has room:
-        `least_loaded`, the less busy of two picked at random; `prefix`, the copy
-        `affinity` (a hash of the prompt's start) ranks first among those with room
-        (rendezvous hashing: a copy that comes or goes moves only its own share), unless
-        it has more than prefix_overload requests above the least busy."""
+              has_room: Callable[[ModelRecord], bool], now: float = 0.0) -> ModelRecord | None:
+        """The copy of `rec`'s model a request goes to now, None if none has room: a
+        session's (`affinity` at or above SESSION), the copy it went to while it comes
+        back within session_ttl_s; `prefix`, the copy `affinity` (a hash of the prompt's
+        start) ranks first among those with room (rendezvous hashing: a copy that comes
+        or goes moves only its own share); either unless that copy has more than
+        prefix_overload requests above the least busy; else (`least_loaded`) the less
+        busy of two picked at random."""
         group = self.members.get(rec.group)
         if group is None:
             rec = self.current(rec) if self.alternates else rec
@@ -181,12 +186,28 @@ class Groups:
             return ready[0] if ready else None
         rules = rec.rules.replicas
         assert rules is not None
-        if rules.route == "prefix" and affinity:
+        session = affinity >= SESSION and rules.session_ttl_s > 0
+        if session or (rules.route == "prefix" and 0 < affinity < SESSION):
             least = min(ready, key=lambda r: r.in_flight)
+            if session:
+                self.expire(rec.group, affinity, now, rules.session_ttl_s)
             best = self.home(rec.group, affinity, ready, group)
             return best if best.in_flight - least.in_flight <= rules.prefix_overload else least
         a, b = self.rng.sample(ready, 2)
         return a if a.in_flight <= b.in_flight else b
+
+    def expire(self, model: str, session: int, now: float, ttl_s: float) -> None:
+        """A session's copy is forgotten once it has not come back for ttl_s (it goes
+        where it fits now, as a new one); else its time is now."""
+        seen = self.seen.setdefault(model, OrderedDict())
+        last = seen.pop(session, None)
+        if last is not None and now - last > ttl_s and (homes := self.homes.get(model)):
+            name = homes.pop(session, None)
+            if name is not None:
+                self.homed[model][name] -= 1
+        seen[session] = now
+        while len(seen) > HOMES_MAX:  # (a session the homes let go of first: no matter)
+            seen.popitem(last=False)
 
     def home(self, model: str, affinity: int, ready: list[ModelRecord],
              copies: list[ModelRecord]) -> ModelRecord:

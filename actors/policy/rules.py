@@ -348,7 +348,7 @@ class Rules:
             if cutoff is not None and queue.waiters[ticket].queued_at >= cutoff:
                 queue.behind(rec.group)  # another's turn (turns.py): what is left came after
                 break
-            into = self.state.route(rec, queue.waiters[ticket].affinity) if copies else rec
+            into = self.state.route(rec, queue.waiters[ticket].affinity, now) if copies else rec
             if into is None:
                 break
             waiter = queue.take(ticket)

@@ -182,9 +182,10 @@ class State:
                 and rec.state in (S.UNLOADED, S.STOPPING, S.SUSPENDED)
                 and not rec.breaker.is_open(now) and not self.only_blocked(entry))
 
-    def route(self, rec: ModelRecord, affinity: int = 0) -> ModelRecord | None:
+    def route(self, rec: ModelRecord, affinity: int = 0,
+              now: float | None = None) -> ModelRecord | None:
         """The copy of `rec`'s model a request may be proxied into now (replicas.py)."""
-        return self.groups.route(rec, affinity, self.has_room)
+        return self.groups.route(rec, affinity, self.has_room, self.now if now is None else now)
 
     def absent(self, rec: ModelRecord) -> bool:
         """No copy of `rec`'s model runs, or all are stopping."""
