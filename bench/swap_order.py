@@ -5,12 +5,14 @@
                                [--load-s 0.5] [--tokens 10] [--delay-s 5] [--json FILE]
 
 Two fake models behind one slot (models_max 1), each child loading in --load-s and
-answering --tokens tokens at 40 tokens/s. --clients clients, started a little apart, each
-asking a, then b, then a ... one request at a time (an agent that switches models every
-turn), for --seconds. Each round runs a fresh corral of each order, one after the other
-(which goes first alternates); per order the figures are loads per minute (each load past
-the first is a swap), requests per second, and the p50 and p99 of a request's time (its
-wait for a swap included).
+answering --tokens tokens at 40 tokens/s. --clients clients, started a little apart, one
+request at a time, for --seconds: half of them ask a, the other half b, so requests for
+the two arrive interleaved; with --alternate, each client asks a, then b, then a ... (an
+agent that switches models every turn: the clients then fall into step whatever the
+order). Each round runs a fresh corral of each order, one after the other (which goes
+first alternates); per order the figures are loads per minute (each load past the first
+is a swap), requests per second, and the p50 and p99 of a request's time (its wait for a
+swap included).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ async def one(order: str, args: argparse.Namespace) -> dict[str, float]:
             turn = n
             while time.monotonic() < end:
                 result = await send(s, corral.url, "ab"[turn % 2], max_tokens=args.tokens)
-                turn += 1
+                turn += args.switch
                 if result.status == 200:
                     times.append(result.latency_s)
                 else:
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-s", type=float, default=0.5)
     ap.add_argument("--tokens", type=int, default=10)
     ap.add_argument("--delay-s", type=float, default=5.0, help="max_swap_delay_s of batch")
+    ap.add_argument("--alternate", dest="switch", action="store_const", const=1, default=2,
+                    help="each client alternates between the models (default: half the "
+                         "clients ask a, half b)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rounds: list[dict[str, dict[str, float]]] = []

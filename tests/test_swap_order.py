@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from actors.config.load import parse_config
 from actors.config.model import ConfigError
 from actors.config.rules import ModelRules
-from actors.messages import Grant, Repump, Withdraw
+from actors.messages import Grant, Repump, Revoke, Withdraw
 from actors.policy import Policy
 from actors.policy.records import Later, Spawn, Stop
 from tests.helpers import Corral, chat, fake_cmd, toml_config, wait_until
@@ -78,9 +78,10 @@ def test_in_batch_order_the_loaded_model_serves_its_own_for_the_delay_then_gives
 
 
 def test_the_fronts_stop_sharing_a_held_models_grants_at_its_cutoff() -> None:
-    """A front joins requests to a grant it holds without asking (shares.py): a held
-    model's grants are withdrawn when its cutoff comes (a Repump for a batch's), and the
-    grants it makes meanwhile are not shared."""
+    """A front joins requests to a grant it holds without asking, and keeps it a while
+    after its last request (shares.py): in its batch a held model's grants are shared and
+    kept as ever (not revoked: its own clients' next requests are its batch); at its
+    cutoff (a Repump) they are withdrawn, and later grants are not shared."""
     p = Policy(1)
     for n in "ab":
         p.add_model(n, 0.0, rules=ModelRules(swap_delay_s=5.0))
@@ -91,13 +92,16 @@ def test_the_fronts_stop_sharing_a_held_models_grants_at_its_cutoff() -> None:
     effects = p.acquire("b0", "b", 3.0)
     assert [e for e in effects if isinstance(e, Later) and isinstance(e.message, Repump)
             and e.delay_s == pytest.approx(5.0)]
-    assert not [e for e in effects if isinstance(e, Withdraw)]
-    effects = p.acquire("a1", "a", 4.0)  # before the cutoff: at once, but not shared
-    late = next(e.value for e in effects if getattr(e, "ticket", None) == "a1")
-    assert isinstance(late, Grant) and not late.shareable
+    assert not [e for e in effects if isinstance(e, Withdraw | Revoke)]
+    effects = p.acquire("a1", "a", 4.0)  # in its batch: at once, and shared
+    early = next(e.value for e in effects if getattr(e, "ticket", None) == "a1")
+    assert isinstance(early, Grant) and early.shareable
     effects = p.repump(8.0)
     assert [e for e in effects if isinstance(e, Withdraw) and e.model == "a"]
     assert not [e for e in p.acquire("a2", "a", 8.5) if getattr(e, "ticket", None) == "a2"]
+    p.release("a0", 9.0)
+    effects = p.release("a1", 9.5)  # a drains: it goes, for b
+    assert [e for e in effects if isinstance(e, Stop) and e.model == "a"]
 
 
 def test_a_pinned_model_is_never_held() -> None:

@@ -128,8 +128,7 @@ class Policy:
         #    (max_concurrency), its key is at its own, or another model's turn to have its
         #    place has come (turns.py).
         elif entry is None and not (key and tenants.at_limit(key)) \
-                and (into := self.state.route(rec, affinity, now)) is not None \
-                and (self.state.turn is None or self.state.takes(into, now)):
+                and (into := self.state.route(rec, affinity, now)) is not None:
             self._serve_now(ticket, into, now, key, counted, cuttable)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
         #    (a suspended one is there: it is woken).

@@ -76,10 +76,18 @@ class Moves:
         revoked: the front gives it back at once if no request is on it, else when its last
         request ends, and the model is then idle, an LRU or memory victim like any other
         (R-4.4). O(1) a decision: a model is revoked once per grant."""
-        revocable = self.state.revocable
-        if revocable:  # (a grant given back meanwhile is not the front's: it ignores it)
-            self.state.out.append(Revoke(grants=tuple(revocable)))
-            revocable.clear()
+        revocable, state = self.state.revocable, self.state
+        if not revocable:
+            return
+        batching = {(r.group, r.generation) for n in state.turn.held
+                    if (r := state.models.get(n)) and (cutoff := state.cutoff(r)) is not None
+                    and cutoff > state.now} if state.turn is not None else set()
+        # (a held model in its batch keeps its grants until its cutoff: turns.py)
+        grants = tuple(g for g in revocable if g not in batching)
+        if grants:  # (a grant given back meanwhile is not the front's: it ignores it)
+            self.state.out.append(Revoke(grants=grants))
+        for g in grants:
+            del revocable[g]
 
     def idle(self, rec: ModelRecord, now: float | None = None) -> None:
         """`rec` may have become idle: offer it as a victim, and arm its TTL (due from
@@ -231,8 +239,8 @@ class Moves:
         # One grant of a model with copies serves one request at a time: the front would
         # send the requests that join a grant to its copy, past the routing (replicas.py);
         # it may keep one idle for the next lone request (Grant.solo).
-        shareable = not rec.rules.max_concurrency and not (  # (held: turns.py)
-            self.state.turn is not None and self.state.held(rec))
+        cutoff = self.state.cutoff(rec) if self.state.turn is not None else None
+        shareable = not rec.rules.max_concurrency and (cutoff is None or now < cutoff)
         solo = shareable and rec.rules.replicas is not None
         if (waiter.cuttable if waiter else cuttable) and rec.rules.max_concurrency \
                 and self.state.cuts.on:

@@ -71,11 +71,19 @@ class Rules:
         """Find whose turn a slot is (turns.py); while it changes, the models it held
         serve what they may now, and the rules run again for the models it holds."""
         for _ in range(4):  # (each round claims, or spends a turn: a few at most)
-            if not self.turns.update(now):
+            changed, self.turns.noted = self.turns.update(now) or self.turns.noted, False
+            if not changed:
                 return
             self.serve_queued(now)
             self.tick(now)
             self.claim(now)
+
+    def revoke_kept(self, now: float) -> None:
+        """A waiter needs what busy models hold: the grants the fronts keep are revoked,
+        but for those of a held model in its batch (the turn is found first: turns.py)."""
+        if self.state.queue.entries:
+            self.turns.noted |= self.turns.update(now)
+        self.moves.revoke_kept()
 
     def drop_partner_loads(self) -> None:
         """Loads of together partners queued for nobody, whose group stopped meanwhile."""
@@ -159,7 +167,7 @@ class Rules:
         pinned_out = state.n_running > 0 and state.n_running_pinned == state.n_running \
             and self.state.n_stopping == 0 and self.state.n_suspending == 0
         if self.choice.pick_victim(now) is None and not pinned_out:
-            self.moves.revoke_kept()
+            self.revoke_kept(now)
             if self.state.warming and any(self.state.needs_slot(e, now)
                                           for e in self.state.queue.entries.values()):
                 self.yield_warm(now)
@@ -247,7 +255,7 @@ class Rules:
             if self.claim_node(rec, now):
                 return "rescan"  # refused: the queue changed
             if rec.node is None:
-                self.moves.revoke_kept()
+                self.revoke_kept(now)
                 return "wait"
         # 4. A suspended model wakes where it sleeps, if it fits there.
         if rec.state is S.SUSPENDED:
@@ -270,7 +278,7 @@ class Rules:
                 self.moves.refuse_entry(entry.model, 503, plan.refusal, reason="memory")
                 return "rescan"
             if plan.verdict == "wait":
-                self.moves.revoke_kept()
+                self.revoke_kept(now)
                 self.yield_warm(now)
                 return "wait"
             if plan.note:
@@ -295,7 +303,7 @@ class Rules:
                 self.moves.stop(rec, "wake_elsewhere", None, now, why=plan.refusal)
                 return "wait"
             if plan.verdict == "wait":
-                self.moves.revoke_kept()
+                self.revoke_kept(now)
                 return "wait"
         self.up.go(rec, None, now, entry=entry)
         if state.teams.partners and self.teams.bring_partners(rec, now):
@@ -340,16 +348,16 @@ class Rules:
             return
         blocked = {key for key in entry.lanes if key and tenants.at_limit(key)}
         copies = rec.rules.replicas is not None
-        cutoff = self.state.cutoff(rec) if self.state.turn is not None else None
         while entry.waiters and self.state.has_room(rec):
             ticket = queue.next_of(entry, now, blocked)
             if ticket is None:
                 break
-            if cutoff is not None and queue.waiters[ticket].queued_at >= cutoff:
-                queue.behind(rec.group)  # another's turn (turns.py): what is left came after
-                break
-            into = self.state.route(rec, queue.waiters[ticket].affinity, now) if copies else rec
+            came = queue.waiters[ticket].queued_at
+            into = self.state.route(rec, queue.waiters[ticket].affinity, now, came) \
+                if copies or self.state.turn is not None else rec
             if into is None:
+                if self.state.turn is not None and self.state.cutoff(rec) is not None:
+                    queue.behind(rec.group)  # another's turn (turns.py): the rest came after
                 break
             waiter = queue.take(ticket)
             waited = now - waiter.queued_at

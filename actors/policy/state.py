@@ -182,10 +182,16 @@ class State:
                 and rec.state in (S.UNLOADED, S.STOPPING, S.SUSPENDED)
                 and not rec.breaker.is_open(now) and not self.only_blocked(entry))
 
-    def route(self, rec: ModelRecord, affinity: int = 0,
-              now: float | None = None) -> ModelRecord | None:
-        """The copy of `rec`'s model a request may be proxied into now (replicas.py)."""
-        return self.groups.route(rec, affinity, self.has_room, self.now if now is None else now)
+    def route(self, rec: ModelRecord, affinity: int = 0, now: float | None = None,
+              came: float | None = None) -> ModelRecord | None:
+        """The copy of `rec`'s model a request (that `came` then: now, if not given) may be
+        proxied into now (replicas.py): not one another model's turn holds (turns.py)."""
+        now = self.now if now is None else now
+        if self.turn is None:
+            return self.groups.route(rec, affinity, self.has_room, now)
+        at = now if came is None else came
+        return self.groups.route(rec, affinity,
+                                 lambda r: self.has_room(r) and self.takes(r, at), now)
 
     def absent(self, rec: ModelRecord) -> bool:
         """No copy of `rec`'s model runs, or all are stopping."""

@@ -63,6 +63,8 @@ class Turns:
         cutoff is still to come)."""
         self.due: float | None = None
         """A Repump is due then: a held model's cutoff (a batch's delay) comes."""
+        self.noted = False
+        """The turn changed in a tick (before its revocations), not yet acted on."""
         self.seen: tuple[object, ...] = ()
         """What the turn was last found by (`unchanged`)."""
         self.memo: tuple[tuple[str, float], tuple[int, ...], frozenset[str]] | None = None
@@ -83,7 +85,8 @@ class Turns:
         changed = turn != state.turn
         if changed:
             state.turn, self.due = turn, None
-            self.pending = [state.models[n] for n in turn.held] if turn else []
+            self.pending = [r for n in turn.held if (r := state.models.get(n))] if turn \
+                else []
             if turn is not None and turn.held:
                 log.info("model %s waits for %s (its turn: what comes for %s now waits "
                          "behind it)", turn.model, ", ".join(sorted(turn.held)),
@@ -103,7 +106,8 @@ class Turns:
         entry = state.queue.entry(turn.model) if turn is not None else None
         seen = (state.memory.epoch, state.ledger.version if state.memory_on else 0,
                 len(state.queue.entries), next(iter(entry.waiters), None) if entry else None,
-                tuple(state.models[n].in_flight for n in turn.held) if turn else ())
+                tuple(r.in_flight if (r := state.models.get(n)) else -1 for n in turn.held)
+                if turn else ())
         if seen == self.seen and (self.due is None or now < self.due):
             return True
         self.seen = seen
@@ -155,7 +159,8 @@ class Turns:
         memory = (state.memory.epoch, state.ledger.version, state.n_running,
                   state.n_stopping) if state.memory_on else ()
         if (memo := self.memo) is not None and memo[0] == (model, since) and (
-                memo[1] == memory or memo[2]) and all(up(state.models[n]) for n in memo[2]):
+                memo[1] == memory or memo[2]) and all(
+                (r := state.models.get(n)) is not None and up(r) for n in memo[2]):
             return memo[2]  # (nothing it was chosen by has changed: a plan is dear)
         held = self.choose(rec, model)
         self.memo = ((model, since), memory, held)
@@ -182,7 +187,7 @@ class Turns:
         """Every model `turn` holds is idle and old enough to go, and its waiter still
         cannot: holding them longer would only make their own requests wait."""
         state = self.state
-        held = [r for n in turn.held if state.held(r := state.models[n])]
+        held = [r for n in turn.held if (r := state.models.get(n)) and state.held(r)]
         return bool(held) and all(not r.in_flight and state.resident_until(r) <= now
                                   for r in held)
 
