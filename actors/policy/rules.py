@@ -81,7 +81,7 @@ class Rules:
     def revoke_kept(self, now: float) -> None:
         """A waiter needs what busy models hold: the grants the fronts keep are revoked,
         but for those of a held model in its batch (the turn is found first: turns.py)."""
-        if self.state.queue.entries:
+        if self.state.revocable and self.state.queue.entries:
             self.turns.noted |= self.turns.update(now)
         self.moves.revoke_kept()
 

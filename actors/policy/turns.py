@@ -103,11 +103,14 @@ class Turns:
         (The turn is looked for after each decision: this keeps that O(1).)"""
         state = self.state
         turn = state.turn
-        entry = state.queue.entry(turn.model) if turn is not None else None
-        seen = (state.memory.epoch, state.ledger.version if state.memory_on else 0,
-                len(state.queue.entries), next(iter(entry.waiters), None) if entry else None,
-                tuple(r.in_flight if (r := state.models.get(n)) else -1 for n in turn.held)
-                if turn else ())
+        if turn is None:
+            seen: tuple[object, ...] = (state.memory.epoch, state.ledger.version,
+                                        len(state.queue.entries))
+        else:
+            entry = state.queue.entries.get(turn.model)
+            seen = (state.memory.epoch, state.ledger.version, len(state.queue.entries),
+                    next(iter(entry.waiters), None) if entry else None,
+                    *[r.in_flight if (r := state.models.get(n)) else -1 for n in turn.held])
         if seen == self.seen and (self.due is None or now < self.due):
             return True
         self.seen = seen
