@@ -100,8 +100,10 @@ def test_session_config_keys_are_checked() -> None:
                            "models": {"m": {"cmd": ["x"], "replicas": {
                                "min": 2, "session_ttl_s": 60}}}})
     assert config.http.session_headers == ("X-Agent-Session",)
-    with pytest.raises(ConfigError, match="session_headers"):
+    with pytest.raises(ConfigError, match=r"http.session_headers\[0\]: 'bad header' is not a h"):
         parse_config({"http": {"session_headers": ["bad header"]}, "models": {}})
+    with pytest.raises(ConfigError, match=r"session_headers\[1\]: 'X-Request-Id' already"):
+        parse_config({"http": {"session_headers": ["a", "X-Request-Id"]}, "models": {}})
     with pytest.raises(ConfigError, match="session_ttl_s"):
         parse_config({"models": {"m": {"cmd": ["x"], "replicas": {"min": 2,
                                                                   "session_ttl_s": -1}}}})
@@ -110,7 +112,8 @@ def test_session_config_keys_are_checked() -> None:
 def test_through_corral_a_session_stays_on_one_copy_and_the_journal_says_so(
         tmp_path: Path) -> None:
     config = toml_config(
-        {"m": {"cmd": fake_cmd(), "replicas": {"min": 2, "route": "least_loaded"}}},
+        {"m": {"cmd": fake_cmd(), "replicas": {"min": 2, "route": "least_loaded",
+                                               "session_ttl_s": 300}}},
         http={"session_headers": ["x-session-id", "x-agent"], "lease_linger_ms": 0},
         state_dir=str(tmp_path / "state"))
     with Corral(config) as c:

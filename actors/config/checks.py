@@ -1,5 +1,6 @@
-"""The checks of a config that span its tables: its devices against the models that
-name them, and each variant's name against every other name a request may use."""
+"""The checks of a config that its types cannot say: its devices against the models that
+name them, each variant's name against every other name a request may use, and the
+header names of [http]."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from .params import check as check_params
 from .paths import folder_name
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_CORRALS = frozenset({"x-request-id", "x-conversation-id", "traceparent", "authorization",
+                      "x-api-key", "host", "content-length", "content-type"})
 
 
 def check_devices(config: Config, source: str) -> None:
@@ -50,3 +54,15 @@ def check_variants(config: Config, aliases: dict[str, str], source: str) -> None
                 raise ConfigError(f"{source}: models.{name}.variants.{variant}: its name "
                                   f"{full!r} is already {owner}")
             taken[full] = f"a variant of model {name!r}"
+
+
+def check_headers(config: Config, source: str) -> None:
+    """[http] session_headers: header names, and none that already means something."""
+    for i, name in enumerate(config.http.session_headers):
+        where = f"{source}: http.session_headers[{i}]"
+        if not _HEADER_NAME.fullmatch(name):
+            raise ConfigError(f"{where}: {name!r} is not a header name (letters, digits and "
+                              "!#$%&'*+.^_`|~-, no spaces)")
+        if name.lower() in _CORRALS:
+            raise ConfigError(f"{where}: {name!r} already means something else to corral; "
+                              "name the header your clients send their session in")

@@ -66,8 +66,8 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
     """A WebSocket frame larger than this, either way, closes the socket (1009)."""
     websocket_idle_s: Annotated[float, Meta(ge=0)] = 300.0
     """A WebSocket with nothing either way for this long is closed (1001); 0: never."""
-    session_headers: tuple[Annotated[str, Meta(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")],
-                           ...] = ("x-session-id", "session-id", "x-claude-code-session-id")
+    session_headers: tuple[str, ...] = ("x-session-id", "session-id",
+                                        "x-claude-code-session-id")
     """Headers that name a request's conversation (the first one a request has): its
     copy is kept for it (replicas.session_ttl_s), and within a key each conversation
     waits in a lane of its own (actors/policy/queue.py); () turns sessions off."""
