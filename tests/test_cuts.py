@@ -199,7 +199,7 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 req=SimpleNamespace(method=b"POST", url=b"/v1/chat/completions",
                                     headers=[], body=b"{}", key=None, http10=False,
                                     upload=None, upgrade=False, conversation=None,
-                                    request_id=None, body_size=2),
+                                    request_id=None, body_size=2, session=None),
                 keep_alive=True, head_only=False, chunked=False, sse=False,
                 what="model 'a'", upstream=None, out=[], done=None, status=0,
                 first_at=None, late=None, broke=None, broke_kind=None, may_replay=False,

@@ -16,6 +16,7 @@ from actors.config.load import parse_config
 from actors.config.model import ConfigError
 from actors.config.rules import SESSION
 from actors.http.affinity import affinity, placement
+from actors.http.routes import Routes
 from actors.messages import Grant
 from tests.helpers import Corral, fake_cmd, request, toml_config, wait_until
 from tests.test_policy_keys import World as KeyWorld
@@ -32,6 +33,13 @@ def test_a_session_and_a_prompt_are_told_apart() -> None:
     assert placement(None, body, 2048) == affinity(body, 2048)
     assert placement(b"s", body, 2048) == placement(b"s", b"", 0)  # (the session wins)
     assert placement(None, body, 0) == 0
+    # a model routed by prefix whose sessions are not pinned keeps routing by the prompt
+    assert placement(b"s", body, 2048, prefix_first=True) == affinity(body, 2048)
+    config = parse_config({"models": {"m": {"cmd": ["x"], "replicas": {
+        "min": 2, "route": "prefix", "session_ttl_s": 0}}, "n": {"cmd": ["x"], "replicas": {
+            "min": 2, "route": "prefix"}}}})
+    routes = Routes.of(config).models
+    assert routes["m"].prefix_first and not routes["n"].prefix_first
 
 
 def pinned_world(ttl_s: float = 600.0, overload: int = 4):  # type: ignore[no-untyped-def]
@@ -90,9 +98,29 @@ def test_within_a_key_a_burst_of_one_session_does_not_starve_the_other() -> None
     w.now += 1
     w.run(w.p.acquire("other", "a", w.now, True, "k", affinity=S2))  # ... then its sibling
     w.release("running")
-    w.release(w.order[-1])
-    w.release(w.order[-1])
-    assert w.order[1:3] == [("burst", 0), "other"]  # the other session's turn came second
+    while "other" not in w.order:
+        w.release(w.order[-1])
+    # the sessions take turns: the other came second, not tenth as in FIFO
+    assert w.order[1:3] == [("burst", 0), "other"]
+    w.release("other")
+    assert w.order[3:] == [("burst", 1)]
+
+
+def test_a_stream_of_new_sessions_does_not_starve_a_request_without_one() -> None:
+    w = KeyWorld({}, models="a", max_concurrency=1)
+    w.serving("a")
+    w.run(w.p.acquire("running", "a", w.now + 1, True, "", affinity=S1))
+    w.now += 1
+    for t in ("plain0", "plain1"):
+        w.now += 1
+        w.run(w.p.acquire(t, "a", w.now, True, ""))
+    last = "running"
+    for i in range(40):  # (an agent per request: a new session id each time)
+        w.now += 1
+        w.run(w.p.acquire(("s", i), "a", w.now, True, "", affinity=SESSION | (i + 7)))
+        w.release(last)
+        last = w.order[-1]
+    assert {"plain0", "plain1"} <= set(w.order[:8]), w.order[:8]
 
 
 def test_session_config_keys_are_checked() -> None:

@@ -22,6 +22,7 @@ from actors.config.rules import ModelRules
 from actors.messages import Grant, Repump, Revoke, Withdraw
 from actors.policy import Policy
 from actors.policy.records import Later, Spawn, Stop
+from actors.policy.turns import REVOKED_S
 from tests.helpers import Corral, chat, fake_cmd, toml_config, wait_until
 from tests.test_policy import World
 
@@ -81,7 +82,8 @@ def test_the_fronts_stop_sharing_a_held_models_grants_at_its_cutoff() -> None:
     """A front joins requests to a grant it holds without asking, and keeps it a while
     after its last request (shares.py): in its batch a held model's grants are shared and
     kept as ever (not revoked: its own clients' next requests are its batch); at its
-    cutoff (a Repump) they are withdrawn, and later grants are not shared."""
+    cutoff (a Repump) what the fronts keep idle is revoked, then its grants are
+    withdrawn, and later grants are not shared."""
     p = Policy(1)
     for n in "ab":
         p.add_model(n, 0.0, rules=ModelRules(swap_delay_s=5.0))
@@ -96,7 +98,11 @@ def test_the_fronts_stop_sharing_a_held_models_grants_at_its_cutoff() -> None:
     effects = p.acquire("a1", "a", 4.0)  # in its batch: at once, and shared
     early = next(e.value for e in effects if getattr(e, "ticket", None) == "a1")
     assert isinstance(early, Grant) and early.shareable
-    effects = p.repump(8.0)
+    effects = p.repump(8.0)  # its cutoff: what the fronts keep idle is given back first
+    assert [e for e in effects if isinstance(e, Revoke) and ("a", 1) in e.grants]
+    assert [e for e in effects if isinstance(e, Later) and isinstance(e.message, Repump)
+            and e.delay_s == pytest.approx(REVOKED_S)]
+    effects = p.repump(8.0 + REVOKED_S)  # then no request may join its grants
     assert [e for e in effects if isinstance(e, Withdraw) and e.model == "a"]
     assert not [e for e in p.acquire("a2", "a", 8.5) if getattr(e, "ticket", None) == "a2"]
     p.release("a0", 9.0)

@@ -71,10 +71,12 @@ def affinity(body: bytes, prefix_bytes: int) -> int:
     return int.from_bytes(digest, "little") % SESSION or 1
 
 
-def placement(session: bytes | None, body: bytes, prefix_bytes: int) -> int:
+def placement(session: bytes | None, body: bytes, prefix_bytes: int = 0,
+              prefix_first: bool = False) -> int:
     """Where a request belongs among its model's copies: its session's (a hash at or
-    above SESSION), else its prompt's start (`prefix_bytes`: route "prefix"), else 0."""
-    if session:
+    above SESSION), else its prompt's start (`prefix_bytes`: route "prefix"), else 0;
+    `prefix_first`: its prompt's start, its session not pinned (session_ttl_s 0)."""
+    if session and not prefix_first:
         digest = hashlib.blake2b(session, digest_size=8, person=b"session").digest()
         return SESSION | int.from_bytes(digest, "little") % SESSION
     return affinity(body, prefix_bytes) if prefix_bytes else 0

@@ -148,7 +148,7 @@ def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: flo
                    None if t.first_body is None or not streamed else t.first_body - t.started,
                    now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
                    bytes(t.answer) if t.answer is not None else None,
-                   req.session.decode("latin-1") if req.session else ""))
+                   req.session.decode("utf-8", "replace") if req.session else ""))
 
 
 def record_of(r: Row, bodies: bool = False) -> Record:

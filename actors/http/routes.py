@@ -28,6 +28,9 @@ class ModelRoute(msgspec.Struct, frozen=True):
     """A WebSocket on any path goes to it (else only on /v1/realtime): tunnel.py."""
     loading: str = ""
     """A streamed chat that waits is told so: "comments" or "reasoning" (loading.py)."""
+    prefix_first: bool = False
+    """Copies routed by prefix whose sessions are not pinned (session_ttl_s 0): a session
+    header does not take the prompt's place (affinity.py `placement`)."""
 
 
 class Routes(msgspec.Struct, frozen=True):
@@ -74,7 +77,9 @@ class Routes(msgspec.Struct, frozen=True):
                                    c.prefix_bytes if (c := m.replica_rules) and
                                    c.route == "prefix" else 0, m.websocket,
                                    _loading(config.send_loading_state if m.send_loading_state
-                                            is None else m.send_loading_state))
+                                            is None else m.send_loading_state),
+                                   (c := m.replica_rules) is not None and c.route == "prefix"
+                                   and not c.session_ttl_s)
                   for name, m in config.models.items()}
         known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
         rewritten = {n: r for name, m in config.models.items() for n, r in rewrites(

@@ -188,8 +188,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
     gone: tuple[int, Pool] | None = None  # the child that went away before answering
     cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
     replays, was_cut = 0, False  # instances gone with the request; it is cut at most once
-    near = placement(ex.req.session, ex.req.body, route.prefix_bytes if (
-        route := routes.models.get(model)) else 0)
+    near = placement(ex.req.session, ex.req.body, *(  # (a session's, or its prompt's)
+        (route.prefix_bytes, route.prefix_first) if (route := routes.models.get(model)) else ()))
     for tries in range(MAX_INSTANCES):
         # 1. A grant: the one it was cut from again, an open one joined, or the Scheduler's.
         ex.trace.asking(ex.loop.time())

@@ -169,6 +169,8 @@ class RequestQueue:
         self.waiters[ticket] = Waiter(model, now, deadline, key, level, cuttable=cuttable,
                                       again=again, affinity=affinity)
         entry.sessions += affinity >= SESSION
+        if entry.sessions:
+            self.level(entry, key, affinity)
         self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
         return entry
@@ -221,6 +223,23 @@ class RequestQueue:
                            key=lambda h: (entry.served.get(h[0], 0.0), h[2].queued_at))
         return ticket if not entry.sessions else self.by_session(entry, ticket)
 
+    def level(self, entry: QueueEntry, key: str, affinity: int) -> None:
+        """A session that comes to `key`'s lane with none of its requests there starts
+        level with the most served of the sessions waiting in it: it goes after those
+        served less, and a stream of new sessions (an id per request) cannot keep the
+        lane's others waiting; one burst of a session still cannot starve another."""
+        one = (key, affinity if affinity >= SESSION else 0)
+        waiting = {(key, w.affinity if w.affinity >= SESSION else 0)
+                   for w in map(self.waiters.__getitem__,
+                                itertools.islice(entry.lanes[key], SCAN))}
+        waiting.discard(one)
+        floor = max((entry.by_session.get(s, 0.0) for s in waiting), default=None)
+        if floor is not None and sum(  # (its first request here: the others' level)
+                1 for t in itertools.islice(entry.lanes[key], SCAN)
+                if (self.waiters[t].affinity if self.waiters[t].affinity >= SESSION
+                    else 0) == one[1]) == 1:
+            entry.by_session[one] = max(entry.by_session.get(one, 0.0), floor)
+
     def by_session(self, entry: QueueEntry, ticket: Hashable) -> Hashable:
         """Within the lane of `ticket`'s key: the first waiter of the session (or of the
         requests with none) granted least here, the earliest on a tie, among the first
@@ -229,14 +248,12 @@ class RequestQueue:
         head = self.waiters[ticket]
         if head.again:
             return ticket
-        best, least = ticket, None
-        looked: set[int] = set()
+        firsts: dict[int, Hashable] = {}  # session (0: none) -> its first waiter here
         for t in itertools.islice(entry.lanes[head.key], SCAN):
-            session = self.waiters[t].affinity
-            session = session if session >= SESSION else 0
-            if session in looked:
-                continue
-            looked.add(session)
+            affinity = self.waiters[t].affinity
+            firsts.setdefault(affinity if affinity >= SESSION else 0, t)
+        best, least = ticket, None
+        for session, t in firsts.items():
             served = entry.by_session.get((head.key, session), 0.0)
             if least is None or served < least:
                 best, least = t, served
@@ -276,8 +293,13 @@ class RequestQueue:
         waiter = self._forget(ticket)
         entry = self.entries[waiter.model]
         if entry.sessions or entry.by_session:  # (its session's turns within its key)
+            served = entry.by_session
             one = (waiter.key, waiter.affinity if waiter.affinity >= SESSION else 0)
-            entry.by_session[one] = entry.by_session.get(one, 0.0) + 1.0
+            served[one] = served.get(one, 0.0) + 1.0
+            if len(served) > 4 * SCAN:  # (the sessions with no waiter left: forgotten)
+                waiting = {(w.key, w.affinity if w.affinity >= SESSION else 0)
+                           for w in map(self.waiters.__getitem__, entry.waiters)}
+                entry.by_session = {k: n for k, n in served.items() if k in waiting}
         return waiter
 
     def drop(self, model: str) -> list[tuple[Hashable, Waiter]]:

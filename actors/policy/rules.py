@@ -73,15 +73,17 @@ class Rules:
         for _ in range(4):  # (each round claims, or spends a turn: a few at most)
             changed, self.turns.noted = self.turns.update(now) or self.turns.noted, False
             if not changed:
-                return
+                break
             self.serve_queued(now)
             self.tick(now)
             self.claim(now)
+        self.turns.revoking = False
 
     def revoke_kept(self, now: float) -> None:
         """A waiter needs what busy models hold: the grants the fronts keep are revoked,
         but for those of a held model in its batch (the turn is found first: turns.py)."""
         if self.state.revocable and self.state.queue.entries:
+            self.turns.revoking = True  # (the held models' grants are withdrawn after)
             self.turns.noted |= self.turns.update(now)
         self.moves.revoke_kept()
 
@@ -352,12 +354,17 @@ class Rules:
             ticket = queue.next_of(entry, now, blocked)
             if ticket is None:
                 break
-            came = queue.waiters[ticket].queued_at
-            into = self.state.route(rec, queue.waiters[ticket].affinity, now, came) \
+            into = self.state.route(rec, queue.waiters[ticket].affinity, now,
+                                    queue.waiters[ticket].queued_at) \
                 if copies or self.state.turn is not None else rec
+            if into is None and self.state.turn is not None:  # (held: turns.py)
+                ticket = next((t for t in entry.waiters if queue.waiters[t].key not in blocked),
+                              ticket)  # (the oldest: one that came before the cutoff, if any)
+                into = self.state.route(rec, queue.waiters[ticket].affinity, now,
+                                        queue.waiters[ticket].queued_at)
+                if into is None:
+                    queue.behind(rec.group)  # another's turn: the rest came after it began
             if into is None:
-                if self.state.turn is not None and self.state.cutoff(rec) is not None:
-                    queue.behind(rec.group)  # another's turn (turns.py): the rest came after
                 break
             waiter = queue.take(ticket)
             waited = now - waiter.queued_at

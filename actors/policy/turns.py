@@ -41,6 +41,9 @@ from .state import State
 from .weigh import Plan
 
 log = logging.getLogger("corral.scheduler")
+REVOKED_S = 0.05
+"""How long after a Revoke a held model's grants are withdrawn: the fronts answer one in
+a loop turn, and what they give back together then says which model was used last."""
 
 
 def up(rec: ModelRecord) -> bool:
@@ -63,6 +66,12 @@ class Turns:
         cutoff is still to come)."""
         self.due: float | None = None
         """A Repump is due then: a held model's cutoff (a batch's delay) comes."""
+        self.revoking = False
+        """Grants the fronts keep were revoked in this decision: the held models' grants
+        are withdrawn REVOKED_S later, once the fronts have given back what they kept
+        idle (together, so that the least recently used of them goes: a withdrawal first
+        would give back the held model's alone, and make it the victim whatever its last
+        use)."""
         self.noted = False
         """The turn changed in a tick (before its revocations), not yet acted on."""
         self.seen: tuple[object, ...] = ()
@@ -87,6 +96,8 @@ class Turns:
             state.turn, self.due = turn, None
             self.pending = [r for n in turn.held if (r := state.models.get(n))] if turn \
                 else []
+            for rec in self.pending:  # (idle with waiters of its own: a victim now)
+                state.victims.offer(rec)
             if turn is not None and turn.held:
                 log.info("model %s waits for %s (its turn: what comes for %s now waits "
                          "behind it)", turn.model, ", ".join(sorted(turn.held)),
@@ -97,20 +108,21 @@ class Turns:
         return changed
 
     def unchanged(self, now: float) -> bool:
-        """Nothing the turn is found by has changed since it last was: no model changed
-        state (the memory's epoch), nor the device figures, the entries, the turn's
-        first request, or what its held models have in flight; nor has a cutoff come.
-        (The turn is looked for after each decision: this keeps that O(1).)"""
+        """There is a turn, and nothing it is found by has changed since it last was: no
+        model changed state (the memory's epoch), nor the device figures, the entries,
+        the turn's first request, or what its held models have in flight; nor has a
+        cutoff come. (The turn is looked for after each decision: this keeps that O(1)
+        while one is had. With none, a waiter may come to wait by the time, a breaker's,
+        or by a key's limit: it is looked for each time.)"""
         state = self.state
         turn = state.turn
         if turn is None:
-            seen: tuple[object, ...] = (state.memory.epoch, state.ledger.version,
-                                        len(state.queue.entries))
-        else:
-            entry = state.queue.entries.get(turn.model)
-            seen = (state.memory.epoch, state.ledger.version, len(state.queue.entries),
-                    next(iter(entry.waiters), None) if entry else None,
-                    *[r.in_flight if (r := state.models.get(n)) else -1 for n in turn.held])
+            self.seen = ()
+            return False
+        entry = state.queue.entries.get(turn.model)
+        seen = (state.memory.epoch, state.ledger.version, len(state.queue.entries),
+                next(iter(entry.waiters), None) if entry else None,
+                *[r.in_flight if (r := state.models.get(n)) else -1 for n in turn.held])
         if seen == self.seen and (self.due is None or now < self.due):
             return True
         self.seen = seen
@@ -162,7 +174,7 @@ class Turns:
         memory = (state.memory.epoch, state.ledger.version, state.n_running,
                   state.n_stopping) if state.memory_on else ()
         if (memo := self.memo) is not None and memo[0] == (model, since) and (
-                memo[1] == memory or memo[2]) and all(
+                (memo[1] == memory and state.memory_on) or memo[2]) and all(
                 (r := state.models.get(n)) is not None and up(r) for n in memo[2]):
             return memo[2]  # (nothing it was chosen by has changed: a plan is dear)
         held = self.choose(rec, model)
@@ -180,8 +192,8 @@ class Turns:
         if not state.memory_on:
             return frozenset((min(may, key=lambda r: r.last_used).name,))
         may.sort(key=lambda r: r.last_used)
-        plan = self.plan(rec, may)
-        held = {victim.name for victim, _ in plan.evict} if plan.verdict == "go" else set()
+        plan = self.plan(rec, may)  # (a plan that evicts waits for its victims' exits)
+        held = {victim.name for victim, _ in plan.evict} if plan.verdict != "refuse" else set()
         if not state.has_capacity() and not held:
             held.add(may[0].name)
         return frozenset(held)
@@ -203,6 +215,8 @@ class Turns:
             cutoff = state.cutoff(rec)
             if cutoff is None:
                 continue  # (it stopped meanwhile)
+            if self.revoking:  # (once the fronts have given back what they kept idle)
+                cutoff = max(cutoff, now + REVOKED_S)
             if cutoff > now:
                 due = cutoff if due is None else min(due, cutoff)
                 pending.append(rec)

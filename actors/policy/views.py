@@ -142,8 +142,9 @@ def _check_queue(p: State) -> None:
                 cutoff = p.cutoff(rec)  # (another's turn: what came after waits)
                 assert rec.retiring or (limit and rec.in_flight >= limit) or all(
                     p.tenants.at_limit(key) for key in entry.lanes) or (
-                    cutoff is not None and any(p.queue.waiters[t].queued_at >= cutoff
-                                               for t in entry.waiters)), \
+                    cutoff is not None and all(  # (the rest came after its cutoff)
+                        p.queue.waiters[t].queued_at >= cutoff
+                        or p.tenants.at_limit(p.queue.waiters[t].key) for t in entry.waiters)), \
                     f"{rec.name}: {name} queued while it could serve"
         if entry.claimed:
             assert any(r.state in (S.LOADING, S.STOPPING, S.WAKING) for r in copies), \
