@@ -64,7 +64,7 @@ class Breakdown(msgspec.Struct, frozen=True):
     devices: list[DeviceUse]
 
 
-MemoryStatus = Literal["unmeasured", "measuring", "measured", "failed", "at_load"]
+MemoryStatus = Literal["unmeasured", "measuring", "measured", "failed", "at_load", "remote"]
 """`at_load`: a `probe` model with no figures yet; its first load is its measurement."""
 
 

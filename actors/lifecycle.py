@@ -25,7 +25,11 @@ class ModelState(State):
     SUSPENDING = "suspending"
     SUSPENDED = "suspended"
     WAKING = "waking"
-    """corral's suspended tier (issue 23): a child told to give its devices back (to host
+    REMOTE = "remote"
+    """A remote model's (config/remote.py): it serves and never changes; no child, no
+    slot. Shown as `loaded`.
+
+    corral's suspended tier (issue 23): a child told to give its devices back (to host
     RAM, by its `suspend` method), kept asleep, and told to take them back. Shown as
     llama.cpp's words (`shown`): suspending and suspended are `sleeping`, waking is
     `loading`."""
@@ -56,9 +60,9 @@ class ModelState(State):
 _RUNNING = frozenset({ModelState.LOADING, ModelState.LOADED, ModelState.SLEEPING,
                       ModelState.STOPPING, ModelState.SUSPENDING, ModelState.SUSPENDED,
                       ModelState.WAKING})
-_SERVING = frozenset({ModelState.LOADED, ModelState.SLEEPING})
+_SERVING = frozenset({ModelState.LOADED, ModelState.SLEEPING, ModelState.REMOTE})
 _SHOWN = {ModelState.SUSPENDING: "sleeping", ModelState.SUSPENDED: "sleeping",
-          ModelState.WAKING: "loading"}
+          ModelState.WAKING: "loading", ModelState.REMOTE: "loaded"}
 
 S = ModelState
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
@@ -70,6 +74,7 @@ TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
     S.SUSPENDING: frozenset({S.SUSPENDED, S.STOPPING, S.UNLOADED}),
     S.SUSPENDED: frozenset({S.WAKING, S.STOPPING, S.UNLOADED}),
     S.WAKING: frozenset({S.LOADED, S.STOPPING, S.UNLOADED}),
+    S.REMOTE: frozenset(),
 }
 """A crash or a failed load is `unloaded` with the record's `failed` flag, as llama.cpp's
 router shows it."""

@@ -97,6 +97,8 @@ class Refusal(Message, frozen=True, kw_only=True):
     retry_after_s: float | None = None
     model: str = ""
     """The model that refused, where one did (a virtual model's fallback skips it)."""
+    spill: bool = False
+    """It would have waited: an Acquire's `spill`, for its remote member (not counted)."""
 
 
 class Cut(Message, frozen=True, kw_only=True):
@@ -370,6 +372,9 @@ class Acquire(Message, frozen=True, kw_only=True):
     """A virtual model's members still to try (issue 25): the policy serves `model` with
     the first of them that serves (or is on its way), else the first (`model` names the
     virtual model, for the logs)."""
+    spill: bool = False
+    """A later member is a remote model (config/remote.py): a request this one would
+    make wait is refused (503, reason "spill") for it, the load it waits for begun."""
 
 
 class Release(Message, frozen=True, kw_only=True):

@@ -174,9 +174,9 @@ class Scheduler(BaseActor):
         p = self.policy
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
-                         cuttable=cuttable, affinity=affinity, among=among):
+                         cuttable=cuttable, affinity=affinity, among=among, spill=spill):
                 self._carry_out(p.acquire(ticket, model, now, autoload, key, retry, cuttable,
-                                          affinity, among))
+                                          affinity, among, spill))
             case Release(ticket=ticket, shared=shared, idle_s=idle_s, tokens=tokens):
                 self._carry_out(p.release(ticket, now, shared, idle_s, tokens))
             case Spend(ticket=ticket, tokens=tokens):

@@ -194,8 +194,8 @@ class Supervisor:
         # end, and self.logs only gains rings (a dict insert is atomic under the GIL),
         # each before the API's alias table, replaced on the loop once this returns,
         # can name it. self.instances is read only here and in stop().
-        fixed = [k for k in Config.__struct_fields__
-                 if k != "models" and getattr(config, k) != getattr(self.config, k)]
+        fixed = [k for k in Config.__struct_fields__  # (peers are models now)
+                 if k not in ("models", "peers") and getattr(config, k) != getattr(self.config, k)]
         if fixed:
             log.warning("reload: %s changed; that takes effect when corral restarts",
                         ", ".join(fixed))
@@ -204,6 +204,9 @@ class Supervisor:
             if old is not None and (old.nodes is None) != (model.nodes is None):
                 raise ConfigError(f"models.{name}.nodes: whether a model runs on cluster "
                                   "nodes changes only with a restart")
+            if old is not None and bool(old.url) != bool(model.url):
+                raise ConfigError(f"models.{name}: a model changes between a child (cmd) "
+                                  "and a remote (url) only with a restart")
             if model.nodes and self.cluster is None:
                 raise ConfigError(f"models.{name}.nodes: this corral has joined no Ray "
                                   "cluster ([cluster] ray_address, or --ray)")

@@ -37,7 +37,7 @@ def test_a_good_config_loads_with_defaults(tmp_path: Path) -> None:
     ('[models.m]\ncmd = "x"\n', "models.m.cmd: Expected `array`, got `str`"),
     ('[models.m]\ncmd = ["x"]\nbogus = 1\n', "models.m: Object contains unknown field `bogus`"),
     ('prot = 1\n', ": Object contains unknown field `prot`"),
-    ('[models.m]\ncmd = []\n', "models.m.cmd: Expected `array` of length >= 1"),
+    ('[models.m]\ncmd = []\n', "models.m.cmd: missing; set cmd (the child's argv) or url"),
     ('models_max = -1\n', "models_max: Expected `int` >= 0"),
     ('[models.m]\ncmd = ["x"]\nstop_timeout_s = 0\n', "models.m.stop_timeout_s"),
     ('[models.m]\ncmd = ["x", "{prot}"]\n', "models.m.cmd[1]: unknown placeholder {prot}"),

@@ -1,15 +1,19 @@
 """The checks of a config that its types cannot say: its devices against the models that
-name them, each variant's name against every other name a request may use, and the
-header names of [http]."""
+name them, each variant's name against every other name a request may use, the header
+names of [http], and each model a child's or a remote's (its peers made models)."""
 
 from __future__ import annotations
 
 import re
 
-from .model import Config, ConfigError
+import msgspec
+
+from .model import Config, ConfigError, ModelConfig
 from .params import Params, variant_name
 from .params import check as check_params
 from .paths import folder_name
+from .remote import Remote, peer_problem, resolved
+from .remote import problem as remote_problem
 
 _DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -66,3 +70,77 @@ def check_headers(config: Config, source: str) -> None:
         if name.lower() in _CORRALS:
             raise ConfigError(f"{where}: {name!r} already means something else to corral; "
                               "name the header your clients send their session in")
+
+
+_REMOTE_KEYS = frozenset({
+    *(f.name for f in msgspec.structs.fields(Remote)), "aliases", "set_params", "strip_params",
+    "variants", "first_byte_timeout_s", "queue_max", "queue_timeout_s", "max_concurrency",
+    "context_length", "modalities", "capabilities", "metadata", "unlisted",
+    "send_loading_state"})
+"""What a remote model may set: the rest is about a child it does not have."""
+_CHILD_ONLY = tuple(f for f in msgspec.structs.fields(ModelConfig) if f.name not in _REMOTE_KEYS)
+_REMOTE_ONLY = ("api_key_env", "api_key", "headers", "model_name", "ca_file", "peer")
+
+
+def check_remote(config: Config, source: str) -> Config:
+    """Each model a child's (`cmd`) or a remote's (`url`), with only its kind's keys; the
+    [peers] made remote models (remote.py); every remote's key read from its variable.
+    A model a peer made is made again (a config read back: supervisor.py's overrides)."""
+    models = {n: m for n, m in config.models.items()
+              if not (m.peer and m.peer in config.peers and (
+                  n == m.peer or n in config.peers[m.peer].models))}
+    for name, model in list(models.items()):
+        where = f"{source}: models.{name}"
+        if model.peer:
+            raise ConfigError(f"{where}.peer: set by corral for a model of [peers]")
+        if model.url and model.cmd:
+            raise ConfigError(f"{where}: set cmd (a child corral runs) or url (a remote "
+                              "model), not both")
+        if not model.url:
+            if not model.cmd:
+                raise ConfigError(f"{where}.cmd: missing; set cmd (the child's argv) or url "
+                                  "(a remote model's base URL)")
+            for key in _REMOTE_ONLY:
+                if getattr(model, key) != getattr(_LOCAL, key):
+                    raise ConfigError(f"{where}.{key}: only a remote model (url) has it")
+            continue
+        for field in _CHILD_ONLY:
+            if getattr(model, field.name) != _default(field):
+                raise ConfigError(f"{where}.{field.name}: a remote model (url) has no child; "
+                                  "remove it")
+        if (wrong := remote_problem(f"models.{name}", model)) is not None:
+            raise ConfigError(f"{source}: {wrong}")
+        models[name] = resolved(model)
+    taken = {**{n: f"model {n!r}" for n in models},
+             **{a: f"an alias of model {n!r}" for n, m in models.items() for a in m.aliases},
+             **{v: f"virtual model {v!r}" for v in config.virtual}}
+    wildcard = ""
+    for name, peer in config.peers.items():
+        if (wrong := peer_problem(name, peer, taken)) is not None:
+            raise ConfigError(f"{source}: {wrong}")
+        shared = resolved(peer)
+        as_model = {f.name: getattr(shared, f.name) for f in msgspec.structs.fields(Remote)}
+        if peer.models == "*":
+            if wildcard:
+                raise ConfigError(f"{source}: peers.{name}.models: \"*\" is peer "
+                                  f"{wildcard!r}'s already; one peer takes the unknown names")
+            wildcard = name
+            models[name] = ModelConfig(**{**as_model, "peer": name}, unlisted=True)
+            continue
+        for listed in peer.models:
+            models[listed] = ModelConfig(**{**as_model, "peer": name})
+    remote = {n for n, m in models.items() if m.url} | {
+        a for m in models.values() if m.url for a in m.aliases}
+    for group, g in config.groups.items():
+        for member in g.models:
+            if member in remote:
+                raise ConfigError(f"{source}: groups.{group}.models: {member!r} is a remote "
+                                  "model: it has no child to load, stop or keep")
+    return msgspec.structs.replace(config, models=models)
+
+
+_LOCAL = ModelConfig(cmd=["-"])
+
+
+def _default(field: msgspec.structs.FieldInfo) -> object:
+    return field.default_factory() if field.default is msgspec.NODEFAULT else field.default

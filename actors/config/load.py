@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from ..llama import is_llama
-from .checks import check_devices, check_headers, check_variants
+from .checks import check_devices, check_headers, check_remote, check_variants
 from .hooks import HOOK_PLACEHOLDER
 from .keys import API_KEY_NAME
 from .macros import expand
@@ -62,7 +62,7 @@ def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
 
 def _validate_replicas(config: Config, source: str) -> None:
     names = config.instances()
-    if len(names) < sum(m.copies for m in config.models.values()):  # a name met twice
+    if len(names) < sum(m.copies for m in config.models.values() if not m.url):  # (twice)
         clash = next(n for n in config.models if config.models[n].copies > 1
                      and any(replica_name(n, i) in config.models
                              for i in range(2, config.models[n].copies + 1)))
@@ -82,6 +82,7 @@ def _validate_replicas(config: Config, source: str) -> None:
 
 
 def _validate(config: Config, source: str) -> Config:
+    config = check_remote(config, source)  # (first: its peers add models)
     check_devices(config, source)
     check_headers(config, source)
     _validate_replicas(config, source)
@@ -162,7 +163,7 @@ def _resolve_hooks(config: Config, source: str) -> Config:
     models = {name: msgspec.structs.replace(
         m, hooks=m.hooks.over(config.hooks),
         hook_timeout_s=m.hook_timeout_s or config.hook_timeout_s)
-        for name, m in config.models.items()}
+        if not m.url else m for name, m in config.models.items()}  # (a remote: no child)
     return msgspec.structs.replace(config, models=models)
 
 

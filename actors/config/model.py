@@ -21,6 +21,7 @@ from .journal import JournalConfig
 from .metrics import MetricsConfig
 from .ollama import OllamaConfig
 from .params import Params
+from .remote import Peer, Remote
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
 from .tracing import TracingConfig
@@ -50,10 +51,10 @@ Modality = Literal["text", "image", "audio"]
 Capability = Literal["completion", "chat", "embedding", "rerank", "tools"]
 
 
-class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """One `[models.NAME]` table."""
+class ModelConfig(Remote, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One `[models.NAME]` table: a child's (`cmd`), or a remote model's (`url`, remote.py)."""
 
-    cmd: Annotated[list[str], Meta(min_length=1)]
+    cmd: list[str] = []
     """argv, never run through a shell; `{port}`, `{host}` and `{model}` are filled in."""
     env: dict[str, str] = {}
     aliases: list[str] = []
@@ -324,11 +325,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     """Models that swap, load or stay together (actors/policy/teams.py)."""
     virtual: dict[str, VirtualModel] = {}
     """Names that stand for the first of several models that can serve (http/tries.py)."""
+    peers: dict[str, Peer] = {}
+    """Servers whose models corral forwards to (remote.py): become remote models."""
 
     def instances(self) -> dict[str, ModelConfig]:
         """Every child a model may run as, by the name of its instance (its replicas'
-        too: `NAME@2` ...), with that model's config."""
-        return {name: model for name, (_, model) in copies(self.models).items()}
+        too: `NAME@2` ...), with that model's config; a remote model has none."""
+        return {name: model for name, (_, model) in copies(self.models).items()
+                if not model.url}
 
     def rules_of(self, model: ModelConfig, group: str = "") -> ModelRules:
         """What the policy needs of `model`, with the top-level defaults filled in;
@@ -348,7 +352,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s,
             warm=model.warm, replicas=model.replica_rules, group=group,
             make_before_break=model.make_before_break,
-            swap_delay_s=self.max_swap_delay_s if self.swap_order == "batch" else 0.0)
+            swap_delay_s=self.max_swap_delay_s if self.swap_order == "batch" else 0.0,
+            remote=bool(model.url))
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""

@@ -51,14 +51,16 @@ def variant_name(model: str, variant: str) -> str:
     return f"{model}-{variant}"
 
 
-def rewrites(model: str, params: Params, variants: dict[str, Params]) -> dict[str, Rewrite]:
+def rewrites(model: str, params: Params, variants: dict[str, Params],
+             sent_as: str = "") -> dict[str, Rewrite]:
     """Name -> its rewrite, for the model and each of its variants (none where nothing is
-    done to the model's own requests)."""
+    done to the model's own requests); `sent_as`: the name its server knows it by, set
+    on every body (a remote model's: remote.py)."""
     base = (tuple(params.strip_params), tuple(params.set_params.items()))
-    out = {model: Rewrite("", (base,))} if base[0] or base[1] else {}
+    out = {model: Rewrite(sent_as, (base,))} if base[0] or base[1] or sent_as else {}
     for name, v in variants.items():
         out[variant_name(model, name)] = Rewrite(
-            model, (base, (tuple(v.strip_params), tuple(v.set_params.items()))))
+            sent_as or model, (base, (tuple(v.strip_params), tuple(v.set_params.items()))))
     return out
 
 

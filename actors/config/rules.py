@@ -108,6 +108,8 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     """While another model waits for its place, it takes the requests that came up to
     this long after that model's first (swap_order: 0 "arrival", max_swap_delay_s
     "batch"; actors/policy/turns.py)."""
+    remote: bool = False
+    """A remote model (config/remote.py): no child, always serving, never a victim."""
 
 
 class ModelGroup(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -38,6 +38,7 @@ then streamed to and from the child; everything else goes to the management API.
 | the rules both servers share; the routing table    | `Routes`, `Answer`, ...  | edge.py       |
 | the model table as the front sees it               | `Routes`, `ModelRoute`   | routes.py     |
 | which instance a request goes to, and retries      | `to_any`, `to_model`     | tries.py      |
+| a remote model: where it is sent, and its breaker  | `Far`, `Breakers`        | remote.py     |
 | which copy a prompt belongs to (route "prefix")    | `affinity`               | affinity.py   |
 | multipart uploads, routed by their model field     | `FormSniffer`            | upload.py     |
 | a connection's deadlines: slow heads, idle, stall  | `Timers`, `Watch`        | deadlines.py  |

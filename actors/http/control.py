@@ -91,6 +91,7 @@ class Ask(Frame, frozen=True):
     cuttable: bool = False
     affinity: int = 0
     among: tuple[str, ...] = ()
+    spill: bool = False
 
 
 class Let(Frame, frozen=True):

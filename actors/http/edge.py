@@ -282,10 +282,16 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
     if model is None and name in routes.virtual:
         model = name  # tries.py picks its member
     elif model is None and (model := routes.variants.get(name)) is None:
-        return Answer(400, f"model '{name}' not found")
-    if key is not None and not any(key.may_use(n) for n in routes.uses(model)) and not (
-            name in routes.variants and key.may_use((name,))):  # (a variant alone)
+        if not routes.catch_all:
+            return Answer(400, f"model '{name}' not found")
+        model = routes.catch_all  # a peer's (remote.py): the name goes on as asked
+    if key is not None and not any(key.may_use(n) for n in (
+            routes.uses(model) if model != routes.catch_all or model == name else [(name,)])
+            ) and not (name in routes.variants and key.may_use((name,))):  # (a variant alone)
         return Answer(403, f"key '{key.name}' may not use model '{name}'")
+    if upgrade and model in routes.remote:
+        return Answer(400, f"model '{name}' is a remote model: corral relays no WebSocket "
+                      "to it")
     if name in routes.variants and (upgrade or method != b"POST"):  # (its filters: bodies)
         return Answer(400, f"'{name}' is a variant of model '{model}', for requests with a "
                       f"JSON body; name '{model}' for this one")

@@ -169,7 +169,7 @@ class Exchange(Relay):
         req = self.req
         if self.loading is not None:  # granted: nothing more is told (loading.py)
             self.loading.stop()
-        head = [req.method + b" " + req.url + b" HTTP/1.1", b"Host: " + pool.key[0].encode()]
+        head = [req.method + b" " + pool.prefix + req.url + b" HTTP/1.1", b"Host: " + pool.host]
         if (spans := self.trace.spans) is not None:  # corral's traceparent, not the client's
             drop = drop | TRACED
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]

@@ -37,6 +37,7 @@ from .journaling import Recorder
 from .loading import Waiting
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
+from .remote import Breakers
 from .request import Limits
 from .resumable import Keeper, Resumables
 from .routes import Routes
@@ -91,6 +92,7 @@ class Front:
         self.limits = Limits(http, max_body_mib)
         self.max_connections = http.max_connections or default_max_connections()
         self.pools = Pools(POOL_IDLE_S, self.limits.max_header, http.upstream_idle_timeout_s)
+        self.breakers = Breakers()  # (remote models': remote.py)
         self.api_address = ("127.0.0.1", api_port, API_TAG)
         self.to_api: tuple[bytes, ...] = (FRONT_HEADER + b": " + api_secret.encode(),)
         """What the front adds to every request it passes to the management API."""

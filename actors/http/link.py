@@ -154,13 +154,13 @@ class Link:
     def _on(self, message: FromWorker) -> None:
         match message:
             case Ask(id=id_, model=model, autoload=autoload, key=key, retry=retry,
-                     cuttable=cuttable, affinity=affinity, among=among):
+                     cuttable=cuttable, affinity=affinity, among=among, spill=spill):
                 if id_ in self.tickets:
                     raise ValueError(f"request id {id_} asked for twice")
                 asked = self.tickets[id_] = RemoteTicket(self, id_)
                 self._tell(Acquire(ticket=asked, model=model, autoload=autoload, key=key,
                                    retry=retry, cuttable=cuttable, affinity=affinity,
-                                   among=among))
+                                   among=among, spill=spill))
             case Let():
                 ticket = self.tickets.pop(message.id, None)
                 if ticket is not None:

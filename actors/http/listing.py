@@ -50,6 +50,8 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
           node: str | None, created: int, card: dict[str, Any]) -> dict[str, Any]:
     """The entry; `card`: what the model is (cards.py)."""
     status: dict[str, Any] = {"value": view.state, "args": model.cmd}
+    if model.url:  # a remote model's (config/remote.py): no child, always there
+        status = {"value": view.state, "remote": model.url}
     if view.failed:  # as llama.cpp's router: unloaded, failed, exit_code
         status["failed"] = True
         status["exit_code"] = view.exit_code
@@ -66,7 +68,7 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
     if view.host_bytes:
         status["host_bytes"] = view.host_bytes
     out: dict[str, Any] = {
-        "id": view.name, "object": "model", "owned_by": "corral",
+        "id": view.name, "object": "model", "owned_by": model.peer or "corral",
         "created": created, "aliases": model.aliases, "status": status,
         "in_flight": in_flight(view, counts), "waiting": view.waiting,
         "oldest_wait_s": (round(view.queue_oldest_s, 3)

@@ -12,6 +12,7 @@ import collections
 import logging
 import os
 
+from .remote import Far, tls_context
 from .upstream import UpState, Upstream
 
 log = logging.getLogger("corral.front")
@@ -34,10 +35,17 @@ class Pool:
     request that is just being sent).
     """
 
-    def __init__(self, pools: Pools, key: PoolKey, cap: int | None) -> None:
+    def __init__(self, pools: Pools, key: PoolKey, cap: int | None,
+                 far: Far | None = None) -> None:
         self.pools = pools
         self.key = key
         self.cap = cap
+        self.far = far
+        """A remote model's (remote.py): TLS, a timeout to connect, its Host and base path."""
+        self.host = (far.end.host_header if far is not None else key[0]).encode()
+        """What a request's Host header says."""
+        self.prefix = far.prefix if far is not None else b""
+        """What goes before a request's path."""
         self.no_reuse_after_stream = False
         """The child was seen closing a connection after a streamed answer that said
         keep-alive: such connections are closed by corral first, never reused."""
@@ -136,7 +144,17 @@ class Pool:
         host, port, _ = self.key
         self.opening += 1
         try:
-            _, up = await loop.create_connection(lambda: Upstream(self), host, port)
+            if (far := self.far) is not None:
+                try:
+                    _, up = await asyncio.wait_for(loop.create_connection(
+                        lambda: Upstream(self), host, port,
+                        ssl=tls_context(far.ca_file) if far.end.tls else None),
+                        far.connect_timeout_s)
+                except TimeoutError:
+                    raise OSError(f"no connection within {far.connect_timeout_s:g} s "
+                                  "(connect_timeout_s)") from None
+            else:
+                _, up = await loop.create_connection(lambda: Upstream(self), host, port)
         except BaseException:
             self._wake()  # its place at the cap is free again: the next one tries
             raise
@@ -219,10 +237,10 @@ class Pools:
         """A child silent this long in the middle of an answer is cut (0: never)."""
         self.pools: dict[PoolKey, Pool] = {}
 
-    def get(self, key: PoolKey, cap: int | None) -> Pool:
+    def get(self, key: PoolKey, cap: int | None, far: Far | None = None) -> Pool:
         pool = self.pools.get(key)
         if pool is None:
-            pool = self.pools[key] = Pool(self, key, cap)
+            pool = self.pools[key] = Pool(self, key, cap, far)
         return pool
 
     def forget_if_empty(self, pool: Pool) -> None:

@@ -10,6 +10,7 @@ from ..config.model import Config
 from ..config.params import Params, Rewrite, rewrites, variant_name
 from ..config.virtual import VirtualModel
 from ..llama import is_llama, llama_pool_cap
+from .remote import Far, catch_all, fars
 
 
 class ModelRoute(msgspec.Struct, frozen=True):
@@ -50,6 +51,10 @@ class Routes(msgspec.Struct, frozen=True):
     """A variant's name -> its model's: served by the model's children (params.py)."""
     rewrites: dict[str, Rewrite] = {}
     """A model's or variant's name -> what is done to its requests' bodies (none: nothing)."""
+    remote: dict[str, Far] = {}
+    """A remote model's name -> where its requests go (remote.py): no child of its own."""
+    catch_all: str = ""
+    """The remote model that takes a name no other has ("": none; a `models = "*"` peer)."""
 
     def uses(self, model: str) -> list[tuple[str, ...]]:
         """The names a key must match one of to use `model`: its own (and aliases'); for
@@ -70,7 +75,8 @@ class Routes(msgspec.Struct, frozen=True):
     @classmethod
     def of(cls, config: Config) -> Routes:
         linger_s = config.http.lease_linger_ms / 1000
-        models = {name: ModelRoute(llama_pool_cap(m.cmd) if is_llama(m.cmd, m.health) else None,
+        models = {name: ModelRoute(llama_pool_cap(m.cmd) if m.cmd and is_llama(m.cmd, m.health)
+                                   else None,
                                    m.first_byte_timeout_s,
                                    min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
                                    else linger_s,
@@ -82,13 +88,15 @@ class Routes(msgspec.Struct, frozen=True):
                                    and not c.session_ttl_s)
                   for name, m in config.models.items()}
         known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
+        far, wildcard = fars(config), catch_all(config)
         rewritten = {n: r for name, m in config.models.items() for n, r in rewrites(
             name, Params(set_params=m.set_params, strip_params=m.strip_params),
-            m.variants).items()}
+            m.variants, "" if name == wildcard else m.model_name or name if m.url else ""
+        ).items()}
         variants = {variant_name(name, v): name for name, m in config.models.items()
                     for v in m.variants}
         return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
-                   known_as, dict(config.virtual), variants, rewritten)
+                   known_as, dict(config.virtual), variants, rewritten, far, wildcard)
 
 
 def _loading(value: bool | str) -> str:

@@ -14,6 +14,7 @@ from .journaling import Recorder
 from .loading import Waiting
 from .metrics import RequestTimes
 from .pool import Pool, Pools
+from .remote import Breakers
 from .resumable import Keeper
 from .routes import Routes
 from .shares import Shares
@@ -28,6 +29,7 @@ class Services(Protocol):
     http: HttpConfig
     shares: Shares
     pools: Pools
+    breakers: Breakers
     times: RequestTimes
     stopped: dict[str, tuple[int, int]]
     key_uses: KeyUses

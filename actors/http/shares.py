@@ -119,7 +119,7 @@ class Shares:
 
     async def acquire(self, model: str, autoload: bool, key: KeyRule | None = None,
                       retry: bool = False, cuttable: bool = True,
-                      affinity: int = 0, among: tuple[str, ...] = (),
+                      affinity: int = 0, among: tuple[str, ...] = (), spill: bool = False,
                       ) -> SharedGrant | Refusal:
         """Join the model's open grant, or ask the Scheduler for one. A request whose
         `key` has limits always asks: the Scheduler counts each of them (once: `retry`
@@ -133,7 +133,7 @@ class Shares:
         revokes = {name: self.revoked.get(name, (0, 0))[0] for name in among or (model,)}
         ticket, answer = await acquire(self.scheduler(), model, autoload,
                                        key.name if key is not None else "", retry, cuttable,
-                                       affinity, among)
+                                       affinity, among, spill)
         if isinstance(answer, Refusal):
             return answer
         model = answer.model  # (a virtual model's: the member that serves it)

@@ -29,6 +29,7 @@ from .inflight import Cancellable
 from .journaling import Trace
 from .loading import Loading, Shown, wants
 from .pool import Pool, Pools
+from .remote import Far
 from .request import Request
 from .resumable import Tee
 from .routes import ModelRoute, Routes
@@ -90,7 +91,8 @@ async def to_any(ex: Attempt, model: str, autoload: bool, asked: str = "") -> No
     count how long it took, how fast its model answered and what it and its key used
     (/metrics, the journal). Its answer is kept when it asks (X-Conversation-Id)."""
     front, key, trace = ex.services, ex.req.key, ex.trace
-    named = asked if asked in front.routes.variants else model
+    named = asked if asked in front.routes.variants or (  # (a peer's unknown name: itself)
+        model == front.routes.catch_all and asked) else model
     if named != model and ex.req.upload is not None:
         ex.answer(Answer(400, f"'{named}' is a variant of model '{model}': its parameters "
                          f"are set on JSON bodies; send an upload to '{model}'"))
@@ -150,7 +152,9 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
     """Serve `ex` with a member of virtual model `name` (issue 25) its key may use: the
     warmest (`pick = "warm"`: the Scheduler knows which serves) or the first; with
     `fallback`, a member that refuses it (503: it cannot load, its queue is full, it
-    backs off) hands it to the next."""
+    backs off) hands it to the next. With `fallback` and a remote member after a local
+    one, the local ones *spill*: what would wait for them (a load, a busy child) goes to
+    the remote at once, their load begun (config/remote.py)."""
     routes = ex.services.routes
     virtual, key, asked = routes.virtual[name], ex.req.key, ex.req.body
     left = [m for m in virtual.models if m in routes.models and (
@@ -163,27 +167,35 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
             return True
         return False
 
-    tried = 0
+    counted = False
     while left:
         refused.clear()
-        among = tuple(left) if virtual.pick == "warm" and len(left) > 1 else ()
-        await to_model(ex, name if among else left[0], autoload, among, fall_back,
-                       again=bool(tried), asked=asked)  # a fallback: its key counted it once
-        tried += 1
+        spill = virtual.fallback and left[0] not in routes.remote and any(
+            m in routes.remote for m in left)
+        members = [m for m in left if m not in routes.remote] if spill else left
+        among = tuple(members) if virtual.pick == "warm" and len(members) > 1 else ()
+        await to_model(ex, name if among else members[0], autoload, among, fall_back,
+                       again=counted, asked=asked, spill=spill)  # (its key counts it once)
         if not refused:
             return
-        gone = refused[0].model if refused[0].model in left else left[0]
-        log.info("virtual model '%s': %s refused the request (%s); trying the next", name,
-                 gone, refused[0].message)
-        left.remove(gone)
+        refusal = refused[0]
+        counted = counted or not refusal.spill  # (one that would wait was not counted)
+        gone = [m for m in left if m not in routes.remote] if refusal.spill else [
+            refusal.model if refusal.model in left else left[0]]
+        log.info("virtual model '%s': %s %s (%s); trying the next", name, " and ".join(gone),
+                 "spilled the request" if refusal.spill else "refused the request",
+                 refusal.message)
+        left = [m for m in left if m not in gone]
     ex.answer(Answer(503, f"virtual model '{name}' has no model left to serve it"))
 
 
 async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ...] = (),
                    fall_back: Callable[[Refusal], bool] | None = None,
-                   again: bool = False, asked: bytes | None = None) -> None:
+                   again: bool = False, asked: bytes | None = None, spill: bool = False
+                   ) -> None:
     """Serve `ex` with an instance of `model` (or of one of `among`, the Scheduler's
-    pick), trying the next where it may; a refusal `fall_back` takes is not answered."""
+    pick), trying the next where it may; a refusal `fall_back` takes is not answered;
+    `spill`: one that would wait is refused (for a remote member to take)."""
     routes, shares = (services := ex.services).routes, services.shares
     gone: tuple[int, Pool] | None = None  # the child that went away before answering
     cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
@@ -197,7 +209,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         found: SharedGrant | Refusal | None = (  # joined: no coroutine, the usual
             await shares.requeue(cut) if cut is not None else joined or await shares.acquire(
                 model, autoload, ex.req.key, retry=tries > 0 or again, affinity=near,
-                cuttable=not was_cut and ex.req.upload is None, among=among))
+                cuttable=not was_cut and ex.req.upload is None, among=among,
+                spill=spill and tries == 0))
         cut = None
         if gone is not None:  # one past the child that went away with it
             generation, pool = gone
@@ -217,18 +230,11 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
                 cut, was_cut = share, True
                 continue
             ex.ticket, share.ticket.on_cut = share.ticket, ex.cut_off
-        # 4. Sent to its child; then its slot is given back, unless it was cut.
-        sent = False
-        try:
-            route = routes.models.get(grant.model)
-            pool = _pool_for(ex, services.pools, grant, route, tries, replays)
-            own = grant.upstream_key  # a node child's own (R8); the client's is dropped
-            await ex.forward(pool, NOT_KEPT if ex.kept is not None else NOT_FORWARDED,
-                             route.first_byte_timeout_s if route else None,
-                             (b"Authorization: Bearer " + own.encode(),) if own else ())
-            sent = True
-        finally:
-            _let_go(ex, shares, share, route, sent)
+        # 4. Sent to its child (or its remote, unless its breaker is open: remote.py);
+        #    then its slot is given back, unless it was cut.
+        sent_on = await _send(ex, share, tries, replays, fall_back)
+        if sent_on is None:
+            return
         # 5. Cut before its answer began: it waits again, with the grant it was cut from.
         if ex.cut:
             cut, was_cut = share, True
@@ -238,7 +244,36 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         if _ends_here(ex, services, grant, model):
             return
         replays += ex.broke_kind is Broke.GONE
-        gone = (grant.generation, pool)
+        gone = (grant.generation, sent_on)
+
+
+async def _send(ex: Attempt, share: SharedGrant, tries: int, replays: int,
+                fall_back: Callable[[Refusal], bool] | None) -> Pool | None:
+    """Step 4 of `to_model`: `ex` sent on `share`'s grant, and the grant let go; None:
+    its remote's breaker is open (the 503 answered, or taken by `fall_back`)."""
+    services, grant = ex.services, share.grant
+    routes, shares, model = services.routes, services.shares, grant.model
+    sent, route, far = False, routes.models.get(model), routes.remote.get(model)
+    if far is not None and (why := services.breakers.refuses(model, ex.loop.time())):
+        _let_go(ex, shares, share, route, sent)
+        _refuse(ex, routes, Refusal(status=503, message=why, model=model, retry_after_s=(
+            services.breakers.retry_after(model, ex.loop.time()))), fall_back)
+        return None
+    try:
+        pool = _pool_for(ex, services.pools, grant, route, tries, replays, far)
+        own = grant.upstream_key  # a node child's own (R8); the client's is dropped
+        drop = NOT_KEPT if ex.kept is not None else NOT_FORWARDED
+        await ex.forward(pool, drop | far.drop if far else drop,
+                         route.first_byte_timeout_s if route else None,
+                         far.lines if far else (b"Authorization: Bearer " + own.encode(),)
+                         if own else ())
+        sent = True
+    finally:
+        _let_go(ex, shares, share, route, sent)
+        if far is not None and ex.status:  # (a client that left: no outcome)
+            services.breakers.went(model, ex.status < 500, ex.broke or f"status {ex.status}",
+                                   ex.loop.time())
+    return pool
 
 
 def _as_member(ex: Attempt, routes: Routes, member: str, asked: bytes | None) -> None:
@@ -267,8 +302,12 @@ def _refuse(ex: Attempt, routes: Routes, found: Refusal | None,
 
 
 def _pool_for(ex: Attempt, pools: Pools, grant: Grant, route: ModelRoute | None, tries: int,
-              replays: int) -> Pool:
-    """The pool of `grant`'s child, `ex` told whether it may go again if that breaks."""
+              replays: int, far: Far | None) -> Pool:
+    """The pool of `grant`'s child (or remote), `ex` told whether it may go again if that
+    breaks (a remote's request never does: it may have it, and there is no next)."""
+    if far is not None:
+        ex.may_retry = ex.may_replay = False
+        return pools.get((far.end.host, far.end.port, far.tag), None, far)
     pool = pools.get((grant.host, grant.port, f"{grant.model}#{grant.generation}"),
                      route.pool_cap if route else None)
     ex.may_retry = tries < MAX_INSTANCES - 1

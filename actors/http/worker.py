@@ -87,13 +87,14 @@ class Corral:
             raise pykka.ActorDeadError("corral's process is gone")
         match message:
             case Acquire(ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
-                         cuttable=cuttable, affinity=affinity, among=among):
+                         cuttable=cuttable, affinity=affinity, among=among, spill=spill):
                 assert isinstance(ticket, LoopReply)
                 id_ = next(self.ids)
                 self.tickets[id_] = ticket
                 self.id_of[ticket] = id_
                 self._send(Ask(id=id_, model=model, autoload=autoload, key=key, retry=retry,
-                               cuttable=cuttable, affinity=affinity, among=among))
+                               cuttable=cuttable, affinity=affinity, among=among,
+                               spill=spill))
             case Release():
                 self._send(self._let(message))
             case Spend(ticket=ticket, tokens=tokens):

@@ -21,6 +21,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | who waits for which model, in which order            | `RequestQueue`         | queue.py    |
 | whose turn a slot is, that busy models give way to   | `Turns`, `Turn`        | turns.py    |
 | suspends and wakes that ended; the TTL timers        | `Tiers`                | tiers.py    |
+| load, unload and shut down, as a person asks         | `Commands`             | commands.py |
 | host RAM for suspended models, suspended_max         | `HostTier`             | host.py     |
 | the ledger, and a plan for each load                 | `Memory`               | memory.py   |
 | a plan; the places a model may go, weighed           | `Plan`, `Weighing`     | weigh.py    |
@@ -35,11 +36,11 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | GET /models and the invariants                       | `snapshot`, `check`    | views.py    |
 
 Composed of held parts, none a subclass of another: `Policy` holds one `State`, one
-`Rules` on it, one `Children`, one `Preemption` and one `Tiers`, and calls their named
-steps. `Rules` holds the one-step `moves` (`Moves`, which holds the model groups' part,
-`moves.teams`), the victim `choice`, the way a model comes `up` and the `scaling` of
-copies; each event method reads top-down and calls them by name, so go-to-definition
-finds every one. Conventions that cross files:
+`Rules` on it, one `Children`, one `Preemption`, one `Tiers` and one `Commands`, and
+calls their named steps. `Rules` holds the one-step `moves` (`Moves`, which holds the
+model groups' part, `moves.teams`), the victim `choice`, the way a model comes `up` and
+the `scaling` of copies; each event method reads top-down and calls them by name, so
+go-to-definition finds every one. Conventions that cross files:
 
 - An event returns its effects (`Moves.flush`): nothing here tells an actor anything.
 - A decision is logged once, where it is carried out: a memory `Plan` is weighed for places

@@ -330,8 +330,8 @@ class Children:
                 self._set_rules(old, rules)
             else:
                 self.state.add_model(name, now, rules=rules)
-            if self.state.memory_on and not rules.group:  # a copy is measured as its model
-                self.state.out.append(Measure(name, front=False))
+            if self.state.memory_on and not rules.group and not rules.remote:
+                self.state.out.append(Measure(name, front=False))  # (a copy: as its model)
 
     def _remove(self, removed: list[str], now: float) -> None:
         """A reload's removed models (and their reloads' newcomers): their requests are
@@ -361,7 +361,7 @@ class Children:
                             else ModelRules(pinned=given))
             rec.breaker.reset()
             pair = [r for r in (rec, groups.partner(rec)) if r is not None]
-            if self.state.memory_on:  # new arguments, new figures
+            if self.state.memory_on and not rec.rules.remote:  # new arguments, new figures
                 for r in pair:
                     r.memory, r.mem_min, r.mem_max = "unmeasured", None, None
                 if not rec.rules.group:

@@ -19,13 +19,14 @@ from collections.abc import Collection, Hashable, Iterable, Mapping
 from ..config.keys import Tenant
 from ..config.rules import ModelGroup, ModelRules
 from ..lifecycle import ModelState
-from ..messages import Done, ModelsSnapshot, WaitDue
+from ..messages import ModelsSnapshot, WaitDue
 from . import plans, views
 from .children import Children
+from .commands import Commands
 from .plans import RequestPlan
 from .preempt import Preemption
 from .queue import Waiter
-from .records import Answer, Effect, Later, ModelRecord
+from .records import Effect, Later, ModelRecord
 from .rules import Rules
 from .state import State
 from .tiers import Tiers
@@ -57,6 +58,7 @@ class Policy:
         self.children = Children(self.state, self.rules)
         self.cuts = Preemption(self.state, self.rules, self._model_let_go)
         self.tiers = Tiers(self.state, self.rules)
+        self.commands = Commands(self.state, self.rules)
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -96,17 +98,16 @@ class Policy:
 
     def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool = True,
                 key: str = "", retry: bool = False, cuttable: bool = False,
-                affinity: int = 0, among: tuple[str, ...] = ()) -> list[Effect]:
+                affinity: int = 0, among: tuple[str, ...] = (), spill: bool = False,
+                ) -> list[Effect]:
         """A request for `model` arrived (with `key`, "" for none): grant it now, queue
         it, or refuse it. `retry`: it came before (its child went away with it), and its
         key's quota counted it then; `cuttable`: a front may cut it (cuts.py);
         `affinity`: a hash of its prompt's start (a model with copies routed by prefix);
-        `among`: a virtual model's members, one of which serves it (`warm`)."""
-        if among:
-            model = self.warmest(among)
-        counted = bool(key) and not retry
-        rec = self.state.find(model)
-        tenants = self.state.tenants
+        `among`: a virtual model's members, one of which serves it (`warm`); `spill`: a
+        remote member comes after them, which takes it rather than have it wait."""
+        model = self.warmest(among) if among else model
+        counted, rec, tenants = bool(key) and not retry, self.state.find(model), self.state.tenants
         # 1. Nothing is served while shutting down, nor for a model that is not there.
         if self.state.shutting_down:
             self.moves.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0,
@@ -130,6 +131,9 @@ class Policy:
         elif entry is None and not (key and tenants.at_limit(key)) \
                 and (into := self.state.route(rec, affinity, now)) is not None:
             self._serve_now(ticket, into, now, key, counted, cuttable)
+        # 3b. A remote member takes what would wait here (its load begun: config/remote.py).
+        elif spill:
+            self._spill(ticket, rec, now, autoload)
         # 4. Without autoload, only a child that is there or on its way is worth a wait
         #    (a suspended one is there: it is woken).
         elif not autoload and self.state.absent(rec):
@@ -161,6 +165,21 @@ class Policy:
             self.rules.scaling.scale(now)
         if self.state.teams.brought:  # a together partner to bring back
             self.rules.pump(now)
+
+    def _spill(self, ticket: Hashable, rec: ModelRecord, now: float, autoload: bool) -> None:
+        """Step 3b of `acquire`: refused for a remote member to serve, after the load it
+        would have waited for begins (as POST /models/load's), where one may."""
+        why = "it is busy"
+        if self.state.absent(rec) and autoload and not rec.breaker.is_open(now):
+            self.state.queue.open(rec.group).explicit = True
+            self.rules.pump(now)
+            why = "its load begins"
+        elif not self.state.absent(rec):
+            why = "it is on its way" if rec.state is not S.LOADED else why
+        else:
+            why = "autoload is off" if not autoload else "it backs off after failures"
+        self.moves.refuse(ticket, 503, f"model '{rec.group}' cannot serve it at once ({why})",
+                          retry_after_s=1.0, model=rec.group, reason="spill")
 
     def _queue(self, ticket: Hashable, model: str, rec: ModelRecord, now: float, key: str,
                counted: bool, cuttable: bool, affinity: int) -> None:
@@ -329,61 +348,13 @@ class Policy:
         return self.moves.flush()
 
     def load(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
-        """POST /models/load: queue a load with no request behind it; ends a backoff."""
-        rec = self.state.find(model)
-        if rec is None:
-            self.moves.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
-        elif any(r.state.is_running and r.state not in (S.STOPPING, S.SUSPENDED)
-                 for r in self.state.groups.of(rec)):
-            self.moves.refuse(ticket, 400, f"model '{model}' is already running",
-                         "invalid_request_error")
-        elif self.state.shutting_down:
-            self.moves.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
-        else:
-            rec.breaker.reset()
-            self.state.queue.open(model).explicit = True
-            self.state.out.append(Answer(ticket, Done()))
-            self.rules.pump(now)
-        return self.moves.flush()
+        return self.commands.load(ticket, model, now)
 
     def unload(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
-        """POST /models/unload: stop the child now (busy or not); clears a failure."""
-        rec = self.state.find(model)
-        if rec is None:
-            self.moves.refuse(ticket, 404, f"model '{model}' not found", "not_found_error")
-            return self.moves.flush()
-        entry = self.state.queue.entry(model)
-        if entry is not None and entry.explicit:
-            entry.explicit = False
-            if self.state.queue.close_if_empty(model):
-                self.moves.idle(rec)
-        absent = self.state.absent(rec)
-        if absent and rec.failed:
-            rec.failed = False
-            rec.breaker.reset()
-            self.moves.publish_state(rec, "failure cleared by unload", now)
-        elif absent:
-            self.moves.refuse(ticket, 400, f"model '{model}' is not running",
-                         "invalid_request_error")
-            self.rules.pump(now)  # a queued load it dropped may have held others up
-            return self.moves.flush()
-        else:  # every child of it, a reload's old or new one too
-            for copy in self.state.groups.all_of(rec):
-                if copy.state.is_running and copy.state is not S.STOPPING:
-                    self.moves.stop(copy, "manual", None, now)
-        self.state.out.append(Answer(ticket, Done()))
-        self.rules.pump(now)
-        return self.moves.flush()
+        return self.commands.unload(ticket, model, now)
 
     def shutdown(self, now: float) -> list[Effect]:
-        """Refuse every waiter, stop every child; `all_stopped` tells when it is over."""
-        self.state.shutting_down = True
-        for ticket in self.state.queue.clear():
-            self.moves.refuse(ticket, 503, "corral is shutting down", retry_after_s=1.0)
-        for rec in self.state.models.values():
-            if rec.state.is_running and rec.state is not S.STOPPING:
-                self.moves.stop(rec, "shutdown", None, now)
-        return self.moves.flush()
+        return self.commands.shutdown(now)
 
     @property
     def all_stopped(self) -> bool:

@@ -282,7 +282,7 @@ class Moves:
                 stats.key_refusals[(key, reason)] = stats.key_refusals.get((key, reason), 0) + 1
         self.state.out.append(Answer(ticket, Refusal(
             status=status, message=message, error_type=type_, retry_after_s=retry_after_s,
-            model=model or "")))
+            model=model or "", spill=reason == "spill")))
 
     def refuse_entry(self, model: str, status: int, message: str,
                       retry_after_s: float | None = None, reason: str = "other") -> None:

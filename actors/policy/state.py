@@ -137,6 +137,9 @@ class State:
             name=name, rules=rules or ModelRules(pinned=pinned),
             breaker=Breaker(*self.breaker_args), state_since=now,
             generation=self.last_generation.pop(name, 0), alternate_of=alternate_of)
+        if rec.rules.remote:  # (served by a server corral does not run: config/remote.py)
+            rec.state, rec.host, rec.port, rec.ready_at = S.REMOTE, "", 0, now
+            rec.memory = "remote"
         self.groups.add(rec)
         self.rewarm()
 
@@ -216,6 +219,7 @@ class State:
 
     def evictable(self, rec: ModelRecord) -> bool:
         return (rec.state.is_serving and not rec.in_flight and not rec.pinned
+                and rec.state is not S.REMOTE
                 and (rec.group not in self.queue.entries or self.held(rec)) and not rec.removed
                 and not (self.teams.partners and self.partner_busy(rec)))
 

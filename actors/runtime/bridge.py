@@ -99,7 +99,7 @@ class Fanout:
 
 async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
                   key: str = "", retry: bool = False, cuttable: bool = False,
-                  affinity: int = 0, among: tuple[str, ...] = (),
+                  affinity: int = 0, among: tuple[str, ...] = (), spill: bool = False,
                   ) -> tuple[LoopReply, Grant | Refusal]:
     """Ask the Scheduler for `model` and wait for the answer, without blocking the loop.
 
@@ -110,7 +110,7 @@ async def acquire(scheduler: SchedulerInbox, model: str, autoload: bool = True,
     ticket = LoopReply(asyncio.get_running_loop())
     return ticket, await _ask(scheduler, ticket, Acquire(
         ticket=ticket, model=model, autoload=autoload, key=key, retry=retry,
-        cuttable=cuttable, affinity=affinity, among=among))
+        cuttable=cuttable, affinity=affinity, among=among, spill=spill))
 
 
 async def requeue(scheduler: SchedulerInbox, ticket: LoopReply) -> Grant | Refusal:
