@@ -1,6 +1,7 @@
-"""Write tiny random-weight llama-architecture GGUF models that llama-server really loads.
+"""Write tiny random-weight llama-architecture GGUF models that llama-server really loads,
+and LoRA adapters of them (`--lora`).
 
-    python scripts/tiny_gguf.py OUT.gguf [--seed N] [--layers 2] [--embd 64]
+    python scripts/tiny_gguf.py OUT.gguf [--seed N] [--layers 2] [--embd 64] [--lora]
 
 A byte-fallback SentencePiece vocabulary (with <s>, </s> and <unk>), a chat template and
 random F32 weights: it loads in milliseconds and answers chat completions with gibberish.
@@ -77,6 +78,33 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, layers: int = 2, embd: int 
     return path
 
 
+def write_tiny_lora(path: str | Path, seed: int = 0, layers: int = 2, embd: int = 64,
+                    rank: int = 4) -> Path:
+    """Write a LoRA adapter of `write_tiny_gguf`'s model (same `layers` and `embd`) to
+    `path`: random A and B for every layer's attn_q and attn_v, strong enough that an
+    answer with it applied differs from one without; return it."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(1000 + seed)
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))
+    for i in range(layers):
+        for name in ("attn_q", "attn_v"):  # numpy order: A is (rank, in), B is (out, rank)
+            writer.add_tensor(f"blk.{i}.{name}.weight.lora_a",
+                              (rng.standard_normal((rank, embd)) * 0.5).astype(np.float32))
+            writer.add_tensor(f"blk.{i}.{name}.weight.lora_b",
+                              (rng.standard_normal((embd, rank)) * 0.5).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,8 +112,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--embd", type=int, default=64)
+    p.add_argument("--lora", action="store_true", help="write a LoRA adapter of that model")
     args = p.parse_args()
-    print(write_tiny_gguf(args.out, args.seed, args.layers, args.embd))
+    write = write_tiny_lora if args.lora else write_tiny_gguf
+    print(write(args.out, args.seed, args.layers, args.embd))
 
 
 if __name__ == "__main__":

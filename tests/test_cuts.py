@@ -170,6 +170,7 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
 
     class FakePool:
         key = ("127.0.0.1", 1, "a#1")
+        host, prefix = b"127.0.0.1", b""
 
         def take(self) -> None:
             return None  # no idle connection: lease opens one
@@ -190,8 +191,9 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
 
         inbox = Inbox()
         services = SimpleNamespace(
-            routes=SimpleNamespace(models={}), shares=Shares(lambda: inbox),
-            pools=SimpleNamespace(get=lambda key, cap: FakePool()), stopped={},
+            routes=SimpleNamespace(models={}, remote={}, adapters={}),
+            shares=Shares(lambda: inbox),
+            pools=SimpleNamespace(get=lambda key, cap, far=None: FakePool()), stopped={},
             scheduler=lambda: inbox, draining=False)
         ex = Exchange.__new__(Exchange)
         for name, value in dict(

@@ -7,6 +7,7 @@ key with its default and meaning, and the checks their types cannot express.
 | the whole file; a model, a key, a device, the cluster  | `Config`, `ModelConfig`  | model.py     |
 | reading and checking a file; every error names its key | `load_config`            | load.py      |
 | a model with `url`: a remote; `[peers.NAME]`           | `Remote`, `Peer`         | remote.py    |
+| a model with `base`: a LoRA adapter of a model         | `Adapter`, `Adapting`    | adapters.py  |
 | `[[devices]]`: simulated devices                       | `DeviceConfig`           | devices.py   |
 | checks types cannot say: devices, variants, headers    | `check_devices`          | checks.py    |
 | `[http]`: the edge's limits, workers, upload paths     | `HttpConfig`             | http.py      |

@@ -5,13 +5,15 @@ names of [http], and each model a child's or a remote's (its peers made models).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import msgspec
 
+from .adapters import Adapter, api_of
 from .model import Config, ConfigError, ModelConfig
 from .params import Params, variant_name
 from .params import check as check_params
-from .paths import folder_name
+from .paths import folder_name, name_problem
 from .remote import Remote, peer_problem, resolved
 from .remote import problem as remote_problem
 
@@ -58,6 +60,11 @@ def check_variants(config: Config, aliases: dict[str, str], source: str) -> None
                 raise ConfigError(f"{source}: models.{name}.variants.{variant}: its name "
                                   f"{full!r} is already {owner}")
             taken[full] = f"a variant of model {name!r}"
+        for adapter in model.adapters:
+            if (owner := taken.get(adapter)) is not None:
+                raise ConfigError(f"{source}: models.{name}.adapters.{adapter}: its name is "
+                                  f"already {owner}")
+            taken[adapter] = f"an adapter of model {name!r}"
 
 
 def check_headers(config: Config, source: str) -> None:
@@ -144,3 +151,51 @@ _LOCAL = ModelConfig(cmd=["-"])
 
 def _default(field: msgspec.structs.FieldInfo) -> object:
     return field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+
+
+_ADAPTER_KEYS = ("base", "lora", "lora_scale")
+
+
+def check_adapters(config: Config, source: str) -> Config:
+    """Each `[models.NAME]` with `base` read into its base's `adapters` (adapters.py),
+    with nothing else set; each base's adapters named once, and its server's way of
+    taking them known."""
+    models = {n: m for n, m in config.models.items() if not m.base}
+    for name, model in config.models.items():
+        where = f"{source}: models.{name}"
+        if not model.base:
+            if model.lora:
+                raise ConfigError(f"{where}.lora: an adapter's; set base, the model whose "
+                                  "children serve it")
+            continue
+        for field in msgspec.structs.fields(ModelConfig):
+            if field.name not in _ADAPTER_KEYS and getattr(model, field.name) != _default(field):
+                raise ConfigError(f"{where}.{field.name}: {name!r} is an adapter of "
+                                  f"{model.base!r} (base), served by its children; set "
+                                  f"this on models.{model.base}")
+        base = models.get(model.base)
+        if base is None or base.url:
+            raise ConfigError(f"{where}.base: {model.base!r} is not a model with a child "
+                              f"of its own ({'a remote' if base else 'no such model'})")
+        if not model.lora:
+            raise ConfigError(f"{where}.lora: missing (the adapter's file, or what its "
+                              "base's server loads)")
+        if name in base.adapters:
+            raise ConfigError(f"{where}: models.{model.base}.adapters has {name!r} already")
+        models[model.base] = msgspec.structs.replace(base, adapters={
+            **base.adapters, name: Adapter(lora=model.lora, scale=model.lora_scale)})
+    for name, model in models.items():
+        if not model.adapters:
+            continue
+        api = api_of(model.cmd, model.health, model.lora_api)
+        if model.cmd and api is None:
+            raise ConfigError(f"{source}: models.{name}.lora_api: corral cannot tell how "
+                              "its server takes LoRA adapters; set \"llama\" (llama-server's "
+                              "--lora) or \"vllm\" (/v1/load_lora_adapter)")
+        for adapter, a in model.adapters.items():
+            if (wrong := name_problem(adapter)) is not None:
+                raise ConfigError(f"{source}: models.{name}.adapters.{adapter!r}: {wrong}")
+            if api == "llama" and not model.nodes and not Path(a.lora).expanduser().is_file():
+                raise ConfigError(f"{source}: models.{name}.adapters.{adapter}.lora: "
+                                  f"{a.lora!r} is not a file")
+    return msgspec.structs.replace(config, models=models)

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 
 from ..llama import is_llama
-from .checks import check_devices, check_headers, check_remote, check_variants
+from .checks import check_adapters, check_devices, check_headers, check_remote, check_variants
 from .hooks import HOOK_PLACEHOLDER
 from .keys import API_KEY_NAME
 from .macros import expand
@@ -82,7 +82,7 @@ def _validate_replicas(config: Config, source: str) -> None:
 
 
 def _validate(config: Config, source: str) -> Config:
-    config = check_remote(config, source)  # (first: its peers add models)
+    config = check_remote(check_adapters(config, source), source)  # (first: models added)
     check_devices(config, source)
     check_headers(config, source)
     _validate_replicas(config, source)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from .adapters import Adapting, api_of, extra_args
 from .cluster import ClusterConfig
 from .devices import DeviceConfig
 from .downloads import DownloadsConfig
@@ -21,7 +22,7 @@ from .journal import JournalConfig
 from .metrics import MetricsConfig
 from .ollama import OllamaConfig
 from .params import Params
-from .remote import Peer, Remote
+from .remote import Peer
 from .rules import ModelGroup, ModelRules, Replicas, replica_name
 from .suspend import Suspend
 from .tracing import TracingConfig
@@ -51,8 +52,9 @@ Modality = Literal["text", "image", "audio"]
 Capability = Literal["completion", "chat", "embedding", "rerank", "tools"]
 
 
-class ModelConfig(Remote, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """One `[models.NAME]` table: a child's (`cmd`), or a remote model's (`url`, remote.py)."""
+class ModelConfig(Adapting, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One `[models.NAME]` table: a child's (`cmd`), a remote model's (`url`, remote.py),
+    or an adapter's (`base`, adapters.py)."""
 
     cmd: list[str] = []
     """argv, never run through a shell; `{port}`, `{host}` and `{model}` are filled in."""
@@ -174,11 +176,8 @@ class ModelConfig(Remote, forbid_unknown_fields=True, frozen=True, kw_only=True)
         """The flag a child on a node gets its key with (None: it takes none)."""
         if self.key_flag is not None:
             return self.key_flag or None
-        names = [Path(arg).name for arg in self.cmd]
-        llama = self.health == "llama" or names[0] == "llama-server"
-        vllm = any(n == "vllm" or n.startswith("vllm.") for n in names)
-        fake = "actors.fake_model" in self.cmd
-        return "--api-key" if llama or vllm or fake else None
+        known = api_of(self.cmd, self.health, None) or "actors.fake_model" in self.cmd
+        return "--api-key" if known else None
 
     @property
     def placed_by_env(self) -> bool:
@@ -191,8 +190,10 @@ class ModelConfig(Remote, forbid_unknown_fields=True, frozen=True, kw_only=True)
         comma-separated placement, `{device}` its first device."""
         values = {"port": str(port), "host": host, "model": name,
                   "devices": ",".join(devices or []), "device": (devices or [""])[0]}
+        adapters = extra_args(self.cmd, api_of(self.cmd, self.health, self.lora_api),
+                              self.adapters)
         return [PLACEHOLDER.sub(lambda m: values[m.group(1)], arg)
-                for arg in [*self.cmd, *(extra or [])]]
+                for arg in [*self.cmd, *adapters, *(extra or [])]]
 
     @property
     def measure_method(self) -> MeasureMethod:
@@ -393,6 +394,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
         return names
 
     def request_names(self) -> dict[str, str]:
-        """`resolve_aliases`, and each variant's name -> its model's (params.py)."""
-        return {**self.resolve_aliases(), **{f"{name}-{v}": name for name, m in
-                                             self.models.items() for v in m.variants}}
+        """`resolve_aliases`, and each variant's and adapter's name -> its model's."""
+        return {**self.resolve_aliases(), **{n: name for name, m in self.models.items() for n
+                                             in (*(f"{name}-{v}" for v in m.variants),
+                                                 *m.adapters)}}

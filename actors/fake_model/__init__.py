@@ -12,4 +12,5 @@ out here, not shared.
 | the rest it tells corral: llama state lines, memory, measuring | protocols.py |
 | vLLM's sleep mode, faked: sleep, wake, is_sleeping            | suspend.py   |
 | WebSockets (/v1/realtime, /ws): an echo with knobs             | sockets.py   |
+| vLLM's runtime LoRA adapters: load, unload, answer as one      | loras.py     |
 """

@@ -185,6 +185,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="with --sleep-mode: a wake from level 1 takes S seconds")
     p.add_argument("--sleep-device-mib", type=float, default=0.0, metavar="N",
                    help="with --sleep-mode: MiB left on each device while asleep")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="vLLM's runtime LoRA: POST /v1/load_lora_adapter, a request naming "
+                        "one answered as it")
+    p.add_argument("--max-loras", type=int, default=1, metavar="N")
     p.add_argument("--metrics", action="store_true",
                    help="serve GET /metrics in Prometheus's text format (llama-server's "
                         "--metrics)")

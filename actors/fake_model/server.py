@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from .loras import Loras
 from .protocols import llama_state
 from .sockets import Sockets
 from .suspend import Sleep
@@ -48,6 +49,8 @@ class FakeModel:
         self.grower: asyncio.Task[None] | None = None
         self.vllm_sleep = Sleep(args) if args.sleep_mode else None
         """vLLM's sleep mode (--sleep-mode), not llama-server's idle sleep above."""
+        self.loras = Loras(self.stats, args.max_loras) if args.enable_lora else None
+        """vLLM's runtime LoRA adapters (--enable-lora)."""
 
     # ------------------------------------------------------------ helpers
 
@@ -91,7 +94,8 @@ class FakeModel:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.args.model, "object": "model", "owned_by": "fake",
-             "created": self.created}]})
+             "created": self.created},
+            *(self.loras.entries(self.args.model, self.created) if self.loras else [])]})
 
     async def props(self, request: web.Request) -> web.Response:
         return web.json_response({"model_alias": self.args.model, "role": "model",
@@ -125,10 +129,14 @@ class FakeModel:
         self.last_body = body = await self._body(request)
         n_tokens = int(body.get("max_tokens") or body.get("n_predict") or 16)
         chat = "chat" in request.path
+        model = (self.loras.answers_as(body.get("model"), self.args.model)
+                 if self.loras is not None else self.args.model)
+        if isinstance(model, web.Response):  # (an adapter it has not loaded)
+            return model
         if body.get("stream"):
             options = body.get("stream_options")
             usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            return await self._stream(request, n_tokens, chat, usage)
+            return await self._stream(request, n_tokens, chat, usage, model)
         try:
             await self._pace(n_tokens)
         except asyncio.CancelledError:  # its client (corral) closed the connection
@@ -142,7 +150,7 @@ class FakeModel:
         else:
             choice["text"] = text
         return web.json_response({
-            "id": f"fake-{self.stats['started']}", "model": self.args.model,
+            "id": f"fake-{self.stats['started']}", "model": model,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "choices": [choice],
             "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens,
@@ -164,7 +172,7 @@ class FakeModel:
             await asyncio.sleep(n_tokens / self.args.tokens_per_s)
 
     async def _stream(self, request: web.Request, n_tokens: int, chat: bool,
-                      usage: bool = False) -> web.StreamResponse:
+                      usage: bool = False, model: str = "") -> web.StreamResponse:
         """`usage`: a last event with the usage, as OpenAI's `stream_options` asks."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -174,12 +182,13 @@ class FakeModel:
             for i in range(n_tokens):
                 if gap_s:
                     await asyncio.sleep(gap_s)
-                delta = ({"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} if chat
-                         else {"choices": [{"index": 0, "text": f"tok{i} "}]})
-                delta["model"] = self.args.model
+                delta: dict[str, Any] = (
+                    {"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]} if chat
+                    else {"choices": [{"index": 0, "text": f"tok{i} "}]})
+                delta["model"] = model or self.args.model
                 await resp.write(f"data: {json.dumps(delta)}\n\n".encode())
             if usage:
-                last = {"choices": [], "model": self.args.model,
+                last: dict[str, Any] = {"choices": [], "model": model or self.args.model,
                         "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens,
                                   "total_tokens": n_tokens + 1}}
                 await resp.write(f"data: {json.dumps(last)}\n\n".encode())
@@ -308,6 +317,8 @@ class FakeModel:
         Sockets(self.stats).routes(app)
         if self.vllm_sleep is not None:
             self.vllm_sleep.routes(app)
+        if self.loras is not None:
+            self.loras.routes(app)
         return app
 
 

@@ -39,6 +39,7 @@ then streamed to and from the child; everything else goes to the management API.
 | the model table as the front sees it               | `Routes`, `ModelRoute`   | routes.py     |
 | which instance a request goes to, and retries      | `to_any`, `to_model`     | tries.py      |
 | a remote model: where it is sent, and its breaker  | `Far`, `Breakers`        | remote.py     |
+| LoRA adapters loaded into children at first use    | `Loras`                  | loras.py      |
 | which copy a prompt belongs to (route "prefix")    | `affinity`               | affinity.py   |
 | multipart uploads, routed by their model field     | `FormSniffer`            | upload.py     |
 | a connection's deadlines: slow heads, idle, stall  | `Timers`, `Watch`        | deadlines.py  |

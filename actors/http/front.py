@@ -35,6 +35,7 @@ from .edge import FRONT_HEADER
 from .inflight import Live
 from .journaling import Recorder
 from .loading import Waiting
+from .loras import Loras
 from .metrics import RequestTimes
 from .pool import API_TAG, Pool, Pools
 from .remote import Breakers
@@ -93,6 +94,7 @@ class Front:
         self.max_connections = http.max_connections or default_max_connections()
         self.pools = Pools(POOL_IDLE_S, self.limits.max_header, http.upstream_idle_timeout_s)
         self.breakers = Breakers()  # (remote models': remote.py)
+        self.loras = Loras()  # (adapters loaded into children: loras.py)
         self.api_address = ("127.0.0.1", api_port, API_TAG)
         self.to_api: tuple[bytes, ...] = (FRONT_HEADER + b": " + api_secret.encode(),)
         """What the front adds to every request it passes to the management API."""
@@ -160,7 +162,8 @@ class Front:
             copy = message.instance or message.model  # per copy: one's stop is not another's
             self.stopped[copy] = max(self.stopped.get(copy, (0, 0)), message.serving)
         else:
-            self.pools.abort(f"{message.model}#{message.generation}", "the child is gone")
+            self.pools.abort(tag := f"{message.model}#{message.generation}", "the child is gone")
+            self.loras.forget(tag)
 
     def counts(self) -> FrontCounts:
         """What this front knows that the Scheduler does not (GET /models, /metrics)."""

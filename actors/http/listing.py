@@ -100,11 +100,14 @@ def seen(entries: list[dict[str, Any]], key: KeyRule | None, models: dict[str, M
         if base:
             out.append(tenancy.shown(e, key, said))
         model = models.get(e["id"])
-        for v in model.variants if model is not None else ():
-            name = variant_name(e["id"], v)
+        if model is None:
+            continue
+        for name, of in [*((variant_name(e["id"], v), {"variant_of": e["id"]})
+                           for v in model.variants),
+                         *((a, {"adapter_of": e["id"], "lora": adapter.lora})
+                           for a, adapter in model.adapters.items())]:
             if base or (key is not None and key.may_use((name,))):
-                out.append(tenancy.shown({**e, "id": name, "aliases": [],
-                                          "variant_of": e["id"]}, key, said))
+                out.append(tenancy.shown({**e, "id": name, "aliases": [], **of}, key, said))
     return out
 
 
@@ -114,7 +117,7 @@ def openai_list(entries: list[dict[str, Any]], models: dict[str, ModelConfig],
     each alias as an entry of its own (`alias_of` its model), after it."""
     out = []
     for e in entries:
-        model = models.get(e.get("variant_of") or e["id"])
+        model = models.get(e.get("variant_of") or e.get("adapter_of") or e["id"])
         if model is not None and model.unlisted:
             continue
         out.append(e)

@@ -52,14 +52,14 @@ class OllamaApi:
              "size": self._size(e), "digest": ollama.digest(e["id"], models[base]),
              "details": ollama.details(models[base])}
             for e in await self.host.models_seen(request.get("key"))
-            if (base := e.get("variant_of") or e["id"]) in models
+            if (base := e.get("variant_of") or e.get("adapter_of") or e["id"]) in models
             and not models[base].unlisted]})
 
     async def ps(self, request: web.Request) -> web.Response:
         models, now = self.host.latest.models, time.time()
         loaded = []
         for e in await self.host.models_seen(request.get("key")):
-            status, base = e["status"], e.get("variant_of") or e["id"]
+            status, base = e["status"], e.get("variant_of") or e.get("adapter_of") or e["id"]
             if base not in models or models[base].unlisted \
                     or status["value"] not in ("loaded", "sleeping"):
                 continue
@@ -80,7 +80,8 @@ class OllamaApi:
         entry = await self._entry(request, body)
         if isinstance(entry, web.Response):
             return entry
-        config = self.host.latest.models[entry.get("variant_of") or entry["id"]]
+        config = self.host.latest.models[
+            entry.get("variant_of") or entry.get("adapter_of") or entry["id"]]
         caps = [c for c in entry["capabilities"] if c in ("completion", "embedding", "tools")]
         caps += ["vision"] if "image" in entry["modalities"] else []
         info = {"general.architecture": "", "general.name": entry["id"]}

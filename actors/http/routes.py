@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ..config.adapters import adapter_rewrites, api_of
 from ..config.keys import KeyRule, Keys, unnamed
 from ..config.model import Config
 from ..config.params import Params, Rewrite, rewrites, variant_name
@@ -34,6 +35,15 @@ class ModelRoute(msgspec.Struct, frozen=True):
     header does not take the prompt's place (affinity.py `placement`)."""
 
 
+class AdapterRoute(msgspec.Struct, frozen=True):
+    """A LoRA adapter as the front applies it (config/adapters.py)."""
+
+    base: str
+    lora: str
+    loaded: bool
+    """vLLM's way: loaded into a child at its first request there (http/loras.py)."""
+
+
 class Routes(msgspec.Struct, frozen=True):
     """The model table as the front sees it: one immutable value, replaced on reload."""
 
@@ -55,6 +65,9 @@ class Routes(msgspec.Struct, frozen=True):
     """A remote model's name -> where its requests go (remote.py): no child of its own."""
     catch_all: str = ""
     """The remote model that takes a name no other has ("": none; a `models = "*"` peer)."""
+    adapters: dict[str, AdapterRoute] = {}
+    """An adapter's name -> its base's and how it is applied (config/adapters.py); each
+    is in `variants` too (served by its base's children, its body rewritten)."""
 
     def uses(self, model: str) -> list[tuple[str, ...]]:
         """The names a key must match one of to use `model`: its own (and aliases'); for
@@ -89,14 +102,21 @@ class Routes(msgspec.Struct, frozen=True):
                   for name, m in config.models.items()}
         known_as = {name: (name, *m.aliases) for name, m in config.models.items()}
         far, wildcard = fars(config), catch_all(config)
-        rewritten = {n: r for name, m in config.models.items() for n, r in rewrites(
-            name, Params(set_params=m.set_params, strip_params=m.strip_params),
-            m.variants, "" if name == wildcard else m.model_name or name if m.url else ""
-        ).items()}
+        rewritten: dict[str, Rewrite] = {}
+        adapters: dict[str, AdapterRoute] = {}
+        for name, m in config.models.items():
+            api = api_of(m.cmd, m.health, m.lora_api)
+            params, of_adapters = adapter_rewrites(name, Params(
+                set_params=m.set_params, strip_params=m.strip_params), m.adapters, api)
+            rewritten |= rewrites(name, params, m.variants, "" if name == wildcard else
+                                  m.model_name or name if m.url else "") | of_adapters
+            adapters |= {a: AdapterRoute(name, adapter.lora, api == "vllm")
+                         for a, adapter in m.adapters.items()}
         variants = {variant_name(name, v): name for name, m in config.models.items()
-                    for v in m.variants}
+                    for v in m.variants} | {a: r.base for a, r in adapters.items()}
         return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
-                   known_as, dict(config.virtual), variants, rewritten, far, wildcard)
+                   known_as, dict(config.virtual), variants, rewritten, far, wildcard,
+                   adapters)
 
 
 def _loading(value: bool | str) -> str:

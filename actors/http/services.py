@@ -12,6 +12,7 @@ from ..runtime.bridge import SchedulerInbox
 from .inflight import Live
 from .journaling import Recorder
 from .loading import Waiting
+from .loras import Loras
 from .metrics import RequestTimes
 from .pool import Pool, Pools
 from .remote import Breakers
@@ -30,6 +31,7 @@ class Services(Protocol):
     shares: Shares
     pools: Pools
     breakers: Breakers
+    loras: Loras
     times: RequestTimes
     stopped: dict[str, tuple[int, int]]
     key_uses: KeyUses

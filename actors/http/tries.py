@@ -200,8 +200,10 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
     gone: tuple[int, Pool] | None = None  # the child that went away before answering
     cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
     replays, was_cut = 0, False  # instances gone with the request; it is cut at most once
-    near = placement(ex.req.session, ex.req.body, *(  # (a session's, or its prompt's)
-        (route.prefix_bytes, route.prefix_first) if (route := routes.models.get(model)) else ()))
+    adapter = routes.adapters.get(ex.trace.model)  # (its copy: one that has it: loras.py)
+    near = placement(b"lora:" + ex.trace.model.encode() if adapter else ex.req.session,
+                     ex.req.body, *((route.prefix_bytes, route.prefix_first)
+                                    if (route := routes.models.get(model)) else ()))
     for tries in range(MAX_INSTANCES):
         # 1. A grant: the one it was cut from again, an open one joined, or the Scheduler's.
         ex.trace.asking(ex.loop.time())
@@ -262,6 +264,11 @@ async def _send(ex: Attempt, share: SharedGrant, tries: int, replays: int,
     try:
         pool = _pool_for(ex, services.pools, grant, route, tries, replays, far)
         own = grant.upstream_key  # a node child's own (R8); the client's is dropped
+        if (adapter := routes.adapters.get(ex.trace.model)) is not None and adapter.loaded \
+                and (why := await services.loras.ensure(pool, ex.trace.model, adapter.lora,
+                                                        own)) is not None:
+            ex.answer(Answer(502, f"{ex.what}: {why}"))
+            return None
         drop = NOT_KEPT if ex.kept is not None else NOT_FORWARDED
         await ex.forward(pool, drop | far.drop if far else drop,
                          route.first_byte_timeout_s if route else None,
