@@ -16,7 +16,7 @@ from actors.config.load import parse_config
 from actors.config.model import ConfigError
 from bench.support import toml_value
 from scripts.tiny_gguf import write_tiny_gguf, write_tiny_lora
-from tests.helpers import fake_cmd, request, wait_until
+from tests.helpers import fake_cmd, key_files, request, wait_until
 from tests.test_llama_server import BINARY
 
 VLLM = toml_value(fake_cmd("--enable-lora"))
@@ -182,3 +182,27 @@ lora_scale = 0.8
     assert c.models()["base"]["loads"] == 1  # one child: no swap
     status, body, _ = request(c.port, "GET", "/lora-adapters?model=base")
     assert status == 200 and [a["path"] for a in body] == [str(p) for p in loras]
+
+
+def test_a_key_may_be_given_an_adapter_without_its_base(corral, tmp_path: Path) -> None:
+    keys = key_files(tmp_path, "sql_only")
+    c = corral(f"""
+[keys.sql_only]
+key_file = "{keys['sql_only']}"
+models = ["sql"]
+
+[models.base]
+cmd = {VLLM}
+lora_api = "vllm"
+adapters.sql = {{ lora = "org/sql-lora" }}
+""")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{c.port}/v1", api_key="sql_only-secret",
+                           max_retries=0)
+
+    def ask_as(model: str) -> str:
+        return str(client.chat.completions.create(
+            model=model, max_tokens=2, messages=[{"role": "user", "content": "x"}]).model)
+    assert ask_as("sql") == "sql"
+    with pytest.raises(openai.PermissionDeniedError):
+        ask_as("base")
+    assert [m.id for m in client.models.list()] == ["sql"]

@@ -44,6 +44,10 @@ def test_a_good_config_loads_with_defaults(tmp_path: Path) -> None:
     ('[models.m]\ncmd = ["x"]\naliases = ["n"]\n[models.n]\ncmd = ["y"]\n',
      "models.m.aliases: 'n' is already the name or an alias of model 'n'"),
     ('[models.m\n', "not valid TOML"),
+    ('[models.m]\nurl = "ftp://x"\n', "models.m.url: 'ftp://x' must be http://"),
+    ('[peers.p]\nurl = "http://x"\nmodels = []\n', "peers.p.models: empty"),
+    ('[models.m]\ncmd = ["x"]\n[models.a]\nbase = "m"\nlora = "l"\n',
+     "models.m.lora_api: corral cannot tell how its server takes LoRA adapters"),
 ])
 def test_bad_configs_name_file_key_and_problem(tmp_path: Path, text: str, expected: str) -> None:
     path = write(tmp_path, text)
