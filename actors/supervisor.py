@@ -277,7 +277,8 @@ class Supervisor:
 
     @contextlib.contextmanager
     def lease(self, model: str, timeout_s: float | None = None) -> Iterator[str]:
-        """Hold `model` loaded for the block; yields the child's base URL.
+        """Hold `model` loaded for the block; yields the child's base URL (a remote
+        model's own `url`: the lease counts it in flight, for its key-less limits).
 
         Raises LeaseError if corral refuses, TimeoutError after `timeout_s`.
         """
@@ -290,9 +291,13 @@ class Supervisor:
             raise TimeoutError(f"model '{model}' was not ready within {timeout_s} s")
         grant = _granted(answer)
         try:
-            yield grant.base_url
+            yield self._url(grant)
         finally:
             scheduler.tell(Release(ticket=ticket))
+
+    def _url(self, grant: Grant) -> str:
+        model = self.config.models.get(grant.model)
+        return model.url if model is not None and model.url else grant.base_url
 
     @contextlib.asynccontextmanager
     async def lease_async(self, model: str) -> AsyncIterator[str]:
@@ -304,6 +309,6 @@ class Supervisor:
         ticket, answer = await acquire(scheduler, model)
         grant = _granted(answer)
         try:
-            yield grant.base_url
+            yield self._url(grant)
         finally:
             scheduler.tell(Release(ticket=ticket))

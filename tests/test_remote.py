@@ -335,3 +335,15 @@ def test_a_reload_changes_a_remote_at_once_and_refuses_to_change_its_kind(
             json.dumps(body)
     finally:
         other.close()
+
+
+def test_an_embedding_apps_lease_of_a_remote_model_yields_its_url(cloud: Cloud) -> None:
+    from actors import Supervisor
+    sup = Supervisor(parse_config({"models": {"gpt": {"url": f"{cloud.url}/v1"},
+                                              "local": {"cmd": fake_cmd()}}}))
+    sup.start()
+    try:
+        with sup.lease("gpt", timeout_s=10) as url:
+            assert url == f"{cloud.url}/v1"
+    finally:
+        sup.stop()
