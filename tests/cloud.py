@@ -9,6 +9,7 @@ import asyncio
 import json
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: Any
+    at: float = 0.0
+    """When it came (monotonic seconds)."""
 
 
 @dataclass
@@ -65,7 +68,8 @@ class Cloud:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw
-        self.seen.append(Seen(request.method, request.path_qs, dict(request.headers), body))
+        self.seen.append(Seen(request.method, request.path_qs, dict(request.headers), body,
+                              time.monotonic()))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.key and request.headers.get("Authorization") != f"Bearer {self.key}":

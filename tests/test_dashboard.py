@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.support import CHROMIUM, CHROMIUM_ARGS
+from bench.support import CHROMIUM, CHROMIUM_ARGS, toml_value
 from tests.helpers import Call, chat, fake_cmd, request, toml_config, wait_until
 
 try:
@@ -294,3 +294,18 @@ def test_the_activity_view(corral, page) -> None:
         "rs => rs.map(r => r.dataset.id)") == ["first-b"]
     no_sideways_scroll(page, 400)
     assert page.problems == []
+
+
+def test_a_remote_models_card_has_no_child_to_load_stop_or_read(corral, page) -> None:
+    c = corral(f'[models.cloud]\nurl = "http://127.0.0.1:9/v1"\n\n[models.local]\n'
+               f'cmd = {toml_value(fake_cmd())}\n')
+    page.goto(f"http://127.0.0.1:{c.port}/ui")
+    remote = card(page, "cloud")
+    wait_text(remote.locator('[data-field="remote"]'), "http://127.0.0.1:9/v1")
+    for action in ("load", "unload", "logs"):
+        assert remote.locator(f'[data-action="{action}"]').is_hidden()
+        assert card(page, "local").locator(f'[data-action="{action}"]').is_visible()
+    assert remote.locator('[data-field="memory"]').count() == 0
+    options = page.locator("#log-model option").all_inner_texts()
+    assert "local" in options and "cloud" not in options
+    assert not page.problems, page.problems

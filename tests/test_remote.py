@@ -19,7 +19,7 @@ from actors.config.load import parse_config
 from actors.config.model import ConfigError
 from bench.support import toml_value
 from tests.cloud import Cloud
-from tests.helpers import chat, fake_cmd, key_files, request, wait_until
+from tests.helpers import Call, chat, fake_cmd, key_files, request, wait_until
 
 FAKE = toml_value(fake_cmd())
 SLOW = toml_value(fake_cmd("--load-delay", "3"))
@@ -347,3 +347,166 @@ def test_an_embedding_apps_lease_of_a_remote_model_yields_its_url(cloud: Cloud) 
             assert url == f"{cloud.url}/v1"
     finally:
         sup.stop()
+
+
+def test_a_remote_at_its_max_concurrency_queues_the_rest(corral, cloud: Cloud,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLOUD_KEY", "cloud-key")
+    cloud.delay_s = 1.0
+    c = corral(remote_config(cloud, "max_concurrency = 1"))
+    calls = [Call(c.port, "gpt", f"r{i}", max_tokens=2) for i in range(3)]
+    wait_until(lambda: c.models()["gpt"]["waiting"] == 2, 10, "two waiting behind one")
+    for call in calls:
+        call.join(30)
+    assert [call.status for call in calls] == [200, 200, 200]
+    assert max(s.at for s in cloud.seen) - min(s.at for s in cloud.seen) >= 1.8  # one by one
+
+
+# ---------------------------------------------------------------- the pure policy
+
+
+def test_a_remote_record_takes_no_slot_is_no_victim_and_queues_at_its_limit() -> None:
+    from actors.config.rules import ModelRules
+    from actors.messages import Grant, Refusal
+    from tests.test_policy import World
+    w = World(models_max=1, names="ar", rules={
+        "a": ModelRules(), "r": ModelRules(remote=True, max_concurrency=1, ttl_s=1)})
+    assert w.state("r") == "remote" and w.p.running_count() == 0
+    assert isinstance(w.acquire("r1", "r"), Grant)
+    assert w.acquire("r2", "r") is None  # at its max_concurrency: waits
+    assert isinstance(w.acquire("a1", "a"), type(None))  # a loads into the one slot
+    w.settle()
+    assert isinstance(w.answers["a1"], Grant) and w.p.running_count() == 1
+    w.release("r1")
+    assert isinstance(w.answers["r2"], Grant)  # the next in line, at once
+    w.release("r2")
+    w.release("a1")
+    w.now += 100
+    w.fire_timers()
+    assert w.state("r") == "remote" and not w.stops  # no TTL, no eviction: no child
+    assert isinstance(w.acquire("s", "r", autoload=False), Grant)  # autoload is no matter
+    w.release("s")
+    # a spill: nothing waits; the load begins, the request is refused for the remote
+    w.run(w.p.unload("u", "a", w.tick()))
+    w.settle()
+    w.run(w.p.acquire("v", "a", w.tick(), spill=True))
+    refusal = w.answers["v"]
+    assert isinstance(refusal, Refusal) and refusal.spill and refusal.status == 503
+    assert w.state("a") == "loading" and "v" not in w.p.state.queue
+
+
+# ---------------------------------------------------------------- the review's cases
+
+
+def test_a_spill_to_a_remote_that_is_down_waits_for_the_local_member(corral) -> None:
+    cloud = Cloud(status=500)
+    try:
+        c = corral(f"""
+[models.slow]
+cmd = {toml_value(fake_cmd("--load-delay", "2"))}
+
+[models.gone]
+url = "http://127.0.0.1:9"
+connect_timeout_s = 2
+
+[models.failing]
+url = "{cloud.url}"
+
+[virtual.to-gone]
+models = ["slow", "gone"]
+fallback = true
+
+[virtual.to-failing]
+models = ["slow", "failing"]
+fallback = true
+""")
+        status, body = chat(c.port, "to-gone")  # it spills, the remote cannot be reached:
+        assert status == 200 and body["model"] == "slow"  # back to wait for the load
+        assert request(c.port, "POST", "/models/unload", {"model": "slow"})[0] == 200
+        c.wait_state("slow", "unloaded")
+        for _ in range(3):  # the remote's breaker opens
+            assert chat(c.port, "failing")[0] == 500
+        status, body = chat(c.port, "to-failing")  # open: no spill, it waits for the load
+        assert status == 200 and body["model"] == "slow"
+        assert len(cloud.seen) == 3
+    finally:
+        cloud.close()
+
+
+def test_a_spill_wakes_a_suspended_local_member(corral, tmp_path: Path,
+                                                cloud: Cloud) -> None:
+    from bench.support import toml_config
+    cloud.key = ""
+    sleepy = fake_cmd("--device-mib", "600", "--sleep-mode", "--wake-s", "0.2")
+    text = toml_config(
+        {"a": {"cmd": sleepy, "suspend": "vllm", "ttl_suspend_s": 0.5, "ttl_s": 600},
+         "cloud": {"url": cloud.url}},
+        devices=[{"name": "gpu0", "kind": "simulated", "total_mib": 1024}], models_max=2,
+        memory_margin_mib=64, state_dir=str(tmp_path / "state"), device_poll_s=0.2)
+    c = corral(text + '\n[virtual.chat]\nmodels = ["a", "cloud"]\nfallback = true\n')
+    assert chat(c.port, "a")[0] == 200
+    wait_until(lambda: c.models()["a"]["status"].get("phase") == "suspended", 15,
+               "a to be suspended")
+    status, body = chat(c.port, "chat")
+    assert status == 200 and body["choices"][0]["message"]["content"] == "cloud here"
+    wait_until(lambda: c.models()["a"]["status"]["value"] == "loaded"
+               and c.models()["a"]["status"].get("phase") is None, 15, "a woken by the spill")
+    assert chat(c.port, "chat")[1]["model"] == "a"
+    status, text, _ = request(c.port, "GET", "/metrics")
+    assert 'reason="spill"' not in text  # a spill is not a refusal: the cloud answered
+
+
+def test_the_catch_all_peers_breaker_is_per_name_and_a_reload_resets_a_remotes(
+        corral, cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLOUD_KEY", "cloud-key")
+    bad = Cloud(status=500)
+    try:
+        c = corral(remote_config(cloud) + f'\n[peers.any]\nurl = "{bad.url}"\nmodels = "*"\n')
+        for _ in range(3):
+            assert chat(c.port, "broken-name")[0] == 500
+        status, body = chat(c.port, "broken-name")
+        assert status == 503 and "remote model 'broken-name' failed 3 times" in \
+            body["error"]["message"]
+        bad.status = 200
+        assert chat(c.port, "another-name")[0] == 200  # one name's failures are its own
+        cloud.status = 500
+        for _ in range(3):
+            chat(c.port, "gpt")
+        assert chat(c.port, "gpt")[0] == 503
+        cloud.status = 200
+        config = c.log_path.parent / "corral.toml"
+        config.write_text(config.read_text().replace('model_name = "gpt-4o-mini"',
+                                                     'model_name = "gpt-4.1"'))
+        assert request(c.port, "GET", "/models?reload=1")[0] == 200
+        assert chat(c.port, "gpt")[0] == 200  # changed by the reload: a fresh breaker
+        assert cloud.seen[-1].body["model"] == "gpt-4.1"
+    finally:
+        bad.close()
+
+
+def test_a_remotes_path_stays_under_its_base_and_it_has_no_log(corral, cloud: Cloud,
+                                                               monkeypatch) -> None:
+    monkeypatch.setenv("CLOUD_KEY", "cloud-key")
+    c = corral(remote_config(cloud))
+    for path in ("/../other/admin?model=gpt", "/v1/%2e%2e/x?model=gpt", "/./x?model=gpt"):
+        status, body, _ = request(c.port, "GET", path)
+        assert status == 400 and "'.' or '..' segments" in body["error"]["message"], path
+    assert not cloud.seen
+    status, body, _ = request(c.port, "GET", "/v1/models/gpt/extra?model=gpt")
+    assert status == 200 and cloud.seen[-1].path == "/v1beta/v1/models/gpt/extra?model=gpt"
+    status, body, _ = request(c.port, "GET", "/models/logs?model=gpt")
+    assert status == 400 and "no child of its own" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("table, expected", [
+    ({"models": {"m": {"url": "http://a", "api_key": "k",
+                       "headers": {"authorization": "Bearer x"}}}},
+     "models.m.headers: Authorization is sent from its api_key already"),
+    ({"peers": {"p": {"url": "http://a", "models": "*"}},
+      "models": {"l": {"cmd": ["x"]}}, "virtual": {"v": {"models": ["l", "p"]}}},
+     "virtual.v.models: 'p' takes every name corral lacks"),
+])
+def test_more_bad_remote_configs(table: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(table)
+    assert expected in str(info.value)

@@ -136,6 +136,10 @@ def check_remote(config: Config, source: str) -> Config:
             continue
         for listed in peer.models:
             models[listed] = ModelConfig(**{**as_model, "peer": name})
+    for virtual, v in config.virtual.items():
+        if wildcard and wildcard in v.models:
+            raise ConfigError(f"{source}: virtual.{virtual}.models: {wildcard!r} takes every "
+                              "name corral lacks (models = \"*\"); list a model of its own")
     remote = {n for n, m in models.items() if m.url} | {
         a for m in models.values() if m.url for a in m.aliases}
     for group, g in config.groups.items():

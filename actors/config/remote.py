@@ -33,6 +33,9 @@ from msgspec import Meta
 from .paths import name_problem
 
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+FIRST_BYTE_S = 600.0
+"""A remote model's first_byte_timeout_s unless it sets one: a remote that never answers
+is cut (504) and counted against its breaker."""
 FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade",
                      "expect", "te", "keep-alive"})
 """Headers a remote's `headers` may not set: corral frames every request itself."""
@@ -114,6 +117,9 @@ def problem(where: str, remote: Remote, environ: dict[str, str] | None = None) -
     key = remote.api_key or env.get(remote.api_key_env, "")
     if any(c in key for c in "\r\n\0"):
         return f"{where}: its API key holds a line break or NUL"
+    if key and any(n.lower() == "authorization" for n in remote.headers):
+        return (f"{where}.headers: Authorization is sent from its api_key already; set one "
+                "of the two")
     for name, value in remote.headers.items():
         if not _HEADER_NAME.fullmatch(name):
             return f"{where}.headers: {name!r} is not a header name"

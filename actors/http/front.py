@@ -150,6 +150,17 @@ class Front:
     def keys(self) -> Keys | None:
         return self.routes.keys
 
+    def reroute(self, routes: Routes) -> None:
+        """A reload's model table: a remote it changed starts with a closed breaker."""
+        old, self.routes = self.routes, routes
+
+        def same(name: str) -> bool:  # (a `models = "*"` peer's are by the name asked)
+            remote = name if name in old.remote else old.catch_all
+            return remote == (name if name in routes.remote else routes.catch_all) and \
+                old.remote.get(remote) == routes.remote.get(remote) is not None and \
+                old.rewrites.get(remote) == routes.rewrites.get(remote)
+        self.breakers.keep(same)
+
     def grant_notice(self, message: Withdraw | Revoke) -> None:
         """The Scheduler: keep no grant of this child idle (Revoke); or let no request join
         them any more, and if it is gone, end its connections now (a lost node's never

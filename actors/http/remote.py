@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -71,6 +72,17 @@ def fars(config: Config) -> dict[str, Far]:
     return out
 
 
+def path_problem(url: bytes, model: str) -> str | None:
+    """What keeps a request's target from going under a remote's base path (None:
+    nothing): it must be a path (`/...`) with no `.` or `..` segment, `%2e` read as `.`."""
+    path = url.partition(b"?")[0]
+    parts = path.replace(b"%2e", b".").replace(b"%2E", b".").split(b"/")
+    if path.startswith(b"/") and b"." not in parts and b".." not in parts:
+        return None
+    return (f"a request for remote model '{model}' names a path with '.' or '..' segments, "
+            "or one that does not start with '/'")
+
+
 def catch_all(config: Config) -> str:
     """The remote model that takes every name corral lacks (a `models = "*"` peer's)."""
     return next((n for n, p in config.peers.items() if p.models == "*"), "")
@@ -98,10 +110,28 @@ class Breaker:
 
 
 class Breakers:
-    """A breaker per remote model, as the module's note says."""
+    """A breaker per remote model, as the module's note says (per name asked, for the
+    `models = "*"` peer's: one name that fails there does not shut out the others)."""
 
     def __init__(self) -> None:
         self.of: dict[str, Breaker] = {}
+
+    def is_open(self, model: str, now: float) -> bool:
+        """`model`'s requests get 503 now (`refuses`, without taking the trial)."""
+        b = self.of.get(model)
+        return b is not None and b.failures >= TRIPS and (now < b.open_until or now < b.trying)
+
+    def settle(self, model: str) -> None:
+        """A request for `model` ended with no outcome (its client left, it was cut): a
+        trial it was is no longer out."""
+        b = self.of.get(model)
+        if b is not None:
+            b.trying = 0.0
+
+    def keep(self, same: Callable[[str], bool]) -> None:
+        """A reload: the breakers of remotes it changed (or removed) start afresh."""
+        for model in [m for m in self.of if not same(m)]:
+            del self.of[model]
 
     def refuses(self, model: str, now: float) -> str | None:
         """Why a request for `model` gets a 503 now (None: it goes)."""
@@ -134,6 +164,18 @@ class Breakers:
             b.open_until = now + b.open_s
             log.warning("remote model '%s' failed %d times in a row (%s): its requests get "
                         "503 for %.0f s", model, b.failures, why, b.open_s)
+
+    def ended(self, model: str, status: int, broke: str | None, unsent: bool,
+              now: float) -> None:
+        """What a request sent to `model` tells its breaker: its answer's `status`, or
+        that it could not be sent (`unsent`); neither (its client left, it was cut): no
+        outcome."""
+        if status:
+            self.went(model, status < 500, broke or f"status {status}", now)
+        elif unsent:
+            self.went(model, False, broke or "no connection", now)
+        else:
+            self.settle(model)
 
     def retry_after(self, model: str, now: float) -> float:
         b = self.of.get(model)

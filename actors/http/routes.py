@@ -9,6 +9,7 @@ from ..config.adapters import adapter_rewrites, api_of
 from ..config.keys import KeyRule, Keys, unnamed
 from ..config.model import Config
 from ..config.params import Params, Rewrite, rewrites, variant_name
+from ..config.remote import FIRST_BYTE_S
 from ..config.virtual import VirtualModel
 from ..llama import is_llama, llama_pool_cap
 from .remote import Far, catch_all, fars
@@ -90,7 +91,7 @@ class Routes(msgspec.Struct, frozen=True):
         linger_s = config.http.lease_linger_ms / 1000
         models = {name: ModelRoute(llama_pool_cap(m.cmd) if m.cmd and is_llama(m.cmd, m.health)
                                    else None,
-                                   m.first_byte_timeout_s,
+                                   m.first_byte_timeout_s or (FIRST_BYTE_S if m.url else None),
                                    min(linger_s, ttl) if (ttl := config.rules_of(m).ttl_s)
                                    else linger_s,
                                    c.prefix_bytes if (c := m.replica_rules) and

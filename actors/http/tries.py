@@ -29,7 +29,7 @@ from .inflight import Cancellable
 from .journaling import Trace
 from .loading import Loading, Shown, wants
 from .pool import Pool, Pools
-from .remote import Far
+from .remote import Far, path_problem
 from .request import Request
 from .resumable import Tee
 from .routes import ModelRoute, Routes
@@ -154,24 +154,26 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
     `fallback`, a member that refuses it (503: it cannot load, its queue is full, it
     backs off) hands it to the next. With `fallback` and a remote member after a local
     one, the local ones *spill*: what would wait for them (a load, a busy child) goes to
-    the remote at once, their load begun (config/remote.py)."""
-    routes = ex.services.routes
+    the remote at once, their load begun (config/remote.py); and come back, to wait, if
+    the remote refuses it (or its breaker is open: then they do not spill)."""
+    routes, breakers = ex.services.routes, ex.services.breakers
     virtual, key, asked = routes.virtual[name], ex.req.key, ex.req.body
     left = [m for m in virtual.models if m in routes.models and (
         key is None or key.may_use((name,)) or key.may_use(routes.known_as.get(m, (m,))))]
     refused: list[Refusal] = []
+    spilled: list[str] = []  # (locals that would have kept it waiting, while a remote tries)
 
     def fall_back(refusal: Refusal) -> bool:
-        if virtual.fallback and refusal.status == 503 and len(left) > 1:
+        if virtual.fallback and refusal.status == 503 and (len(left) > 1 or spilled):
             refused.append(refusal)
             return True
         return False
 
-    counted = False
+    counted, may_spill = False, virtual.fallback
     while left:
         refused.clear()
-        spill = virtual.fallback and left[0] not in routes.remote and any(
-            m in routes.remote for m in left)
+        spill = may_spill and left[0] not in routes.remote and any(
+            m in routes.remote and not breakers.is_open(m, ex.loop.time()) for m in left)
         members = [m for m in left if m not in routes.remote] if spill else left
         among = tuple(members) if virtual.pick == "warm" and len(members) > 1 else ()
         await to_model(ex, name if among else members[0], autoload, among, fall_back,
@@ -186,6 +188,10 @@ async def to_virtual(ex: Attempt, name: str, autoload: bool) -> None:
                  "spilled the request" if refusal.spill else "refused the request",
                  refusal.message)
         left = [m for m in left if m not in gone]
+        if refusal.spill:
+            spilled = gone
+        elif spilled and gone[0] in routes.remote:  # back to wait for the local ones
+            left, spilled, may_spill = spilled + left, [], False
     ex.answer(Answer(503, f"virtual model '{name}' has no model left to serve it"))
 
 
@@ -256,13 +262,17 @@ async def _send(ex: Attempt, share: SharedGrant, tries: int, replays: int,
     services, grant = ex.services, share.grant
     routes, shares, model = services.routes, services.shares, grant.model
     sent, route, far = False, routes.models.get(model), routes.remote.get(model)
-    if far is not None and (why := services.breakers.refuses(model, ex.loop.time())):
+    named = ex.trace.model if far is not None and far.sends_asked else model  # (its breaker)
+    if far is not None and (refused := _far_refusal(ex, model, named)) is not None:
         _let_go(ex, shares, share, route, sent)
-        _refuse(ex, routes, Refusal(status=503, message=why, model=model, retry_after_s=(
-            services.breakers.retry_after(model, ex.loop.time()))), fall_back)
+        if isinstance(refused, Answer):
+            ex.answer(refused)
+        else:
+            _refuse(ex, routes, refused, fall_back)
         return None
     try:
-        pool = _pool_for(ex, services.pools, grant, route, tries, replays, far)
+        pool = _pool_for(ex, services.pools, grant, route, tries, replays, far,
+                         fall_back is not None)
         own = grant.upstream_key  # a node child's own (R8); the client's is dropped
         if (adapter := routes.adapters.get(ex.trace.model)) is not None and adapter.loaded \
                 and (why := await services.loras.ensure(pool, ex.trace.model, adapter.lora,
@@ -277,10 +287,27 @@ async def _send(ex: Attempt, share: SharedGrant, tries: int, replays: int,
         sent = True
     finally:
         _let_go(ex, shares, share, route, sent)
-        if far is not None and ex.status:  # (a client that left: no outcome)
-            services.breakers.went(model, ex.status < 500, ex.broke or f"status {ex.status}",
-                                   ex.loop.time())
+        if far is not None:
+            services.breakers.ended(named, ex.status, ex.broke, ex.broke_kind is Broke.REFUSED,
+                                    ex.loop.time())
+    if far is not None and not ex.finished and ex.broke_kind is Broke.REFUSED:
+        refusal = Refusal(status=503, message=f"{ex.what} is unreachable: {ex.broke}",
+                          model=model)  # (not sent: a fallback may take it)
+        if fall_back is None or not fall_back(refusal):
+            ex.answer(Answer(502, refusal.message))
+        return None
     return pool
+
+
+def _far_refusal(ex: Attempt, model: str, named: str) -> Refusal | Answer | None:
+    """Why a request is not sent to remote `model` (its breaker's name `named`): a path
+    that would leave its base path (400), or its breaker open (503); None: it goes."""
+    if (wrong := path_problem(ex.req.url, model)) is not None:
+        return Answer(400, wrong)
+    breakers, now = ex.services.breakers, ex.loop.time()
+    why = breakers.refuses(named, now)
+    return None if why is None else Refusal(
+        status=503, message=why, model=model, retry_after_s=breakers.retry_after(named, now))
 
 
 def _as_member(ex: Attempt, routes: Routes, member: str, asked: bytes | None) -> None:
@@ -309,11 +336,12 @@ def _refuse(ex: Attempt, routes: Routes, found: Refusal | None,
 
 
 def _pool_for(ex: Attempt, pools: Pools, grant: Grant, route: ModelRoute | None, tries: int,
-              replays: int, far: Far | None) -> Pool:
+              replays: int, far: Far | None, next_: bool = False) -> Pool:
     """The pool of `grant`'s child (or remote), `ex` told whether it may go again if that
-    breaks (a remote's request never does: it may have it, and there is no next)."""
+    breaks (a remote's request never goes again once sent: it may have it; one that
+    could not be sent goes to a virtual model's next member, `next_`)."""
     if far is not None:
-        ex.may_retry = ex.may_replay = False
+        ex.may_retry, ex.may_replay = next_, False
         return pools.get((far.end.host, far.end.port, far.tag), None, far)
     pool = pools.get((grant.host, grant.port, f"{grant.model}#{grant.generation}"),
                      route.pool_cap if route else None)

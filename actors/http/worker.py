@@ -262,7 +262,7 @@ def carry_out(message: ToWorker, front: Front, corral: Corral, kept: RemoteKept)
             idle = front.shares.revoked_idle(revoke)
             corral._send(Revoked(round=round_, lets=[corral._let(r) for r in idle]))
         case NewRoutes(routes=routes):
-            front.routes = routes
+            front.reroute(routes)
         case CountAsk(reply=reply):
             corral._send(Counted(reply=reply, counts=front.counts()))
         case LiveAsk(reply=reply, cancel=id_, key=key, by=by):

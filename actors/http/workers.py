@@ -284,7 +284,7 @@ class Fronts:
             self.workers.notice(notice)
 
     def set_routes(self, routes: Routes) -> None:
-        self.front.routes = routes
+        self.front.reroute(routes)
         if self.workers is not None:
             self.workers.routes(routes)
 

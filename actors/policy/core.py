@@ -169,17 +169,19 @@ class Policy:
     def _spill(self, ticket: Hashable, rec: ModelRecord, now: float, autoload: bool) -> None:
         """Step 3b of `acquire`: refused for a remote member to serve, after the load it
         would have waited for begins (as POST /models/load's), where one may."""
-        why = "it is busy"
-        if self.state.absent(rec) and autoload and not rec.breaker.is_open(now):
+        copies = self.state.groups.of(rec)
+        down = all(r.state in (S.UNLOADED, S.STOPPING, S.SUSPENDED) for r in copies)
+        why = "it is busy" if not down else "it is on its way"
+        if down and autoload and not rec.breaker.is_open(now):  # (a suspended one: woken)
             self.state.queue.open(rec.group).explicit = True
             self.rules.pump(now)
-            why = "its load begins"
-        elif not self.state.absent(rec):
-            why = "it is on its way" if rec.state is not S.LOADED else why
-        else:
+            why = "its load or wake begins"
+        elif down:
             why = "autoload is off" if not autoload else "it backs off after failures"
+        elif any(r.state in (S.LOADING, S.WAKING) for r in copies):
+            why = "it is on its way"
         self.moves.refuse(ticket, 503, f"model '{rec.group}' cannot serve it at once ({why})",
-                          retry_after_s=1.0, model=rec.group, reason="spill")
+                          retry_after_s=1.0, spill=True)  # (no refusal: /metrics)
 
     def _queue(self, ticket: Hashable, model: str, rec: ModelRecord, now: float, key: str,
                counted: bool, cuttable: bool, affinity: int) -> None:
@@ -254,7 +256,8 @@ class Policy:
         rec = self.state.models.get(name)
         # Invariant: a crash or stop zeroes in_flight, and a reload bumps the generation,
         # so only leases of the live generation still count.
-        if rec is None or rec.generation != generation or not rec.state.is_running:
+        if rec is None or rec.generation != generation or not (
+                rec.state.is_running or rec.state is S.REMOTE):
             return
         rec.in_flight -= 1
         rec.ended_at = max(rec.ended_at, now - idle_s)

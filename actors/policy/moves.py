@@ -271,7 +271,8 @@ class Moves:
 
     def refuse(self, ticket: Hashable, status: int, message: str,
                 type_: str = "server_error", retry_after_s: float | None = None,
-                model: str | None = None, reason: str | None = None, key: str = "") -> None:
+                model: str | None = None, reason: str | None = None, key: str = "",
+                spill: bool = False) -> None:
         """Answer with corral's own error; a request for a model counts under `reason`
         (queue_full, queue_timeout, backoff, load_failed, pinned, memory, ...), and under
         its `key`'s name too."""
@@ -282,7 +283,7 @@ class Moves:
                 stats.key_refusals[(key, reason)] = stats.key_refusals.get((key, reason), 0) + 1
         self.state.out.append(Answer(ticket, Refusal(
             status=status, message=message, error_type=type_, retry_after_s=retry_after_s,
-            model=model or "", spill=reason == "spill")))
+            model=model or "", spill=spill)))
 
     def refuse_entry(self, model: str, status: int, message: str,
                       retry_after_s: float | None = None, reason: str = "other") -> None:

@@ -140,6 +140,7 @@ class State:
         if rec.rules.remote:  # (served by a server corral does not run: config/remote.py)
             rec.state, rec.host, rec.port, rec.ready_at = S.REMOTE, "", 0, now
             rec.memory = "remote"
+            rec.generation += 1  # (a lease of one dropped before is not this one's)
         self.groups.add(rec)
         self.rewarm()
 

@@ -157,7 +157,7 @@ def _check_leases(p: State) -> None:
     for rec in p.models.values():
         live = sum(1 for (n, g, _) in p.leases.values()
                    if n == rec.name and g == rec.generation)
-        if rec.state.is_running:
+        if rec.state.is_running or rec.state is S.REMOTE:
             assert rec.in_flight == live, f"{rec.name}: in_flight {rec.in_flight} != {live}"
         else:
             assert rec.in_flight == 0
