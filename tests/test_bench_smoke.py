@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
 
 
-def bench(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True,
-                         text=True, timeout=timeout_s, cwd=ROOT)
+def bench(*args: str, timeout_s: float = 100) -> subprocess.CompletedProcess[str]:
+    """Run `python -m bench ARGS` in a session of its own: past `timeout_s` (inside the
+    test's own timeout) the whole session is killed, the corral and children it started
+    included, and the test fails saying what it printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the bench ran over {timeout_s} s:\n{stdout}{stderr}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (what it started and left)
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 
 
 def test_exit_latency_bench_runs() -> None:
-    out = bench("exit-latency", "--runs", "2", timeout_s=120)
+    out = bench("exit-latency", "--runs", "2")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["runs"] == {"watcher": 2, "scheduler": 2}
     assert result["teardown_ms"]["p50"] > 0  # causal: the kill comes before the end
@@ -164,9 +183,8 @@ def test_bench_cluster_sim_runs_both_sides(tmp_path: Path) -> None:
     assert row["corral"]["decisions_per_s"] > 0
 
 
+@pytest.mark.timeout(240)  # (seven llama-servers, on a machine whose cores are all busy)
 def test_replicas_bench_runs_on_a_real_llama_server(tmp_path) -> None:
-    import pytest
-
     from tests.test_llama_server import BINARY
 
     if BINARY is None:
@@ -174,7 +192,7 @@ def test_replicas_bench_runs_on_a_real_llama_server(tmp_path) -> None:
     path = tmp_path / "r.json"
     bench("replicas", "--rounds", "1", "--tokens", "16", "--conversations", "4",
           "--turns", "2", "--system-tokens", "300", "--llama-server", BINARY,
-          "--json", str(path))
+          "--json", str(path), timeout_s=220)
     (r,) = json.loads(path.read_text())["rounds"]
     assert r["one_tok_s"] > 0 and r["two_tok_s"] > 0
     assert r["prefix"]["cache_n"] > 0  # the second turns reused their first's prompt
