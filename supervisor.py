@@ -190,7 +190,7 @@ def effective_config(args: argparse.Namespace) -> Config:
     data = msgspec.to_builtins(config)
     data.update(overrides)
     source = args.models_preset or args.models_dir or "command line"
-    return parse_config(data, source)
+    return parse_config(data, source, macros=False)  # (filled in as it was read)
 
 
 async def serve(config: Config, reload: Callable[[], Config] | None = None) -> int:

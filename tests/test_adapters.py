@@ -34,7 +34,19 @@ def ask(port: int, model: str, **extra: Any) -> Any:
 
 
 @pytest.mark.parametrize("models, expected", [
-    ({"b": {"cmd": ["x"], "lora_api": "vllm"}, "s": {"base": "b"}}, "models.s.lora: missing"),
+    ({"b": {"cmd": ["x"], "lora_api": "vllm"}, "s": {"base": "b"}},
+     "models.b.adapters.s.lora: missing"),
+    ({"b": {"cmd": ["x"], "lora_api": "vllm"}, "s": {"base": "b", "lora": "a"},
+      "t": {"base": "s", "lora": "a"}}, "models.t.base: 's' is not a model with a child of "
+     "its own (an adapter itself)"),
+    ({"b": {"cmd": ["x"], "lora_scale": 0.5}}, "models.b.lora_scale: an adapter's; set base"),
+    ({"b": {"cmd": ["x"], "lora_api": "vllm"}, "s": {"base": "b", "lora": "a",
+                                                      "lora_scale": 0.5}},
+     "models.b.adapters.s.scale: vLLM applies an adapter at its own scale"),
+    ({"b": {"cmd": ["llama-server", "--lora", "x.gguf"]}, "s": {"base": "b", "lora": "a"}},
+     "models.b.cmd: --lora loads adapters that corral cannot tell apart"),
+    ({"b": {"cmd": ["llama-server"]}, "s": {"base": "b", "lora": "/a,b.gguf"}},
+     "models.b.adapters.s.lora: '/a,b.gguf': llama-server's --lora-scaled cannot take"),
     ({"b": {"cmd": ["x"]}, "s": {"base": "b", "lora": "a"}},
      "models.b.lora_api: corral cannot tell how its server takes LoRA adapters"),
     ({"b": {"cmd": ["x"], "lora_api": "vllm"}, "s": {"base": "nope", "lora": "a"}},
@@ -67,7 +79,7 @@ def test_an_adapter_is_read_into_its_base_and_its_server_gets_them(tmp_path: Pat
         "v": {"cmd": ["vllm", "serve", "m"], "adapters": {"v-x": {"lora": "org/x"}}}}})
     assert list(config.models) == ["q", "v"]  # an adapter is no model of its own
     assert config.models["q"].argv("q", "h", 7) == [
-        "llama-server", "--port", "7", "--lora", str(lora), "--lora-init-without-apply"]
+        "llama-server", "--port", "7", "--lora-scaled", f"{lora}:0"]
     assert config.models["v"].argv("v", "h", 7) == [
         "vllm", "serve", "m", "--enable-lora", "--max-loras", "1"]
     again = parse_config(msgspec.to_builtins(config))  # (read back, as `serve` does)
@@ -182,14 +194,36 @@ lora_scale = 0.8
     assert c.models()["base"]["loads"] == 1  # one child: no swap
     status, body, _ = request(c.port, "GET", "/lora-adapters?model=base")
     assert status == 200 and [a["path"] for a in body] == [str(p) for p in loras]
+    assert {a["scale"] for a in body} == {0.0}  # (a request that names none gets none)
+    status, body, _ = request(c.port, "POST", "/v1/embeddings", {"model": "first",
+                                                                  "input": "x"})
+    assert status == 400 and "is an adapter" in body["error"]["message"]
+    # a reload that puts an adapter first: the ids each child gives are the ones sent
+    third = write_tiny_lora(tmp_path / "l2.gguf", seed=2)
+    config = c.log_path.parent / "corral.toml"
+    config.write_text(config.read_text().replace(
+        '[models.first]', f'[models.third]\nbase = "base"\nlora = "{third}"\n\n'
+        '[models.first]'))
+    status, body, _ = request(c.port, "GET", "/models?reload=1")
+    assert status == 200, body
+    assert said("first") == first and said("base") == plain  # old child or new: the same
+    wait_until(lambda: request(c.port, "POST", "/v1/chat/completions", {
+        "model": "third", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "hi"}]})[0] == 200, 30, "the new child")
+    assert said("third") not in (plain, first, second)
+    assert said("first") == first and said("second") == second
 
 
-def test_a_key_may_be_given_an_adapter_without_its_base(corral, tmp_path: Path) -> None:
-    keys = key_files(tmp_path, "sql_only")
+def test_an_adapter_is_a_keys_only_by_its_own_name(corral, tmp_path: Path) -> None:
+    keys = key_files(tmp_path, "sql_only", "base_only")
     c = corral(f"""
 [keys.sql_only]
 key_file = "{keys['sql_only']}"
 models = ["sql"]
+
+[keys.base_only]
+key_file = "{keys['base_only']}"
+models = ["base"]
 
 [models.base]
 cmd = {VLLM}
@@ -206,3 +240,19 @@ adapters.sql = {{ lora = "org/sql-lora" }}
     with pytest.raises(openai.PermissionDeniedError):
         ask_as("base")
     assert [m.id for m in client.models.list()] == ["sql"]
+    base_only = openai.OpenAI(base_url=f"http://127.0.0.1:{c.port}/v1",
+                              api_key="base_only-secret", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):  # a fine-tune of its own: not the base's
+        base_only.chat.completions.create(model="sql", max_tokens=2,
+                                          messages=[{"role": "user", "content": "x"}])
+    assert [m.id for m in base_only.models.list()] == ["base"]
+
+
+def test_an_adapters_home_path_is_read_as_the_child_will_need_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_tiny_lora(tmp_path / "a.gguf")
+    config = parse_config({"models": {"q": {"cmd": ["llama-server"]},
+                                      "q-a": {"base": "q", "lora": "~/a.gguf"}}})
+    assert config.models["q"].adapters["q-a"].lora == str(tmp_path / "a.gguf")
+    assert config.models["q"].argv("q", "h", 1)[-1] == f"{tmp_path / 'a.gguf'}:0"

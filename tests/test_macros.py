@@ -65,3 +65,13 @@ def test_check_config_and_serve_fill_them(tmp_path: Path,
         status, body = chat(c.port, "m")
         assert status == 200, body
         assert body["model"] == "from-a-macro"  # (the fake child answers with its --model)
+
+
+def test_a_literal_survives_serves_own_settings() -> None:
+    """`serve --port 0` writes the config it read back with its settings and reads it again:
+    a `$${` made `${` by the first reading is not a macro the second time."""
+    text = ('[models.m]\ncmd = ["' + sys.executable + '", "-m", "actors.fake_model", '
+            '"--host", "{host}", "--port", "{port}", "--model", "lit-$${@:2}"]\n')
+    with Corral(text) as c:
+        status, body = chat(c.port, "m")
+        assert status == 200 and body["model"] == "lit-${@:2}", body

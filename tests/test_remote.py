@@ -495,7 +495,7 @@ def test_a_remotes_path_stays_under_its_base_and_it_has_no_log(corral, cloud: Cl
     status, body, _ = request(c.port, "GET", "/v1/models/gpt/extra?model=gpt")
     assert status == 200 and cloud.seen[-1].path == "/v1beta/v1/models/gpt/extra?model=gpt"
     status, body, _ = request(c.port, "GET", "/models/logs?model=gpt")
-    assert status == 400 and "no child of its own" in body["error"]["message"]
+    assert status == 400 and "is a remote model: it has no child" in body["error"]["message"]
 
 
 @pytest.mark.parametrize("table, expected", [

@@ -14,10 +14,10 @@ A `[models.NAME]` with `base` is read into its base's `adapters` (which may be w
 there too: `adapters.qwen-sql = { lora = "...", scale = 1.0 }`). How the base's server
 takes them is its `lora_api` (default: from its `cmd`):
 
-- `"llama"` (llama-server): the child is started with every adapter of its base
-  (`--lora A,B --lora-init-without-apply`), and each request's body says which applies
-  (`"lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]`, every adapter named, so
-  the base's own requests get none of them);
+- `"llama"` (llama-server): the child is started with every adapter of its base at
+  scale 0 (`--lora-scaled A:0,B:0`), so the base's own requests get none; an adapter's
+  request has its `lora` field set as it is sent (`[{"id": 1, "scale": 1.0}]`), the id
+  the one its child gives that file (`GET /lora-adapters`, asked once per child);
 - `"vllm"`: the child is started with `--enable-lora` and `--max-loras N`; at an adapter's
   first request on a child, corral loads it there (`POST /v1/load_lora_adapter`), and the
   body names it as its `model`.
@@ -30,7 +30,7 @@ adapter costs megabytes there, never a swap.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -74,32 +74,38 @@ def api_of(cmd: list[str], health: str, given: LoraApi | None) -> LoraApi | None
     return None
 
 
+LLAMA_FLAGS = ("--lora", "--lora-scaled", "--lora-init-without-apply")
+"""A base's own cmd may not load adapters itself: corral's are told apart by path."""
+LLAMA_PATHS = frozenset({b"/v1/chat/completions", b"/chat/completions", b"/v1/completions",
+                         b"/completions", b"/completion", b"/v1/responses", b"/infill",
+                         b"/tokenize", b"/detokenize"})
+"""Where llama-server reads a request's `lora` field: an adapter is asked for there only
+(its embeddings and Anthropic paths apply none: they would answer as the base)."""
+
+
 def extra_args(cmd: list[str], api: LoraApi | None, adapters: dict[str, Adapter]) -> list[str]:
-    """What a base's argv gets for its adapters (none where its cmd says it already)."""
+    """What a base's argv gets for its adapters: llama-server loads each at scale 0, so
+    that a request that names none (the base's) gets none; vLLM enables them (unless its
+    cmd does)."""
     if not adapters or api is None:
         return []
     if api == "llama":
-        return ["--lora", ",".join(a.lora for a in adapters.values()),
-                "--lora-init-without-apply"]
+        return ["--lora-scaled", ",".join(f"{a.lora}:0" for a in adapters.values())]
     out = [] if "--enable-lora" in cmd else ["--enable-lora"]
     return out + ([] if "--max-loras" in cmd else ["--max-loras", str(len(adapters))])
 
 
-def scales(adapters: dict[str, Adapter], applied: str = "") -> list[dict[str, Any]]:
-    """llama-server's `lora` field: every adapter, only `applied`'s at its scale."""
-    return [{"id": i, "scale": a.scale if name == applied else 0.0}
-            for i, (name, a) in enumerate(adapters.items())]
-
-
 def adapter_rewrites(base: str, params: Params, adapters: dict[str, Adapter],
                      api: LoraApi | None) -> tuple[Params, dict[str, Rewrite]]:
-    """A base's filters as its own requests take them (llama: no adapter applied) and
-    each adapter's rewrite: its base's filters, then its adapter named (params.py)."""
+    """A base's filters as its own requests take them and each adapter's rewrite: its
+    base's filters, then its adapter named (params.py). llama: no request's own `lora`
+    field goes on; an adapter's is set as it is sent, from what its child says it has
+    (http/loras.py), so a reload that changes the list never names another's."""
     if not adapters:
         return params, {}
     if api == "llama":
-        params = Params(set_params={**params.set_params, "lora": scales(adapters)},
-                        strip_params=params.strip_params)
+        params = Params(set_params=params.set_params,
+                        strip_params=[*params.strip_params, "lora"])
     step = (tuple(params.strip_params), tuple(params.set_params.items()))
-    return params, {name: Rewrite(base, (step, ((), (("lora", scales(adapters, name)),))))
-                    if api == "llama" else Rewrite(name, (step,)) for name in adapters}
+    return params, {name: Rewrite(base if api == "llama" else name, (step,))
+                    for name in adapters}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from .adapters import Adapter, api_of
+from .adapters import LLAMA_FLAGS, Adapter, api_of
 from .model import Config, ConfigError, ModelConfig
 from .params import Params, variant_name
 from .params import check as check_params
@@ -168,9 +168,10 @@ def check_adapters(config: Config, source: str) -> Config:
     for name, model in config.models.items():
         where = f"{source}: models.{name}"
         if not model.base:
-            if model.lora:
-                raise ConfigError(f"{where}.lora: an adapter's; set base, the model whose "
-                                  "children serve it")
+            for key in ("lora", "lora_scale"):
+                if getattr(model, key) != getattr(_LOCAL, key):
+                    raise ConfigError(f"{where}.{key}: an adapter's; set base, the model "
+                                      "whose children serve it")
             continue
         for field in msgspec.structs.fields(ModelConfig):
             if field.name not in _ADAPTER_KEYS and getattr(model, field.name) != _default(field):
@@ -179,27 +180,45 @@ def check_adapters(config: Config, source: str) -> Config:
                                   f"this on models.{model.base}")
         base = models.get(model.base)
         if base is None or base.url:
+            what = ("an adapter itself" if model.base in config.models else "no such model")
             raise ConfigError(f"{where}.base: {model.base!r} is not a model with a child "
-                              f"of its own ({'a remote' if base else 'no such model'})")
-        if not model.lora:
-            raise ConfigError(f"{where}.lora: missing (the adapter's file, or what its "
-                              "base's server loads)")
+                              f"of its own ({'a remote' if base else what})")
         if name in base.adapters:
             raise ConfigError(f"{where}: models.{model.base}.adapters has {name!r} already")
         models[model.base] = msgspec.structs.replace(base, adapters={
             **base.adapters, name: Adapter(lora=model.lora, scale=model.lora_scale)})
     for name, model in models.items():
-        if not model.adapters:
-            continue
-        api = api_of(model.cmd, model.health, model.lora_api)
-        if model.cmd and api is None:
-            raise ConfigError(f"{source}: models.{name}.lora_api: corral cannot tell how "
-                              "its server takes LoRA adapters; set \"llama\" (llama-server's "
-                              "--lora) or \"vllm\" (/v1/load_lora_adapter)")
-        for adapter, a in model.adapters.items():
-            if (wrong := name_problem(adapter)) is not None:
-                raise ConfigError(f"{source}: models.{name}.adapters.{adapter!r}: {wrong}")
-            if api == "llama" and not model.nodes and not Path(a.lora).expanduser().is_file():
-                raise ConfigError(f"{source}: models.{name}.adapters.{adapter}.lora: "
-                                  f"{a.lora!r} is not a file")
+        if model.adapters:
+            models[name] = _base_checked(name, model, f"{source}: models.{name}")
     return msgspec.structs.replace(config, models=models)
+
+
+def _base_checked(name: str, model: ModelConfig, where: str) -> ModelConfig:
+    """A base's adapters, each one's file found (`~` read) where its server loads it."""
+    api = api_of(model.cmd, model.health, model.lora_api)
+    if model.cmd and api is None:
+        raise ConfigError(f"{where}.lora_api: corral cannot tell how its server takes LoRA "
+                          "adapters; set \"llama\" (llama-server's --lora) or \"vllm\" "
+                          "(/v1/load_lora_adapter)")
+    if api == "llama" and (own := [a for a in model.cmd if a in LLAMA_FLAGS]):
+        raise ConfigError(f"{where}.cmd: {own[0]} loads adapters that corral cannot tell "
+                          "apart; give each its own [models.NAME] with base and lora")
+    adapters = {}
+    for adapter, a in model.adapters.items():
+        at = f"{where}.adapters.{adapter}"
+        if (wrong := name_problem(adapter)) is not None:
+            raise ConfigError(f"{where}.adapters.{adapter!r}: {wrong}")
+        if not a.lora:
+            raise ConfigError(f"{at}.lora: missing (the adapter's file, or what its base's "
+                              "server loads)")
+        if api == "vllm" and a.scale != 1.0:
+            raise ConfigError(f"{at}.scale: vLLM applies an adapter at its own scale; "
+                              "remove it")
+        lora = str(Path(a.lora).expanduser()) if api == "llama" else a.lora
+        if api == "llama" and any(c in lora for c in ",:"):
+            raise ConfigError(f"{at}.lora: {lora!r}: llama-server's --lora-scaled cannot "
+                              "take a path with ',' or ':'")
+        if api == "llama" and not model.nodes and not Path(lora).is_file():
+            raise ConfigError(f"{at}.lora: {a.lora!r} is not a file")
+        adapters[adapter] = Adapter(lora=lora, scale=a.scale)
+    return msgspec.structs.replace(model, adapters=adapters)

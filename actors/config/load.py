@@ -321,9 +321,11 @@ def _describe(error: msgspec.ValidationError, prefix: str = "") -> str:
     return f"{path}: {message}" if path else message
 
 
-def parse_config(data: dict[str, object], source: str = "<config>") -> Config:
-    """Decode a TOML-shaped dict; raise ConfigError naming `source` and the key path."""
-    data = expand(data, source)  # ${NAME}, ${env.NAME}: macros.py
+def parse_config(data: dict[str, object], source: str = "<config>",
+                 macros: bool = True) -> Config:
+    """Decode a TOML-shaped dict; raise ConfigError naming `source` and the key path.
+    `macros`: fill them in (not in a config read already, written back as a dict)."""
+    data = expand(data, source) if macros else data  # ${NAME}, ${env.NAME}: macros.py
     for section, kind in (("models", ModelConfig), ("keys", KeyConfig),
                           ("groups", ModelGroup), ("virtual", VirtualModel)):
         tables = data.get(section)

@@ -381,9 +381,9 @@ class ManagementApi(ModelCommands):
         job = self.downloads.jobs.get(given) if self.downloads is not None else None
         if name is None and job is None:  # (a copy by its own name too: NAME@2)
             return error(404, f"model '{given}' not found", "not_found_error")
-        if name is not None and name not in self.sup.logs:  # (a remote's, an adapter's)
-            return error(400, f"model '{given}' has no child of its own, so no output "
-                         "(a remote model, or an adapter: its base's has it)")
+        if name is not None and name not in self.sup.logs:  # (a remote model's)
+            return error(400, f"model '{given}' is a remote model: it has no child, so no "
+                         "output")
         ring = self.sup.logs[name] if name is not None else job.ring  # type: ignore[union-attr]
         follow = request.query.get("follow", "0")
         if follow not in ("0", "1", "true", "false"):

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
+from ..config.adapters import LLAMA_PATHS
 from ..config.keys import KeyRule
 from ..config.params import Rewrite
 from ..messages import Refusal
@@ -285,26 +286,43 @@ def target(method: bytes, url: bytes, body: bytes, routes: Routes,
         if not routes.catch_all:
             return Answer(400, f"model '{name}' not found")
         model = routes.catch_all  # a peer's (remote.py): the name goes on as asked
-    if key is not None and not any(key.may_use(n) for n in (
-            routes.uses(model) if model != routes.catch_all or model == name else [(name,)])
-            ) and not (name in routes.variants and key.may_use((name,))):  # (a variant alone)
+    if key is not None and not any(key.may_use(n) for n in (  # (an adapter: by its name)
+            [(name,)] if name in routes.adapters or (model == routes.catch_all != name)
+            else routes.uses(model))) and not (  # (a variant alone)
+                name in routes.variants and key.may_use((name,))):
         return Answer(403, f"key '{key.name}' may not use model '{name}'")
-    if upgrade and model in routes.remote:
-        return Answer(400, f"model '{name}' is a remote model: corral relays no WebSocket "
-                      "to it")
-    if name in routes.variants and (upgrade or method != b"POST"):  # (its filters: bodies)
-        return Answer(400, f"'{name}' is a variant of model '{model}', for requests with a "
-                      f"JSON body; name '{model}' for this one")
-    if upgrade and path != b"/v1/realtime" and not (
-            (route := routes.models.get(model)) is not None and route.websocket):
-        return Answer(400, f"model '{name}' takes WebSockets on /v1/realtime only "
-                      "(websocket = true in its config: on any path)")
+    if (wrong := _not_for(name, model, routes, method, path, upgrade or named is not None,
+                          upgrade)) is not None:
+        return wrong
     if (key is not None and not key.admin and method != b"POST" and not upgrade
             and path not in MEMBER_GETS):
         return Answer(403, f"key '{key.name}' may not GET {path.decode('latin-1')} of a "
                       "model (it may show others' requests): that needs an admin key")
     autoload = parse_autoload(fields, routes.autoload) if fields else routes.autoload
     return autoload if isinstance(autoload, Answer) else (model, autoload, name)
+
+
+def _not_for(name: str, model: str, routes: Routes, method: bytes, path: bytes,
+             bodiless: bool, upgrade: bool) -> Answer | None:
+    """Why `model` (asked as `name`) does not take this request (None: it does): a remote
+    takes no WebSocket; an adapter or a variant, requests with a JSON body (`bodiless`: a
+    WebSocket or an upload); a child, WebSockets on /v1/realtime unless it says."""
+    if upgrade and model in routes.remote:
+        return Answer(400, f"model '{name}' is a remote model: corral relays no WebSocket "
+                      "to it")
+    if (adapter := routes.adapters.get(name)) is not None and (
+            bodiless or method != b"POST"
+            or (not adapter.loaded and path not in LLAMA_PATHS)):  # (it would get none)
+        return Answer(400, f"'{name}' is an adapter: it applies to completions, chats and "
+                      "responses with a JSON body only (its server applies none here)")
+    if name in routes.variants and (bodiless or method != b"POST"):
+        return Answer(400, f"'{name}' is a variant of model '{model}', for requests with a "
+                      f"JSON body; name '{model}' for this one")  # (its filters: bodies)
+    if upgrade and path != b"/v1/realtime" and not (
+            (route := routes.models.get(model)) is not None and route.websocket):
+        return Answer(400, f"model '{name}' takes WebSockets on /v1/realtime only "
+                      "(websocket = true in its config: on any path)")
+    return None
 
 
 CHILD_HEADERS = (b"Content-Security-Policy: sandbox", b"X-Content-Type-Options: nosniff")

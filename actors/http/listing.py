@@ -106,7 +106,7 @@ def seen(entries: list[dict[str, Any]], key: KeyRule | None, models: dict[str, M
                            for v in model.variants),
                          *((a, {"adapter_of": e["id"], "lora": adapter.lora})
                            for a, adapter in model.adapters.items())]:
-            if base or (key is not None and key.may_use((name,))):
+            if (base and "variant_of" in of) or key is None or key.may_use((name,)):
                 out.append(tenancy.shown({**e, "id": name, "aliases": [], **of}, key, said))
     return out
 

@@ -43,6 +43,8 @@ class AdapterRoute(msgspec.Struct, frozen=True):
     lora: str
     loaded: bool
     """vLLM's way: loaded into a child at its first request there (http/loras.py)."""
+    scale: float = 1.0
+    """llama-server's way: how strongly it applies (its `lora` field, set as it is sent)."""
 
 
 class Routes(msgspec.Struct, frozen=True):
@@ -69,6 +71,9 @@ class Routes(msgspec.Struct, frozen=True):
     adapters: dict[str, AdapterRoute] = {}
     """An adapter's name -> its base's and how it is applied (config/adapters.py); each
     is in `variants` too (served by its base's children, its body rewritten)."""
+    lora_bases: frozenset[str] = frozenset()
+    """The models whose children hold adapters llama-server's way: their own requests
+    name every one at 0 (http/loras.py)."""
 
     def uses(self, model: str) -> list[tuple[str, ...]]:
         """The names a key must match one of to use `model`: its own (and aliases'); for
@@ -111,13 +116,13 @@ class Routes(msgspec.Struct, frozen=True):
                 set_params=m.set_params, strip_params=m.strip_params), m.adapters, api)
             rewritten |= rewrites(name, params, m.variants, "" if name == wildcard else
                                   m.model_name or name if m.url else "") | of_adapters
-            adapters |= {a: AdapterRoute(name, adapter.lora, api == "vllm")
+            adapters |= {a: AdapterRoute(name, adapter.lora, api == "vllm", adapter.scale)
                          for a, adapter in m.adapters.items()}
         variants = {variant_name(name, v): name for name, m in config.models.items()
                     for v in m.variants} | {a: r.base for a, r in adapters.items()}
         return cls(config.resolve_aliases(), models, config.autoload, Keys.of(config),
                    known_as, dict(config.virtual), variants, rewritten, far, wildcard,
-                   adapters)
+                   adapters, frozenset(r.base for r in adapters.values() if not r.loaded))
 
 
 def _loading(value: bool | str) -> str:

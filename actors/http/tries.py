@@ -28,6 +28,7 @@ from .edge import NOT_FORWARDED, NOT_KEPT, Answer, refusal_answer, rewritten
 from .inflight import Cancellable
 from .journaling import Trace
 from .loading import Loading, Shown, wants
+from .loras import applied
 from .pool import Pool, Pools
 from .remote import Far, path_problem
 from .request import Request
@@ -93,10 +94,6 @@ async def to_any(ex: Attempt, model: str, autoload: bool, asked: str = "") -> No
     front, key, trace = ex.services, ex.req.key, ex.trace
     named = asked if asked in front.routes.variants or (  # (a peer's unknown name: itself)
         model == front.routes.catch_all and asked) else model
-    if named != model and ex.req.upload is not None:
-        ex.answer(Answer(400, f"'{named}' is a variant of model '{model}': its parameters "
-                         f"are set on JSON bodies; send an upload to '{model}'"))
-        return
     if (rw := front.routes.rewrites.get(named)) is not None and (body := rewritten(
             ex.req.method, ex.req.url, ex.req.body, rw)) is not None:
         if isinstance(body, Answer):
@@ -207,7 +204,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
     cut: SharedGrant | None = None  # the grant it was cut from, to wait again with
     replays, was_cut = 0, False  # instances gone with the request; it is cut at most once
     adapter = routes.adapters.get(ex.trace.model)  # (its copy: one that has it: loras.py)
-    near = placement(b"lora:" + ex.trace.model.encode() if adapter else ex.req.session,
+    near = placement(b"lora:" + ex.trace.model.encode() if adapter and adapter.loaded
+                     else ex.req.session,
                      ex.req.body, *((route.prefix_bytes, route.prefix_first)
                                     if (route := routes.models.get(model)) else ()))
     for tries in range(MAX_INSTANCES):
@@ -274,10 +272,12 @@ async def _send(ex: Attempt, share: SharedGrant, tries: int, replays: int,
         pool = _pool_for(ex, services.pools, grant, route, tries, replays, far,
                          fall_back is not None)
         own = grant.upstream_key  # a node child's own (R8); the client's is dropped
-        if (adapter := routes.adapters.get(ex.trace.model)) is not None and adapter.loaded \
-                and (why := await services.loras.ensure(pool, ex.trace.model, adapter.lora,
-                                                        own)) is not None:
-            ex.answer(Answer(502, f"{ex.what}: {why}"))
+        adapter = routes.adapters.get(ex.trace.model)  # (or its base's own: none applies)
+        if (adapter is not None or model in routes.lora_bases) and (
+                refused := await applied(services.loras, ex.req, pool, ex.trace.model,
+                                         adapter, own, route.first_byte_timeout_s
+                                         if route else None)) is not None:
+            ex.answer(refused)
             return None
         drop = NOT_KEPT if ex.kept is not None else NOT_FORWARDED
         await ex.forward(pool, drop | far.drop if far else drop,
