@@ -191,7 +191,7 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
 
         inbox = Inbox()
         services = SimpleNamespace(
-            routes=SimpleNamespace(models={}, remote={}, adapters={}),
+            routes=SimpleNamespace(models={}, remote={}, adapters={}, lora_bases=frozenset()),
             shares=Shares(lambda: inbox),
             pools=SimpleNamespace(get=lambda key, cap, far=None: FakePool()), stopped={},
             scheduler=lambda: inbox, draining=False)

@@ -8,6 +8,7 @@ module loads when it runs)."""
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import subprocess
 import sys
 from pathlib import Path
@@ -38,11 +39,23 @@ def absolute(node: ast.ImportFrom, package: str) -> str:
     return base
 
 
+def parse(path: Path) -> ast.Module:
+    """`path`'s tree. CPython 3.11 before 3.11.8 can fail a parse with "AST constructor
+    recursion depth mismatch" in a thread whose recursion count an earlier test left off
+    (one that caught a RecursionError, in the same worker): then it is parsed again in a
+    thread of its own, whose count is fresh."""
+    try:
+        return ast.parse(path.read_text())
+    except SystemError:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(ast.parse, path.read_text()).result()
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The modules of `known` that `name` imports."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -128,7 +141,7 @@ def loads(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """What importing `name` runs: the modules of `known` (and the top-level names of
     others) it imports outside `if TYPE_CHECKING`, and the packages above each."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text())
+    tree = parse(path)
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and ast.unparse(node.test).endswith("TYPE_CHECKING")
                    for n in ast.walk(node)}
@@ -193,7 +206,7 @@ def test_the_top_of_actors_is_short_and_every_folder_has_a_note() -> None:
     top = sorted(p.name for p in (ROOT / "actors").glob("*.py"))
     assert len(top) <= TOP_MAX, f"{len(top)} modules at the top of actors/: {top}"
     for init in sorted((ROOT / "actors").glob("*/__init__.py")):
-        note = ast.get_docstring(ast.parse(init.read_text())) or ""
+        note = ast.get_docstring(parse(init)) or ""
         folder = init.parent.relative_to(ROOT)
         assert "import" in note, f"{folder}/__init__.py says nothing of what it may import"
         missing = [p.name for p in sorted(init.parent.glob("*.py"))
@@ -210,7 +223,7 @@ def test_no_function_is_over_60_lines() -> None:
     code = [*(ROOT / "actors").rglob("*.py"), ROOT / "supervisor.py",
             *(ROOT / "bench").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
     for path in sorted(code):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno \
                     and (n := node.end_lineno - node.lineno + 1) > FUNCTION_MAX:
                 long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = n
@@ -240,7 +253,7 @@ def test_any_is_left_only_for_json_and_ray_handles() -> None:
         if rel.startswith("actors/fake_model"):
             continue  # the demo child: a foreign server's JSON
         notes = []
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 args = node.args
                 notes += [a.annotation for a in (*args.posonlyargs, *args.args,
