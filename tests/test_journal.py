@@ -23,10 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.config.journal import JournalConfig
-from actors.http.journaling import Trace, row_of
+from actors.http.journaling import Trace, record
 from actors.http.request import Request
 from actors.journal.file import MAX_LIMIT, select
-from actors.journal.record import Row, Said, decoded, encode
+from actors.journal.record import Row, Said, decoded, encode, head_of
 from actors.journal.store import Journal, Query
 from bench.journal import row
 from tests.helpers import (
@@ -233,14 +233,25 @@ def test_the_file_and_the_ring_answer_alike(tmp_path_factory: pytest.TempPathFac
 
 
 def test_a_requests_row_decodes_as_a_row_field_by_field() -> None:
-    """`row_of` encodes a tuple, not a `Row`: the same fields, in `Row`'s order."""
+    """`record` encodes a tuple, not a `Row`: the same fields, in `Row`'s order; its head
+    (what the file's pages are found by) is given beside it, as the row says."""
     req = Request()
     req.method, req.url, req.body_size, req.conversation = b"POST", b"/v1/x?a=1", 7, "c"
     t = Trace(req, 10.0)
     t.model, t.served, t.copy, t.error, t.bytes_out, t.queue_s = "v", "m", "m@2", "e", 9, 0.5
     t.waited, t.room, t.first_body, t.said, t.cut = "load", ("stop x",), 10.25, Said(3), True
     t.asked, t.answer = b"{}", bytearray(b"ok")
-    got = decoded([row_of(t, req, 200, 10.125, 11.0, None, True)])[0]
+    rows: list[tuple[bytes, object]] = []
+
+    class Recorder:
+        capture = 0
+
+        def add(self, row: bytes, head: object = None) -> None:
+            rows.append((row, head))
+    record(Recorder(), t, req, 200, 10.125, 11.0, None, True)
+    (row, head), = rows
+    assert head == head_of(row) == (t.id, t.at, "", "v", "m", 200)
+    got = decoded([row])[0]
     assert got == Row(t.id, t.at, "", "v", "m", 200, b"POST", b"/v1/x", "m@2", "e", 7, 9,
                       0.5, "load", ("stop x",), 0.125, 0.25, 1.0, Said(3), True, True, b"{}",
                       b"ok")

@@ -19,7 +19,7 @@ then streamed to and from the child; everything else goes to the management API.
 | answers kept for a client to resume               | `Resumables`, `Tee`      | resumable.py  |
 | their endpoints: GET/DELETE /v1/stream, lookup     | `StreamApi`, `EventIds`  | stream_api.py |
 | a WebSocket: two connections relayed, in limits    | `Tunnel`, `Frames`       | tunnel.py     |
-| a request's id and its journal record, as it goes  | `Trace`, `row_of`        | journaling.py |
+| a request's id and its journal record, as it goes  | `Trace`, `record`        | journaling.py |
 | the journal's endpoints: GET /requests, cancel     | `RequestsApi`, `parse`   | requests_api.py |
 | what is queued and running now; its cancel        | `Live`, `Running`        | inflight.py   |
 | what an exchange may use of its front              | `Services`               | services.py   |

@@ -21,7 +21,7 @@ from ..messages import NotCut
 from ..runtime.bridge import LoopReply
 from .edge import TO_API_DROPPED, Answer, error_type, target
 from .inflight import CANCELLED
-from .journaling import Trace, row_of
+from .journaling import Trace, record
 from .loading import Loading, Waiting, error_event
 from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
@@ -140,8 +140,8 @@ class Exchange(Relay):
                 self.kept.end("its request ended before the child's answer did")
             self.services.live.exchanges.discard(self)
             if (recorder := self.services.recorder) is not None and not self.trace.to_api:
-                recorder.add(row_of(self.trace, self.req, self.status, self.first_at,
-                                    self.loop.time(), self.meter, self.sse))
+                record(recorder, self.trace, self.req, self.status, self.first_at,
+                       self.loop.time(), self.meter, self.sse)
             self.phase = Phase.DONE
             self.client.exchange_done(self)
 

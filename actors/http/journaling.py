@@ -13,7 +13,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..journal.record import Record, Row, Said, encode
+from ..journal.record import HeadOf, Record, Row, Said, encode
 from ..messages import Grant
 from .edge import Answer
 from .figures import said
@@ -54,7 +54,7 @@ class Recorder(Protocol):
     capture: int
     """[journal] capture: bytes of each body and answer its records keep (0: none)."""
 
-    def add(self, row: bytes) -> None: ...
+    def add(self, row: bytes, head: HeadOf | None = None) -> None: ...
 
 
 class Trace:
@@ -135,20 +135,20 @@ class Trace:
         return grant
 
 
-def row_of(t: Trace, req: Request, status: int, first_at: float | None, now: float,
-           meter: Meter | None, streamed: bool) -> bytes:
-    """The row of a request at its end, encoded (a tuple of `Row`'s fields, in order):
-    little more than its figures, copied."""
-    url = req.url
-    return encode((t.id, t.at, req.key.name if req.key is not None else "", t.model, t.served,
-                   status, req.method,
+def record(recorder: Recorder, t: Trace, req: Request, status: int, first_at: float | None,
+           now: float, meter: Meter | None, streamed: bool) -> None:
+    """The row of a request at its end, encoded (a tuple of `Row`'s fields, in order:
+    little more than its figures, copied), given to `recorder` with its head."""
+    url, key = req.url, req.key.name if req.key is not None else ""
+    recorder.add(encode((t.id, t.at, key, t.model, t.served, status, req.method,
                    url.partition(b"?")[0][:512] if b"?" in url else url[:512], t.copy,
                    t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited, t.room,
                    None if first_at is None else first_at - t.started,
                    None if t.first_body is None or not streamed else t.first_body - t.started,
                    now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
                    bytes(t.answer) if t.answer is not None else None,
-                   req.session.decode("utf-8", "replace") if req.session else ""))
+                   req.session.decode("utf-8", "replace") if req.session else "")),
+                 (t.id, t.at, key, t.model, t.served, status))
 
 
 def record_of(r: Row, bodies: bool = False) -> Record:
@@ -174,9 +174,9 @@ def refused(answer: Answer, req: Request | None, recorder: Recorder | None) -> A
     big; or bytes that were none): with an id, and (a request's) its record."""
     id_ = req.request_id if req is not None and req.request_id else new_id()
     if req is not None and recorder is not None:
+        at, key = time.time(), req.key.name if req.key is not None else ""
         recorder.add(encode(Row(
-            id_, time.time(), req.key.name if req.key is not None else "", "", "",
-            answer.status, req.method, req.url.partition(b"?")[0][:512], "",
-            answer.message[:1000], req.body_size, 0, 0.0, "", (), None, None, 0.0, None, False,
-            False)))
+            id_, at, key, "", "", answer.status, req.method, req.url.partition(b"?")[0][:512],
+            "", answer.message[:1000], req.body_size, 0, 0.0, "", (), None, None, 0.0, None,
+            False, False)), (id_, at, key, "", "", answer.status))
     return msgspec.structs.replace(answer, headers=(*answer.headers, ("X-Request-Id", id_)))

@@ -194,9 +194,9 @@ class Link:
                 self._answered(reply, message)
             case StreamOpen() | StreamBytes() | StreamEnd():
                 self._kept(message)
-            case Journaled(row=row):
+            case Journaled(row=row, head=head):
                 if self.recorder is not None:
-                    self.recorder.add(bytes(row))
+                    self.recorder.add(bytes(row), head)
             case Listening(port=port):
                 if not self.listening.done():
                     self.listening.set_result(port)

@@ -3,6 +3,8 @@ got, and how long each part took."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 
@@ -139,3 +141,58 @@ def array(raws: list[bytes] | list[msgspec.Raw]) -> bytes:
 def decoded(raws: list[bytes]) -> list[Row]:
     """Encoded rows, decoded in one call."""
     return _rows(array(raws))
+
+
+HeadOf = tuple[str, float, str, str, str, int]
+"""A row's head as its front knows it: (id, at, key, model, served, status)."""
+_head = msgspec.msgpack.Decoder(Head).decode
+
+
+def head_of(row: bytes) -> HeadOf:
+    """The head of an encoded row (one a front worker sent, with no head beside it)."""
+    h = _head(row)
+    return h.id, h.at, h.key, h.model, h.served, h.status
+
+
+class Page:
+    """Rows gathered into one of the file's pages as they come (on the event loop: a
+    few set and list operations a row), with what queries select pages by (file.py);
+    `sealed` by the feeder, off the loop, into the row the file's writer inserts as it
+    is, so that it decodes nothing."""
+
+    __slots__ = ("first", "ids", "keys", "last", "models", "pairs", "rows", "statuses")
+
+    def __init__(self) -> None:
+        self.rows: list[bytes] = []
+        self.ids: list[str] = []
+        self.models: set[str] = set()
+        self.keys: set[str] = set()
+        self.pairs: set[tuple[str, str]] = set()
+        self.statuses: set[int] = set()
+        self.first = float("inf")
+        self.last = float("-inf")
+
+    def add(self, row: bytes, head: HeadOf) -> None:
+        id_, at, key, model, served, status = head
+        self.rows.append(row)
+        self.ids.append(id_)
+        self.keys.add(key)
+        self.statuses.add(status)
+        self.models.add(model)
+        self.pairs.add((model, key))
+        if served != model:
+            self.models.add(served)
+            self.pairs.add((served, key))
+        if at < self.first:
+            self.first = at
+        if at > self.last:
+            self.last = at
+
+    def sealed(self, sep: str, pair: str) -> tuple[object, ...]:
+        """(rows, first_at, last_at, ids, models, keys, pairs, statuses, the rows as one
+        msgpack array): a row of the file's pages table, after how many rows it holds."""
+        def joined(values: Iterable[str]) -> str:
+            return sep + sep.join(values) + sep
+        return (len(self.rows), self.first, self.last, joined(self.ids), joined(self.models),
+                joined(self.keys), joined(m + pair + k for m, k in self.pairs),
+                joined(map(str, self.statuses)), array(self.rows))

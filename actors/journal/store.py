@@ -2,11 +2,14 @@
 (file.py) written by a process of its own (writer.py), bounded by age (`keep_days`)
 and size (`max_mib`).
 
-The event loop only appends a request's row, encoded (record.py), to the ring and to a
-list. A feeder thread, every BATCH_WAIT_S, takes the list, joins it into one frame and
-writes it to the writer's stdin: the pages and the SQLite work cost corral's process
-nothing (in a thread of its own they cost it three times their own time, in the
-interpreter's lock). A list over MAX_PENDING drops rows, counted, rather than grow. A
+The event loop only appends a request's row, encoded (record.py), to the ring and to the
+page it is filling (record.py `Page`: its ids, models, keys and statuses gathered as the
+front has them, a few set operations a row). A feeder thread, every BATCH_WAIT_S, takes
+the pages, seals each into the row of the file that holds it and writes them to the
+writer's stdin as one frame; the writer decodes nothing of a row and inserts the pages as
+they came, and the SQLite work costs corral's process nothing (in a thread of its own it
+cost three times its own time, in the interpreter's lock). Pages waiting over MAX_PENDING
+rows drop rows, counted, rather than grow. A
 writer that cannot open or write its file (a full disk, a broken file) says why and
 exits: that stops the file for the rest of the run, said once in the log; the ring goes
 on, and so do the requests.
@@ -22,10 +25,12 @@ import sys
 import threading
 from pathlib import Path
 
+import msgspec
+
 from ..config.journal import JournalConfig
 from ..config.model import Config
-from .file import MAX_LIMIT, Query, select
-from .record import Row, array, decoded
+from .file import MAX_LIMIT, PAGE, PAIR, SEP, Query, select
+from .record import HeadOf, Page, Row, decoded, head_of
 
 __all__ = ["MAX_LIMIT", "Journal", "Query"]
 
@@ -38,6 +43,7 @@ per row at 2,000 requests/s)."""
 MAX_PENDING = 100_000
 """Rows waiting for the feeder past which new ones are dropped (and counted)."""
 _LENGTH = struct.Struct(">I")
+_encode = msgspec.msgpack.Encoder().encode
 
 
 class Journal:
@@ -50,8 +56,12 @@ class Journal:
         """Bytes of each body and answer its records keep (0: none)."""
         self.ring: collections.deque[bytes] = collections.deque(maxlen=config.ring)
         """The newest rows, encoded (record.py `encode`)."""
-        self.pending: list[bytes] = []
-        """Rows for the feeder: appended on the loop, taken whole by the feeder."""
+        self.page = Page()
+        """The page the rows fill: taken with `full` by the feeder."""
+        self.full: list[Page] = []
+        """Pages of PAGE rows, waiting for the feeder."""
+        self.waiting = 0
+        """Rows in `full` and `page`."""
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self.broken: str | None = None if path is not None else "no file (state_dir)"
@@ -75,16 +85,27 @@ class Journal:
             return None
         return cls(config.journal, config.state_path() / "journal.sqlite")
 
-    def add(self, row: bytes) -> None:
-        """A request's row, encoded (record.py `encode`)."""
+    def add(self, row: bytes, head: HeadOf | None = None) -> None:
+        """A request's row, encoded (record.py `encode`), and its head (None: read from
+        it, for a front worker's)."""
         with self.lock:
             self.ring.append(row)
             if self.broken is not None:
                 return
-            if len(self.pending) > MAX_PENDING:
+            if self.waiting > MAX_PENDING:
                 self.dropped += 1
                 return
-            self.pending.append(row)
+            self.waiting += 1
+            page = self.page
+            page.add(row, head or head_of(row))
+            if len(page.rows) >= PAGE:
+                self.full.append(page)
+                self.page = Page()
+
+    @property
+    def pending(self) -> list[bytes]:
+        """The rows the feeder has not taken yet (a copy: take the lock)."""
+        return [row for page in (*self.full, self.page) for row in page.rows]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending, then stop the writer (it ends with its stdin)."""
@@ -99,7 +120,7 @@ class Journal:
         first: the ring's (those not in the file yet among them), then the file's."""
         limit = max(1, min(q.limit, MAX_LIMIT))
         with self.lock:  # (copies: the loop appends as this reads)
-            ring, waiting = list(self.ring), list(self.pending)
+            ring, waiting = list(self.ring), self.pending
         # the rows the ring let go of that the file has not been sent yet (a high rate)
         memory = waiting[:-len(ring)] + ring if len(waiting) > len(ring) else ring
         newest = [r for r in reversed(decoded(memory)) if q.matches(r)][:limit]
@@ -121,16 +142,17 @@ class Journal:
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
             with self.lock:
-                batch, self.pending = self.pending, []
+                batch = [*self.full, self.page] if self.page.rows else self.full
+                self.full, self.page, n, self.waiting = [], Page(), self.waiting, 0
             if batch and writer is None and (writer := self._start()) is None:
                 return
             try:
                 if batch and writer is not None and writer.stdin is not None:
-                    data = array(batch)
+                    data = _encode([page.sealed(SEP, PAIR) for page in batch])
                     writer.stdin.write(_LENGTH.pack(len(data)) + data)
                     writer.stdin.flush()
             except OSError:  # (its stdin closed: it broke, and said why)
-                self.dropped += len(batch)
+                self.dropped += n
             if stop or (writer is not None and writer.poll() is not None):
                 break
         if writer is not None:
@@ -168,8 +190,8 @@ class Journal:
         log.error("the request journal stopped writing %s (%s); requests go on, and the "
                   "newest %d records stay in memory", self.path, why, self.config.ring)
         with self.lock:  # what waits is lost with the file
-            self.dropped += len(self.pending)
-            self.pending = []
+            self.dropped += self.waiting
+            self.full, self.page, self.waiting = [], Page(), 0
 
 
 _ROOT = str(Path(__file__).resolve().parents[2])

@@ -4,8 +4,9 @@ nothing, not even the interpreter's lock.
 
     python -m actors.journal.writer PATH KEEP_DAYS MAX_MIB
 
-Its stdin carries frames (a 4-byte big-endian length, then a msgpack list of `Row`);
-each is written as pages of up to PAGE rows in one transaction. At the end of its stdin
+Its stdin carries frames (a 4-byte big-endian length, then a msgpack list of pages, each
+sealed by corral's feeder: record.py `Page.sealed`); each frame's pages are inserted as
+they came, in one transaction: nothing of a row is decoded here. At the end of its stdin
 (corral closed it, or corral is gone) it prints `written N` and exits 0; a file it cannot
 open or write prints `broken: WHY` and exits 3, and corral's ring goes on without it.
 """
@@ -26,36 +27,19 @@ from typing import BinaryIO
 
 import msgspec
 
-from .file import INSERT, PAGE, PAIR, PRUNE_EVERY_S, SEP, open_file, prune
-from .record import Head, array
+from .file import INSERT, PRUNE_EVERY_S, open_file, prune
 
-_astuple = msgspec.structs.astuple
-_heads = msgspec.msgpack.Decoder(list[Head]).decode
-_raws = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
+_pages = msgspec.msgpack.Decoder(list[tuple[int, float, float, str, str, str, str, str,
+                                            bytes]]).decode
 _LENGTH = struct.Struct(">I")
 BUSY_TRIES = 12
 """With the file's 5 s busy timeout: a reader may hold it a minute before the file stops."""
 
 
 def pages(frame: bytes) -> tuple[list[tuple[object, ...]], int]:
-    """A frame's rows as rows of the file, PAGE a page: what queries select pages by (read
-    from the rows' heads alone), and the rows as they came (never decoded whole); and
-    how many rows."""
-    heads, raws = _heads(frame), _raws(frame)
-    return ([page(heads[i:i + PAGE], raws[i:i + PAGE]) for i in range(0, len(heads), PAGE)],
-            len(heads))
-
-
-def page(heads: list[Head], raws: list[msgspec.Raw]) -> tuple[object, ...]:
-    ids, ats, keys, models, served, statuses = zip(*map(_astuple, heads), strict=True)
-    pairs = {*zip(models, keys, strict=True), *zip(served, keys, strict=True)}
-    return (min(ats), max(ats), _joined(ids), _joined({*models, *served}), _joined(set(keys)),
-            _joined(m + PAIR + k for m, k in pairs), _joined(map(str, set(statuses))),
-            array(raws))
-
-
-def _joined(values: Iterable[str]) -> str:
-    return SEP + SEP.join(values) + SEP
+    """A frame's pages as rows of the file, and how many rows they hold."""
+    sealed = _pages(frame)
+    return [page[1:] for page in sealed], sum(page[0] for page in sealed)
 
 
 def frames(stream: BinaryIO) -> Iterable[bytes]:
