@@ -4,6 +4,7 @@ got, and how long each part took."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import itemgetter
 
 import msgspec
 
@@ -154,45 +155,25 @@ def head_of(row: bytes) -> HeadOf:
     return h.id, h.at, h.key, h.model, h.served, h.status
 
 
-class Page:
-    """Rows gathered into one of the file's pages as they come (on the event loop: a
-    few set and list operations a row), with what queries select pages by (file.py);
-    `sealed` by the feeder, off the loop, into the row the file's writer inserts as it
-    is, so that it decodes nothing."""
+_GET = tuple(itemgetter(i) for i in range(6))
 
-    __slots__ = ("first", "ids", "keys", "last", "models", "pairs", "rows", "statuses")
 
-    def __init__(self) -> None:
-        self.rows: list[bytes] = []
-        self.ids: list[str] = []
-        self.models: set[str] = set()
-        self.keys: set[str] = set()
-        self.pairs: set[tuple[str, str]] = set()
-        self.statuses: set[int] = set()
-        self.first = float("inf")
-        self.last = float("-inf")
+def sealed(rows: list[bytes], heads: list[HeadOf], sep: str, pair: str) -> tuple[object, ...]:
+    """Rows and their heads as one of the file's pages (file.py): (how many, first_at,
+    last_at, ids, models, keys, pairs, statuses, the rows as one msgpack array), what
+    queries select pages by read in a few calls over the heads, not a step a row."""
+    ids, ats, keys, models, served, statuses = (map(get, heads) for get in _GET)
+    keyset, modelset, servedset = set(keys), set(models), set(served)
+    if len(keyset) == 1:  # (no keys, or one: every model with it)
+        (key,) = keyset
+        pairs: Iterable[tuple[str, str]] = ((m, key) for m in modelset | servedset)
+    else:
+        pairs = {*zip(map(_GET[3], heads), map(_GET[2], heads), strict=True),
+                 *zip(map(_GET[4], heads), map(_GET[2], heads), strict=True)}
+    times = list(ats)
 
-    def add(self, row: bytes, head: HeadOf) -> None:
-        id_, at, key, model, served, status = head
-        self.rows.append(row)
-        self.ids.append(id_)
-        self.keys.add(key)
-        self.statuses.add(status)
-        self.models.add(model)
-        self.pairs.add((model, key))
-        if served != model:
-            self.models.add(served)
-            self.pairs.add((served, key))
-        if at < self.first:
-            self.first = at
-        if at > self.last:
-            self.last = at
-
-    def sealed(self, sep: str, pair: str) -> tuple[object, ...]:
-        """(rows, first_at, last_at, ids, models, keys, pairs, statuses, the rows as one
-        msgpack array): a row of the file's pages table, after how many rows it holds."""
-        def joined(values: Iterable[str]) -> str:
-            return sep + sep.join(values) + sep
-        return (len(self.rows), self.first, self.last, joined(self.ids), joined(self.models),
-                joined(self.keys), joined(m + pair + k for m, k in self.pairs),
-                joined(map(str, self.statuses)), array(self.rows))
+    def joined(values: Iterable[str]) -> str:
+        return sep + sep.join(values) + sep
+    return (len(rows), min(times), max(times), joined(ids), joined(modelset | servedset),
+            joined(keyset), joined(m + pair + k for m, k in pairs),
+            joined(map(str, set(statuses))), array(rows))

@@ -2,14 +2,14 @@
 (file.py) written by a process of its own (writer.py), bounded by age (`keep_days`)
 and size (`max_mib`).
 
-The event loop only appends a request's row, encoded (record.py), to the ring and to the
-page it is filling (record.py `Page`: its ids, models, keys and statuses gathered as the
-front has them, a few set operations a row). A feeder thread, every BATCH_WAIT_S, takes
-the pages, seals each into the row of the file that holds it and writes them to the
-writer's stdin as one frame; the writer decodes nothing of a row and inserts the pages as
-they came, and the SQLite work costs corral's process nothing (in a thread of its own it
-cost three times its own time, in the interpreter's lock). Pages waiting over MAX_PENDING
-rows drop rows, counted, rather than grow. A
+The event loop only appends a request's row, encoded (record.py), to the ring and to a
+list, and its head (the id, time, key, models and status the front has) to another. A
+feeder thread, every BATCH_WAIT_S, takes both, seals each PAGE of them into the row of
+the file that holds them (record.py `sealed`: what queries select pages by, read in a few
+calls over the heads) and writes them to the writer's stdin as one frame; the writer
+decodes nothing of a row and inserts the pages as they came, and the SQLite work costs
+corral's process nothing (in a thread of its own it cost three times its own time, in
+the interpreter's lock). A list over MAX_PENDING drops rows, counted, rather than grow. A
 writer that cannot open or write its file (a full disk, a broken file) says why and
 exits: that stops the file for the rest of the run, said once in the log; the ring goes
 on, and so do the requests.
@@ -30,7 +30,7 @@ import msgspec
 from ..config.journal import JournalConfig
 from ..config.model import Config
 from .file import MAX_LIMIT, PAGE, PAIR, SEP, Query, select
-from .record import HeadOf, Page, Row, decoded, head_of
+from .record import HeadOf, Row, decoded, head_of, sealed
 
 __all__ = ["MAX_LIMIT", "Journal", "Query"]
 
@@ -56,12 +56,10 @@ class Journal:
         """Bytes of each body and answer its records keep (0: none)."""
         self.ring: collections.deque[bytes] = collections.deque(maxlen=config.ring)
         """The newest rows, encoded (record.py `encode`)."""
-        self.page = Page()
-        """The page the rows fill: taken with `full` by the feeder."""
-        self.full: list[Page] = []
-        """Pages of PAGE rows, waiting for the feeder."""
-        self.waiting = 0
-        """Rows in `full` and `page`."""
+        self.pending: list[bytes] = []
+        """Rows for the feeder: appended on the loop, taken whole by the feeder..."""
+        self.heads: list[HeadOf] = []
+        """... with their heads, in the same order."""
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self.broken: str | None = None if path is not None else "no file (state_dir)"
@@ -92,20 +90,11 @@ class Journal:
             self.ring.append(row)
             if self.broken is not None:
                 return
-            if self.waiting > MAX_PENDING:
+            if len(self.pending) > MAX_PENDING:
                 self.dropped += 1
                 return
-            self.waiting += 1
-            page = self.page
-            page.add(row, head or head_of(row))
-            if len(page.rows) >= PAGE:
-                self.full.append(page)
-                self.page = Page()
-
-    @property
-    def pending(self) -> list[bytes]:
-        """The rows the feeder has not taken yet (a copy: take the lock)."""
-        return [row for page in (*self.full, self.page) for row in page.rows]
+            self.pending.append(row)
+            self.heads.append(head or head_of(row))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending, then stop the writer (it ends with its stdin)."""
@@ -120,7 +109,7 @@ class Journal:
         first: the ring's (those not in the file yet among them), then the file's."""
         limit = max(1, min(q.limit, MAX_LIMIT))
         with self.lock:  # (copies: the loop appends as this reads)
-            ring, waiting = list(self.ring), self.pending
+            ring, waiting = list(self.ring), list(self.pending)
         # the rows the ring let go of that the file has not been sent yet (a high rate)
         memory = waiting[:-len(ring)] + ring if len(waiting) > len(ring) else ring
         newest = [r for r in reversed(decoded(memory)) if q.matches(r)][:limit]
@@ -142,17 +131,17 @@ class Journal:
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
             with self.lock:
-                batch = [*self.full, self.page] if self.page.rows else self.full
-                self.full, self.page, n, self.waiting = [], Page(), self.waiting, 0
+                batch, heads, self.pending, self.heads = self.pending, self.heads, [], []
             if batch and writer is None and (writer := self._start()) is None:
                 return
             try:
                 if batch and writer is not None and writer.stdin is not None:
-                    data = _encode([page.sealed(SEP, PAIR) for page in batch])
+                    data = _encode([sealed(batch[i:i + PAGE], heads[i:i + PAGE], SEP, PAIR)
+                                    for i in range(0, len(batch), PAGE)])
                     writer.stdin.write(_LENGTH.pack(len(data)) + data)
                     writer.stdin.flush()
             except OSError:  # (its stdin closed: it broke, and said why)
-                self.dropped += n
+                self.dropped += len(batch)
             if stop or (writer is not None and writer.poll() is not None):
                 break
         if writer is not None:
@@ -190,8 +179,8 @@ class Journal:
         log.error("the request journal stopped writing %s (%s); requests go on, and the "
                   "newest %d records stay in memory", self.path, why, self.config.ring)
         with self.lock:  # what waits is lost with the file
-            self.dropped += self.waiting
-            self.full, self.page, self.waiting = [], Page(), 0
+            self.dropped += len(self.pending)
+            self.pending, self.heads = [], []
 
 
 _ROOT = str(Path(__file__).resolve().parents[2])
