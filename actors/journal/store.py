@@ -56,11 +56,9 @@ class Journal:
         """Bytes of each body and answer its records keep (0: none)."""
         self.ring: collections.deque[bytes] = collections.deque(maxlen=config.ring)
         """The newest rows, encoded (record.py `encode`)."""
-        self.pending: list[bytes] = []
-        """Rows for the feeder: appended on the loop, taken whole by the feeder..."""
-        self.heads: list[HeadOf] = []
-        """... with their heads, in the same order."""
-        self.lock = threading.Lock()
+        self.incoming: collections.deque[tuple[bytes, HeadOf]] = collections.deque()
+        """Rows for the feeder, with their heads: appended on the loop, taken from the
+        other end by the feeder (a deque's two ends need no lock)."""
         self.closing = threading.Event()
         self.broken: str | None = None if path is not None else "no file (state_dir)"
         """Why the file is not written (None: it is)."""
@@ -86,15 +84,18 @@ class Journal:
     def add(self, row: bytes, head: HeadOf | None = None) -> None:
         """A request's row, encoded (record.py `encode`), and its head (None: read from
         it, for a front worker's)."""
-        with self.lock:
-            self.ring.append(row)
-            if self.broken is not None:
-                return
-            if len(self.pending) > MAX_PENDING:
-                self.dropped += 1
-                return
-            self.pending.append(row)
-            self.heads.append(head or head_of(row))
+        self.ring.append(row)  # (the loop's only steps: a deque's appends take no lock)
+        if self.broken is not None:
+            return
+        if len(self.incoming) > MAX_PENDING:
+            self.dropped += 1
+            return
+        self.incoming.append((row, head or head_of(row)))
+
+    @property
+    def pending(self) -> list[bytes]:
+        """The rows the feeder has not taken yet (a copy)."""
+        return [row for row, _ in list(self.incoming)]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending, then stop the writer (it ends with its stdin)."""
@@ -108,8 +109,7 @@ class Journal:
         """The newest rows that match (blocking: call it off the loop), the newest to end
         first: the ring's (those not in the file yet among them), then the file's."""
         limit = max(1, min(q.limit, MAX_LIMIT))
-        with self.lock:  # (copies: the loop appends as this reads)
-            ring, waiting = list(self.ring), list(self.pending)
+        ring, waiting = list(self.ring), self.pending  # (copies: the loop appends meanwhile)
         # the rows the ring let go of that the file has not been sent yet (a high rate)
         memory = waiting[:-len(ring)] + ring if len(waiting) > len(ring) else ring
         newest = [r for r in reversed(decoded(memory)) if q.matches(r)][:limit]
@@ -130,8 +130,8 @@ class Journal:
         writer = None  # (started by the first rows: a corral that serves none has none)
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
-            with self.lock:
-                batch, heads, self.pending, self.heads = self.pending, self.heads, [], []
+            taken = [self.incoming.popleft() for _ in range(len(self.incoming))]
+            batch, heads = [row for row, _ in taken], [head for _, head in taken]
             if batch and writer is None and (writer := self._start()) is None:
                 return
             try:
@@ -178,9 +178,8 @@ class Journal:
         self.broken = why
         log.error("the request journal stopped writing %s (%s); requests go on, and the "
                   "newest %d records stay in memory", self.path, why, self.config.ring)
-        with self.lock:  # what waits is lost with the file
-            self.dropped += len(self.pending)
-            self.pending, self.heads = [], []
+        self.dropped += len(self.incoming)  # what waits is lost with the file
+        self.incoming.clear()
 
 
 _ROOT = str(Path(__file__).resolve().parents[2])
