@@ -159,6 +159,6 @@ def test_a_stream_charged_through_any_front_is_counted_exactly_once(corral,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hi"}]}, headers=bearer("fay"))
         assert status == 200 and str(body).count("data: {") == 151
-    fay = wait_until(lambda: (row := key_row(c.port, "fay"))["requests_total"] == 6 and row,
-                     10, "the streams' counts")
+    fay = wait_until(lambda: (row := key_row(c.port, "fay"))["requests_total"] == 6
+                     and row["in_flight"] == 0 and row, 10, "the streams' counts and ends")
     assert (fay["tokens_last_min"], fay["tokens_carried"]) == (6 * 151, 0)
