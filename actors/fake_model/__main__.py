@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -50,6 +51,20 @@ def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
     loop.call_soon_threadsafe(stop.set)
 
 
+def _site(runner: web.AppRunner, args: argparse.Namespace) -> web.BaseSite:
+    """With --upload-bytes-per-s the socket takes as little as it reads: a small receive
+    buffer, so the kernel cannot hold megabytes of an upload for a child that reads none
+    (loopback buffers grow to tcp_rmem's max, 32 MiB on some hosts)."""
+    if args.upload_bytes_per_s <= 0:
+        return web.TCPSite(runner, args.host, args.port, backlog=2048)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # before listen
+    sock.bind((args.host, args.port))
+    sock.listen(2048)
+    return web.SockSite(runner, sock)
+
+
 async def serve(args: argparse.Namespace) -> int:
     fake = FakeModel(args)
     register_memory(args.device_mib)
@@ -58,7 +73,7 @@ async def serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
-        await web.TCPSite(runner, args.host, args.port, backlog=2048).start()
+        await _site(runner, args).start()
     except OSError as e:
         print(f"fake_model: cannot listen on {args.host}:{args.port}: {e}", flush=True)
         return 98
