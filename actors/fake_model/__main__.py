@@ -51,6 +51,10 @@ def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
     loop.call_soon_threadsafe(stop.set)
 
 
+SHUTDOWN_S = 1.0
+"""How long a stopping fake waits for its running requests before it closes them."""
+
+
 def _site(runner: web.AppRunner, args: argparse.Namespace) -> web.BaseSite:
     """With --upload-bytes-per-s the socket takes as little as it reads: a small receive
     buffer, so the kernel cannot hold megabytes of an upload for a child that reads none
@@ -70,7 +74,9 @@ async def serve(args: argparse.Namespace) -> int:
     register_memory(args.device_mib)
     if args.grow_to_mib is not None:
         fake.grower = asyncio.create_task(grow(args.device_mib, args.grow_to_mib, args.grow_s))
-    runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True)
+    # (a SIGTERM ends it within SHUTDOWN_S, as llama-server's does, not at its requests' end)
+    runner = web.AppRunner(fake.app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     try:
         await _site(runner, args).start()
