@@ -51,8 +51,8 @@ class Client(TunnelClient, Protocol):
 class Exchange(Relay):
     """One request on one client connection, from its grant to the last byte of its answer."""
 
-    __slots__ = ("broke", "broke_kind", "cut", "done", "may_replay", "may_retry", "task",
-                 "timer", "trace", "upgrade")
+    __slots__ = ("broke", "broke_at", "broke_kind", "cut", "done", "may_replay", "may_retry",
+                 "task", "timer", "trace", "upgrade")
 
     client: Client  # (more of it than its answer's side uses)
 
@@ -85,6 +85,8 @@ class Exchange(Relay):
         """Why the child's connection broke before the final answer's head, when the
         request may be sent again (`broke_kind` says where)."""
         self.broke_kind: Broke | None = None
+        self.broke_at = 0.0
+        """When it broke (loop time)."""
         self.may_replay = False
         """Whether a child gone with it before answering hands it to the next instance."""
         self.may_retry = False
@@ -247,7 +249,7 @@ class Exchange(Relay):
     def _unreachable(self, why: str, kind: Broke) -> None:
         """The request's connection broke before the final answer's head: send it again
         (`forward` and `_to_model` see `broke_kind`), or answer 502."""
-        self.broke, self.broke_kind = why, kind
+        self.broke, self.broke_kind, self.broke_at = why, kind, self.loop.time()
         if (kind is Broke.UNSENT or (kind is Broke.GONE and self.may_replay)
                 or (kind is Broke.REFUSED and self.may_retry)):
             return

@@ -113,10 +113,11 @@ class Front:
         each TICK_S while a model sends its loading state)."""
         self.live = Live()
         """Its model requests now (GET /requests?state=running, and their cancel)."""
-        self.stopped: dict[str, tuple[int, int]] = {}
+        self.stopped: dict[str, tuple[tuple[int, int], float]] = {}
         """Model, or a replica's own name -> the newest (generation, epoch) withdrawn to stop
-        or suspend on purpose: a request its child dropped is not sent on to the next
-        instance."""
+        or suspend on purpose, and when (loop time): a request its child dropped after
+        that is not sent on to the next instance (one that broke before was not dropped
+        for the stop: a child killed, then evicted once its requests let go of it)."""
         self.origins: Origins | None = None
         """Without keys: the Host and Origin a request may carry (R5); set by `listen`."""
         self.connections: set[Connection] = set()
@@ -171,7 +172,8 @@ class Front:
         self.shares.withdraw(message)
         if not message.gone:  # it is to stop (or restart once idle): on purpose
             copy = message.instance or message.model  # per copy: one's stop is not another's
-            self.stopped[copy] = max(self.stopped.get(copy, (0, 0)), message.serving)
+            if message.serving > self.stopped.get(copy, ((0, 0), 0.0))[0]:
+                self.stopped[copy] = (message.serving, asyncio.get_running_loop().time())
         else:
             self.pools.abort(tag := f"{message.model}#{message.generation}", "the child is gone")
             self.loras.forget(tag)

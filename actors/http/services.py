@@ -33,7 +33,7 @@ class Services(Protocol):
     breakers: Breakers
     loras: Loras
     times: RequestTimes
-    stopped: dict[str, tuple[int, int]]
+    stopped: dict[str, tuple[tuple[int, int], float]]
     key_uses: KeyUses
     speeds: Speeds
     keeper: Keeper

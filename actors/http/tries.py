@@ -58,6 +58,7 @@ class Attempt(Cancellable, Shown, Protocol):
     meter: Meter | None
     broke: str | None
     broke_kind: Broke | None
+    broke_at: float
     late: str | None
     cut: bool
     ticket: LoopReply | None
@@ -382,7 +383,8 @@ def _ends_here(ex: Attempt, services: Services, grant: Grant, model: str) -> boo
     # unless its child is still there (Shares.acquire_past) or was stopped on
     # purpose (unloaded, unhealthy, corral stopping): an operator's stop is not
     # undone by a request that comes back for the model.
-    if grant.serving <= services.stopped.get(grant.instance or model, (0, 0)):
+    serving, since = services.stopped.get(grant.instance or model, ((0, 0), 0.0))
+    if grant.serving <= serving and since <= ex.broke_at:
         ex.answer(Answer(503, f"{ex.what} was stopped while it had this request "
                          f"({ex.broke}); not sent again", headers=(("Retry-After", "1"),)))
         return True
