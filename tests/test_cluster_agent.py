@@ -268,3 +268,23 @@ def test_a_heads_child_key_is_never_read_as_an_option() -> None:
                             "--api-key", "-" + child_key()[1:], "--help"],
                            capture_output=True, text=True, timeout=60)
     assert child.returncode == 2 and "expected one argument" in child.stderr  # the failure
+
+
+def test_the_agents_get_no_secret_of_a_remote_model_or_peer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42 part 5: remote models and peers (issue 41) hold API keys, the names of
+    the variables that hold them, and headers; agents run children on nodes and need
+    none of it."""
+    monkeypatch.setenv("CLOUD_KEY_VAR", "cloud-key-3")
+    config = parse_config({
+        "cluster": {"nodes": ["node_a"]},
+        "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a"]},
+                   "cloud": {"url": "https://cloud.example/v1", "api_key": "remote-key-4",
+                             "headers": {"X-Org": "org-secret-5"}}},
+        "peers": {"other": {"url": "https://peer.example", "api_key_env": "CLOUD_KEY_VAR",
+                            "models": ["p1"]}}})
+    sent = msgspec.msgpack.encode(Cluster(config, {}).agent_config)
+    for secret in (b"remote-key-4", b"org-secret-5", b"cloud-key-3", b"CLOUD_KEY_VAR",
+                   b"cloud.example", b"peer.example"):
+        assert secret not in sent, secret
+    assert msgspec.msgpack.decode(sent, type=Config).models.keys() == {"m"}

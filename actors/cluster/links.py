@@ -170,8 +170,12 @@ def agent_config(config: Config) -> Config:
     """What the agents get: the head's config without its clients' keys of any kind (R8,
     issue 37 S13: Ray keeps an actor's arguments in its GCS, and sends them in clear; a
     digest of a short key can be guessed offline, and a `key_env` or `key_file` names
-    where a secret lies). Agents start children; who may call is the head's alone."""
-    return msgspec.structs.replace(config, api_key=None, api_key_file=None, keys={})
+    where a secret lies), and without its remote models and peers, whose keys, key
+    variables and headers are the head's to send (issue 42). Agents start children; who
+    may call is the head's alone, and so is what is called elsewhere."""
+    return msgspec.structs.replace(
+        config, api_key=None, api_key_file=None, keys={}, peers={}, virtual={},
+        models={name: model for name, model in config.models.items() if not model.url})
 
 
 class Cluster:
