@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--url", default="http://127.0.0.1:8080",
                          help="the corral to ask (default: %(default)s)")
         add_key_args(cmd, "its api_key, if it has one")
-        if name in ("load", "unload", "logs", "plan", "cancel"):
-            cmd.add_argument("name" if name != "cancel" else "id")
+        if name in ("load", "unload", "logs", "plan", "cancel", "drain", "undrain"):
+            cmd.add_argument("id" if name == "cancel" else "node" if "drain" in name
+                             else "name")
         if name == "plan":
             cmd.add_argument("--for-key", metavar="NAME", default="",
                              help="plan for the named key's class and limits (an admin may "
@@ -340,7 +341,8 @@ def client(args: argparse.Namespace) -> int:
     if getattr(args, "running", False):
         query = {"state": "running", "model": query["model"], "key": query["key"]}
     return http_client.run(args.url, key, args.command,
-                           getattr(args, "name", None) or getattr(args, "id", None),
+                           getattr(args, "name", None) or getattr(args, "id", None)
+                           or getattr(args, "node", None),
                            getattr(args, "follow", False), getattr(args, "for_key", ""),
                            query)
 

@@ -165,6 +165,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     queue_position: int | None = None
     """Its place among the models requests wait for (0: the head of the queue)."""
     devices: list[str] | None = None
+    node: str | None = None
+    """The cluster node its current child runs on (None: corral's own machine)."""
     """Where its running child was placed."""
     queue_wait: HistogramView | None = None
     load_time: HistogramView | None = None
@@ -257,12 +259,12 @@ class Alive(Message, frozen=True, kw_only=True):
 
 EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "shutdown",
                          "unhealthy", "host_memory", "suspended_max", "suspend_failed",
-                         "wake_failed", "wake_elsewhere", "warm", "group"]
+                         "wake_failed", "wake_elsewhere", "warm", "group", "drain"]
 """The five before `warm` are of suspended models (issue 23): host RAM ran short, too
 many are suspended, a suspend or wake failed, or it no longer fits where it slept;
 `warm`: a background load of a warm model gave way to a request; `group`: a model
 group's rule (issue 25: another member of an exclusive group loads, or a member of a
-together group stopped)."""
+together group stopped); `drain`: its node is drained (issue 42)."""
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -442,6 +444,33 @@ class UnloadModel(Message, frozen=True, kw_only=True):
 
     model: str
     reply: Reply
+
+
+class DrainNode(Message, frozen=True, kw_only=True):
+    """API -> Scheduler: take cluster `node` out of service (`drain`), or put it back;
+    answered with the node's DrainView."""
+
+    node: str
+    drain: bool
+    reply: Reply
+
+
+class GetDrains(Message, frozen=True, kw_only=True):
+    """API -> Scheduler: answer with a DrainView for each of `nodes` (GET /nodes)."""
+
+    nodes: list[str]
+    reply: Reply
+
+
+class DrainView(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's drain as GET /nodes shows it (actors/policy/drains.py)."""
+
+    node: str
+    state: Literal["in_service", "draining", "drained"]
+    moving: list[str] = []
+    """Models with a child still there that go elsewhere (or stop) once they can."""
+    stays: dict[str, str] = {}
+    """Models that stay there, and why: no other node they may run on is up."""
 
 
 class GetModels(Message, frozen=True, kw_only=True):
@@ -748,7 +777,7 @@ class Shutdown(Message, frozen=True, kw_only=True):
 
 SchedulerRequest = (
     Acquire | Release | Spend | Releases | Requeue | NotCut | Cancel | LoadModel | UnloadModel
-    | GetModels | GetPlan | Ping
+    | DrainNode | GetDrains | GetModels | GetPlan | Ping
 )
 """What the fronts, the management API and an embedding program ask the Scheduler."""
 ChildReport = (

@@ -16,7 +16,7 @@ from .base import BaseActor, CrashHandler
 from .config.keys import tenants_of
 from .config.model import Config, ModelConfig, ModelRules, copies
 from .config.reload import same_child
-from .config.rules import alternate_name
+from .config.rules import alternate_name, with_alternates
 from .ledger import MiB
 from .messages import (
     Acquire,
@@ -26,8 +26,10 @@ from .messages import (
     ChildReport,
     Cut,
     DevicesReported,
+    DrainNode,
     Event,
     GetDevices,
+    GetDrains,
     GetModels,
     GetPlan,
     Inbox,
@@ -99,7 +101,7 @@ from .runtime.timers import Timers
 T = TypeVar("T")
 
 EARLY_OK = (InstancesAttached, Subscribe, WatchGrants, Ping, GetModels, GetDevices, GetPlan,
-            Shutdown)
+            GetDrains, Shutdown)
 """What the Scheduler handles before its instances are attached: nothing that starts,
 stops or tracks a child."""
 
@@ -125,10 +127,10 @@ class Scheduler(BaseActor):
         for name, (group, model) in copies(config.models).items():
             self.policy.add_model(name, clock(), rules=config.rules_of(model, group))
         self.policy.state.teams.replace(config.groups)
-        self.configs = config.instances()
+        self.configs = with_alternates(config.instances())
         self.models = dict(config.models)
-        """The model table as configured (`configs`: by instance, copies included)."""
-        """The current model table: a spawn or a measure uses the config of its moment."""
+        """The current model table (`configs`: by instance, copies included, and the
+        alternates of reloads and drains): a spawn or a measure uses its moment's."""
         self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
         self.instances: dict[str, Inbox[InstanceMessage]] = {}
         """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
@@ -155,7 +157,8 @@ class Scheduler(BaseActor):
         now = self.clock()
         match message:
             case (Acquire() | Release() | Spend() | Releases() | Cancel() | Requeue()
-                  | NotCut() | LoadModel() | UnloadModel() | GetModels() | GetPlan() | Ping()):
+                  | NotCut() | LoadModel() | UnloadModel() | DrainNode() | GetDrains()
+                  | GetModels() | GetPlan() | Ping()):
                 self.on_request(message, now)
             case (InstanceStarted() | InstanceReady() | InstanceAdopted() | NodeChanged()
                   | InstanceSeen() | InstanceReported() | InstanceExited()
@@ -194,6 +197,10 @@ class Scheduler(BaseActor):
                 self._carry_out(p.load(reply, model, now))
             case UnloadModel(model=model, reply=reply):
                 self._carry_out(p.unload(reply, model, now))
+            case DrainNode(node=node, drain=drain, reply=reply):
+                self._carry_out(p.drain(reply, node, drain, now))
+            case GetDrains(nodes=nodes, reply=reply):
+                reply.send([p.drains.view(node) for node in nodes])
             case GetModels(reply=reply):
                 reply.send(p.snapshot(now))
             case GetPlan(model=model, key=key, autoload=autoload, kept=kept, shown=shown,
@@ -323,6 +330,7 @@ class Scheduler(BaseActor):
         kept = [n for n in table if n in old and table[n][1] != old[n]]
         for n in kept:  # a changed child loads in its alternate beside the old one
             self.configs[alternate_name(n)] = table[n][1]
+        self.configs |= with_alternates({n: m for n, (_, m) in table.items() if m.nodes})
         effects, restarted = self.policy.children.reconfigure(
             {n: rules(n) for n in table if n not in old},
             [n for n in old if n not in table],

@@ -376,6 +376,83 @@ def test_a_stream_cut_by_a_lost_node_ends_with_an_error(corral, ray_address: str
     assert "stopped mid-response" in rest and "[DONE]" not in rest, rest[-500:]
 
 
+def drain_of(c: Any, node: str) -> dict[str, Any]:
+    status, body, _ = request(c.port, "GET", "/nodes")
+    assert status == 200, body
+    return next(n["drain"] for n in body["data"] if n["node"] == node)
+
+
+@inside
+def test_a_drained_node_hands_its_models_over_make_before_break(corral,
+                                                                ray_address: str) -> None:
+    """Issue 42: a drain of node_a while requests run: m loads on node_b beside its old
+    child, which serves until then and stops once its requests end; `only`, which may
+    run on node_a alone, stays, and the drain says why; nothing new starts on node_a;
+    `corral undrain` puts it back."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"m": {"cmd": fake_cmd("--tokens-per-s", "100"),
+                                     "nodes": ["node_a", "node_b"]},
+                               "only": {"cmd": fake_cmd(), "nodes": ["node_a"]},
+                               "later": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}},
+                              ns), "--ray", ray_address)
+    assert chat(c.port, "m")[0] == 200 and chat(c.port, "only")[0] == 200
+    agents = Agents(ray_address, ns)
+    assert sorted(agents.children("node_a")) == ["m", "only"]
+    old_pid = agents.children("node_a")["m"]
+    with ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(chat, c.port, "m", 30) for _ in range(16)]
+        status, body, _ = request(c.port, "POST", "/nodes/node_a/drain")
+        assert status == 200 and body["node"] == "node_a", body
+        assert body["state"] == "draining" and body["moving"] == ["m"], body
+        assert "no other node" in body["stays"]["only"], body
+        answers = [f.result() for f in running]
+    assert [a[0] for a in answers] == [200] * 16, answers
+    wait_until(lambda: drain_of(c, "node_a")["state"] == "drained", 30, "node_a drained")
+    assert agents.children("node_a") == {"only": agents.children("node_a")["only"]}
+    assert list(agents.children("node_b")) == ["m@next"]
+    assert not pid_alive(old_pid)
+    assert c.models()["m"]["node"] == "node_b" and chat(c.port, "m")[0] == 200
+    assert chat(c.port, "later")[0] == 200 and c.models()["later"]["node"] == "node_b"
+    assert "model m: node node_a drains: moves to node_b" in c.log()
+    assert "model only stays on draining node node_a" in c.log()
+    assert c.models()["m"]["last_eviction"]["reason"] == "drain"
+    cli = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "undrain", "node_a",
+                          "--url", f"http://127.0.0.1:{c.port}"], capture_output=True,
+                         text=True, timeout=30)
+    assert cli.returncode == 0 and "node node_a: in service" in cli.stdout, cli
+    assert drain_of(c, "node_a") == {"state": "in_service", "moving": [], "stays": {}}
+    assert request(c.port, "POST", "/nodes/node_x/drain")[0] == 404
+
+
+@inside
+def test_a_drain_whose_target_node_is_lost_keeps_serving_then_moves(corral,
+                                                                    ray_address: str) -> None:
+    """The node a drain moves to is lost during the move: the model stays where it
+    was, serving, and the drain says why; once that node's agent is back the move is
+    made."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"m": {"cmd": fake_cmd("--load-delay", "1"),
+                                     "nodes": ["node_a", "node_b"]}}, ns, retry_s=1),
+               "--ray", ray_address)
+    assert chat(c.port, "m")[0] == 200
+    agents = Agents(ray_address, ns)
+    assert list(agents.children("node_a")) == ["m"]
+    status, body, _ = request(c.port, "POST", "/nodes/node_a/drain")
+    assert status == 200 and body["moving"] == ["m"], body
+    os.kill(agents.pid("node_b"), signal.SIGKILL)  # while m@next loads there
+    assert chat(c.port, "m")[0] == 200  # the old child serves on
+    def moved() -> bool:
+        try:
+            return list(agents.children("node_b")) == ["m@next"]
+        except ValueError:  # node_b's agent not back yet
+            return False
+
+    wait_until(lambda: drain_of(c, "node_a")["state"] == "drained" and moved(), 60,
+               "node_b back and m moved there")
+    assert "its child on another node did not load" in c.log()
+    assert chat(c.port, "m")[0] == 200 and c.models()["m"]["node"] == "node_b"
+
+
 @inside
 def test_models_max_per_node_evicts_on_the_node_without_memory_accounting(
         corral, ray_address: str) -> None:

@@ -4,6 +4,8 @@ failed load), and a model's generation never moves backwards, adoption included.
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -226,3 +228,163 @@ def test_a_generation_never_moves_backwards_nor_is_given_out_twice(steps: list[t
                 assert e.generation not in given_out, (step, e.generation, given_out)
                 assert e.generation > max(given_out, default=0)
                 given_out.add(e.generation)
+
+
+# ------------------------------------------------------------------ drains (issue 42)
+
+
+def drain(w: NodeWorld, node: str, on: bool = True) -> object:
+    ticket = ("drain", node, w.now)
+    w.run(w.p.drain(ticket, node, on, w.tick()))
+    return w.answers[ticket]
+
+
+def test_a_drain_moves_each_model_make_before_break_and_ends_drained() -> None:
+    """A model on the drained node loads on the other node while the old child serves;
+    once the new one is ready it takes the requests, the old stops at its requests' end,
+    and the node is drained; nothing new goes there until it is undrained."""
+    w = NodeWorld(0, {"a": BOTH, "b": BOTH})
+    w.load_idle("a")
+    assert w.placed["a"] == "node_a"
+    w.acquire(1, "a")  # a request running on the old child through the move
+    view = drain(w, "node_a")
+    assert view.state == "draining" and view.moving == ["a"] and view.stays == {}
+    assert w.placed["a@next"] == "node_b" and w.state("a@next") == "loading"
+    assert w.state("a") == "loaded" and isinstance(w.answers[1], Grant)
+    w.acquire(2, "a")  # served by the old child while the new one loads
+    assert isinstance(w.answers[2], Grant) and w.answers[2].instance != "a@next"
+    w.ready("a@next")
+    w.acquire(3, "a")
+    assert isinstance(w.answers[3], Grant) and w.answers[3].instance == "a@next"
+    assert w.state("a") == "loaded"  # retiring: its requests run to their end
+    w.release(1)
+    w.release(2)
+    assert ("a", "reload") in w.stops or w.state("a") == "stopping"
+    w.exited("a")
+    assert w.p.drains.view("node_a").state == "drained"
+    w.acquire(4, "b")  # a new load: not on the draining node
+    assert w.placed["b"] == "node_b"
+    assert drain(w, "node_a", False).state == "in_service"
+
+
+def test_a_model_with_no_other_node_stays_and_the_drain_says_why() -> None:
+    w = NodeWorld(0, {"only": ["node_a"], "both": BOTH})
+    w.load_idle("only", "both")
+    view = drain(w, "node_a")
+    assert "only" in view.stays and "no other node" in view.stays["only"]
+    assert view.state == "draining" and view.moving == ["both"]
+    assert w.state("only") == "loaded" and "only@next" not in w.placed
+    w.acquire(1, "only")  # it still serves where it is
+    assert isinstance(w.answers[1], Grant)
+    w.release(1)
+    w.settle()
+    w.settle()
+    assert w.p.drains.view("node_a").state == "drained"  # only what stays is left
+    assert w.state("only") == "loaded"
+
+
+def test_a_model_not_running_whose_nodes_are_all_drained_is_refused_saying_so() -> None:
+    w = NodeWorld(0, {"only": ["node_a"]})
+    drain(w, "node_a")
+    w.acquire(1, "only")
+    refusal = w.answers[1]
+    assert isinstance(refusal, Refusal) and refusal.status == 503
+    assert "drained" in refusal.message and "undrain" in refusal.message
+    drain(w, "node_a", False)
+    w.acquire(2, "only")
+    assert w.placed["only"] == "node_a"
+
+
+def test_a_model_that_stays_moves_once_another_node_comes_up() -> None:
+    w = NodeWorld(0, {"a": BOTH}, up=("node_a",))
+    w.load_idle("a")
+    assert "a" in drain(w, "node_a").stays
+    w.run(w.p.children.node_changed("node_b", True, "", w.tick()))
+    assert w.placed.get("a@next") == "node_b"
+    assert w.p.drains.view("node_a").moving == ["a"]
+
+
+def test_a_drain_where_the_other_node_has_no_slot_stops_the_old_child_at_its_end() -> None:
+    """Make-before-break only where both fit: node_b is at its cap with a busy model, so
+    a's child stops once idle, and its next request waits for room on node_b."""
+    w = NodeWorld(1, {"a": BOTH, "z": ["node_b"]})
+    w.load_idle("a")
+    w.acquire(1, "z")
+    w.ready("z")
+    assert w.placed["a"] == "node_a" and w.placed["z"] == "node_b"
+    view = drain(w, "node_a")
+    assert view.moving == ["a"] and "a@next" not in w.placed
+    assert w.state("a") == "stopping"  # idle: it stops at once
+    w.exited("a")
+    assert w.p.drains.view("node_a").state == "drained"
+    w.acquire(2, "a")
+    assert w.answers.get(2) is None  # waits for node_b's slot
+    w.release(1)
+    w.settle()
+    w.settle()
+    assert w.placed["a"] == "node_b" and isinstance(w.answers[2], Grant)
+
+
+DrainStep = st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from(["a", "b", "only"])),
+    st.tuples(st.just("release")),
+    st.tuples(st.just("settle")),
+    st.tuples(st.sampled_from(["drain", "undrain", "lost", "up"]), st.sampled_from(BOTH)),
+)
+
+
+@settings(max_examples=int(os.environ.get("CORRAL_DRAIN_EXAMPLES", "200")), deadline=None)
+@given(st.lists(DrainStep, max_size=40), st.integers(0, 2))
+def test_no_child_starts_on_a_draining_node_and_every_drain_ends(steps: list[tuple],
+                                                                  per_node: int) -> None:
+    """Over any history of requests, drains, undrains and nodes lost and back: no child
+    is started on a draining node, every request is answered, and once the children
+    settle each draining node is drained, with only models that have nowhere else left
+    there."""
+    w = NodeWorld(per_node, {"a": BOTH, "b": BOTH, "only": ["node_a"]})
+    nodes, granted = w.p.state.nodes, []
+
+    def run(effects: list[Effect]) -> None:
+        for e in effects:
+            assert not (isinstance(e, Spawn) and e.node in nodes.draining), e
+
+    for i, step in enumerate(steps):
+        match step:
+            case ("acquire", model):
+                run(w.run(w.p.acquire(i, model, w.tick())))
+                granted.append(i)
+            case ("release",) if granted:
+                ticket = granted.pop(0)
+                if isinstance(w.answers.get(ticket), Grant):
+                    run(w.run(w.p.release(ticket, w.tick())))
+                else:
+                    run(w.run(w.p.cancel(ticket, w.tick())))
+            case ("settle",):
+                w.settle()
+            case ("drain" | "undrain" as what, node):
+                drain(w, node, what == "drain")
+            case ("lost" | "up" as what, node):
+                run(w.run(w.p.children.node_changed(node, what == "up", "lost", w.tick())))
+                for rec in list(w.p.state.models.values()):
+                    if what == "lost" and rec.node == node and rec.state.is_running:
+                        run(w.run(w.p.children.instance_exited(
+                            rec.name, rec.generation, -9, "node lost", w.tick())))
+    for _ in range(20):  # every request ends, every child moves on
+        for ticket in granted:
+            if isinstance(w.answers.get(ticket), Grant):
+                run(w.run(w.p.release(ticket, w.tick())))
+        granted = [t for t in granted if t not in w.answers]
+        w.now += 100.0
+        w.fire_timers()
+        if not w.settle() and not granted:
+            break
+    assert not granted, f"never answered: {granted}"
+    for node in nodes.draining:
+        view = w.p.drains.view(node)
+        there = {r.group for r in w.p.state.models.values()
+                 if r.node == node and r.state.is_running}
+        assert view.state == "drained", view
+        assert there <= set(view.stays), (there, view)
+        for model in view.stays:
+            others = set(w.p.state.models[model].rules.nodes or []) - {node}
+            assert not others & (nodes.up - nodes.draining), (model, view, nodes.up)

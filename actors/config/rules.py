@@ -8,10 +8,12 @@ the others (`replica_name`); the group's queue, breaker and figures are those of
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
+
+M = TypeVar("M")
 
 SEPARATOR = "@"
 """Between a model's name and a replica's number: `NAME@2`."""
@@ -64,6 +66,13 @@ def alternate_name(instance: str) -> str:
     """The instance a changed config of `instance` loads in beside its old child (a
     make-before-break reload: actors/policy/handover.py)."""
     return f"{instance}{SEPARATOR}next"
+
+
+def with_alternates(table: dict[str, M]) -> dict[str, M]:
+    """`table` (instance -> its config) with the alternate of each instance on cluster
+    nodes, where a drain loads it beside its old child (actors/policy/drains.py)."""
+    return table | {alternate_name(n): m for n, m in table.items()
+                    if getattr(m, "nodes", None)}
 
 
 class ModelRules(msgspec.Struct, frozen=True, kw_only=True):

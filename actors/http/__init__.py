@@ -21,6 +21,7 @@ then streamed to and from the child; everything else goes to the management API.
 | a WebSocket: two connections relayed, in limits    | `Tunnel`, `Frames`       | tunnel.py     |
 | a request's id and its journal record, as it goes  | `Trace`, `record`        | journaling.py |
 | the journal's endpoints: GET /requests, cancel     | `RequestsApi`, `parse`   | requests_api.py |
+| cluster nodes: GET /nodes, drain, undrain         | `NodesApi`               | nodes_api.py    |
 | what is queued and running now; its cancel        | `Live`, `Running`        | inflight.py   |
 | what an exchange may use of its front              | `Services`               | services.py   |
 | what an exchange writes to: its connection         | `Client`                 | exchange.py   |

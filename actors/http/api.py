@@ -46,6 +46,7 @@ from .events import Streams, log_text
 from .front import Front
 from .manage import ModelCommands, answer_response, error
 from .metrics import render
+from .nodes_api import NodesApi
 from .ollama import MODEL_CALLS
 from .ollama_api import OllamaApi
 from .requests_api import RequestsApi
@@ -122,10 +123,10 @@ class ManagementApi(ModelCommands):
         r.add_get("/props", lambda q: listing.router_props(self.config))
         r.add_get("/metrics", self.metrics)
         r.add_get("/devices", self.devices)
-        r.add_get("/nodes", self.nodes)
         r.add_get("/keys", self.keys_list)
         StreamApi(self.kept).routes(app)
         RequestsApi(self.journal, lambda: self.fronts).routes(app)
+        NodesApi(self.sup, self._ask).routes(app)
         if self.config.ollama.enabled:
             self.ollama.routes(app)
         planning = asyncio.Lock()
@@ -350,7 +351,7 @@ class ManagementApi(ModelCommands):
         if model is None:
             return None
         return listing.entry(view, model, self.sup.config.rules_of(model), counts,
-                             self._node_of(view.name), int(self.started),
+                             view.node or self._node_of(view.name), int(self.started),
                              self.cards.view(view.name, model))
 
     def _node_of(self, model: str) -> str | None:
@@ -363,12 +364,6 @@ class ManagementApi(ModelCommands):
         snap = await self._ask(lambda r: GetDevices(reply=r))
         assert isinstance(snap, DevicesSnapshot)
         return web.json_response(listing.devices(snap))
-
-    async def nodes(self, request: web.Request) -> web.Response:
-        """GET /nodes: the Ray nodes' agents (an empty list without a [cluster])."""
-        cluster = self.sup.cluster
-        data = cluster.describe() if cluster is not None else []
-        return web.json_response({"object": "list", "data": data})
 
     async def logs(self, request: web.Request) -> web.StreamResponse:
         """GET /models/logs?model=NAME: the child's recent output as text; with

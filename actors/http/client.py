@@ -30,6 +30,9 @@ COMMANDS = {
                  "corral requests --model llama-8b --status 5xx"),
     "cancel": ("end a queued or running request, by its id (X-Request-Id)",
                "corral cancel 3f2a9c1e-1b"),
+    "drain": ("take a cluster node out of service: no new child goes there, its models "
+              "move to other nodes first", "corral drain node_b"),
+    "undrain": ("put a drained cluster node back in service", "corral undrain node_b"),
 }
 """command -> (help, example), for the CLI's parser."""
 
@@ -54,6 +57,10 @@ def run(url: str, key: str | None, command: str, name: str | None = None,
         req = urllib.request.Request(
             f"{base}/requests/{urllib.parse.quote(name or '', safe='')}/cancel", method="POST",
             headers=headers)
+    elif command in ("drain", "undrain"):
+        req = urllib.request.Request(
+            f"{base}/nodes/{urllib.parse.quote(name or '', safe='')}/{command}",
+            method="POST", headers=headers)
     elif command == "requests":
         query = query or {}
         fields = urllib.parse.urlencode({k: v for k, v in query.items() if v})
@@ -102,6 +109,9 @@ def show(command: str, name: str | None, base: str, headers: dict[str, str],
         return 0
     if command == "cancel":
         print(f"cancelled: {data['id']} ({data['cancelled']})")
+        return 0
+    if command in ("drain", "undrain"):
+        print(drain_text(data))
         return 0
     for model in data["data"]:
         status = model["status"]
@@ -260,3 +270,12 @@ def print_devices(data: dict[str, Any]) -> None:
         held = ", ".join(f"{m} {b // mib}" for m, b in d["held"].items()) or "-"
         print(f"{d['name']:<12} total {d['total'] // mib} MiB  external {d['external'] // mib}"
               f"  available {d['available'] // mib}  held: {held}")
+
+
+def drain_text(data: dict[str, Any]) -> str:
+    """A node's drain, as `corral drain` prints it."""
+    lines = [f"node {data['node']}: {data['state'].replace('_', ' ')}"]
+    if data.get("moving"):
+        lines.append(f"  moving off: {', '.join(data['moving'])}")
+    lines += [f"  stays: {model}: {why}" for model, why in (data.get("stays") or {}).items()]
+    return "\n".join(lines)

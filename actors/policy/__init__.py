@@ -31,16 +31,17 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | the events of cuts: asked, requeued, refused         | `Preemption`           | preempt.py  |
 | what one more request would get (GET /models/plan)   | `plan`, `RequestPlan`  | plans.py    |
 | cluster nodes that are up; models_max_per_node       | `NodeSlots`            | nodes.py    |
+| drained nodes, and the moves off them                | `Drains`               | drains.py   |
 | restart intensity, backoff, half-open, per model     | `Breaker`              | breaker.py  |
 | what device and measure reports change               | `Reports`              | reports.py  |
 | GET /models and the invariants                       | `snapshot`, `check`    | views.py    |
 
 Composed of held parts, none a subclass of another: `Policy` holds one `State`, one
-`Rules` on it, one `Children`, one `Preemption`, one `Tiers` and one `Commands`, and
-calls their named steps. `Rules` holds the one-step `moves` (`Moves`, which holds the
-model groups' part, `moves.teams`), the victim `choice`, the way a model comes `up` and
-the `scaling` of copies; each event method reads top-down and calls them by name, so
-go-to-definition finds every one. Conventions that cross files:
+`Rules` on it, one `Children`, one `Preemption`, one `Tiers`, one `Commands` and one
+`Drains`, and calls their named steps. `Rules` holds the one-step `moves` (`Moves`,
+which holds the model groups' part, `moves.teams`), the victim `choice`, the way a model
+comes `up` and the `scaling` of copies; each event method reads top-down and calls them
+by name, so go-to-definition finds every one. Conventions that cross files:
 
 - An event returns its effects (`Moves.flush`): nothing here tells an actor anything.
 - A decision is logged once, where it is carried out: a memory `Plan` is weighed for places

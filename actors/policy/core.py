@@ -23,10 +23,11 @@ from ..messages import ModelsSnapshot, WaitDue
 from . import plans, views
 from .children import Children
 from .commands import Commands
+from .drains import Drains
 from .plans import RequestPlan
 from .preempt import Preemption
 from .queue import Waiter
-from .records import Effect, Later, ModelRecord
+from .records import Answer, Effect, Later, ModelRecord
 from .rules import Rules
 from .state import State
 from .tiers import Tiers
@@ -59,6 +60,8 @@ class Policy:
         self.cuts = Preemption(self.state, self.rules, self._model_let_go)
         self.tiers = Tiers(self.state, self.rules)
         self.commands = Commands(self.state, self.rules)
+        self.drains = Drains(self.state, self.children.handovers)
+        self.rules.drains = self.drains.step
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -355,6 +358,17 @@ class Policy:
 
     def unload(self, ticket: Hashable, model: str, now: float) -> list[Effect]:
         return self.commands.unload(ticket, model, now)
+
+    def drain(self, ticket: Hashable, node: str, drain: bool, now: float) -> list[Effect]:
+        """POST /nodes/{node}/drain (or undrain): answered with its view once the moves
+        are begun."""
+        if drain:
+            self.drains.drain(node, now)
+        else:
+            self.drains.undrain(node)
+        self.rules.pump(now)
+        self.state.out.append(Answer(ticket, self.drains.view(node)))
+        return self.moves.flush()
 
     def shutdown(self, now: float) -> list[Effect]:
         return self.commands.shutdown(now)

@@ -38,11 +38,14 @@ class Handovers:
         self.pending: set[ModelRecord] = set()
         """Newcomers not started yet: their figures are not known, or the child the
         record had is still on its way out."""
+        self.why: dict[str, str] = {}
+        """Newcomer -> what it loads for: "reload", or "drain" (drains.py)."""
 
-    def begin(self, rec: ModelRecord, now: float) -> bool:
+    def begin(self, rec: ModelRecord, now: float, why: str = "reload") -> bool:
         """The config of `rec`'s copy changed (the new rules are set on both its
-        records): load it beside the copy's serving child. False: none serves (or it is
-        suspended), or the model has make_before_break off; the caller retires what runs."""
+        records), or its node drains (`why`): load it beside the copy's serving child.
+        False: none serves (or it is suspended), or the model has make_before_break off;
+        the caller retires what runs."""
         groups = self.state.groups
         live = groups.current(rec)
         if (not rec.rules.make_before_break or not live.state.is_serving or live.retiring
@@ -55,6 +58,7 @@ class Handovers:
             new.takes_over = None
             self.moves.stop(new, "reload", None, now)
         new.takes_over = live.name
+        self.why[new.name] = why
         self.pending.add(new)
         self.attempt(new, now)
         if self.state.has_room(live):  # the new rules may let more in (max_concurrency)
@@ -98,16 +102,24 @@ class Handovers:
             else:
                 new.placement = plan.devices
                 new.node = node_of(plan.devices[0]) if plan.devices else None
+        elif new.rules.nodes is not None:  # a node's free slot (models_max_per_node)
+            choice = state.nodes.choose(new, state.models, [])
+            new.node = choice.node if choice.verdict == "go" else None
+            if new.node is None:
+                short = f"no node with a free slot ({choice.why})"
         if short is not None:
             new.takes_over = None
-            why = f"reload: {short}, so the old child stops before the new config loads"
+            why = (f"reload: {short}, so the old child stops before the new config loads"
+                   if self.why.get(new.name, "reload") == "reload" else f"drain: {short}, "
+                   "so the old child stops once its requests end; the next request loads "
+                   "it elsewhere")
             log.info("model %s: %s", live.name, why)
             self.moves.publish_state(live, why, now)
             self.moves.retire(live, now)
             return
         self.moves.spawn(new, 0, now, why=(
-            f"reload, make-before-break: loads beside {live.name}#{live.generation}, "
-            "which serves until this is ready"))
+            f"{self.why.get(new.name, 'reload')}, make-before-break: loads beside "
+            f"{live.name}#{live.generation}, which serves until this is ready"))
 
     def retry(self, now: float) -> None:
         """Something that held a newcomer back may have changed (a measurement, an exit)."""
@@ -121,4 +133,5 @@ class Handovers:
         new.takes_over = None
         self.state.groups.swap(new)
         if live is not None and (live.state.is_serving or live.state is S.SUSPENDED):
-            self.moves.retire(live, now)
+            self.moves.retire(live, now, "drain" if self.why.pop(new.name, "") == "drain"
+                              else "reload")

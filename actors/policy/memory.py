@@ -73,7 +73,10 @@ class Memory(Reports):
 
     def candidates(self, rec: ModelRecord) -> list[list[str]]:
         """The device sets `rec` may be placed on (places.py)."""
-        return self.places.of(rec.rules, self.ledger)
+        places = self.places.of(rec.rules, self.ledger)
+        if self.nodes.draining and rec.rules.nodes is not None:  # (a place is on one node)
+            return [p for p in places if node_of(p[0]) not in self.nodes.draining]
+        return places
 
     def placed_need(self, rec: ModelRecord, devices: list[str] | None) -> Breakdown | None:
         """`rec`'s need moved onto `devices`: what it measured on GPUs, split evenly over
@@ -102,7 +105,7 @@ class Memory(Reports):
         state, device figure or hold has changed, the same plan is given again (a full
         cluster's head of queue is planned at every request that comes or goes)."""
         inputs = (rec.generation, rec.rules, rec.memory, rec.mem_max, rec.mem_min,
-                  self.ledger.version, self.epoch, frozenset(busy or ()), len(self.nodes.down))
+                  self.ledger.version, self.epoch, frozenset(busy or ()), self.nodes.version)
         if not exhaustive and (last := self.waits.get(rec.name)) and last[0] == inputs:
             return last[1]
         plan = self._plan(rec, models, victims, busy, exhaustive)
@@ -143,6 +146,9 @@ class Memory(Reports):
         if nodes is not None and not any(node_of(d) in nodes for d in self.ledger.devices):
             return Plan("wait")  # none of its nodes has reported its devices yet
         if nodes is not None and not places:
+            if drained := [n for n in nodes if n in self.nodes.draining]:
+                return Plan("refuse", refusal=f"model '{rec.name}' cannot be placed: "
+                            + self.nodes.drained_why(nodes, drained))
             lost = all(n in self.nodes.down for n in nodes)
             return Plan("refuse", refusal=(
                 f"model '{rec.name}' cannot be placed: {'node lost: ' if lost else ''}none "

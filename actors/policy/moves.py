@@ -359,7 +359,10 @@ class Moves:
         new.takes_over = None
         if live is not None and live.state.is_serving and not live.retiring:
             why = (f"reload: the new config did not load ({new.last_exit or 'stopped'}); "
-                   "the old child keeps serving until it stops")
+                   "the old child keeps serving until it stops"
+                   if live.node not in self.state.nodes.draining else
+                   f"drain: its child on another node did not load ({new.last_exit or 'stopped'}"
+                   f"); the old child keeps serving on node {live.node}")
             log.warning("model %s: %s", live.name, why)
             self.publish_state(live, why, now)
 

@@ -51,8 +51,13 @@ class NodeSlots:
         """Node -> why its agent is not up (lost, or never reached)."""
         self.up: set[str] = set()
         """Nodes whose agent is up. A node in neither is not heard of yet."""
+        self.draining: set[str] = set()
+        """Nodes a person drained (drains.py): no child is started there."""
+        self.version = 0
+        """Counts the changes of `down` and `draining` (what a memory plan depends on)."""
 
     def changed(self, node: str, up: bool, why: str) -> None:
+        self.version += 1
         if up:
             self.up.add(node)
             self.down.pop(node, None)
@@ -93,11 +98,13 @@ class NodeSlots:
         used idle model was used least recently, once that one is stopped; else a wait
         (a stop or a release re-pumps), or a refusal when no slot can come."""
         nodes = sorted(rec.rules.nodes or [], key=lambda n: n in (avoid or ()))
-        up = [n for n in nodes if n in self.up]
+        up = [n for n in nodes if n in self.up and n not in self.draining]
         if not up:
-            unheard = [n for n in nodes if n not in self.down]
+            unheard = [n for n in nodes if n not in self.down and n not in self.draining]
             if unheard:
                 return NodeChoice("wait", why=f"node {unheard[0]} not reached yet")
+            if drained := [n for n in nodes if n in self.draining]:
+                return NodeChoice("refuse", why=self.drained_why(nodes, drained))
             return NodeChoice("refuse", why=(
                 "node lost: none of its nodes has an agent up ("
                 + "; ".join(f"{n}: {self.down[n]}" for n in nodes)
@@ -124,3 +131,10 @@ class NodeSlots:
                 "unload one or raise models_max_per_node"))
         return NodeChoice("wait", why=f"node at its cap {cap}: every model on {names} is "
                                       "busy")
+
+    def drained_why(self, nodes: list[str], drained: list[str]) -> str:
+        """Why a model whose nodes are all drained or lost cannot be started."""
+        lost = [f"{n}: {self.down[n]}" for n in nodes if n in self.down and n not in drained]
+        return (f"every node it may run on is drained or lost (drained: {', '.join(drained)}"
+                + (f"; lost: {'; '.join(lost)}" if lost else "")
+                + "); POST /nodes/NODE/undrain, or see GET /nodes")

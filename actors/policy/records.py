@@ -18,6 +18,7 @@ from ..ledger import Breakdown, MemoryInfo, MemoryStatus, MiB
 from ..lifecycle import ModelState
 from ..messages import (
     Done,
+    DrainView,
     Event,
     Evicted,
     EvictionReason,
@@ -78,7 +79,7 @@ class Answer(msgspec.Struct, frozen=True):
     startup)."""
 
     ticket: Hashable | None
-    value: Grant | Refusal | Done
+    value: Grant | Refusal | Done | DrainView
 
 
 class Preempt(msgspec.Struct, frozen=True):

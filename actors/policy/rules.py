@@ -8,6 +8,7 @@ report).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 from ..histogram import observe
@@ -44,6 +45,8 @@ class Rules:
         self.up = BringUp(state, self.moves)
         self.scaling = Scaling(state, self.moves, self.choice, self.up)
         self.turns = Turns(state, self.up.plan)
+        self.drains: Callable[[float], None] | None = None
+        """Begins the moves off draining nodes (drains.py `step`: set by the Policy)."""
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
@@ -54,6 +57,8 @@ class Rules:
             self.drop_partner_loads()
         if self.state.n_suspended:
             self.relieve_host(now)
+        if self.state.nodes.draining and self.drains is not None:
+            self.drains(now)
         self.tick(now)
         self.claim(now)
         while self.state.teams.brought:  # together partners queued: slots for them too
@@ -336,6 +341,7 @@ class Rules:
         self.moves.refuse_entry(rec.group, 503, f"model '{rec.group}' cannot be started: "
                            f"{choice.why}", retry_after_s=1.0,
                            reason="node_lost" if (choice.why or "").startswith("node lost")
+                           else "node_drained" if (choice.why or "").startswith("every node")
                            else "node_cap")
         return True
 

@@ -52,7 +52,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             failed=child.failed and child.state is S.UNLOADED,
             retry_after_s=rec.breaker.retry_at - now if rec.breaker.is_open(now) else None,
             expires_in_s=max(expires, 0.0) if expires is not None else None,
-            devices=child.placement, queue_oldest_s=oldest,
+            devices=child.placement, node=child.node, queue_oldest_s=oldest,
             queue_wait=(h.view() if (h := p.stats.queue_wait.get(rec.name)) else None),
             load_time=(h.view() if (h := p.stats.load_time.get(rec.name)) else None),
             wake_time=(h.view() if (h := p.stats.wake_time.get(rec.name)) else None),
