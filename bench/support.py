@@ -136,10 +136,14 @@ class Corral:
                                      stdin=subprocess.DEVNULL, cwd=root, env=env)
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
-        try:  # (joining a Ray cluster on a busy machine can take most of a minute)
-            line = lines.get(timeout=START_S)
-        except queue.Empty:
-            line = f"nothing within {START_S} s"
+        deadline = time.monotonic() + START_S  # (joining a Ray cluster on a busy machine
+        line = ""                               # can take most of a minute)
+        while "listening on " not in line and line != "<eof>":  # (Ray's driver prints too)
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = f"nothing within {START_S} s"
+                break
         if "listening on " not in line:
             self.stop(keep_home=True)  # its log is read before the home goes
             log = self.log()

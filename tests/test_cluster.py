@@ -390,11 +390,11 @@ def test_a_drained_node_hands_its_models_over_make_before_break(corral,
     run on node_a alone, stays, and the drain says why; nothing new starts on node_a;
     `corral undrain` puts it back."""
     ns = f"t{uuid.uuid4().hex[:8]}"
-    c = corral(cluster_config({"m": {"cmd": fake_cmd("--tokens-per-s", "100"),
-                                     "nodes": ["node_a", "node_b"]},
-                               "only": {"cmd": fake_cmd(), "nodes": ["node_a"]},
-                               "later": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}},
-                              ns), "--ray", ray_address)
+    config = cluster_config({"m": {"cmd": fake_cmd("--tokens-per-s", "100"),
+                                   "nodes": ["node_a", "node_b"]},
+                             "only": {"cmd": fake_cmd(), "nodes": ["node_a"]},
+                             "later": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}}, ns)
+    c = corral(config, "--ray", ray_address)
     assert chat(c.port, "m")[0] == 200 and chat(c.port, "only")[0] == 200
     agents = Agents(ray_address, ns)
     assert sorted(agents.children("node_a")) == ["m", "only"]
@@ -422,6 +422,11 @@ def test_a_drained_node_hands_its_models_over_make_before_break(corral,
     assert cli.returncode == 0 and "node node_a: in service" in cli.stdout, cli
     assert drain_of(c, "node_a") == {"state": "in_service", "moving": [], "stays": {}}
     assert request(c.port, "POST", "/nodes/node_x/drain")[0] == 404
+    moved = agents.children("node_b")["m@next"]
+    assert c.stop() == 0 and pid_alive(moved)  # left running for the next head
+    second = corral(config, "--ray", ray_address)  # adopts what it knows, stops the rest
+    wait_until(lambda: not pid_alive(moved), 30, "the moved child, not adopted, to stop")
+    assert "not adopting pid" in second.log() and chat(second.port, "m")[0] == 200
 
 
 @inside
@@ -451,6 +456,46 @@ def test_a_drain_whose_target_node_is_lost_keeps_serving_then_moves(corral,
                "node_b back and m moved there")
     assert "its child on another node did not load" in c.log()
     assert chat(c.port, "m")[0] == 200 and c.models()["m"]["node"] == "node_b"
+
+
+@inside
+def test_hooks_run_on_the_childs_node_and_uploads_reach_it_whole(corral, ray_address: str,
+                                                                 tmp_path) -> None:
+    """Issue 42, part 2: a model on node_b: its hooks are run by that node's agent, with
+    their placeholders filled there, and a multipart upload reaches its child whole."""
+    import hashlib
+    import http.client
+    import json
+
+    from tests.test_uploads import BOUNDARY, form
+
+    ran = tmp_path / "ran.txt"
+    note = [sys.executable, "-c",  # its words, then the pids above it
+            "import os, sys\nup, p = [], os.getppid()\nwhile p > 1:\n up.append(str(p))\n"
+            " p = int(open('/proc/%d/stat' % p).read().rsplit(')', 1)[1].split()[1])\n"
+            "open(sys.argv[1], 'a').write(' '.join(sys.argv[2:] + [','.join(up)]) + chr(10))",
+            str(ran)]
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"m": {"cmd": fake_cmd(), "nodes": ["node_b"], "hooks": {
+        "before_load": [*note, "before_load", "{model}"],
+        "after_ready": [*note, "after_ready", "{model}", "{port}"]}}}, ns),
+        "--ray", ray_address)
+    body = form([("model", b"m", None), ("file", os.urandom(3 << 20), "a.wav")])
+    conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
+    conn.request("POST", "/v1/audio/transcriptions", body,
+                 {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
+    resp = conn.getresponse()
+    answer = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200, answer
+    assert answer["sha256"] == hashlib.sha256(body).hexdigest() and answer["model"] == "m"
+    agent = Agents(ray_address, ns).pid("node_b")
+    lines = [line.split() for line in ran.read_text().splitlines()]
+    assert [w[:2] for w in lines] == [["before_load", "m"], ["after_ready", "m"]], lines
+    assert lines[1][2] == str(c.models()["m"]["port"])
+    for words in lines:  # started under node_b's agent, not the head
+        above = words[-1].split(",")
+        assert str(agent) in above and str(c.proc.pid) not in above, (words, agent)
 
 
 @inside

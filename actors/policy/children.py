@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from ..config.rules import ModelRules
+from ..config.rules import ModelRules, alternate_name
 from ..histogram import observe
 from ..ledger import Breakdown, node_of
 from ..lifecycle import ModelState
@@ -106,6 +106,12 @@ class Children:
         A model that runs, or whose generations have gone past the child's, stops the
         child instead: a generation is never given out twice (issue 19, R12)."""
         rec = self.state.models.get(model)
+        if rec is None and self.state.models.get(model.removesuffix(alternate_name(""))):
+            rec = self.state.models[model.removesuffix(alternate_name(""))]  # (say its name)
+            log.info("model %s: not adopting pid %d (#%d): a drain or reload had moved it "
+                     "there; stopping it", rec.name, pid, generation)
+            self.state.out.append(Stop(model, generation, "not adopted: an alternate"))
+            return self.moves.flush()
         if rec is None or (rec.state.is_running and generation == rec.generation):
             return []  # its own child (never stop that one)
         if rec.state is not S.UNLOADED or generation < rec.generation:
