@@ -75,12 +75,16 @@ def test_a_member_key_may_call_and_list_its_models_but_not_manage(corral,
     assert status == 200 and [m["id"] for m in body["data"]] == ["b"]
     for method, path, payload in (("POST", "/models/unload", {"model": "b"}),
                                   ("GET", "/models?reload=1", None), ("GET", "/metrics", None),
-                                  ("GET", "/models/logs?model=b", None)):
+                                  ("GET", "/models/logs?model=b", None),
+                                  ("POST", "/nodes/node_a/drain", None),
+                                  ("POST", "/nodes/node_a/undrain", None)):
         status, body, _ = request(c.port, method, path, payload, headers=bob)
         assert status == 403, (path, body)
         assert "key 'bob'" in body["error"]["message"] and "admin" in body["error"]["message"]
         assert body["error"]["type"] == "permission_error"
     assert request(c.port, "POST", "/models/unload", {"model": "b"}, headers=root)[0] == 200
+    status, body, _ = request(c.port, "POST", "/nodes/node_a/drain", headers=root)
+    assert status == 400 and "joined no Ray cluster" in body["error"]["message"], body
     status, body, _ = request(c.port, "GET", "/v1/models", headers=root)
     assert sorted(m["id"] for m in body["data"]) == ["a", "b"]
 

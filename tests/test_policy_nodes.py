@@ -10,12 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.config.rules import ModelRules
-from actors.messages import Grant, Refusal
+from actors.ledger import DeviceSample
+from actors.lifecycle import ModelState
+from actors.messages import DeviceReport, Grant, Refusal
 from actors.policy import Policy
-from actors.policy.records import Effect, Spawn, Stop
+from actors.policy.records import Effect, Spawn, Stop, Wake
 from tests.test_policy import World
 
 BOTH = ["node_a", "node_b"]
+GiB = 1024**3
+S = ModelState
 
 
 class NodeWorld(World):
@@ -388,3 +392,163 @@ def test_no_child_starts_on_a_draining_node_and_every_drain_ends(steps: list[tup
         for model in view.stays:
             others = set(w.p.state.models[model].rules.nodes or []) - {node}
             assert not others & (nodes.up - nodes.draining), (model, view, nodes.up)
+
+# ------------------------------------------------------------------ drains: the review's cases
+
+
+def report_devices(w: NodeWorld, usage: dict[str, int]) -> None:
+    """A device report: node_a/gpu0 (the models' use), host RAM plenty."""
+    w.run(w.p.children.devices_reported(DeviceReport(
+        devices=[DeviceSample("node_a/gpu0", "device", 80 * GiB, 40 * GiB, "simulated"),
+                 DeviceSample("host", "host", 64 * GiB, 60 * GiB, "host")],
+        managed={"node_a/gpu0": sum(usage.values())},
+        usage={m: {"node_a/gpu0": b} for m, b in usage.items()},
+        tracked=sorted(usage), backends=["simulated", "host"]), w.tick()))
+
+
+def test_what_stays_is_said_of_the_children_there_now() -> None:
+    w = NodeWorld(0, {"a": BOTH}, up=("node_a",))
+    w.load_idle("a")
+    assert "a" in drain(w, "node_a").stays
+    w.run(w.p.unload(("u",), "a", w.tick()))
+    w.exited("a")
+    w.run(w.p.children.node_changed("node_b", True, "", w.tick()))
+    view = w.p.drains.view("node_a")
+    # a runs nowhere, node_b is up and in service: nothing "stays" on node_a
+    assert view.stays == {}, view
+
+
+def suspended_world() -> NodeWorld:
+    rules = ModelRules(nodes=BOTH, suspend=True, ttl_suspend_s=5.0)
+    w = NodeWorld(0, {"a": BOTH}, a=rules)
+    w.load_idle("a")
+    assert w.placed["a"] == "node_a"
+    report_devices(w, {"a": GiB})
+    w.now += 10
+    w.fire_timers()
+    assert w.state("a") == "suspending"
+    w.run(w.p.tiers.suspended("a", w.gen("a"), True, "", 0, w.tick()))
+    assert w.state("a") == "suspended"
+    return w
+
+
+def test_a_suspended_child_on_a_draining_node_is_stopped_and_the_drain_ends() -> None:
+    w = suspended_world()
+    drain(w, "node_a")
+    for _ in range(5):
+        w.now += 100
+        w.fire_timers()
+        w.settle()
+    view = w.p.drains.view("node_a")
+    assert view.state == "drained", (view, w.state("a"))
+
+
+def test_a_suspended_child_on_a_draining_node_is_never_woken_there() -> None:
+    w = suspended_world()
+    drain(w, "node_a")
+    effects = w.run(w.p.acquire(1, "a", w.tick()))
+    woke = [e for e in effects if isinstance(e, Wake)]
+    rec = w.p.state.models["a"]
+    # the child sleeps on node_a: a wake starts it again there, yet the record says node_b
+    assert not (woke and rec.node != "node_a"), (woke, rec.node)
+
+
+def test_a_moved_models_old_child_back_with_its_node_is_stopped_not_adopted() -> None:
+    """node_a (draining) is lost while a's old child is being stopped after its move; its
+    agent comes back with that child still running: it is stopped, not adopted beside
+    a@next (two children serving one model, and a drain that never ended)."""
+    w = NodeWorld(0, {"a": BOTH})
+    w.load_idle("a")
+    old = w.gen("a")
+    drain(w, "node_a")
+    w.ready("a@next")
+    assert w.state("a") == "stopping"
+    w.run(w.p.children.node_changed("node_a", False, "lost", w.tick()))
+    w.run(w.p.children.instance_exited("a", old, -9, "node lost", w.tick()))
+    w.run(w.p.children.node_changed("node_a", True, "", w.tick()))
+    effects = w.run(w.p.children.instance_adopted("a", old, 7, "h", 2, None, w.tick(),
+                                                  node="node_a"))
+    stopped = [e for e in effects if isinstance(e, Stop)]
+    for _ in range(5):
+        w.now += 1000
+        w.fire_timers()
+        w.settle()
+    a, nxt = w.p.state.models["a"], w.p.state.models["a@next"]
+    assert stopped or not (a.state.is_serving and nxt.state.is_serving), (
+        "two serving children", a.state, a.node, a.takes_over, nxt.state, nxt.node)
+
+
+def test_a_warm_model_with_nodes_is_loaded_on_a_node_with_a_free_slot() -> None:
+    """Without memory accounting a warm model was spawned with no node (the head said
+    "node lost"): it goes to a node with a free slot."""
+    w = NodeWorld(0, {"a": BOTH}, a=ModelRules(nodes=BOTH, warm=True))
+    w.run(w.p.repump(w.tick()))
+    assert w.state("a") == "loading"
+    assert w.placed["a"] is not None, "Spawn(node=None): the head answers 'node lost'"
+
+
+def test_a_failed_move_leaves_the_model_serving_and_says_why() -> None:
+    w = NodeWorld(0, {"a": BOTH})
+    w.load_idle("a")
+    drain(w, "node_a")
+    w.exited("a@next", 1)  # the newcomer's load fails once (OOM, a bad disk...)
+    for t in range(10):  # time passes, requests come and go
+        w.now += 100
+        w.fire_timers()
+        w.acquire(("later", t), "a")
+        w.release(("later", t))
+        w.settle()
+    view = w.p.drains.view("node_a")
+    assert "move failed" in view.stays["a"] and view.state == "drained", view
+    assert w.state("a") == "loaded" and w.p.state.models["a"].node == "node_a"
+
+
+def test_a_model_that_could_never_load_elsewhere_stays_and_serves() -> None:
+    """node_b is up and in service but its only slot is held by a pinned model: a stays
+    on node_a and serves (a drain that stopped it left every later request refused)."""
+    w = NodeWorld(1, {"a": BOTH, "z": ["node_b"]}, z=ModelRules(nodes=["node_b"], pinned=True))
+    w.load_idle("z", "a")
+    assert w.placed["a"] == "node_a"
+    view = drain(w, "node_a")
+    w.settle()
+    refusal = w.acquire(1, "a")
+    assert isinstance(refusal, Grant) and "pinned" in view.stays["a"], (view, refusal)
+
+
+def test_an_alternates_child_back_beside_the_serving_record_is_stopped() -> None:
+    """The same through the alternate: a@next's stopping child on node_b survives a
+    node flap while `a` serves on node_a: it is stopped, not adopted."""
+    w = NodeWorld(0, {"a": BOTH})
+    w.load_idle("a")
+    drain(w, "node_a")
+    w.ready("a@next")
+    w.exited("a")
+    drain(w, "node_a", False)
+    drain(w, "node_b")
+    w.ready("a")
+    gen = w.gen("a@next")
+    assert w.state("a@next") == "stopping"
+    w.run(w.p.children.node_changed("node_b", False, "lost", w.tick()))
+    w.run(w.p.children.instance_exited("a@next", gen, -9, "node lost", w.tick()))
+    w.run(w.p.children.node_changed("node_b", True, "", w.tick()))
+    effects = w.run(w.p.children.instance_adopted("a@next", gen, 7, "h", 2, None, w.tick(),
+                                                  node="node_b"))
+    assert [e for e in effects if isinstance(e, Stop)] or not (
+        w.p.state.models["a"].state.is_serving and w.p.state.models["a@next"].state.is_serving)
+
+
+def test_a_move_under_way_is_not_begun_again_when_another_node_comes_or_goes() -> None:
+    """A node event clears what was tried (a new chance for failed moves): a move still
+    loading was begun again, stopping its newcomer (the Ray test saw it as a "reload
+    eviction" of a@next when node_b was lost)."""
+    w = NodeWorld(0, {"a": BOTH})
+    w.load_idle("a")
+    drain(w, "node_a")
+    gen = w.gen("a@next")
+    w.run(w.p.children.node_changed("node_c", True, "", w.tick()))
+    w.run(w.p.children.node_changed("node_c", False, "lost", w.tick()))
+    assert w.state("a@next") == "loading" and w.gen("a@next") == gen
+    assert not [s for s in w.stops if s[0] == "a@next"]
+    w.ready("a@next")
+    w.settle()
+    assert w.p.drains.view("node_a").state == "drained"

@@ -5,8 +5,8 @@
     POST /nodes/{node}/undrain      it takes children again
 
 A drain answers at once with where it stands (`draining`, with the models still there,
-or `drained`) and what stays and why; GET /nodes follows it. Admin keys only for the
-POSTs (tenancy.py: a member key may GET). Without a [cluster], GET /nodes is an empty
+or `drained`) and what stays and why; GET /nodes follows it. Admin keys only, as the
+rest of the management API (tenancy.py). Without a [cluster], GET /nodes is an empty
 list and a drain is a 400.
 """
 

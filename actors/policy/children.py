@@ -106,22 +106,22 @@ class Children:
         A model that runs, or whose generations have gone past the child's, stops the
         child instead: a generation is never given out twice (issue 19, R12)."""
         rec = self.state.models.get(model)
-        if rec is None and self.state.models.get(model.removesuffix(alternate_name(""))):
-            rec = self.state.models[model.removesuffix(alternate_name(""))]  # (say its name)
-            log.info("model %s: not adopting pid %d (#%d): a drain or reload had moved it "
-                     "there; stopping it", rec.name, pid, generation)
-            self.state.out.append(Stop(model, generation, "not adopted: an alternate"))
-            return self.moves.flush()
-        if rec is None or (rec.state.is_running and generation == rec.generation):
+        if rec is not None and rec.state.is_running and generation == rec.generation:
             return []  # its own child (never stop that one)
-        if rec.state is not S.UNLOADED or generation < rec.generation:
-            why = ("it runs already" if rec.state is not S.UNLOADED
-                   else f"its generation {generation} is older than the model's "
-                        f"{rec.generation}")
+        other = (self.state.groups.partner(rec) if rec is not None  # (a drain's or reload's)
+                 else self.state.models.get(model.removesuffix(alternate_name(""))))
+        why = ("a drain or reload moved its model" if other is not None and (
+            rec is None or (other.state.is_running and other.state is not S.STOPPING))
+            else None if rec is None else "it runs already" if rec.state is not S.UNLOADED
+            else f"its generation {generation} is older than the model's {rec.generation}"
+            if generation < rec.generation else None)
+        if why is not None:
             log.info("model %s: not adopting pid %d (#%d): %s; stopping it", model, pid,
                      generation, why)
             self.state.out.append(Stop(model, generation, f"not adopted: {why}"))
             return self.moves.flush()
+        if rec is None:
+            return []
         rec.generation = generation
         rec.placement = devices
         rec.node = node or (node_of(devices[0]) if devices else None)

@@ -9,8 +9,11 @@
   stops once its requests end, and the next request loads the model elsewhere, making
   room there as any load does. One try per child: a move that fails leaves the model
   where it is, shown, until a node comes up or goes.
-- A model with no other node up that it may run on stays, and the drain says why; it
-  moves once one comes up.
+- A model with no other node up that it may run on stays, and the drain says why; so
+  does one that could not go elsewhere whatever room were made (the slots there held by
+  pinned models, or memory that refuses it); each moves once a node comes up or goes.
+- A suspended child there is stopped (it would wake where it sleeps): its next request
+  loads it elsewhere.
 - The node is drained when no child of corral's runs there but those that stay.
 - `undrain`: the node takes children again; what moved stays where it went.
 
@@ -51,7 +54,6 @@ class Drains:
         if node not in nodes.draining:
             nodes.draining.add(node)
             nodes.version += 1
-            self.stays[node] = {}
         self.step(now)
 
     def undrain(self, node: str) -> None:
@@ -63,37 +65,53 @@ class Drains:
 
     def step(self, now: float) -> None:
         """Begin the moves that can begin (the rules call this at each pump while a node
-        drains): each serving child on a draining node, once while the nodes stay as
-        they are (a node that comes up, or goes, is a new chance)."""
+        drains), and say what stays: each child on a draining node, once while the nodes
+        stay as they are (a node that comes up, or goes, is a new chance)."""
         nodes = self.state.nodes
         if nodes.version != self.version:
             self.version, self.tried = nodes.version, set()
+            self.handovers.stuck.clear()
+        stays: dict[str, dict[str, str]] = {node: {} for node in nodes.draining}
         for rec in list(self.state.models.values()):
             node = rec.node
             if (node is None or node not in nodes.draining or rec.removed or rec.retiring
-                    or not rec.state.is_serving or rec.takes_over):
+                    or rec.takes_over or rec.state in (S.UNLOADED, S.STOPPING)):
                 continue
-            stays = self.stays.setdefault(node, {})
-            elsewhere = self._elsewhere(rec)
-            if not elsewhere:
-                if rec.group not in stays:
-                    log.info("model %s stays on draining node %s: no other node it may run "
-                             "on is up and in service", rec.group, node)
-                stays[rec.group] = (
-                    f"no other node it may run on is up and in service (nodes: "
+            if rec.state is S.SUSPENDED:  # it would wake where it sleeps: load it anew
+                self.moves.stop(rec, "drain", None, now, note=f"node {node} drains")
+            elif rec.state.is_serving and self.state.groups.current(rec) is not rec:
+                self.moves.retire(rec, now, "drain")  # (its copy's other child serves)
+            elif (partner := self.state.groups.partner(rec)) and partner.takes_over == rec.name:
+                continue  # its move is under way
+            elif rec.state.is_serving and (why := self._stays(rec)) is not None:
+                if rec.group not in self.stays.get(node, {}):
+                    log.info("model %s stays on draining node %s: %s", rec.group, node, why)
+                stays[node][rec.group] = why
+            elif rec.state.is_serving and (rec.name, rec.generation) not in self.tried:
+                self._move(rec, node, now)
+        self.stays = stays
+
+    def _stays(self, rec: ModelRecord) -> str | None:
+        """Why `rec` (serving on a draining node, not moving) stays there; None: it
+        moves."""
+        partner = self.state.groups.partner(rec)
+        if not self._elsewhere(rec):
+            return (f"no other node it may run on is up and in service (nodes: "
                     f"{', '.join(rec.rules.nodes or [])})")
-                continue
-            stays.pop(rec.group, None)
-            partner = self.state.groups.partner(rec)
-            if ((rec.name, rec.generation) in self.tried
-                    or (partner is not None and partner.takes_over == rec.name)):
-                continue  # begun: under way, or failed while the nodes stayed as they are
-            self.tried.add((rec.name, rec.generation))
-            why = f"node {node} drains: moves to {' or '.join(elsewhere)}"
-            log.info("model %s: %s", rec.name, why)
-            self.moves.publish_state(rec, why, now)
-            if not self.handovers.begin(rec, now, why="drain"):
-                self.moves.retire(rec, now)
+        if (stuck := self.handovers.stuck.get(rec.name)) is not None:
+            return f"it cannot load on another node: {stuck}"
+        if (rec.name, rec.generation) in self.tried:
+            return (f"its move failed ({partner.last_exit if partner else 'stopped'}); it "
+                    "serves here until a node comes up or goes, or the node is undrained")
+        return None
+
+    def _move(self, rec: ModelRecord, node: str, now: float) -> None:
+        self.tried.add((rec.name, rec.generation))
+        why = f"node {node} drains: moves to {' or '.join(self._elsewhere(rec))}"
+        log.info("model %s: %s", rec.name, why)
+        self.moves.publish_state(rec, why, now)
+        if not self.handovers.begin(rec, now, why="drain"):
+            self.moves.retire(rec, now, "drain")
 
     def _elsewhere(self, rec: ModelRecord) -> list[str]:
         nodes = self.state.nodes

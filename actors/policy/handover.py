@@ -40,6 +40,8 @@ class Handovers:
         record had is still on its way out."""
         self.why: dict[str, str] = {}
         """Newcomer -> what it loads for: "reload", or "drain" (drains.py)."""
+        self.stuck: dict[str, str] = {}
+        """Record -> why a drain cannot move it, whatever room is made (drains.py)."""
 
     def begin(self, rec: ModelRecord, now: float, why: str = "reload") -> bool:
         """The config of `rec`'s copy changed (the new rules are set on both its
@@ -92,13 +94,14 @@ class Handovers:
         if new.state is not S.UNLOADED or (state.memory_on and not new.memory_settled):
             return  # its old child still goes, or it is being measured: tried again then
         self.pending.discard(new)
-        short = None
+        short, never = None, False  # never: it cannot go elsewhere even once room is made
         if not state.has_capacity():
             short = f"no free slot (models_max {state.models_max})"
         elif state.memory_on:
             plan = state.memory.plan(new, state.models, [], self.moves.loading_devices(new))
             if plan.verdict != "go" or plan.note or plan.evict:
                 short = "not enough free memory for both children"
+                never = plan.verdict == "refuse"
             else:
                 new.placement = plan.devices
                 new.node = node_of(plan.devices[0]) if plan.devices else None
@@ -107,19 +110,31 @@ class Handovers:
             new.node = choice.node if choice.verdict == "go" else None
             if new.node is None:
                 short = f"no node with a free slot ({choice.why})"
+                never = choice.verdict == "refuse"
         if short is not None:
             new.takes_over = None
-            why = (f"reload: {short}, so the old child stops before the new config loads"
-                   if self.why.get(new.name, "reload") == "reload" else f"drain: {short}, "
-                   "so the old child stops once its requests end; the next request loads "
-                   "it elsewhere")
-            log.info("model %s: %s", live.name, why)
-            self.moves.publish_state(live, why, now)
-            self.moves.retire(live, now)
+            self._short(live, new, short, never, now)
             return
         self.moves.spawn(new, 0, now, why=(
             f"{self.why.get(new.name, 'reload')}, make-before-break: loads beside "
             f"{live.name}#{live.generation}, which serves until this is ready"))
+
+    def _short(self, live: ModelRecord, new: ModelRecord, short: str, never: bool,
+               now: float) -> None:
+        """`new` cannot load beside `live` as things are: `live` stops first (once its
+        requests end, for a drain), or, for a drain it could not go elsewhere at all
+        (`never`), it stays (drains.py reads `stuck`)."""
+        if self.why.get(new.name, "reload") == "reload":
+            why = f"reload: {short}, so the old child stops before the new config loads"
+        elif never:
+            self.stuck[live.name] = short
+            return
+        else:
+            why = (f"drain: {short}, so the old child stops once its requests end; the "
+                   "next request loads it elsewhere")
+        log.info("model %s: %s", live.name, why)
+        self.moves.publish_state(live, why, now)
+        self.moves.retire(live, now, "reload" if why.startswith("reload") else "drain")
 
     def retry(self, now: float) -> None:
         """Something that held a newcomer back may have changed (a measurement, an exit)."""

@@ -45,8 +45,7 @@ class Rules:
         self.up = BringUp(state, self.moves)
         self.scaling = Scaling(state, self.moves, self.choice, self.up)
         self.turns = Turns(state, self.up.plan)
-        self.drains: Callable[[float], None] | None = None
-        """Begins the moves off draining nodes (drains.py `step`: set by the Policy)."""
+        self.drains: Callable[[float], None] | None = None  # drains.py `step` (Policy's)
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
@@ -125,7 +124,11 @@ class Rules:
                     or rec.failed or rec.removed or self.teams.has_rival_up(rec.group):
                 continue
             plan = self.up.plan(rec, []) if state.memory_on else None
-            if plan is not None and (plan.verdict != "go" or plan.note or plan.evict):
+            if plan is None and rec.rules.nodes is not None and rec.state is S.UNLOADED:
+                choice = state.nodes.choose(rec, state.models, [])  # a node's free slot
+                rec.node = choice.node if choice.verdict == "go" else None
+            if (plan is not None and (plan.verdict != "go" or plan.note or plan.evict)) or (
+                    plan is None and rec.rules.nodes is not None and rec.node is None):
                 state.warm_after = now + WARM_RETRY_S  # only where it fits as things are
                 continue
             state.warming.add(rec)
