@@ -171,6 +171,35 @@ def test_copies_on_both_nodes_survive_the_loss_of_one(corral, ray_address: str) 
 
 
 @inside
+def test_a_session_stays_on_its_copy_across_nodes(corral, ray_address: str) -> None:
+    """Issue 42, part 3: copies on both nodes; each session's requests go to one copy
+    (its node's), as on one machine, and the journal says which."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(cluster_config({"m": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"],
+                                     "replicas": {"min": 2, "route": "least_loaded",
+                                                  "session_ttl_s": 300}}}, ns),
+               "--ray", ray_address)
+    assert chat(c.port, "m")[0] == 200  # (the first request loads its copies)
+    wait_until(lambda: [r["state"] for r in c.models()["m"]["replicas"]] == ["loaded"] * 2,
+               30, "both copies loaded")
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(8):
+        for session in ("alpha", "beta", "gamma"):
+            assert request(c.port, "POST", "/v1/chat/completions", body,
+                           headers={"X-Session-Id": session})[0] == 200
+
+    def rows(session: str) -> list[dict[str, Any]]:
+        return list(request(c.port, "GET", f"/requests?session={session}")[1]["data"])
+
+    wait_until(lambda: all(len(rows(s)) == 8 for s in ("alpha", "beta", "gamma")), 10,
+               "the journal's rows")
+    copies = {s: {r.get("copy", "") for r in rows(s)} for s in ("alpha", "beta", "gamma")}
+    assert all(len(seen) == 1 for seen in copies.values()), copies
+    nodes = {r["name"]: r["node"] for r in c.models()["m"]["replicas"]}
+    assert sorted(nodes.values()) == ["node_a", "node_b"], nodes
+
+
+@inside
 def test_models_are_placed_by_fit_across_nodes(corral, ray_address: str) -> None:
     ns = f"t{uuid.uuid4().hex[:8]}"
     c = corral(memory_config(ns), "--ray", ray_address)
