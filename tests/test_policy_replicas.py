@@ -12,10 +12,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from actors.config.model import Config, ModelRules
 from actors.config.rules import Replicas, replica_name
+from actors.ledger import DeviceSample
 from actors.lifecycle import ModelState
-from actors.messages import Grant, Refusal, StatusChanged
-from actors.policy.records import Publish
+from actors.messages import DeviceReport, Grant, Refusal, StatusChanged
+from actors.policy import Policy
+from actors.policy.records import Effect, Publish, Spawn, Track
 from tests.test_policy import World
+from tests.test_policy_memory import GiB, need
 
 S = ModelState
 
@@ -425,3 +428,73 @@ def test_prefix_routing_gives_each_copy_its_even_share_of_the_prompts() -> None:
     w.run(w.p.acquire("moved", "a", w.tick(), affinity=next(
         p for p, c in homes.items() if c == "a@2") * 7919))
     assert granted_into(w, "moved") == "a"
+
+
+class MemoryWorld(World):
+    """One 10 GiB GPU on node_b (1 GiB margin), memory accounting on, `sizes` GiB per
+    model, and `r` with two copies (`min = 2`) of 3 GiB; device reports by hand, as the
+    children's use is."""
+
+    GPU = "node_b/gpu0"
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        super().__init__(0, "")
+        self.p = Policy(0, 3, 60.0, memory_margin=1 * GiB)
+        self.sizes = {**sizes, "r": 3}
+        for n in sizes:
+            self.p.add_model(n, 0.0, rules=ModelRules(nodes=["node_b"], ttl_s=0.0))
+        for i in (1, 2):
+            self.p.add_model(replica_name("r", i), 0.0, rules=ModelRules(
+                nodes=["node_b"], replicas=Replicas(min=2), group="r" if i > 1 else ""))
+        self.actual: dict[str, int] = {}
+        self.tracked: set[str] = set()
+        self.run(self.p.children.node_changed("node_b", True, "", self.tick()))
+        self.report()
+        for n, size in self.sizes.items():
+            self.run(self.p.children.measured(n, True, need(size), need(size), 0.0))
+
+    def run(self, effects: list[Effect]) -> list[Effect]:
+        started = [e for e in effects if isinstance(e, Spawn)]
+        for e in effects:
+            if isinstance(e, Spawn):
+                self.actual[e.model] = self.sizes[self.p.state.models[e.model].group] * GiB
+            elif isinstance(e, Track):
+                (self.tracked.add if e.event != "exited" else self.tracked.discard)(e.model)
+        super().run(effects)
+        for e in started:
+            super().run(self.p.children.instance_started(e.model, e.generation, 100))
+        return effects
+
+    def exited(self, model: str, rc: int = 0) -> None:
+        self.actual.pop(model, None)
+        super().exited(model, rc)
+
+    def report(self) -> None:
+        used = sum(self.actual.values())
+        usage = {m: {self.GPU: self.actual.get(m, 0)} for m in self.tracked}
+        self.run(self.p.children.devices_reported(DeviceReport(
+            devices=[DeviceSample(self.GPU, "device", 10 * GiB, max(0, 10 * GiB - used),
+                                  "cluster")],
+            managed={self.GPU: sum(u[self.GPU] for u in usage.values())},
+            usage=usage, tracked=sorted(self.tracked), backends=["cluster"]), self.tick()))
+
+
+def test_a_waiter_is_not_starved_by_copies_that_refill_min() -> None:
+    """The review of issue 42 (a livelock of its own): `a` (6 GiB) waits for the room of
+    one of r's two idle 3 GiB copies (min 2); the copy evicted for it was added again at
+    once into the room made for `a`, which then evicted it again, for ever."""
+    w = MemoryWorld({"a": 6})
+    w.run(w.p.acquire(1, "r", w.tick()))
+    for _ in range(4):
+        w.settle()
+        w.report()
+    w.release(1)
+    w.run(w.p.acquire(2, "a", w.tick()))
+    for _ in range(20):
+        w.settle()
+        w.report()
+        w.now += 100
+        w.fire_timers()
+    assert isinstance(w.answers.get(2), Grant), [
+        (n, r.state.value, r.generation) for n, r in w.p.state.models.items()]
+    assert sum(1 for r in w.p.state.models.values() if r.state.is_running) == 2  # a, one r

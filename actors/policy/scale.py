@@ -8,7 +8,9 @@ waited in its queue for `scale_up_wait_s`. Copies above `min` go after
 The rule for what a copy may take: a free slot and free memory; else an idle spare copy
 of another model (above its `min`); else another model only if it has been idle longer
 than this model's demand has lasted (its oldest request's wait, or how long its copies
-have been busy). A copy that `min` asks for takes only what is free or spare. One copy
+have been busy). A copy that `min` asks for takes only what is free or spare, and
+waits while a request for a model that is down waits (it would take the room made for
+that request). One copy
 loads at a time per model; a request for a model that has none waits before any copy is
 added (tick and claim run first).
 """
@@ -109,6 +111,10 @@ class Scaling:
             or next((r for r in group if r.state is S.UNLOADED and not r.removed), None)
         if rec is None or rec.breaker.is_open(now):
             return
+        if waited == math.inf and any(state.needs_slot(e, now) and e.model != rec.group
+                                      for e in state.queue.entries.values()):
+            return  # a request for a model that is down goes first: `min` fills what is
+            #         left, or it would take the room made for that request, again and again
         if not state.has_capacity():
             if any(state.needs_slot(e, now) for e in state.queue.entries.values()) \
                     or state.n_stopping or state.n_suspending:
