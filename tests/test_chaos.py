@@ -28,6 +28,8 @@ from tests.helpers import Corral, chat, fake_cmd, toml_config
 
 CHAOS_S = float(os.environ.get("CORRAL_CHAOS_S", "12"))
 MODELS = ("a", "b", "c")
+SAID: list[str] = []
+"""The first few error answers' bodies (of this process's last chaos run)."""
 
 
 def client(port: int, stop: threading.Event, rng: random.Random,
@@ -51,6 +53,8 @@ def client(port: int, stop: threading.Event, rng: random.Random,
         except ValueError:
             well_formed = False
         results.append((resp.status, well_formed))
+        if resp.status != 200 and len(SAID) < 5:
+            SAID.append(payload[:300].decode(errors="replace"))  # (what a failure says why)
     conn.close()
 
 
@@ -78,6 +82,7 @@ def chaos(c: Corral, seconds: float = CHAOS_S, min_ok: float = 0.9,
     """16 clients on MODELS while their children are SIGKILLed at random (with
     `serving_only`, those of loaded models only); then check."""
     rng = random.Random(7)
+    SAID.clear()
     stop = threading.Event()
     results: list[tuple[int, bool]] = []
     clients = [threading.Thread(target=client, args=(c.port, stop, random.Random(i), results))
@@ -108,7 +113,7 @@ def chaos(c: Corral, seconds: float = CHAOS_S, min_ok: float = 0.9,
           f"{kills} kills, statuses {statuses}")
     assert not broken, f"answers that are neither a completion nor a JSON error: {broken[:5]}"
     assert 500 not in statuses, "an internal error is a bug in corral; see its log"
-    assert ok >= min_ok * len(results), f"only {ok} of {len(results)} succeeded"
+    assert ok >= min_ok * len(results), f"only {ok} of {len(results)} succeeded: {SAID}"
     for model in MODELS:  # after the chaos, every model serves again with no long
         status = c.models()[model]["status"]  # backoff to wait out (the state, not a
         assert status.get("retry_after_s", 0) < 5, f"{model} backs off long: {status}"

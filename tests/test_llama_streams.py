@@ -92,6 +92,9 @@ def test_concurrent_streams_through_corral_are_whole_and_as_prompt_as_direct(
     through, straight = ([s for s, _, _ in seen[n]] for n in ("corral", "direct"))
     print(f"p99 of {len(through)} streams: corral {p99(through):.3f} s, direct "
           f"{p99(straight):.3f} s; max {max(through):.3f} / {max(straight):.3f} s")
-    assert p99(through) <= p99(straight) + 0.1
+    # A stream held up behind another (corral's pool narrower than the child's slots)
+    # costs a whole stream's time, twice the direct p99 or more; with every core busy
+    # corral's own share of the time stretches as the child's does (1.23x seen there).
+    assert p99(through) <= 1.5 * p99(straight) + 0.1
     assert "went away before answering" not in c.log()
     assert c.models()["m0"]["loads"] == 1  # the child never restarted
