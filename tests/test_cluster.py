@@ -412,17 +412,18 @@ def drain_of(c: Any, node: str) -> dict[str, Any]:
 
 
 @inside
-def test_a_drained_node_hands_its_models_over_make_before_break(corral,
-                                                                ray_address: str) -> None:
+def test_a_drained_node_hands_its_models_over_make_before_break(corral, ray_address: str,
+                                                                tmp_path) -> None:
     """Issue 42: a drain of node_a while requests run: m loads on node_b beside its old
     child, which serves until then and stops once its requests end; `only`, which may
     run on node_a alone, stays, and the drain says why; nothing new starts on node_a;
-    `corral undrain` puts it back."""
+    `corral undrain` puts it back. A drain outlives a restart of the head."""
     ns = f"t{uuid.uuid4().hex[:8]}"
     config = cluster_config({"m": {"cmd": fake_cmd("--tokens-per-s", "100"),
                                    "nodes": ["node_a", "node_b"]},
                              "only": {"cmd": fake_cmd(), "nodes": ["node_a"]},
-                             "later": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}}, ns)
+                             "later": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}}, ns,
+                            state_dir=str(tmp_path / "state"))
     c = corral(config, "--ray", ray_address)
     assert chat(c.port, "m")[0] == 200 and chat(c.port, "only")[0] == 200
     agents = Agents(ray_address, ns)
@@ -451,11 +452,14 @@ def test_a_drained_node_hands_its_models_over_make_before_break(corral,
     assert cli.returncode == 0 and "node node_a: in service" in cli.stdout, cli
     assert drain_of(c, "node_a") == {"state": "in_service", "moving": [], "stays": {}}
     assert request(c.port, "POST", "/nodes/node_x/drain")[0] == 404
+    assert request(c.port, "POST", "/nodes/node_a/drain")[1]["state"] == "drained"
     moved = agents.children("node_b")["m@next"]
     assert c.stop() == 0 and pid_alive(moved)  # left running for the next head
     second = corral(config, "--ray", ray_address)  # adopts what it knows, stops the rest
     wait_until(lambda: not pid_alive(moved), 30, "the moved child, not adopted, to stop")
-    assert "not adopting pid" in second.log() and chat(second.port, "m")[0] == 200
+    assert "not adopting pid" in second.log() and "node node_a stays drained" in second.log()
+    assert drain_of(second, "node_a")["state"] == "drained"  # (only, adopted, stays)
+    assert chat(second.port, "m")[0] == 200 and second.models()["m"]["node"] == "node_b"
 
 
 @inside

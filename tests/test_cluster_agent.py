@@ -288,3 +288,19 @@ def test_the_agents_get_no_secret_of_a_remote_model_or_peer(
                    b"cloud.example", b"peer.example"):
         assert secret not in sent, secret
     assert msgspec.msgpack.decode(sent, type=Config).models.keys() == {"m"}
+
+
+def test_the_drained_nodes_file_is_kept_and_a_damaged_one_is_set_aside(tmp_path: Path) -> None:
+    """Issue 42: the drained nodes outlive a restart; the file is untrusted input."""
+    from actors.http.nodes_api import FILE, load, save
+
+    assert load(tmp_path) == []
+    save(tmp_path, {"node_b", "node_a"})
+    assert load(tmp_path) == ["node_a", "node_b"]
+    save(tmp_path, set())
+    assert load(tmp_path) == []
+    for bad in (b"{", b'{"nodes": "node_a"}', b'{"nodes": [], "x": 1}', b"[" * 2000):
+        (tmp_path / FILE).write_bytes(bad)
+        assert load(tmp_path) == []
+        assert not (tmp_path / FILE).exists()  # set aside, kept for a person to read
+    assert len(list(tmp_path.glob(f"{FILE}.bad-*"))) == 4

@@ -98,6 +98,7 @@ class ManagementApi(ModelCommands):
         self.cards = Cards(config.state_path())
         """What each model is, as /v1/models shows it (a llama child's /props)."""
         self.ollama = OllamaApi(self)
+        self.nodes = NodesApi(self.sup, self._ask)
         self.front_at = ("127.0.0.1", 0)
         """Where corral's own front listens (Ollama's calls are made of requests to it)."""
 
@@ -126,7 +127,7 @@ class ManagementApi(ModelCommands):
         r.add_get("/keys", self.keys_list)
         StreamApi(self.kept).routes(app)
         RequestsApi(self.journal, lambda: self.fronts).routes(app)
-        NodesApi(self.sup, self._ask).routes(app)
+        self.nodes.routes(app)
         if self.config.ollama.enabled:
             self.ollama.routes(app)
         planning = asyncio.Lock()
@@ -155,6 +156,7 @@ class ManagementApi(ModelCommands):
         self.fronts = Fronts(self.front, self.config, api_port, self.front_secret,
                              lambda: self.sup.scheduler_ref)
         self.sup.watch_grants(loop, self.fronts.grant_notice)
+        await self.nodes.restore()  # (before a request could load on a drained node)
         port = await self.fronts.listen(host, port)
         self.front_at = (host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
         return port

@@ -17,7 +17,8 @@
 - The node is drained when no child of corral's runs there but those that stay.
 - `undrain`: the node takes children again; what moved stays where it went.
 
-A drain is this run's: a restarted corral starts with every node in service.
+The API keeps the drained nodes across restarts (actors/http/nodes_api.py); here a drain
+is state like any other, with no file.
 """
 
 from __future__ import annotations
