@@ -98,7 +98,7 @@ class ManagementApi(ModelCommands):
         self.cards = Cards(config.state_path())
         """What each model is, as /v1/models shows it (a llama child's /props)."""
         self.ollama = OllamaApi(self)
-        self.nodes = NodesApi(self.sup, self._ask)
+        self.nodes = NodesApi(self.sup, self._ask, config.state_path())
         self.front_at = ("127.0.0.1", 0)
         """Where corral's own front listens (Ollama's calls are made of requests to it)."""
 

@@ -66,14 +66,15 @@ def save(state_dir: Path, nodes: set[str]) -> None:
 
 
 class NodesApi:
-    def __init__(self, sup: Supervisor, ask: Ask) -> None:
+    def __init__(self, sup: Supervisor, ask: Ask, state_dir: Path) -> None:
         self.sup = sup
         self.ask = ask
-        self.state_dir = sup.config.state_path()
-        self.drained = set(load(self.state_dir))
+        self.state_dir = state_dir
+        self.drained: set[str] = set()
 
     async def restore(self) -> None:
         """Drain again what was drained when corral last ran (once its nodes are known)."""
+        self.drained = set(load(self.state_dir))
         for node in sorted(self.drained & set(self.sup.config.cluster.nodes)):
             if self.sup.cluster is not None:
                 log.info("node %s stays drained, as it was when corral stopped (POST "
