@@ -993,10 +993,13 @@ class Running(msgspec.Struct, frozen=True, kw_only=True):
     devices: list[str] | None = None
     key: str | None = None
     """The key the child requires (StartInstance.key): a new head sends it on."""
+    suspended: bool = False
+    """Its suspend is done (or under way): it gave its devices back, so a new head stops
+    it rather than adopt a child that serves nothing until woken."""
 
 
 FromNode = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
-            | MeasureStarted | Measured | DevicesReported)
+            | InstanceSuspended | InstanceWoken | MeasureStarted | Measured | DevicesReported)
 """What a node's actors tell their `scheduler` (the agent's Outbox), for the head's."""
 
 
@@ -1066,8 +1069,19 @@ class NodeLost(Message, frozen=True, kw_only=True):
     why: str
 
 
+class StepDue(Message, frozen=True, kw_only=True):
+    """Timer -> ClusterHead: the suspend or wake step `step` sent to `model`'s node should
+    have been answered by now (suspend_timeout_s and a grace); if it was not, it failed."""
+
+    model: str
+    generation: int
+    step: int
+    """Which step sent (Placed.steps counts them), so a later step is not failed by an
+    earlier one's timer."""
+
+
 ClusterHeadMessage = (
     ForModel | RemoteModel | HeadAttached
-    | NodeUp | NodeUnreachable | NodeBatch | NodeLost
+    | NodeUp | NodeUnreachable | NodeBatch | NodeLost | StepDue
     | TrackModel | DevicesReported | MeasureModel | Remember
 )

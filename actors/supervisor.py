@@ -147,8 +147,8 @@ class Supervisor:
             scheduler.tell(Subscribe(sink=self._on_event))
         device_names = sorted(d.name for b in backends for d in b.sample())
         # In a cluster the head merges this machine's report with the nodes' ones.
-        reports_to: Inbox[SchedulerMessage] = (
-            scheduler if self.cluster is None else self.cluster.open(scheduler, self._crash))
+        reports_to: Inbox[SchedulerMessage] = (scheduler if self.cluster is None else
+                                               self.cluster.open(scheduler, self._crash, timers))
         self.monitor = self._started(DeviceMonitor.start(
             backends, reports_to, timers, config.device_poll_s, self._crash))
         self.measurer = self._started(MeasureWorker.start(

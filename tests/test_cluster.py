@@ -494,8 +494,9 @@ def test_a_drain_whose_target_node_is_lost_keeps_serving_then_moves(corral,
 @inside
 def test_hooks_run_on_the_childs_node_and_uploads_reach_it_whole(corral, ray_address: str,
                                                                  tmp_path) -> None:
-    """Issue 42, part 2: a model on node_b: its hooks are run by that node's agent, with
-    their placeholders filled there, and a multipart upload reaches its child whole."""
+    """Issue 42, part 2: a model on node_b: its hooks and its stop_cmd are run by that
+    node's agent, with their placeholders filled there, and a multipart upload reaches its
+    child whole."""
     import hashlib
     import http.client
     import json
@@ -511,7 +512,8 @@ def test_hooks_run_on_the_childs_node_and_uploads_reach_it_whole(corral, ray_add
     ns = f"t{uuid.uuid4().hex[:8]}"
     c = corral(cluster_config({"m": {"cmd": fake_cmd(), "nodes": ["node_b"], "hooks": {
         "before_load": [*note, "before_load", "{model}"],
-        "after_ready": [*note, "after_ready", "{model}", "{port}"]}}}, ns),
+        "after_ready": [*note, "after_ready", "{model}", "{port}"]},
+        "stop_cmd": [*note, "stop_cmd", "{model}", "{pid}"], "stop_timeout_s": 1}}, ns),
         "--ray", ray_address)
     body = form([("model", b"m", None), ("file", os.urandom(3 << 20), "a.wav")])
     conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
@@ -523,9 +525,13 @@ def test_hooks_run_on_the_childs_node_and_uploads_reach_it_whole(corral, ray_add
     assert resp.status == 200, answer
     assert answer["sha256"] == hashlib.sha256(body).hexdigest() and answer["model"] == "m"
     agent = Agents(ray_address, ns).pid("node_b")
+    pid, port = c.models()["m"]["pid"], c.models()["m"]["port"]
+    assert request(c.port, "POST", "/models/unload", {"model": "m"})[0] == 200
+    wait_until(lambda: not pid_alive(pid), 30, "m's child stopped")
     lines = [line.split() for line in ran.read_text().splitlines()]
-    assert [w[:2] for w in lines] == [["before_load", "m"], ["after_ready", "m"]], lines
-    assert lines[1][2] == str(c.models()["m"]["port"])
+    assert [w[:2] for w in lines] == [["before_load", "m"], ["after_ready", "m"],
+                                      ["stop_cmd", "m"]], lines
+    assert lines[1][2] == str(port) and lines[2][2] == str(pid)
     for words in lines:  # started under node_b's agent, not the head
         above = words[-1].split(",")
         assert str(agent) in above and str(c.proc.pid) not in above, (words, agent)
@@ -663,3 +669,99 @@ def test_sigterm_is_honoured_while_joining_a_ray_cluster(tmp_path, listening: bo
             proc.kill()
             proc.wait()
         listener.close()
+
+
+def sleepy_config(namespace: str, nodes: list[str], wake_s: float = 0.2,
+                  b_nodes: list[str] | None = None, **top: Any) -> str:
+    """Two models that suspend by vLLM's sleep endpoints, 600 MiB each on a node's
+    simulated 1 GiB GPU: two never fit on one node together."""
+    sleepy = {"cmd": fake_cmd("--device-mib", "600", "--sleep-mode", "--wake-s", str(wake_s)),
+              "measure": "declared", "memory_mib": {"gpu0": 600}, "nodes": nodes,
+              "suspend": "vllm"}
+    b = {**sleepy, "nodes": b_nodes or nodes}
+    return cluster_config({"a": sleepy, "b": b}, namespace, memory_margin_mib=64,
+                          device_poll_s=0.2, **top,
+                          devices=[{"name": "gpu0", "kind": "simulated", "total_mib": 1024}])
+
+
+@inside
+def test_a_model_suspends_on_its_node_and_wakes_there(corral, ray_address: str) -> None:
+    """Issue 42, part 1: two models that fit node_b's GPU one at a time: a swap suspends
+    the one there (its process kept, its host copy on node_b's RAM, counted in the
+    head's ledger from node_b's monitor) and a request wakes it in place, on node_b."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(sleepy_config(ns, ["node_b"]), "--ray", ray_address)
+    agents = Agents(ray_address, ns)
+    assert chat(c.port, "a")[0] == 200
+    a = c.models()["a"]
+    assert a["node"] == "node_b" and agents.children("node_b") == {"a": a["pid"]}
+    assert chat(c.port, "b")[0] == 200
+    asleep = c.models()["a"]
+    assert asleep["status"]["phase"] == "suspended", asleep["status"]
+    assert asleep["pid"] == a["pid"] and pid_alive(a["pid"]) and asleep["node"] == "node_b"
+    assert 500 * 2**20 < asleep["status"]["host_bytes"] < 700 * 2**20
+    assert asleep["last_eviction"]["action"] == "suspend"
+    assert chat(c.port, "a")[0] == 200, "a request wakes it"
+    woken = c.models()["a"]
+    assert woken["status"]["value"] == "loaded" and woken["pid"] == a["pid"], woken
+    assert woken["node"] == "node_b"
+    assert c.models()["b"]["status"].get("phase") == "suspended"
+    assert agents.children("node_b") == {"a": a["pid"], "b": c.models()["b"]["pid"]}
+
+
+@inside
+def test_a_node_lost_during_a_wake_fails_it_and_the_request_loads_elsewhere(
+        corral, ray_address: str) -> None:
+    """A wake under way on node_b when node_b's agent dies: the suspended child is
+    forgotten with the node's others, and the request that waited for the wake is
+    served by a load on node_a."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    c = corral(sleepy_config(ns, ["node_b", "node_a"], wake_s=3.0, b_nodes=["node_b"],
+                             retry_s=60), "--ray", ray_address)
+    assert request(c.port, "POST", "/nodes/node_a/drain")[0] == 200  # a goes to node_b
+    status, body = chat(c.port, "a")
+    assert status == 200 and c.models()["a"]["node"] == "node_b", (status, body)
+    assert chat(c.port, "b")[0] == 200
+    assert c.models()["a"]["status"].get("phase") == "suspended"
+    assert request(c.port, "POST", "/nodes/node_a/undrain")[0] == 200
+    agents = Agents(ray_address, ns)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(chat, c.port, "a")
+        wait_until(lambda: c.models()["a"]["status"].get("phase") == "waking", 20,
+                   "a's wake on node_b under way")
+        os.kill(agents.pid("node_b"), signal.SIGKILL)
+        status, body = waiting.result(timeout=60)
+    assert status == 200, body
+    assert c.models()["a"]["node"] == "node_a"
+    assert "model a#1: waking -> unloaded (crashed: node lost" in c.log()
+    assert c.models()["b"]["status"]["value"] == "unloaded"
+
+
+@inside
+def test_a_prompt_cache_on_a_node_survives_a_swap(corral, ray_address: str,
+                                                 tmp_path) -> None:
+    """keep_prompt_cache on node_b, with real llama-server children: a's slot is saved
+    on node_b before a swap stops it (in node_b's own folder) and restored in its next
+    child there, whose first request reuses it."""
+    from tests.test_prompt_cache import BINARY, llama, turn
+    if BINARY is None:
+        pytest.skip("no llama-server here: run `bash scripts/llama-server.sh`")
+    from scripts.tiny_gguf import write_tiny_gguf
+
+    for seed, name in ((1, "a"), (2, "b")):
+        write_tiny_gguf(tmp_path / f"{name}.gguf", seed=seed)
+    models = {name: {**llama(tmp_path / f"{name}.gguf"), "nodes": ["node_b"],
+                     "key_flag": "--api-key"} for name in "ab"}
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    state = tmp_path / "state"
+    c = corral(cluster_config(models, ns, models_max=1, state_dir=str(state)),
+               "--ray", ray_address)
+    first = turn(c.port, "a")
+    assert first["timings"]["cache_n"] == 0 and c.models()["a"]["node"] == "node_b"
+    pid = c.models()["a"]["pid"]
+    turn(c.port, "b")
+    files = list((state / "nodes" / "node_b" / "prompt-cache" / "a").rglob("slot0.bin"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    again = turn(c.port, "a")
+    assert c.models()["a"]["pid"] != pid and c.models()["a"]["node"] == "node_b"
+    assert again["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 2, again["timings"]

@@ -304,3 +304,137 @@ def test_the_drained_nodes_file_is_kept_and_a_damaged_one_is_set_aside(tmp_path:
         assert load(tmp_path) == []
         assert not (tmp_path / FILE).exists()  # set aside, kept for a person to read
     assert len(list(tmp_path.glob(f"{FILE}.bad-*"))) == 4
+
+
+class Timers:
+    """The head's timers, as the test fires them."""
+
+    def __init__(self) -> None:
+        self.due: list[tuple[float, Any]] = []
+
+    def after(self, delay_s: float, ref: Any, message: Any) -> None:
+        self.due.append((delay_s, message))
+
+
+def test_a_suspend_and_a_wake_go_to_the_node_where_the_child_runs_within_a_deadline() -> None:
+    """Issue 42: the Scheduler's SuspendInstance and WakeInstance go to the child's node;
+    a step the node does not answer within suspend_timeout_s and the grace fails, said
+    to the Scheduler (which then stops the child); an answered step's timer, and one of
+    a node lost meanwhile (its models' exits said), are no news."""
+    from actors.cluster.head import STEP_GRACE_S
+    from actors.messages import (
+        InstanceSuspended,
+        InstanceWoken,
+        NodeBatch,
+        StepDue,
+        SuspendInstance,
+        WakeInstance,
+    )
+
+    config = parse_config({"cluster": {"nodes": ["node_a", "node_b"]},
+                           "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"],
+                                            "suspend": "vllm", "suspend_timeout_s": 7}}})
+    told: list[Any] = []
+    timers = Timers()
+    head = ClusterHead(config.cluster, "k", types.SimpleNamespace(tell=told.append),
+                       lambda shown: None, lambda actor, error: None, timers)
+    handles = {node: Handle() for node in ("node_a", "node_b")}
+    for node, handle in handles.items():
+        head.on_receive(NodeUp(node=node, host="10.0.0.2", handle=handle, epoch=1,
+                               running=[]))
+    head.on_receive(RemoteModel(model="m", config=config.models["m"], log=LogRing()))
+    head.on_receive(ForModel(model="m", message=StartInstance(
+        generation=1, config=config.models["m"], node="node_b")))
+    head.on_receive(ForModel(model="m", message=SuspendInstance(generation=1)))
+    sent = [s.message for s in handles["node_b"].sent]
+    assert sent[1:] == [SuspendInstance(generation=1)] and handles["node_a"].sent == []
+    [(delay, due)] = timers.due
+    assert delay == 7 + STEP_GRACE_S and due == StepDue(model="m", generation=1, step=1)
+    answer = InstanceSuspended(model="m", generation=1, ok=True, host_bytes=5)
+    head.on_receive(NodeBatch(node="node_b", messages=[answer], lines=[], dropped_lines=0,
+                              skipped=[]))
+    assert told[-1] == answer
+    told.clear()
+    head.on_receive(due)
+    assert told == [], "an answered step's deadline is no news"
+    head.on_receive(ForModel(model="m", message=WakeInstance(generation=1)))
+    assert handles["node_b"].sent[-1].message == WakeInstance(generation=1)
+    head.on_receive(timers.due[-1][1])  # unanswered: it failed
+    [failed] = told
+    assert isinstance(failed, InstanceWoken) and not failed.ok
+    assert "no answer from node node_b within suspend_timeout_s=7" in failed.detail
+    told.clear()
+    head.on_receive(ForModel(model="m", message=WakeInstance(generation=2)))  # stale
+    assert handles["node_b"].sent[-1].message == WakeInstance(generation=1)
+    head.on_receive(ForModel(model="m", message=WakeInstance(generation=1)))
+    head.on_receive(NodeLost(node="node_b", why="its agent died"))
+    head.on_receive(timers.due[-1][1])
+    about_m = [m for m in told if getattr(m, "model", None) == "m"]
+    assert len(about_m) == 1 and isinstance(about_m[0], InstanceExited), told
+    assert "node lost" in about_m[0].description
+
+
+def test_a_suspended_child_on_a_node_is_stopped_not_adopted_by_a_new_head(
+        tmp_path: Path) -> None:
+    """A child told to suspend gave its devices back: the agent says so in `running()`,
+    and a new head stops it rather than adopt a child that serves nothing."""
+    from actors.messages import InstanceSuspended, InstanceWoken, SuspendInstance
+
+    agent = NodeAgent("node_a", "127.0.0.1", msgspec.msgpack.encode(
+        Config(state_dir=str(tmp_path))))
+    model = ModelConfig(cmd=fake_cmd(), suspend="vllm")
+    try:
+        agent._instance("m", StartInstance(generation=1, config=model))
+        agent.tap.tell(InstanceStarted(model="m", generation=1, pid=4242))
+        agent.tap.tell(InstanceReady(model="m", generation=1, pid=4242, port=9001))
+        agent.instances.pop("m").stop()  # (the test plays the instance from here)
+        agent.instances["m"] = types.SimpleNamespace(tell=lambda message: None)
+        agent._hand_on(ToAgent(epoch=agent.epoch, seq=0, model="m",
+                               message=SuspendInstance(generation=1)))
+        agent.tap.tell(InstanceSuspended(model="m", generation=1, ok=True))
+        [asleep] = msgspec.msgpack.decode(agent.running(), type=list[Running])
+        assert asleep.suspended and asleep.ready
+        agent.tap.tell(InstanceWoken(model="m", generation=1, ok=True))
+        [awake] = msgspec.msgpack.decode(agent.running(), type=list[Running])
+        assert not awake.suspended
+    finally:
+        agent.timers.stop()
+    config = parse_config({"cluster": {"nodes": ["node_a"]},
+                           "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a"],
+                                            "suspend": "vllm"}}})
+    told: list[Any] = []
+    head = ClusterHead(config.cluster, "k", types.SimpleNamespace(tell=told.append),
+                       lambda shown: None, lambda actor, error: None)
+    head.on_receive(RemoteModel(model="m", config=config.models["m"], log=LogRing()))
+    from actors.cluster.wire import digest
+    handle = Handle()
+    head.on_receive(NodeUp(node="node_a", host="10.0.0.2", handle=handle, epoch=1, running=[
+        msgspec.structs.replace(asleep, digest=digest(config.models["m"]))]))
+    assert [s.message for s in handle.sent] == [StopInstance(generation=1,
+                                                             reason="not adopted")]
+    assert not any(type(m).__name__ == "InstanceAdopted" for m in told)
+
+
+def test_a_childs_exit_is_told_to_the_monitor_of_the_node_it_ran_on() -> None:
+    """The Scheduler says a child's exit to the monitor after the exit itself: the head
+    sends it to the node the child ran on (else that node's monitor would go on charging
+    the model there, and a model waiting for that memory would wait for ever)."""
+    from actors.messages import NodeBatch, TrackModel
+
+    config = parse_config({"cluster": {"nodes": ["node_a", "node_b"]},
+                           "models": {"m": {"cmd": fake_cmd(), "nodes": ["node_a", "node_b"]}}})
+    head = ClusterHead(config.cluster, "k", types.SimpleNamespace(tell=lambda m: None),
+                       lambda shown: None, lambda actor, error: None)
+    handles = {node: Handle() for node in ("node_a", "node_b")}
+    for node, handle in handles.items():
+        head.on_receive(NodeUp(node=node, host="10.0.0.2", handle=handle, epoch=1,
+                               running=[]))
+    head.on_receive(RemoteModel(model="m", config=config.models["m"], log=LogRing()))
+    head.on_receive(ForModel(model="m", message=StartInstance(
+        generation=1, config=config.models["m"], node="node_b")))
+    head.on_receive(NodeBatch(node="node_b", messages=[InstanceExited(
+        model="m", generation=1, returncode=0, description="exited")], lines=[],
+        dropped_lines=0, skipped=[]))
+    exited = TrackModel(model="m", event="exited", pid=None)
+    head.on_receive(exited)
+    assert handles["node_b"].sent[-1].message == exited and handles["node_a"].sent == []

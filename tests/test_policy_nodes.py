@@ -552,3 +552,53 @@ def test_a_move_under_way_is_not_begun_again_when_another_node_comes_or_goes() -
     w.ready("a@next")
     w.settle()
     assert w.p.drains.view("node_a").state == "drained"
+
+
+def host_report(w: NodeWorld, free: dict[str | None, int], usage: int = GiB) -> None:
+    """A device report with each machine's host RAM (None: the head's own), `free` of
+    16 GiB available there; 0 for a machine reads as a lost node's (0 of 0)."""
+    hosts = [DeviceSample("host" if n is None else f"{n}/host", "host", 16 * GiB if f else 0,
+                          f, "host") for n, f in free.items()]
+    w.run(w.p.children.devices_reported(DeviceReport(
+        devices=[DeviceSample("node_a/gpu0", "device", 80 * GiB, 40 * GiB, "simulated"),
+                 *hosts], managed={"node_a/gpu0": usage}, usage={"a": {"node_a/gpu0": usage}},
+        tracked=["a"], backends=["simulated", "host"], suspended=["a"]), w.tick()))
+
+
+def test_each_machines_host_ram_is_its_own_tier() -> None:
+    """Issue 42: a model suspended on node_a counts on node_a's host RAM alone, against
+    the margin there: the head's own host running short stops nothing on node_a, nor
+    does a lost node's report (0 of 0: no figure); node_a's running short stops it, and
+    says where."""
+    w = suspended_world()
+    w.p.state.host.margin = 2 * GiB
+    host_report(w, {None: GiB, "node_a": 8 * GiB, "node_b": 0})
+    assert w.state("a") == "suspended", "the head's host RAM is not node_a's"
+    assert set(w.p.state.host.available) == {None, "node_a"}
+    assert w.p.state.host.short([]) == [None]
+    host_report(w, {None: GiB, "node_a": GiB})
+    assert w.state("a") == "stopping"
+    last = w.p.state.models["a"].last_eviction
+    assert last is not None and last.reason == "host_memory", last
+    assert "host RAM available on node_a is below" in (last.why or ""), last
+
+
+def test_a_suspend_is_judged_by_the_host_ram_of_its_node() -> None:
+    """A model on node_a with room on node_a's host suspends though the head's host has
+    none; with none on node_a it does not, and the reason names the node."""
+    rules = ModelRules(nodes=BOTH, suspend=True, ttl_suspend_s=5.0)
+    for node_a_free, suspends in ((8 * GiB, True), (GiB, False)):
+        w = NodeWorld(0, {"a": BOTH}, a=rules)
+        w.p.state.host.margin = 2 * GiB
+        w.load_idle("a")
+        host_report(w, {None: 0 * GiB + 1, "node_a": node_a_free}, usage=3 * GiB)
+        rec = w.p.state.models["a"]
+        why = w.p.state.host.why_not(rec, w.p.state.ledger, [])
+        assert (why is None) is suspends, why
+        if not suspends:
+            assert why is not None and "host memory on node node_a" in why
+        w.now += 10
+        w.fire_timers()
+        assert (w.state("a") == "suspending") is suspends, w.state("a")
+        if suspends:
+            assert w.p.state.host.unseen == {"a": ("node_a", w.p.state.host.unseen["a"][1])}

@@ -415,7 +415,7 @@ def test_a_suspended_child_that_crashes_is_unloaded_failed_and_its_host_copy_fre
     w.exited("a", rc=1)
     rec = w.p.state.models["a"]
     assert rec.state.value == "unloaded" and rec.failed and rec.host_bytes == 0
-    assert w.p.state.host.freeing == {"a": 3 * GiB}
+    assert w.p.state.host.freeing == {"a": (None, 3 * GiB)}
     w.report()
     assert w.p.state.host.freeing == {}
 

@@ -81,8 +81,6 @@ def test_what_a_stop_cmd_leaves_running_is_ended_and_one_that_cannot_run_waits_f
     ({"stop_cmd": ["docker", "stop", "{host}"]},
      "models.m.stop_cmd[2]: unknown placeholder {host}; use {model}, {port} or {pid}"),
     ({"stop_cmd": []}, "models.m.stop_cmd: Expected `array` of length >= 1"),
-    ({"stop_cmd": ["x"], "nodes": ["n1"], "key_flag": ""},
-     "models.m.stop_cmd: not supported yet for a model on cluster nodes"),
 ])
 def test_a_bad_stop_cmd_is_named(model: dict[str, object], expected: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -18,17 +18,20 @@ from ..config.model import Config, ConfigError
 from ..config.paths import folder_name
 from ..instance.actor import ModelInstance
 from ..instance.health import Liveness
+from ..ledger import MiB
 from ..messages import (
     DevicesReported,
     FromNode,
     InstanceExited,
     InstanceReady,
     InstanceStarted,
+    InstanceWoken,
     MeasureModel,
     Remember,
     Running,
     StartInstance,
     StopInstance,
+    SuspendInstance,
     TrackModel,
 )
 from .wire import (
@@ -140,6 +143,8 @@ class Child(msgspec.Struct):
     ready: bool = False
     key: str | None = None
     """The key it requires (InstanceReady.upstream_key)."""
+    suspended: bool = False
+    """Told to suspend, and not woken since (Running.suspended)."""
 
 
 class Tap:
@@ -246,7 +251,9 @@ class NodeAgent:
                 model, start.config, self.tap, self.timers, ForwardedRing(model, self.outbox),
                 self._crashed, extra_env=top.child_env(),
                 liveness=lambda m: Liveness(top.liveness_of(m), top.liveness_failures),
-                host=self.host)
+                host=self.host, prompt_cache=(
+                    top.state_path() / "nodes" / folder_name(self.node) / "prompt-cache",
+                    int(top.prompt_cache_max_mib * MiB)))
         for old in [r for r in self.retired if (r[1], r[2]) not in self.children]:
             self.retired.remove(old)
             old[0].stop(block=False)
@@ -266,6 +273,9 @@ class NodeAgent:
                                    upstream_key=key):
                     if (child := self.children.get((model, generation))) is not None:
                         child.port, child.ready, child.key = port, True, key
+                case InstanceWoken(model=model, generation=generation, ok=True):
+                    if (child := self.children.get((model, generation))) is not None:
+                        child.suspended = False
                 case InstanceExited(model=model, generation=generation):
                     self.children.pop((model, generation), None)
                 case _:
@@ -294,7 +304,7 @@ class NodeAgent:
         with self.lock:
             found = [Running(model=model, generation=generation, pid=child.pid,
                              port=child.port, ready=child.ready, digest=child.digest,
-                             devices=child.devices, key=child.key)
+                             devices=child.devices, key=child.key, suspended=child.suspended)
                      for (model, generation), child in self.children.items()
                      if child.pid is not None and self.serving.get(model) == generation]
         return msgspec.msgpack.encode(found)
@@ -349,9 +359,11 @@ class NodeAgent:
         elif isinstance(message, StartInstance):
             self._instance(envelope.model, message).tell(message)
         elif (ref := self.instances.get(envelope.model)) is not None:
-            if isinstance(message, StopInstance) and (
-                    child := self.children.get((envelope.model, message.generation))):
+            child = self.children.get((envelope.model, message.generation))
+            if isinstance(message, StopInstance) and child is not None:
                 child.ready = False  # stopping: a new head must not adopt it as serving
+            if isinstance(message, SuspendInstance) and child is not None:
+                child.suspended = True  # nor one that is asleep, or going to sleep
             ref.tell(message)
 
     def poll(self, timeout_s: float, epoch: int | None = None) -> bytes:

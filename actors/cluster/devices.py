@@ -17,7 +17,7 @@ def report_on_node(node: str, report: DeviceReport) -> DeviceReport:
         managed={named(d): n for d, n in report.managed.items()},
         usage={m: {named(d): n for d, n in use.items()} for m, use in report.usage.items()},
         tracked=report.tracked, backends=[f"{node}:{b}" for b in report.backends],
-        ready=report.ready)
+        ready=report.ready, suspended=report.suspended)
 
 
 def merged(reports: list[DeviceReport]) -> DeviceReport:
@@ -30,7 +30,8 @@ def merged(reports: list[DeviceReport]) -> DeviceReport:
         managed={d: n for r in reports for d, n in r.managed.items()},
         usage=usage, tracked=sorted({m for r in reports for m in r.tracked}),
         backends=sorted({b for r in reports for b in r.backends}),
-        ready=sorted({m for r in reports for m in r.ready or []}))
+        ready=sorted({m for r in reports for m in r.ready or []}),
+        suspended=sorted({m for r in reports for m in r.suspended}))
 
 
 def renamed(figures: Breakdown | None, node: str, local: bool = False) -> Breakdown | None:

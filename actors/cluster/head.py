@@ -24,6 +24,8 @@ from ..messages import (
     InstanceExited,
     InstanceMessage,
     InstanceSeen,
+    InstanceSuspended,
+    InstanceWoken,
     LivenessMiss,
     Measured,
     MeasureMessage,
@@ -39,13 +41,22 @@ from ..messages import (
     Running,
     SchedulerMessage,
     StartInstance,
+    StepDue,
     StopInstance,
+    SuspendInstance,
     TrackModel,
+    WakeInstance,
 )
+from ..runtime.timers import Timers
 from .devices import DeviceReports, renamed
 from .wire import ToAgent, digest
 
 log = logging.getLogger("corral.cluster")
+
+STEP_GRACE_S = 15.0
+"""A suspend or wake step on a node is failed by the head if no answer has come within the
+model's suspend_timeout_s and this (the node ends the step itself at suspend_timeout_s;
+this covers the way there and back, and a message the agent waited GAP_S for)."""
 
 
 class Placed:
@@ -58,6 +69,13 @@ class Placed:
         self.generation = 0
         self.node: str | None = None
         """Where the current generation runs (None: nowhere)."""
+        self.left: str | None = None
+        """Where the last child that exited ran: its monitor is told of the exit, which
+        the Scheduler says after the exit (else it would charge the model there still)."""
+        self.steps = 0
+        """Suspend and wake steps sent, counted (StepDue.step)."""
+        self.step: tuple[int, int, Literal["suspend", "wake"]] | None = None
+        """(generation, step, what) of the step sent and not answered yet (None: none)."""
 
 
 class Agent:
@@ -96,7 +114,8 @@ class ClusterHead(BaseActor):
     threads only post what their agents say."""
 
     def __init__(self, cluster: ClusterConfig, key: str, scheduler: Inbox[SchedulerMessage],
-                 publish: Callable[[Shown], None], on_crash: CrashHandler) -> None:
+                 publish: Callable[[Shown], None], on_crash: CrashHandler,
+                 timers: Timers | None = None) -> None:
         super().__init__("cluster", on_crash)
         self.cluster = cluster
         self.key = key
@@ -111,6 +130,8 @@ class ClusterHead(BaseActor):
         """The head's own DeviceMonitor (models without `nodes`)."""
         self.measurer: Inbox[MeasureMessage] | None = None
         """The head's own MeasureWorker (models without `nodes`)."""
+        self.timers = timers
+        """Where a suspend or wake step's deadline is set (StepDue)."""
 
     def on_receive(self, message: ClusterHeadMessage) -> None:
         match message:
@@ -130,6 +151,8 @@ class ClusterHead(BaseActor):
                 self.deliver(message)
             case NodeLost(node=node, why=why):
                 self.node_lost(node, why)
+            case StepDue(model=model, generation=generation, step=step):
+                self.step_due(model, generation, step)
             case TrackModel():
                 self.track(message)
             case DevicesReported(report=report):  # from the head's own monitor
@@ -175,6 +198,19 @@ class ClusterHead(BaseActor):
                     model=model, generation=generation, returncode=0,
                     description=f"left running on node {node} for the next corral "
                     "(cluster.keep_on_exit)"))
+            case SuspendInstance(generation=generation) | WakeInstance(generation=generation):
+                if generation == placed.generation and placed.node is not None:
+                    # Sent to the node where it runs (it slept there, it wakes there).
+                    placed.steps += 1
+                    what: Literal["suspend", "wake"] = (
+                        "suspend" if isinstance(message, SuspendInstance) else "wake")
+                    placed.step = (generation, placed.steps, what)
+                    self.send(placed.node, model, message)
+                    if self.timers is not None:
+                        self.timers.after(placed.config.suspend_timeout_s + STEP_GRACE_S,
+                                          self.actor_ref, StepDue(
+                                              model=model, generation=generation,
+                                              step=placed.steps))
             case StopInstance(generation=generation) | LivenessMiss(generation=generation):
                 if generation == placed.generation and placed.node is not None:
                     self.send(placed.node, model, message)
@@ -189,6 +225,8 @@ class ClusterHead(BaseActor):
                 tell_or_drop(self.monitor, message)
         elif placed.node is not None:
             self.send(placed.node, message.model, message)
+        elif message.event == "exited" and placed.left is not None:
+            self.send(placed.left, message.model, message)
 
     def measure(self, message: MeasureModel | Remember) -> None:
         """A model with `nodes` is measured by the agent of the first of them that is up,
@@ -229,6 +267,7 @@ class ClusterHead(BaseActor):
             why = ("it is not a model of this corral's on this node"
                    if placed is None or node not in (placed.config.nodes or [])
                    else "its config changed" if digest(placed.config) != r.digest
+                   else "it was suspended (its devices given back)" if r.suspended
                    else "it was still loading" if not r.ready
                    else None)
             if why is None and placed is not None and placed.node is None:
@@ -253,11 +292,13 @@ class ClusterHead(BaseActor):
             if isinstance(message, DevicesReported):
                 self.report(self.devices.reported(node, message.report, time.time()))
                 continue
-            if isinstance(message, InstanceExited):
+            if isinstance(message, InstanceExited | InstanceSuspended | InstanceWoken):
                 placed = self.models.get(message.model)
                 if (placed is not None and placed.node == node
                         and placed.generation == message.generation):
-                    placed.node = None
+                    placed.step = None  # answered (or moot)
+                    if isinstance(message, InstanceExited):
+                        placed.node, placed.left = None, node
             if isinstance(message, Measured):  # the node's devices, by their cluster names
                 message = msgspec.structs.replace(
                     message, min=renamed(message.min, node), max=renamed(message.max, node))
@@ -282,9 +323,26 @@ class ClusterHead(BaseActor):
         self.report(self.devices.lost(node))
         for model, placed in self.models.items():
             if placed.node == node:
-                placed.node = None
+                placed.node, placed.step = None, None
                 self.to_scheduler(InstanceExited(model=model, generation=placed.generation,
                                          returncode=-1, description=f"node lost: {why}"))
+
+    def step_due(self, model: str, generation: int, step: int) -> None:
+        """A step's deadline: unanswered, it failed (the Scheduler then stops the child,
+        as when a local step fails); a step answered or made moot since is left be."""
+        placed = self.models.get(model)
+        if placed is None or placed.step is None or placed.step[:2] != (generation, step):
+            return
+        what = placed.step[2]
+        placed.step = None
+        detail = (f"no answer from node {placed.node} within suspend_timeout_s="
+                  f"{placed.config.suspend_timeout_s:g} + {STEP_GRACE_S:g} s")
+        log.error("%s#%d: its %s step on node %s: %s", model, generation, what, placed.node,
+                  detail)
+        self.to_scheduler(InstanceSuspended(model=model, generation=generation, ok=False,
+                                            detail=detail) if what == "suspend"
+                          else InstanceWoken(model=model, generation=generation, ok=False,
+                                             detail=detail))
 
     # ------------------------------------------------------------ helpers
 
@@ -293,8 +351,9 @@ class ClusterHead(BaseActor):
         agent = self.agents.get(node)
         return agent is not None and agent.state == "up"
 
-    def send(self, node: str, model: str, message: StartInstance | StopInstance | LivenessMiss
-             | TrackModel | MeasureModel | Remember) -> None:
+    def send(self, node: str, model: str, message: StartInstance | StopInstance
+             | SuspendInstance | WakeInstance | LivenessMiss | TrackModel | MeasureModel
+             | Remember) -> None:
         agent = self.agents[node]
         if agent.handle is None:
             return  # lost: its models' exits are reported already

@@ -33,6 +33,7 @@ from ..messages import (
     Running,
     SchedulerMessage,
 )
+from ..runtime.timers import Timers
 from .agent import NodeAgent
 from .head import ClusterHead, Shown
 from .join import Waker, join
@@ -210,12 +211,12 @@ class Cluster:
         Abandoned (call from any thread but a signal handler)."""
         self.waker.abandon()
 
-    def open(self, scheduler: Inbox[SchedulerMessage],
-             on_crash: CrashHandler) -> pykka.ActorRef[ClusterHead]:
+    def open(self, scheduler: Inbox[SchedulerMessage], on_crash: CrashHandler,
+             timers: Timers | None = None) -> pykka.ActorRef[ClusterHead]:
         """Start the ClusterHead: from now on it takes the head's own device reports and
         its RemoteInstances' messages. Returns its ref."""
         self.head = ClusterHead.start(self.config.cluster, self.key, scheduler,
-                                      self._publish, on_crash)
+                                      self._publish, on_crash, timers)
         return self.head
 
     def _publish(self, shown: Shown) -> None:  # on the head's thread

@@ -19,7 +19,9 @@ from ..messages import (
     Remember,
     StartInstance,
     StopInstance,
+    SuspendInstance,
     TrackModel,
+    WakeInstance,
 )
 
 POLL_S = 2.0
@@ -47,7 +49,8 @@ class ToAgent(msgspec.Struct, frozen=True):
     epoch: int
     seq: int
     model: str
-    message: StartInstance | StopInstance | LivenessMiss | TrackModel | MeasureModel | Remember
+    message: (StartInstance | StopInstance | SuspendInstance | WakeInstance | LivenessMiss
+              | TrackModel | MeasureModel | Remember)
 
 
 def digest(config: ModelConfig) -> str:

@@ -44,9 +44,6 @@ def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
     if model.keep_prompt_cache and not is_llama(model.cmd, model.health):
         raise ConfigError(f"{source}: models.{name}.keep_prompt_cache: only for llama-server "
                           "children (their slots are saved and restored)")
-    if model.keep_prompt_cache and model.nodes:
-        raise ConfigError(f"{source}: models.{name}.keep_prompt_cache: not supported yet for "
-                          "a model on cluster nodes (nodes)")
     if model.suspend is None:
         if model.ttl_suspend_s:
             raise ConfigError(f"{source}: models.{name}.ttl_suspend_s: the model has no "
@@ -55,9 +52,6 @@ def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
     wrong = check_suspend(model.suspend)
     if wrong is not None:
         raise ConfigError(f"{source}: models.{name}.suspend: {wrong}")
-    if model.nodes:
-        raise ConfigError(f"{source}: models.{name}.suspend: not supported yet for a model "
-                          "on cluster nodes (nodes); remove one of the two")
 
 
 def _validate_replicas(config: Config, source: str) -> None:
@@ -109,9 +103,6 @@ def _validate(config: Config, source: str) -> Config:
                 "key_flag = \"\" to run it there with none (anyone who can reach the "
                 "node can use it)")
         _validate_suspend(name, model, source)
-        if model.stop_cmd and model.nodes:
-            raise ConfigError(f"{source}: models.{name}.stop_cmd: not supported yet for a "
-                              "model on cluster nodes")
         _check_placeholders(model.stop_cmd or [], STOP_PLACEHOLDER,
                             f"{source}: models.{name}.stop_cmd", "{model}, {port} or {pid}")
         if not model.health_path.startswith("/"):

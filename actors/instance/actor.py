@@ -177,7 +177,7 @@ class ModelInstance(BaseActor):
         self.llama = config.health == "llama"
         self.watch.start(self.liveness_of(config), self.llama)
         self.devices = devices
-        self.key = key if config.key_argument is not None else None
+        self.key = self.jobs.key = key if config.key_argument is not None else None
         self.bind_retries = 0
         self.hooks.stop_reason = None
         if not self.run_hook("before_load"):

@@ -57,12 +57,14 @@ def left_s(deadline: float) -> float:
 
 
 def call(host: str, port: int, method: str, path: str, *, deadline: float, max_bytes: int,
-         body: bytes | None = None) -> tuple[int, bytes]:
-    """Send one request (`body` as JSON) and read its whole answer by `deadline` (a
-    time.monotonic() instant): its status and body. Raises TimeoutError past the
-    deadline, ValueError for an answer over `max_bytes` or not HTTP, OSError when the
-    connection fails or closes early."""
+         body: bytes | None = None, key: str | None = None) -> tuple[int, bytes]:
+    """Send one request (`body` as JSON; `key`: the one the child requires, as a bearer
+    token) and read its whole answer by `deadline` (a time.monotonic() instant): its
+    status and body. Raises TimeoutError past the deadline, ValueError for an answer over
+    `max_bytes` or not HTTP, OSError when the connection fails or closes early."""
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
+    if key is not None:
+        lines.append(f"Authorization: Bearer {key}")
     if body is not None:
         lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     request = ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")

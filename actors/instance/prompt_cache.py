@@ -94,22 +94,22 @@ def _made_here(path: Path) -> bool:
 
 
 def _call(host: str, port: int, method: str, path: str, body: dict[str, Any] | None,
-          deadline: float) -> tuple[int, object]:
+          deadline: float, key: str | None) -> tuple[int, object]:
     status, said = childcall.call(
         host, port, method, path, deadline=deadline, max_bytes=ANSWER_MAX,
-        body=json.dumps(body).encode() if body is not None else None)
+        body=json.dumps(body).encode() if body is not None else None, key=key)
     return status, json.loads(said or b"null")
 
 
 def save(host: str, port: int, here: Path, root: Path, max_bytes: int, timeout_s: float,
-         say: Callable[[str], None]) -> int:
+         say: Callable[[str], None], key: str | None = None) -> int:
     """Save every slot that holds a prompt into `here`, all within `timeout_s` (what is
     not saved by then is not: review S6); then keep `root` within `max_bytes`. Returns
-    the tokens saved; never raises."""
+    the tokens saved; never raises. `key`: the one the child requires."""
     saved = 0
     deadline = time.monotonic() + timeout_s
     try:
-        status, slots = _call(host, port, "GET", "/slots", None, deadline)
+        status, slots = _call(host, port, "GET", "/slots", None, deadline, key)
         if status != 200 or not isinstance(slots, list):
             say(f"corral: prompt cache not saved: GET /slots answered {status}")
             return 0
@@ -118,7 +118,7 @@ def save(host: str, port: int, here: Path, root: Path, max_bytes: int, timeout_s
                 continue  # an empty slot: nothing to keep
             sid = int(slot["id"])
             status, said = _call(host, port, "POST", f"/slots/{sid}?action=save",
-                                 {"filename": f"slot{sid}.bin"}, deadline)
+                                 {"filename": f"slot{sid}.bin"}, deadline, key)
             if status == 200 and isinstance(said, dict):
                 saved += int(said.get("n_saved", 0))
             else:
@@ -132,7 +132,7 @@ def save(host: str, port: int, here: Path, root: Path, max_bytes: int, timeout_s
 
 
 def restore(host: str, port: int, here: Path, timeout_s: float,
-            say: Callable[[str], None]) -> int:
+            say: Callable[[str], None], key: str | None = None) -> int:
     """Restore every slot file in `here` into its slot, all within `timeout_s` (review
     S6). Returns the tokens restored; never raises (a file llama-server refuses is
     dropped)."""
@@ -144,7 +144,7 @@ def restore(host: str, port: int, here: Path, timeout_s: float,
             continue
         try:
             status, said = _call(host, port, "POST", f"/slots/{match[1]}?action=restore",
-                                 {"filename": path.name}, deadline)
+                                 {"filename": path.name}, deadline, key)
         except TimeoutError:
             say(f"corral: prompt cache not restored whole: no answer within {timeout_s:g} s")
             break

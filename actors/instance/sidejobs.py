@@ -47,6 +47,9 @@ class SideJobs:
         """The reason of a stop whose steps wait for the prompt cache to be saved."""
         self.abandon = threading.Event()
         """Ends the current child's readiness poll."""
+        self.key: str | None = None
+        """The key the current child requires (a child on a cluster node), which its
+        steps send."""
 
     def cache_args(self, config: ModelConfig) -> list[str]:
         """At a spawn: the arguments that tell the child where to save its slots (none
@@ -75,7 +78,7 @@ class SideJobs:
                                     host_bytes=grew))
         self._thread(step, lambda: suspend.switch(
             how, step, model=self.model, host=host, port=port, pid=pid, timeout_s=timeout_s,
-            say=self.ring.append, done=done))
+            say=self.ring.append, done=done, key=self.key))
 
     def save(self, spawn_id: int, host: str, port: int, timeout_s: float,
              reason: str) -> None:
@@ -83,7 +86,7 @@ class SideJobs:
         assert here is not None and cache is not None
         self.saving = reason
         self._cached(spawn_id, "save", lambda: prompt_cache.save(
-            host, port, here, cache[0], cache[1], timeout_s, self.warn))
+            host, port, here, cache[0], cache[1], timeout_s, self.warn, self.key))
 
     def saved(self) -> str:
         """The save is over: the reason of the stop that waited for it."""
@@ -97,7 +100,7 @@ class SideJobs:
         assert here is not None
         self.restoring, self.ready_info = True, ready_info
         self._cached(spawn_id, "restore", lambda: prompt_cache.restore(
-            host, port, here, timeout_s, self.warn))
+            host, port, here, timeout_s, self.warn, self.key))
 
     def restored(self) -> dict[str, Any] | None:
         """The restore is over: what the child said when it got ready."""

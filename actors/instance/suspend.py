@@ -38,22 +38,22 @@ def tree_rss(pid: int) -> int:
 
 
 def run(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: int,
-        timeout_s: float, say: Callable[[str], None]) -> str | None:
+        timeout_s: float, say: Callable[[str], None], key: str | None = None) -> str | None:
     """Suspend (`sleep`) or wake the child, all within `timeout_s` (a child that answers
     a byte at a time fails at that deadline: review S6); None when it did, else why
-    not. `say`: a line for the model's log."""
+    not. `say`: a line for the model's log; `key`: the one the child requires."""
     deadline = time.monotonic() + timeout_s
     if how == "vllm":
         path = "/sleep?level=1" if step == "sleep" else "/wake_up"
-        why = _request(host, port, "POST", path, deadline, timeout_s)
+        why = _request(host, port, "POST", path, deadline, timeout_s, key)
         if why is not None:
             return why
-        return _check_vllm(host, port, step == "sleep", deadline, timeout_s)
+        return _check_vllm(host, port, step == "sleep", deadline, timeout_s, key)
     assert isinstance(how, SuspendCommands)
     target = how.sleep_http if step == "sleep" else how.wake_http
     if target is not None:
         method, path = target.split(" ", 1)
-        return _request(host, port, method, path, deadline, timeout_s)
+        return _request(host, port, method, path, deadline, timeout_s, key)
     argv = how.sleep if step == "sleep" else how.wake
     assert argv is not None
     values = {"pid": str(pid), "port": str(port), "model": model}
@@ -76,23 +76,23 @@ def run(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: int,
 
 def switch(how: Suspend, step: Step, *, model: str, host: str, port: int, pid: int,
            timeout_s: float, say: Callable[[str], None],
-           done: Callable[[str | None, int], None]) -> None:
+           done: Callable[[str | None, int], None], key: str | None = None) -> None:
     """`run`, then `done(failure, grew)`: what the process' resident memory grew by
     (measured for a `sleep` only). On a ModelInstance's helper thread."""
     before = tree_rss(pid) if step == "sleep" else 0
     try:
         failure = run(how, step, model=model, host=host, port=port, pid=pid,
-                      timeout_s=timeout_s, say=say)
+                      timeout_s=timeout_s, say=say, key=key)
     except Exception as e:  # never leave the instance waiting for an answer
         failure = f"{type(e).__name__}: {e}"
     done(failure, max(0, tree_rss(pid) - before) if step == "sleep" and not failure else 0)
 
 
 def _request(host: str, port: int, method: str, path: str, deadline: float,
-             timeout_s: float) -> str | None:
+             timeout_s: float, key: str | None) -> str | None:
     try:
         status, body = childcall.call(host, port, method, path, deadline=deadline,
-                                      max_bytes=ANSWER_MAX)
+                                      max_bytes=ANSWER_MAX, key=key)
     except TimeoutError:
         return f"{method} {path}: no whole answer within suspend_timeout_s={timeout_s:g}"
     except (OSError, ValueError) as e:
@@ -103,12 +103,12 @@ def _request(host: str, port: int, method: str, path: str, deadline: float,
 
 
 def _check_vllm(host: str, port: int, asleep: bool, deadline: float,
-                timeout_s: float) -> str | None:
+                timeout_s: float, key: str | None) -> str | None:
     """vLLM answers /sleep and /wake_up before it is done on some versions: its
     /is_sleeping says whether it is."""
     try:
         _, body = childcall.call(host, port, "GET", "/is_sleeping", deadline=deadline,
-                                 max_bytes=ANSWER_MAX)
+                                 max_bytes=ANSWER_MAX, key=key)
         said = json.loads(body or b"{}")
     except TimeoutError:
         return f"GET /is_sleeping: no whole answer within suspend_timeout_s={timeout_s:g}"

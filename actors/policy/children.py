@@ -199,6 +199,7 @@ class Children:
             return []
         was, up_since = rec.state, rec.ready_at
         rec.in_flight = 0
+        self.state.host.gone(rec)  # (on its node: before the record forgets it)
         rec.pid = rec.host = rec.port = rec.ready_at = rec.placement = rec.node = None
         rec.upstream_key = None
         rec.exit_code = returncode
@@ -207,7 +208,6 @@ class Children:
         rec.info = rec.progress = None
         rec.awaiting_usage = False
         self.state.warming.discard(rec)
-        self.state.host.gone(rec)
         if self.state.watched(rec):
             rec.releasing = model in self.state.ledger.held
             if rec.releasing:

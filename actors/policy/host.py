@@ -9,11 +9,16 @@ under way at its estimate (the device memory the child holds), one done at what 
 child's resident memory grew by, until a report taken after it; a suspended child being
 stopped counts as coming back until a report no longer tracks it (when too little is
 available, so as to stop no more than needed; a new suspend never counts on it).
+
+Each machine's host RAM is its own tier (issue 42): corral's own (node None) and each
+cluster node's, as that node's monitor reports it (`node/host`), each keeping the margin.
+A suspend is counted on the node its child runs on; a lost node reports no host RAM, and
+its suspended models are gone with its other children.
 """
 
 from __future__ import annotations
 
-from ..ledger import Ledger, MiB
+from ..ledger import Ledger, MiB, node_of
 from ..lifecycle import ModelState
 from ..messages import DeviceReport
 from .records import ModelRecord
@@ -29,12 +34,15 @@ class HostTier:
         """Bytes of host RAM kept available (host_memory_margin_mib)."""
         self.suspended_max = suspended_max
         """Most models suspended or suspending at once (0: no limit)."""
-        self.available: int | None = None
-        """Host RAM available at the last report (None: none has come yet: unlimited)."""
-        self.unseen: dict[str, int] = {}
-        """Model -> host bytes its suspend takes that no report has seen yet."""
-        self.freeing: dict[str, int] = {}
-        """Model -> host bytes of a suspended child that exited, until no report tracks it."""
+        self.available: dict[str | None, int] = {}
+        """Node (None: corral's own machine) -> host RAM available at the last report; a
+        machine not in it has not reported any: unlimited."""
+        self.unseen: dict[str, tuple[str | None, int]] = {}
+        """Model -> (its node, the host bytes its suspend takes that no report has seen
+        yet)."""
+        self.freeing: dict[str, tuple[str | None, int]] = {}
+        """Model -> (its node, the host bytes of its suspended child that exited), until no
+        report tracks it."""
 
     def estimate(self, rec: ModelRecord, ledger: Ledger) -> int:
         """What a suspend of `rec` moves to the host: the device memory it holds (vLLM's
@@ -46,15 +54,18 @@ class HostTier:
             size for d, size in held.items()
             if (dev := ledger.devices.get(d)) is not None and dev.kind == "device"))
 
-    def room(self, stopping: list[ModelRecord], back: bool = True) -> int | None:
-        """Host bytes available beyond the margin once what suspends take is counted
-        (None: unlimited); `back`: counting what comes back too, from exited children
-        and from `stopping` (suspended models being stopped)."""
-        if self.available is None:
+    def room(self, node: str | None, stopping: list[ModelRecord],
+             back: bool = True) -> int | None:
+        """Host bytes available on `node` beyond the margin once what suspends take is
+        counted (None: unlimited); `back`: counting what comes back too, from exited
+        children and from `stopping` (suspended models being stopped)."""
+        available = self.available.get(node)
+        if available is None:
             return None
-        coming = (sum(self.freeing.values()) + sum(r.host_bytes for r in stopping)
-                  if back else 0)
-        return self.available + coming - sum(self.unseen.values()) - self.margin
+        coming = (sum(b for n, b in self.freeing.values() if n == node)
+                  + sum(r.host_bytes for r in stopping if r.node == node) if back else 0)
+        return available + coming - sum(b for n, b in self.unseen.values()
+                                        if n == node) - self.margin
 
     def why_not(self, rec: ModelRecord, ledger: Ledger,
                 stopping: list[ModelRecord]) -> str | None:
@@ -68,20 +79,23 @@ class HostTier:
             return "what it holds is not known yet (no device report since it got ready)"
         # Not what is coming back: a stopping child holds its host copy until it is
         # gone, and a suspend done before that would overshoot the margin meanwhile.
-        room = self.room(stopping, back=False)
+        room = self.room(rec.node, stopping, back=False)
         need = self.estimate(rec, ledger)
         if room is not None and need > room:
-            return (f"host memory: its {need / MiB:.0f} MiB would leave less than "
+            where = "" if rec.node is None else f" on node {rec.node}"
+            return (f"host memory{where}: its {need / MiB:.0f} MiB would leave less than "
                     f"host_memory_margin_mib ({self.margin / MiB:.0f} MiB) available "
                     f"(room for {max(room, 0) / MiB:.0f} MiB)")
         return None
 
     def suspending(self, rec: ModelRecord, ledger: Ledger) -> None:
-        rec.host_bytes = self.unseen[rec.name] = self.estimate(rec, ledger)
+        rec.host_bytes = self.estimate(rec, ledger)
+        self.unseen[rec.name] = (rec.node, rec.host_bytes)
 
     def suspended(self, rec: ModelRecord, host_bytes: int) -> None:
         """The suspend is done: it took `host_bytes` (measured) in place of the estimate."""
-        rec.host_bytes = self.unseen[rec.name] = rec.host_last = host_bytes
+        rec.host_bytes = rec.host_last = host_bytes
+        self.unseen[rec.name] = (rec.node, host_bytes)
 
     def awake(self, rec: ModelRecord) -> None:
         """Woken: its host copy is given back (the next report shows it)."""
@@ -90,18 +104,19 @@ class HostTier:
 
     def gone(self, rec: ModelRecord) -> None:
         """Its child exited: what it held on the host comes back (what no report saw it
-        take is not in `available`: it comes back from nothing)."""
+        take is not in `available`: it comes back from nothing). Called before the
+        record forgets its node."""
         unseen = self.unseen.pop(rec.name, None)
         if rec.host_bytes and unseen is None:
-            self.freeing[rec.name] = rec.host_bytes
+            self.freeing[rec.name] = (rec.node, rec.host_bytes)
         rec.host_bytes = 0
 
     def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> None:
         """Fresh figures: a suspend the monitor had seen done when it sampled is in them,
         and so is the exit of a child it no longer tracks."""
-        for sample in report.devices:
-            if sample.kind == "host":
-                self.available = sample.free
+        # (a lost node's host reads 0 of 0: it has no figure, and nothing runs there)
+        self.available = {node_of(s.name): s.free for s in report.devices
+                          if s.kind == "host" and s.total}
         for name in report.suspended:
             rec = models.get(name)
             if rec is not None and rec.state is S.SUSPENDED:
@@ -111,7 +126,8 @@ class HostTier:
         for name in [n for n in self.freeing if n not in tracked]:
             del self.freeing[name]
 
-    def short(self, stopping: list[ModelRecord]) -> bool:
-        """Less than the margin is available, counting what is coming back."""
-        room = self.room(stopping)
-        return room is not None and room < 0
+    def short(self, stopping: list[ModelRecord]) -> list[str | None]:
+        """The machines where less than the margin is available, counting what is coming
+        back."""
+        return [node for node in self.available
+                if (room := self.room(node, stopping)) is not None and room < 0]

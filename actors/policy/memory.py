@@ -143,9 +143,10 @@ class Memory(Reports):
         """Step 2 of a plan: a wait or a refusal for a model with no place to go, bound
         to nodes or to be placed on GPUs (None: it has places, or needs none)."""
         nodes = rec.rules.nodes
-        if nodes is not None and not any(node_of(d) in nodes for d in self.ledger.devices):
-            return Plan("wait")  # none of its nodes has reported its devices yet
         if nodes is not None and not places:
+            reported = {node_of(d) for d in self.ledger.devices}
+            if any(n not in reported for n in nodes if n not in self.nodes.draining):
+                return Plan("wait")  # one of its nodes has not reported its devices yet
             if drained := [n for n in nodes if n in self.nodes.draining]:
                 return Plan("refuse", refusal=f"model '{rec.name}' cannot be placed: "
                             + self.nodes.drained_why(nodes, drained))

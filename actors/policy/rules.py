@@ -146,16 +146,16 @@ class Rules:
         least recently used first, until what they give back covers it (issue 23)."""
         state = self.state
         if not state.host.short([]):
-            return  # O(1) the common case: nothing coming back is needed
+            return  # the common case: nothing coming back is needed
         stopping = state.stopping_suspended()
-        while state.host.short(stopping):
-            victim = min((r for r in state.models.values() if r.state is S.SUSPENDED),
-                         key=lambda r: r.last_used, default=None)
+        while short := state.host.short(stopping):
+            victim = min((r for r in state.models.values() if r.state is S.SUSPENDED
+                          and r.node in short), key=lambda r: r.last_used, default=None)
             if victim is None:
                 return
             self.moves.stop(victim, "host_memory", None, now, why=(
-                f"host RAM available is below host_memory_margin_mib "
-                f"({state.host.margin / MiB:.0f} MiB)"))
+                f"host RAM available{'' if victim.node is None else ' on ' + victim.node} "
+                f"is below host_memory_margin_mib ({state.host.margin / MiB:.0f} MiB)"))
             stopping.append(victim)
 
     def tick(self, now: float) -> None:
