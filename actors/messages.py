@@ -300,6 +300,8 @@ class DownloadFinished(Event, frozen=True, tag="download_finished", kw_only=True
     model: str
     path: str | None = None
     served: bool = True
+    alias: str | None = None
+    """`owner/repo:QUANT`, the name llama.cpp's router lists a GGUF repo under."""
 
 
 class DownloadFailed(Event, frozen=True, tag="download_failed", kw_only=True):
@@ -998,8 +1000,37 @@ class Running(msgspec.Struct, frozen=True, kw_only=True):
     it rather than adopt a child that serves nothing until woken."""
 
 
+class StartDownload(Message, frozen=True, kw_only=True):
+    """Head -> a node's agent (ToAgent.model: the repo): download it into the downloads
+    folder there, as `POST /models` does here; its events come back as NodeDownload."""
+
+    format: Literal["gguf", "snapshot"] = "gguf"
+    hub: dict[str, str] = {}
+    """The head's MODEL_ENDPOINT and HF_ENDPOINT (never a token): the hub the node's
+    download child reaches, as the head's would."""
+
+
+class CancelDownload(Message, frozen=True, kw_only=True):
+    """Head -> a node's agent: stop the download of ToAgent.model, saying `why`."""
+
+    why: str
+
+
+class ForgetDownload(Message, frozen=True, kw_only=True):
+    """Head -> a node's agent: the download of ToAgent.model was deleted: what it made on
+    the node goes too."""
+
+
+class NodeDownload(Message, frozen=True, kw_only=True):
+    """A node's agent -> the head: an event of a download there, for the head's
+    Downloads (never the Scheduler's)."""
+
+    event: StatusChanged | DownloadFinished | DownloadFailed
+
+
 FromNode = (InstanceStarted | InstanceReady | InstanceReported | InstanceExited | Unhealthy
-            | InstanceSuspended | InstanceWoken | MeasureStarted | Measured | DevicesReported)
+            | InstanceSuspended | InstanceWoken | MeasureStarted | Measured | DevicesReported
+            | NodeDownload)
 """What a node's actors tell their `scheduler` (the agent's Outbox), for the head's."""
 
 
@@ -1069,6 +1100,15 @@ class NodeLost(Message, frozen=True, kw_only=True):
     why: str
 
 
+class ForDownload(Message, frozen=True, kw_only=True):
+    """The head's Downloads -> ClusterHead: send `order` to `node`'s agent (one that is not
+    up is answered at once, with a DownloadFailed)."""
+
+    node: str
+    model: str
+    order: StartDownload | CancelDownload | ForgetDownload
+
+
 class StepDue(Message, frozen=True, kw_only=True):
     """Timer -> ClusterHead: the suspend or wake step `step` sent to `model`'s node should
     have been answered by now (suspend_timeout_s and a grace); if it was not, it failed."""
@@ -1082,6 +1122,6 @@ class StepDue(Message, frozen=True, kw_only=True):
 
 ClusterHeadMessage = (
     ForModel | RemoteModel | HeadAttached
-    | NodeUp | NodeUnreachable | NodeBatch | NodeLost | StepDue
+    | NodeUp | NodeUnreachable | NodeBatch | NodeLost | StepDue | ForDownload
     | TrackModel | DevicesReported | MeasureModel | Remember
 )

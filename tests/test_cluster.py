@@ -765,3 +765,54 @@ def test_a_prompt_cache_on_a_node_survives_a_swap(corral, ray_address: str,
     again = turn(c.port, "a")
     assert c.models()["a"]["pid"] != pid and c.models()["a"]["node"] == "node_b"
     assert again["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 2, again["timings"]
+
+
+@inside
+def test_a_download_goes_to_its_nodes_and_is_served_there(corral, ray_address: str,
+                                                          tmp_path, monkeypatch) -> None:
+    """Issue 42, part 2: with `downloads.nodes`, POST /models has node_b's agent download
+    the repo (the head's hub, the same folder path there), GET /models shows node_b's
+    part as it goes, the model joins the table to run on node_b, and a DELETE has
+    node_b's agent remove the files."""
+    from bench.support import toml_value
+    from tests.fake_hub import FakeHub
+    from tests.helpers import SSE
+
+    repo = "corral-test/snap"
+    with FakeHub.serving({repo: {"config.json": b'{"arch": "x"}',
+                                 "weights.bin": b"w" * 300_000}}, monkeypatch) as hub:
+        hub.rate = 300_000.0  # a second a file: the part is seen under way
+        ns = f"t{uuid.uuid4().hex[:8]}"
+        state = tmp_path / "state"
+        c = corral(cluster_config({}, ns, state_dir=str(state)) + (
+            '\n[downloads]\nnodes = ["node_b"]\n'
+            f"snapshot_cmd = {toml_value(fake_cmd('--model', '{path}'))}\n"),
+            "--ray", ray_address)
+        sse = SSE(c.port)
+        status, body, _ = request(c.port, "POST", "/models", {"model": repo,
+                                                              "format": "snapshot"})
+        assert status == 200 and body["status"]["value"] == "downloading", body
+
+        def part() -> dict[str, Any] | None:
+            entry = next((m for m in request(c.port, "GET", "/models")[1]["data"]
+                          if m["id"] == repo), None)
+            return entry.get("download", {}).get("nodes", {}).get("node_b") \
+                if entry is not None else None
+        wait_until(lambda: (p := part()) is not None and p.get("progress", {}).get("total"),
+                   30, "node_b's part under way, with its progress")
+        done = sse.wait_for(lambda e: e["type"] in ("download_finished", "download_failed"),
+                            timeout_s=60)
+        assert done["type"] == "download_finished", done
+        snapshot = state / "models" / "models--corral-test--snap"
+        assert done["path"].startswith(str(snapshot))
+        wait_until(lambda: repo in c.models(), 10, "the model in the table")
+        said = chat(c.port, repo)
+        assert said[0] == 200 and said[1]["model"] == done["path"], said
+        assert c.models()[repo]["node"] == "node_b"
+        assert "downloading corral-test/snap (snapshot) on nodes node_b" in c.log()
+        status, body, _ = request(c.port, "POST", "/models/unload", {"model": repo})
+        wait_until(lambda: c.models()[repo]["status"]["value"] == "unloaded", 20, "unloaded")
+        status, body, _ = request(c.port, "DELETE", "/models", {"model": repo})
+        assert status == 200 and "node_b" in body["kept"], body
+        wait_until(lambda: not snapshot.exists(), 20, "node_b's agent to delete the files")
+        assert repo not in c.models()

@@ -32,6 +32,8 @@ joining, starting and stopping it all; what  | Cluster (the Supervisor's) | link
 joining Ray with a deadline, abandonable     | join(), Waker              | join.py
 a node's side: its instances, monitor,       | NodeAgent (Ray actor)      | agent.py
   measurer, and the table of its children     |                            |
+a node's downloads (downloads.nodes), on a   | NodeFetches                | fetch.py
+  loop of their own                           |                            |
 what crosses Ray                             | ToAgent, Batch, digest     | wire.py
 the head actor's inbox                       | ClusterHeadMessage         | ../messages.py
 

@@ -20,7 +20,9 @@ from ..instance.actor import ModelInstance
 from ..instance.health import Liveness
 from ..ledger import MiB
 from ..messages import (
+    CancelDownload,
     DevicesReported,
+    ForgetDownload,
     FromNode,
     InstanceExited,
     InstanceReady,
@@ -29,11 +31,13 @@ from ..messages import (
     MeasureModel,
     Remember,
     Running,
+    StartDownload,
     StartInstance,
     StopInstance,
     SuspendInstance,
     TrackModel,
 )
+from .fetch import NodeFetches
 from .wire import (
     FORWARDED_BYTES,
     GAP_S,
@@ -205,6 +209,8 @@ class NodeAgent:
         self.device_names: list[str] = []
         """The devices the monitor watches (what a measurement names)."""
         self.config = Config()
+        self.fetches = NodeFetches(node, self.outbox.tell)
+        """The downloads the head asks of this node (downloads.nodes)."""
         self._configure(config)
 
     def _configure(self, data: bytes) -> None:
@@ -358,6 +364,8 @@ class NodeAgent:
                 self.measurer.tell(message)
         elif isinstance(message, StartInstance):
             self._instance(envelope.model, message).tell(message)
+        elif isinstance(message, StartDownload | CancelDownload | ForgetDownload):
+            self.fetches.order(self.config, envelope.model, message)
         elif (ref := self.instances.get(envelope.model)) is not None:
             child = self.children.get((envelope.model, message.generation))
             if isinstance(message, StopInstance) and child is not None:

@@ -14,9 +14,13 @@ from ..childproc import LogRing
 from ..config.model import ClusterConfig, ModelConfig
 from ..ledger import local_name, node_of, on_node
 from ..messages import (
+    CancelDownload,
     ClusterHeadMessage,
     DeviceReport,
     DevicesReported,
+    DownloadFailed,
+    ForDownload,
+    ForgetDownload,
     ForModel,
     HeadAttached,
     Inbox,
@@ -33,6 +37,7 @@ from ..messages import (
     MonitorMessage,
     NodeBatch,
     NodeChanged,
+    NodeDownload,
     NodeLost,
     NodeUnreachable,
     NodeUp,
@@ -40,6 +45,7 @@ from ..messages import (
     RemoteModel,
     Running,
     SchedulerMessage,
+    StartDownload,
     StartInstance,
     StepDue,
     StopInstance,
@@ -115,7 +121,8 @@ class ClusterHead(BaseActor):
 
     def __init__(self, cluster: ClusterConfig, key: str, scheduler: Inbox[SchedulerMessage],
                  publish: Callable[[Shown], None], on_crash: CrashHandler,
-                 timers: Timers | None = None) -> None:
+                 timers: Timers | None = None,
+                 downloads: Callable[[str, NodeDownload | None], None] | None = None) -> None:
         super().__init__("cluster", on_crash)
         self.cluster = cluster
         self.key = key
@@ -132,6 +139,8 @@ class ClusterHead(BaseActor):
         """The head's own MeasureWorker (models without `nodes`)."""
         self.timers = timers
         """Where a suspend or wake step's deadline is set (StepDue)."""
+        self.downloads = downloads
+        """Where the nodes' download events go (the API's Downloads; None: a node lost)."""
 
     def on_receive(self, message: ClusterHeadMessage) -> None:
         match message:
@@ -153,6 +162,12 @@ class ClusterHead(BaseActor):
                 self.node_lost(node, why)
             case StepDue(model=model, generation=generation, step=step):
                 self.step_due(model, generation, step)
+            case ForDownload(node=node, model=model, order=order):
+                if self.is_up(node):
+                    self.send(node, model, order)
+                elif self.downloads is not None:
+                    self.downloads(node, NodeDownload(event=DownloadFailed(
+                        model=model, error=f"node {node} is not up (GET /nodes)")))
             case TrackModel():
                 self.track(message)
             case DevicesReported(report=report):  # from the head's own monitor
@@ -292,6 +307,10 @@ class ClusterHead(BaseActor):
             if isinstance(message, DevicesReported):
                 self.report(self.devices.reported(node, message.report, time.time()))
                 continue
+            if isinstance(message, NodeDownload):
+                if self.downloads is not None:
+                    self.downloads(node, message)
+                continue
             if isinstance(message, InstanceExited | InstanceSuspended | InstanceWoken):
                 placed = self.models.get(message.model)
                 if (placed is not None and placed.node == node
@@ -320,6 +339,8 @@ class ClusterHead(BaseActor):
         agent = self.agents[node]
         agent.state, agent.since, agent.handle = "lost", time.time(), None
         self.to_scheduler(NodeChanged(node=node, up=False, why=why))  # first: nothing goes there
+        if self.downloads is not None:
+            self.downloads(node, None)  # its downloads' parts fail
         self.report(self.devices.lost(node))
         for model, placed in self.models.items():
             if placed.node == node:
@@ -353,7 +374,7 @@ class ClusterHead(BaseActor):
 
     def send(self, node: str, model: str, message: StartInstance | StopInstance
              | SuspendInstance | WakeInstance | LivenessMiss | TrackModel | MeasureModel
-             | Remember) -> None:
+             | Remember | StartDownload | CancelDownload | ForgetDownload) -> None:
         agent = self.agents[node]
         if agent.handle is None:
             return  # lost: its models' exits are reported already

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import secrets
+import shutil
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -17,8 +19,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..base import CrashHandler, tell_or_drop
 from ..childproc import LogRing
 from ..config.model import Config, ModelConfig
+from ..downloads.registry import folder_of
 from ..messages import (
+    CancelDownload,
     ClusterHeadMessage,
+    ForDownload,
+    ForgetDownload,
     ForModel,
     HeadAttached,
     Inbox,
@@ -26,12 +32,14 @@ from ..messages import (
     MeasureMessage,
     MonitorMessage,
     NodeBatch,
+    NodeDownload,
     NodeLost,
     NodeUnreachable,
     NodeUp,
     RemoteModel,
     Running,
     SchedulerMessage,
+    StartDownload,
 )
 from ..runtime.timers import Timers
 from .agent import NodeAgent
@@ -174,9 +182,15 @@ def agent_config(config: Config) -> Config:
     where a secret lies), and without its remote models and peers, whose keys, key
     variables and headers are the head's to send (issue 42). Agents start children; who
     may call is the head's alone, and so is what is called elsewhere."""
+    # Its downloads (downloads.nodes) go where the head's would, with the head's
+    # llama-server: the paths its models are served with.
+    downloads = msgspec.structs.replace(
+        config.downloads, dir=str(folder_of(config)), nodes=[],
+        llama_server=config.downloads.llama_server or shutil.which("llama-server"))
     return msgspec.structs.replace(
         config, api_key=None, api_key_file=None, keys={}, peers={}, virtual={},
-        models={name: model for name, model in config.models.items() if not model.url})
+        models={name: model for name, model in config.models.items() if not model.url},
+        downloads=downloads)
 
 
 class Cluster:
@@ -196,6 +210,9 @@ class Cluster:
         """What the API shows (GET /nodes, a model's node): the head publishes it."""
         self.waker = Waker()
         """Ends the startup's waits (joining, reaching the agents) when corral must stop."""
+        self.download_sink: Callable[[str, NodeDownload | None], None] | None = None
+        """Where the nodes' download events go (set by the API's downloads; called on the
+        head's thread)."""
 
     def connect(self) -> None:
         """Join the Ray cluster as a driver within cluster.connect_timeout_s: raises
@@ -216,11 +233,22 @@ class Cluster:
         """Start the ClusterHead: from now on it takes the head's own device reports and
         its RemoteInstances' messages. Returns its ref."""
         self.head = ClusterHead.start(self.config.cluster, self.key, scheduler,
-                                      self._publish, on_crash, timers)
+                                      self._publish, on_crash, timers, self._download_news)
         return self.head
 
     def _publish(self, shown: Shown) -> None:  # on the head's thread
         self.shown = shown
+
+    def _download_news(self, node: str, news: NodeDownload | None) -> None:
+        sink = self.download_sink  # on the head's thread
+        if sink is not None:
+            sink(node, news)
+
+    def download(self, node: str, repo: str,
+                 order: StartDownload | CancelDownload | ForgetDownload) -> None:
+        """Send a download order to `node`'s agent (any thread)."""
+        if self.head is not None:
+            tell_or_drop(self.head, ForDownload(node=node, model=repo, order=order))
 
     def instance(self, name: str, model: ModelConfig) -> RemoteInstance:
         """The Scheduler's ref for `name`, which runs on `model.nodes` (after `open`)."""

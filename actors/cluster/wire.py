@@ -13,10 +13,13 @@ import msgspec
 
 from ..config.model import ModelConfig
 from ..messages import (
+    CancelDownload,
+    ForgetDownload,
     FromNode,
     LivenessMiss,
     MeasureModel,
     Remember,
+    StartDownload,
     StartInstance,
     StopInstance,
     SuspendInstance,
@@ -50,7 +53,8 @@ class ToAgent(msgspec.Struct, frozen=True):
     seq: int
     model: str
     message: (StartInstance | StopInstance | SuspendInstance | WakeInstance | LivenessMiss
-              | TrackModel | MeasureModel | Remember)
+              | TrackModel | MeasureModel | Remember | StartDownload | CancelDownload
+              | ForgetDownload)
 
 
 def digest(config: ModelConfig) -> str:

@@ -38,3 +38,7 @@ class DownloadsConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     before it starts (its listed size included) and as it runs."""
     keep_failed: Annotated[int, Meta(ge=0)] = 20
     """Failed downloads listed in GET /models at most; the oldest go first."""
+    nodes: list[str] = []
+    """Cluster nodes (of `[cluster] nodes`) that download instead of corral's own machine:
+    each node's agent downloads into `dir` on its node (the same path there), and the
+    model is served on those of them where its download succeeded (issue 42). Empty: here."""

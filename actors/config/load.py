@@ -40,6 +40,21 @@ _KEY_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 
 
+def _validate_download_nodes(config: Config, source: str) -> None:
+    """`downloads.nodes` (issue 42): cluster nodes, whose download's server corral can give
+    the head's key (it listens on the network there)."""
+    for node in config.downloads.nodes:
+        if node not in config.cluster.nodes:
+            raise ConfigError(f"{source}: downloads.nodes: {node!r} is not one of "
+                              f"cluster.nodes {config.cluster.nodes}")
+    snapshot = config.downloads.snapshot_cmd
+    if config.downloads.nodes and snapshot and ModelConfig(cmd=snapshot).key_argument is None:
+        raise ConfigError(f"{source}: downloads.snapshot_cmd: a snapshot downloaded on "
+                          f"cluster nodes is served there, on the network, and corral "
+                          f"cannot tell how to give {snapshot[0]!r} a key; serve it with a "
+                          "server corral knows (llama-server, vllm), or download here")
+
+
 def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
     if model.keep_prompt_cache and not is_llama(model.cmd, model.health):
         raise ConfigError(f"{source}: models.{name}.keep_prompt_cache: only for llama-server "
@@ -118,6 +133,7 @@ def _validate(config: Config, source: str) -> Config:
                                   f"the name or an alias of model {owner!r}")
             seen[alias] = name
     check_variants(config, seen, source)
+    _validate_download_nodes(config, source)
     config = _resolve_hooks(_resolve_groups(config, source), source)
     if config.api_key is not None and not config.api_key.strip():
         raise ConfigError(f"{source}: api_key: empty; an empty key would turn "

@@ -29,6 +29,8 @@ The parts:
 - made.py: what a download made in the folder, which is all a clean-up removes;
 - limits.py: what one download may take (size, free space), pure;
 - job.py: one download's state and entry; jobs.py: the jobs, their queue and children;
+- spread.py: downloads on cluster nodes (`downloads.nodes`, issue 42): each node's agent
+  runs a Downloads of its own (cluster/fetch.py), the head follows each node's part;
 - hf_child.py: the snapshot download's child program (`python -m`; it imports nothing of
   corral's).
 
@@ -40,6 +42,7 @@ Scheduler never sees a download.
 from .job import Download, DownloadRequest, Refused
 from .jobs import Downloads
 from .registry import REGISTRY, REPO, Entry, folder_of, remembered, repo_folder, served_as
+from .spread import Spread
 
 __all__ = ["REGISTRY", "REPO", "Download", "DownloadRequest", "Downloads", "Entry", "Refused",
-           "folder_of", "remembered", "repo_folder", "served_as"]
+           "Spread", "folder_of", "remembered", "repo_folder", "served_as"]

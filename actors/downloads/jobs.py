@@ -9,7 +9,6 @@ threads hand their news over with `call_soon_threadsafe` and touch nothing else.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -29,7 +28,7 @@ from ..llama import LLAMA_EXIT, LLAMA_STATE
 from ..messages import DownloadFailed, DownloadFinished, Event, StatusChanged
 from . import limits, made, registry
 from .hf_child import PREFIX
-from .job import Download, Refused
+from .job import Download, Elsewhere, Refused, child_said
 from .registry import Format, folder_of, repo_folder
 
 log = logging.getLogger("corral.downloads")
@@ -61,6 +60,10 @@ class Downloads:
         """`_next` is under way: a start that fails at once ends in `_next` again, which
         must not recurse through the whole queue (a full disk fails every one)."""
         self.loop = asyncio.get_running_loop()
+        self.spread: Elsewhere | None = None
+        """Downloads go to cluster nodes instead (downloads.nodes): set by the API."""
+        self.hub_env: dict[str, str] = {}
+        """The hub the children reach, over the environment's (a node's: the head's)."""
 
     def running(self) -> int:
         return sum(job.state == "downloading" for job in self.jobs.values())
@@ -86,10 +89,10 @@ class Downloads:
         if form == "gguf" and (self.config.downloads.llama_server or self.llama_server) is None:
             return Refused(400, "no llama-server to download a GGUF with: set [downloads] "
                            "llama_server, or start corral with --llama-server")
-        folder = folder_of(self.config)
-        try:
-            full = limits.before_start(self.config.downloads, limits.free_bytes(folder),
-                                       folder)
+        folder, full = folder_of(self.config), None
+        try:  # (the nodes' disks are theirs to judge)
+            full = None if self.spread is not None else limits.before_start(
+                self.config.downloads, limits.free_bytes(folder), folder)
         except OSError as e:
             full = f"cannot see the free space of {folder}: {e.strerror}"
         if full is not None:
@@ -117,6 +120,8 @@ class Downloads:
         return job
 
     def _launch(self, job: Download) -> None:
+        if self.spread is not None:
+            return self.spread.launch(job)
         folder = folder_of(self.config)
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -129,7 +134,7 @@ class Downloads:
             self._say_end(job)
             return
         job.state = "downloading"
-        env = dict(os.environ)
+        env = {**os.environ, **self.hub_env}
         if job.format == "gguf":
             binary = self.config.downloads.llama_server or self.llama_server
             assert binary is not None
@@ -180,6 +185,8 @@ class Downloads:
             job.state, job.error, job.forget = "failed", why, forget
             self._say_end(job)
             return True
+        if job is not None and job.state == "downloading" and self.spread is not None:
+            return self.spread.cancel(job, why, forget)
         if job is None or job.state != "downloading" or job.child is None \
                 or job.child.returncode is not None:
             return False
@@ -213,6 +220,8 @@ class Downloads:
         """DELETE /models of a download that is not running: its entry, its line in the
         registry and, of one that was downloaded, what its download made go (made.py).
         Returns whether there was an entry or a line, and what was deleted and left."""
+        if self.spread is not None and (spread := self.spread.forget(name)) is not None:
+            return spread
         job = self.jobs.get(name)
         if job is not None and job.state in ("queued", "downloading"):
             job = None  # asked for again while DELETE removed the model: it stays
@@ -255,18 +264,8 @@ class Downloads:
 
     def _line(self, job: Download, line: str) -> None:
         """On the child's output thread: a progress or end line, handed to the loop."""
-        said: object = None
-        if line.startswith(LLAMA_STATE):
-            try:
-                said = json.loads(line[len(LLAMA_STATE):]).get("payload") or {}
-            except (ValueError, AttributeError):
-                return
-        elif line.startswith(PREFIX):
-            try:
-                said = json.loads(line[len(PREFIX):])
-            except ValueError:
-                return
-        if isinstance(said, dict):
+        said = child_said(line)
+        if said is not None:
             self.loop.call_soon_threadsafe(self._said, job, said)
 
     def _said(self, job: Download, said: dict[str, Any]) -> None:
@@ -362,9 +361,11 @@ class Downloads:
         log.log(logging.INFO if ok else logging.WARNING, "download of %s %s", job.name,
                 "finished" if ok else f"failed: {job.error}")
         alias = job.alias if job.alias not in self.config.request_names() else None
-        model = registry.served_as(self.config, job.name, job.format, job.path,
-                                   self.llama_server, alias) if ok else None
-        self.publish(DownloadFinished(model=job.name, path=job.path, served=model is not None)
+        model = registry.served_as(self.config, job.name, job.format, job.path, self.llama_server,
+                                   alias, [n for n, p in (job.parts or {}).items()
+                                           if p.state == "downloaded"]) if ok else None
+        self.publish(DownloadFinished(model=job.name, path=job.path, served=model is not None,
+                                      alias=job.alias)
                      if ok else DownloadFailed(model=job.name, error=job.error or "failed"))
         if ok and model is not None:
             self._status(job, "downloaded")

@@ -29,6 +29,10 @@ log = logging.getLogger("corral.downloads")
 
 Format = Literal["gguf", "snapshot"]
 REGISTRY = "corral-downloads.json"
+NODE_REGISTRY = "corral-node-downloads.json"
+"""The head's own record of what its cluster nodes downloaded (`downloads.nodes`), apart
+from the registry each node keeps of its own download in the folder there (on one
+machine the two are the same folder)."""
 _PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
 _TAG = "[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}"
 REPO = re.compile(rf"{_PART}/{_PART}(:{_TAG})?")
@@ -62,6 +66,8 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
     made: Made | None = None
     """What its download made (made.py); None in a registry an older corral wrote, whose
     files corral cannot tell from the user's, and so never deletes."""
+    nodes: list[str] = []
+    """The cluster nodes it was downloaded on, and is served on (NODE_REGISTRY only)."""
 
 
 def entry_problem(name: str, entry: Entry) -> str | None:
@@ -97,10 +103,10 @@ def quant_alias(name: str, gguf: Path) -> str | None:
     return f"{name}:{tag.group(1).upper()}" if tag and ":" not in name else None
 
 
-def read(folder: Path) -> dict[str, Entry]:
+def read(folder: Path, file: str = REGISTRY) -> dict[str, Entry]:
     """Every entry of the registry in `folder`, as written (none if there is no file; a
     file that does not decode is set aside, saying why)."""
-    path = folder / REGISTRY
+    path = folder / file
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -127,7 +133,7 @@ def read(folder: Path) -> dict[str, Entry]:
                           f"going on with the other {len(entries)}" if entries
                           else NO_DOWNLOADS)
         if aside is not None and entries:
-            write(folder, entries)
+            write(folder, entries, file)
     return entries
 
 
@@ -152,17 +158,19 @@ def usable(folder: Path, entries: dict[str, Entry]) -> dict[str, Entry]:
     return {name: entry for name, entry in entries.items() if name not in wrong}
 
 
-def write(folder: Path, entries: dict[str, Entry]) -> None:
+def write(folder: Path, entries: dict[str, Entry], file: str = REGISTRY) -> None:
     """Replace the registry in `folder` (atomically: a reader sees the old or the new)."""
-    path = folder / REGISTRY
+    path = folder / file
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(msgspec.json.format(msgspec.json.encode(entries), indent=1))
     tmp.replace(path)
 
 
 def served_as(config: Config, name: str, form: Format, path: str | None,
-              llama_server: str | None, alias: str | None = None) -> ModelConfig | None:
-    """The model table entry of a downloaded model (None: nothing serves it here)."""
+              llama_server: str | None, alias: str | None = None,
+              nodes: list[str] | None = None) -> ModelConfig | None:
+    """The model table entry of a downloaded model (None: nothing serves it here);
+    `nodes`: the cluster nodes it was downloaded on, where it runs."""
     folder = folder_of(config)
     if form == "gguf":
         binary = config.downloads.llama_server or llama_server
@@ -170,14 +178,15 @@ def served_as(config: Config, name: str, form: Format, path: str | None,
             return None
         return ModelConfig(cmd=[binary, "--hf-repo", name, "--offline", "--alias", name,
                                 "--host", "{host}", "--port", "{port}"],
-                           aliases=[alias] if alias else [],
+                           aliases=[alias] if alias else [], nodes=nodes or None,
                            env={"LLAMA_CACHE": str(folder)}, health="llama",
                            hooks=config.hooks, hook_timeout_s=config.hook_timeout_s)
     template = config.downloads.snapshot_cmd
     if template is None or path is None:
         return None
     return ModelConfig(cmd=[arg.replace("{path}", path) for arg in template],
-                       hooks=config.hooks, hook_timeout_s=config.hook_timeout_s)
+                       nodes=nodes or None, hooks=config.hooks,
+                       hook_timeout_s=config.hook_timeout_s)
 
 
 def remembered(config: Config, llama_server: str | None) -> dict[str, ModelConfig]:
@@ -186,11 +195,18 @@ def remembered(config: Config, llama_server: str | None) -> dict[str, ModelConfi
     folder = folder_of(config)
     out = {}
     taken = {*config.request_names(), *config.virtual}
-    for name, entry in usable(folder, read(folder)).items():
+    here = {} if config.downloads.nodes else read(folder)  # (on nodes: the nodes' files)
+    spread = usable(folder, read(folder, NODE_REGISTRY)) if config.cluster.nodes else {}
+    for name, entry in {**usable(folder, here), **spread}.items():
         if name in taken:
             continue  # a configured name won since: the configured model is served
         alias = entry.alias if entry.alias not in taken else None
-        model = served_as(config, name, entry.format, entry.path, llama_server, alias)
+        nodes = [n for n in entry.nodes if n in config.cluster.nodes] or None
+        if entry.nodes and nodes is None:
+            log.warning("the download %s was on nodes %s, none of them in [cluster] nodes "
+                        "now: not served", name[:100], entry.nodes)
+            continue
+        model = served_as(config, name, entry.format, entry.path, llama_server, alias, nodes)
         if model is not None:
             out[name] = model
             taken |= {name, *model.aliases}
@@ -201,7 +217,8 @@ def owns(config: Config, name: str, model: ModelConfig | None,
          llama_server: str | None) -> bool:
     """Whether the table's `model` named `name` is the download the registry names (and
     not a configured model of the same name, which wins over it)."""
-    entry = read(folder_of(config)).get(name)
+    folder = folder_of(config)
+    entry = read(folder, NODE_REGISTRY).get(name) or read(folder).get(name)
     if entry is None or model is None:
         return False
     expected = served_as(config, name, entry.format, entry.path, llama_server)

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from ..config.keys import KeyRule, Keys
 from ..config.model import Config, ConfigError, ModelConfig
-from ..downloads import Downloads
+from ..downloads import Downloads, Spread
 from ..journal.store import Journal
 from ..messages import (
     Alive,
@@ -142,6 +142,8 @@ class ManagementApi(ModelCommands):
             self.streams.publish, lambda: self.sup.config.models,
             lambda: self._ask(lambda r: GetModels(reply=r)), self._node_of))
         self.downloads = Downloads(self.config, self.streams.publish, self.downloaded)
+        if self.sup.cluster is not None and self.config.downloads.nodes:
+            self.downloads.spread = Spread.over(self.downloads, self.sup.cluster)
         # handler_cancellation: the front closing its connection (its client left)
         # cancels the handler.
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
