@@ -34,6 +34,8 @@ a node's side: its instances, monitor,       | NodeAgent (Ray actor)      | agen
   measurer, and the table of its children     |                            |
 a node's downloads (downloads.nodes), on a   | NodeFetches                | fetch.py
   loop of their own                           |                            |
+what a node says to the head, kept for its   | Outbox, ForwardedRing      | outbox.py
+  poll; a child's output passed on            |                            |
 what crosses Ray                             | ToAgent, Batch, digest     | wire.py
 the head actor's inbox                       | ClusterHeadMessage         | ../messages.py
 

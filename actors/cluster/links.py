@@ -77,6 +77,9 @@ class AgentLink:
         self.tried = threading.Event()
         """Set once the first attempt to reach the agent is over, either way."""
         self.stopping = threading.Event()
+        self.handle: Any = None
+        """The agent's handle while it is up (for `wake`), and its epoch."""
+        self.epoch = 0
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"agent-link-{node}")
 
@@ -110,6 +113,15 @@ class AgentLink:
                                        epoch=epoch, running=running))
         return handle, epoch
 
+    def wake(self) -> None:
+        """The link stops: its agent ends the poll under way now, not at POLL_S."""
+        handle = self.handle
+        if handle is not None:
+            try:
+                handle.wake.remote(self.epoch)
+            except Exception as e:  # (an agent gone, or Ray's driver stopping)
+                log.debug("node %s: no wake for its poll: %s", self.node, e)
+
     def _run(self) -> None:
         retry_s = self.config.agent_retry_s
         handle: Any = None
@@ -125,6 +137,7 @@ class AgentLink:
                     tell_or_drop(self.head, NodeUnreachable(node=self.node))
                 else:
                     handle, epoch = connected
+                    self.handle, self.epoch = handle, epoch
                 if not self.tried.is_set():
                     self.reached = connected is not None
                 self.tried.set()
@@ -283,6 +296,7 @@ class Cluster:
     def stop(self) -> None:
         for link in self.links.values():
             link.stopping.set()
+            link.wake()
         for link in self.links.values():
             if link.thread.is_alive():
                 link.thread.join(POLL_S + 1.0)
