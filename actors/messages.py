@@ -763,6 +763,8 @@ class DeviceReport(msgspec.Struct, frozen=True, kw_only=True):
     None: not said (every tracked model counts)."""
     suspended: list[str] = []
     """The tracked models whose suspend the monitor knew to be done when it sampled."""
+    tracked_by: dict[str, list[str]] = {}
+    """Of a cluster's merged report: each machine's `tracked` (node; "": corral's own)."""
 
 
 class DevicesReported(Message, frozen=True, kw_only=True):

@@ -130,9 +130,11 @@ class Supervisor:
         config = self.config
         backends = discover(config)  # raises ConfigError before anything has started
         remote = sorted(name for name, m in config.models.items() if m.nodes)
-        if remote and config.cluster.ray_address is None:
-            raise ConfigError(f"models {', '.join(remote)} name nodes; join a Ray cluster "
-                              "with [cluster] ray_address or --ray ADDRESS")
+        named = ([f"models {', '.join(remote)} name nodes"] if remote else []) + (
+            ["[downloads] nodes is set"] if config.downloads.nodes else [])
+        if named and config.cluster.ray_address is None:
+            raise ConfigError(f"{' and '.join(named)}; join a Ray cluster with [cluster] "
+                              "ray_address or --ray ADDRESS")
         if config.cluster.ray_address is not None:
             from .cluster import Cluster  # Ray only when asked for
 

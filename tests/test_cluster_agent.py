@@ -438,3 +438,82 @@ def test_a_childs_exit_is_told_to_the_monitor_of_the_node_it_ran_on() -> None:
     exited = TrackModel(model="m", event="exited", pid=None)
     head.on_receive(exited)
     assert handles["node_b"].sent[-1].message == exited and handles["node_a"].sent == []
+
+
+def test_an_agent_watches_its_hosts_ram_without_memory_accounting(tmp_path: Path) -> None:
+    """(Review of issue 42.) A node's host RAM is its suspended tier's, memory accounting
+    or not, as on corral's own machine: its agent runs a monitor either way (and measures
+    only with accounting)."""
+    agent = NodeAgent("node_a", "127.0.0.1", msgspec.msgpack.encode(
+        Config(state_dir=str(tmp_path))))  # (memory_margin_mib 0: accounting off)
+    try:
+        assert not agent.config.memory_accounting
+        assert agent.monitor is not None and agent.measurer is None
+    finally:
+        agent.monitor.stop()
+        agent.timers.stop()
+
+
+def test_a_download_order_the_agent_never_got_fails_that_nodes_part() -> None:
+    """(Review of issue 42.) A StartDownload the agent says it never got (Batch.skipped)
+    fails that node's part, instead of leaving it downloading for ever; a node that is
+    not up answers at once."""
+    from actors.messages import DownloadFailed, ForDownload, NodeBatch, StartDownload
+
+    config = parse_config({"cluster": {"nodes": ["node_a", "node_b"]}})
+    news: list[tuple[str, Any]] = []
+    head = ClusterHead(config.cluster, "k", types.SimpleNamespace(tell=lambda m: None),
+                       lambda shown: None, lambda actor, error: None,
+                       downloads=lambda node, n: news.append((node, n)))
+    handle = Handle()
+    head.on_receive(NodeUp(node="node_b", host="10.0.0.2", handle=handle, epoch=1,
+                           running=[]))
+    head.on_receive(ForDownload(node="node_b", model="o/r", order=StartDownload()))
+    head.on_receive(ForDownload(node="node_a", model="o/r", order=StartDownload()))
+    [(node, not_up)] = news
+    assert node == "node_a" and "node node_a is not up" in not_up.event.error
+    [sent] = handle.sent
+    head.on_receive(NodeBatch(node="node_b", messages=[], lines=[], dropped_lines=0,
+                              skipped=[sent.seq]))
+    node, failed = news[-1]
+    assert node == "node_b" and isinstance(failed.event, DownloadFailed)
+    assert failed.event.model == "o/r" and "never reached node node_b" in failed.event.error
+
+
+def test_a_nodes_downloads_outlive_a_new_heads_attach(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Review of issue 42.) A head that attaches again sends a config decoded anew: the
+    node keeps one Downloads, so a cancel reaches the download under way."""
+    from actors.cluster.fetch import NodeFetches
+    from actors.downloads import jobs
+    from actors.messages import CancelDownload, StartDownload
+    from tests.helpers import wait_until
+
+    made: list[Any] = []
+
+    class Runs:
+        def __init__(self, config: Config, publish: Any, added: Any) -> None:
+            self.config, self.running, self.cancelled = config, set(), []
+            self.llama_server = None
+            made.append(self)
+
+        def refused(self, name: str, form: str, models: Any) -> None:
+            return None
+
+        def start(self, name: str, form: str) -> None:
+            self.running.add(name)
+
+        def cancel(self, name: str, why: str, forget: bool) -> bool:
+            self.cancelled.append(name)
+            return name in self.running
+
+    monkeypatch.setattr(jobs, "Downloads", Runs)
+    fetches = NodeFetches("node_b", lambda m: None)
+    first = Config(state_dir=str(tmp_path))
+    fetches.order(first, "o/r", StartDownload(format="snapshot"))
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(first), type=Config)
+    fetches.order(again, "o/r", CancelDownload(why="unloaded"))
+    wait_until(lambda: made and made[0].cancelled, 10, "the cancel handled")
+    assert len(made) == 1 and made[0].config is again
+    assert fetches.loop is not None
+    fetches.loop.call_soon_threadsafe(fetches.loop.stop)

@@ -165,6 +165,8 @@ def test_a_delete_has_each_node_remove_its_files(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("downloads", "says"), [
     ({"nodes": ["node_x"]}, "downloads.nodes: 'node_x' is not one of cluster.nodes"),
+    ({"nodes": ["node_a", "node_a"]}, "downloads.nodes: ['node_a', 'node_a'] names a node "
+     "twice"),
     ({"nodes": ["node_a"], "snapshot_cmd": ["./serve", "{path}"]},
      "downloads.snapshot_cmd: a snapshot downloaded on cluster nodes"),
 ])
@@ -172,3 +174,20 @@ def test_bad_download_nodes_are_named(downloads: dict[str, Any], says: str) -> N
     with pytest.raises(ConfigError) as e:
         parse_config({"cluster": {"nodes": ["node_a"]}, "downloads": downloads}, "c.toml")
     assert says in str(e.value)
+
+
+def test_downloads_on_nodes_without_a_ray_cluster_do_not_start(tmp_path: Path) -> None:
+    """(Review of issue 42.) `downloads.nodes` without a Ray cluster to join is refused at
+    the start, as a model with `nodes` is: never a silent download here instead."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    path = tmp_path / "c.toml"
+    path.write_text('[cluster]\nnodes = ["node_a"]\n[downloads]\nnodes = ["node_a"]\n')
+    run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "serve", "--config",
+                          str(path), "--port", "0"], capture_output=True, text=True,
+                         timeout=60, env={**__import__("os").environ,
+                                          "XDG_STATE_HOME": str(tmp_path / "state")})
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "[downloads] nodes is set; join a Ray cluster" in run.stderr

@@ -241,7 +241,7 @@ def test_no_module_is_over_400_lines_but_the_message_catalogue() -> None:
 
 
 ANY_ALLOWED = {
-    "actors/cluster/head.py": 1, "actors/cluster/links.py": 4, "actors/messages.py": 1,
+    "actors/cluster/placed.py": 1, "actors/cluster/links.py": 4, "actors/messages.py": 1,
     "actors/llama.py": 1,
 }
 """Where `Any` may stand for something other than JSON: a Ray actor handle (Ray's types

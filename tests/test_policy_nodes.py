@@ -602,3 +602,47 @@ def test_a_suspend_is_judged_by_the_host_ram_of_its_node() -> None:
         assert (w.state("a") == "suspending") is suspends, w.state("a")
         if suspends:
             assert w.p.state.host.unseen == {"a": ("node_a", w.p.state.host.unseen["a"][1])}
+
+
+def test_a_suspended_models_node_is_kept_when_a_request_wakes_it() -> None:
+    """(Review of issue 42.) No memory accounting, one model a node: `a` sleeps on
+    node_b, node_a comes free; a request for `a` wakes it where it sleeps, and its record
+    still says node_b (the node-slot choice is for a load, not a wake)."""
+    a_rules = ModelRules(nodes=BOTH, suspend=True, ttl_suspend_s=5.0)
+    w = NodeWorld(1, {"z": ["node_a"], "a": BOTH}, a=a_rules)
+    w.load_idle("z", "a")
+    assert w.placed["a"] == "node_b"
+    report_devices(w, {"a": GiB})
+    w.now += 10
+    w.fire_timers()
+    w.run(w.p.tiers.suspended("a", w.gen("a"), True, "", 0, w.tick()))
+    w.run(w.p.unload("u", "z", w.tick()))
+    w.exited("z")
+    effects = w.run(w.p.acquire(1, "a", w.tick()))
+    assert [e for e in effects if isinstance(e, Wake)], effects
+    assert w.p.state.models["a"].node == "node_b"
+
+
+def test_what_a_node_frees_is_judged_by_that_nodes_monitor() -> None:
+    """(Review of issue 42.) `a`, suspended on node_a, exits: its host copy is coming
+    back on node_a until node_a's monitor no longer tracks it, whatever another node's
+    tracks (a loads on node_b meanwhile); and a machine whose host was not sampled once
+    keeps its last figure rather than becoming unlimited."""
+    w = suspended_world()
+    host = w.p.state.host
+    w.p.state.models["a"].host_bytes = 4 * GiB
+    host_report(w, {None: 8 * GiB, "node_a": 8 * GiB})
+    w.run(w.p.children.instance_exited("a", w.gen("a"), -9, "gone", w.tick()))
+    assert host.freeing == {"a": ("node_a", 4 * GiB)}
+
+    def report(by: dict[str, list[str]], hosts: tuple[str, ...]) -> None:
+        w.run(w.p.children.devices_reported(DeviceReport(
+            devices=[DeviceSample(f"{n}/host", "host", 16 * GiB, 12 * GiB, "host")
+                     for n in hosts], managed={}, usage={},
+            tracked=sorted({m for names in by.values() for m in names}), backends=["host"],
+            tracked_by=by), w.tick()))
+    report({"": [], "node_a": ["a"], "node_b": []}, ("node_a", "node_b"))
+    assert host.freeing == {"a": ("node_a", 4 * GiB)}, "node_a still tracks it"
+    report({"": [], "node_a": [], "node_b": ["a"]}, ("node_b",))
+    assert host.freeing == {}, "node_a no longer tracks it; node_b's copy is another"
+    assert host.available["node_a"] == 12 * GiB, "not sampled this time: the last figure"

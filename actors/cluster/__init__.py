@@ -24,6 +24,8 @@ concern                                      | type                       | file
 each model's node and generation, each       | ClusterHead (pykka actor)  | head.py
   agent's handle/epoch/seq (the only sender), |                            |
   where TrackModel and measuring go           |                            |
+what the head keeps of each model and agent, | Placed, Agent, Shown       | placed.py
+  and what it shows the API                   |                            |
 the merged device reports (absent, lost)     | DeviceReports (the head's) | devices.py
 the Scheduler's ref for a model on nodes     | RemoteInstance (stateless) | links.py
 reaching and long-polling one agent          | AgentLink (a thread)       | links.py

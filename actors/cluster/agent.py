@@ -147,9 +147,8 @@ class NodeAgent:
             self.measurer.stop()
             self.measurer = None
         self.config = config
-        if not config.memory_accounting:
-            return
-        if self.monitor is None:
+        if self.monitor is None:  # always, as on corral's own machine: its host RAM is
+            # the suspended tier's, memory accounting or not
             try:
                 backends = discover(config)
             except ConfigError as e:
@@ -158,8 +157,9 @@ class NodeAgent:
             self.device_names = sorted(d.name for b in backends for d in b.sample())
             self.monitor = DeviceMonitor.start(backends, self.outbox, self.timers,
                                                config.device_poll_s, self._crashed)
-        self.measurer = MeasureWorker.start(config, self.outbox, self.timers,
-                                            self.device_names, self._crashed)
+        if config.memory_accounting:
+            self.measurer = MeasureWorker.start(config, self.outbox, self.timers,
+                                                self.device_names, self._crashed)
 
     def _instance(self, model: str, start: StartInstance) -> pykka.ActorRef[ModelInstance]:
         """The model's ModelInstance, a new one if the last still has a child that an

@@ -20,8 +20,9 @@ def report_on_node(node: str, report: DeviceReport) -> DeviceReport:
         ready=report.ready, suspended=report.suspended)
 
 
-def merged(reports: list[DeviceReport]) -> DeviceReport:
+def merged(each: dict[str | None, DeviceReport]) -> DeviceReport:
     usage: dict[str, dict[str, int]] = {}
+    reports = list(each.values())
     for r in reports:
         for model, use in r.usage.items():
             usage.setdefault(model, {}).update(use)
@@ -31,7 +32,8 @@ def merged(reports: list[DeviceReport]) -> DeviceReport:
         usage=usage, tracked=sorted({m for r in reports for m in r.tracked}),
         backends=sorted({b for r in reports for b in r.backends}),
         ready=sorted({m for r in reports for m in r.ready or []}),
-        suspended=sorted({m for r in reports for m in r.suspended}))
+        suspended=sorted({m for r in reports for m in r.suspended}),
+        tracked_by={node or "": r.tracked for node, r in each.items()})
 
 
 def renamed(figures: Breakdown | None, node: str, local: bool = False) -> Breakdown | None:
@@ -86,4 +88,4 @@ class DeviceReports:
 
     def _update(self, source: str | None, report: DeviceReport) -> DeviceReport:
         self.reports[source] = report
-        return merged(list(self.reports.values()))
+        return merged(self.reports)

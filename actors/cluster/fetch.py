@@ -53,11 +53,22 @@ class NodeFetches:
 
     def _on_loop(self, config: Config, repo: str,
                  order: StartDownload | CancelDownload | ForgetDownload) -> None:
+        try:
+            self._carry_out(config, repo, order)
+        except Exception as e:  # (a folder it cannot make): said, never a part left open
+            log.exception("%s: the download order for %s failed", self.node, repo)
+            if isinstance(order, StartDownload):
+                self._publish(DownloadFailed(model=repo, error=f"{type(e).__name__}: {e}"))
+
+    def _carry_out(self, config: Config, repo: str,
+                   order: StartDownload | CancelDownload | ForgetDownload) -> None:
         from ..downloads.jobs import Downloads
 
-        if self.downloads is None or self.downloads.config is not config:
+        if self.downloads is None:
             self.downloads = Downloads(config, self._publish, lambda name, model: None)
-        downloads = self.downloads
+        downloads = self.downloads  # one, whatever head asks: its jobs outlive a head
+        downloads.config = config
+        downloads.llama_server = config.downloads.llama_server or downloads.llama_server
         match order:
             case StartDownload(format=form, hub=hub):
                 downloads.hub_env = dict(hub)
@@ -76,14 +87,3 @@ class NodeFetches:
     def _publish(self, event: Event) -> None:
         if isinstance(event, StatusChanged | DownloadFinished | DownloadFailed):
             self.tell(NodeDownload(event=event))
-
-    def stop(self) -> None:
-        loop = self.loop
-        if loop is None:
-            return
-
-        def end() -> None:
-            if self.downloads is not None:
-                self.downloads.stop()
-            loop.call_later(1.0, loop.stop)
-        loop.call_soon_threadsafe(end)

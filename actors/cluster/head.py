@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Literal, assert_never
+from typing import Literal, assert_never
 
 import msgspec
 
 from ..base import BaseActor, CrashHandler, tell_or_drop
-from ..childproc import LogRing
-from ..config.model import ClusterConfig, ModelConfig
+from ..config.model import ClusterConfig
 from ..ledger import local_name, node_of, on_node
 from ..messages import (
     CancelDownload,
@@ -55,6 +54,7 @@ from ..messages import (
 )
 from ..runtime.timers import Timers
 from .devices import DeviceReports, renamed
+from .placed import Agent, Placed, Shown
 from .wire import ToAgent, digest
 
 log = logging.getLogger("corral.cluster")
@@ -63,53 +63,6 @@ STEP_GRACE_S = 15.0
 """A suspend or wake step on a node is failed by the head if no answer has come within the
 model's suspend_timeout_s and this (the node ends the step itself at suspend_timeout_s;
 this covers the way there and back, and a message the agent waited GAP_S for)."""
-
-
-class Placed:
-    """Where one model with `nodes` runs, as the head last decided (its thread only)."""
-
-    def __init__(self, config: ModelConfig, log_ring: LogRing) -> None:
-        self.config = config
-        """As its last StartInstance said (or as configured, before any)."""
-        self.log = log_ring
-        self.generation = 0
-        self.node: str | None = None
-        """Where the current generation runs (None: nowhere)."""
-        self.left: str | None = None
-        """Where the last child that exited ran: its monitor is told of the exit, which
-        the Scheduler says after the exit (else it would charge the model there still)."""
-        self.steps = 0
-        """Suspend and wake steps sent, counted (StepDue.step)."""
-        self.step: tuple[int, int, Literal["suspend", "wake"]] | None = None
-        """(generation, step, what) of the step sent and not answered yet (None: none)."""
-
-
-class Agent:
-    """One node's agent, as its link last said (the head's thread only)."""
-
-    def __init__(self) -> None:
-        self.state: Literal["connecting", "up", "lost"] = "connecting"
-        """lost: retried every cluster.agent_retry_s."""
-        self.since = time.time()
-        self.host: str | None = None
-        self.handle: Any = None
-        """The agent's Ray actor handle (None: not up); untyped in Ray."""
-        self.epoch = 0
-        """What the agent's attach returned: every message carries it (R11)."""
-        self.seq = 0
-        """The next message's number (ToAgent.seq), counted from 0 at each attach. Only
-        this actor's thread sends, so the numbers follow the sending order."""
-
-
-class Shown(msgspec.Struct, frozen=True):
-    """What the API shows of the cluster, as the head last published it. Invariant:
-    replaced whole, never changed, so the event loop reads it without a lock."""
-
-    nodes: list[dict[str, object]] = []
-    """GET /nodes: each node's agent, its address, since when it is in its state, its
-    last device report and the models running there."""
-    placed: dict[str, str] = {}
-    """Model -> the node its current child runs on."""
 
 
 class ClusterHead(BaseActor):
@@ -270,6 +223,7 @@ class ClusterHead(BaseActor):
     def node_up(self, up: NodeUp) -> None:
         agent = self.agents[up.node]
         agent.handle, agent.epoch, agent.seq, agent.host = up.handle, up.epoch, 0, up.host
+        agent.downloads.clear()
         self.take_over(up.node, up.host, up.running)
         agent.state, agent.since = "up", time.time()
         self.to_scheduler(NodeChanged(node=up.node, up=True))
@@ -332,6 +286,12 @@ class ClusterHead(BaseActor):
         if batch.skipped:
             log.error("node %s: messages %s from this head never reached its agent (it "
                       "went on without them after a wait)", node, batch.skipped)
+            lost = set(batch.skipped)
+            for seq, repo in self.agents[node].downloads:
+                if seq in lost and self.downloads is not None:
+                    self.downloads(node, NodeDownload(event=DownloadFailed(
+                        model=repo, error=f"the order never reached node {node}'s agent "
+                        "(lost on the way); ask again")))
 
     def node_lost(self, node: str, why: str) -> None:
         log.error("node %s lost: %s; its models fail, and it is avoided for %g s",
@@ -380,6 +340,8 @@ class ClusterHead(BaseActor):
             return  # lost: its models' exits are reported already
         agent.handle.tell.remote(msgspec.msgpack.encode(ToAgent(
             epoch=agent.epoch, seq=agent.seq, model=model, message=message)))
+        if isinstance(message, StartDownload):
+            agent.downloads.append((agent.seq, model))
         agent.seq += 1
 
     def to_scheduler(self, message: SchedulerMessage) -> None:

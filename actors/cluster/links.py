@@ -43,8 +43,9 @@ from ..messages import (
 )
 from ..runtime.timers import Timers
 from .agent import NodeAgent
-from .head import ClusterHead, Shown
+from .head import ClusterHead
 from .join import Waker, join
+from .placed import Shown
 from .wire import AGENT_PREFIX, POLL_S, Batch
 
 log = logging.getLogger("corral.cluster")

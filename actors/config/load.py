@@ -43,7 +43,10 @@ _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 def _validate_download_nodes(config: Config, source: str) -> None:
     """`downloads.nodes` (issue 42): cluster nodes, whose download's server corral can give
     the head's key (it listens on the network there)."""
-    for node in config.downloads.nodes:
+    nodes = config.downloads.nodes
+    if len(set(nodes)) < len(nodes):
+        raise ConfigError(f"{source}: downloads.nodes: {nodes} names a node twice")
+    for node in nodes:
         if node not in config.cluster.nodes:
             raise ConfigError(f"{source}: downloads.nodes: {node!r} is not one of "
                               f"cluster.nodes {config.cluster.nodes}")

@@ -114,17 +114,21 @@ class HostTier:
     def reported(self, report: DeviceReport, models: dict[str, ModelRecord]) -> None:
         """Fresh figures: a suspend the monitor had seen done when it sampled is in them,
         and so is the exit of a child it no longer tracks."""
-        # (a lost node's host reads 0 of 0: it has no figure, and nothing runs there)
-        self.available = {node_of(s.name): s.free for s in report.devices
-                          if s.kind == "host" and s.total}
+        for sample in report.devices:  # (a machine not sampled keeps its last figure)
+            if sample.kind == "host" and sample.total:
+                self.available[node_of(sample.name)] = sample.free
+            elif sample.kind == "host":  # a lost node's (0 of 0): no figure, nothing runs
+                self.available.pop(node_of(sample.name), None)
         for name in report.suspended:
             rec = models.get(name)
             if rec is not None and rec.state is S.SUSPENDED:
                 self.unseen.pop(name, None)
                 rec.draining = False
-        tracked = set(report.tracked)
-        for name in [n for n in self.freeing if n not in tracked]:
-            del self.freeing[name]
+        tracked = set(report.tracked)  # each machine's own, when the report says them
+        on = {node or None: set(names) for node, names in report.tracked_by.items()}
+        for name, (node, _) in list(self.freeing.items()):
+            if name not in on.get(node, tracked if not on else set()):
+                del self.freeing[name]
 
     def short(self, stopping: list[ModelRecord]) -> list[str | None]:
         """The machines where less than the margin is available, counting what is coming

@@ -137,8 +137,7 @@ class Rules:
     def yield_warm(self, now: float) -> None:
         """A request waits for a place: background loads of warm models give it up."""
         for rec in list(self.state.warming):
-            if rec.state is S.LOADING \
-                    and rec.group not in self.state.queue.entries:
+            if rec.state is S.LOADING and rec.group not in self.state.queue.entries:
                 self.moves.stop(rec, "warm", None, now, why="a request needs its place")
 
     def relieve_host(self, now: float) -> None:
@@ -260,8 +259,9 @@ class Rules:
             return "passed"  # its rival's slot comes back to it; others need not wait
         if not state.has_capacity():
             return "wait"
-        # 3. Bound to nodes, without memory accounting: a node's slot (models_max_per_node).
-        if rec.rules.nodes is not None and not state.memory_on:
+        # 3. Bound to nodes, without memory accounting: a node's slot (models_max_per_node;
+        #    a suspended model has its node already).
+        if rec.rules.nodes is not None and not state.memory_on and rec.state is not S.SUSPENDED:
             if self.claim_node(rec, now):
                 return "rescan"  # refused: the queue changed
             if rec.node is None:
