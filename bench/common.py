@@ -242,7 +242,7 @@ def cpu_seconds(pid: int) -> float:
 @contextlib.asynccontextmanager
 async def llama_pair(binary: str, models_max: int, n_models: int = 2,
                      baseline_root: Path | None = None,
-                     ) -> AsyncIterator[tuple[dict[str, str], dict[str, int]]]:
+                     ) -> AsyncIterator[tuple[dict[str, str], dict[str, tuple[int, ...]]]]:
     """Tiny GGUF models behind llama-server's own router and behind corral, same preset:
     yields ({"llama-router": url, "corral": url}, the two processes' pids by the same
     names; the children are other processes). With `baseline_root`, a third: the corral

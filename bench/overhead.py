@@ -3,6 +3,7 @@ interleaved round by round in one run.
 
     python -m bench overhead [--rounds 3] [--requests 600] [--json FILE]
     python -m bench overhead --llama-server BIN     # also: corral vs llama-server's router
+    python -m bench overhead --routers direct,corral  # without nginx (bench/nginx.py)
     python -m bench overhead --baseline REV         # also: the corral of git revision REV
     python -m bench overhead --journal-off          # instead: the journal's cost, on
                                                     # against off (bench/journal_cost.py)
@@ -12,8 +13,10 @@ Small non-streaming requests (max_tokens 1) at concurrency 1, 16 and 64, and str
 Each round runs the direct and the corral case back to back, alternating which goes
 first. Reports throughput ratios (through corral / direct), added p50/p99 latency and
 time to first byte, and corral's CPU time per proxied request (from its process's CPU
-time over its rounds). With --llama-server, real llama-server children on tiny GGUF
-models answer the same requests through corral and through llama-server's own router.
+time over its rounds). nginx, where it is installed, runs in front of the same children
+(bench/nginx.py) as a third side, and a row puts corral against it. With --llama-server,
+real llama-server children on tiny GGUF models answer the same requests through corral,
+through nginx and through llama-server's own router.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from bench.common import (
     summary_ms,
     write_json,
 )
+from bench.nginx import available as nginx_available
+from bench.nginx import nginx
 from bench.support import Corral, fake_cmd, toml_config
 
 
@@ -124,7 +129,8 @@ async def compare(s: aiohttp.ClientSession, targets: dict[str, tuple[str, str]],
 
 def row(case: str, sides: dict[str, Side], base: str, other: str, per: str) -> dict[str, Any]:
     b, o = sides[base], sides[other]
-    case = case if other in ("corral", "llama-router") else f"{case} [{other}]"
+    case = (f"{case} [{other} vs {base}]" if base not in ("direct", "llama-router")
+            else case if other in ("corral", "llama-router") else f"{case} [{other}]")
     lat = "ttfb_s" if per == "tokens" else "latency_s"
     out: dict[str, Any] = {"case": case, "per": per, "base": base, "other": other,
                            base: b.rate(per), other: o.rate(per),
@@ -187,29 +193,55 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
             cpu = {"corral": corral.pids()}  # (its journal's writer too)
             if old:
                 cpu["corral-baseline"] = old.pids()
+            fronts = {model: stack.enter_context(nginx(f"127.0.0.1:{ports[model]}",
+                                                       workers=args.nginx_workers))
+                      for model in ("small", "stream") if with_nginx(args)}
+            if fronts:  # (its workers are forked at its start: their pids stay)
+                cpu["nginx"] = tuple(p for f in fronts.values() for p in f.pids())
 
             def targets(model: str) -> dict[str, tuple[str, str]]:
                 out = {"direct": (f"http://127.0.0.1:{ports[model]}", model),
                        "corral": (corral.url, model)}
                 if old:
                     out["corral-baseline"] = (old.url, model)
+                if fronts:
+                    out["nginx"] = (fronts[model].url, model)
                 return out
 
-            others = ["corral"] + (["corral-baseline"] if old else [])
+            others = ["corral"] + (["corral-baseline"] if old else []) + (
+                ["nginx"] if fronts else [])
             for c in args.concurrency:
                 sides = await compare(s, targets("small"), args.rounds,
                                       max(args.requests, c), c, stream=False, max_tokens=1,
                                       cpu=cpu)
-                for other in others:
-                    rows.append(row(f"small c={c}", sides, "direct", other, "requests"))
-                print_rows(rows[-len(others):], "direct", "corral")
+                rows += side_rows(f"small c={c}", sides, others, "requests")
             n_tokens = int(args.tokens_per_s * args.stream_seconds)
             for n in args.streams:
                 sides = await compare(s, targets("stream"), args.rounds, n, n, stream=True,
                                       max_tokens=n_tokens, cpu=cpu)
-                for other in others:
-                    rows.append(row(f"streams n={n}", sides, "direct", other, "tokens"))
-                print_rows(rows[-len(others):], "direct", "corral")
+                rows += side_rows(f"streams n={n}", sides, others, "tokens")
+    return rows
+
+
+def with_nginx(args: argparse.Namespace) -> bool:
+    """nginx is asked for, and there (else the bench says so once and goes on)."""
+    if "nginx" not in args.routers:
+        return False
+    if nginx_available() is None:
+        if not getattr(args, "said_no_nginx", False):
+            print("nginx is not installed: no nginx side (apt install nginx-light)")
+            args.said_no_nginx = True
+        return False
+    return True
+
+
+def side_rows(case: str, sides: dict[str, Side], others: list[str],
+              per: str) -> list[dict[str, Any]]:
+    """Each side against direct, then corral against nginx (when it ran), printed."""
+    rows = [row(case, sides, "direct", other, per) for other in others]
+    if "nginx" in sides:
+        rows.append(row(case, sides, "nginx", "corral", per))
+    print_rows(rows, "direct", "corral")
     return rows
 
 
@@ -217,24 +249,33 @@ async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Tiny GGUF models behind corral and behind llama-server's own router."""
     rows = []
     async with llama_pair(args.llama_server, models_max=2,
-                          baseline_root=args.baseline_root) as (urls, cpu), session() as s:
+                          baseline_root=args.baseline_root) as (urls, cpu), session() as s, \
+            contextlib.AsyncExitStack() as stack:
         targets = {name: (url, "m0") for name, url in urls.items()}
         for url, model in targets.values():
             await send(s, url, model)  # load
+        if with_nginx(args):  # in front of the child corral serves m0 with
+            listing = await get_json(s, urls["corral"] + "/models")
+            port = next(m["port"] for m in listing["data"] if m["id"] == "m0")
+            front = stack.enter_context(nginx(f"127.0.0.1:{port}", workers=args.nginx_workers))
+            targets["nginx"], cpu = (front.url, "m0"), {**cpu, "nginx": front.pids()}
+        others = [name for name in targets if name.startswith("corral") or name == "nginx"]
+
+        def against_router(case: str, sides: dict[str, Side], per: str) -> None:
+            nonlocal rows
+            made = [row(case, sides, "llama-router", o, per) for o in others]
+            if "nginx" in sides:
+                made.append(row(case, sides, "nginx", "corral", per))
+            print_rows(made, "llama-router", "corral")
+            rows += made
         for c in args.concurrency:
             sides = await compare(s, targets, args.rounds, max(args.requests // 2, c), c,
                                   stream=False, max_tokens=1, cpu=cpu)
-            others = [name for name in urls if name.startswith("corral")]
-            rows += [row(f"llama small c={c}", sides, "llama-router", o, "requests")
-                     for o in others]
-            print_rows(rows[-len(others):], "llama-router", "corral")
+            against_router(f"llama small c={c}", sides, "requests")
         for n in (1, 16):
             sides = await compare(s, targets, args.rounds, n, n, stream=True, max_tokens=200,
                                   extra={"ignore_eos": True}, cpu=cpu)
-            others = [name for name in urls if name.startswith("corral")]
-            rows += [row(f"llama streams n={n}", sides, "llama-router", o, "tokens")
-                     for o in others]
-            print_rows(rows[-len(others):], "llama-router", "corral")
+            against_router(f"llama streams n={n}", sides, "tokens")
     return rows
 
 
@@ -250,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-s", type=float, default=30.0, help="per stream")
     ap.add_argument("--stream-seconds", type=float, default=4.0)
     ap.add_argument("--llama-server", metavar="BIN")
+    ap.add_argument("--routers", type=lambda v: v.split(","),
+                    default=["direct", "corral", "nginx"],
+                    help="nginx is a side where it is named and installed")
+    ap.add_argument("--nginx-workers", type=int, default=1,
+                    help="nginx's worker processes: as many as corral's fronts (1 here)")
     ap.add_argument("--baseline", metavar="REV",
                     help="also the corral of git revision REV (a worktree), side by side")
     ap.add_argument("--journal-off", action="store_true",

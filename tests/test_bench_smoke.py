@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.nginx import available as nginx_available
 from tests.helpers import ROOT
 
 
@@ -71,12 +72,30 @@ def test_overhead_bench_runs(tmp_path) -> None:
     path = tmp_path / "o.json"
     bench("overhead", "--rounds", "1", "--requests", "20", "--concurrency", "2",
           "--streams", "2", "--tokens-per-s", "50", "--stream-seconds", "0.2",
-          "--json", str(path))
+          "--routers", "direct,corral", "--json", str(path))
     rows = json.loads(path.read_text())["rows"]
     assert [r["case"] for r in rows] == ["small c=2", "streams n=2"]
     assert rows[0]["errors"] == {"direct": 0, "corral": 0}
     assert rows[0]["corral"] > 0 and rows[1]["corral"] > 0
     assert rows[0]["corral_cpu_us_per_request"] > 0
+
+
+@pytest.mark.skipif(nginx_available() is None, reason="nginx is not installed (apt install "
+                    "nginx-light): the benches go on without it")
+def test_overhead_bench_runs_with_nginx_beside_corral(tmp_path) -> None:
+    """Issue 43: nginx in front of the same children, a side of its own, its CPU read, and
+    a row of corral against it."""
+    path = tmp_path / "o.json"
+    bench("overhead", "--rounds", "1", "--requests", "20", "--concurrency", "2",
+          "--streams", "2", "--tokens-per-s", "50", "--stream-seconds", "0.2",
+          "--json", str(path))
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["case"] for r in rows] == [
+        "small c=2", "small c=2 [nginx]", "small c=2 [corral vs nginx]",
+        "streams n=2", "streams n=2 [nginx]", "streams n=2 [corral vs nginx]"]
+    versus = rows[2]
+    assert versus["base"] == "nginx" and versus["errors"] == {"nginx": 0, "corral": 0}
+    assert versus["nginx_cpu_us_per_request"] > 0 and versus["corral_cpu_us_per_request"] > 0
 
 
 def test_the_journals_cost_bench_runs(tmp_path) -> None:
