@@ -59,7 +59,8 @@ before_stop = {note(ran, "before_stop", "{model}", "{reason}", "{pid}")}
     assert ask(c.port, "m") == "m"
     pid = c.models()["m"].get("pid")
     assert request(c.port, "POST", "/models/unload", {"model": "m"})[0] == 200
-    wait_until(lambda: ran.exists() and "after_exit" in ran.read_text(), what="after_exit")
+    wait_until(lambda: ran.exists() and "after_exit" in ran.read_text(), 60,
+               "after_exit")  # (a busy machine: the stop and the hook's start took 10 s)
     lines = [line.split() for line in ran.read_text().splitlines()]
     assert [w[0] for w in lines] == ["before_load", "after_ready", "before_stop",
                                      "after_exit"]
@@ -250,8 +251,9 @@ def test_a_hook_that_leaves_its_group_ends_with_it(corral) -> None:
     marker = "corral-hook-setsid-5120"
     c = hooked(corral, setsid_hook(marker, "echo forked"))
     assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
-    c.wait_state("m", "loaded")  # the hook has ended: its load went on
-    wait_until(lambda: no_process_with(marker), what="the hook's setsid process gone")
+    c.wait_state("m", "loaded", 60)  # the hook has ended: its load went on (a busy
+    # machine: the sweep of what the hook left took over 15 s once)
+    wait_until(lambda: no_process_with(marker), 30, "the hook's setsid process gone")
 
 
 def test_a_hook_that_leaves_its_group_dies_with_a_killed_corral(corral) -> None:
@@ -281,5 +283,5 @@ def test_what_a_hook_forks_as_it_exits_ends_with_it(corral) -> None:
             "< /dev/null & i=$((i+1)); sleep 0.002; done) &")
     c = hooked(corral, toml_value(["sh", "-c", f"{loop} sleep 0.3; exit 0"]))
     assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
-    c.wait_state("m", "loaded")
+    c.wait_state("m", "loaded", 60)  # (as above: the sweep on a busy machine)
     wait_until(lambda: no_process_with(marker), 15, "every process the hook forked gone")
