@@ -32,9 +32,11 @@ def available() -> str | None:
     return found or next((p for p in SEARCHED if os.access(p, os.X_OK)), None)
 
 
-def config_text(port: int, upstream: str, workers: int, root: Path) -> str:
+def config_text(port: int, upstream: str, workers: int, root: Path,
+                keepalive: int = 64) -> str:
     """The whole nginx.conf: listen on 127.0.0.1:`port`, pass everything to `upstream`
-    (`host:port`), all its files under `root`."""
+    (`host:port`) keeping up to `keepalive` idle connections to it, all its files under
+    `root`."""
     temp = "".join(f"    {kind}_temp_path {root / kind};\n"
                    for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     return f"""worker_processes {workers};
@@ -48,7 +50,7 @@ http {{
     access_log off;
 {temp}    upstream child {{
         server {upstream};
-        keepalive 64;
+        keepalive {keepalive};
     }}
     server {{
         listen 127.0.0.1:{port} reuseport;
@@ -98,7 +100,7 @@ class Nginx:
 
 @contextlib.contextmanager
 def nginx(upstream: str, workers: int = 1, binary: str | None = None,
-          timeout_s: float = 20.0) -> Iterator[Nginx]:
+          timeout_s: float = 20.0, keepalive: int = 64) -> Iterator[Nginx]:
     """nginx in front of `upstream` (`host:port`) until the block ends; stopped (SIGQUIT,
     then SIGKILL) even when it raises."""
     path = binary or available()
@@ -108,7 +110,7 @@ def nginx(upstream: str, workers: int = 1, binary: str | None = None,
         root = Path(tmp)
         port = free_port()
         conf = root / "nginx.conf"
-        conf.write_text(config_text(port, upstream, workers, root))
+        conf.write_text(config_text(port, upstream, workers, root, keepalive))
         proc = subprocess.Popen([path, "-p", str(root), "-e", str(root / "error.log"),
                                  "-c", str(conf)], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

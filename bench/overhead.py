@@ -194,7 +194,8 @@ async def fake_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
             if old:
                 cpu["corral-baseline"] = old.pids()
             fronts = {model: stack.enter_context(nginx(f"127.0.0.1:{ports[model]}",
-                                                       workers=args.nginx_workers))
+                                                       workers=args.nginx_workers,
+                                                       keepalive=args.nginx_keepalive))
                       for model in ("small", "stream") if with_nginx(args)}
             if fronts:  # (its workers are forked at its start: their pids stay)
                 cpu["nginx"] = tuple(p for f in fronts.values() for p in f.pids())
@@ -257,7 +258,8 @@ async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
         if with_nginx(args):  # in front of the child corral serves m0 with
             listing = await get_json(s, urls["corral"] + "/models")
             port = next(m["port"] for m in listing["data"] if m["id"] == "m0")
-            front = stack.enter_context(nginx(f"127.0.0.1:{port}", workers=args.nginx_workers))
+            front = stack.enter_context(nginx(f"127.0.0.1:{port}", workers=args.nginx_workers,
+                                              keepalive=args.nginx_keepalive))
             targets["nginx"], cpu = (front.url, "m0"), {**cpu, "nginx": front.pids()}
         others = [name for name in targets if name.startswith("corral") or name == "nginx"]
 
@@ -296,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="nginx is a side where it is named and installed")
     ap.add_argument("--nginx-workers", type=int, default=1,
                     help="nginx's worker processes: as many as corral's fronts (1 here)")
+    ap.add_argument("--nginx-keepalive", type=int, default=64,
+                    help="idle connections nginx keeps to a child (see bench/README.md: a "
+                         "llama-server child needs fewer than its HTTP threads)")
     ap.add_argument("--baseline", metavar="REV",
                     help="also the corral of git revision REV (a worktree), side by side")
     ap.add_argument("--journal-off", action="store_true",

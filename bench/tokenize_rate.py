@@ -97,7 +97,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     print("nginx is not installed: no nginx side (apt install nginx-light)")
                 else:  # as many workers as corral has fronts
                     front = stack.enter_context(nginx(f"127.0.0.1:{port}",
-                                                      workers=args.nginx_workers))
+                                                      workers=args.nginx_workers,
+                                                      keepalive=args.nginx_keepalive))
                     targets["nginx"], cpu_of["nginx"] = front.url, front.pids()
             targets = {n: u for n, u in targets.items()
                        if n in args.routers or n == "corral-baseline"}
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nginx-workers", type=int, default=1,
                     help="nginx's worker processes: as many as corral's fronts (http.workers, "
                          "1 here)")
+    ap.add_argument("--nginx-keepalive", type=int, default=64,
+                    help="idle connections nginx keeps to the child (see bench/README.md)")
     ap.add_argument("--baseline", metavar="REV",
                     help="also the corral of git revision REV (a worktree), side by side")
     ap.add_argument("--json", type=Path)
