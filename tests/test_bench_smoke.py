@@ -133,6 +133,22 @@ def test_ceiling_bench_runs_with_workers(tmp_path) -> None:
         (1, "lean"), (2, "lean"), (1, "aiohttp"), (2, "aiohttp")]
 
 
+def test_streams_bench_searches_the_most_a_front_holds(tmp_path) -> None:
+    """Issue 43, part 3: levels doubled from --start until one does not hold (or the
+    limit), each measured straight and through corral, per http.workers."""
+    path = tmp_path / "s.json"
+    bench("streams", "--max", "--start", "2", "--limit", "4", "--children", "2",
+          "--seconds", "0.5", "--tokens-per-s", "20", "--workers", "1", "--json", str(path))
+    data = json.loads(path.read_text())["workers"]["1"]
+    levels = data["levels"]
+    assert [row["streams"] for row in levels][:1] == [2] and len(levels) <= 3
+    for row in levels:
+        assert row["direct"]["tokens"] > 0 and row["corral"]["tokens"] > 0
+        assert row["holds"] == (row["share"] >= 0.99 and row["added_p99_ms"] <= 5.0)
+    assert data["max_streams"] in (0, 2, 3, 4)
+    assert data["max_streams"] == max([r["streams"] for r in levels if r["holds"]], default=0)
+
+
 def test_tenants_bench_runs(tmp_path) -> None:
     path = tmp_path / "t.json"
     bench("tenants", "--seconds", "1", "--rounds", "1", "--json", str(path))
@@ -176,7 +192,7 @@ def test_bench_help_lists_every_bench() -> None:
     assert out.returncode == 0, out.stderr
     for name in ("load", "overhead", "swap", "scheduler", "tokenize", "chaos", "dashboard",
                  "cluster", "cluster-sim", "exit-latency", "gpu-check", "lease", "ceiling",
-                 "tenants", "swap-order"):
+                 "tenants", "swap-order", "streams"):
         assert f"\n  {name} " in out.stdout
     bare = subprocess.run([sys.executable, "-m", "bench"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
