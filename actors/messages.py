@@ -572,6 +572,10 @@ class Withdraw(Message, frozen=True, kw_only=True):
     """Grants of this generation and an epoch up to this one (Grant.epoch)."""
     instance: str = ""
     """The copy it is of (Grant.instance)."""
+    stopping: bool = False
+    """The child is being stopped (an unload, an eviction, unhealthy, corral stopping): a
+    request it had that breaks after this was cut on purpose, and is not sent again. Not
+    so for another model's turn nor a reload's wait for the child's last requests."""
 
     @property
     def serving(self) -> tuple[int, int]:

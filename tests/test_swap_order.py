@@ -103,7 +103,10 @@ def test_the_fronts_stop_sharing_a_held_models_grants_at_its_cutoff() -> None:
     assert [e for e in effects if isinstance(e, Later) and isinstance(e.message, Repump)
             and e.delay_s == pytest.approx(REVOKED_S)]
     effects = p.repump(8.0 + REVOKED_S)  # then no request may join its grants
-    assert [e for e in effects if isinstance(e, Withdraw) and e.model == "a"]
+    turned = [e for e in effects if isinstance(e, Withdraw) and e.model == "a"]
+    # ... though a is not being stopped: a request of its that breaks now is sent again
+    # (chaos found 503s "stopped while it had this request" for a child a test killed)
+    assert turned and not any(e.stopping for e in turned)
     assert not [e for e in p.acquire("a2", "a", 8.5) if getattr(e, "ticket", None) == "a2"]
     p.release("a0", 9.0)
     effects = p.release("a1", 9.5)  # a drains: it goes, for b

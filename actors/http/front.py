@@ -170,13 +170,13 @@ class Front:
             self.shares.revoke(message)
             return
         self.shares.withdraw(message)
-        if not message.gone:  # it is to stop (or restart once idle): on purpose
+        if message.gone:
+            self.pools.abort(tag := f"{message.model}#{message.generation}", "the child is gone")
+            self.loras.forget(tag)
+        elif message.stopping:  # it is to stop: on purpose (not another model's turn)
             copy = message.instance or message.model  # per copy: one's stop is not another's
             if message.serving > self.stopped.get(copy, ((0, 0), 0.0))[0]:
                 self.stopped[copy] = (message.serving, asyncio.get_running_loop().time())
-        else:
-            self.pools.abort(tag := f"{message.model}#{message.generation}", "the child is gone")
-            self.loras.forget(tag)
 
     def counts(self) -> FrontCounts:
         """What this front knows that the Scheduler does not (GET /models, /metrics)."""

@@ -385,6 +385,9 @@ def _ends_here(ex: Attempt, services: Services, grant: Grant, model: str) -> boo
     # undone by a request that comes back for the model.
     serving, since = services.stopped.get(grant.instance or model, ((0, 0), 0.0))
     if grant.serving <= serving and since <= ex.broke_at:
+        log.warning("%s#%d was stopped while it had a request (%s; stopped %.3f s before "
+                    "it broke): answered 503, not sent again", ex.what, grant.generation,
+                    ex.broke, ex.broke_at - since)
         ex.answer(Answer(503, f"{ex.what} was stopped while it had this request "
                          f"({ex.broke}); not sent again", headers=(("Retry-After", "1"),)))
         return True

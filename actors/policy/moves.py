@@ -324,7 +324,7 @@ class Moves:
                 rec.state is S.STOPPING and new is S.UNLOADED):
             self.state.out.append(Withdraw(model=rec.group, generation=rec.generation,
                                            epoch=rec.wakes, instance=rec.copy_name,
-                                           gone=new is S.UNLOADED))
+                                           gone=new is S.UNLOADED, stopping=new is S.STOPPING))
         rec.state = new
         rec.state_since = now
         if rec.rules.replicas is not None:
