@@ -263,7 +263,7 @@ def test_a_hook_that_leaves_its_group_dies_with_a_killed_corral(corral) -> None:
     wait_until(lambda: left_its_group(marker), what="the setsid process running")
     c.proc.kill()
     c.proc.wait(10)
-    wait_until(lambda: no_process_with(marker), what="the setsid process gone")
+    wait_until(lambda: no_process_with(marker), 30, "the setsid process gone")
 
 
 def test_a_hook_killed_by_its_timeout_takes_what_left_its_group(corral) -> None:
@@ -272,7 +272,7 @@ def test_a_hook_killed_by_its_timeout_takes_what_left_its_group(corral) -> None:
     request(c.port, "POST", "/models/load", {"model": "m"})
     wait_until(lambda: left_its_group(marker), what="the setsid process running")
     c.wait_state("m", "failed", 20)
-    wait_until(lambda: no_process_with(marker), what="the setsid process gone")
+    wait_until(lambda: no_process_with(marker), 30, "the setsid process gone")
 
 
 def test_what_a_hook_forks_as_it_exits_ends_with_it(corral) -> None:

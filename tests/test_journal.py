@@ -73,7 +73,7 @@ def journaled(c: Corral, id_: str) -> dict[str, Any]:
 def test_each_request_has_an_id_and_a_record_of_what_it_waited_for(served: Corral) -> None:
     status, _, headers = request(served.port, "POST", "/v1/chat/completions",
                                  {"model": "a", "max_tokens": 4, "messages": []},
-                                 headers=ALICE)
+                                 headers=ALICE, timeout_s=90)  # (a cold load, maybe busy)
     assert status == 200 and headers["x-request-id"]
     first = journaled(served, headers["x-request-id"])
     assert first["model"] == first["served"] == "a" and first["key"] == "alice"
