@@ -122,9 +122,12 @@ def nginx(upstream: str, workers: int = 1, binary: str | None = None,
                     err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
                     raise RuntimeError(f"nginx exited with status {proc.returncode}: "
                                        f"{err.strip()} {running.log().strip()}"[:2000])
-                with contextlib.suppress(OSError), socket.create_connection(
-                        ("127.0.0.1", port), timeout=0.5):
-                    break
+                # Up: it listens, and every worker is forked (its CPU is read from their
+                # pids, taken once: a worker forked later would go uncounted).
+                if len(running.pids()) == workers + 1:
+                    with contextlib.suppress(OSError), socket.create_connection(
+                            ("127.0.0.1", port), timeout=0.5):
+                        break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"nginx did not listen on {port} within {timeout_s} s")
                 time.sleep(0.02)
