@@ -282,6 +282,12 @@ def test_a_request_whose_child_dies_before_answering_goes_to_the_next_instance(
     status, body = chat(c.port, "b")  # b dies on every request: two replays, then a 502
     assert status == 502 and "unreachable" in body["error"]["message"]
     assert c.models()["b"]["loads"] == 3
+    for model, n, replays, status in (("a", 2, 1, 200), ("b", 1, 2, 502)):  # the journal's
+        path = f"/requests?model={model}"
+        wait_until(lambda p=path, n=n: len(request(c.port, "GET", p)[1]["data"]) == n,
+                   what=f"{model}'s records")  # (written as the answer has gone)
+        newest = request(c.port, "GET", f"/requests?model={model}&limit=1")[1]["data"][0]
+        assert (newest.get("replays"), newest["status"]) == (replays, status), newest
     c.wait_state("b", "failed")
 
 

@@ -62,8 +62,8 @@ class Trace:
 
     __slots__ = ("answer", "asked", "asked_at", "at", "bytes_out", "capture", "copy", "cut",
                  "error", "events", "first_body", "granted_at", "id", "made_id", "model",
-                 "queue_s", "room", "said", "served", "spans", "started", "tail", "to_api",
-                 "waited", "waited_s")
+                 "queue_s", "replays", "room", "said", "served", "spans", "started", "tail",
+                 "to_api", "waited", "waited_s")
 
     def __init__(self, req: Request, started: float) -> None:
         self.made_id = req.request_id is None
@@ -77,6 +77,8 @@ class Trace:
         self.bytes_out = 0
         self.first_body: float | None = None
         self.cut = self.to_api = False
+        self.replays = 0
+        """How often it was sent on to its model's next instance (tries.py)."""
         self.tail: bytearray | None = None
         """The answer's last TAIL bytes (or up to eight times that), where its tokens
         are read at its end (a request without a key: a key's meter reads them as they
@@ -147,7 +149,7 @@ def record(recorder: Recorder, t: Trace, req: Request, status: int, first_at: fl
                    None if t.first_body is None or not streamed else t.first_body - t.started,
                    now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
                    bytes(t.answer) if t.answer is not None else None,
-                   req.session.decode("utf-8", "replace") if req.session else "")),
+                   req.session.decode("utf-8", "replace") if req.session else "", t.replays)),
                  (t.id, t.at, key, t.model, t.served, status))
 
 
@@ -163,7 +165,7 @@ def record_of(r: Row, bodies: bool = False) -> Record:
         ttft_s=None if r.ttft_s is None else round(r.ttft_s, 6),
         duration_s=round(r.duration_s, 6), tokens_in=t.prompt, tokens_out=t.completion,
         tokens_cached=t.cached, prompt_per_s=t.prompt_per_s, predicted_per_s=t.predicted_per_s,
-        cut=r.cut, kept=r.kept, session=r.session,
+        cut=r.cut, kept=r.kept, session=r.session, replays=r.replays,
         body=r.asked.decode("utf-8", "replace") if bodies and r.asked is not None else None,
         answer=r.answer.decode("utf-8", "replace") if bodies and r.answer is not None
         else None)

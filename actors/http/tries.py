@@ -250,7 +250,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         # 6. Answered, or its child was stopped on purpose: done. Else its next instance.
         if _ends_here(ex, services, grant, model):
             return
-        replays += ex.broke_kind is Broke.GONE
+        replays += ex.broke_kind is Broke.GONE  # (the journal counts every next instance)
+        ex.trace.replays += 1
         gone = (grant.generation, sent_on)
 
 

@@ -59,6 +59,9 @@ class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Its answer's body, as far as capture kept it (admin keys only)."""
     session: str = ""
     """Its session header's value (http.session_headers): its conversation."""
+    replays: int = 0
+    """How often it was sent on to its model's next instance, its child having gone away
+    with it before answering, or being out of reach (actors/http/tries.py)."""
 
 
 
@@ -123,6 +126,8 @@ class Row(msgspec.Struct, array_like=True, gc=False):
     """Its answer's body's first capture_kib (capture = true)."""
     session: str = ""
     """Its session header's value (http.session_headers)."""
+    replays: int = 0
+    """How often it was sent again to its model's next instance."""
 
 
 
