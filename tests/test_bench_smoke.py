@@ -145,7 +145,7 @@ def test_streams_bench_searches_the_most_a_front_holds(tmp_path) -> None:
     for row in levels:
         assert row["direct"]["tokens"] > 0 and row["corral"]["tokens"] > 0
         assert row["holds"] == (row["share"] >= 0.99 and row["added_p99_ms"] <= 5.0)
-    assert data["max_streams"] in (0, 2, 3, 4)
+    assert data["max_streams"] in (0, 1, 2, 3, 4)  # (1: --start failed, then bisected below)
     assert data["max_streams"] == max([r["streams"] for r in levels if r["holds"]], default=0)
 
 
