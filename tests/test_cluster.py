@@ -10,6 +10,7 @@ Ray cluster per module.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -520,7 +521,10 @@ def test_hooks_run_on_the_childs_node_and_uploads_reach_it_whole(corral, ray_add
     c = corral(cluster_config({"m": {"cmd": fake_cmd(), "nodes": ["node_b"], "hooks": {
         "before_load": [*note, "before_load", "{model}"],
         "after_ready": [*note, "after_ready", "{model}", "{port}"]},
-        "stop_cmd": [*note, "stop_cmd", "{model}", "{pid}"], "stop_timeout_s": 1}}, ns),
+        # (it stops the child once it has written its line: a busy machine's python may take
+        # over a second to start, and a stop_cmd still running at stop_timeout_s is ended)
+        "stop_cmd": ["sh", "-c", shlex.join([*note, "stop_cmd", "{model}", "{pid}"])
+                     + "; kill {pid}"], "stop_timeout_s": 30}}, ns),
         "--ray", ray_address)
     body = form([("model", b"m", None), ("file", os.urandom(3 << 20), "a.wav")])
     conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
@@ -534,7 +538,7 @@ def test_hooks_run_on_the_childs_node_and_uploads_reach_it_whole(corral, ray_add
     agent = Agents(ray_address, ns).pid("node_b")
     pid, port = c.models()["m"]["pid"], c.models()["m"]["port"]
     assert request(c.port, "POST", "/models/unload", {"model": "m"})[0] == 200
-    wait_until(lambda: not pid_alive(pid), 30, "m's child stopped")
+    wait_until(lambda: not pid_alive(pid), 60, "m's child stopped")
     lines = [line.split() for line in ran.read_text().splitlines()]
     assert [w[:2] for w in lines] == [["before_load", "m"], ["after_ready", "m"],
                                       ["stop_cmd", "m"]], lines
