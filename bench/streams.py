@@ -8,9 +8,12 @@ N streams at once, spread over `--children` fake children that stream at
 value, its `http.workers`), side by side, read by a lean client that notes when each
 token comes. A front holds N while, through it, the tokens per second delivered are at
 least 99% of direct's and the p99 of the gaps between a stream's tokens is at most 5 ms
-more than direct's. `--max` doubles N from `--start` until a level does not hold, then
-bisects between the last that held and the first that did not, to within 10%; without it,
-each N of `--streams` is measured once.
+more than direct's. A level that does not hold is measured once more, and holds if the two
+together do (their means): a level's share moves by about 1% from one run to the next on a
+small machine, as much as the bar leaves, and one unlucky run ended a search at a tenth
+of what the others found. `--max` doubles N from `--start` until a level does not hold,
+then bisects between the last that held and the first that did not, to within 10%;
+without it, each N of `--streams` is measured (and, failing, measured again).
 
 The client shares the machine with corral and the children: on a small machine it is the
 client or the children that give out first, which is why direct's figures are the bar and
@@ -95,7 +98,21 @@ async def level(ports: list[tuple[int, str]], n: int, tokens: int) -> dict[str, 
 
 async def holds(corral: Corral, direct: list[tuple[int, str]], models: list[str], n: int,
                 tokens: int) -> dict[str, Any]:
-    """One level, direct then through corral: whether corral holds it."""
+    """One level, direct then through corral: whether corral holds it; one that does not
+    is measured again, and judged by the means of the two (`runs`: both)."""
+    first = await once(corral, direct, models, n, tokens)
+    if first["holds"]:
+        return first
+    second = await once(corral, direct, models, n, tokens)
+    share = (first["share"] + second["share"]) / 2
+    added = (first["added_p99_ms"] + second["added_p99_ms"]) / 2
+    return {**first, "share": share, "added_p99_ms": added, "runs": [first, second],
+            "holds": share >= RATE_SHARE and added <= ADDED_P99_MS}
+
+
+async def once(corral: Corral, direct: list[tuple[int, str]], models: list[str], n: int,
+               tokens: int) -> dict[str, Any]:
+    """One level measured once, direct then through corral."""
     straight = await level(direct, n, tokens)
     through = await level([(corral.port, m) for m in models], n, tokens)
     share = through["tok_s"] / straight["tok_s"] if straight["tok_s"] else 0.0

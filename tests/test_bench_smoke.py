@@ -145,6 +145,9 @@ def test_streams_bench_searches_the_most_a_front_holds(tmp_path) -> None:
     for row in levels:
         assert row["direct"]["tokens"] > 0 and row["corral"]["tokens"] > 0
         assert row["holds"] == (row["share"] >= 0.99 and row["added_p99_ms"] <= 5.0)
+        runs = row.get("runs", [row])  # (a level that did not hold: measured again, the means)
+        assert len(runs) == (1 if runs[0]["holds"] else 2)
+        assert abs(row["share"] - sum(r["share"] for r in runs) / len(runs)) < 1e-9
     assert data["max_streams"] in (0, 1, 2, 3, 4)  # (1: --start failed, then bisected below)
     assert data["max_streams"] == max([r["streams"] for r in levels if r["holds"]], default=0)
 
