@@ -27,7 +27,6 @@ from .drains import Drains
 from .plans import RequestPlan
 from .preempt import Preemption
 from .queue import Waiter
-from .quiet import Quiet
 from .records import Answer, Effect, Later, ModelRecord
 from .rules import Rules
 from .state import State
@@ -61,7 +60,6 @@ class Policy:
         self.cuts = Preemption(self.state, self.rules, self._model_let_go)
         self.tiers = Tiers(self.state, self.rules)
         self.commands = Commands(self.state, self.rules)
-        self.quiet = Quiet(self.state, self.rules)
         self.drains = Drains(self.state, self.children.handovers)
         self.rules.drains = self.drains.step
 
@@ -194,7 +192,6 @@ class Policy:
         queue_timeout_s, in its class's order; the rules run (it may be served at once,
         or cut its way in)."""
         rules, tenants = rec.rules, self.state.tenants
-        joins = self.quiet.joins(model, key)  # (a wait under way, and nothing to decide)
         if counted:
             tenants.take(key, now)
         deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
@@ -209,8 +206,7 @@ class Policy:
                   model, len(entry.waiters), len(self.state.queue.entries))
         if (into := self.state.route(rec, affinity, now)) is not None:
             self.rules.serve_waiters(into, now)  # others wait only for their keys' limits
-        if into is not None or not (joins and self.quiet.settled(now)):
-            self.rules.pump(now)
+        self.rules.pump(now)
         if counted and ticket not in self.state.queue and ticket not in self.state.leases:
             tenants.untake(key)  # refused as it came (every slot pinned): not counted
         self.cuts.ask(rec, now)
@@ -223,11 +219,8 @@ class Policy:
         `tokens`: what it used, for its key's budget."""
         if ticket not in self.state.leases:
             return self.cancel(ticket, now) if ticket in self.state.queue else []
-        name, generation, key = self.state.leases[ticket]
         self._let_go(ticket, now, shared, idle_s, tokens)
-        if not (self.quiet.ended(name, generation, key, shared, idle_s)
-                and self.quiet.settled(now)):
-            self.rules.pump(now)
+        self.rules.pump(now)
         return self.moves.flush()
 
     def spend(self, ticket: Hashable, tokens: int, now: float) -> None:
@@ -284,11 +277,9 @@ class Policy:
 
     def cancel(self, ticket: Hashable, now: float) -> list[Effect]:
         """The client of `ticket` left; a cancel that crossed its grant is a release (R-4.7)."""
-        leaves = self.quiet.leaves(ticket)  # (from the middle of a wait: nothing to decide)
         if self._leave_queue(ticket) is None:
             return self.release(ticket, now) if ticket in self.state.leases else []
-        if not (leaves and self.quiet.settled(now)):
-            self.rules.pump(now)
+        self.rules.pump(now)
         return self.moves.flush()
 
     def _leave_queue(self, ticket: Hashable) -> Waiter | None:

@@ -6,7 +6,6 @@ children.py, preempt.py and tiers.py.
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Hashable
 from typing import Any, Literal
@@ -385,7 +384,4 @@ class Moves:
                                                        oldest_wait_s=oldest)))
         self.state.queue.changed.clear()
         out, self.state.out = self.state.out, []
-        for effect in out:  # (when a time the rules wait for comes: State.settled)
-            if type(effect) is Later:
-                heapq.heappush(self.state.dues, self.state.now + effect.delay_s)
         return out

@@ -49,7 +49,7 @@ class Rules:
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
-        self.state.now = self.state.pumped_at = now
+        self.state.now = now
         if self.state.shutting_down:
             return
         if self.state.teams.dropped:

@@ -69,11 +69,6 @@ class State:
         """The last turn that could not help (turns.py): it is not had again."""
         self.out: list[Effect] = []
         """Effects decided since the last event, in order."""
-        self.dues: list[float] = []
-        """When the `Later`s asked for come (a heap, kept by Moves.flush): what the rules
-        wait for in time (a backoff, a young victim, a cutoff) changes only then."""
-        self.pumped_at = 0.0
-        """When the rules last ran (Rules.pump)."""
         self._compose(tenants, models_max_per_node, memory_margin, account_host, host_margin,
                       suspended_max)
         self._count()
