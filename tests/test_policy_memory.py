@@ -8,7 +8,15 @@ import pytest
 
 from actors.config.rules import ModelRules
 from actors.ledger import Breakdown, DeviceSample, DeviceUse
-from actors.messages import DeviceReport, Evicted, Grant, ModelMemory, Refusal, Shortfall
+from actors.messages import (
+    DeviceReport,
+    Evicted,
+    Grant,
+    ModelMemory,
+    Refusal,
+    Repump,
+    Shortfall,
+)
 from actors.policy.records import Effect, Learned, Measure, ModelRecord, Publish, Spawn, Track
 from tests.test_policy import World, drain, random_history
 
@@ -352,3 +360,20 @@ def test_a_report_sampled_before_ready_does_not_charge_a_half_done_load() -> Non
     w.actual["a"] = 8 * GiB
     w.acquire(2, "b")
     assert [s[0] for s in w.spawns] == ["a"]  # b waits for the report at a's ready
+
+
+def test_a_memory_victim_too_young_to_go_is_evicted_once_it_comes_of_age() -> None:
+    """A review's finding: a memory plan leaves out idle models younger than their
+    min_resident_s and set no timer, so the waiter for their memory waited for an
+    unrelated event. Now the rules run again when the first comes of age."""
+    w = MemWorld({"a": 6, "c": 6}, rules={"c": ModelRules(min_resident_s=10.0)})
+    w.acquire("c1", "c")
+    w.ready("c")
+    w.release("c1")
+    w.acquire("a1", "a")  # c is young: a waits for its memory
+    assert w.stops == [] and w.state("a") == "unloaded"
+    repumps = [(due, m) for due, m in w.timers if isinstance(m, Repump)]
+    assert repumps and min(due for due, _ in repumps) <= w.p.state.models["c"].ready_at + 10.0
+    w.now = max(due for due, _ in repumps)
+    w.fire_timers()
+    assert w.stops == [("c", "memory")], "c, come of age, is evicted without another event"

@@ -67,6 +67,19 @@ class Choice:
                 left[r.group] -= 1
         return spare
 
+    def wake_when_of_age(self, now: float, nodes: list[str] | None = None) -> None:
+        """Something waits for what an idle model too young to be evicted holds (its
+        min_resident_s; on one of `nodes`, where given): the rules run again when the
+        first comes of age, as `pick_victim` has them for a slot. Without it, a memory
+        plan that left young models out waited for an unrelated event."""
+        state = self.state
+        young = [until for r in state.models.values()
+                 if (nodes is None or r.node in nodes) and state.evictable(r)
+                 and (until := state.resident_until(r)) > now]
+        if young and (state.wake_at is None or min(young) < state.wake_at):
+            state.wake_at = min(young)
+            state.out.append(Later(state.wake_at - now, Repump()))
+
     def memory_victims(self, now: float, for_model: str | None = None) -> list[ModelRecord]:
         """What may be evicted for memory (for `for_model`), in order: the idle models,
         least recently used first, then the suspended ones that still hold some of a

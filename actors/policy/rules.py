@@ -290,6 +290,7 @@ class Rules:
             if plan.verdict == "wait":
                 self.revoke_kept(now)
                 self.yield_warm(now)
+                self.choice.wake_when_of_age(now)  # (a memory victim too young to go yet)
                 return "wait"
             if plan.note:
                 log.warning("%s", plan.note)  # said once, by the plan that was carried out
@@ -314,6 +315,7 @@ class Rules:
                 return "wait"
             if plan.verdict == "wait":
                 self.revoke_kept(now)
+                self.choice.wake_when_of_age(now)
                 return "wait"
         self.up.go(rec, None, now, entry=entry)
         if state.teams.partners and self.teams.bring_partners(rec, now):
@@ -333,12 +335,7 @@ class Rules:
         if choice.victim is not None:
             self.moves.stop(choice.victim, "lru", rec.name, now)
         elif choice.verdict == "wait":  # an idle model too young to go: wake when it is not
-            young = [until for r in self.state.models.values()
-                     if r.node in (rec.rules.nodes or []) and self.state.evictable(r)
-                     and (until := self.state.resident_until(r)) > now]
-            if young and (self.state.wake_at is None or min(young) < self.state.wake_at):
-                self.state.wake_at = min(young)
-                self.state.out.append(Later(self.state.wake_at - now, Repump()))
+            self.choice.wake_when_of_age(now, rec.rules.nodes or [])
         if choice.verdict != "refuse":
             return False
         self.moves.refuse_entry(rec.group, 503, f"model '{rec.group}' cannot be started: "
