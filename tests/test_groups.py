@@ -51,7 +51,7 @@ exclusive = true
     assert ask(c.port, "embedder") == "embedder"
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(ask, c.port, "coder", 40)  # 2 s of tokens
-        wait_until(lambda: c.models()["coder"]["in_flight"] == 1, what="coder busy")
+        wait_until(lambda: c.models()["coder"]["in_flight"] == 1, 60, "coder busy")
         other = pool.submit(ask, c.port, "writer")
         assert long.result(30) == "coder"  # finished whole: the swap waited for it
         assert other.result(30) == "writer"
