@@ -26,6 +26,9 @@ from tests.rawhttp import Raw
 from tests.test_edge_hostile import KEY, edge_config
 from tests.test_uploads import BOUNDARY, form
 
+# A connection has at most 4 requests whose answers take well under a second each; a read
+# waits 15 s at most, so an example still running after this is corral holding an answer.
+EXAMPLE_S = 45.0
 ODDS = ["", "", "early-hints", "extra", "http10", "http10-sse", "slow", "stream-close",
         "close-next", "garbage", "no-content"]
 
@@ -34,7 +37,9 @@ ODDS = ["", "", "early-hints", "extra", "http10", "http10-sse", "slow", "stream-
 def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
     os.environ["CORRAL_CHECK_INVARIANTS"] = "1"
     try:
-        c = Corral(edge_config(keep_alive_timeout_s=5), home=tmp_path_factory.mktemp("fuzz"))
+        # (a short drain: the stop at the end waits for no example's answers)
+        c = Corral(edge_config(keep_alive_timeout_s=5, drain_timeout_s=3),
+                   home=tmp_path_factory.mktemp("fuzz"))
     finally:
         del os.environ["CORRAL_CHECK_INVARIANTS"]
     c.key = KEY
@@ -163,8 +168,12 @@ def test_every_answer_belongs_to_its_request(fuzzed: Corral,
                for i, spec in enumerate(connections)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + EXAMPLE_S  # the whole example's, not each thread's
     for t in threads:
-        t.join(60)
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [spec for t, spec in zip(threads, connections, strict=True) if t.is_alive()]
+    assert not hung, f"connections still waiting after {EXAMPLE_S} s: {hung}\n" + \
+        fuzzed.log()[-6000:]
     assert not failures, failures
     wait_until(lambda: all(m["in_flight"] == 0 and m["waiting"] == 0
                            for m in fuzzed.models().values()), 15, "nothing in flight")
