@@ -21,7 +21,8 @@ The folders, from the top down (each opens with a design note):
     messages.py    every message, one union per recipient; `Inbox`
     lifecycle.py, ledger.py, histogram.py, llama.py   the vocabulary: model states,
                    per-device accounting, latency histograms, llama-server's protocol
-    base.py, childproc.py, budgets.py   BaseActor; the OS edge; key budgets on disk
+    base.py, childproc.py   BaseActor; the OS edge
+    budgets.py, swap_times.py   kept on disk: key budgets; each model's swap times
     config/        everything a TOML file, a preset or the demo becomes (pure)
     policy/        every decision, pure: events in, effects out
     instance/      one model's child: the ModelInstance actor and its parts

@@ -8,7 +8,7 @@ threads as they are, never encoded, except the events, which are sent out as JSO
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -135,6 +135,19 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
     last_exit: str | None
 
 
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=86_400)]
+
+
+class SwapTimes(msgspec.Struct, frozen=True, kw_only=True):
+    """A model's measured seconds (None: never measured), as running means: whether a
+    suspend pays (policy/costs.py); kept across restarts (swap_times.py)."""
+
+    cold_s: Seconds | None = None
+    """A cold load: spawn to ready."""
+    suspend_s: Seconds | None = None
+    wake_s: Seconds | None = None
+
+
 class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """One model as shown by GET /models (a snapshot, not live state)."""
 
@@ -182,6 +195,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """Host RAM its suspended child holds (its resident memory's growth at the suspend)."""
     suspends: int = 0
     wakes: int = 0
+    swap_times: SwapTimes | None = None
+    """A model with a `suspend` method: what its evictions are weighed by."""
     replicas: list[ReplicaView] | None = None
     """A model with replicas: each copy (the model's own fields sum or pick from them:
     `state` the most available, `in_flight` the total)."""
@@ -312,11 +327,13 @@ class DownloadFailed(Event, frozen=True, tag="download_failed", kw_only=True):
 
 
 class Shortfall(msgspec.Struct, frozen=True, kw_only=True):
-    """Why a memory eviction happened, on one device: bytes `needed`, bytes `available`."""
+    """Why a memory eviction happened, on one device: bytes `needed`, bytes `available`,
+    and the `margin` kept free beside them (memory_margin_mib)."""
 
     device: str
     needed: int
     available: int
+    margin: int = 0
 
 
 class Evicted(Event, frozen=True, tag="eviction", kw_only=True):

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar, assert_never, cast
 
-from . import budgets
+from . import budgets, swap_times
 from .base import BaseActor, CrashHandler
 from .config.keys import tenants_of
 from .config.model import Config, ModelConfig, ModelRules, copies
@@ -132,19 +132,18 @@ class Scheduler(BaseActor):
         """The current model table (`configs`: by instance, copies included, and the
         alternates of reloads and drains): a spawn or a measure uses its moment's."""
         self.startup_loads = [n for n, m in config.models.items() if m.load_on_startup]
-        self.instances: dict[str, Inbox[InstanceMessage]] = {}
-        """Model name -> its ModelInstance actor ref; set by InstancesAttached."""
+        self.instances: dict[str, Inbox[InstanceMessage]] = {}  # (set by InstancesAttached)
         self.monitor: Inbox[MonitorMessage] | None = None
         self.early: list[SchedulerMessage] | None = []
-        """Messages about models and devices that came before InstancesAttached (a first
-        device report, a child adopted at a cluster start), handled in order right after
-        it; None once attached. Invariant: no effect names an instance before it exists
-        (issue 37: a warm model's load began on the first device report, before its
-        ModelInstance was registered, and crashed the Scheduler)."""
+        """Messages about models and devices that came before InstancesAttached, handled in
+        order right after it; None once attached. Invariant: no effect names an instance
+        before it exists (issue 37: a warm load on the first device report crashed it)."""
         self.measurer: Inbox[MeasureMessage] | None = None
         self.budgets_dir = config.state_path()
         kept, away_s = budgets.load(self.budgets_dir)
         self.policy.state.tenants.restore(kept, clock(), away_s)
+        self.times = swap_times.Keeper(self.budgets_dir, self.policy.state.models)
+        self.times.restore(self.configs)
         self.saved_changes = self.policy.state.tenants.changes
         self.subscribers: list[Callable[[Event], None]] = []
         self.grant_watchers: list[Callable[[Withdraw | Revoke], None]] = []
@@ -308,7 +307,8 @@ class Scheduler(BaseActor):
         if self.timers is not None:
             self.timers.after(budgets.SAVE_EVERY_S, self.actor_ref, SaveBudgets())
 
-    def save_budgets(self, now: float) -> None:
+    def save_budgets(self, now: float) -> None:  # (and the swap times: swap_times.py)
+        self.times.save(self.configs)
         tenants = self.policy.state.tenants
         if tenants.changes != self.saved_changes:
             self.saved_changes = tenants.changes

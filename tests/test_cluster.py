@@ -697,7 +697,7 @@ def sleepy_config(namespace: str, nodes: list[str], wake_s: float = 0.2,
     simulated 1 GiB GPU: two never fit on one node together."""
     sleepy = {"cmd": fake_cmd("--device-mib", "600", "--sleep-mode", "--wake-s", str(wake_s)),
               "measure": "declared", "memory_mib": {"gpu0": 600}, "nodes": nodes,
-              "suspend": "vllm"}
+              "suspend": "vllm", "suspend_when": "always"}
     b = {**sleepy, "nodes": b_nodes or nodes}
     return cluster_config({"a": sleepy, "b": b}, namespace, memory_margin_mib=64,
                           device_poll_s=0.2, **top,

@@ -91,28 +91,37 @@ def test_the_demo_live_with_a_key(corral, page, tmp_path: Path) -> None:
     small_bar = page.locator('.device rect[data-model="demo-small"]')
     small_bar.wait_for()
     width = float(small_bar.get_attribute("width"))
-    assert abs(width - 1000 * 1 / 3.5) < 1, width  # 1 GiB of 3.5, to scale
+    assert abs(width - 1000 * 0.5 / 3.5) < 1, width  # 0.5 GiB of 3.5, to scale
 
+    # The README's sequence: medium, then large, which suspends small for its memory ...
     assert chat(c.port, "demo-medium", headers=bearer)[0] == 200
-    assert chat(c.port, "demo-large", headers=bearer)[0] == 200  # evicts small for memory
+    assert chat(c.port, "demo-large", headers=bearer)[0] == 200
     eviction = page.locator('#feed li[data-type="eviction"]').filter(has_text="demo-small")
     eviction.wait_for()
     assert "memory for demo-large" in eviction.inner_text()
     page.locator('.device rect[data-model="demo-large"]').wait_for()
-    small_bar.wait_for(state="detached")
     wait_text(card(page, "demo-small").locator('[data-field="last eviction"]'),
-              "memory for demo-large")
+              "suspended, memory for demo-large")
+    # ... and small again: its wake stops large, whose round trip would cost more
+    assert chat(c.port, "demo-small", headers=bearer)[0] == 200
+    wait_text(card(page, "demo-large").locator('[data-field="state"]'), "unloaded")
+    wait_text(card(page, "demo-large").locator('[data-field="last eviction"]'),
+              "memory for demo-small")
+    stopped = page.locator('#feed li[data-type="eviction"]').filter(has_text="would take")
+    stopped.wait_for()
+    assert "demo-large" in stopped.inner_text() and "a cold load" in stopped.inner_text()
+    wait_text(card(page, "demo-small").locator('[data-field="state"]'), "loaded")
 
     card(page, "demo-medium").locator('[data-action="logs"]').click()
     wait_text(page.locator("#log"), "fake_model demo-medium: ready")
 
-    card(page, "demo-large").locator('[data-action="unload"]').click()
-    wait_text(card(page, "demo-large").locator('[data-field="state"]'), "unloaded")
+    card(page, "demo-medium").locator('[data-action="unload"]').click()
+    wait_text(card(page, "demo-medium").locator('[data-field="state"]'), "unloaded")
     status, body, _ = request(c.port, "GET", "/models", headers=bearer)
     assert status == 200
-    assert {m["id"]: m["status"]["value"] for m in body["data"]}["demo-large"] == "unloaded"
-    card(page, "demo-small").locator('[data-action="load"]').click()
-    wait_text(card(page, "demo-small").locator('[data-field="state"]'), "loaded")
+    assert {m["id"]: m["status"]["value"] for m in body["data"]}["demo-medium"] == "unloaded"
+    card(page, "demo-large").locator('[data-action="load"]').click()
+    wait_text(card(page, "demo-large").locator('[data-field="state"]'), "loaded")
 
     page.screenshot(path=str(tmp_path / "dashboard-1280.png"), full_page=True)
     no_sideways_scroll(page, 1280)

@@ -117,7 +117,7 @@ def test_two_4gib_models_coexist_and_a_third_evicts_the_lru_for_memory() -> None
     w.acquire("t", "c")
     assert w.stops == [("a", "memory")] and w.state("c") == "unloaded"
     assert w.evictions()[-1] == Evicted(model="a", reason="memory", for_model="c", devices=[
-        Shortfall(device="gpu0", needed=4 * GiB, available=2 * GiB)])
+        Shortfall(device="gpu0", needed=4 * GiB, available=2 * GiB, margin=1 * GiB)])
     w.exited("a")
     assert w.state("c") == "unloaded", "a's memory counts until a report no longer sees it"
     w.report()

@@ -59,7 +59,8 @@ def test_a_warm_model_evicted_comes_back_once_the_big_one_leaves(corral) -> None
 
 
 def test_a_warm_model_suspended_is_woken_where_it_slept(corral) -> None:
-    c = corral(toml_config({"small": {"cmd": SLEEPY, "warm": True, "suspend": "vllm"},
+    c = corral(toml_config({"small": {"cmd": SLEEPY, "warm": True, "suspend": "vllm",
+                                      "suspend_when": "always"},
                             "big": {"cmd": QUICK}}, models_max=1, suspended_max=1))
     first = c.wait_state("small", "loaded")
     assert chat(c.port, "big")[0] == 200

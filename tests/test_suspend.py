@@ -36,7 +36,9 @@ def config(tmp: Path, models: dict[str, dict[str, Any]], **top: Any) -> str:
 
 
 def sleepy(**keys: Any) -> dict[str, Any]:
-    return {"cmd": SLEEPY, "suspend": "vllm", **keys}
+    """A model that suspends at every eviction host RAM allows: these tests are of the
+    steps; whether a suspend pays is test_suspend_cost's."""
+    return {"cmd": SLEEPY, "suspend": "vllm", "suspend_when": "always", **keys}
 
 
 def measured(c: Any, *models: str) -> None:
@@ -198,8 +200,7 @@ def test_a_trickled_answer_fails_its_step_at_suspend_timeout_s(corral, tmp_path,
     second kept its model suspending (or waking) for as long as it trickled. Now the
     whole step ends at suspend_timeout_s: the child is stopped, and the model's request
     goes to a cold load of a new child."""
-    trickler = {"cmd": [*SLEEPY, "--trickle", step], "suspend": "vllm",
-                "suspend_timeout_s": 2, "ttl_suspend_s": 0.5}
+    trickler = sleepy(cmd=[*SLEEPY, "--trickle", step], suspend_timeout_s=2, ttl_suspend_s=0.5)
     c = corral(config(tmp_path, {"t": trickler}))
     measured(c, "t")
     sse = SSE(c.port)

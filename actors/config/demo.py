@@ -24,7 +24,7 @@ def demo_config() -> Config:
                   devices=[DeviceConfig(name=f"demo-gpu{i}", kind="simulated",
                                         total_mib=3584) for i in (0, 1)],
                   models={
-                      "demo-small": fake(0.3, 200, 1024),
-                      "demo-medium": fake(0.8, 80, 2048),
+                      "demo-small": fake(1.0, 200, 512),
+                      "demo-medium": fake(1.0, 80, 2048),
                       "demo-large": fake(1.5, 30, 3072),
                   })

@@ -63,8 +63,9 @@ def _validate_suspend(name: str, model: ModelConfig, source: str) -> None:
         raise ConfigError(f"{source}: models.{name}.keep_prompt_cache: only for llama-server "
                           "children (their slots are saved and restored)")
     if model.suspend is None:
-        if model.ttl_suspend_s:
-            raise ConfigError(f"{source}: models.{name}.ttl_suspend_s: the model has no "
+        if model.ttl_suspend_s or model.suspend_when == "always":
+            key = "ttl_suspend_s" if model.ttl_suspend_s else "suspend_when"
+            raise ConfigError(f"{source}: models.{name}.{key}: the model has no "
                               "`suspend` method to suspend it with; set one, or use ttl_s")
         return
     wrong = check_suspend(model.suspend)
@@ -376,5 +377,23 @@ def load_config(path: str | Path) -> Config:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        raise ConfigError(f"{path}: not valid TOML: {e}{_toml_hint(text, str(e))}") from None
     return parse_config(data, str(path))
+
+
+STRING_OR_COMMENT = re.compile(r"\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'|#[^\n]*")
+
+
+def _toml_hint(text: str, error: str) -> str:
+    """What most likely went wrong where TOML's own words say little: an inline table
+    (`{ ... }`) broken over lines, which TOML 1.0 does not allow (issue 45)."""
+    at = re.search(r"at line (\d+), column (\d+)", error)
+    lines = text.split("\n")
+    if at is None or not 1 <= (n := int(at.group(1))) <= len(lines):
+        return ""
+    before = "\n".join([*lines[:n - 1], lines[n - 1][:int(at.group(2))]])
+    unclosed = re.sub(STRING_OR_COMMENT, "", before)
+    if unclosed.count("{") > unclosed.count("}"):
+        return ("; an inline table ({ ... }) is still open at the end of a line: TOML "
+                "wants one on a single line (or written as a [table] of its own)")
+    return ""

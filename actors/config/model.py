@@ -110,10 +110,11 @@ class ModelConfig(Adapting, forbid_unknown_fields=True, frozen=True, kw_only=Tru
     """With a `[cluster]`: the nodes it may run on, in order of preference (default: the
     machine corral runs on)."""
     suspend: Suspend | None = None
-    """How its child gives its devices back and keeps its process (suspend.py):
-    `"vllm"`, `{ sleep = [cmd...], wake = [cmd...] }` or `{ sleep_http = "POST /path",
-    wake_http = "POST /path" }`. To make room, corral then suspends it while host memory
-    allows, and wakes it for its next request (issue 23); None: it is stopped."""
+    """How its child gives its devices back and keeps its process (suspend.py); None: an
+    eviction stops it. To make room, corral suspends it while host memory allows ..."""
+    suspend_when: Literal["cheaper", "always"] = "cheaper"
+    """... and a suspend and a wake are expected to be cheaper than a cold load
+    (policy/costs.py), or `always`; its next request wakes it (issue 23)."""
     ttl_suspend_s: NonNegativeSeconds = 0.0
     """Suspend it after this long with no request (0: only to make room); ttl_s stops it."""
     suspend_timeout_s: PositiveSeconds = 120.0
@@ -293,8 +294,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     """Count host memory too (otherwise it is unlimited)."""
     host_memory_margin_mib: Annotated[float, Meta(ge=0)] = 2048.0
     """Host RAM kept available beside suspended models' host copies: a suspend that would
-    leave less stops the model instead, and suspended models are stopped, least recently
-    used first, while less is available."""
+    leave less stops the model instead, and while less is available, LRU ones stop."""
     suspended_max: Annotated[int, Meta(ge=0)] = 0
     """Most suspended models at once (0: as many as host memory allows)."""
     prompt_cache_max_mib: Annotated[float, Meta(ge=0)] = 4096.0
@@ -303,7 +303,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     device_poll_s: PositiveSeconds = 2.0
     """How often the DeviceMonitor samples the devices."""
     state_dir: str | None = None
-    """Measure cache and simulated ledger; default $XDG_STATE_HOME/corral."""
+    """Measure cache, swap times, simulated ledger...; default $XDG_STATE_HOME/corral."""
     devices: list[DeviceConfig] = []
     simulated_ledger_dir: str | None = None
     """Default: STATE_DIR/sim-ledger."""
@@ -315,9 +315,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     downloads: DownloadsConfig = DownloadsConfig()
     ollama: OllamaConfig = OllamaConfig()
     send_loading_state: bool | Literal["reasoning"] = False
-    """A streamed chat that waits for its model gets SSE comments while it waits (its
-    place, what it waits for, the load's progress, an ETA); "reasoning": as
-    `reasoning_content` deltas (llama-swap's way). http/loading.py."""
+    """A waiting streamed chat is told why, as SSE comments or ("reasoning") as
+    `reasoning_content` deltas, llama-swap's way (http/loading.py)."""
     journal: JournalConfig = JournalConfig()
     metrics: MetricsConfig = MetricsConfig()
     tracing: TracingConfig = TracingConfig()
@@ -351,6 +350,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             devices_per_instance=model.devices_per_instance,
             placeable=not model.placed_by_env, nodes=model.nodes,
             suspend=model.suspend is not None, ttl_suspend_s=model.ttl_suspend_s,
+            suspend_by_cost=model.suspend_when == "cheaper",
             warm=model.warm, replicas=model.replica_rules, group=group,
             make_before_break=model.make_before_break,
             swap_delay_s=self.max_swap_delay_s if self.swap_order == "batch" else 0.0,

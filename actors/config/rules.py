@@ -102,6 +102,9 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     devices of corral's own machine."""
     suspend: bool = False
     """It has a `suspend` method: to make room, it may be suspended instead of stopped."""
+    suspend_by_cost: bool = False
+    """... only while its round trip is cheaper than a cold load (`suspend_when =
+    "cheaper"`, the config's default: policy/costs.py)."""
     warm: bool = False
     """Loaded (or woken) in the background whenever there is room for it, never by an
     eviction, giving way to any request."""

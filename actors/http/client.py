@@ -235,7 +235,8 @@ def plan_text(p: dict[str, Any]) -> str:
     lines += [f"  revokes the grant the fronts keep idle of {m} (http.lease_linger_ms)"
               for m in p.get("revoke", [])]
     lines += [f"  {'suspends' if e.get('action') == 'suspend' else 'evicts'} {e['model']} "
-              f"({e['reason']}: {e['why']})" for e in p.get("evict", [])]
+              f"({e['reason']}: {e['why']})" + (f"; {e['because']}" if e.get("because") else "")
+              for e in p.get("evict", [])]
     lines += [f"  {m['device']}: {m['free_mib_now']:.0f} MiB free now, "
               f"{m['free_mib_after']:.0f} MiB after" for m in p.get("memory", [])]
     return "\n".join(lines)

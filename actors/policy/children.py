@@ -21,6 +21,7 @@ from ..messages import (
     StatusChanged,
 )
 from . import views
+from .costs import learned
 from .handover import Handovers
 from .records import (
     Effect,
@@ -68,11 +69,10 @@ class Children:
         rec = self.state.models.get(model)
         if rec is None or rec.generation != generation or rec.state is not S.LOADING:
             return []  # stale, or already being stopped: never proxy into a stopping child
-        rec.pid = pid
-        rec.host, rec.port = host, port
-        rec.upstream_key = upstream_key
+        rec.pid, rec.host, rec.port, rec.upstream_key = pid, host, port, upstream_key
         rec.loads_ok += 1
         rec.load_s_total += now - rec.state_since
+        rec.times = learned(rec.times, cold_s=now - rec.state_since)  # (costs.py)
         observe(self.state.stats.load_time, model, now - rec.state_since)
         rec.info, rec.progress = info, None
         rec.failed = False

@@ -191,7 +191,8 @@ class Memory(Reports):
             if not short:
                 break
             plan.evict.append((victim, [
-                Shortfall(device=d, needed=row.self_bytes, available=self.ledger.available(d) or 0)
+                Shortfall(device=d, needed=row.self_bytes, available=self.ledger.available(d) or 0,
+                          margin=self.ledger.margin)
                 for row in (need.devices if need else []) if (d := row.name) in short]))
             for d, size in self.ledger.held.get(victim.name, {}).items():
                 coming_back[d] = coming_back.get(d, 0) + size

@@ -24,6 +24,7 @@ from ..messages import (
     TtlDue,
     Withdraw,
 )
+from .costs import weigh
 from .cuts import Slot
 from .queue import QueueEntry, Waiter
 from .records import (
@@ -143,13 +144,16 @@ class Moves:
             self.teams.stopped(rec, reason, for_model, now)
 
     def suspend(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
-                now: float, shortfalls: list[Shortfall] | None = None) -> None:
+                now: float, shortfalls: list[Shortfall] | None = None,
+                because: str | None = None) -> None:
         """Suspend `rec`'s child (issue 23): its slot and devices come free once it is
-        done, and its host copy is counted until then at its estimate."""
+        done, and its host copy is counted until then at its estimate; `because`: why
+        that is cheaper than a stop (costs.py)."""
         host = self.state.host
         host.suspending(rec, self.state.ledger)
         cause = eviction_cause(reason, for_model, shortfalls)
-        why = f"suspended to host RAM (about {rec.host_bytes / MiB:.0f} MiB)"
+        why = f"suspended to host RAM (about {rec.host_bytes / MiB:.0f} MiB)" + (
+            f": {because}" if because else "")
         self.transition(rec, S.SUSPENDING, f"{cause}; {why}", now)
         self.evicted(rec, reason, for_model, shortfalls, "suspend", why)
         key = (rec.name, reason)
@@ -186,6 +190,10 @@ class Moves:
             self.stop(rec, reason, for_model, now, shortfalls)
             return
         why = state.host.why_not(rec, state.ledger, state.stopping_suspended())
+        because = None
+        if why is None and rec.rules.suspend_by_cost:  # (costs.py)
+            cheaper, because = weigh(rec.times, state.host.estimate(rec, state.ledger))
+            why = None if cheaper else because
         if why is None and state.host.suspended_max \
                 and state.n_suspended >= state.host.suspended_max:
             oldest = min((r for r in state.models.values() if r.state is S.SUSPENDED),
@@ -196,7 +204,7 @@ class Moves:
                 self.stop(oldest, "suspended_max", rec.name, now,
                           why=f"suspended_max ({state.host.suspended_max}) reached")
         if why is None:
-            self.suspend(rec, reason, for_model, now, shortfalls)
+            self.suspend(rec, reason, for_model, now, shortfalls, because)
         else:
             self.stop(rec, reason, for_model, now, shortfalls, why=why)
 

@@ -24,7 +24,7 @@ from ..config.keys import ANOTHER, unnamed
 from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Evicted, Grant, Refusal, Revoke
-from .records import Answer, Effect, ModelRecord, Preempt, Publish, Spawn, Wake
+from .records import Answer, Effect, ModelRecord, Preempt, Publish, Spawn, Wake, shortfall_text
 from .state import State
 
 Decision = Literal["grant", "queue", "load", "refuse"]
@@ -50,6 +50,8 @@ class PlannedEviction(msgspec.Struct, frozen=True, kw_only=True):
     """What the newcomer lacked, device by device (memory), or the slot it needs."""
     action: str = "stop"
     """`suspend`: it would be suspended, not stopped (issue 23)."""
+    because: str | None = None
+    """Why it would be suspended or stopped (host memory, or what each costs: costs.py)."""
 
 
 class PlannedMemory(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,8 +237,8 @@ def _plan(policy: Policy, copy_: Policy, probe: _Probe, effects: list[Effect],
     return RequestPlan(
         decision="load", model=name, key=key, position=position, ahead=ahead,
         revoke=revoked, devices=devices, node=spawn.node if spawn is not None else rec.node,
-        evict=[PlannedEviction(model=e.model, reason=e.reason, why=_why(e), action=e.action)
-               for e in evictions],
+        evict=[PlannedEviction(model=e.model, reason=e.reason, why=_why(e), action=e.action,
+                               because=e.why) for e in evictions],
         memory=_memory(policy, copy_, rec, devices or [], [e.model for e in evictions],
                        reserved=spawn is not None or rec.state is ModelState.WAKING),
         wake=woken)
@@ -299,8 +301,7 @@ def _waiting_for(copy_: Policy, rec: ModelRecord, effects: list[Effect],
 
 def _why(event: Evicted) -> str:
     if event.devices:
-        return ", ".join(f"{s.device}: needs {s.needed / MiB:.0f} MiB, "
-                         f"{s.available / MiB:.0f} MiB available" for s in event.devices)
+        return ", ".join(map(shortfall_text, event.devices))
     return f"a slot (models_max), least recently used ({event.reason})"
 
 

@@ -29,6 +29,7 @@ from ..messages import (
     Shortfall,
     Withdraw,
 )
+from .costs import SwapTimes
 
 if TYPE_CHECKING:
     from .breaker import Breaker
@@ -239,6 +240,8 @@ class ModelRecord:
     """Stopping from the suspended tier: it holds no slot (models_max) while it goes."""
     suspends: int = 0
     wakes: int = 0
+    times: SwapTimes = field(default_factory=SwapTimes)
+    """Its measured cold loads, suspends and wakes: whether a suspend pays (costs.py)."""
     ttl_skipped: float | None = None
     """The idle_from whose ttl_suspend_s found no room to suspend in: its TTL goes on
     to ttl_s (a use since makes it count again)."""
@@ -321,12 +324,16 @@ class Stats:
     """Model -> how long its wakes took, for those that succeeded."""
 
 
+def shortfall_text(s: Shortfall) -> str:
+    margin = f" and its {s.margin / MiB:.0f} MiB margin" if s.margin else ""
+    return f"{s.device}: needs {s.needed / MiB:.0f} MiB{margin}, " \
+           f"{s.available / MiB:.0f} MiB available"
+
+
 def eviction_cause(reason: EvictionReason, for_model: str | None,
                    shortfalls: list[Shortfall] | None) -> str:
     """What an event says of an eviction: why, for whom, and each device's shortfall."""
     cause = f"{reason} eviction" + (f" for {for_model}" if for_model else "")
     if shortfalls:
-        cause += " (" + ", ".join(f"{s.device}: needs {s.needed / MiB:.0f} MiB, "
-                                  f"{s.available / MiB:.0f} MiB available"
-                                  for s in shortfalls) + ")"
+        cause += " (" + ", ".join(map(shortfall_text, shortfalls)) + ")"
     return cause

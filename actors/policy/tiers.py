@@ -16,6 +16,7 @@ from ..histogram import observe
 from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import EvictionReason, Repump, TtlDue
+from .costs import learned
 from .records import Effect, Later, ModelRecord, Track
 from .rules import Rules
 from .state import State
@@ -44,6 +45,7 @@ class Tiers:
             self._failed(rec, "suspend_failed", f"its suspend failed: {detail}", now)
         else:
             self.state.host.suspended(rec, host_bytes)
+            rec.times = learned(rec.times, suspend_s=now - rec.state_since)
             rec.suspends += 1
             rec.draining = self.state.watched(rec)
             self.moves.transition(rec, S.SUSPENDED, f"suspended, {host_bytes / MiB:.0f} MiB "
@@ -71,6 +73,7 @@ class Tiers:
         else:
             took = now - rec.state_since
             observe(self.state.stats.wake_time, model, took)
+            rec.times = learned(rec.times, wake_s=took)
             self.state.host.awake(rec)
             rec.wakes += 1
             rec.ready_at = rec.woke_at = now
