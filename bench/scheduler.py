@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,20 @@ def build(n_models: int, n_waiters: int, seed: int = 0) -> tuple[Policy, list[st
     return p, names[:running], idle, waiting
 
 
-def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0) -> float:
+PUMPS: dict[str, Callable[[Policy], Callable[[float], None]] | None] = {
+    "as is": None,
+    "tick+claim only": lambda p: lambda now: (p.rules.tick(now), p.rules.claim(now))[0],
+    "no run at all": lambda p: lambda now: None,
+}
+"""`--parts`: what a decision costs with the run of the rules (Rules.pump) cut down, once
+the world is built. Not a policy anyone runs: a ceiling, to show where the time goes."""
+
+
+def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0,
+                    pump: str = "as is") -> float:
     p, loaded, idle, waiting = build(n_models, n_waiters, seed)
+    if (cut := PUMPS[pump]) is not None:
+        p.rules.pump = cut(p)  # type: ignore[method-assign]
     rng = random.Random(seed + 1)
     now = 2.0
     done = 0
@@ -152,9 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-trips", type=positive, default=2_000)
     ap.add_argument("--scrape-models", type=int, default=1_000,
                     help="models in the /metrics scrape timed (default: %(default)s)")
+    ap.add_argument("--parts", type=positive, default=0, metavar="ROUNDS",
+                    help="only the first size, with the run of the rules as is, cut to "
+                         "tick and claim, and left out, ROUNDS times side by side")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+    if args.parts:
+        n_models, n_waiters = sizes[0]
+        print(f"{n_models} models, {n_waiters} waiters: decisions/s, best of 2 per round")
+        rows = {name: [max(decisions_per_s(n_models, n_waiters, args.ops, pump=name)
+                           for _ in range(2)) for _ in range(args.parts)] for name in PUMPS}
+        for name, rates in rows.items():
+            print(f"  {name:>16}: " + " / ".join(f"{r:,.0f}" for r in rates))
+        write_json(args.json, {"bench": "scheduler-parts", "machine": machine(),
+                               "sizes": sizes[:1], "ops": args.ops, "rates": rows})
+        return 0
     curve = []
     print(f"{'models':>7} {'waiters':>8} {'decisions/s':>12} {'us/decision':>12}")
     for n_models, n_waiters in sizes:

@@ -66,6 +66,10 @@ def test_scheduler_bench_runs(tmp_path) -> None:
     assert [d["models"] for d in data["decisions"]] == [20, 40]
     assert all(d["decisions_per_s"] > 0 for d in data["decisions"])
     assert data["round_trip"]["sequential_ms"]["n"] == 20 and data["machine"]["cores"]
+    bench("scheduler", "--ops", "200", "--sizes", "20x50", "--parts", "2", "--json", str(path))
+    parts = json.loads(path.read_text())["rates"]
+    assert set(parts) == {"as is", "tick+claim only", "no run at all"}
+    assert all(len(rates) == 2 and min(rates) > 0 for rates in parts.values())
 
 
 def test_overhead_bench_runs(tmp_path) -> None:
