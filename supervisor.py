@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=helptext, formatter_class=raw,
                              description=helptext[0].upper() + helptext[1:] +
                              ", from a running corral.", epilog=f"example:\n  {example}")
-        cmd.add_argument("--url", default=os.environ.get("CORRAL_URL", "http://127.0.0.1:8080"),
+        cmd.add_argument("--url", default=os.environ.get("CORRAL_URL") or "http://127.0.0.1:8080",
                          help="the corral to ask (default: $CORRAL_URL, else %(default)s)")
         add_key_args(cmd, "its api_key, if it has one")
         if name in ("load", "unload", "logs", "plan", "cancel", "drain", "undrain"):

@@ -142,8 +142,8 @@ class Scheduler(BaseActor):
         self.budgets_dir = config.state_path()
         kept, away_s = budgets.load(self.budgets_dir)
         self.policy.state.tenants.restore(kept, clock(), away_s)
-        self.times = swap_times.Keeper(self.budgets_dir, self.policy.state.models)
-        self.times.restore(self.configs)
+        self.times = swap_times.Keeper(self.budgets_dir, self.policy.state.models,
+                                       self.policy.state.groups.current, self.configs)
         self.saved_changes = self.policy.state.tenants.changes
         self.subscribers: list[Callable[[Event], None]] = []
         self.grant_watchers: list[Callable[[Withdraw | Revoke], None]] = []

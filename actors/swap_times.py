@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -36,12 +37,17 @@ def digest(model: ModelConfig) -> str:
 
 
 class Keeper:
-    """The swap times of `models` (the policy's records) on disk, in `state_dir`."""
+    """The swap times of `models` (the policy's records) on disk, in `state_dir`; a copy
+    of a model with a reload's alternate (`NAME@next`) keeps its `current` record's."""
 
-    def __init__(self, state_dir: Path, models: dict[str, ModelRecord]) -> None:
+    def __init__(self, state_dir: Path, models: dict[str, ModelRecord],
+                 current: Callable[[ModelRecord], ModelRecord],
+                 configs: dict[str, ModelConfig]) -> None:
         self.path = state_dir / FILE
         self.models = models
+        self.current = current
         self.saved: dict[str, Kept] = {}
+        self.restore(configs)
 
     def restore(self, configs: dict[str, ModelConfig]) -> None:
         """Give each model the times kept for its command, if any."""
@@ -53,29 +59,39 @@ class Keeper:
 
     def save(self, configs: dict[str, ModelConfig]) -> None:
         """Write the times measured, if they changed since the last save."""
-        now = {name: Kept(digest(configs[name]), rec.times)
+        now = {name: Kept(digest(configs[name]), times)
                for name, rec in self.models.items()
-               if rec.times != SwapTimes() and name in configs}
+               if rec.alternate_of is None and name in configs
+               and (times := self.current(rec).times) != SwapTimes()}
         if now == self.saved:
             return
+        self.saved = now  # (a failed save is said once, not at every tick)
         tmp = self.path.with_suffix(".tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_bytes(msgspec.json.encode(now))
             os.replace(tmp, self.path)
-            self.saved = now
         except OSError as e:
             log.warning("could not save the swap times to %s: %s (a restart now would "
                         "guess them again)", self.path, e)
 
     def load(self) -> dict[str, Kept]:
+        """What the file keeps; a model's entry that does not hold is dropped alone."""
         fresh = "every model's swap times are guessed again"
         try:
-            return msgspec.json.decode(self.path.read_bytes(), type=dict[str, Kept])
+            entries = msgspec.json.decode(self.path.read_bytes(), type=dict[str, msgspec.Raw])
         except FileNotFoundError:
             return {}
         except OSError as e:
             set_aside(self.path, f"cannot be read ({e.strerror})", log, fresh)
+            return {}
         except (msgspec.DecodeError, RecursionError) as e:  # (ValidationError is one)
             set_aside(self.path, f"not a swap times file: {e}", log, fresh)
-        return {}
+            return {}
+        kept = {}
+        for name, raw in entries.items():
+            try:
+                kept[name] = msgspec.json.decode(raw, type=Kept)
+            except (msgspec.DecodeError, RecursionError) as e:
+                log.warning("%s: the swap times of %r are dropped: %s", self.path, name, e)
+        return kept

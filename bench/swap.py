@@ -16,7 +16,8 @@ corral and through llama-server's own router (same models, same requests).
 With --suspend (issue 23): the swap of 2., with models_max 2 and two fake vLLM children
 that do not fit on one simulated device together (a cold load takes --load-s, a wake
 --wake-s), on two corrals at once: one that stops the model it evicts, one that suspends
-it (`suspend = "vllm"`); their swaps alternate, one at a time, --runs of each a round.
+it (`suspend = "vllm"`, `suspend_when = "always"`); their swaps alternate, one at a time,
+--runs of each a round.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ async def llama_runs(args: argparse.Namespace) -> dict[str, Any]:
 def suspend_config(args: argparse.Namespace, home: Path, suspend: bool) -> str:
     cmd = fake_cmd("--device-mib", str(args.device_mib), "--load-delay", str(args.load_s),
                    "--sleep-mode", "--wake-s", str(args.wake_s))
-    model: dict[str, Any] = {"cmd": cmd, **({"suspend": "vllm"} if suspend else {})}
+    model: dict[str, Any] = {"cmd": cmd, **({"suspend": "vllm", "suspend_when": "always"}
+                                             if suspend else {})}  # (each arm, whatever it costs)
     return toml_config({"a": model, "b": model}, models_max=2, memory_margin_mib=64,
                        device_poll_s=0.5, state_dir=str(home / "state"),
                        devices=[{"name": "gpu0", "kind": "simulated",

@@ -157,6 +157,23 @@ def test_an_inline_table_broken_over_lines_is_explained(tmp_path: Path) -> None:
     assert result.returncode == 2, result
     assert "not valid TOML" in result.stderr and "(at line 3" in result.stderr
     assert "an inline table ({ ... }) is still open at the end of a line" in result.stderr
+    for wrong in ('suspend = { sleep_http = "POST /s" wake_http = "POST /w" }\n',  # a comma
+                  'note = """\n{\n"""\nbad = = 1\n', 'x = "{" # {\nbad = = 1\n'):
+        (tmp_path / "corral.toml").write_text(wrong)
+        result = check_config(tmp_path / "corral.toml", {})
+        assert result.returncode == 2 and "not valid TOML" in result.stderr, result
+        assert "inline table ({ ... })" not in result.stderr, (wrong, result.stderr)
+
+
+def test_the_clients_ask_corral_url_and_an_empty_one_is_the_default(tmp_path: Path) -> None:
+    """A newcomer's `CORRAL_URL=` (empty) is no traceback: the default is asked."""
+    for url, asked in (("", "127.0.0.1:8080"), ("http://127.0.0.1:9", "127.0.0.1:9")):
+        result = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "status"],
+                                capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "CORRAL_URL": url})
+        assert "Traceback" not in result.stderr, result.stderr
+        if result.returncode != 0:  # (nothing listens there: said, naming it)
+            assert asked in result.stderr, result.stderr
 
 
 # -------------------------------------------------------------------- the quick start

@@ -12,13 +12,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from actors.config import ConfigError
+from actors.config import ConfigError, ModelConfig
 from actors.config.load import parse_config
+from actors.config.reload import same_child
 from actors.config.rules import ModelRules
 from actors.messages import SwapTimes
+from actors.policy.breaker import Breaker
 from actors.policy.costs import learned, weigh
+from actors.policy.records import ModelRecord
+from actors.swap_times import Keeper, digest
 from tests.helpers import SSE, chat, fake_cmd, toml_config, wait_until
 from tests.test_policy_suspend import TierWorld
 
@@ -103,6 +108,62 @@ def test_what_a_suspend_took_decides_the_next_eviction() -> None:
         last.why, last.why
 
 
+def test_a_guess_that_chose_a_stop_is_put_to_the_test_once() -> None:
+    """A stop measures nothing: were the guess to decide each time, a model it wrongly
+    stops (a vLLM child's held memory is mostly KV cache it does not copy) would never be
+    suspended. Its next eviction suspends it once; then what that took decides (a
+    review's finding)."""
+    w = TierWorld({"a": 5, "b": 5}, rules={"a": BY_COST, "b": ModelRules()})
+    load_slowly(w, "a", 3)
+    w.acquire("t1", "b")  # a's guessed 5 s against its 3 s cold load: a stop
+    assert w.evictions()[-1].action == "stop"
+    w.exited("a")
+    w.report()
+    w.ready("b")
+    w.release("t1")
+    w.acquire("t2", "a")  # b (no suspend method) makes room
+    w.exited("b")
+    w.report()
+    w.now += 2
+    w.ready("a")
+    w.release("t2")
+    w.acquire("t3", "b")  # the guess again: put to the test
+    tested = w.evictions()[-1]
+    assert tested.action == "suspend", tested
+    assert tested.why is not None and "suspended all the same, once, to measure it" in \
+        tested.why, tested.why
+    w.suspended("a")
+    w.report()
+    w.ready("b")
+    w.release("t3")
+    w.acquire("t4", "a")  # its wake
+    w.exited("b")
+    w.report()
+    w.woken("a")
+    w.release("t4")
+    w.report()
+    times = w.p.state.models["a"].times
+    assert None not in (times.suspend_s, times.wake_s, times.cold_s), times
+    w.acquire("t5", "b")  # now what was measured decides
+    last = w.evictions()[-1]
+    assert last.why is not None and "(measured)" in last.why, last.why
+    assert last.action == ("suspend" if times.suspend_s + times.wake_s < times.cold_s
+                           else "stop"), (last, times)
+
+
+def test_a_reload_that_restarts_a_model_starts_its_times_afresh() -> None:
+    w = TierWorld({"a": 5, "b": 5}, rules={"a": BY_COST, "b": BY_COST})
+    load_slowly(w, "a", 20)
+    assert w.p.state.models["a"].times.cold_s == 20.0
+    w.run(w.p.children.reconfigure({}, [], {"a": BY_COST}, w.tick())[0])
+    assert w.p.state.models["a"].times == SwapTimes(), "a new command: new times"
+
+
+def test_a_time_past_a_day_is_kept_as_a_day() -> None:
+    assert learned(SwapTimes(), suspend_s=90_000.0).suspend_s == 86_400.0
+    assert learned(SwapTimes(), wake_s=-1.0).wake_s == 0.0
+
+
 def test_suspend_when_always_suspends_whatever_it_costs() -> None:
     w = TierWorld({"a": 5, "b": 5})  # (the policy's default: suspend_by_cost off)
     load_slowly(w, "a", 1)
@@ -170,14 +231,65 @@ def test_each_model_is_suspended_or_stopped_by_what_it_costs_and_remembers_it(
         "cold_s": None, "suspend_s": None, "wake_s": None}, "its command changed"
 
 
-def test_a_damaged_swap_times_file_is_set_aside(corral, tmp_path: Path) -> None:
+def test_a_damaged_swap_times_file_is_set_aside_and_a_bad_entry_dropped_alone(
+        corral, tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    (state / "swap-times.json").write_text('{"slow": {"digest": "x", "times": {"cold_s": -1}}}')
+    (state / "swap-times.json").write_text("[1, 2")
     c = corral(config(state, slow=slow_sleeper()))
     assert c.models()["slow"]["swap_times"]["cold_s"] is None
     assert [p.name for p in state.glob("swap-times.json.bad-*")], list(state.iterdir())
     assert "not a swap times file" in c.log()
+    c.stop()
+    good = digest(parse_config({"models": {"slow": slow_sleeper()}}).models["slow"])
+    (state / "swap-times.json").write_text(json.dumps({
+        "slow": {"digest": good, "times": {"cold_s": 2.5, "suspend_s": 0.2, "wake_s": 0.1}},
+        "gone": {"digest": "x", "times": {"cold_s": -1}}}))
+    again = corral(config(state, slow=slow_sleeper()))
+    assert again.models()["slow"]["swap_times"] == {"cold_s": 2.5, "suspend_s": 0.2,
+                                                    "wake_s": 0.1}
+    assert "the swap times of 'gone' are dropped" in again.log()
+
+
+def keeper(tmp_path: Path) -> tuple[Keeper, dict[str, ModelRecord], dict[str, ModelConfig]]:
+    configs = {"m": ModelConfig(cmd=["x", "{port}"], suspend="vllm")}
+    models = {"m": ModelRecord("m", BY_COST, Breaker(3, 60.0))}
+    return Keeper(tmp_path, models, lambda rec: rec, configs), models, configs
+
+
+def test_a_save_that_fails_is_said_once_not_at_every_tick(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "ro").mkdir()
+    k, models, configs = keeper(tmp_path / "ro" / "file-not-dir")
+    (tmp_path / "ro" / "file-not-dir").write_text("a file where the folder should be")
+    models["m"].times = SwapTimes(cold_s=1.0)
+    for _ in range(3):
+        k.save(configs)
+    assert len([r for r in caplog.records if "could not save" in r.message]) == 1
+    models["m"].times = SwapTimes(cold_s=2.0)
+    k.save(configs)  # (what changed is tried again)
+    assert len([r for r in caplog.records if "could not save" in r.message]) == 2
+
+
+def test_times_are_saved_and_restored_by_the_commands_digest(tmp_path: Path) -> None:
+    k, models, configs = keeper(tmp_path)
+    models["m"].times = SwapTimes(cold_s=1.5, wake_s=0.2)
+    k.save(configs)
+    _, models2, _ = keeper(tmp_path)
+    assert models2["m"].times == SwapTimes(cold_s=1.5, wake_s=0.2)
+    changed = {"m": ModelConfig(cmd=["y", "{port}"], suspend="vllm")}
+    models3 = {"m": ModelRecord("m", BY_COST, Breaker(3, 60.0))}
+    Keeper(tmp_path, models3, lambda rec: rec, changed)
+    assert models3["m"].times == SwapTimes(), "another command: no times"
+
+
+def test_a_reload_of_suspend_when_or_ttl_suspend_s_keeps_the_child() -> None:
+    """Only the policy reads them: a reload that changes them restarts nothing."""
+    old = ModelConfig(cmd=["x", "{port}"], suspend="vllm")
+    for new in (msgspec.structs.replace(old, suspend_when="always"),
+                msgspec.structs.replace(old, ttl_suspend_s=30.0)):
+        assert same_child(old, new), new
+    assert not same_child(old, msgspec.structs.replace(old, cmd=["y", "{port}"]))
 
 
 def test_suspend_when_without_a_suspend_method_is_refused() -> None:

@@ -6,6 +6,7 @@ key with its default and meaning, and the checks their types cannot express.
 |--------------------------------------------------------|--------------------------|--------------|
 | the whole file; a model, a key, a device, the cluster  | `Config`, `ModelConfig`  | model.py     |
 | reading and checking a file; every error names its key | `load_config`            | load.py      |
+| what a TOML error likely means, beyond TOML's words    | `toml_hint`              | hints.py     |
 | a model with `url`: a remote; `[peers.NAME]`           | `Remote`, `Peer`         | remote.py    |
 | a model with `base`: a LoRA adapter of a model         | `Adapter`, `Adapting`    | adapters.py  |
 | `[[devices]]`: simulated devices                       | `DeviceConfig`           | devices.py   |

@@ -17,6 +17,7 @@ import msgspec
 
 from ..llama import is_llama
 from .checks import check_adapters, check_devices, check_headers, check_remote, check_variants
+from .hints import toml_hint
 from .hooks import HOOK_PLACEHOLDER
 from .keys import API_KEY_NAME
 from .macros import expand
@@ -377,23 +378,5 @@ def load_config(path: str | Path) -> Config:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}{_toml_hint(text, str(e))}") from None
+        raise ConfigError(f"{path}: not valid TOML: {e}{toml_hint(text, str(e))}") from None
     return parse_config(data, str(path))
-
-
-STRING_OR_COMMENT = re.compile(r"\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'|#[^\n]*")
-
-
-def _toml_hint(text: str, error: str) -> str:
-    """What most likely went wrong where TOML's own words say little: an inline table
-    (`{ ... }`) broken over lines, which TOML 1.0 does not allow (issue 45)."""
-    at = re.search(r"at line (\d+), column (\d+)", error)
-    lines = text.split("\n")
-    if at is None or not 1 <= (n := int(at.group(1))) <= len(lines):
-        return ""
-    before = "\n".join([*lines[:n - 1], lines[n - 1][:int(at.group(2))]])
-    unclosed = re.sub(STRING_OR_COMMENT, "", before)
-    if unclosed.count("{") > unclosed.count("}"):
-        return ("; an inline table ({ ... }) is still open at the end of a line: TOML "
-                "wants one on a single line (or written as a [table] of its own)")
-    return ""

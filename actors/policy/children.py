@@ -21,7 +21,7 @@ from ..messages import (
     StatusChanged,
 )
 from . import views
-from .costs import learned
+from .costs import SwapTimes, learned
 from .handover import Handovers
 from .records import (
     Effect,
@@ -367,11 +367,12 @@ class Children:
                             else ModelRules(pinned=given))
             rec.breaker.reset()
             pair = [r for r in (rec, groups.partner(rec)) if r is not None]
-            if self.state.memory_on and not rec.rules.remote:  # new arguments, new figures
-                for r in pair:
+            for r in pair:  # new arguments: new figures, new times (costs.py)
+                r.times, r.guess_stops = SwapTimes(), 0
+                if self.state.memory_on and not rec.rules.remote:
                     r.memory, r.mem_min, r.mem_max = "unmeasured", None, None
-                if not rec.rules.group:
-                    self.state.out.append(Measure(name, front=False))
+            if self.state.memory_on and not rec.rules.remote and not rec.rules.group:
+                self.state.out.append(Measure(name, front=False))
             running = [r for r in pair if r.state.is_running and r.state is not S.STOPPING]
             if running:
                 restarted.append(name)

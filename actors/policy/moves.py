@@ -24,7 +24,7 @@ from ..messages import (
     TtlDue,
     Withdraw,
 )
-from .costs import weigh
+from .costs import guessed, weigh
 from .cuts import Slot
 from .queue import QueueEntry, Waiter
 from .records import (
@@ -192,8 +192,10 @@ class Moves:
         why = state.host.why_not(rec, state.ledger, state.stopping_suspended())
         because = None
         if why is None and rec.rules.suspend_by_cost:  # (costs.py)
-            cheaper, because = weigh(rec.times, state.host.estimate(rec, state.ledger))
+            cheaper, because = weigh(rec.times, state.host.estimate(rec, state.ledger),
+                                     rec.guess_stops)
             why = None if cheaper else because
+            rec.guess_stops += not cheaper and guessed(rec.times)
         if why is None and state.host.suspended_max \
                 and state.n_suspended >= state.host.suspended_max:
             oldest = min((r for r in state.models.values() if r.state is S.SUSPENDED),

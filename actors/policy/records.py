@@ -242,6 +242,8 @@ class ModelRecord:
     wakes: int = 0
     times: SwapTimes = field(default_factory=SwapTimes)
     """Its measured cold loads, suspends and wakes: whether a suspend pays (costs.py)."""
+    guess_stops: int = 0
+    """Evictions that stopped it because a guess of its round trip said so."""
     ttl_skipped: float | None = None
     """The idle_from whose ttl_suspend_s found no room to suspend in: its TTL goes on
     to ttl_s (a use since makes it count again)."""
