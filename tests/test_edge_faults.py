@@ -484,8 +484,9 @@ def test_a_pipelining_client_is_bounded_and_noticed_when_it_leaves(edge) -> None
         one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekrit\r\n"
                b"x-odd: slow\r\nContent-Length: 15\r\n\r\n{\"model\":\"odd\"}")
         raw.send(one * 40)
-        answers = raw.read(34)
-        assert [a.status for a in answers] == [200] * 33 + [503], answers[-2:]
+        answers = [a for a in raw.read(34) if a.status >= 200]  # (a busy machine's first
+        assert [a.status for a in answers] == [200] * 33 + [503], answers[-2:]  # answer
+        # came late enough for corral to probe the client with a 100 Continue first)
         assert "pipelined" in answers[-1].json()["error"]["message"]
         assert raw.closed(3)
     with Raw(edge.port) as raw:

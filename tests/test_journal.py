@@ -185,12 +185,14 @@ def test_off_it_keeps_nothing(tmp_path: Path) -> None:
 def test_front_workers_records_reach_the_journal(tmp_path: Path) -> None:
     config = toml_config({"a": {"cmd": fake_cmd()}}, http={"workers": 2})
     with Corral(config, home=tmp_path) as c:
-        ids = []
-        for _ in range(8):  # connections of their own: both fronts take some
-            _, _, headers = request(c.port, "POST", "/v1/chat/completions",
-                                    {"model": "a", "max_tokens": 1, "messages": []})
-            ids.append(headers["x-request-id"])
-        assert len({i.split("-")[0] for i in ids}) == 2  # two processes made ids
+        ids: list[str] = []
+
+        def both() -> bool:  # connections of their own, until both fronts took some (the
+            _, _, headers = request(c.port, "POST", "/v1/chat/completions",  # kernel picks:
+                                    {"model": "a", "max_tokens": 1, "messages": []})  # a
+            ids.append(headers["x-request-id"])  # busy machine gave one of them all 8)
+            return len({i.split("-")[0] for i in ids}) == 2  # two processes made ids
+        wait_until(both, 60, "requests taken by both fronts")
         for id_ in ids:
             journaled(c, id_)
 

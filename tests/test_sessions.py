@@ -80,6 +80,27 @@ def test_a_session_moves_when_its_copy_is_overloaded_and_after_its_ttl() -> None
     assert groups.seen["a"][S1] == last + 60.0
 
 
+def test_a_session_begun_on_the_only_copy_up_stays_there_when_the_other_comes() -> None:
+    """A busy start: the second copy is still loading when a session's first requests
+    come; the session stays on the copy that served them (it moved once the second was
+    up, before: a busy whole-suite run's failure)."""
+    w = world(min=2, route="least_loaded", session_ttl_s=600.0)
+    w.acquire("first", "a")
+    w.ready("a")  # a@2 still loading
+    w.release("first")
+    assert w.state("a@2") == "loading"
+    sessions = [placement(f"early-{i}".encode(), b"", 0) for i in range(6)]
+    for i, session in enumerate(sessions):
+        w.run(w.p.acquire(("early", i), "a", w.tick(), affinity=session))
+        assert granted_into(w, ("early", i)) == "a"
+        w.release(("early", i))
+    w.ready("a@2")
+    for i, session in enumerate(sessions):  # (rendezvous hashing would send half to a@2)
+        w.run(w.p.acquire(("later", i), "a", w.tick(), affinity=session))
+        assert granted_into(w, ("later", i)) == "a", i
+        w.release(("later", i))
+
+
 def test_with_session_ttl_0_sessions_are_not_pinned() -> None:
     w = pinned_world(ttl_s=0.0)
     w.run(w.p.acquire("s", "a", w.tick(), affinity=S1))

@@ -182,11 +182,14 @@ class Groups:
             rec = self.current(rec) if self.alternates else rec
             return rec if has_room(rec) else None
         ready = [r for r in group if has_room(r)]
-        if len(ready) < 2:
-            return ready[0] if ready else None
         rules = rec.rules.replicas
         assert rules is not None
         session = affinity >= SESSION and rules.session_ttl_s > 0
+        if len(ready) < 2:
+            if session and ready:  # (its home now, as the other copies come up)
+                self.expire(rec.group, affinity, now, rules.session_ttl_s)
+                self.home(rec.group, affinity, ready, group)
+            return ready[0] if ready else None
         if session or (rules.route == "prefix" and 0 < affinity < SESSION):
             least = min(ready, key=lambda r: r.in_flight)
             if session:
