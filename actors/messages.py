@@ -197,6 +197,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     wakes: int = 0
     swap_times: SwapTimes | None = None
     """A model with a `suspend` method: what its evictions are weighed by."""
+    prefetched: Prefetched | None = None
+    """Loaded or woken before it was asked, and not asked since (policy/prefetch.py)."""
     replicas: list[ReplicaView] | None = None
     """A model with replicas: each copy (the model's own fields sum or pick from them:
     `state` the most available, `in_flight` the total)."""
@@ -239,6 +241,8 @@ class ModelsSnapshot(Message, frozen=True, kw_only=True):
     suspended: int = 0
     """Models suspended (or being suspended): their children kept, their devices given
     back; `running` counts the others."""
+    prefetches: dict[str, int] = {}
+    """Prefetches loaded, used and wasted (policy/prefetch.py)."""
 
 
 class DeviceView(msgspec.Struct, frozen=True, kw_only=True):
@@ -349,6 +353,17 @@ class Evicted(Event, frozen=True, tag="eviction", kw_only=True):
     issue 23)."""
     why: str | None = None
     """Why that and not the other, for a model that has a `suspend` method."""
+
+
+class Prefetched(Event, frozen=True, tag="prefetch", kw_only=True):
+    """`model` is loaded (or woken) before it is asked: after an answer from `after`,
+    it was asked next `odds` of the `seen` times (policy/prefetch.py)."""
+
+    model: str
+    after: str
+    odds: float
+    seen: int
+    action: Literal["load", "wake"]
 
 
 class QueueChanged(Event, frozen=True, tag="queue", kw_only=True):

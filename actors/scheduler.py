@@ -121,9 +121,9 @@ class Scheduler(BaseActor):
                              config.restart_period_s, int(config.memory_margin_mib * MiB),
                              config.account_host, config.restart_backoff_max_s,
                              config.restart_healthy_s, config.models_max_per_node,
-                             tenants_of(config), config.priority_aging_s,
-                             config.priority_preempt,
-                             int(config.host_memory_margin_mib * MiB), config.suspended_max)
+                             tenants_of(config), config.priority_aging_s, config.priority_preempt,
+                             int(config.host_memory_margin_mib * MiB), config.suspended_max,
+                             config.prefetch)
         for name, (group, model) in copies(config.models).items():
             self.policy.add_model(name, clock(), rules=config.rules_of(model, group))
         self.policy.state.teams.replace(config.groups)

@@ -16,6 +16,7 @@ from bench import (
     lease,
     load,
     overhead,
+    prefetch,
     prompt_cache,
     replicas,
     scheduler,
@@ -35,7 +36,7 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
             "tenants": tenants.main, "prompt-cache": prompt_cache.main,
             "replicas": replicas.main, "uploads": uploads.main, "journal": journal.main,
-            "streams": streams.main}
+            "streams": streams.main, "prefetch": prefetch.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -67,6 +68,8 @@ SUMMARY = {
     "gpu-check": "the nvml backend against a real NVIDIA GPU (exit 77 without a driver)",
     "streams": "--max: the most streams one front holds at direct's tokens/s and p99 gap "
                "(+5 ms), with http.workers 1 and 2",
+    "prefetch": "an agent alternating two models: the second one's first byte with "
+                "prefetch on against off, and the guesses wasted",
 }
 
 

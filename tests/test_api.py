@@ -208,6 +208,7 @@ def test_metrics_are_valid_prometheus_exposition(corral) -> None:
         "corral_event_streams": "gauge",
         "corral_requests_granted": "counter", "corral_requests_joined": "counter",
         "corral_requests_cut": "counter", "corral_models_suspended": "gauge",
+        "corral_prefetches": "counter",
         "corral_model_suspends": "counter", "corral_model_wakes": "counter",
         "corral_model_host_bytes": "gauge",
         "corral_replica_state": "gauge", "corral_replica_in_flight": "gauge",

@@ -72,6 +72,16 @@ def test_scheduler_bench_runs(tmp_path) -> None:
     assert all(len(rates) == 2 and min(rates) > 0 for rates in parts.values())
 
 
+def test_prefetch_bench_runs(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    bench("prefetch", "--turns", "4", "--load-s", "0.2", "--think-s", "1.5", "--idle-s",
+          "2.5", "--json", str(path))
+    data = json.loads(path.read_text())
+    assert len(data["on"]["coder_ttfb_s"]) == len(data["off"]["coder_ttfb_s"]) == 4
+    assert data["on"]["prefetches"].get("loaded", 0) >= 1, data["on"]
+    assert not data["off"]["prefetches"].get("loaded"), data["off"]
+
+
 def test_overhead_bench_runs(tmp_path) -> None:
     path = tmp_path / "o.json"
     bench("overhead", "--rounds", "1", "--requests", "20", "--concurrency", "2",

@@ -247,15 +247,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     models_max_per_node: Annotated[int, Meta(ge=0)] = 0
     """With a [cluster]: most children running at once on one node (0: no limit)."""
     autoload: bool = True
-    include_aliases: bool = False
-    """`/v1/models` lists each alias as an entry of its own (`alias_of` its model)."""
+    prefetch: bool = False
+    """After an answer, load or wake the model its asker likely asks next, where it fits
+    with no eviction (actors/policy/prefetch.py)."""
+    include_aliases: bool = False  # (/v1/models lists each alias as an entry of its own)
     api_key: str | None = None
     api_key_file: str | None = None
     keys: dict[str, KeyConfig] = {}
-    """Named keys, each with its models, class and limits; `api_key` beside them is one
-    more, an admin key named `api_key`."""
-    priorities: dict[str, int] = {}
-    """Priority classes: name -> level, a higher level served first."""
+    """Named keys, each with its models, class and limits (`api_key`: an admin one more)."""
+    priorities: dict[str, int] = {}  # (classes: name -> level, the higher served first)
     priority_aging_s: NonNegativeSeconds = 60.0
     """A waiting request's level rises by 1 for every this long it has waited, so a lower
     class is served in the end (0: no aging)."""

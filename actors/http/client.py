@@ -219,16 +219,17 @@ def plan_text(p: dict[str, Any]) -> str:
     head = f"{p['model']}{who}: "
     ahead = ", ".join(f"{n} {c}" for c, n in sorted(p.get("ahead", {}).items()))
     place = f"position {p.get('position')}" + (f" behind {ahead}" if ahead else "")
+    after = f"\n  after its answer, prefetch: {p['prefetch']}" if p.get("prefetch") else ""
     match p["decision"]:
         case "grant":
-            return head + f"served now by #{p['generation']} on {p['host']}:{p['port']}"
+            return head + f"served now by #{p['generation']} on {p['host']}:{p['port']}{after}"
         case "refuse":
             retry = (f"; retry after {p['retry_after_s']:.1f} s"
                      if p.get("retry_after_s") is not None else "")
             return head + f"refused {p['status']}: {p['message']}{retry}"
         case "queue":
             why = f", waiting for {p['waiting_for']}" if p.get("waiting_for") else ""
-            return head + f"queued, {place}{why}"
+            return head + f"queued, {place}{why}{after}"
     what = "a wake of its suspended child" if p.get("wake") else "a load"
     lines = [head + f"{what}, on {', '.join(p.get('devices') or []) or 'its default place'}"
              f" ({place})"]
@@ -239,7 +240,7 @@ def plan_text(p: dict[str, Any]) -> str:
               for e in p.get("evict", [])]
     lines += [f"  {m['device']}: {m['free_mib_now']:.0f} MiB free now, "
               f"{m['free_mib_after']:.0f} MiB after" for m in p.get("memory", [])]
-    return "\n".join(lines)
+    return "\n".join(lines) + after
 
 
 def print_keys(data: dict[str, Any]) -> None:

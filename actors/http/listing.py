@@ -81,6 +81,8 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
         "memory": msgspec.to_builtins(view.memory),
         **card,
     }
+    if view.prefetched is not None:  # up before it was asked (policy/prefetch.py)
+        out["prefetched"] = msgspec.to_builtins(view.prefetched)
     if view.swap_times is not None:  # what its evictions are weighed by (policy/costs.py)
         out["swap_times"] = msgspec.to_builtins(view.swap_times)
     if view.replicas is not None:  # issue 24: each copy, as the Scheduler sees it

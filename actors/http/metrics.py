@@ -99,6 +99,12 @@ class Snapshot(Collector):
                                   "(priority_preempt).", value=snap.cuts)
         yield CounterMetricFamily("corral_requests_joined", "Requests that joined a running "
                                   "grant without a Scheduler round trip.", value=self.joined)
+        prefetches = CounterMetricFamily("corral_prefetches", "Models loaded or woken before "
+                                         "they were asked (prefetch): loaded, then used by a "
+                                         "request or wasted.", labels=["outcome"])
+        for outcome in ("loaded", "used", "wasted"):
+            prefetches.add_metric([outcome], snap.prefetches.get(outcome, 0))
+        yield prefetches
         streams = GaugeMetricFamily("corral_event_streams", "Open event streams of corral's "
                                     "API: events (/models/sse, a dashboard each) and logs "
                                     "(followed child output).", labels=["kind"])

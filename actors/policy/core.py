@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Hashable, Iterable, Mapping
 
+import msgspec
+
 from ..config.keys import Tenant
 from ..config.rules import ModelGroup, ModelRules
 from ..lifecycle import ModelState
@@ -26,6 +28,7 @@ from .commands import Commands
 from .drains import Drains
 from .plans import RequestPlan
 from .preempt import Preemption
+from .prefetch import Prefetch
 from .queue import Waiter
 from .records import Answer, Effect, Later, ModelRecord
 from .rules import Rules
@@ -49,7 +52,7 @@ class Policy:
                  restart_healthy_s: float = 30.0, models_max_per_node: int = 0,
                  tenants: dict[str, Tenant] | None = None, aging_s: float = 0.0,
                  preempt: bool = False, host_margin: int = 0,
-                 suspended_max: int = 0) -> None:
+                 suspended_max: int = 0, prefetch: bool = False) -> None:
         self.state = State(models_max, restart_intensity, restart_period_s, memory_margin,
                            account_host, restart_backoff_max_s, restart_healthy_s,
                            models_max_per_node, tenants, aging_s, host_margin, suspended_max)
@@ -62,6 +65,8 @@ class Policy:
         self.commands = Commands(self.state, self.rules)
         self.drains = Drains(self.state, self.children.handovers)
         self.rules.drains = self.drains.step
+        self.prefetch = Prefetch(self.state, self.rules)
+        self.prefetch.on = prefetch
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -88,7 +93,10 @@ class Policy:
              shown: Collection[str] | None = None, affinity: int = 0) -> RequestPlan:
         """GET /models/plan: what `acquire` would do with one more request now, decided
         on a copy of this policy (plans.py)."""
-        return plans.plan(self, model, now, key, autoload, kept, shown, affinity)
+        plan = plans.plan(self, model, now, key, autoload, kept, shown, affinity)
+        likely = self.prefetch.likely(plan.model) if self.prefetch.on else None
+        return plan if likely is None else msgspec.structs.replace(plan, prefetch=(
+            f"{likely[0]} (asked next {likely[1]} of {likely[2]} times)"))
 
     def running_count(self) -> int:
         return self.state.n_running
@@ -120,6 +128,7 @@ class Policy:
             self.moves.refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
             return self.moves.flush()
         rules, breaker = rec.rules, rec.breaker
+        self.prefetch.asked(key, rec.group, now)
         entry = self.state.queue.entry(model)
         over = tenants.over_quota(key, now) if counted else None
         # 2. A key over its rate or token budget is told when to come back; not queued.
@@ -221,6 +230,7 @@ class Policy:
             return self.cancel(ticket, now) if ticket in self.state.queue else []
         self._let_go(ticket, now, shared, idle_s, tokens)
         self.rules.pump(now)
+        self.prefetch.step(now)
         return self.moves.flush()
 
     def spend(self, ticket: Hashable, tokens: int, now: float) -> None:
@@ -239,11 +249,14 @@ class Policy:
             if ticket in self.state.leases:
                 self._let_go(ticket, now, shared, idle_s, tokens)
         self.rules.pump(now)
+        self.prefetch.step(now)
         return self.moves.flush()
 
     def _let_go(self, ticket: Hashable, now: float, shared: bool, idle_s: float,
                 tokens: int = 0) -> None:
         name, generation, key = self.state.leases.pop(ticket)
+        if self.prefetch.on and (rec := self.state.models.get(name)) is not None:
+            self.prefetch.ended(key, rec.alternate_of or rec.group)
         if self.state.cuts.of:
             self.state.cuts.forget(ticket)
         freed = False

@@ -93,6 +93,8 @@ class RequestPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     """load: where it would start, what would be stopped for it, the memory around it."""
     wake: bool = False
     """load: the load is a wake of the model's suspended child (issue 23)."""
+    prefetch: str | None = None
+    """With `prefetch`: the model its answer would have loaded next, where it fits."""
     status: int | None = None
     message: str | None = None
     retry_after_s: float | None = None

@@ -6,6 +6,7 @@ Plain data: the rules that change it are in rules.py and the event methods.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -301,6 +302,8 @@ class ModelRecord:
 class Stats:
     """Counters since start, for GET /metrics."""
 
+    prefetches: Counter[str] = field(default_factory=Counter)
+    """Prefetches (prefetch.py) loaded, used (a request came while up) and wasted."""
     granted: int = 0
     queue_waits: int = 0
     """Requests granted after waiting in the queue..."""

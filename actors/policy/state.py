@@ -11,6 +11,7 @@ from ..config.keys import Tenant
 from ..config.rules import ModelRules
 from ..ledger import Ledger
 from ..lifecycle import ModelState
+from ..messages import Prefetched
 from .breaker import Breaker
 from .cuts import Cuts
 from .host import HostTier
@@ -101,6 +102,8 @@ class State:
         self.n_stopping = 0
         self.n_running_pinned = 0
         self.n_suspending = 0
+        self.prefetched: dict[str, Prefetched] = {}
+        """Model -> its prefetch (prefetch.py), while its child has served nothing yet."""
         self.n_suspended = 0
         """The suspended and suspending children (suspended_max)."""
         self.warm: list[str] = []

@@ -62,6 +62,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             phase=child.state.value if child.state.value != child.state.shown else None,
             host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
             swap_times=child.times if child.rules.suspend else None,
+            prefetched=p.prefetched.get(rec.name),
             replicas=[replica_view(r) for r in every  # (an alternate while it has a child)
                       if r in copies or r.state is not S.UNLOADED]
             if copies is not None else None))
@@ -69,7 +70,8 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
                           granted=p.stats.granted, queue_waits=p.stats.queue_waits,
                           queue_wait_s=p.stats.queue_wait_s, keys=key_views(p, now),
                           class_wait={c: h.view() for c, h in p.stats.class_wait.items()},
-                          cuts=sum(p.stats.cuts.values()), suspended=p.n_suspended)
+                          cuts=sum(p.stats.cuts.values()), suspended=p.n_suspended,
+                          prefetches=dict(p.stats.prefetches))
 
 
 def evictions(p: State, names: list[str]) -> dict[str, int]:

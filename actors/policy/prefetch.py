@@ -1,0 +1,128 @@
+"""The next model, woken before it is asked (issue 44, part 2; `prefetch = true`).
+
+Each asker (its key's name; "" for requests without a key: on a box without keys, the
+whole stream is one asker) is followed from model to model: when it asks for B within
+FOLLOW_S of its request for A (or of that answer's end), "B after A" is counted (A after
+A too: staying is a choice; a request that joins a grant the front kept is not seen, so
+staying counts less than it happens). When an answer from A ends (the front's grant let
+go), the model most often asked next after A is prefetched if it
+was that at least ODDS of the times seen, over at least SEEN of them, and it is not up:
+it is loaded (or woken) only where it fits as things are, a free slot and free memory,
+evicting nothing. As a warm model's load is (rules.py `warm_up`), it gives way to any
+request that needs its place, and once ready, unasked, it is the first LRU victim: a
+wrong guess costs only room that was free.
+
+Each prefetch is a `prefetch` event with its odds; `GET /models` shows a prefetched
+child that has served nothing yet, and /metrics counts the prefetches used (a request
+came while it was up) and wasted (it went first).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from ..lifecycle import ModelState
+from ..messages import Prefetched
+from .records import ModelRecord, Publish
+from .rules import Rules
+from .state import State
+
+log = logging.getLogger("corral.scheduler")
+
+S = ModelState
+FOLLOW_S = 600.0
+"""A request this long after the asker's last answer follows nothing."""
+ODDS = 0.5
+SEEN = 3
+
+
+class Prefetch:
+    """Which model follows which, per asker, and the prefetches it makes."""
+
+    def __init__(self, state: State, rules: Rules) -> None:
+        self.state = state
+        self.rules = rules
+        self.on = False
+        self.follows: dict[str, Counter[str]] = {}
+        """Model A -> how often each model was asked next after an answer from A."""
+        self.last: dict[str, tuple[str, float]] = {}
+        """Asker -> the model of its last answer, and when that answer ended."""
+        self.up = state.prefetched
+        self.pending: list[tuple[str, str]] = []
+
+    def asked(self, asker: str, model: str, now: float) -> None:
+        """A request for `model` (a model's own name, not a copy's) came from `asker`."""
+        if not self.on:
+            return
+        self.forget_gone()
+        if model in self.up:
+            del self.up[model]
+            self.state.stats.prefetches["used"] += 1
+        last = self.last.get(asker)
+        if last is not None and now - last[1] <= FOLLOW_S:
+            self.follows.setdefault(last[0], Counter())[model] += 1
+        self.last[asker] = (model, now)
+
+    def ended(self, asker: str, model: str) -> None:
+        """An answer from `model` to `asker` ended (looked at in `step`, once the rules
+        have run for what waits: a prefetch takes only what they left)."""
+        if self.on:
+            self.pending.append((asker, model))
+
+    def step(self, now: float) -> None:
+        pending, self.pending = self.pending, []
+        for asker, model in pending:
+            self.answered(asker, model, now)
+
+    def answered(self, asker: str, model: str, now: float) -> None:
+        """Its likely next model is prefetched, if it fits as things are."""
+        if self.last.get(asker, ("",))[0] == model:
+            self.last[asker] = (model, now)  # (what follows counts from the answer's end)
+        self.forget_gone()
+        likely = self.likely(model)
+        if likely is None:
+            return
+        after, n, total = likely
+        rec = self.state.models.get(after)
+        if rec is not None and self.fits(rec, now):
+            event = Prefetched(model=after, after=model, odds=round(n / total, 3), seen=total,
+                               action="wake" if rec.state is S.SUSPENDED else "load")
+            log.info("prefetch: %s of %s after %s (asked next %d of %d times)",
+                     event.action, after, model, n, total)
+            self.up[after] = event
+            self.state.stats.prefetches["loaded"] += 1
+            self.state.out.append(Publish(event))
+            self.state.warming.add(rec)
+            self.rules.up.go(rec, self.rules.up.plan(rec, []) if self.state.memory_on
+                             else None, now, why=f"prefetch after {model}")
+
+    def likely(self, model: str) -> tuple[str, int, int] | None:
+        """The model most often asked next after `model`, how often, and of how many, if
+        that is the odds a prefetch needs."""
+        seen = self.follows.get(model)
+        if not seen:
+            return None
+        (after, n), total = seen.most_common(1)[0], sum(seen.values())
+        return None if after == model or n < SEEN or n / total < ODDS else (after, n, total)
+
+    def fits(self, rec: ModelRecord, now: float) -> bool:
+        """`rec` is down and may come up now where it fits, evicting nothing, with no
+        request waiting for anything."""
+        state = self.state
+        if rec.state not in (S.UNLOADED, S.SUSPENDED) or rec.breaker.is_open(now) \
+                or rec.failed or rec.removed or rec.rules.remote or rec.rules.group \
+                or state.queue.entries or not state.has_capacity() \
+                or state.groups.of(rec)[0] is not rec:
+            return False
+        if state.memory_on:
+            plan = self.rules.up.plan(rec, [])
+            return plan.verdict == "go" and not plan.evict and not plan.note
+        return rec.rules.nodes is None  # (a node's slot: warm_up's way, not taken here)
+
+    def forget_gone(self) -> None:
+        """Prefetched children that went before they served: wasted."""
+        for name in [n for n in self.up if (r := self.state.models.get(n)) is None
+                     or not (r.state.is_serving or r.state in (S.LOADING, S.WAKING))]:
+            del self.up[name]
+            self.state.stats.prefetches["wasted"] += 1

@@ -1,0 +1,155 @@
+"""The next model, loaded before it is asked (issue 44, part 2; policy/prefetch.py): the
+pure policy driven synchronously (test_policy_suspend's world), then a corral process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.messages import Grant, Prefetched
+from actors.policy.prefetch import FOLLOW_S
+from actors.policy.records import Spawn
+from tests.helpers import SSE, chat, fake_cmd, request, toml_config
+from tests.test_policy_suspend import TierWorld
+
+
+def world(models_max: int = 3) -> TierWorld:
+    w = TierWorld({"a": 1, "b": 1, "c": 1}, models_max=models_max)
+    w.p.prefetch.on = True
+    return w
+
+
+def ask(w: TierWorld, model: str, ticket: object) -> None:
+    """One request for `model`, loaded first if it must be, answered and let go."""
+    w.acquire(ticket, model)
+    if w.state(model) == "loading":
+        w.ready(model)
+    assert isinstance(w.answers[ticket], Grant), w.answers[ticket]
+    w.release(ticket)
+
+
+def unload(w: TierWorld, model: str) -> None:
+    w.run(w.p.unload(("unload", model, w.now), model, w.tick()))
+    w.exited(model)
+    w.report()
+
+
+def learn(w: TierWorld, rounds: int = 3) -> None:
+    """An agent that asks b after each answer from a; b is unloaded in between."""
+    for i in range(rounds):
+        ask(w, "a", ("a", i))
+        ask(w, "b", ("b", i))
+        unload(w, "b")
+
+
+def prefetches(w: TierWorld) -> list[Prefetched]:
+    return [e for e in w.events if isinstance(e, Prefetched)]
+
+
+def test_the_model_asked_next_is_loaded_after_the_answer_and_serves_at_once() -> None:
+    w = world()
+    learn(w, 2)
+    ask(w, "a", "x")
+    assert prefetches(w) == [], "seen twice: not enough to go on"
+    ask(w, "b", "y")
+    unload(w, "b")
+    spawns = len([e for e in w.effects if isinstance(e, Spawn)])
+    ask(w, "a", "z")  # b after a: 3 of 3 times
+    assert prefetches(w) == [Prefetched(model="b", after="a", odds=1.0, seen=3,
+                                        action="load")]
+    assert w.state("b") == "loading"
+    assert len([e for e in w.effects if isinstance(e, Spawn)]) == spawns + 1
+    assert w.p.snapshot(w.now).prefetches == {"loaded": 1}
+    w.ready("b")
+    w.acquire("t", "b")
+    assert isinstance(w.answers["t"], Grant), "served at once by the prefetched child"
+    assert w.p.snapshot(w.now).prefetches == {"loaded": 1, "used": 1}
+
+
+def test_a_wrong_guess_is_the_first_victim_and_counts_as_wasted() -> None:
+    w = world(models_max=2)
+    learn(w)
+    ask(w, "a", "x")
+    assert w.state("b") == "loading"
+    w.ready("b")  # nobody asked for it
+    w.acquire("t", "c")  # c needs a slot: b goes, not a (used more recently)
+    assert w.evictions()[-1].model == "b", w.evictions()
+    w.exited("b")
+    w.report()
+    w.ready("c")
+    w.release("t")
+    ask(w, "a", "y")
+    assert w.p.snapshot(w.now).prefetches.get("wasted") == 1
+
+
+def test_no_prefetch_evicts_anything_or_passes_a_waiting_request() -> None:
+    w = world(models_max=2)
+    learn(w)
+    ask(w, "c", "c")  # a and c hold both slots
+    ask(w, "a", "x")
+    assert prefetches(w) == [] and w.state("b") == "unloaded", "no free slot: nothing"
+    w2 = world(models_max=3)
+    learn(w2)
+    w2.acquire("wait", "c")  # c's load, not yet ready: a request waits
+    ask(w2, "a", "x")
+    assert prefetches(w2) == [], "a request waits: nothing is taken ahead of it"
+
+
+def test_what_comes_long_after_an_answer_follows_nothing() -> None:
+    w = world()
+    for i in range(3):
+        ask(w, "a", ("a", i))
+        w.now += FOLLOW_S + 1
+        ask(w, "b", ("b", i))
+        unload(w, "b")
+    ask(w, "a", "x")
+    assert prefetches(w) == []
+    assert not w.p.prefetch.follows.get("a")
+
+
+def test_off_by_default() -> None:
+    w = TierWorld({"a": 1, "b": 1}, models_max=3)
+    for i in range(4):
+        ask(w, "a", ("a", i))
+        ask(w, "b", ("b", i))
+        unload(w, "b")
+    ask(w, "a", "x")
+    assert prefetches(w) == [] and not w.p.prefetch.follows
+
+
+# -------------------------------------------------------------------- a corral process
+
+
+def test_a_corral_with_prefetch_loads_the_next_model_before_it_is_asked(corral) -> None:
+    fake = {"cmd": fake_cmd("--load-delay", "0.5")}
+    # (each request is seen: the fake answers at once, and a planner request within
+    # lease_linger_ms of the last would join its kept grant, which the Scheduler never sees)
+    c = corral(toml_config({"planner": fake, "coder": fake}, models_max=2, prefetch=True,
+                           http={"lease_linger_ms": 0}))
+    sse = SSE(c.port)
+
+    def unload_coder() -> None:
+        status, body, _ = request(c.port, "POST", "/models/unload", {"model": "coder"})
+        assert status == 200, body
+        c.wait_state("coder", "unloaded")
+
+    for _ in range(3):
+        assert chat(c.port, "planner")[0] == 200
+        assert chat(c.port, "coder")[0] == 200
+        unload_coder()
+    assert chat(c.port, "planner")[0] == 200
+    event: dict[str, Any] = sse.wait_for(lambda e: e["type"] == "prefetch")
+    assert (event["model"], event["after"], event["odds"], event["action"]) == (
+        "coder", "planner", 1.0, "load")
+    c.wait_state("coder", "loaded")
+    coder = c.models()["coder"]
+    assert coder["prefetched"]["after"] == "planner", coder
+    pid = coder["pid"]
+    assert chat(c.port, "coder")[0] == 200
+    assert c.models()["coder"]["pid"] == pid and "prefetched" not in c.models()["coder"]
+    _, text, _ = request(c.port, "GET", "/metrics")
+    assert 'corral_prefetches_total{outcome="used"} 1.0' in text, text
+    assert "prefetch: load of coder after planner (asked next 3 of 3 times)" in c.log()
+    status, plan, _ = request(c.port, "GET", "/models/plan?model=planner")
+    assert status == 200 and plan["prefetch"] == "coder (asked next 4 of 4 times)", plan
+    sse.close()
