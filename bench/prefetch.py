@@ -1,6 +1,7 @@
 """An agent that alternates two models, with prefetch on against off (issue 44, part 2).
 
     python -m bench prefetch [--turns 12] [--load-s 1.0] [--think-s 2.5] [--idle-s 3.0]
+                             [--skip-every K]
 
 Two corrals side by side, one with `prefetch = true`, each with a planner and a coder
 (fake children whose cold load takes --load-s). The coder has `ttl_s` 2 s, so it stops
@@ -8,7 +9,8 @@ while the agent works on between turns. One agent per corral, at the same time: 
 turn asks the planner, thinks --think-s (reads its answer), asks the coder, then works
 --idle-s before the next turn. Measured: the time to first byte of the coder's turns
 (after the first 3, which prefetch needs to learn from), and the prefetches the corral
-counted as loaded, used and wasted.
+counted as loaded, used and wasted. With --skip-every K every Kth turn asks no coder: a
+prefetch wasted, if the odds still call for one.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ async def agent(url: str, args: argparse.Namespace) -> list[float]:
     """The coder turns' times to first byte, in seconds."""
     coder: list[float] = []
     async with session() as s:
-        for _ in range(args.turns):
+        for turn in range(args.turns):
             planned = await send(s, url, "planner")
             assert planned.status == 200, planned
             await asyncio.sleep(args.think_s)
+            if args.skip_every and turn % args.skip_every == args.skip_every - 1:
+                await asyncio.sleep(args.idle_s)  # (the planner was enough: no coder)
+                continue
             coded = await send(s, url, "coder")
             assert coded.status == 200, coded
             coder.append(coded.ttfb_s)
@@ -74,7 +79,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         after = ttfb[LEARN:]
         out[name] = {"coder_ttfb_s": ttfb, "p50_after_learning_s": statistics.median(after),
                      "max_after_learning_s": max(after), "prefetches": counts[name]}
-        print(f"prefetch {name:>3}: the coder's first byte, turns {LEARN + 1}-{args.turns}: "
+        print(f"prefetch {name:>3}: the coder's first byte after its first {LEARN} turns: "
               f"p50 {statistics.median(after) * 1e3:7.1f} ms, max {max(after) * 1e3:7.1f} ms"
               f"; prefetches {counts[name] or 'none'}")
     return out
@@ -87,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-s", type=float, default=1.0)
     ap.add_argument("--think-s", type=float, default=2.5)
     ap.add_argument("--idle-s", type=float, default=3.0)
+    ap.add_argument("--skip-every", type=int, default=0, metavar="K",
+                    help="every Kth turn asks no coder (a guess that is wasted)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.turns <= LEARN:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.messages import Grant, Prefetched
+from actors.config.keys import Tenant
+from actors.config.rules import ModelGroup, ModelRules
+from actors.messages import Grant, Prefetched, Refusal
 from actors.policy.prefetch import FOLLOW_S
 from actors.policy.records import Spawn
 from tests.helpers import SSE, chat, fake_cmd, request, toml_config
+from tests.test_policy import World
 from tests.test_policy_suspend import TierWorld
 
 
@@ -117,6 +120,129 @@ def test_off_by_default() -> None:
     assert prefetches(w) == [] and not w.p.prefetch.follows
 
 
+# -------------------------------------------------------------------- a review's findings
+
+
+def serve(w: World, model: str, t: object) -> None:
+    """One request, its model settled first (rivals stopped, loads readied)."""
+    w.acquire(t, model)
+    for _ in range(6):
+        if isinstance(w.answers.get(t), Grant):
+            break
+        w.settle()
+    assert isinstance(w.answers[t], Grant), w.answers.get(t)
+    w.release(t)
+
+
+def slots_world(models_max: int = 3, names: str = "abc") -> World:
+    """test_policy's World (no memory), prefetch on, "b after a" learned 3 times."""
+    w = World(models_max=models_max, names=names)
+    w.p.prefetch.on = True
+    for i in range(3):
+        serve(w, "a", ("a", i))
+        serve(w, "b", ("b", i))
+        w.run(w.p.unload(("u", i), "b", w.tick()))
+        w.settle()
+    return w
+
+
+def test_an_exclusive_rival_is_never_prefetched_beside_its_rival() -> None:
+    w = World(models_max=3, names="ab")
+    w.p.prefetch.on = True
+    w.p.state.teams.replace({"g": ModelGroup(models=["a", "b"], exclusive=True)})
+    for i in range(4):
+        serve(w, "a", ("a", i))
+        serve(w, "b", ("b", i))
+    serve(w, "a", "x")
+    w.settle()
+    assert [m for m in "ab" if w.state(m) != "unloaded"] == ["a"]
+
+
+def test_a_prefetch_under_way_gives_its_slot_up_before_a_used_model_goes() -> None:
+    w = slots_world(models_max=2)
+    serve(w, "a", "x")
+    assert w.state("b") == "loading"
+    w.acquire("t", "c")
+    assert w.state("a") == "loaded" and w.state("b") == "stopping", w.stops
+
+
+def test_a_prefetch_under_way_gives_its_memory_up_to_a_request() -> None:
+    w = TierWorld({"a": 4, "b": 4, "c": 4})
+    w.p.prefetch.on = True
+    learn(w)
+    ask(w, "a", "x")
+    assert w.state("b") == "loading"
+    w.acquire("t", "c")
+    assert w.state("b") == "stopping" and w.state("a") == "loaded"
+
+
+def test_the_plan_says_a_prefetch_only_of_a_model_down_that_the_asker_may_see() -> None:
+    w = slots_world()
+    assert w.p.plan("a", w.tick()).prefetch == ("b, where it fits (asked next 3 of 3 "
+                                                "times)")
+    assert w.p.plan("a", w.tick(), key="k", shown={"a"}).prefetch is None
+    serve(w, "b", "up")
+    assert w.p.plan("a", w.tick()).prefetch is None, "b is up: nothing to prefetch"
+    w.run(w.p.children.reconfigure({}, ["b"], {}, w.tick())[0])
+    w.settle()
+    assert w.p.plan("a", w.tick()).prefetch is None, "b is gone"
+
+
+def test_a_prefetch_that_goes_unused_is_wasted_at_once_and_no_longer_shown() -> None:
+    w = world(models_max=2)
+    learn(w)
+    ask(w, "a", "x")
+    w.ready("b")
+    unload(w, "b")
+    snap = w.p.snapshot(w.now)
+    assert next(m for m in snap.models if m.name == "b").prefetched is None
+    assert snap.prefetches == {"loaded": 1, "wasted": 1}
+    w.run(w.p.load(("load", "b"), "b", w.tick()))  # loaded again, by a person
+    w.ready("b")
+    w.acquire("t", "b")
+    assert w.p.snapshot(w.now).prefetches == {"loaded": 1, "wasted": 1}, "not used"
+
+
+def test_a_refused_request_is_neither_a_use_nor_followed() -> None:
+    w = world()
+    w.run(w.p.set_tenants({"": Tenant(name=""), "k": Tenant(name="k", requests_per_min=1)},
+                          0.0, w.tick()))
+    learn(w)
+    ask(w, "a", "x")
+    w.ready("b")
+    w.run(w.p.acquire("k1", "c", w.tick(), key="k"))
+    w.run(w.p.acquire("k2", "b", w.tick(), key="k"))  # over its rate: 429
+    assert isinstance(w.answers["k2"], Refusal) and w.answers["k2"].status == 429
+    assert "used" not in w.p.snapshot(w.now).prefetches
+    assert "b" not in w.p.prefetch.follows.get("c", {})
+
+
+def test_no_prefetch_while_corral_shuts_down() -> None:
+    w = slots_world()
+    w.acquire("x", "a")
+    w.run(w.p.shutdown(w.tick()))
+    spawns = len(w.spawns)
+    w.release("x")
+    assert w.spawns[spawns:] == []
+
+
+def test_a_model_a_reload_changed_is_prefetched_again() -> None:
+    w = World(models_max=3, names="ab")
+    w.p.prefetch.on = True
+    serve(w, "b", "b0")
+    w.run(w.p.children.reconfigure({}, [], {"b": ModelRules(ttl_s=100)}, w.tick())[0])
+    for _ in range(4):
+        w.settle()
+    for i in range(4):
+        serve(w, "a", ("a", i))
+        serve(w, "b", ("b", i))
+        w.run(w.p.unload(("u", i), "b", w.tick()))
+        w.settle()
+    serve(w, "a", "x")
+    assert any(r.state.value == "loading" for r in w.p.state.models.values()
+               if r.group == "b"), {n: r.state.value for n, r in w.p.state.models.items()}
+
+
 # -------------------------------------------------------------------- a corral process
 
 
@@ -151,5 +277,8 @@ def test_a_corral_with_prefetch_loads_the_next_model_before_it_is_asked(corral) 
     assert 'corral_prefetches_total{outcome="used"} 1.0' in text, text
     assert "prefetch: load of coder after planner (asked next 3 of 3 times)" in c.log()
     status, plan, _ = request(c.port, "GET", "/models/plan?model=planner")
-    assert status == 200 and plan["prefetch"] == "coder (asked next 4 of 4 times)", plan
+    assert status == 200 and "prefetch" not in plan, "the coder is up: nothing to prefetch"
+    unload_coder()
+    status, plan, _ = request(c.port, "GET", "/models/plan?model=planner")
+    assert plan["prefetch"] == "coder, where it fits (asked next 4 of 4 times)", plan
     sse.close()

@@ -62,10 +62,10 @@ def shown(entry: dict[str, Any], rule: KeyRule | None,
     if rule is None or rule.admin:
         return entry
     out = {**entry, "status": {k: v for k, v in entry["status"].items() if k != "args"}}
-    evicted = entry.get("last_eviction")
-    if said is not None and evicted:
-        out["last_eviction"] = {k: said(v) if isinstance(v, str) and k != "model" else v
-                                for k, v in evicted.items()}
+    for field in ("last_eviction", "prefetched"):  # (who it went for; what came before)
+        if said is not None and (value := entry.get(field)):
+            out[field] = {k: said(v) if isinstance(v, str) and k != "model" else v
+                          for k, v in value.items()}
     return out
 
 

@@ -94,9 +94,8 @@ class Policy:
         """GET /models/plan: what `acquire` would do with one more request now, decided
         on a copy of this policy (plans.py)."""
         plan = plans.plan(self, model, now, key, autoload, kept, shown, affinity)
-        likely = self.prefetch.likely(plan.model) if self.prefetch.on else None
-        return plan if likely is None else msgspec.structs.replace(plan, prefetch=(
-            f"{likely[0]} (asked next {likely[1]} of {likely[2]} times)"))
+        after = self.prefetch.after(plan.model, shown)
+        return plan if after is None else msgspec.structs.replace(plan, prefetch=after)
 
     def running_count(self) -> int:
         return self.state.n_running
@@ -128,7 +127,6 @@ class Policy:
             self.moves.refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
             return self.moves.flush()
         rules, breaker = rec.rules, rec.breaker
-        self.prefetch.asked(key, rec.group, now)
         entry = self.state.queue.entry(model)
         over = tenants.over_quota(key, now) if counted else None
         # 2. A key over its rate or token budget is told when to come back; not queued.
@@ -165,6 +163,8 @@ class Policy:
         # 7. Otherwise it waits, at most queue_timeout_s, in its class's order.
         else:
             self._queue(ticket, model, rec, now, key, counted, cuttable, affinity)
+        if self.prefetch.on and (ticket in self.state.leases or ticket in self.state.queue):
+            self.prefetch.asked(key, rec.group, now)  # (served or waiting: not refused)
         return self.moves.flush()
 
     def _serve_now(self, ticket: Hashable, into: ModelRecord, now: float, key: str,
@@ -256,7 +256,7 @@ class Policy:
                 tokens: int = 0) -> None:
         name, generation, key = self.state.leases.pop(ticket)
         if self.prefetch.on and (rec := self.state.models.get(name)) is not None:
-            self.prefetch.ended(key, rec.alternate_of or rec.group)
+            self.prefetch.ended(key, rec.group)
         if self.state.cuts.of:
             self.state.cuts.forget(ticket)
         freed = False

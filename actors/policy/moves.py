@@ -317,6 +317,9 @@ class Moves:
         check_transition(rec.name, rec.state, new)
         state, old = self.state, rec.state
         state.memory.epoch += 1  # (a plan that waited is made again)
+        if state.prefetched and not (new.is_serving or new in (S.LOADING, S.WAKING)) \
+                and state.prefetched.pop(rec.name, None) is not None:
+            state.stats.prefetches["wasted"] += 1  # (prefetched, gone before it served)
         held = rec.holds_slot
         rec.draining = rec.draining and new is S.SUSPENDED
         rec.slotless = new is S.STOPPING and (old is S.SUSPENDED or rec.slotless)

@@ -14,13 +14,17 @@ wrong guess costs only room that was free.
 
 Each prefetch is a `prefetch` event with its odds; `GET /models` shows a prefetched
 child that has served nothing yet, and /metrics counts the prefetches used (a request
-came while it was up) and wasted (it went first).
+came while it was up) and wasted (it went first: counted as it goes, in
+`Moves.transition`). Never prefetched: copies of a model with replicas, remote models,
+a model with an exclusive rival up or with together partners, anything while corral
+shuts down.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection
 
 from ..lifecycle import ModelState
 from ..messages import Prefetched
@@ -48,16 +52,14 @@ class Prefetch:
         """Model A -> how often each model was asked next after an answer from A."""
         self.last: dict[str, tuple[str, float]] = {}
         """Asker -> the model of its last answer, and when that answer ended."""
-        self.up = state.prefetched
         self.pending: list[tuple[str, str]] = []
 
     def asked(self, asker: str, model: str, now: float) -> None:
         """A request for `model` (a model's own name, not a copy's) came from `asker`."""
         if not self.on:
             return
-        self.forget_gone()
-        if model in self.up:
-            del self.up[model]
+        for name in [n for n, e in self.state.prefetched.items() if e.model == model]:
+            del self.state.prefetched[name]  # (one that went first was counted: Moves)
             self.state.stats.prefetches["used"] += 1
         last = self.last.get(asker)
         if last is not None and now - last[1] <= FOLLOW_S:
@@ -79,18 +81,17 @@ class Prefetch:
         """Its likely next model is prefetched, if it fits as things are."""
         if self.last.get(asker, ("",))[0] == model:
             self.last[asker] = (model, now)  # (what follows counts from the answer's end)
-        self.forget_gone()
         likely = self.likely(model)
         if likely is None:
             return
         after, n, total = likely
-        rec = self.state.models.get(after)
+        rec = self.down(after)
         if rec is not None and self.fits(rec, now):
             event = Prefetched(model=after, after=model, odds=round(n / total, 3), seen=total,
                                action="wake" if rec.state is S.SUSPENDED else "load")
             log.info("prefetch: %s of %s after %s (asked next %d of %d times)",
                      event.action, after, model, n, total)
-            self.up[after] = event
+            self.state.prefetched[rec.name] = event
             self.state.stats.prefetches["loaded"] += 1
             self.state.out.append(Publish(event))
             self.state.warming.add(rec)
@@ -106,23 +107,35 @@ class Prefetch:
         (after, n), total = seen.most_common(1)[0], sum(seen.values())
         return None if after == model or n < SEEN or n / total < ODDS else (after, n, total)
 
+    def down(self, model: str) -> ModelRecord | None:
+        """The record a load of `model` would bring up, if it is down (a reload's
+        alternate, where it is the current one); None if it is up, or not there."""
+        rec = self.state.models.get(model)
+        if rec is None or rec.rules.replicas is not None or rec.rules.remote:
+            return None  # (copies and remote models: never prefetched)
+        rec = self.state.groups.target(rec)
+        return rec if rec is not None and rec.state in (S.UNLOADED, S.SUSPENDED) else None
+
+    def after(self, model: str, shown: Collection[str] | None) -> str | None:
+        """What an answer from `model` would prefetch as things are (GET /models/plan),
+        said only of a model the asker may see (`shown`, None: any)."""
+        likely = self.likely(model) if self.on else None
+        if likely is None or (shown is not None and likely[0] not in shown) \
+                or self.down(likely[0]) is None:
+            return None
+        return f"{likely[0]}, where it fits (asked next {likely[1]} of {likely[2]} times)"
+
     def fits(self, rec: ModelRecord, now: float) -> bool:
         """`rec` is down and may come up now where it fits, evicting nothing, with no
-        request waiting for anything."""
+        request waiting for anything, no exclusive rival up and no together partner."""
         state = self.state
-        if rec.state not in (S.UNLOADED, S.SUSPENDED) or rec.breaker.is_open(now) \
-                or rec.failed or rec.removed or rec.rules.remote or rec.rules.group \
+        if state.shutting_down or rec.breaker.is_open(now) or rec.failed or rec.removed \
                 or state.queue.entries or not state.has_capacity() \
-                or state.groups.of(rec)[0] is not rec:
+                or rec.group in state.teams.partners \
+                or self.rules.teams.has_rival_up(rec.group):
             return False
         if state.memory_on:
             plan = self.rules.up.plan(rec, [])
             return plan.verdict == "go" and not plan.evict and not plan.note
         return rec.rules.nodes is None  # (a node's slot: warm_up's way, not taken here)
 
-    def forget_gone(self) -> None:
-        """Prefetched children that went before they served: wasted."""
-        for name in [n for n in self.up if (r := self.state.models.get(n)) is None
-                     or not (r.state.is_serving or r.state in (S.LOADING, S.WAKING))]:
-            del self.up[name]
-            self.state.stats.prefetches["wasted"] += 1

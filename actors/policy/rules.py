@@ -1,9 +1,6 @@
 """The decisions every event ends in: the tick that picks LRU victims (R-4.5), the claims
 of queue heads (R-4.3, with the memory plan), and serving the waiters of a model with
-room. Each is made of the moves in moves.py; the events that call them are in core.py
-(requests, management, timers) and children.py (what children, measurements and reloads
-report).
-"""
+room, made of the moves in moves.py; core.py and children.py call them."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ log = logging.getLogger("corral.scheduler")
 S = ModelState
 WARM_RETRY_S = 0.5
 """A warm model that found no room is looked at again this long after, not at every
-event (a memory plan each time a request comes and goes would be paid by requests)."""
+event (a memory plan at each request's coming and going)."""
 
 
 class Rules:
@@ -134,11 +131,14 @@ class Rules:
             state.warming.add(rec)
             self.up.go(rec, plan, now)
 
-    def yield_warm(self, now: float) -> None:
-        """A request waits for a place: background loads of warm models give it up."""
-        for rec in list(self.state.warming):
-            if rec.state is S.LOADING and rec.group not in self.state.queue.entries:
-                self.moves.stop(rec, "warm", None, now, why="a request needs its place")
+    def yield_warm(self, now: float) -> bool:
+        """A request waits for a place: background loads (warm models', prefetches) give
+        it up; whether any did."""
+        given = [r for r in self.state.warming
+                 if r.state is S.LOADING and r.group not in self.state.queue.entries]
+        for rec in given:
+            self.moves.stop(rec, "warm", None, now, why="a request needs its place")
+        return bool(given)
 
     def relieve_host(self, now: float) -> None:
         """Less host RAM than host_memory_margin_mib is available: stop suspended models,
@@ -172,6 +172,8 @@ class Rules:
                 + self.state.n_suspending)
         if free >= len(self.state.queue.entries):
             return
+        if self.state.warming and self.yield_warm(now):  # (before any LRU victim goes)
+            return self.tick(now)
         state = self.state
         pinned_out = state.n_running > 0 and state.n_running_pinned == state.n_running \
             and self.state.n_stopping == 0 and self.state.n_suspending == 0
@@ -274,6 +276,7 @@ class Rules:
         busy = self.moves.loading_devices(rec) if state.memory_on else set()
         if busy and not state.memory.candidates(rec) \
                 and not busy.isdisjoint(state.memory.devices_of(rec)):
+            self.yield_warm(now)  # (a background load on that device gives it up)
             return "wait"
         # 6. With memory accounting, the plan decides: evict, measure first, wait or refuse.
         plan = None

@@ -103,7 +103,8 @@ class State:
         self.n_running_pinned = 0
         self.n_suspending = 0
         self.prefetched: dict[str, Prefetched] = {}
-        """Model -> its prefetch (prefetch.py), while its child has served nothing yet."""
+        """The record a prefetch (prefetch.py) brought up -> the prefetch, while its child
+        is up and has served nothing: asked, it is used; gone first, wasted."""
         self.n_suspended = 0
         """The suspended and suspending children (suspended_max)."""
         self.warm: list[str] = []

@@ -62,7 +62,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             phase=child.state.value if child.state.value != child.state.shown else None,
             host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
             swap_times=child.times if child.rules.suspend else None,
-            prefetched=p.prefetched.get(rec.name),
+            prefetched=p.prefetched.get(child.name),
             replicas=[replica_view(r) for r in every  # (an alternate while it has a child)
                       if r in copies or r.state is not S.UNLOADED]
             if copies is not None else None))
