@@ -281,15 +281,19 @@ async def llama_side_by_side(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _counts(v: str) -> list[int]:
+    """A comma-separated list of counts; 0 leaves its cases out."""
+    return [n for n in map(int, v.split(",")) if n > 0]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=600, help="small requests per round")
-    ap.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")],
-                    default=[1, 16, 64])
-    ap.add_argument("--streams", type=lambda v: [int(x) for x in v.split(",")],
-                    default=[1, 64, 256])
+    ap.add_argument("--concurrency", type=_counts, default=[1, 16, 64])
+    ap.add_argument("--streams", type=_counts, default=[1, 64, 256],
+                    help="streams at once, one case each (0: no stream case)")
     ap.add_argument("--tokens-per-s", type=float, default=30.0, help="per stream")
     ap.add_argument("--stream-seconds", type=float, default=4.0)
     ap.add_argument("--llama-server", metavar="BIN")
