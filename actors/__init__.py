@@ -28,6 +28,8 @@ The folders, from the top down (each opens with a design note):
     instance/      one model's child: the ModelInstance actor and its parts
     runtime/       what the actors run on: the loop, timers, the bridge, state files
     downloads/     POST /models: the download jobs and their child program
+    journal/       GET /requests: every request's record, in memory and SQLite
+    batches/       POST /v1/batches: OpenAI's Files and Batch APIs, run below every class
     http/          the edge: the fronts, the proxy, the management API
     cluster/       Ray nodes: the head and the agents
     fake_model/    the demo child (run as `python -m actors.fake_model`)

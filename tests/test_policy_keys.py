@@ -427,3 +427,26 @@ def test_a_carry_survives_a_restart() -> None:
     over = after.over_quota("k", 1000.0)
     assert over is not None  # charged at 985 here: paid for by 985 + 300
     assert over.retry_after_s == pytest.approx(985.0 + 300 - 1000.0)
+
+
+def test_a_batch_line_waits_below_every_class_however_long_it_waited() -> None:
+    """`batch:KEY` (a batch's lines, issue 44) ranks below every class with aging on, and
+    its entry claims no slot while another class's entry waits for one."""
+    w = World({"low": Tenant(name="low", level=-5)}, models="abc", models_max=1,
+              aging_s=1.0, max_concurrency=1)
+    w.serving("a")
+    w.acquire("busy", "a", "low", at=0.0)
+    w.acquire("line", "a", "batch:low", at=0.0)
+    w.acquire("late", "a", "", at=10_000.0)
+    w.release("busy", at=10_001.0)
+    assert w.order == ["busy", "late"], "the interactive request, come 10,000 s later"
+    assert w.p.state.tenants.of("batch:low").max_concurrency == 0
+    # b's batch line came first; c's request is of a class: c's entry claims the slot
+    w.acquire("b-line", "b", "batch:", at=10_002.0)
+    w.acquire("c-ask", "c", "", at=10_003.0)
+    w.release("late", at=10_004.0)
+    w.release("line", at=10_005.0)
+    models = w.p.state.models
+    assert models["a"].state.value == "stopping"
+    assert [why for _, why in models["c"].room] == ["stop a"] and not models["b"].room, \
+        "a stops for c, not for b's line"

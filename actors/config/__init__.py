@@ -19,6 +19,7 @@ key with its default and meaning, and the checks their types cannot express.
 | `${NAME}` and `${env.NAME}` in every string            | `expand`                 | macros.py    |
 | `[ollama]`: Ollama's API on or off                     | `OllamaConfig`           | ollama.py    |
 | `[journal]`: what is kept of every request             | `JournalConfig`          | journal.py   |
+| `[batches]`: the Files and Batch APIs' bounds          | `BatchesConfig`          | batches.py   |
 | `[metrics]`: children's own metrics beside corral's    | `MetricsConfig`          | metrics.py   |
 | `[tracing]`: OpenTelemetry traces over OTLP/HTTP       | `TracingConfig`          | tracing.py   |
 | `[downloads]`: where and how much                      | `DownloadsConfig`        | downloads.py |

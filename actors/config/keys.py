@@ -22,6 +22,11 @@ from .model import Config, KeyConfig
 API_KEY_NAME = "api_key"
 """The name the single top-level `api_key` goes by (an admin key)."""
 DEFAULT_CLASS = "default"
+BATCH = "batch:"
+"""A batch's lines ask as `batch:OWNER` (OWNER: the key that made it, "" none): a name no
+key may have (load.py), whose class is BATCH_LEVEL (policy/tenants.py)."""
+BATCH_LEVEL = -(1 << 40)
+"""The batch class: below every class however long its lines wait (priority_aging_s)."""
 PLANS_PER_MIN = 120
 """A key without admin that sets no plans_per_min: two a second, as a dashboard polls."""
 CHARGE_PARTS = 10
@@ -81,6 +86,10 @@ class Keys(msgspec.Struct, frozen=True):
                 found = rule
         return found
 
+    def named(self, name: str) -> KeyRule | None:
+        """The key called `name` (corral's own lookup, never a caller's secret)."""
+        return next((r for r in self.rules if r.name == name), None)
+
     @classmethod
     def of(cls, config: Config) -> Keys | None:
         """The keys of `config`; None when it has none (then corral is open: R5)."""
@@ -116,6 +125,12 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrency: int = 0
     requests_per_min: int = 0
     tokens_per_min: int = 0
+
+
+def batch_tenant(owner: Tenant, name: str) -> Tenant:
+    """The class of a batch's lines (`name`: BATCH + the owner's): the owner's limits,
+    counted apart, below every class."""
+    return msgspec.structs.replace(owner, name=name, level=BATCH_LEVEL, priority="batch")
 
 
 def tenants_of(config: Config) -> dict[str, Tenant]:

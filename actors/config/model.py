@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from .adapters import Adapting, api_of, extra_args
+from .batches import BatchesConfig
 from .cluster import ClusterConfig
 from .devices import DeviceConfig
 from .downloads import DownloadsConfig
@@ -293,12 +294,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     account_host: bool = False
     """Count host memory too (otherwise it is unlimited)."""
     host_memory_margin_mib: Annotated[float, Meta(ge=0)] = 2048.0
-    """Host RAM kept available beside suspended models' host copies: a suspend that would
-    leave less stops the model instead, and while less is available, LRU ones stop."""
+    """Host RAM kept beside suspended models' copies: a suspend short of it stops instead."""
     suspended_max: Annotated[int, Meta(ge=0)] = 0
     """Most suspended models at once (0: as many as host memory allows)."""
     prompt_cache_max_mib: Annotated[float, Meta(ge=0)] = 4096.0
-    """Most disk the saved prompt caches take (STATE_DIR/prompt-cache); oldest go first."""
+    """Most disk the saved prompt caches take (STATE_DIR/prompt-cache): oldest go first."""
     measure_timeout_s: PositiveSeconds = 300.0
     device_poll_s: PositiveSeconds = 2.0
     """How often the DeviceMonitor samples the devices."""
@@ -315,9 +315,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     downloads: DownloadsConfig = DownloadsConfig()
     ollama: OllamaConfig = OllamaConfig()
     send_loading_state: bool | Literal["reasoning"] = False
-    """A waiting streamed chat is told why, as SSE comments or ("reasoning") as
-    `reasoning_content` deltas, llama-swap's way (http/loading.py)."""
+    """A waiting streamed chat is told why: SSE comments or reasoning (http/loading.py)."""
     journal: JournalConfig = JournalConfig()
+    batches: BatchesConfig = BatchesConfig()
     metrics: MetricsConfig = MetricsConfig()
     tracing: TracingConfig = TracingConfig()
     hook_timeout_s: PositiveSeconds = 30.0

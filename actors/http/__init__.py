@@ -21,6 +21,7 @@ then streamed to and from the child; everything else goes to the management API.
 | a WebSocket: two connections relayed, in limits    | `Tunnel`, `Frames`       | tunnel.py     |
 | a request's id and its journal record, as it goes  | `Trace`, `record`        | journaling.py |
 | the journal's endpoints: GET /requests, cancel     | `RequestsApi`, `parse`   | requests_api.py |
+| OpenAI's Files and Batch APIs (batches/ runs them) | `BatchesApi`             | batches_api.py |
 | cluster nodes: GET /nodes, drain, undrain         | `NodesApi`               | nodes_api.py    |
 | what is queued and running now; its cancel        | `Live`, `Running`        | inflight.py   |
 | what an exchange may use of its front              | `Services`               | services.py   |
@@ -63,7 +64,7 @@ then streamed to and from the child; everything else goes to the management API.
 | the CLI's management commands                      | `run`, `COMMANDS`        | client.py     |
 
 What may be imported here: everything below it (the top of `actors/`, `config/`,
-`runtime/`, `downloads/`, `journal/`), and of the policy only what a key's plan needs
+`runtime/`, `downloads/`, `journal/`, `batches/`), and of the policy only what a key's plan needs
 (tenancy.py); nothing imports this folder but the `corral` command.
 
 Conventions that cross files:

@@ -38,6 +38,7 @@ from ..messages import (
 from ..runtime.bridge import LoopReply
 from ..supervisor import Supervisor
 from . import allowance, dashboard, listing, scrape, tenancy
+from .batches_api import BatchesApi
 from .callers import check_key
 from .cards import Cards
 from .control import FrontCounts
@@ -100,7 +101,9 @@ class ManagementApi(ModelCommands):
         self.ollama = OllamaApi(self)
         self.nodes = NodesApi(self.sup, self._ask, config.state_path())
         self.front_at = ("127.0.0.1", 0)
-        """Where corral's own front listens (Ollama's calls are made of requests to it)."""
+        """Where corral's own front listens (Ollama's and batches' calls go to it)."""
+        self.batches = BatchesApi(config.batches, config.state_path(), self.front_url,
+                                  self.front_secret, self._ask)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -128,6 +131,7 @@ class ManagementApi(ModelCommands):
         StreamApi(self.kept).routes(app)
         RequestsApi(self.journal, lambda: self.fronts).routes(app)
         self.nodes.routes(app)
+        self.batches.routes(app)
         if self.config.ollama.enabled:
             self.ollama.routes(app)
         planning = asyncio.Lock()
@@ -161,6 +165,7 @@ class ManagementApi(ModelCommands):
         await self.nodes.restore()  # (before a request could load on a drained node)
         port = await self.fronts.listen(host, port)
         self.front_at = (host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
+        await self.batches.start()
         return port
 
     def front_url(self) -> str:
@@ -173,6 +178,7 @@ class ManagementApi(ModelCommands):
         http.drain_timeout_s, then close the rest; downloads under way are cancelled."""
         if self.downloads is not None:
             self.downloads.stop()
+        await self.batches.stop()
         self.streams.end()
         self.kept.close()
         if self.fronts is not None:

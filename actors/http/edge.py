@@ -32,15 +32,17 @@ HOP_BY_HOP = frozenset({
 REFRAMED = HOP_BY_HOP | {b"content-length"}
 """Never passed on, in either direction: corral frames every message it relays itself
 (its own length, chunks, or the close)."""
-NOT_FORWARDED = REFRAMED | {b"authorization", b"x-api-key", b"host", b"expect"}
-"""Not sent to a child: the key stays with corral (R-6.2), Host and Expect are ours."""
+NOT_FORWARDED = REFRAMED | {b"authorization", b"x-api-key", b"host", b"expect",
+                            b"x-corral-batch"}
+"""Not sent to a child: the key stays with corral (R-6.2), Host, Expect and the batch
+runner's secret (request.py) are ours."""
 NOT_KEPT = NOT_FORWARDED | {b"x-conversation-id"}
 """Not sent to a child when corral keeps the answer (resumable.py): a llama-server child
 would keep it too, and would not stop its work when corral does."""
 FRONT_HEADER = b"x-corral-front"
 """Carries the front's secret to the management API, which serves no one else (its own
 port is on loopback, where a web page could find it: R5 applies there too)."""
-TO_API_DROPPED = REFRAMED | {b"host", b"expect", FRONT_HEADER}
+TO_API_DROPPED = REFRAMED | {b"host", b"expect", FRONT_HEADER, b"x-corral-batch"}
 """Not sent to the management API (it checks the key again itself)."""
 
 PROXIED_POST = frozenset({

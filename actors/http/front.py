@@ -98,6 +98,8 @@ class Front:
         self.api_address = ("127.0.0.1", api_port, API_TAG)
         self.to_api: tuple[bytes, ...] = (FRONT_HEADER + b": " + api_secret.encode(),)
         """What the front adds to every request it passes to the management API."""
+        self.batch_secret = api_secret.encode()
+        """What corral's batch runner shows in X-Corral-Batch (request.py)."""
         self.keeper: Keeper = keeper or Resumables(http.resumable_max_mib,
                                                    http.resumable_ttl_s)
         """Where resumable answers are kept: corral's one registry (a worker's goes over

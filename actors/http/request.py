@@ -9,11 +9,13 @@ the key and the body cap are checked from the headers, before the body is read a
 
 from __future__ import annotations
 
+import hmac
 from typing import Protocol
 
 import httptools
+import msgspec
 
-from ..config.keys import KeyRule, Keys
+from ..config.keys import BATCH, KeyRule, Keys
 from ..config.model import HttpConfig
 from .callers import Origins, key_of
 from .edge import OPEN_PATHS, Answer
@@ -26,7 +28,7 @@ TOO_LONG = 1 << 62
 """The Content-Length of a request that gives one of more than 18 digits."""
 _OPEN = frozenset(p.encode() for p in OPEN_PATHS)
 _HEALTH = frozenset({b"/health", b"/v1/health"})
-_IDS = frozenset({b"x-conversation-id", b"x-request-id", b"traceparent"})
+_IDS = frozenset({b"x-conversation-id", b"x-request-id", b"traceparent", b"x-corral-batch"})
 
 
 class Limits:
@@ -103,6 +105,8 @@ class Gate(Protocol):
 
     origins: Origins | None
     """Without keys: the Hosts and Origins a request may come from (R5)."""
+    batch_secret: bytes
+    """What corral's batch runner shows in X-Corral-Batch (b"": nothing may)."""
 
     @property
     def keys(self) -> Keys | None: ...
@@ -160,7 +164,7 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
     if host is None and not req.http10:
         return Answer(400, "HTTP/1.1 request without a Host header")
     _take_id(req, ids, limits.sessions)  # (first: a refusal of its caller names it too)
-    refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key)
+    refused = _check_caller(req, gate, host, origin, fetch_site, bearer, api_key, ids)
     if refused is not None:
         return refused
     if ids and (refused := _check_ids(req, ids, limits.resumable)) is not None:
@@ -171,9 +175,11 @@ def screen(req: Request, limits: Limits, gate: Gate, upgrade: bool) -> Answer | 
 
 
 def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | None,
-                  fetch_site: bytes | None, bearer: list[bytes],
-                  api_key: list[bytes]) -> Answer | None:
+                  fetch_site: bytes | None, bearer: list[bytes], api_key: list[bytes],
+                  ids: list[tuple[bytes, bytes]]) -> Answer | None:
     """Who may send `req` (R5): the refusal, or None with its key set as `req.key`."""
+    if (batch := next((v for n, v in ids if n == b"x-corral-batch"), None)) is not None:
+        return _batch_caller(req, gate, batch)
     path = req.url.partition(b"?")[0]
     keys = gate.keys
     if keys is None and gate.origins is not None and path not in _HEALTH:
@@ -184,6 +190,24 @@ def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | 
     if isinstance(who, Answer):
         return who
     req.key = who
+    return None
+
+
+def _batch_caller(req: Request, gate: Gate, batch: bytes) -> Answer | None:
+    """A batch's line (actors/batches/): `X-Corral-Batch: SECRET OWNER`, where only
+    corral's runner knows SECRET; it asks as `batch:OWNER` (the key that made the batch,
+    "" none), below every class, with that key's models and none of its admin."""
+    secret, _, owner = batch.partition(b" ")
+    if not gate.batch_secret or not hmac.compare_digest(secret, gate.batch_secret):
+        return Answer(403, "X-Corral-Batch is corral's own header (its batch runner's); "
+                      "a client sends none")
+    name = owner.decode("latin-1")
+    keys = gate.keys
+    base = None if keys is None else keys.named(name)
+    if keys is not None and base is None:
+        return Answer(403, f"the key '{name}' that made this batch is gone (a reload)")
+    req.key = KeyRule(name=BATCH + name, digest=b"", shares=False) if base is None else \
+        msgspec.structs.replace(base, name=BATCH + name, admin=False, shares=False)
     return None
 
 

@@ -36,6 +36,8 @@ def may_call(rule: KeyRule | None, request: web.Request) -> bool:
             request.method == "POST" and request.path.startswith("/requests/")
             and request.path.endswith("/cancel")):
         return True  # (its own resumable streams, its own requests and their records)
+    if request.path.startswith(("/v1/files", "/v1/batches")):
+        return True  # (its own files and batches: batches_api.py)
     return (request.method in ("GET", "HEAD") and "reload" not in request.query
             and (request.path in MEMBER_GETS or request.path.startswith("/v1/models/")))
 

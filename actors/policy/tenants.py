@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..config.keys import Tenant
+from ..config.keys import BATCH, Tenant, batch_tenant
 
 log = logging.getLogger("corral.scheduler")
 
@@ -140,7 +140,12 @@ class Tenants:
     def of(self, key: str) -> Tenant:
         """A key's rules; one that is not known any more (removed by a reload while its
         request was on its way) gets those of a request with no key."""
-        return self.rules.get(key) or self.rules.get("") or Tenant(name="")
+        if (rule := self.rules.get(key)) is not None:
+            return rule
+        if key.startswith(BATCH):  # a batch's lines: its owner's, below every class
+            rule = self.rules[key] = batch_tenant(self.of(key.removeprefix(BATCH)), key)
+            return rule
+        return self.rules.get("") or Tenant(name="")
 
     def _usage(self, key: str) -> Usage:
         usage = self.usage.get(key)

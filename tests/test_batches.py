@@ -1,0 +1,236 @@
+"""The Files and Batch APIs (issue 44, part 1), through the official openai SDK and
+raw HTTP: a batch's lines run below every class, grouped by model; their answers land
+in an output file, their failures in an error file; a restart goes on where it was."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.helpers import ROOT, Corral, fake_cmd, key_files, request, toml_config, wait_until
+
+ADMIN = "ops-secret"
+
+
+def batch_input(lines: list[tuple[str, str]], url: str = "/v1/chat/completions") -> bytes:
+    """A batch's JSONL: one chat per (custom_id, model)."""
+    return b"".join(json.dumps({
+        "custom_id": cid, "method": "POST", "url": url,
+        "body": {"model": model, "max_tokens": 3,
+                 "messages": [{"role": "user", "content": cid}]}}).encode() + b"\n"
+        for cid, model in lines)
+
+
+def client(c: Corral, key: str = ADMIN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.url}/v1", api_key=key, max_retries=0)
+
+
+def finished(oa: openai.OpenAI, batch_id: str, timeout_s: float = 60) -> Any:
+    return wait_until(lambda: (b := oa.batches.retrieve(batch_id)).status in (
+        "completed", "failed", "expired", "cancelled") and b, timeout_s,
+        f"batch {batch_id} to finish")
+
+
+def results(oa: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in oa.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corral]:
+    home = tmp_path_factory.mktemp("batches")
+    keys = key_files(home, "alice", "bob", "ops")
+    c = Corral(toml_config(
+        {"a": {"cmd": fake_cmd()}, "b": {"cmd": fake_cmd()}, "c": {"cmd": fake_cmd()}},
+        models_max=2, batches={"lines_at_once": 3},
+        keys={"alice": {"key_file": keys["alice"], "models": ["a", "b"]},
+              "bob": {"key_file": keys["bob"]},
+              "ops": {"key_file": keys["ops"], "admin": True}}), home=home)
+    c.key = ADMIN
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_a_batch_through_the_openai_sdk_answers_every_line_once(served: Corral) -> None:
+    oa = client(served, "alice-secret")
+    lines = [(f"r{i}", "ab"[i % 2]) for i in range(10)]
+    f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(lines))), purpose="batch")
+    assert f.purpose == "batch" and f.bytes > 0
+    b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                          completion_window="24h", metadata={"job": "nightly"})
+    assert b.status in ("validating", "in_progress") and b.metadata == {"job": "nightly"}
+    done = finished(oa, b.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == 10 and done.request_counts.completed == 10
+    assert done.request_counts.failed == 0 and done.error_file_id is None
+    out = results(oa, done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(cid for cid, _ in lines)
+    for r in out:
+        assert r["response"]["status_code"] == 200 and r["error"] is None
+        assert r["response"]["body"]["choices"], r
+        assert r["response"]["request_id"]
+    # each line's record is in the journal, asked as the batch class of its key
+    status, body, _ = request(served.port, "GET", f"/requests/{out[0]['response']['request_id']}",
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+    assert status == 200 and body["data"][0]["key"] == "batch:alice", body
+
+
+def test_lines_group_by_model_so_one_load_serves_them(served: Corral) -> None:
+    """Interleaved lines for a and c run model by model: the journal shows all of one
+    model's lines before the next model's."""
+    oa = client(served)
+    lines = [(f"g{i}", "ac"[i % 2]) for i in range(12)]
+    f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(lines))), purpose="batch")
+    done = finished(oa, oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h").id)
+    assert done.status == "completed" and done.request_counts.completed == 12
+    status, body, _ = request(served.port, "GET", "/requests?key=batch:ops&limit=12",
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+    assert status == 200, body
+    order = [r["model"] for r in reversed(body["data"])]
+    assert len(order) == 12
+    switches = sum(1 for x, y in zip(order, order[1:], strict=False) if x != y)
+    assert switches == 1, order
+
+
+def test_an_input_at_fault_fails_the_batch_naming_each_line(served: Corral) -> None:
+    oa = client(served)
+    data = (batch_input([("x", "a")]) + b"not json\n"
+            + batch_input([("x", "a")]) + batch_input([("y", "a")], url="/v1/embeddings"))
+    f = oa.files.create(file=("bad.jsonl", io.BytesIO(data)), purpose="batch")
+    b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                          completion_window="24h")
+    assert b.status == "failed"
+    assert b.errors is not None
+    faults = {(e.line, e.code) for e in b.errors.data}
+    assert faults == {(2, "invalid_json_line"), (3, "duplicate_custom_id"),
+                      (4, "mismatched_endpoint")}, b.errors
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                          completion_window="1h")  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        oa.batches.create(input_file_id="file-000000000000000000000000",
+                          endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        oa.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+
+
+def test_a_key_sees_its_own_and_a_line_it_may_not_send_fails_alone(served: Corral) -> None:
+    alice, bob = client(served, "alice-secret"), client(served, "bob-secret")
+    f = alice.files.create(file=("in.jsonl", io.BytesIO(batch_input(
+        [("ok", "a"), ("no", "c")]))), purpose="batch")
+    with pytest.raises(openai.NotFoundError):
+        bob.files.retrieve(f.id)
+    done = finished(alice, alice.batches.create(input_file_id=f.id,
+                                                endpoint="/v1/chat/completions",
+                                                completion_window="24h").id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    errors = results(alice, done.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["no"]
+    assert errors[0]["response"]["status_code"] == 403
+    assert "may not use model 'c'" in json.dumps(errors[0]["response"]["body"])
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.retrieve(done.id)
+    assert done.id not in {b.id for b in bob.batches.list()}
+    assert done.id in {b.id for b in client(served).batches.list(limit=100)}
+
+
+def test_no_client_may_send_as_the_batch_runner(served: Corral) -> None:
+    for value in ("guess alice", "", "x"):
+        status, body, _ = request(served.port, "POST", "/v1/chat/completions",
+                                  {"model": "a", "messages": []},
+                                  headers={"Authorization": "Bearer bob-secret",
+                                           "X-Corral-Batch": value})
+        assert status == 403 and "X-Corral-Batch" in body["error"]["message"], body
+
+
+def test_cancel_ends_a_batch_and_keeps_what_was_answered(tmp_path: Path) -> None:
+    with Corral(toml_config({"slow": {"cmd": fake_cmd("--tokens-per-s", "4")}},
+                            batches={"lines_at_once": 1}), home=tmp_path) as c:
+        oa = client(c, "none")
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(
+            [(f"s{i}", "slow") for i in range(20)]))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        wait_until(lambda: oa.batches.retrieve(b.id).request_counts.completed >= 1, 30,
+                   "a line answered")
+        cancelling = oa.batches.cancel(b.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        done = finished(oa, b.id)
+        assert done.status == "cancelled" and done.cancelled_at is not None
+        out = results(oa, done.output_file_id)
+        assert 1 <= len(out) < 20 and len(out) == done.request_counts.completed
+
+
+def test_a_restart_goes_on_where_the_batch_was(tmp_path: Path) -> None:
+    """Lines answered before a stop are not sent again; the rest are, after it."""
+    config = toml_config({"slow": {"cmd": fake_cmd("--tokens-per-s", "6")}},
+                         batches={"lines_at_once": 2}, state_dir=str(tmp_path / "state"))
+    c = Corral(config, home=tmp_path)
+    try:
+        oa = client(c, "none")
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(
+            [(f"t{i}", "slow") for i in range(12)]))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        wait_until(lambda: oa.batches.retrieve(b.id).request_counts.completed >= 3, 30,
+                   "three lines answered")
+    finally:
+        c.stop()
+    kept = (tmp_path / "state" / "batches" / f"{b.id}.out.jsonl").read_text().splitlines()
+    before = {json.loads(line)["custom_id"] for line in kept}
+    assert 3 <= len(before) < 12
+    with Corral(config, home=tmp_path) as again:
+        oa = client(again, "none")
+        done = finished(oa, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 12
+        ids = [r["custom_id"] for r in results(oa, done.output_file_id)]
+        assert sorted(ids) == sorted(f"t{i}" for i in range(12)), ids
+        assert "goes on: " in again.log()
+
+
+def test_every_batches_key_through_corral_serve(tmp_path: Path) -> None:
+    """keep_days prunes at start, max_file_mib and max_lines refuse, enabled = false
+    answers 404 naming itself; a bad value is refused naming its key."""
+    state = tmp_path / "state"
+    old = state / "batches"
+    (old / "files").mkdir(parents=True)
+    (old / "batch_old.json").write_text(json.dumps({
+        "id": "batch_old", "endpoint": "/v1/chat/completions", "input_file_id": "file-x",
+        "created_at": int(time.time()) - 3 * 86400, "status": "completed"}))
+    with Corral(toml_config({"a": {"cmd": fake_cmd()}}, state_dir=str(state), batches={
+            "keep_days": 1, "max_file_mib": 0.001, "max_lines": 2}), home=tmp_path) as c:
+        assert not (old / "batch_old.json").exists()
+        oa = client(c, "none")
+        with pytest.raises(openai.APIStatusError, match="batches.max_file_mib") as e:
+            oa.files.create(file=("big.jsonl", io.BytesIO(b"x" * 2000)), purpose="batch")
+        assert e.value.status_code == 413
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(
+            [("1", "a"), ("2", "a"), ("3", "a")]))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        assert b.status == "failed" and b.errors is not None
+        assert "batches.max_lines" in b.errors.data[0].message
+    (tmp_path / "off").mkdir()
+    with Corral(toml_config({"a": {"cmd": fake_cmd()}}, batches={"enabled": False}),
+                home=tmp_path / "off") as c:
+        status, body, _ = request(c.port, "GET", "/v1/batches")
+        assert status == 404 and "[batches] enabled = false" in body["error"]["message"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(toml_config({"a": {"cmd": fake_cmd()}}, batches={"lines_at_once": 0}))
+    run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "check-config",
+                          str(bad)], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "lines_at_once" in run.stdout + run.stderr, run
