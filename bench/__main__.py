@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from bench import (
+    batches,
     ceiling,
     chaos,
     cluster,
@@ -36,7 +37,7 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
             "tenants": tenants.main, "prompt-cache": prompt_cache.main,
             "replicas": replicas.main, "uploads": uploads.main, "journal": journal.main,
-            "streams": streams.main, "prefetch": prefetch.main}
+            "streams": streams.main, "prefetch": prefetch.main, "batches": batches.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -70,6 +71,8 @@ SUMMARY = {
                "(+5 ms), with http.workers 1 and 2",
     "prefetch": "an agent alternating two models: the second one's first byte with "
                 "prefetch on against off, and the guesses wasted",
+    "batches": "a 1,000-line batch over 3 models beside an interactive client: its p99 "
+               "alone and beside, and the batch's loads per model",
 }
 
 

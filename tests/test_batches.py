@@ -5,7 +5,9 @@ in an output file, their failures in an error file; a restart goes on where it w
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 
 from tests.helpers import ROOT, Corral, fake_cmd, key_files, request, toml_config, wait_until
@@ -101,7 +104,7 @@ def test_lines_group_by_model_so_one_load_serves_them(served: Corral) -> None:
     assert status == 200, body
     order = [r["model"] for r in reversed(body["data"])]
     assert len(order) == 12
-    switches = sum(1 for x, y in zip(order, order[1:], strict=False) if x != y)
+    switches = sum(1 for x, y in itertools.pairwise(order) if x != y)
     assert switches == 1, order
 
 
@@ -144,6 +147,14 @@ def test_a_key_sees_its_own_and_a_line_it_may_not_send_fails_alone(served: Corra
     assert "may not use model 'c'" in json.dumps(errors[0]["response"]["body"])
     with pytest.raises(openai.NotFoundError):
         bob.batches.retrieve(done.id)
+    # its lines are in the journal, for it (not for bob)
+    status, body, _ = request(served.port, "GET", "/requests?key=batch:alice",
+                              headers={"Authorization": "Bearer alice-secret"})
+    assert status == 200 and "a" in {r.get("model") for r in body["data"]}, body
+    assert "key 'batch:alice' may not use model 'c'" in {r.get("error") for r in body["data"]}
+    status, body, _ = request(served.port, "GET", "/requests?key=batch:alice",
+                              headers={"Authorization": "Bearer bob-secret"})
+    assert status == 403, body
     assert done.id not in {b.id for b in bob.batches.list()}
     assert done.id in {b.id for b in client(served).batches.list(limit=100)}
 
@@ -215,7 +226,7 @@ def test_every_batches_key_through_corral_serve(tmp_path: Path) -> None:
             "keep_days": 1, "max_file_mib": 0.001, "max_lines": 2}), home=tmp_path) as c:
         assert not (old / "batch_old.json").exists()
         oa = client(c, "none")
-        with pytest.raises(openai.APIStatusError, match="batches.max_file_mib") as e:
+        with pytest.raises(openai.APIStatusError, match=r"batches\.max_file_mib") as e:
             oa.files.create(file=("big.jsonl", io.BytesIO(b"x" * 2000)), purpose="batch")
         assert e.value.status_code == 413
         f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(
@@ -234,3 +245,110 @@ def test_every_batches_key_through_corral_serve(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "check-config",
                           str(bad)], capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "lines_at_once" in run.stdout + run.stderr, run
+
+
+BAD = [sys.executable, "-c", "import sys; sys.exit(3)"]
+"""A child that fails to load, every time."""
+
+
+def test_a_model_that_never_loads_rests_its_lines_while_the_others_run(
+        tmp_path: Path) -> None:
+    """corral's own 503 for a line's model, again and again: its lines rest while the
+    batch's other lines and later batches run; at expiry they go to the error file."""
+    config = toml_config({"bad": {"cmd": BAD}, "good": {"cmd": fake_cmd()}},
+                         state_dir=str(tmp_path / "state"), batches={"lines_at_once": 1})
+    with Corral(config, home=tmp_path) as c:
+        oa = client(c, "none")
+        fa = oa.files.create(file=("a.jsonl", io.BytesIO(batch_input(
+            [("x", "bad"), ("y", "good")]))), purpose="batch")
+        a = oa.batches.create(input_file_id=fa.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        fb = oa.files.create(file=("b.jsonl", io.BytesIO(batch_input([("z", "good")]))),
+                             purpose="batch")
+        b = oa.batches.create(input_file_id=fb.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        wait_until(lambda: oa.batches.retrieve(a.id).request_counts.completed == 1, 60,
+                   "y answered while x's model rests")
+        assert finished(oa, b.id).status == "completed", "a later batch is not held up"
+        assert oa.batches.retrieve(a.id).status == "in_progress"
+        wait_until(lambda: "its lines rest" in c.log(), 30, "the rest in the log")
+    path = tmp_path / "state" / "batches" / f"{a.id}.json"
+    saved = json.loads(path.read_text())
+    saved["expires_at"] = int(time.time()) - 1  # (24 h, passed)
+    path.write_text(json.dumps(saved))
+    with Corral(config, home=tmp_path) as c:
+        oa = client(c, "none")
+        done = finished(oa, a.id)
+        assert done.status == "expired" and done.expired_at is not None
+        assert [r["custom_id"] for r in results(oa, done.output_file_id)] == ["y"]
+        errors = results(oa, done.error_file_id)
+        assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+            ("x", "batch_expired")], errors
+
+
+def test_a_result_cut_short_by_a_crash_is_cut_off_and_its_line_sent_again(
+        tmp_path: Path) -> None:
+    config = toml_config({"slow": {"cmd": fake_cmd("--tokens-per-s", "6")}},
+                         batches={"lines_at_once": 1}, state_dir=str(tmp_path / "state"))
+    with Corral(config, home=tmp_path) as c:
+        oa = client(c, "none")
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(
+            [(f"t{i}", "slow") for i in range(6)]))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        wait_until(lambda: oa.batches.retrieve(b.id).request_counts.completed >= 2, 30)
+    out = tmp_path / "state" / "batches" / f"{b.id}.out.jsonl"
+    with out.open("ab") as half:  # what a kill or a full disk leaves in a write
+        half.write(b'{"id": "batch_req_0", "custom_id": "t')
+    with Corral(config, home=tmp_path) as again:
+        oa = client(again, "none")
+        done = finished(oa, b.id)
+        lines = oa.files.content(done.output_file_id).text.splitlines()
+        ids = sorted(json.loads(line)["custom_id"] for line in lines)
+        assert ids == [f"t{i}" for i in range(6)] and done.request_counts.completed == 6
+
+
+def test_an_upload_cut_short_is_a_400_and_leaves_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    (state / "batches" / "files").mkdir(parents=True)
+    (state / "batches" / "files" / "left.part").write_bytes(b"a crash's")
+    with Corral(toml_config({"a": {"cmd": fake_cmd()}}, state_dir=str(state)),
+                home=tmp_path) as c:
+        files = state / "batches" / "files"
+        assert not (files / "left.part").exists(), "what a crash left goes at start"
+        body = (b"--XX\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                b"--XX\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n"
+                b"\r\n" + b"x" * 300_000)  # (no closing boundary)
+        with socket.create_connection(("127.0.0.1", c.port)) as s:
+            s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: multipart/form-data; boundary=XX\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            s.settimeout(30)
+            assert s.recv(64).startswith(b"HTTP/1.1 400"), "a malformed form"
+        assert list(files.iterdir()) == []
+
+
+def test_queued_batches_hold_no_input_in_memory(tmp_path: Path) -> None:
+    """Lines are read when a batch runs, as places in its file: twelve more batches of a
+    17 MiB file waiting their turn cost corral less than the file once."""
+    data = b"".join(json.dumps({
+        "custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "slow", "max_tokens": 3,
+                 "messages": [{"role": "user", "content": "p" * 1000}]}}).encode() + b"\n"
+        for i in range(16_000))
+    with Corral(toml_config({"slow": {"cmd": fake_cmd("--tokens-per-s", "2")}},
+                            batches={"lines_at_once": 1}), home=tmp_path) as c:
+        oa = client(c, "none")
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        proc = psutil.Process(c.proc.pid)
+
+        def batches(n: int) -> None:
+            for _ in range(n):
+                oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+        batches(12)  # (the first runs: its lines are read; each of the API's threads
+        before = proc.memory_info().rss  # reads the file once: the allocator's high water)
+        batches(24)
+        grown = proc.memory_info().rss - before
+        print(f"{grown / 2**20:.1f} MiB for 24 more")
+        assert grown < len(data) / 4, f"{grown / 2**20:.0f} MiB for 24 queued batches"

@@ -259,3 +259,14 @@ def test_journal_bench_runs(tmp_path) -> None:
     assert set(data["rounds"][0]) == {"write_cpu_us", "writer_cpu_us", "model_and_key_ms",
                                       "status_class_ms",
                                       "id_ms", "newest_ms"}
+
+
+def test_batches_bench_runs(tmp_path) -> None:
+    """A tiny batch beside the client: every line answered, b and c loaded once, a never."""
+    out = tmp_path / "batches.json"
+    bench("batches", "--rounds", "1", "--lines", "30", "--alone-s", "1", "--load-s", "0.2",
+          "--json", str(out))
+    (row,) = json.loads(out.read_text())["rounds"]
+    assert row["batch"]["status"] == "completed" and row["batch"]["counts"]["completed"] == 30
+    assert row["batch"]["loads"] == {"a": 0, "b": 1, "c": 1}, row["batch"]
+    assert row["alone_n"] > 0 and row["beside_n"] > 0

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.config.keys import Tenant
+from actors.config.keys import BATCH_IDLE_S, Tenant
 from actors.config.rules import ModelRules
 from actors.messages import Grant, Refusal
 from actors.policy import Policy
-from actors.policy.records import Answer, Effect, Spawn
+from actors.policy.records import Answer, Effect, Later, Spawn
 
 BATCH, INTERACTIVE = 1, 10
 
@@ -450,3 +450,36 @@ def test_a_batch_line_waits_below_every_class_however_long_it_waited() -> None:
     assert models["a"].state.value == "stopping"
     assert [why for _, why in models["c"].room] == ["stop a"] and not models["b"].room, \
         "a stops for c, not for b's line"
+
+
+def test_a_batch_line_makes_room_only_in_the_idle_window_of_the_others() -> None:
+    """A model a request of a class used less than BATCH_IDLE_S ago stays for a batch's
+    line; a Repump comes when the window opens, and then it goes (issue 44)."""
+    w = World({}, models="ab", models_max=1)
+    w.serving("a")  # used at t=3
+    w.acquire("ask", "a", "", at=100.0)
+    w.release("ask", at=101.0)
+    effects = w.p.acquire("line", "b", 110.0, True, "batch:")
+    w.run(effects)
+    models = w.p.state.models
+    assert models["a"].state.value == "loaded" and "line" not in w.answers
+    later = [e for e in effects if isinstance(e, Later)]
+    assert any(abs(e.delay_s - (100.0 + BATCH_IDLE_S - 110.0)) < 1e-6 for e in later), later
+    w.run(w.p.repump(100.0 + BATCH_IDLE_S))
+    assert models["a"].state.value == "stopping", "the window is open: a goes for the line"
+    # a line's own use opens no window: the next batch's model may evict b at once
+    assert models["b"].asked_at == 0.0
+
+
+def test_a_batch_lines_kept_grant_is_no_use_of_a_class() -> None:
+    """A front keeps a batch line's grant a while (http.lease_linger_ms): its release,
+    with the time kept, leaves the model's last use by a class where it was."""
+    w = World({}, models="a", models_max=1)
+    w.serving("a")
+    asked = w.p.state.models["a"].asked_at
+    w.acquire("line", "a", "batch:", at=50.0)
+    w.run(w.p.release("line", 52.0, idle_s=1.0))
+    assert w.p.state.models["a"].asked_at == asked
+    w.acquire("ask", "a", "", at=60.0)
+    w.run(w.p.release("ask", 70.0, idle_s=2.0))
+    assert w.p.state.models["a"].asked_at == 68.0

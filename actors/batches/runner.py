@@ -1,13 +1,18 @@
 """Running batches: on corral's loop, the oldest first, a model at a time.
 
-A batch's lines are grouped by model, the groups of models up now first, so that one
-load serves all of a model's lines. Up to `lines_at_once` lines run at once, each sent
-to corral's own front as `batch:OWNER` (`X-Corral-Batch`, request.py), whose class is
-below every other: a line waits while any other request wants the slot it would take,
-and a priority cut (priority_preempt) takes its slot back before its answer begins.
-corral's own 429 or 503 (a queue timeout, a quota) is not the line's answer: it is sent
-again, 1 s later and doubling to 30 s, until the batch expires. Each answer is appended
-to the batch's results as it comes; a restart runs the lines without one again.
+A batch's lines are grouped by model, the models up now first, so that one load serves
+all of a model's lines. Up to `lines_at_once` lines run at once, each sent to corral's
+own front as `batch:OWNER` (`X-Corral-Batch`, request.py), whose class is below every
+other: a line waits while any other request wants the slot it would take, and a priority
+cut (priority_preempt) takes its slot back before its answer begins.
+
+corral's own 429 or 503 (a queue timeout, a quota, a model that fails to load) is not
+a line's answer: the line is sent again, 1 s later, then 2, then 4; after REST_AFTER of
+those its model's lines *rest* for REST_S while the batch's other models, and other
+batches, go on. A batch past its expiry writes its lines left to its error file
+(`batch_expired`). Each answer is appended to the batch's results as it comes; a restart
+sends again only the lines without one. Lines are held as places in their file
+(shapes.py `Line`), and only for the batches under way.
 """
 
 from __future__ import annotations
@@ -23,16 +28,23 @@ import aiohttp
 import msgspec
 
 from ..config.batches import BatchesConfig
-from .shapes import Batch, Counts, Fault, Faults, FileObject, Line, lines_of
+from .shapes import Batch, Counts, Fault, Faults, FileObject, Line, body_of, lines_of
 from .store import Store, new_id
 
 log = logging.getLogger("corral.batches")
 
-RETRY_S = (1.0, 30.0)
-"""corral's own 429 or 503 to a line: sent again after the first, doubling to the second."""
+RETRY_S = 1.0
+"""corral's own 429 or 503 to a line: sent again after this, doubling."""
+REST_AFTER = 3
+"""corral's own refusals of one line in a row after which its model's lines rest."""
+REST_S = 30.0
+"""How long a model's lines rest after REST_AFTER refusals (others run meanwhile)."""
 SAVE_S = 1.0
 """A running batch's counts and ETA are saved at most this often."""
+PRUNE_S = 3600.0
+"""How often files and batches past keep_days are deleted (and at start)."""
 _decode = msgspec.json.Decoder().decode
+Lines = collections.deque[Line]
 
 
 class Runner:
@@ -47,170 +59,195 @@ class Runner:
         self.ready = ready
         """The models up now (their lines go first)."""
         self.batches: dict[str, Batch] = {}
-        self.left: dict[str, collections.deque[Line]] = {}
-        """A batch to run -> its lines without a result."""
+        self.left: dict[str, Lines] = {}
+        """A batch under way -> its lines without a result (read when it is first run)."""
+        self.resting: dict[tuple[str, str], float] = {}
+        """(batch, model) -> when its lines may be sent again (monotonic)."""
+        self.line_s: dict[str, float] = {}
+        """A batch -> its seconds a line (a running mean): its ETA."""
         self.wake = asyncio.Event()
         self.running: asyncio.Task[None] | None = None
-        """The task of the batch that runs now."""
         self.current = ""
-        self.task: asyncio.Task[None] | None = None
+        """The batch whose group of lines runs now."""
+        self.tasks: list[asyncio.Task[None]] = []
         self.session: aiohttp.ClientSession | None = None
         self.saved_at = 0.0
-        self.line_s = 0.0
-        """The running batch's seconds a line (a running mean): its ETA."""
 
     # ------------------------------------------------------------ start, stop
 
     async def start(self) -> None:
-        """Read what the store keeps; batches that were running go on where they were."""
+        """Read what the store keeps; batches that were under way go on where they were."""
         await asyncio.to_thread(self.store.ready)
         await asyncio.to_thread(self.store.prune, self.config.keep_days)
         for batch in await asyncio.to_thread(lambda: list(self.store.batches())):
             self.batches[batch.id] = batch
-            if not batch.done:
-                await asyncio.to_thread(self._resume, batch)
-        self.task = asyncio.get_running_loop().create_task(self._loop())
-
-    def _resume(self, batch: Batch) -> None:
-        if batch.status == "cancelling":
-            self._end(batch, "cancelled")
-            return
-        data = self.store.data_of(batch.input_file_id)
-        try:
-            lines, _ = lines_of(data.read_bytes(), batch.endpoint, self.config.max_lines)
-        except OSError as e:
-            self._fail(batch, "input_file_missing", f"its input file is gone ({e})")
-            return
-        done, ok, failed = self.store.done_ids(batch.id)
-        batch.request_counts = Counts(total=len(lines), completed=ok, failed=failed)
-        self.left[batch.id] = collections.deque(ln for ln in lines if ln.custom_id not in done)
-        batch.status = "in_progress"
-        log.info("batch %s goes on: %d of %d lines left", batch.id,
-                 len(self.left[batch.id]), len(lines))
+            if batch.status == "cancelling":
+                await self._finish(batch, "cancelled")
+            elif not batch.done:
+                batch.status = "in_progress"
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._loop()), loop.create_task(self._prune())]
 
     async def stop(self) -> None:
-        for task in (self.task, self.running):
-            if task is not None:
-                task.cancel()
-        for task in (self.task, self.running):
-            if task is not None:
-                await asyncio.gather(task, return_exceptions=True)
+        tasks = [t for t in (*self.tasks, self.running) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for batch in self.batches.values():
             if not batch.done:
-                self.store.save(batch)
+                await asyncio.to_thread(self.store.save, batch)
         if self.session is not None:
             await self.session.close()
 
-    # ------------------------------------------------------------ the API's
+    # ------------------------------------------------------------ the API's (on the loop)
 
-    def add(self, batch: Batch, lines: list[Line]) -> None:
-        """A new batch, its lines read (or its faults: then it has failed)."""
+    async def add(self, batch: Batch) -> None:
+        """A new batch, read (or failed: its faults found)."""
         self.batches[batch.id] = batch
         if batch.status != "failed":
             batch.status, batch.in_progress_at = "in_progress", int(time.time())
-            batch.request_counts = Counts(total=len(lines))
-            batch.models = dict(collections.Counter(ln.model for ln in lines))
-            self.left[batch.id] = collections.deque(lines)
-        self.store.save(batch)
+        await asyncio.to_thread(self.store.save, batch)
         self.wake.set()
 
-    def cancel(self, batch: Batch) -> None:
-        if batch.done or batch.status == "cancelling":
+    async def cancel(self, batch: Batch) -> None:
+        if batch.done or batch.status in ("cancelling", "finalizing"):
             return
         batch.status, batch.cancelling_at = "cancelling", int(time.time())
-        self.store.save(batch)
+        await asyncio.to_thread(self.store.save, batch)
         if self.current == batch.id and self.running is not None:
-            self.running.cancel()
+            self.running.cancel()  # (its loop finishes it)
         else:
-            self.left.pop(batch.id, None)
-            self._end(batch, "cancelled")
+            await self._finish(batch, "cancelled")
 
     # ------------------------------------------------------------ running
 
     async def _loop(self) -> None:
         while True:
-            todo = [b for b in self.batches.values() if b.id in self.left]
-            if not todo:
+            picked = await self._pick()
+            if picked is None:
                 self.wake.clear()
-                await self.wake.wait()
+                rest = min(self.resting.values(), default=None)
+                try:
+                    await asyncio.wait_for(self.wake.wait(), None if rest is None
+                                           else max(0.05, rest - time.monotonic()))
+                except TimeoutError:
+                    pass
                 continue
-            batch = min(todo, key=lambda b: b.created_at)
+            batch, model = picked
             self.current = batch.id
-            self.running = asyncio.get_running_loop().create_task(self._run(batch))
+            self.running = asyncio.get_running_loop().create_task(self._group(batch, model))
             try:
                 await asyncio.shield(self.running)
             except asyncio.CancelledError:
-                if self.running.cancelled() and batch.status == "cancelling":
-                    self.left.pop(batch.id, None)
-                    await asyncio.to_thread(self._end, batch, "cancelled")
-                    continue
-                raise
+                if not (self.running.cancelled() and batch.status == "cancelling"):
+                    raise
+                await self._finish(batch, "cancelled")
             except Exception:  # a bug here must not stop every batch after it
                 log.exception("batch %s failed", batch.id)
-                self.left.pop(batch.id, None)
-                await asyncio.to_thread(self._fail, batch, "internal_error",
-                                        "corral failed running it (its log says why)")
+                await self._fail(batch, "internal_error", "corral failed running it "
+                                 "(its log says why)")
+            finally:
+                self.current = ""
 
-    async def _run(self, batch: Batch) -> None:
-        left = self.left[batch.id]
-        self.line_s = 0.0
-        while left:
-            up = await self.ready()
-            models = list(dict.fromkeys(ln.model for ln in left))
-            model = next((m for m in models if m in up), models[0])
-            group = collections.deque(ln for ln in left if ln.model == model)
-            log.info("batch %s: %d lines for model %s", batch.id, len(group), model)
-            workers = min(self.config.lines_at_once, len(group))
-            await asyncio.gather(*(self._work(batch, group, left) for _ in range(workers)))
+    async def _pick(self) -> tuple[Batch, str] | None:
+        """The next batch and model to run: the oldest batch with lines of a model that
+        does not rest, the models up now first."""
+        now = time.monotonic()
+        todo = sorted((b for b in self.batches.values() if b.status == "in_progress"),
+                      key=lambda b: (b.created_at, b.id))
+        for batch in todo:
             if batch.expires_at is not None and time.time() > batch.expires_at:
-                break
-        self.left.pop(batch.id, None)
-        await asyncio.to_thread(self._end, batch, "completed" if not left else "expired")
+                await self._expire(batch)
+                continue
+            if batch.id not in self.left and not await self._load(batch):
+                continue
+            left = self.left[batch.id]
+            if not left:
+                await self._finish(batch, "completed")
+                continue
+            models = [m for m in dict.fromkeys(ln.model for ln in left)
+                      if self.resting.get((batch.id, m), 0.0) <= now]
+            if models:
+                up = await self.ready()
+                return batch, next((m for m in models if m in up), models[0])
+        return None
 
-    async def _work(self, batch: Batch, group: collections.deque[Line],
-                    left: collections.deque[Line]) -> None:
-        while group:
+    async def _load(self, batch: Batch) -> bool:
+        """Read a batch's lines, less those with a result (False: its file is gone)."""
+        def read() -> tuple[list[Line], tuple[set[str], int, int]]:
+            with self.store.data_of(batch.input_file_id).open("rb") as f:
+                lines, _ = lines_of(f, batch.endpoint, self.config.max_lines)
+            return lines, self.store.done_ids(batch.id)
+        try:
+            lines, (done, ok, failed) = await asyncio.to_thread(read)
+        except OSError as e:
+            await self._fail(batch, "input_file_missing", f"its input file is gone ({e})")
+            return False
+        batch.request_counts = Counts(total=len(lines), completed=ok, failed=failed)
+        self.left[batch.id] = collections.deque(ln for ln in lines if ln.custom_id not in done)
+        if done:
+            log.info("batch %s goes on: %d of %d lines left", batch.id,
+                     len(self.left[batch.id]), len(lines))
+        return True
+
+    async def _group(self, batch: Batch, model: str) -> None:
+        left = self.left[batch.id]
+        group = collections.deque(ln for ln in left if ln.model == model)
+        log.info("batch %s: %d lines for model %s", batch.id, len(group), model)
+        async with asyncio.TaskGroup() as workers:  # (one that fails ends the others)
+            for _ in range(min(self.config.lines_at_once, len(group))):
+                workers.create_task(self._work(batch, model, group, left))
+
+    async def _work(self, batch: Batch, model: str, group: Lines, left: Lines) -> None:
+        while group and self.resting.get((batch.id, model), 0.0) <= time.monotonic():
             if batch.expires_at is not None and time.time() > batch.expires_at:
                 return
             line = group.popleft()
             began = time.monotonic()
-            result, ok = await self._send(batch, line)
-            with self.store.results(batch.id, "out" if ok else "err").open("ab") as f:
-                f.write(msgspec.json.encode(result) + b"\n")
+            sent = await self._send(batch, line)
+            if sent is None:  # corral kept refusing it: its model's lines rest
+                self.resting[(batch.id, model)] = time.monotonic() + REST_S
+                log.info("batch %s: model %s refused line %d %d times; its lines rest "
+                         "%.0f s", batch.id, model, line.number, REST_AFTER, REST_S)
+                return
+            self._write(batch, *sent, line)
             left.remove(line)
-            counts = batch.request_counts
-            if ok:
-                counts.completed += 1
-            else:
-                counts.failed += 1
             took = time.monotonic() - began
-            mean = self.line_s = took if not self.line_s else 0.8 * self.line_s + 0.2 * took
+            mean = self.line_s[batch.id] = 0.8 * self.line_s.get(batch.id, took) + 0.2 * took
             batch.eta_s = round(mean * len(left) / self.config.lines_at_once, 1)
             if time.monotonic() - self.saved_at > SAVE_S:
                 self.saved_at = time.monotonic()
                 await asyncio.to_thread(self.store.save, batch)
 
-    async def _send(self, batch: Batch, line: Line) -> tuple[dict[str, Any], bool]:
-        """One line's result (and whether it is an answer, 2xx): sent again while corral
-        itself answers 429 or 503."""
-        wait = RETRY_S[0]
+    def _write(self, batch: Batch, result: dict[str, Any], ok: bool, line: Line) -> None:
+        with self.store.results(batch.id, "out" if ok else "err").open("ab") as f:
+            f.write(msgspec.json.encode(result) + b"\n")
+        if ok:
+            batch.request_counts.completed += 1
+        else:
+            batch.request_counts.failed += 1
+
+    async def _send(self, batch: Batch, line: Line) -> tuple[dict[str, Any], bool] | None:
+        """One line's result, and whether it is an answer (2xx); None: corral refused it
+        REST_AFTER times in a row."""
+        wait = RETRY_S
         headers = {"Content-Type": "application/json",
                    "X-Corral-Batch": f"{self.secret} {batch.owner}"}
-        while True:
+        body = body_of(self.store.read(batch.input_file_id, line.start, line.end))
+        for _ in range(REST_AFTER):
             try:
                 async with self._session().post(self.front_url() + batch.endpoint,
-                                                data=line.body, headers=headers) as resp:
-                    body = await resp.read()
+                                                data=body, headers=headers) as resp:
+                    said = await resp.read()
                     own = "Content-Security-Policy" not in resp.headers  # (not a child's)
                     if not (own and resp.status in (429, 503)):
                         return _result(line, resp.status, resp.headers.get("X-Request-Id"),
-                                       body), 200 <= resp.status < 300
-                    wait = float(resp.headers.get("Retry-After") or wait)
+                                       said), 200 <= resp.status < 300
             except aiohttp.ClientError as e:
-                log.info("batch %s: line %d not sent (%s); again in %.0f s", batch.id,
-                         line.number, e, wait)
-            await asyncio.sleep(min(wait, RETRY_S[1]))
-            wait = min(wait * 2, RETRY_S[1])
+                log.info("batch %s: line %d not sent (%s)", batch.id, line.number, e)
+            await asyncio.sleep(wait)
+            wait *= 2
+        return None
 
     def _session(self) -> aiohttp.ClientSession:
         if self.session is None:
@@ -218,34 +255,59 @@ class Runner:
                 total=None, sock_connect=10))
         return self.session
 
+    async def _prune(self) -> None:
+        while True:
+            await asyncio.sleep(PRUNE_S)
+            gone = await asyncio.to_thread(self.store.prune, self.config.keep_days)
+            for id_ in gone:
+                self.batches.pop(id_, None)
+
     # ------------------------------------------------------------ ends
 
-    def _fail(self, batch: Batch, code: str, message: str) -> None:
+    async def _fail(self, batch: Batch, code: str, message: str) -> None:
+        self.left.pop(batch.id, None)
         batch.errors = Faults(data=[Fault(code=code, message=message)])
         batch.status, batch.failed_at = "failed", int(time.time())
-        self.store.save(batch)
+        await asyncio.to_thread(self.store.save, batch)
 
-    def _end(self, batch: Batch, status: str) -> None:
+    async def _expire(self, batch: Batch) -> None:
+        """Past its expiry: its lines left go to its error file (`batch_expired`)."""
+        if batch.id in self.left or await self._load(batch):
+            for line in list(self.left[batch.id]):
+                self._write(batch, {"id": new_id("batch_req_"), "custom_id": line.custom_id,
+                                    "response": None, "error": {
+                                        "code": "batch_expired", "message": "the batch "
+                                        "expired before this line was sent"}}, False, line)
+            await self._finish(batch, "expired")
+
+    async def _finish(self, batch: Batch, status: str) -> None:
         """Its results made files (output_file_id, error_file_id), then `status`."""
+        self.left.pop(batch.id, None)
+        self.line_s.pop(batch.id, None)
+        for key in [k for k in self.resting if k[0] == batch.id]:
+            del self.resting[key]
         now = int(time.time())
-        batch.finalizing_at = batch.finalizing_at or now
-        for kind in ("out", "err"):
-            path = self.store.results(batch.id, kind)
-            if path.exists() and path.stat().st_size:
-                meta = self.store.add_file(FileObject(
-                    id=new_id("file-"), bytes=path.stat().st_size, created_at=now,
-                    filename=f"{batch.id}_{'output' if kind == 'out' else 'error'}.jsonl",
-                    purpose="batch_output", owner=batch.owner), path)
-                if kind == "out":
-                    batch.output_file_id = meta.id
-                else:
-                    batch.error_file_id = meta.id
+        batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or now
+        made = await asyncio.to_thread(self._files, batch, now)
+        batch.output_file_id = made.get("out", batch.output_file_id)
+        batch.error_file_id = made.get("err", batch.error_file_id)
         batch.status, batch.eta_s = status, None
         setattr(batch, {"completed": "completed_at", "expired": "expired_at",
                         "cancelled": "cancelled_at"}[status], now)
-        self.store.save(batch)
+        await asyncio.to_thread(self.store.save, batch)
         log.info("batch %s %s: %d lines answered, %d failed", batch.id, status,
                  batch.request_counts.completed, batch.request_counts.failed)
+
+    def _files(self, batch: Batch, now: int) -> dict[str, str]:
+        made = {}
+        for kind in ("out", "err"):
+            path = self.store.results(batch.id, kind)
+            if path.exists() and path.stat().st_size:
+                made[kind] = self.store.add_file(FileObject(
+                    id=new_id("file-"), bytes=path.stat().st_size, created_at=now,
+                    filename=f"{batch.id}_{'output' if kind == 'out' else 'error'}.jsonl",
+                    purpose="batch_output", owner=batch.owner), path).id
+        return made
 
 
 def _result(line: Line, status: int, request_id: str | None, body: bytes) -> dict[str, Any]:
@@ -256,4 +318,3 @@ def _result(line: Line, status: int, request_id: str | None, body: bytes) -> dic
     return {"id": new_id("batch_req_"), "custom_id": line.custom_id,
             "response": {"status_code": status, "request_id": request_id or "",
                          "body": said}, "error": None}
-

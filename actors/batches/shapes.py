@@ -3,6 +3,7 @@ by line: every line's fault named by its number, before anything runs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -95,14 +96,16 @@ class Batch(msgspec.Struct, kw_only=True):
         return out
 
 
-class Line(msgspec.Struct):
+class Line(msgspec.Struct, gc=False):
     """One line of a batch's input: its number (from 1), its custom_id, its model, and
-    its body as it came."""
+    where it is in the file (its body is read from there when it is sent: `body_of`), so
+    a batch of 50,000 lines holds a few MiB, not its file."""
 
     number: int
     custom_id: str
     model: str
-    body: bytes
+    start: int
+    end: int
 
 
 class _Input(msgspec.Struct):
@@ -117,15 +120,19 @@ _str = msgspec.json.Decoder(str).decode
 _bool = msgspec.json.Decoder(bool).decode
 
 
-def lines_of(data: bytes, endpoint: str, max_lines: int) -> tuple[list[Line], list[Fault]]:
-    """The lines of a batch's input file, or the faults found (the first MAX_ERRORS)."""
+def lines_of(data: Iterable[bytes], endpoint: str,
+             max_lines: int) -> tuple[list[Line], list[Fault]]:
+    """The lines of a batch's input (a file read line by line, or its lines), or the
+    faults found (the first MAX_ERRORS)."""
     lines: list[Line] = []
     faults: list[Fault] = []
     seen: set[str] = set()
-    for number, raw in enumerate(data.splitlines(), 1):
+    end = 0
+    for number, raw in enumerate(data, 1):
+        start, end = end, end + len(raw)
         if not raw.strip():
             continue
-        fault = _fault(raw, endpoint, seen, lines, number)
+        fault = _fault(raw, endpoint, seen, lines, number, start, end)
         if fault is not None:
             faults.append(fault)
             if len(faults) >= MAX_ERRORS:
@@ -138,8 +145,13 @@ def lines_of(data: bytes, endpoint: str, max_lines: int) -> tuple[list[Line], li
     return lines, faults
 
 
+def body_of(raw: bytes) -> bytes:
+    """The body of a line read before (`lines_of`), as it is sent."""
+    return msgspec.json.encode(_read(raw).body)
+
+
 def _fault(raw: bytes, endpoint: str, seen: set[str], lines: list[Line],
-           number: int) -> Fault | None:
+           number: int, start: int, end: int) -> Fault | None:
     """What is wrong with one line (None: nothing; it is added to `lines`)."""
     try:
         got = _read(raw)
@@ -168,5 +180,5 @@ def _fault(raw: bytes, endpoint: str, seen: set[str], lines: list[Line],
         return Fault(code="invalid_request", line=number, param="body.stream",
                      message=f"line {number}: a batch's line cannot stream")
     seen.add(got.custom_id)
-    lines.append(Line(number, got.custom_id, model, msgspec.json.encode(got.body)))
+    lines.append(Line(number, got.custom_id, model, start, end))
     return None

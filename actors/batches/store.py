@@ -39,7 +39,11 @@ class Store:
         self.files = root / "files"
 
     def ready(self) -> None:
+        """Its folders made, and what a crash left half made (an upload, a write) gone."""
         self.files.mkdir(parents=True, exist_ok=True)
+        for left in (*self.files.glob("*.part"), *self.files.glob("*.tmp"),
+                     *self.root.glob("*.tmp")):
+            left.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ files
 
@@ -56,6 +60,11 @@ class Store:
         if not _ID.fullmatch(file_id):
             return None
         return self._read(self.files / f"{file_id}.json", FileObject)
+
+    def read(self, file_id: str, start: int, end: int) -> bytes:
+        """Bytes `start` to `end` of a file (a batch's line)."""
+        with open(self.data_of(file_id), "rb") as f:
+            return os.pread(f.fileno(), end - start, start)
 
     def file_list(self) -> list[FileObject]:
         found = (self._read(p, FileObject) for p in self.files.glob("file-*.json"))
@@ -80,20 +89,25 @@ class Store:
         return self.root / f"{batch_id}.{kind}.jsonl"
 
     def done_ids(self, batch_id: str) -> tuple[set[str], int, int]:
-        """The custom_ids a batch has results for, and how many of each kind (a line cut
-        short by a crash is not one: it runs again)."""
+        """The custom_ids a batch has results for, and how many of each kind. A line cut
+        short by a crash (or a full disk) is cut off the file, so that the next is
+        appended whole, and its line runs again."""
         done: set[str] = set()
         counts = [0, 0]
         for i, kind in enumerate(("out", "err")):
             path = self.results(batch_id, kind)
             if not path.exists():
                 continue
-            for raw in path.read_bytes().splitlines():
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                data = data[:data.rfind(b"\n") + 1]
+                os.truncate(path, len(data))
+            for raw in data.splitlines():
                 try:
                     done.add(_custom_id(raw).custom_id)
                     counts[i] += 1
                 except msgspec.DecodeError:
-                    continue  # (its last line, half written)
+                    continue
         return done, counts[0], counts[1]
 
     def delete_batch(self, batch: Batch) -> None:
@@ -101,18 +115,20 @@ class Store:
                      self.results(batch.id, "err")):
             path.unlink(missing_ok=True)
 
-    def prune(self, keep_days: float, now: float | None = None) -> int:
-        """Delete finished batches and files older than keep_days; how many went."""
+    def prune(self, keep_days: float, now: float | None = None) -> list[str]:
+        """Delete finished batches and files older than keep_days (not an unfinished
+        batch's input); the batches that went."""
         before = (now or time.time()) - keep_days * 86400
-        gone = 0
+        gone, used = [], set()
         for batch in list(self.batches()):
             if batch.done and batch.created_at < before:
                 self.delete_batch(batch)
-                gone += 1
+                gone.append(batch.id)
+            elif not batch.done:
+                used.add(batch.input_file_id)
         for f in self.file_list():
-            if f.created_at < before:
+            if f.created_at < before and f.id not in used:
                 self.delete_file(f.id)
-                gone += 1
         return gone
 
     # ------------------------------------------------------------ whole files

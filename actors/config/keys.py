@@ -26,7 +26,11 @@ BATCH = "batch:"
 """A batch's lines ask as `batch:OWNER` (OWNER: the key that made it, "" none): a name no
 key may have (load.py), whose class is BATCH_LEVEL (policy/tenants.py)."""
 BATCH_LEVEL = -(1 << 40)
-"""The batch class: below every class however long its lines wait (priority_aging_s)."""
+"""The batch class: below every class (their levels are within ±10**6), and it does not
+age (priority_aging_s), so its lines never pass another's request."""
+BATCH_IDLE_S = 60.0
+"""A batch's line makes room only with models no request of a class has used for this
+long (policy/choice.py): the batch runs in the idle windows of the others."""
 PLANS_PER_MIN = 120
 """A key without admin that sets no plans_per_min: two a second, as a dashboard polls."""
 CHARGE_PARTS = 10

@@ -256,7 +256,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     api_key_file: str | None = None
     keys: dict[str, KeyConfig] = {}
     """Named keys, each with its models, class and limits (`api_key`: an admin one more)."""
-    priorities: dict[str, int] = {}  # (classes: name -> level, the higher served first)
+    priorities: dict[str, Annotated[int, Meta(ge=-10**6, le=10**6)]] = {}  # (the higher first)
     priority_aging_s: NonNegativeSeconds = 60.0
     """A waiting request's level rises by 1 for every this long it has waited, so a lower
     class is served in the end (0: no aging)."""

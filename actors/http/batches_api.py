@@ -15,6 +15,7 @@ fault fails the batch, each fault named with its line.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import tempfile
 import time
@@ -26,7 +27,7 @@ import msgspec
 from aiohttp import BodyPartReader, web
 
 from ..batches import Batch, Faults, FileObject, Runner, Store, lines_of, new_id
-from ..batches.shapes import ENDPOINTS, WINDOW
+from ..batches.shapes import ENDPOINTS, WINDOW, Fault, Line
 from ..config.batches import BatchesConfig
 from ..config.keys import KeyRule
 from ..messages import GetModels, ModelsSnapshot, SchedulerMessage
@@ -34,6 +35,10 @@ from ..runtime.bridge import LoopReply
 from .manage import error
 
 CHUNK = 1 << 16
+
+
+class _TooBig(Exception):
+    pass
 
 
 class _Create(msgspec.Struct, forbid_unknown_fields=True):
@@ -92,6 +97,12 @@ class BatchesApi:
             return off
         if not request.content_type.startswith("multipart/"):
             return error(400, "POST /v1/files takes multipart/form-data: purpose and file")
+        try:
+            return await self._upload(request)
+        except ValueError as e:  # (aiohttp's words for a malformed form)
+            return error(400, f"POST /v1/files: the multipart form is malformed ({e})")
+
+    async def _upload(self, request: web.Request) -> web.StreamResponse:
         purpose, made = "", None
         try:
             async for part in await request.multipart():
@@ -124,15 +135,19 @@ class BatchesApi:
         limit = int(self.config.max_file_mib * 1024 * 1024)
         fd, name = tempfile.mkstemp(dir=self.store.files, suffix=".part")
         size = 0
-        with os.fdopen(fd, "wb") as f:
-            while chunk := await part.read_chunk(CHUNK):
-                size += len(chunk)
-                if size > limit:
-                    f.close()
-                    os.unlink(name)
-                    return error(413, f"file over the {self.config.max_file_mib:g} MiB "
-                                 "limit (batches.max_file_mib)")
-                f.write(chunk)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                while chunk := await part.read_chunk(CHUNK):
+                    size += len(chunk)
+                    if size > limit:
+                        raise _TooBig
+                    f.write(chunk)
+        except BaseException as e:  # (too big, cut short, malformed: nothing is kept)
+            os.unlink(name)
+            if isinstance(e, _TooBig):
+                return error(413, f"file over the {self.config.max_file_mib:g} MiB limit "
+                             "(batches.max_file_mib)")
+            raise
         return Path(name), size, part.filename or "file.jsonl"
 
     async def files(self, request: web.Request) -> web.StreamResponse:
@@ -191,16 +206,18 @@ class BatchesApi:
             return error(404, f"no file '{ask.input_file_id}'", "not_found_error")
         if found.purpose != "batch":
             return error(400, f"file '{found.id}' is a batch's output, not an input")
-        data = await asyncio.to_thread(self.store.data_of(found.id).read_bytes)
-        lines, faults = await asyncio.to_thread(lines_of, data, ask.endpoint,
-                                                self.config.max_lines)
+        lines, faults = await asyncio.to_thread(self._read, found.id, ask.endpoint)
         now = int(time.time())
         batch = Batch(id=new_id("batch_"), endpoint=ask.endpoint, input_file_id=found.id,
                       created_at=now, expires_at=now + 86400, metadata=ask.metadata,
                       owner=_owner(request))
         if faults:
             batch.status, batch.failed_at, batch.errors = "failed", now, Faults(data=faults)
-        await asyncio.to_thread(runner.add, batch, lines)
+        else:
+            batch.request_counts.total = len(lines)
+            batch.models = dict(collections.Counter(ln.model for ln in lines))
+        del lines  # (read again, as places in the file, when it runs)
+        await runner.add(batch)
         return web.json_response(batch.shown())
 
     async def batches(self, request: web.Request) -> web.StreamResponse:
@@ -232,8 +249,12 @@ class BatchesApi:
             return found
         runner = self.runner()
         assert runner is not None
-        await asyncio.to_thread(runner.cancel, found)
+        await runner.cancel(found)
         return web.json_response(found.shown())
+
+    def _read(self, file_id: str, endpoint: str) -> tuple[list[Line], list[Fault]]:
+        with self.store.data_of(file_id).open("rb") as f:
+            return lines_of(f, endpoint, self.config.max_lines)
 
     def _batch(self, request: web.Request) -> Batch | web.Response:
         runner = self.runner()

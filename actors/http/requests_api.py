@@ -22,7 +22,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from ..config.keys import KeyRule
+from ..config.keys import BATCH, KeyRule
 from ..journal.store import MAX_LIMIT, Journal, Query
 from .inflight import Running
 from .journaling import record_of
@@ -83,10 +83,10 @@ class RequestsApi:
             return error(400, q)
         rule: KeyRule | None = request.get("key")
         if rule is not None and not rule.admin:
-            if q.key not in (None, rule.name):
-                return error(403, f"key '{rule.name}' may see its own requests only",
-                             "permission_error")
-            q.key = rule.name
+            if q.key not in (None, rule.name, BATCH + rule.name):
+                return error(403, f"key '{rule.name}' may see its own requests only (and "
+                             f"its batches' lines: key=batch:{rule.name})", "permission_error")
+            q.key = q.key or rule.name
         if state == "running":
             running, _ = await self._running()
             return web.Response(body=msgspec.json.encode({"data": [

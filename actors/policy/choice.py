@@ -1,6 +1,7 @@
 """Who may be evicted for whom (R-4.4): the least recently used idle model; a spare copy
 (above its model's `min`) first; for memory, suspended models that still hold a device
-last; never a member of a persistent group for a model outside it (teams.py).
+last; never a member of a persistent group for a model outside it (teams.py); for a batch's
+lines alone, only a model no request of a class has used for BATCH_IDLE_S (issue 44).
 
 It only chooses (and sets a timer for when a model too young to go comes of age): the
 caller evicts (Moves.evict).
@@ -8,6 +9,9 @@ caller evicts (Moves.evict).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..config.keys import BATCH_IDLE_S
 from ..lifecycle import ModelState
 from ..messages import Repump
 from .records import Later, ModelRecord
@@ -34,14 +38,34 @@ class Choice:
         if extra is not None:
             return extra
         teams = self.state.teams
-        allowed = (lambda r: not self.kept_from(r, for_model)) \
+        kept = (lambda r: not self.kept_from(r, for_model)) \
             if teams.kept or teams.partners else None
+        window = self.batch_window(now, for_model)
+        allowed = kept if window is None else window if kept is None else \
+            (lambda r: kept(r) and window(r))
         victim, wake = self.state.victims.pick(self.state.models, now,
                                                self.state.resident_until, allowed)
-        if wake is not None and (self.state.wake_at is None or wake < self.state.wake_at):
+        if victim is None and window is not None:
+            wake = min((r.asked_at + BATCH_IDLE_S for r in self.state.models.values()
+                        if self.state.evictable(r) and not window(r)), default=wake)
+        if wake is not None:
+            self.wake_at(wake, now)
+        return victim
+
+    def wake_at(self, wake: float, now: float) -> None:
+        """Decide again at `wake` (a Repump), unless an earlier one is set."""
+        if self.state.wake_at is None or wake < self.state.wake_at:
             self.state.wake_at = wake
             self.state.out.append(Later(wake - now, Repump()))
-        return victim
+
+    def batch_window(self, now: float,
+                     for_model: str | None) -> Callable[[ModelRecord], bool] | None:
+        """Which models may go for `for_model` when only a batch's lines wait for it: those
+        no request of a class has used for BATCH_IDLE_S (None: any, it is not so)."""
+        entry = self.state.queue.entries.get(for_model) if for_model is not None else None
+        if entry is None or not entry.batch_only():
+            return None
+        return lambda r: now - r.asked_at >= BATCH_IDLE_S
 
     def extra_victim(self, now: float, for_model: str | None = None) -> ModelRecord | None:
         """The least recently used idle copy above its model's `min` (a spare): the first
@@ -49,9 +73,11 @@ class Choice:
         state = self.state
         if not state.groups.active:
             return None
+        window = self.batch_window(now, for_model)
         return min((r for group in state.groups.active.values() for r in group
                     if state.evictable(r) and state.resident_until(r) <= now
-                    and state.above_min(r) and not self.kept_from(r, for_model)),
+                    and state.above_min(r) and not self.kept_from(r, for_model)
+                    and (window is None or window(r))),
                    key=lambda r: r.last_used, default=None)
 
     def spares(self, victims: list[ModelRecord]) -> set[ModelRecord]:
@@ -96,4 +122,8 @@ class Choice:
                               key=lambda r: r.last_used)
         if state.teams.kept or state.teams.partners:
             victims = [v for v in victims if not self.kept_from(v, for_model)]
+        if (window := self.batch_window(now, for_model)) is not None:
+            if (young := [v for v in victims if not window(v)]):
+                self.wake_at(min(v.asked_at for v in young) + BATCH_IDLE_S, now)
+            victims = [v for v in victims if window(v)]
         return victims

@@ -6,9 +6,8 @@ methods one message at a time and executes the effects they return. Nothing here
 I/O, reads a clock or sleeps; the time comes in as an argument, and a timer is an effect
 (`Later`) whose message comes back as an event, so tests drive it all synchronously.
 
-Requests are named by their *ticket*, any hashable the caller chose (the front uses the
-reply object itself); the policy never looks inside one. The parts are listed in
-`actors/policy/__init__.py`.
+Requests are named by their *ticket*, any hashable the caller chose (the front uses the reply
+object itself); the policy never looks inside one. Its parts: `actors/policy/__init__.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Collection, Hashable, Iterable, Mapping
 
 import msgspec
 
-from ..config.keys import Tenant
+from ..config.keys import BATCH, Tenant
 from ..config.rules import ModelGroup, ModelRules
 from ..lifecycle import ModelState
 from ..messages import ModelsSnapshot, WaitDue
@@ -41,10 +40,9 @@ S = ModelState
 
 
 class Policy:
-    """The scheduling state of one corral and the rules that change it: what a request,
-    a person and a timer cause, each event method reading top-down. What children, the
-    memory actors and a reload report goes to `children`, what suspends and wakes report
-    and the TTL timers to `tiers`."""
+    """The scheduling state of one corral and the rules that change it: what a request, a
+    person and a timer cause, each event method reading top-down. What children, the memory
+    actors and a reload report goes to `children`; suspends, wakes, TTLs to `tiers`."""
 
     def __init__(self, models_max: int, restart_intensity: int = 3,
                  restart_period_s: float = 60.0, memory_margin: int = 0,
@@ -77,8 +75,7 @@ class Policy:
         return views.snapshot(self.state, now)
 
     def warmest(self, among: tuple[str, ...]) -> str:
-        """The first of `among` with a child that serves; else the first on its way
-        (loading, waking, suspended); else the first (issue 25, `pick = "warm"`)."""
+        """The first of `among` with a child that serves, else on its way (issue 25)."""
         def warmth(name: str) -> int:
             rec = self.state.find(name)
             return 0 if rec is None else max(
@@ -262,13 +259,14 @@ class Policy:
         freed = False
         if key:  # a request with no key (corral has none) has no rules to keep
             freed = self.state.tenants.released(key, tokens, now)
-        self._model_let_go(name, generation, now, shared, idle_s)
+        self._model_let_go(name, generation, now, shared, idle_s,
+                           shared or not key.startswith(BATCH))
         if freed:  # the key was at its max_concurrency: its waiters may go now
             self.rules.serve_queued(now, key)
             self.cuts.where(now, key)
 
     def _model_let_go(self, name: str, generation: int, now: float, shared: bool,
-                      idle_s: float) -> None:
+                      idle_s: float, asked: bool = True) -> None:  # (by a class: choice.py)
         rec = self.state.models.get(name)
         # Invariant: a crash or stop zeroes in_flight, and a reload bumps the generation,
         # so only leases of the live generation still count.
@@ -279,6 +277,8 @@ class Policy:
         rec.ended_at = max(rec.ended_at, now - idle_s)
         if shared or idle_s:
             rec.last_used = max(rec.last_used, now - idle_s)
+            if asked:
+                rec.asked_at = max(rec.asked_at, now - idle_s)
         if self.state.teams.partners:
             self.rules.teams.used_together(rec, now)
         if rec.retiring and rec.in_flight == 0 and rec.state.is_serving:

@@ -1,8 +1,7 @@
-"""The moves every decision is made of, each one step with its effects: a state
-transition (logged and published), a spawn, a stop, a grant, a refusal, an offer as a
-victim. rules.py decides which to make; the events that call both are in core.py,
-children.py, preempt.py and tiers.py.
-"""
+"""The moves every decision is made of, each one step with its effects: a state transition
+(logged and published), a spawn, a stop, a grant, a refusal, an offer as a victim. rules.py
+decides which to make; the events that call both are in core.py, children.py, preempt.py
+and tiers.py."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import logging
 from collections.abc import Hashable
 from typing import Any, Literal
 
+from ..config.keys import BATCH
 from ..ledger import MiB
 from ..lifecycle import ModelState, check_transition
 from ..messages import (
@@ -52,8 +52,7 @@ ROOM_KEPT = 8
 
 
 def shown(copies: list[ModelRecord]) -> str:
-    """What a model is shown as, from its copies (llama.cpp's words): the most available
-    of theirs (one copy: its own)."""
+    """What a model is shown as (llama.cpp's words): the most available of its copies'."""
     if len(copies) == 1:
         return copies[0].state.shown
     words = {r.state.shown for r in copies}
@@ -62,9 +61,8 @@ def shown(copies: list[ModelRecord]) -> str:
 
 
 class Moves:
-    """One-step changes of one `State`, each adding its effects to `state.out`. A step
-    that the model groups extend (a transition, a grant, a stop) calls its part of them
-    by name, last (`self.teams`, teamwork.py)."""
+    """One-step changes of one `State`, each adding its effects to `state.out`. A step that
+    the model groups extend (a transition, a grant, a stop) calls their part last (teamwork.py)."""
 
     def __init__(self, state: State) -> None:
         self.state = state
@@ -243,6 +241,8 @@ class Moves:
         assert rec.host is not None and rec.port is not None
         rec.in_flight += 1
         rec.last_used = now
+        if not key.startswith(BATCH):  # (a batch's line is no use of a class: choice.py)
+            rec.asked_at = now
         self.state.stats.granted += 1
         self.state.leases[ticket] = (rec.name, rec.generation, key)
         tenants = self.state.tenants

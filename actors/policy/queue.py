@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
+from ..config.keys import BATCH, BATCH_LEVEL
 from ..config.rules import SESSION
 
 SCAN = 256
@@ -82,6 +83,11 @@ class QueueEntry:
         return QueueEntry(self.model, dict(self.waiters), self.explicit, self.claimed,
                           {k: dict(lane) for k, lane in self.lanes.items()}, dict(self.served),
                           self.sessions, dict(self.by_session))
+
+    def batch_only(self) -> bool:
+        """Only a batch's lines wait here (`batch:KEY`, issue 44): they take no turn, and
+        make room only in the others' idle windows (turns.py, choice.py)."""
+        return bool(self.lanes) and all(k.startswith(BATCH) for k in self.lanes)
 
     def put(self, ticket: Hashable, key: str, first: bool = False) -> None:
         """Add `ticket` at the back of its lane, or at its front (`first`)."""
@@ -190,8 +196,8 @@ class RequestQueue:
         return waiter
 
     def rank(self, waiter: Waiter, now: float) -> float:
-        """A waiter's level now, with what its wait has added."""
-        if not self.aging_s:
+        """A waiter's level now, with what its wait has added (a batch's line: none)."""
+        if not self.aging_s or waiter.level == BATCH_LEVEL:
             return waiter.level
         return waiter.level + (now - waiter.queued_at) / self.aging_s
 

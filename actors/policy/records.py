@@ -159,6 +159,9 @@ class ModelRecord:
     last_used: float = 0.0
     """Start of the latest granted request, or the spawn, or the end of the latest request
     on a grant the front kept (R-4.4)."""
+    asked_at: float = 0.0
+    """The start of its latest request of a class (a batch's line is none), or the end of
+    one on a grant the front kept: a batch's line evicts it only BATCH_IDLE_S after."""
     ended_at: float = 0.0
     """When its latest request ended, as far as the Scheduler knows (its release, less
     the time the front kept the grant after it)."""

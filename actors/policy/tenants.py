@@ -135,7 +135,8 @@ class Tenants:
         have no request running (until then, theirs count as requests with no key's)."""
         self.rules = tenants
         self.level = self.of("").level
-        self.usage = {k: u for k, u in self.usage.items() if k in tenants or u.in_flight}
+        self.usage = {k: u for k, u in self.usage.items() if k.removeprefix(BATCH) in tenants
+                      or u.in_flight}  # (a batch's lines: while their key stays)
 
     def of(self, key: str) -> Tenant:
         """A key's rules; one that is not known any more (removed by a reload while its
