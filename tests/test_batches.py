@@ -352,3 +352,55 @@ def test_queued_batches_hold_no_input_in_memory(tmp_path: Path) -> None:
         grown = proc.memory_info().rss - before
         print(f"{grown / 2**20:.1f} MiB for 24 more")
         assert grown < len(data) / 4, f"{grown / 2**20:.0f} MiB for 24 queued batches"
+
+
+def test_the_model_up_goes_first_and_the_batch_tells_its_eta(tmp_path: Path) -> None:
+    """y is up, x is not: y's lines run first (no load), then x's (one: idle_s 0 lets it
+    evict y at once); while it runs, the batch has an ETA, and none once done."""
+    with Corral(toml_config({"x": {"cmd": fake_cmd("--tokens-per-s", "40")},
+                             "y": {"cmd": fake_cmd("--tokens-per-s", "40")}},
+                            models_max=1, batches={"lines_at_once": 1, "idle_s": 0}),
+                home=tmp_path) as c:
+        status, _, _ = request(c.port, "POST", "/v1/chat/completions",
+                               {"model": "y", "max_tokens": 1, "messages": []})
+        assert status == 200
+        oa = client(c, "none")
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(
+            [(f"l{i}", "xy"[i % 2]) for i in range(16)]))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        eta = wait_until(lambda: oa.batches.retrieve(b.id).model_extra.get("eta_s"), 30,
+                         "an ETA")
+        assert 0 < eta < 60, eta
+        done = finished(oa, b.id)
+        assert done.status == "completed" and done.model_extra.get("eta_s") is None
+        status, body, _ = request(c.port, "GET", "/requests?key=batch:&limit=16")
+        order = [r["model"] for r in reversed(body["data"])]
+        assert order == ["y"] * 8 + ["x"] * 8, order
+        loads = {m["id"]: m["loads"] for m in request(c.port, "GET", "/models")[1]["data"]}
+        assert loads == {"x": 1, "y": 1}, loads
+
+
+def test_an_interactive_request_cuts_a_running_line(tmp_path: Path) -> None:
+    """priority_preempt: the one slot of m runs a batch's line; a request of a class
+    cuts it, and the line waits again and is answered once, after."""
+    with Corral(toml_config({"m": {"cmd": fake_cmd("--tokens-per-s", "4"),
+                                   "max_concurrency": 1}},
+                            priority_preempt=True, batches={"lines_at_once": 1}),
+                home=tmp_path) as c:
+        oa = client(c, "none")
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(batch_input(
+            [(f"c{i}", "m") for i in range(3)]))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        wait_until(lambda: any(m["in_flight"] for m in request(
+            c.port, "GET", "/models")[1]["data"]), 30, "a line running")
+        status, _, _ = request(c.port, "POST", "/v1/chat/completions",
+                               {"model": "m", "max_tokens": 1, "messages": []})
+        assert status == 200
+        done = finished(oa, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 3
+        assert sorted(r["custom_id"] for r in results(oa, done.output_file_id)) == \
+            ["c0", "c1", "c2"]
+        status, body, _ = request(c.port, "GET", "/requests?key=batch:&limit=20")
+        assert any(r.get("cut") for r in body["data"]), body["data"]

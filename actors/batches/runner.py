@@ -44,27 +44,34 @@ SAVE_S = 1.0
 PRUNE_S = 3600.0
 """How often files and batches past keep_days are deleted (and at start)."""
 _decode = msgspec.json.Decoder().decode
-Lines = collections.deque[Line]
+Lines = dict[int, Line]
+"""A batch's lines without a result, by number (in the file's order)."""
 
 
 class Runner:
     """Every batch of one corral, and the task that runs them."""
 
     def __init__(self, config: BatchesConfig, store: Store, front_url: Callable[[], str],
-                 secret: str, ready: Callable[[], Awaitable[set[str]]]) -> None:
+                 secret: str, models: Callable[[], Awaitable[dict[str, float | None]]]
+                 ) -> None:
         self.config = config
         self.store = store
         self.front_url = front_url
         self.secret = secret
-        self.ready = ready
-        """The models up now (their lines go first)."""
+        self.models = models
+        """Each model's seconds until it serves (0: up now: its lines go first; None: not
+        known), from the Scheduler's figures."""
+        self.until: dict[str, float | None] = {}
+        """Those seconds as last asked (for the ETA)."""
         self.batches: dict[str, Batch] = {}
         self.left: dict[str, Lines] = {}
         """A batch under way -> its lines without a result (read when it is first run)."""
         self.resting: dict[tuple[str, str], float] = {}
         """(batch, model) -> when its lines may be sent again (monotonic)."""
-        self.line_s: dict[str, float] = {}
-        """A batch -> its seconds a line (a running mean): its ETA."""
+        self.counts: dict[str, collections.Counter[str]] = {}
+        """A batch under way -> its lines left per model."""
+        self.line_s: dict[tuple[str, str], float] = {}
+        """(batch, model) -> its lines' seconds each (a running mean): the ETA."""
         self.wake = asyncio.Event()
         self.running: asyncio.Task[None] | None = None
         self.current = ""
@@ -165,11 +172,12 @@ class Runner:
             if not left:
                 await self._finish(batch, "completed")
                 continue
-            models = [m for m in dict.fromkeys(ln.model for ln in left)
+            models = [m for m in dict.fromkeys(ln.model for ln in left.values())
                       if self.resting.get((batch.id, m), 0.0) <= now]
             if models:
-                up = await self.ready()
-                return batch, next((m for m in models if m in up), models[0])
+                self.until = await self.models()
+                return batch, next((m for m in models if self.until.get(m) == 0.0),
+                                   models[0])
         return None
 
     async def _load(self, batch: Batch) -> bool:
@@ -184,7 +192,9 @@ class Runner:
             await self._fail(batch, "input_file_missing", f"its input file is gone ({e})")
             return False
         batch.request_counts = Counts(total=len(lines), completed=ok, failed=failed)
-        self.left[batch.id] = collections.deque(ln for ln in lines if ln.custom_id not in done)
+        self.left[batch.id] = {ln.number: ln for ln in lines if ln.custom_id not in done}
+        self.counts[batch.id] = collections.Counter(ln.model for ln in
+                                                    self.left[batch.id].values())
         if done:
             log.info("batch %s goes on: %d of %d lines left", batch.id,
                      len(self.left[batch.id]), len(lines))
@@ -192,13 +202,14 @@ class Runner:
 
     async def _group(self, batch: Batch, model: str) -> None:
         left = self.left[batch.id]
-        group = collections.deque(ln for ln in left if ln.model == model)
+        group = collections.deque(ln for ln in left.values() if ln.model == model)
         log.info("batch %s: %d lines for model %s", batch.id, len(group), model)
         async with asyncio.TaskGroup() as workers:  # (one that fails ends the others)
             for _ in range(min(self.config.lines_at_once, len(group))):
                 workers.create_task(self._work(batch, model, group, left))
 
-    async def _work(self, batch: Batch, model: str, group: Lines, left: Lines) -> None:
+    async def _work(self, batch: Batch, model: str, group: collections.deque[Line],
+                    left: Lines) -> None:
         while group and self.resting.get((batch.id, model), 0.0) <= time.monotonic():
             if batch.expires_at is not None and time.time() > batch.expires_at:
                 return
@@ -211,13 +222,26 @@ class Runner:
                          "%.0f s", batch.id, model, line.number, REST_AFTER, REST_S)
                 return
             self._write(batch, *sent, line)
-            left.remove(line)
+            del left[line.number]
+            self.counts[batch.id][model] -= 1
             took = time.monotonic() - began
-            mean = self.line_s[batch.id] = 0.8 * self.line_s.get(batch.id, took) + 0.2 * took
-            batch.eta_s = round(mean * len(left) / self.config.lines_at_once, 1)
+            mean = self.line_s.get((batch.id, model), took)
+            self.line_s[batch.id, model] = 0.8 * mean + 0.2 * took
+            batch.eta_s = self.eta(batch, model)
             if time.monotonic() - self.saved_at > SAVE_S:
                 self.saved_at = time.monotonic()
                 await asyncio.to_thread(self.store.save, batch)
+
+    def eta(self, batch: Batch, model: str) -> float:
+        """Seconds until `batch` is done: its lines left, each model's at the time a line
+        of it took (a model not run yet: this one's), and the loads of the models not up
+        (their measured cold loads or wakes)."""
+        at_once, each = self.config.lines_at_once, self.line_s[batch.id, model]
+        counts = +self.counts[batch.id]  # (those with lines left)
+        lines = sum(n * self.line_s.get((batch.id, m), each) / at_once
+                    for m, n in counts.items())
+        loads = sum(self.until.get(m) or 0.0 for m in counts if m != model)
+        return round(lines + loads, 1)
 
     def _write(self, batch: Batch, result: dict[str, Any], ok: bool, line: Line) -> None:
         with self.store.results(batch.id, "out" if ok else "err").open("ab") as f:
@@ -266,6 +290,7 @@ class Runner:
 
     async def _fail(self, batch: Batch, code: str, message: str) -> None:
         self.left.pop(batch.id, None)
+        self.counts.pop(batch.id, None)
         batch.errors = Faults(data=[Fault(code=code, message=message)])
         batch.status, batch.failed_at = "failed", int(time.time())
         await asyncio.to_thread(self.store.save, batch)
@@ -273,7 +298,7 @@ class Runner:
     async def _expire(self, batch: Batch) -> None:
         """Past its expiry: its lines left go to its error file (`batch_expired`)."""
         if batch.id in self.left or await self._load(batch):
-            for line in list(self.left[batch.id]):
+            for line in list(self.left[batch.id].values()):
                 self._write(batch, {"id": new_id("batch_req_"), "custom_id": line.custom_id,
                                     "response": None, "error": {
                                         "code": "batch_expired", "message": "the batch "
@@ -283,7 +308,9 @@ class Runner:
     async def _finish(self, batch: Batch, status: str) -> None:
         """Its results made files (output_file_id, error_file_id), then `status`."""
         self.left.pop(batch.id, None)
-        self.line_s.pop(batch.id, None)
+        self.counts.pop(batch.id, None)
+        for line_s in [k for k in self.line_s if k[0] == batch.id]:
+            del self.line_s[line_s]
         for key in [k for k in self.resting if k[0] == batch.id]:
             del self.resting[key]
         now = int(time.time())

@@ -22,6 +22,9 @@ class BatchesConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     body must also fit `max_body_mib`."""
     max_lines: Annotated[int, Meta(ge=1, le=1_000_000)] = 50_000
     """The most lines one batch may have (OpenAI's bound)."""
+    idle_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
+    """A line's load makes room only with models no request of a class (not a batch's
+    line) has used for this long: the batch runs in the others' idle windows."""
     lines_at_once: Annotated[int, Meta(ge=1, le=256)] = 4
     """A batch's lines in flight at once, all for one model (so that one load serves
     many): each waits, below every class, for a slot no other request wants."""

@@ -29,8 +29,8 @@ BATCH_LEVEL = -(1 << 40)
 """The batch class: below every class (their levels are within ±10**6), and it does not
 age (priority_aging_s), so its lines never pass another's request."""
 BATCH_IDLE_S = 60.0
-"""A batch's line makes room only with models no request of a class has used for this
-long (policy/choice.py): the batch runs in the idle windows of the others."""
+"""[batches] idle_s's default: a batch's line makes room only with models no request of
+a class has used for this long (policy/choice.py), in the others' idle windows."""
 PLANS_PER_MIN = 120
 """A key without admin that sets no plans_per_min: two a second, as a dashboard polls."""
 CHARGE_PARTS = 10
@@ -129,18 +129,23 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrency: int = 0
     requests_per_min: int = 0
     tokens_per_min: int = 0
+    idle_s: float = 0.0
+    """The batch class's ([batches] idle_s): its lines make room only with models no
+    request of a class has used for this long."""
 
 
-def batch_tenant(owner: Tenant, name: str) -> Tenant:
+def batch_tenant(owner: Tenant, name: str, idle_s: float = BATCH_IDLE_S) -> Tenant:
     """The class of a batch's lines (`name`: BATCH + the owner's): the owner's limits,
     counted apart, below every class."""
-    return msgspec.structs.replace(owner, name=name, level=BATCH_LEVEL, priority="batch")
+    return msgspec.structs.replace(owner, name=name, level=BATCH_LEVEL, priority="batch",
+                                   idle_s=idle_s)
 
 
 def tenants_of(config: Config) -> dict[str, Tenant]:
     """Every key's class and limits, by name ("" is a request with no key)."""
     default = config.priorities.get(DEFAULT_CLASS, 0)
-    out = {"": Tenant(name="", level=default)}
+    out = {"": Tenant(name="", level=default),
+           BATCH: batch_tenant(Tenant(name=""), BATCH, config.batches.idle_s)}
     if config.api_key is not None:
         out[API_KEY_NAME] = Tenant(name=API_KEY_NAME, level=default)
     for name, k in config.keys.items():

@@ -65,7 +65,7 @@ class BatchesApi:
     async def start(self) -> None:
         if self.config.enabled:
             self.made = Runner(self.config, self.store, self.front_url, self.secret,
-                               self._ready)
+                               self._models)
             await self.made.start()
 
     async def stop(self) -> None:
@@ -73,10 +73,14 @@ class BatchesApi:
             await self.made.stop()
             self.made = None
 
-    async def _ready(self) -> set[str]:
+    async def _models(self) -> dict[str, float | None]:
+        """Each model's seconds until it serves: 0 up, else its measured wake (asleep) or
+        cold load (None: never measured)."""
         snapshot = await self.ask(lambda r: GetModels(reply=r))
         assert isinstance(snapshot, ModelsSnapshot)
-        return {m.name for m in snapshot.models if m.state == "ready"}
+        return {m.name: 0.0 if m.state == "loaded" else None if m.swap_times is None
+                else m.swap_times.wake_s if m.state == "sleeping" else m.swap_times.cold_s
+                for m in snapshot.models}
 
     def routes(self, app: web.Application) -> None:
         r = app.router

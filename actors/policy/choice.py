@@ -1,7 +1,7 @@
 """Who may be evicted for whom (R-4.4): the least recently used idle model; a spare copy
 (above its model's `min`) first; for memory, suspended models that still hold a device
 last; never a member of a persistent group for a model outside it (teams.py); for a batch's
-lines alone, only a model no request of a class has used for BATCH_IDLE_S (issue 44).
+lines alone, only a model no request of a class has used for `[batches] idle_s` (issue 44).
 
 It only chooses (and sets a timer for when a model too young to go comes of age): the
 caller evicts (Moves.evict).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..config.keys import BATCH_IDLE_S
+from ..config.keys import BATCH
 from ..lifecycle import ModelState
 from ..messages import Repump
 from .records import Later, ModelRecord
@@ -46,7 +46,8 @@ class Choice:
         victim, wake = self.state.victims.pick(self.state.models, now,
                                                self.state.resident_until, allowed)
         if victim is None and window is not None:
-            wake = min((r.asked_at + BATCH_IDLE_S for r in self.state.models.values()
+            wake = min((r.asked_at + self.state.tenants.of(BATCH).idle_s
+                        for r in self.state.models.values()
                         if self.state.evictable(r) and not window(r)), default=wake)
         if wake is not None:
             self.wake_at(wake, now)
@@ -61,11 +62,12 @@ class Choice:
     def batch_window(self, now: float,
                      for_model: str | None) -> Callable[[ModelRecord], bool] | None:
         """Which models may go for `for_model` when only a batch's lines wait for it: those
-        no request of a class has used for BATCH_IDLE_S (None: any, it is not so)."""
+        no request of a class has used for [batches] idle_s (None: any, it is not so)."""
         entry = self.state.queue.entries.get(for_model) if for_model is not None else None
         if entry is None or not entry.batch_only():
             return None
-        return lambda r: now - r.asked_at >= BATCH_IDLE_S
+        idle_s = self.state.tenants.of(BATCH).idle_s  # ([batches] idle_s)
+        return lambda r: now - r.asked_at >= idle_s
 
     def extra_victim(self, now: float, for_model: str | None = None) -> ModelRecord | None:
         """The least recently used idle copy above its model's `min` (a spare): the first
@@ -124,6 +126,7 @@ class Choice:
             victims = [v for v in victims if not self.kept_from(v, for_model)]
         if (window := self.batch_window(now, for_model)) is not None:
             if (young := [v for v in victims if not window(v)]):
-                self.wake_at(min(v.asked_at for v in young) + BATCH_IDLE_S, now)
+                self.wake_at(min(v.asked_at for v in young)
+                             + self.state.tenants.of(BATCH).idle_s, now)
             victims = [v for v in victims if window(v)]
         return victims

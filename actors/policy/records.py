@@ -161,7 +161,7 @@ class ModelRecord:
     on a grant the front kept (R-4.4)."""
     asked_at: float = 0.0
     """The start of its latest request of a class (a batch's line is none), or the end of
-    one on a grant the front kept: a batch's line evicts it only BATCH_IDLE_S after."""
+    one on a grant the front kept: a batch's line evicts it only [batches] idle_s after."""
     ended_at: float = 0.0
     """When its latest request ended, as far as the Scheduler knows (its release, less
     the time the front kept the grant after it)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..config.keys import BATCH, Tenant, batch_tenant
+from ..config.keys import BATCH, BATCH_IDLE_S, Tenant, batch_tenant
 
 log = logging.getLogger("corral.scheduler")
 
@@ -144,7 +144,9 @@ class Tenants:
         if (rule := self.rules.get(key)) is not None:
             return rule
         if key.startswith(BATCH):  # a batch's lines: its owner's, below every class
-            rule = self.rules[key] = batch_tenant(self.of(key.removeprefix(BATCH)), key)
+            rule = self.rules[key] = batch_tenant(  # ([batches] idle_s: tenants_of)
+                self.of(key.removeprefix(BATCH)), key, self.rules[BATCH].idle_s
+                if BATCH in self.rules else BATCH_IDLE_S)
             return rule
         return self.rules.get("") or Tenant(name="")
 
