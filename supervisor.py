@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("load", "unload", "logs", "plan", "cancel", "drain", "undrain"):
             cmd.add_argument("id" if name == "cancel" else "node" if "drain" in name
                              else "name")
+        if name == "batches":
+            cmd.add_argument("id", nargs="?", default=None, help="one batch (default: all)")
         if name == "plan":
             cmd.add_argument("--for-key", metavar="NAME", default="",
                              help="plan for the named key's class and limits (an admin may "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -80,6 +81,14 @@ def test_a_batch_through_the_openai_sdk_answers_every_line_once(served: Corral) 
     assert done.request_counts.failed == 0 and done.error_file_id is None
     out = results(oa, done.output_file_id)
     assert sorted(r["custom_id"] for r in out) == sorted(cid for cid, _ in lines)
+    for args in ((), (done.id,)):  # `corral batches`, all of alice's and this one
+        cli = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "batches", *args,
+                              "--url", served.url], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "CORRAL_API_KEY": "alice-secret"})
+        assert cli.returncode == 0, cli.stderr
+        row = next(line for line in cli.stdout.splitlines() if line.startswith(done.id))
+        assert row.split()[1:5] == ["completed", "10", "0", "10"], cli.stdout
+    assert "lines per model: a 5, b 5" in cli.stdout, cli.stdout
     for r in out:
         assert r["response"]["status_code"] == 200 and r["error"] is None
         assert r["response"]["body"]["choices"], r

@@ -30,6 +30,8 @@ COMMANDS = {
                  "corral requests --model llama-8b --status 5xx"),
     "cancel": ("end a queued or running request, by its id (X-Request-Id)",
                "corral cancel 3f2a9c1e-1b"),
+    "batches": ("the batches (POST /v1/batches): status, lines answered and failed, ETA; "
+                "with an id, that one's models too", "corral batches"),
     "drain": ("take a cluster node out of service: no new child goes there, its models "
               "move to other nodes first", "corral drain node_b"),
     "undrain": ("put a drained cluster node back in service", "corral undrain node_b"),
@@ -67,6 +69,11 @@ def run(url: str, key: str | None, command: str, name: str | None = None,
         req = urllib.request.Request(f"{base}/requests?{fields}", headers=headers)
         shown = print_running if query.get("state") == "running" else print_requests
         return ask(base, req, lambda resp: shown(json.load(resp)["data"]))
+    elif command == "batches":
+        one = f"/{urllib.parse.quote(name, safe='')}" if name else ""
+        req = urllib.request.Request(f"{base}/v1/batches{one}", headers=headers)
+        return ask(base, req, lambda resp: print_batches(
+            [body] if "data" not in (body := json.load(resp)) else body["data"], bool(name)))
     elif command == "plan":
         fields = urllib.parse.urlencode({"model": name, **({"key": for_key} if for_key else {})})
         req = urllib.request.Request(f"{base}/models/plan?{fields}", headers=headers)
@@ -134,6 +141,22 @@ def print_requests(records: list[dict[str, Any]]) -> int:
               f"{r.get('status', 0):>6} {r.get('queue_s', 0):>7.3f} {waited[:16]:<16} "
               f"{ttfb:>7} {r.get('duration_s', 0):>7.3f} {tokens:>11}"
               + (f"  {r['error'][:60]}" if r.get("error") else ""))
+    return 0
+
+
+def print_batches(batches: list[dict[str, Any]], models: bool = False) -> int:
+    """`corral batches`: the newest first, as GET /v1/batches lists them."""
+    print(f"{'id':<30} {'status':<12} {'done':>7} {'failed':>6} {'of':>7} {'eta':>8}  made")
+    for b in batches:
+        counts, eta = b.get("request_counts") or {}, b.get("eta_s")
+        print(f"{b['id']:<30} {b['status']:<12} {counts.get('completed', 0):>7} "
+              f"{counts.get('failed', 0):>6} {counts.get('total', 0):>7} "
+              f"{'-' if eta is None else f'{eta:.0f} s':>8}  "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(b['created_at']))}")
+        if models and b.get("models"):
+            print("  lines per model: " + ", ".join(f"{m} {n}" for m, n in b["models"].items()))
+        for e in ((b.get("errors") or {}).get("data") or [])[:10]:
+            print(f"  {e.get('message', e)}")
     return 0
 
 
