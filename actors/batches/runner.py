@@ -7,12 +7,13 @@ other: a line waits while any other request wants the slot it would take, and a 
 cut (priority_preempt) takes its slot back before its answer begins.
 
 corral's own 429 or 503 (a queue timeout, a quota, a model that fails to load) is not
-a line's answer: the line is sent again, 1 s later, then 2, then 4; after REST_AFTER of
-those its model's lines *rest* for REST_S while the batch's other models, and other
-batches, go on. A batch past its expiry writes its lines left to its error file
-(`batch_expired`). Each answer is appended to the batch's results as it comes; a restart
-sends again only the lines without one. Lines are held as places in their file
-(shapes.py `Line`), and only for the batches under way.
+a line's answer: the line is sent again, 1 s later, then 2, then 4; after REST_AFTER
+refusals its model's lines *rest* for REST_S while the batch's other models, and other
+batches, go on. A cancel is the loop's to carry out (at once, or as the group of lines
+running is cut), so that no line of a cancelled batch is sent after it. A batch past its
+expiry writes its lines left to its error file (`batch_expired`). Each answer is appended
+to the batch's results as it comes; a restart sends again only the lines without one.
+Lines are held as places in their file (shapes.py `Line`), only for the batches under way.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ log = logging.getLogger("corral.batches")
 
 RETRY_S = 1.0
 """corral's own 429 or 503 to a line: sent again after this, doubling."""
-REST_AFTER = 3
-"""corral's own refusals of one line in a row after which its model's lines rest."""
+REST_AFTER = 4
+"""corral's own refusals of one line in a row (RETRY_S, then twice as long, between
+them) after which its model's lines rest."""
 REST_S = 30.0
 """How long a model's lines rest after REST_AFTER refusals (others run meanwhile)."""
 SAVE_S = 1.0
@@ -117,21 +119,25 @@ class Runner:
         self.wake.set()
 
     async def cancel(self, batch: Batch) -> None:
+        """Cancelling: the loop ends it (its lines running cut, if they are its)."""
         if batch.done or batch.status in ("cancelling", "finalizing"):
             return
         batch.status, batch.cancelling_at = "cancelling", int(time.time())
         await asyncio.to_thread(self.store.save, batch)
         if self.current == batch.id and self.running is not None:
-            self.running.cancel()  # (its loop finishes it)
-        else:
-            await self._finish(batch, "cancelled")
+            self.running.cancel()
+        self.wake.set()
 
     # ------------------------------------------------------------ running
 
     async def _loop(self) -> None:
         while True:
+            for batch in [b for b in self.batches.values() if b.status == "cancelling"]:
+                await self._finish(batch, "cancelled")
             picked = await self._pick()
             if picked is None:
+                if any(b.status == "cancelling" for b in self.batches.values()):
+                    continue  # (cancelled while it picked)
                 self.wake.clear()
                 rest = min(self.resting.values(), default=None)
                 try:
@@ -141,6 +147,8 @@ class Runner:
                     pass
                 continue
             batch, model = picked
+            if batch.status != "in_progress":  # (cancelled while it was picked)
+                continue
             self.current = batch.id
             self.running = asyncio.get_running_loop().create_task(self._group(batch, model))
             try:
@@ -160,13 +168,15 @@ class Runner:
         """The next batch and model to run: the oldest batch with lines of a model that
         does not rest, the models up now first."""
         now = time.monotonic()
+        self.resting = {k: t for k, t in self.resting.items() if t > now}
         todo = sorted((b for b in self.batches.values() if b.status == "in_progress"),
                       key=lambda b: (b.created_at, b.id))
         for batch in todo:
             if batch.expires_at is not None and time.time() > batch.expires_at:
                 await self._expire(batch)
                 continue
-            if batch.id not in self.left and not await self._load(batch):
+            if (batch.id not in self.left and not await self._load(batch)) \
+                    or batch.status != "in_progress":
                 continue
             left = self.left[batch.id]
             if not left:
@@ -190,6 +200,8 @@ class Runner:
             lines, (done, ok, failed) = await asyncio.to_thread(read)
         except OSError as e:
             await self._fail(batch, "input_file_missing", f"its input file is gone ({e})")
+            return False
+        if batch.status not in ("in_progress", "expired"):  # (cancelled meanwhile)
             return False
         batch.request_counts = Counts(total=len(lines), completed=ok, failed=failed)
         self.left[batch.id] = {ln.number: ln for ln in lines if ln.custom_id not in done}
@@ -258,7 +270,7 @@ class Runner:
         headers = {"Content-Type": "application/json",
                    "X-Corral-Batch": f"{self.secret} {batch.owner}"}
         body = body_of(self.store.read(batch.input_file_id, line.start, line.end))
-        for _ in range(REST_AFTER):
+        for tries in range(1, REST_AFTER + 1):
             try:
                 async with self._session().post(self.front_url() + batch.endpoint,
                                                 data=body, headers=headers) as resp:
@@ -269,8 +281,9 @@ class Runner:
                                        said), 200 <= resp.status < 300
             except aiohttp.ClientError as e:
                 log.info("batch %s: line %d not sent (%s)", batch.id, line.number, e)
-            await asyncio.sleep(wait)
-            wait *= 2
+            if tries < REST_AFTER:
+                await asyncio.sleep(wait)
+                wait *= 2
         return None
 
     def _session(self) -> aiohttp.ClientSession:
@@ -289,8 +302,7 @@ class Runner:
     # ------------------------------------------------------------ ends
 
     async def _fail(self, batch: Batch, code: str, message: str) -> None:
-        self.left.pop(batch.id, None)
-        self.counts.pop(batch.id, None)
+        self._forget(batch)
         batch.errors = Faults(data=[Fault(code=code, message=message)])
         batch.status, batch.failed_at = "failed", int(time.time())
         await asyncio.to_thread(self.store.save, batch)
@@ -305,14 +317,17 @@ class Runner:
                                         "expired before this line was sent"}}, False, line)
             await self._finish(batch, "expired")
 
-    async def _finish(self, batch: Batch, status: str) -> None:
-        """Its results made files (output_file_id, error_file_id), then `status`."""
+    def _forget(self, batch: Batch) -> None:
+        """What is held for a batch under way (its lines, their times, their rests)."""
         self.left.pop(batch.id, None)
         self.counts.pop(batch.id, None)
-        for line_s in [k for k in self.line_s if k[0] == batch.id]:
-            del self.line_s[line_s]
-        for key in [k for k in self.resting if k[0] == batch.id]:
-            del self.resting[key]
+        for held in (self.line_s, self.resting):
+            for key in [k for k in held if k[0] == batch.id]:
+                del held[key]
+
+    async def _finish(self, batch: Batch, status: str) -> None:
+        """Its results made files (output_file_id, error_file_id), then `status`."""
+        self._forget(batch)
         now = int(time.time())
         batch.status, batch.finalizing_at = "finalizing", batch.finalizing_at or now
         made = await asyncio.to_thread(self._files, batch, now)

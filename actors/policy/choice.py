@@ -66,8 +66,33 @@ class Choice:
         entry = self.state.queue.entries.get(for_model) if for_model is not None else None
         if entry is None or not entry.batch_only():
             return None
-        idle_s = self.state.tenants.of(BATCH).idle_s  # ([batches] idle_s)
-        return lambda r: now - r.asked_at >= idle_s
+        return self.window(now)
+
+    def window(self, now: float) -> Callable[[ModelRecord], bool]:
+        """Whether a model's idle window is open: no request of a class has used it for
+        [batches] idle_s (the same sum as the Repump set for its opening)."""
+        idle_s = self.state.tenants.of(BATCH).idle_s
+        return lambda r: r.asked_at + idle_s <= now
+
+    def nodes_victims(self, now: float, rec: ModelRecord) -> list[ModelRecord]:
+        """What a load of `rec` may stop on a node at its cap (no memory accounting): the
+        LRU idle models, less a persistent group's, and for a batch's lines alone those in
+        their idle window (a Repump for the first to open)."""
+        victims = self.state.victims.ranked(self.state.models, now, self.state.resident_until)
+        if self.state.teams.kept:
+            victims = [v for v in victims if not self.kept_from(v, rec.group)]
+        return self.in_window(now, victims, self.batch_window(now, rec.group))
+
+    def in_window(self, now: float, victims: list[ModelRecord],
+                  window: Callable[[ModelRecord], bool] | None) -> list[ModelRecord]:
+        """`victims` in their idle window (all: `window` None); a Repump for when the
+        first of the others' opens."""
+        if window is None:
+            return victims
+        if (shut := [v for v in victims if not window(v)]):
+            self.wake_at(min(v.asked_at for v in shut) + self.state.tenants.of(BATCH).idle_s,
+                         now)
+        return [v for v in victims if window(v)]
 
     def extra_victim(self, now: float, for_model: str | None = None) -> ModelRecord | None:
         """The least recently used idle copy above its model's `min` (a spare): the first
@@ -124,9 +149,4 @@ class Choice:
                               key=lambda r: r.last_used)
         if state.teams.kept or state.teams.partners:
             victims = [v for v in victims if not self.kept_from(v, for_model)]
-        if (window := self.batch_window(now, for_model)) is not None:
-            if (young := [v for v in victims if not window(v)]):
-                self.wake_at(min(v.asked_at for v in young)
-                             + self.state.tenants.of(BATCH).idle_s, now)
-            victims = [v for v in victims if window(v)]
-        return victims
+        return self.in_window(now, victims, self.batch_window(now, for_model))

@@ -189,6 +189,9 @@ class Rules:
         while free < len(needing):
             model = needing[max(free, 0)]
             victim = self.choice.pick_victim(now, model)
+            if victim is None and state.queue.entries[model].batch_only():
+                needing.remove(model)  # (its window is shut: the next may evict)
+                continue
             if victim is None:
                 if pinned_out:
                     self.refuse_pinned_out(needing[max(free, 0):])
@@ -238,8 +241,8 @@ class Rules:
             rescan = False
             for entry in self.state.queue.ordered(now):
                 verdict = self.claim_one(entry, now)
-                if verdict == "wait":
-                    return  # the head waits, and nobody overtakes it
+                if verdict == "wait" and not entry.batch_only():
+                    return  # the head waits, and nobody overtakes it (but a batch's lines)
                 if verdict == "rescan":
                     rescan = True
                     break
@@ -326,13 +329,10 @@ class Rules:
         return "spawned"
 
     def claim_node(self, rec: ModelRecord, now: float) -> bool:
-        """Choose the node of `rec` (a model with `nodes`, no memory accounting): sets
-        `rec.node` when it may spawn now; else it waits, after stopping the LRU idle model
-        of a node at its cap, or its requests are refused (then True: the queue changed)."""
-        victims = self.state.victims.ranked(self.state.models, now, self.state.resident_until)
-        if self.state.teams.kept:
-            victims = [v for v in victims if not self.choice.kept_from(v, rec.group)]
-        choice = self.state.nodes.choose(rec, self.state.models, victims)
+        """Choose the node of `rec` (with `nodes`, no memory accounting): `rec.node` set, or it
+        waits (an LRU victim stopped) or is refused (then True: the queue changed)."""
+        choice = self.state.nodes.choose(rec, self.state.models,
+                                         self.choice.nodes_victims(now, rec))
         rec.node = choice.node if choice.verdict == "go" else None
         rec.waiting_for = choice.why if choice.verdict == "wait" else None
         if choice.victim is not None:

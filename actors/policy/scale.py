@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from ..config.keys import BATCH
 from ..config.rules import Replicas
 from ..lifecycle import ModelState
 from ..messages import Repump
@@ -148,6 +149,9 @@ class Scaling:
         used first; `waited` is infinite for a copy that `min` asks for: it takes only
         what is free or spare, so models that fill their `min` never evict each other)."""
         victims = self.choice.memory_victims(now, rec.group)
+        if max(r.asked_at for r in self.state.groups.of(rec)) + self.state.tenants.of(
+                BATCH).idle_s <= now:  # only a batch's lines have used it: their window
+            victims = self.choice.in_window(now, victims, self.choice.window(now))
         spare = self.choice.spares(victims)
         return [v for v in victims if v.group != rec.group and v.state.is_serving
                 and (v in spare or now - v.idle_from > waited)]
