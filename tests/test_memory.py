@@ -263,6 +263,10 @@ def test_an_unusable_state_dir_is_a_clear_error_or_a_warning(corral, tmp_path) -
     measured(c, "a")
     assert "cannot write the measure cache" in c.log()
     assert chat(c.port, "a")[0] == 200
+    status, body, _ = request(c.port, "GET", "/v1/batches")  # (issue 44: off, said why)
+    assert status == 503 and f"{blocker}/state/batches cannot be used" in \
+        body["error"]["message"], body
+    assert "the Files and Batch APIs are off for this run" in c.log()
 
 
 def running_sets(sse: Any) -> list[set[str]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import tempfile
 import time
@@ -35,6 +36,7 @@ from ..runtime.bridge import LoopReply
 from .manage import error
 
 CHUNK = 1 << 16
+log = logging.getLogger("corral.batches")
 
 
 class _TooBig(Exception):
@@ -57,6 +59,8 @@ class BatchesApi:
         self.config = config
         self.store = Store(state / "batches")
         self.made: Runner | None = None
+        self.broken = ""
+        """Why the APIs are off for this run ("": they are not): state_dir unusable."""
         self.front_url, self.secret, self.ask = front_url, secret, ask
 
     def runner(self) -> Runner | None:
@@ -64,9 +68,14 @@ class BatchesApi:
 
     async def start(self) -> None:
         if self.config.enabled:
-            self.made = Runner(self.config, self.store, self.front_url, self.secret,
-                               self._models)
-            await self.made.start()
+            made = Runner(self.config, self.store, self.front_url, self.secret, self._models)
+            try:
+                await made.start()
+            except OSError as e:  # (a state_dir it cannot write: corral serves on)
+                self.broken = f"{self.store.root} cannot be used ({e})"
+                log.error("the Files and Batch APIs are off for this run: %s", self.broken)
+                return
+            self.made = made
 
     async def stop(self) -> None:
         if self.made is not None:
@@ -274,6 +283,9 @@ class BatchesApi:
         if not self.config.enabled:
             return error(404, "the Files and Batch APIs are off ([batches] enabled = false)",
                          "not_found_error")
+        if self.broken:
+            return error(503, f"the Files and Batch APIs are off for this run: {self.broken}",
+                         "unavailable_error")
         return None
 
 

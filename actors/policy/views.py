@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..config.keys import BATCH
 from ..lifecycle import ModelState
 from ..messages import (
     DevicesSnapshot,
@@ -108,8 +109,8 @@ def devices(p: State) -> DevicesSnapshot:
 def key_views(p: State, now: float) -> list[KeyView]:
     out = []
     for name, rules in p.tenants.rules.items():
-        if not name:
-            continue
+        if not name or (name.startswith(BATCH) and name not in p.tenants.usage):
+            continue  # (a batch's class is shown once its lines have come)
         usage = p.tenants.usage.get(name)
         if usage is not None:
             usage.expire(now, rules.tokens_per_min)
