@@ -7,6 +7,8 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
+
 from actors.childproc import ChildProcess, LogRing, pick_port, port_in_use
 from tests.helpers import ROOT, pid_alive, wait_until
 
@@ -61,9 +63,17 @@ def test_children_die_with_a_sigkilled_parent() -> None:
         assert parent.stdout is not None
         child_pid = int(parent.stdout.readline())
         assert pid_alive(child_pid)
+        born = psutil.Process(child_pid).create_time()  # (its pid may be reused once gone)
+
+        def gone() -> bool:
+            try:
+                return not pid_alive(child_pid) or \
+                    psutil.Process(child_pid).create_time() != born
+            except psutil.NoSuchProcess:
+                return True
         parent.kill()
         parent.wait()
-        wait_until(lambda: not pid_alive(child_pid), 5, "the child to die with its parent")
+        wait_until(gone, 5, "the child to die with its parent")
     finally:
         parent.kill()
         parent.wait()
