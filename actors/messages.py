@@ -199,6 +199,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     """A model with a `suspend` method: what its evictions are weighed by."""
     prefetched: Prefetched | None = None
     """Loaded or woken before it was asked, and not asked since (policy/prefetch.py)."""
+    ctx: int | None = None
+    """ctx = "fit": the context its child was loaded with (policy/context.py)."""
     replicas: list[ReplicaView] | None = None
     """A model with replicas: each copy (the model's own fields sum or pick from them:
     `state` the most available, `in_flight` the total)."""

@@ -1,9 +1,8 @@
 """Scheduler actor: owns every model record and the queue; its mailbox replaces locks.
 
-It turns each message into a call on the pure `Policy` and executes the effects that
-come back: answers to tickets, Start/StopInstance to ModelInstance actors, events to
-subscribers. It never does I/O, never sleeps and never waits on another actor.
-"""
+It turns each message into a call on the pure `Policy` and executes the effects that come
+back: answers to tickets, Start/StopInstance to ModelInstance actors, events to subscribers.
+It never does I/O, never sleeps and never waits on another actor."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from typing import TypeVar, assert_never, cast
 
 from . import budgets, swap_times
 from .base import BaseActor, CrashHandler
+from .config.context import with_ctx
 from .config.keys import tenants_of
 from .config.model import Config, ModelConfig, ModelRules, copies
 from .config.reload import same_child
@@ -366,10 +366,10 @@ class Scheduler(BaseActor):
                 case Preempt(ticket=ticket):
                     cast(Reply, ticket).send(CUT)
                 case Spawn(model=model, generation=gen, devices=devices, node=node,
-                           serves=serves):
+                           serves=serves, n_ctx=n_ctx):  # (n_ctx: its `{ctx}`, chosen)
                     self.instances[model].tell(StartInstance(
-                        generation=gen, config=self.configs[model], devices=devices, node=node,
-                        serves=serves))
+                        generation=gen, config=with_ctx(self.configs[model], n_ctx),
+                        devices=devices, node=node, serves=serves))
                 case Stop(model=model, generation=gen, reason=reason):
                     self.instances[model].tell(StopInstance(generation=gen, reason=reason))
                 case Suspend(model=model, generation=gen):

@@ -10,6 +10,7 @@ from bench import (
     chaos,
     cluster,
     cluster_sim,
+    context,
     dashboard,
     exit_latency,
     gpu_check,
@@ -37,7 +38,8 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "gpu-check": gpu_check.main, "lease": lease.main, "ceiling": ceiling.main,
             "tenants": tenants.main, "prompt-cache": prompt_cache.main,
             "replicas": replicas.main, "uploads": uploads.main, "journal": journal.main,
-            "streams": streams.main, "prefetch": prefetch.main, "batches": batches.main}
+            "streams": streams.main, "prefetch": prefetch.main, "batches": batches.main,
+            "context": context.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -73,6 +75,8 @@ SUMMARY = {
                 "prefetch on against off, and the guesses wasted",
     "batches": "a 1,000-line batch over 3 models beside an interactive client: its p99 "
                "alone and beside, and the batch's loads per model",
+    "context": "an agent alternating two models on one GPU: the second with a fixed "
+               "context against ctx = \"fit\": its answers, the loads",
 }
 
 

@@ -270,3 +270,13 @@ def test_batches_bench_runs(tmp_path) -> None:
     assert row["batch"]["status"] == "completed" and row["batch"]["counts"]["completed"] == 30
     assert row["batch"]["loads"] == {"a": 0, "b": 1, "c": 1}, row["batch"]
     assert row["alone_n"] > 0 and row["beside_n"] > 0
+
+
+def test_context_bench_runs(tmp_path) -> None:
+    """Two turns: with a fixed 32k context b and a swap every turn, with ctx = "fit" they
+    stay side by side, b at the 20,480 tokens that fit."""
+    out = tmp_path / "context.json"
+    bench("context", "--turns", "2", "--load-s", "0.2", "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["fit"]["loads"] == [1, 1] and data["fit"]["ctx"] == [20480], data["fit"]
+    assert data["fixed 32768"]["loads"] == [2, 2], data["fixed 32768"]

@@ -24,6 +24,7 @@ key with its default and meaning, and the checks their types cannot express.
 | `[tracing]`: OpenTelemetry traces over OTLP/HTTP       | `TracingConfig`          | tracing.py   |
 | `[downloads]`: where and how much                      | `DownloadsConfig`        | downloads.py |
 | a model's `suspend` key and its check                  | `Suspend`, `check`       | suspend.py   |
+| a model's `ctx`, `ctx_min`, `ctx_max`; `{ctx}`         | `Sized`, `with_ctx`      | context.py   |
 | what the policy needs of a model; replicas; groups     | `ModelRules`, `Replicas` | rules.py     |
 | named keys, built from the config; a caller's key      | `Keys`, `Tenant`         | keys.py      |
 | a name made a folder: one rule                         | `folder_name`            | paths.py     |

@@ -17,6 +17,7 @@ import msgspec
 
 from ..llama import is_llama
 from .checks import check_adapters, check_devices, check_headers, check_remote, check_variants
+from .context import ctx_problem
 from .hints import toml_hint
 from .hooks import HOOK_PLACEHOLDER
 from .keys import API_KEY_NAME
@@ -106,7 +107,9 @@ def _validate(config: Config, source: str) -> Config:
         if wrong is not None:
             raise ConfigError(f"{source}: models.{name!r}: {wrong}")
         _check_placeholders(model.cmd, PLACEHOLDER, f"{source}: models.{name}.cmd",
-                            "{port}, {host}, {model}, {devices} or {device}")
+                            "{port}, {host}, {model}, {devices}, {device} or {ctx}")
+        if (wrong := ctx_problem(model, model.cmd)) is not None:
+            raise ConfigError(f"{source}: models.{name}.{wrong}")
         if model.devices is not None and model.devices_per_instance > len(model.devices):
             raise ConfigError(f"{source}: models.{name}.devices_per_instance: "
                               f"{model.devices_per_instance} is more than the "

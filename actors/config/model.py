@@ -12,9 +12,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from .adapters import Adapting, api_of, extra_args
+from .adapters import api_of, extra_args
 from .batches import BatchesConfig
 from .cluster import ClusterConfig
+from .context import Sized
 from .devices import DeviceConfig
 from .downloads import DownloadsConfig
 from .hooks import Hooks
@@ -35,7 +36,7 @@ __all__ = ["ClusterConfig", "Config", "ConfigError", "DeviceConfig", "HttpConfig
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, Meta(ge=0)]
 MeasureMethod = Literal["command", "declared", "probe"]
-PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device)\}")
+PLACEHOLDER = re.compile(r"\{(port|host|model|devices|device|ctx)\}")
 STOP_PLACEHOLDER = re.compile(r"\{(model|port|pid)\}")
 
 
@@ -53,12 +54,12 @@ Modality = Literal["text", "image", "audio"]
 Capability = Literal["completion", "chat", "embedding", "rerank", "tools"]
 
 
-class ModelConfig(Adapting, forbid_unknown_fields=True, frozen=True, kw_only=True):
+class ModelConfig(Sized, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """One `[models.NAME]` table: a child's (`cmd`), a remote model's (`url`, remote.py),
     or an adapter's (`base`, adapters.py)."""
 
     cmd: list[str] = []
-    """argv, never run through a shell; `{port}`, `{host}` and `{model}` are filled in."""
+    """argv, never run through a shell; `{port}`, `{host}`, `{model}` (`{ctx}`) filled in."""
     env: dict[str, str] = {}
     aliases: list[str] = []
     set_params: dict[str, Any] = {}
@@ -87,8 +88,7 @@ class ModelConfig(Adapting, forbid_unknown_fields=True, frozen=True, kw_only=Tru
     measure_timeout_s: PositiveSeconds | None = None
     """Overrides the top-level measure_timeout_s."""
     first_byte_timeout_s: PositiveSeconds | None = None
-    """A child that has not begun its answer this long after the request was sent gets
-    the request cut off and the client a 504 (default: no limit)."""
+    """No answer begun this long after the request was sent: cut off, a 504 (default: none)."""
     ttl_s: NonNegativeSeconds | None = None
     """Stop the model after this long with no request (default: the top-level ttl_s)."""
     queue_max: Annotated[int, Meta(ge=0)] | None = None
@@ -108,8 +108,7 @@ class ModelConfig(Adapting, forbid_unknown_fields=True, frozen=True, kw_only=Tru
     devices_per_instance: Annotated[int, Meta(ge=1)] = 1
     """How many of them one child uses at once."""
     nodes: Annotated[list[str], Meta(min_length=1)] | None = None
-    """With a `[cluster]`: the nodes it may run on, in order of preference (default: the
-    machine corral runs on)."""
+    """With a `[cluster]`: the nodes it may run on, in order (default: corral's machine)."""
     suspend: Suspend | None = None
     """How its child gives its devices back and keeps its process (suspend.py); None: an
     eviction stops it. To make room, corral suspends it while host memory allows ..."""
@@ -190,7 +189,7 @@ class ModelConfig(Adapting, forbid_unknown_fields=True, frozen=True, kw_only=Tru
              devices: list[str] | None = None) -> list[str]:
         """`cmd` (plus `extra`) with the placeholders filled in; `{devices}` is the
         comma-separated placement, `{device}` its first device."""
-        values = {"port": str(port), "host": host, "model": name,
+        values = {"port": str(port), "host": host, "model": name, "ctx": self.ctx_fill(),
                   "devices": ",".join(devices or []), "device": (devices or [""])[0]}
         adapters = extra_args(self.cmd, api_of(self.cmd, self.health, self.lora_api),
                               self.adapters)
@@ -354,7 +353,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
             warm=model.warm, replicas=model.replica_rules, group=group,
             make_before_break=model.make_before_break,
             swap_delay_s=self.max_swap_delay_s if self.swap_order == "batch" else 0.0,
-            remote=bool(model.url))
+            remote=bool(model.url), ctx_fit=(model.ctx_min, model.ctx_max)
+            if model.ctx == "fit" and model.ctx_max is not None else None)
 
     def liveness_of(self, model: ModelConfig) -> float:
         """Seconds between liveness polls of `model`'s child (0: none)."""

@@ -122,6 +122,9 @@ class ModelRules(msgspec.Struct, frozen=True, kw_only=True):
     "batch"; actors/policy/turns.py)."""
     remote: bool = False
     """A remote model (config/remote.py): no child, always serving, never a victim."""
+    ctx_fit: tuple[int, int] | None = None
+    """ctx = "fit": (ctx_min, ctx_max), the context it loads with chosen within them as
+    it loads, from its measured memory (policy/context.py)."""
 
 
 class ModelGroup(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

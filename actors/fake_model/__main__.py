@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .protocols import LLAMA_EXIT, grow, llama_state, measure, register_memory
+from .protocols import LLAMA_EXIT, grow, llama_state, measure, register_memory, used_mib
 from .server import FakeModel
 
 
@@ -71,7 +71,7 @@ def _site(runner: web.AppRunner, args: argparse.Namespace) -> web.BaseSite:
 
 async def serve(args: argparse.Namespace) -> int:
     fake = FakeModel(args)
-    register_memory(args.device_mib)
+    register_memory(used_mib(args))
     if args.grow_to_mib is not None:
         fake.grower = asyncio.create_task(grow(args.device_mib, args.grow_to_mib, args.grow_s))
     # (a SIGTERM ends it within SHUTDOWN_S, as llama-server's does, not at its requests' end)
@@ -195,6 +195,9 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     """Simulated device memory, and vLLM's sleep mode that moves it to host RAM."""
     p.add_argument("--device-mib", type=float, default=0.0, metavar="N",
                    help="MiB this model uses on every simulated device (CORRAL_DEVICES)")
+    p.add_argument("--ctx-mib-per-1k", type=float, default=0.0, metavar="M",
+                   help="... and M MiB more per 1,024 tokens of its --n-ctx (a KV cache: "
+                   "measured at 512 and at --n-ctx)")
     p.add_argument("--grow-to-mib", type=float, default=None, metavar="N",
                    help="use more of the simulated devices, from --device-mib to N ...")
     p.add_argument("--grow-s", type=float, default=1.0, metavar="S",

@@ -71,6 +71,11 @@ async def grow(start_mib: float, end_mib: float, seconds: float) -> None:
 
 # ------------------------------------------------------------ corral's measure protocol
 
+def used_mib(args: argparse.Namespace, n_ctx: int | None = None) -> float:
+    """What it holds on a device: its --device-mib, and its context's at --ctx-mib-per-1k."""
+    return float(args.device_mib + args.ctx_mib_per_1k * (n_ctx or args.n_ctx) / 1024)
+
+
 def measure(args: argparse.Namespace) -> int:
     """CORRAL_ROLE=measure: report the memory need on stdout (corral's measure protocol)."""
     time.sleep(args.measure_delay)
@@ -85,8 +90,9 @@ def measure(args: argparse.Namespace) -> int:
         print("corral:measure:" + json.dumps({"result": "failed", "error": args.measure_fail}),
               flush=True)
         return 0
-    mib = args.device_mib if args.measure_mib is None else args.measure_mib
-    min_mib = mib if args.measure_min_mib is None else args.measure_min_mib
+    mib = used_mib(args) if args.measure_mib is None else args.measure_mib
+    min_mib = (mib if not args.ctx_mib_per_1k else used_mib(args, 512)) \
+        if args.measure_min_mib is None else args.measure_min_mib
 
     def figures(n_ctx: int, mib: float) -> dict[str, Any]:  # a model that fits on one GPU
         return {"n_ctx": n_ctx, "devices": [
@@ -94,5 +100,5 @@ def measure(args: argparse.Namespace) -> int:
              "context": 0, "compute": 0} for d in sim_devices()[:1]]}
 
     print("corral:measure:" + json.dumps({"result": "measured", "min": figures(512, min_mib),
-                                          "max": figures(4096, mib)}), flush=True)
+                                          "max": figures(args.n_ctx, mib)}), flush=True)
     return 0

@@ -83,6 +83,8 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
     }
     if view.prefetched is not None:  # up before it was asked (policy/prefetch.py)
         out["prefetched"] = msgspec.to_builtins(view.prefetched)
+    if view.ctx is not None:  # its context, chosen as it loaded (policy/context.py)
+        out["ctx"] = view.ctx
     if view.swap_times is not None:  # what its evictions are weighed by (policy/costs.py)
         out["swap_times"] = msgspec.to_builtins(view.swap_times)
     if view.replicas is not None:  # issue 24: each copy, as the Scheduler sees it

@@ -25,6 +25,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | host RAM for suspended models, suspended_max         | `HostTier`             | host.py     |
 | suspend or stop: what a round trip costs             | `SwapTimes`, `weigh`   | costs.py    |
 | the next model, loaded before it is asked            | `Prefetch`             | prefetch.py |
+| a model's context, the most that fits as it loads    | `choose`, `at_ctx`     | context.py  |
 | the ledger, and a plan for each load                 | `Memory`               | memory.py   |
 | a plan; the places a model may go, weighed           | `Plan`, `Weighing`     | weigh.py    |
 | the device sets a model may be placed on             | `Places`               | places.py   |

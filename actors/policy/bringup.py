@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..ledger import node_of
 from ..lifecycle import ModelState
 from ..messages import EvictionReason
+from .context import choose
 from .moves import Moves
 from .queue import QueueEntry
 from .records import ModelRecord
@@ -41,6 +42,8 @@ class BringUp:
         busy = self.moves.loading_devices(rec) if busy is None else busy
         if rec.state is S.SUSPENDED:
             return state.memory.plan_wake(rec, state.models, victims, busy)
+        if rec.rules.ctx_fit is not None:  # its context: the most that fits (context.py)
+            return choose(rec, lambda v: state.memory.plan(rec, state.models, v, busy), victims)
         return state.memory.plan(rec, state.models, victims, busy)
 
     def make_room(self, plan: Plan, for_model: str, now: float,

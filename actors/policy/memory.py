@@ -11,6 +11,7 @@ from collections.abc import Callable
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB, node_of
 from ..lifecycle import ModelState
 from ..messages import Shortfall
+from .context import sized
 from .nodes import NodeSlots
 from .places import Places
 from .records import ModelRecord
@@ -47,9 +48,10 @@ class Memory(Reports):
 
     @staticmethod
     def need(rec: ModelRecord) -> Breakdown | None:
-        """What a load of `rec` holds until it is charged its real use: `max` if measured
-        (it runs at its configured context), else `min`."""
-        return rec.mem_max or rec.mem_min
+        """What a load of `rec` holds until it is charged its real use: at the context
+        chosen for it (ctx = "fit": context.py), else `max` if measured (it runs at its
+        configured context), else `min`."""
+        return sized(rec) or rec.mem_max or rec.mem_min
 
     def devices_of(self, rec: ModelRecord) -> set[str]:
         """The devices a load of `rec` uses; every one it may use while that is not known
@@ -104,7 +106,7 @@ class Memory(Reports):
         that fits as things are: no new victim makes a cheaper one, so while no record's
         state, device figure or hold has changed, the same plan is given again (a full
         cluster's head of queue is planned at every request that comes or goes)."""
-        inputs = (rec.generation, rec.rules, rec.memory, rec.mem_max, rec.mem_min,
+        inputs = (rec.generation, rec.rules, rec.memory, rec.mem_max, rec.mem_min, rec.n_ctx,
                   self.ledger.version, self.epoch, frozenset(busy or ()), self.nodes.version)
         if not exhaustive and (last := self.waits.get(rec.name)) and last[0] == inputs:
             return last[1]

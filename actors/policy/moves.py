@@ -110,8 +110,8 @@ class Moves:
         attempt = rec.breaker.loading()
         cause = why or ("warm-up load" if rec in self.state.warming
                         else f"spawn for {n_waiting} waiting request(s)")
-        if attempt > 1:
-            cause += f", attempt {attempt}"
+        cause += (f", attempt {attempt}" if attempt > 1 else "") + (
+            f", at {rec.n_ctx} context" if rec.n_ctx and rec.rules.ctx_fit else "")
         if rec.placement:
             cause += f", on {', '.join(rec.placement)}"
         elif rec.node is not None:
@@ -121,7 +121,7 @@ class Moves:
         if self.state.watched(rec):
             self.state.memory.spawning(rec)
         self.state.out.append(Spawn(rec.name, rec.generation, rec.placement, rec.node,
-                                    rec.rules.group or None))
+                                    rec.rules.group or None, rec.n_ctx))
 
     def stop(self, rec: ModelRecord, reason: EvictionReason, for_model: str | None,
              now: float, shortfalls: list[Shortfall] | None = None,

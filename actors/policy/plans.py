@@ -93,6 +93,11 @@ class RequestPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     """load: where it would start, what would be stopped for it, the memory around it."""
     wake: bool = False
     """load: the load is a wake of the model's suspended child (issue 23)."""
+    ctx: int | None = None
+    """load, ctx = "fit": the context it would load with (context.py) ..."""
+    ctx_note: str = ""
+    """... and what that gives up: "at 32768 context it would evict A; at 8192 it fits
+    beside them"."""
     prefetch: str | None = None
     """With `prefetch`: the model its answer would have loaded next, where it fits."""
     status: int | None = None
@@ -203,6 +208,7 @@ def _unnamed(planned: RequestPlan, hidden: set[str]) -> RequestPlan:
 
     return msgspec.structs.replace(
         planned, waiting_for=text(planned.waiting_for), message=text(planned.message),
+        ctx_note=text(planned.ctx_note) or "",
         revoke=[m if m not in hidden else ANOTHER for m in planned.revoke],
         evict=[e if e.model not in hidden else msgspec.structs.replace(
             e, model=ANOTHER, why=text(e.why) or "") for e in planned.evict])
@@ -243,7 +249,8 @@ def _plan(policy: Policy, copy_: Policy, probe: _Probe, effects: list[Effect],
                                because=e.why) for e in evictions],
         memory=_memory(policy, copy_, rec, devices or [], [e.model for e in evictions],
                        reserved=spawn is not None or rec.state is ModelState.WAKING),
-        wake=woken)
+        wake=woken, ctx=rec.n_ctx if rec.rules.ctx_fit and not woken else None,
+        ctx_note=rec.ctx_note if rec.rules.ctx_fit and not woken else "")
 
 
 def _place(copy_: Policy, probe: _Probe, model: str, now: float) -> tuple[int, dict[str, int]]:

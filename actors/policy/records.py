@@ -52,6 +52,8 @@ class Spawn(msgspec.Struct, frozen=True):
     node: str | None = None
     serves: str | None = None
     """For a replica: the model it is a copy of (its `{model}`)."""
+    n_ctx: int | None = None
+    """ctx = "fit": the context chosen for it (its `{ctx}`)."""
 
 
 class Stop(msgspec.Struct, frozen=True):
@@ -159,6 +161,10 @@ class ModelRecord:
     last_used: float = 0.0
     """Start of the latest granted request, or the spawn, or the end of the latest request
     on a grant the front kept (R-4.4)."""
+    n_ctx: int | None = None
+    """ctx = "fit": the context its last load was given (context.py)."""
+    ctx_note: str = ""
+    """... and what that gave up, if anything ("at 32768 it would evict A; ...")."""
     asked_at: float = 0.0
     """The start of its latest request of a class (a batch's line is none), or the end of
     one on a grant the front kept: a batch's line evicts it only [batches] idle_s after."""

@@ -64,6 +64,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
             swap_times=child.times if child.rules.suspend else None,
             prefetched=p.prefetched.get(child.name),
+            ctx=child.n_ctx if child.rules.ctx_fit and child.state is not S.UNLOADED else None,
             replicas=[replica_view(r) for r in every  # (an alternate while it has a child)
                       if r in copies or r.state is not S.UNLOADED]
             if copies is not None else None))

@@ -1,0 +1,59 @@
+"""`ctx = "fit"` through `corral serve` (issue 44, part 3): a fake child whose KV cache
+takes 256 MiB per 1,024 tokens, beside a 3 GiB model on a 10 GiB simulated device with a
+1 GiB margin. It loads with the most context that fits beside (20,480 tokens: 1 GiB of
+weights and 5 GiB of cache in the 6 GiB free), its `{ctx}` filled in; the plan says
+what that gave up; bad context keys are refused naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import ROOT, chat, fake_cmd, request, wait_until
+from tests.test_memory import devices, measured, mem_config, sized
+
+MiB = 1024 * 1024
+KV = {"cmd": fake_cmd("--device-mib", "1024", "--ctx-mib-per-1k", "256", "--n-ctx", "{ctx}"),
+      "ctx": "fit", "ctx_min": 2048, "ctx_max": 32768}
+
+
+def test_a_fit_model_loads_with_the_most_context_beside_what_is_up(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {"a": sized(3072), "b": KV},
+                          http={"lease_linger_ms": 0}))  # (a is idle once it answered)
+    assert chat(c.port, "a")[0] == 200
+    measured(c, "b")
+    wait_until(lambda: c.models()["a"]["memory"]["effective"], 15, "a's use, charged")
+    status, plan, _ = request(c.port, "GET", "/models/plan?model=b")
+    assert status == 200 and plan["decision"] == "load" and plan["ctx"] == 20480, plan
+    assert plan["ctx_note"] == "at 32768 context it would evict a; at 20480 it fits beside them"
+    assert not plan.get("evict"), plan
+    assert chat(c.port, "b")[0] == 200
+    models = c.models()
+    assert models["b"]["ctx"] == 20480 and models["a"]["status"]["value"] == "loaded"
+    status, props, _ = request(c.port, "GET", "/props?model=b")
+    assert status == 200 and props["default_generation_settings"]["n_ctx"] == 20480, props
+    held = devices(c.port)["gpu0"]["held"]
+    assert held["b"] == (1024 + 256 * 20) * MiB, held
+    assert "at 20480 context" in c.log()
+
+
+def test_context_keys_at_fault_are_refused_naming_the_key(tmp_path: Path) -> None:
+    for keys, said in (({"ctx": "fit"}, "models.b.ctx_max"),
+                       ({"ctx": "fit", "ctx_max": 1024}, "models.b.ctx_min"),
+                       ({"ctx": 4096, "cmd": fake_cmd()}, "models.b.ctx"),
+                       ({"cmd": fake_cmd("--n-ctx", "{ctx}")}, "models.b.cmd")):
+        model = {"cmd": KV["cmd"], **keys}
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(mem_config(tmp_path, {"b": model}))
+        run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "check-config",
+                              str(cfg)], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and said in run.stderr, (keys, run.stderr)
+
+
+def test_a_fixed_ctx_is_filled_in(corral, tmp_path) -> None:
+    c = corral(mem_config(tmp_path, {"b": {**KV, "ctx": 8192}}))
+    assert chat(c.port, "b")[0] == 200
+    status, props, _ = request(c.port, "GET", "/props?model=b")
+    assert status == 200 and props["default_generation_settings"]["n_ctx"] == 8192, props
+    assert "ctx" not in c.models()["b"]

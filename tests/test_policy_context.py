@@ -1,0 +1,66 @@
+"""A model's context chosen as it loads (issue 44, part 3: `ctx = "fit"`), in the pure
+policy on a 10 GiB device (1 GiB margin): the most that fits beside what is up, within
+ctx_min..ctx_max; ctx_min, making room, only when not even that fits; what it gave up
+said in the plan."""
+
+from __future__ import annotations
+
+from actors.config.rules import ModelRules
+from actors.ledger import Breakdown, DeviceUse
+from actors.policy.context import at_ctx
+from actors.policy.records import Spawn
+from tests.test_policy_memory import GiB, MemWorld
+
+FIT = ModelRules(ctx_fit=(2048, 32768))
+
+
+def kv(n_ctx: int, gib_per_1k: float = 0.25, weights_gib: float = 1.0) -> Breakdown:
+    """A model of `weights_gib` whose KV cache takes `gib_per_1k` a 1,024 tokens."""
+    return Breakdown(n_ctx=n_ctx, devices=[DeviceUse(
+        kind="device", name="gpu0", model=int(weights_gib * GiB),
+        context=int(gib_per_1k * GiB * n_ctx / 1024))])
+
+
+def world(a_gib: float) -> MemWorld:
+    """`a` (a_gib) up and just used; `b` fits (1 GiB of weights, 0.25 GiB per 1k)."""
+    w = MemWorld({"a": a_gib, "b": 1.0}, rules={"b": FIT}, measured=False)
+    w.run(w.p.children.measured("a", True, kv(512, 0, a_gib), kv(512, 0, a_gib), 0.0))
+    w.run(w.p.children.measured("b", True, kv(512), kv(32768), 0.0))
+    w.acquire("a1", "a")
+    w.ready("a")
+    w.release("a1")
+    return w
+
+
+def spawned_ctx(w: MemWorld, ticket: str, model: str) -> int | None:
+    effects = w.run(w.p.acquire(ticket, model, w.tick(), True, ""))
+    return next((e.n_ctx for e in effects if isinstance(e, Spawn) and e.model == model), None)
+
+
+def test_the_line_through_two_measurements() -> None:
+    got = at_ctx(kv(512), kv(32768), 8192).devices[0]
+    assert got.model == GiB and got.context == 2 * GiB
+
+
+def test_it_loads_with_the_most_that_fits_beside_what_is_up() -> None:
+    w = world(3.0)  # 10 - 1 margin - 3 = 6 GiB free: 1 + 0.25 k/1k <= 6 -> 20480
+    assert w.p.plan("b", w.tick()).ctx == 20480
+    assert "at 32768 context it would evict a; at 20480 it fits beside them" in \
+        w.p.plan("b", w.tick()).ctx_note
+    assert spawned_ctx(w, "b1", "b") == 20480
+    assert w.p.state.models["a"].state.value == "loaded", "a is not evicted for context"
+
+
+def test_all_of_it_when_it_fits_and_its_least_when_nothing_does() -> None:
+    w = world(0.5)  # 8.5 GiB free: 1 + 8 = 9 at 32k does not fit; 8.5 -> 30720
+    assert spawned_ctx(w, "b1", "b") == 30720
+    w = world(8.0)  # 1 GiB free: not even 2048 (1.5 GiB) fits: a is evicted for it
+    assert "not even 2048 context (ctx_min) fits beside what is up" in \
+        w.p.plan("b", w.tick()).ctx_note
+    assert spawned_ctx(w, "b1", "b") is None  # (it waits for a to stop first)
+    assert [e.model for e in w.evictions()] == ["a"]
+    w.exited("a")  # then it loads with the most that fits in the room made: all of it
+    w.report()
+    w.run(w.p.repump(w.tick()))
+    b = w.p.state.models["b"]
+    assert b.state.value == "loading" and b.n_ctx == 32768
