@@ -82,8 +82,10 @@ class MeasureCache:
 
     @staticmethod
     def key(name: str, model: ModelConfig, device_names: list[str]) -> str:
-        # {model} may choose what the child loads; {port} and {host} change nothing.
-        argv = [arg.replace("{model}", name) for arg in (*model.cmd, *model.measure_args)]
+        # {model} may choose what the child loads, {ctx} its size; {port} and {host}
+        # change nothing.
+        argv = [arg.replace("{model}", name).replace("{ctx}", model.ctx_fill())
+                for arg in (*model.cmd, *model.measure_args)]
         files = []
         for arg in argv:
             with contextlib.suppress(OSError, ValueError):

@@ -42,7 +42,10 @@ def test_context_keys_at_fault_are_refused_naming_the_key(tmp_path: Path) -> Non
     for keys, said in (({"ctx": "fit"}, "models.b.ctx_max"),
                        ({"ctx": "fit", "ctx_max": 1024}, "models.b.ctx_min"),
                        ({"ctx": 4096, "cmd": fake_cmd()}, "models.b.ctx"),
-                       ({"cmd": fake_cmd("--n-ctx", "{ctx}")}, "models.b.cmd")):
+                       ({"cmd": fake_cmd("--n-ctx", "{ctx}")}, "models.b.cmd"),
+                       ({"ctx": 4096, "ctx_max": 8192}, "models.b.ctx_max"),
+                       ({"ctx": "fit", "ctx_max": 8192, "memory_mib": {"gpu0": 1024}},
+                        "models.b.ctx")):
         model = {"cmd": KV["cmd"], **keys}
         cfg = tmp_path / "c.toml"
         cfg.write_text(mem_config(tmp_path, {"b": model}))
@@ -52,7 +55,7 @@ def test_context_keys_at_fault_are_refused_naming_the_key(tmp_path: Path) -> Non
 
 
 def test_a_fixed_ctx_is_filled_in(corral, tmp_path) -> None:
-    c = corral(mem_config(tmp_path, {"b": {**KV, "ctx": 8192}}))
+    c = corral(mem_config(tmp_path, {"b": {"cmd": KV["cmd"], "ctx": 8192}}))
     assert chat(c.port, "b")[0] == 200
     status, props, _ = request(c.port, "GET", "/props?model=b")
     assert status == 200 and props["default_generation_settings"]["n_ctx"] == 8192, props

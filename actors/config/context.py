@@ -38,9 +38,15 @@ def with_ctx(config: M, n_ctx: int | None) -> M:
     return msgspec.structs.replace(config, cmd=[a.replace("{ctx}", str(n_ctx)) for a in cmd])
 
 
-def ctx_problem(model: Sized, cmd: list[str]) -> str | None:
-    """What is wrong with a model's context keys (None: nothing), its key named."""
+def ctx_problem(model: Sized, cmd: list[str], method: str) -> str | None:
+    """What is wrong with a model's context keys (None: nothing), its key named;
+    `method`: how its memory is measured (one figure, `declared`, cannot be fitted)."""
     uses = any("{ctx}" in arg for arg in cmd)
+    if model.ctx != "fit" and model.ctx_max is not None:
+        return 'ctx_max: ctx_min and ctx_max are for ctx = "fit" only'
+    if model.ctx == "fit" and method == "declared":
+        return ('ctx: "fit" reads its memory at two contexts, from a measurement '
+                '(measure = "command"); memory_mib declares one figure')
     if model.ctx is None:
         return "cmd: {ctx} stands in it, but the model sets no ctx" if uses else None
     if not uses:

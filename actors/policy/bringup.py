@@ -43,7 +43,9 @@ class BringUp:
         if rec.state is S.SUSPENDED:
             return state.memory.plan_wake(rec, state.models, victims, busy)
         if rec.rules.ctx_fit is not None:  # its context: the most that fits (context.py)
-            return choose(rec, lambda v: state.memory.plan(rec, state.models, v, busy), victims)
+            return choose(rec, lambda v: state.memory.plan(rec, state.models, v, busy), victims,
+                          (state.memory.epoch, state.ledger.version, frozenset(busy),
+                           state.nodes.version))
         return state.memory.plan(rec, state.models, victims, busy)
 
     def make_room(self, plan: Plan, for_model: str, now: float,

@@ -24,12 +24,15 @@ STEP = 256
 
 
 def at_ctx(low: Breakdown, high: Breakdown, n_ctx: int) -> Breakdown:
-    """A model's memory at `n_ctx`, from its measurements at two contexts: each row's
-    context and compute bytes on the line through both (a row that splits nothing out, its
-    whole), rows that only the larger has as they are."""
+    """A model's memory at `n_ctx` (never less than `low`'s own context), from its
+    measurements at two contexts: each row on the line through both, its weights as the
+    larger measured them where both split them out, else its whole; a row only one has,
+    as that one has it (never less than measured)."""
     span = high.n_ctx - low.n_ctx
+    n_ctx = max(n_ctx, low.n_ctx)
     lows = {(r.kind, r.name): r for r in low.devices}
-    rows = []
+    highs = {(r.kind, r.name) for r in high.devices}
+    rows = [r for r in low.devices if (r.kind, r.name) not in highs]
     for r in high.devices:
         lo = lows.get((r.kind, r.name))
         if lo is None or span <= 0:
@@ -38,10 +41,13 @@ def at_ctx(low: Breakdown, high: Breakdown, n_ctx: int) -> Breakdown:
 
         def line(a: int, b: int) -> int:
             return max(0, a + (b - a) * (n_ctx - low.n_ctx) // span)
-        split = r.context or lo.context or r.compute or lo.compute
-        rows.append(msgspec.structs.replace(
-            r, context=line(lo.context, r.context), compute=line(lo.compute, r.compute),
-            model=r.model if split else line(lo.model, r.model)))
+        if (r.context or r.compute) and (lo.context or lo.compute):  # (both split it out)
+            rows.append(msgspec.structs.replace(
+                r, context=line(lo.context, r.context), compute=line(lo.compute, r.compute)))
+        else:
+            rows.append(msgspec.structs.replace(
+                r, model=max(lo.self_bytes, line(lo.self_bytes, r.self_bytes)), context=0,
+                compute=0))
     return Breakdown(n_ctx, rows)
 
 
@@ -54,23 +60,45 @@ def sized(rec: ModelRecord) -> Breakdown | None:
     return at_ctx(low, high, rec.n_ctx)
 
 
+def fits(plan: Plan) -> bool:
+    """A plan that loads it beside what is up, not short of memory: a plan for a model
+    alone on its device goes even if short ("loading anyway"), which no context chosen
+    may be."""
+    return plan.verdict == "go" and not plan.note
+
+
 def choose(rec: ModelRecord, plan: Callable[[list[ModelRecord]], Plan],
-           victims: list[ModelRecord]) -> Plan:
+           victims: list[ModelRecord], inputs: tuple[object, ...]) -> Plan:
     """The plan that loads `rec` (ctx = "fit") at the most context that fits beside what
     is up, else at ctx_min, evicting `victims` as needed; sets `rec.n_ctx` to it and says
-    what was given up (`rec.ctx_note`). `plan(victims)`: the memory plan at `rec.n_ctx`."""
+    what was given up (`rec.ctx_note`). `plan(victims)`: the memory plan at `rec.n_ctx`;
+    `inputs`: what the choice depends on besides `rec` (the same again: the same choice,
+    planned once, not searched)."""
     assert rec.rules.ctx_fit is not None
     least, most = rec.rules.ctx_fit
+    key = (inputs, rec.generation, rec.rules, rec.mem_min, rec.mem_max,
+           tuple(id(v) for v in victims))
+    if rec.ctx_memo is not None and rec.ctx_memo[0] == key:
+        _, rec.n_ctx, rec.ctx_note, beside = rec.ctx_memo
+        return plan([] if beside else victims)
+    chosen, beside = _choose(rec, plan, victims, least, most)
+    rec.ctx_memo = (key, rec.n_ctx, rec.ctx_note, beside)
+    return chosen
+
+
+def _choose(rec: ModelRecord, plan: Callable[[list[ModelRecord]], Plan],
+            victims: list[ModelRecord], least: int, most: int) -> tuple[Plan, bool]:
+    """`choose`'s search: its plan, and whether that plan was made with no victims."""
     rec.n_ctx, rec.ctx_note = most, ""
     if sized(rec) is None:  # (not measured at two contexts: it loads with its most)
-        return plan(victims)
-    if (beside := plan([])).verdict == "go":
-        return beside
-    best, lo, hi = None, least // STEP, most // STEP - 1
+        return plan(victims), False
+    if fits(beside := plan([])):
+        return beside, True
+    best, lo, hi = None, least // STEP, (most - 1) // STEP
     while lo <= hi:  # (the fit is monotone in the context: halve the steps)
         mid = (lo + hi) // 2
         rec.n_ctx = max(least, mid * STEP)
-        if plan([]).verdict == "go":
+        if fits(plan([])):
             best, lo = rec.n_ctx, mid + 1
         else:
             hi = mid - 1
@@ -82,10 +110,10 @@ def choose(rec: ModelRecord, plan: Callable[[list[ModelRecord]], Plan],
                         "them" if gone and at_most.verdict != "refuse" else
                         f"at {best} context it fits beside what is up; at {most} it does not")
         rec.n_ctx = best
-        return plan([])
+        return plan([]), True
     rec.n_ctx = least
     chosen = plan(victims)
     rec.ctx_note = f"not even {least} context (ctx_min) fits beside what is up: it loads " \
                    f"with {least}" + (f", evicting {gone}" if (gone := ", ".join(
                        v.name for v, _ in chosen.evict)) else "")
-    return chosen
+    return chosen, False

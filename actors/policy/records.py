@@ -165,6 +165,8 @@ class ModelRecord:
     """ctx = "fit": the context its last load was given (context.py)."""
     ctx_note: str = ""
     """... and what that gave up, if anything ("at 32768 it would evict A; ...")."""
+    ctx_memo: tuple[object, int | None, str, bool] | None = None
+    """The last choice (context.py): its inputs, context, note, and whether it fit beside."""
     asked_at: float = 0.0
     """The start of its latest request of a class (a batch's line is none), or the end of
     one on a grant the front kept: a batch's line evicts it only [batches] idle_s after."""
