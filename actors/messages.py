@@ -196,7 +196,8 @@ class ModelView(msgspec.Struct, frozen=True, kw_only=True):
     suspends: int = 0
     wakes: int = 0
     swap_times: SwapTimes | None = None
-    """A model with a `suspend` method: what its evictions are weighed by."""
+    """Its measured swaps: what a suspend's cost is weighed by (GET /models shows them for
+    a model with a `suspend` method), and a batch's ETA."""
     prefetched: Prefetched | None = None
     """Loaded or woken before it was asked, and not asked since (policy/prefetch.py)."""
     ctx: int | None = None

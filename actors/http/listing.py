@@ -85,7 +85,7 @@ def entry(view: ModelView, model: ModelConfig, rules: ModelRules, counts: FrontC
         out["prefetched"] = msgspec.to_builtins(view.prefetched)
     if view.ctx is not None:  # its context, chosen as it loaded (policy/context.py)
         out["ctx"] = view.ctx
-    if view.swap_times is not None:  # what its evictions are weighed by (policy/costs.py)
+    if view.swap_times is not None and model.suspend is not None:  # (policy/costs.py)
         out["swap_times"] = msgspec.to_builtins(view.swap_times)
     if view.replicas is not None:  # issue 24: each copy, as the Scheduler sees it
         out["replicas"] = [msgspec.to_builtins(r) for r in view.replicas]

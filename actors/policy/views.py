@@ -62,7 +62,7 @@ def snapshot(p: State, now: float) -> ModelsSnapshot:
             queue_position=places.get(rec.name) if oldest is not None else None,
             phase=child.state.value if child.state.value != child.state.shown else None,
             host_bytes=rec.host_bytes or None, suspends=rec.suspends, wakes=rec.wakes,
-            swap_times=child.times if child.rules.suspend else None,
+            swap_times=child.times,
             prefetched=p.prefetched.get(child.name),
             ctx=child.n_ctx if child.rules.ctx_fit and child.state is not S.UNLOADED else None,
             replicas=[replica_view(r) for r in every  # (an alternate while it has a child)
