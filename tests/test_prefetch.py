@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.config.keys import Tenant
-from actors.config.rules import ModelGroup, ModelRules
+from actors.config.rules import SESSION, ModelGroup, ModelRules
 from actors.messages import Grant, Prefetched, Refusal
 from actors.policy.prefetch import FOLLOW_S
 from actors.policy.records import Spawn
@@ -282,3 +282,31 @@ def test_a_corral_with_prefetch_loads_the_next_model_before_it_is_asked(corral) 
     status, plan, _ = request(c.port, "GET", "/models/plan?model=planner")
     assert plan["prefetch"] == "coder, where it fits (asked next 4 of 4 times)", plan
     sse.close()
+
+
+def test_two_sessions_under_one_key_are_followed_each_on_its_own() -> None:
+    """Two agents (sessions), no keys, their turns interleaved: a1 a2 b1 b2. Followed as
+    one stream, a is followed by a and by b alike (no odds to go on); followed each on
+    its own session, b follows a every time, and an answer from a prefetches b."""
+    def turns(w: TierWorld, rounds: int, sessions: bool) -> None:
+        for i in range(rounds):
+            for model in ("a", "b"):
+                for s in (1, 2):
+                    t = (model, s, i)
+                    w.run(w.p.acquire(t, model, w.tick(), True, "",
+                                      affinity=SESSION + s if sessions else 0))
+                    if w.state(model) == "loading":
+                        w.ready(model)
+            for model in ("a", "b"):
+                for s in (1, 2):
+                    w.release((model, s, i))
+            unload(w, "b")
+    alone = world()
+    turns(alone, 3, sessions=False)
+    assert alone.p.prefetch.likely("a") is None
+    w = world()
+    turns(w, 3, sessions=True)
+    assert w.p.prefetch.likely("a") == ("b", 6, 6)
+    ask(w, "a", "next")
+    assert [(e.model, e.after) for e in prefetches(w)] == [("b", "a")]
+    assert not w.p.prefetch.tickets, "each session's request forgotten at its end"

@@ -161,7 +161,7 @@ class Policy:
         else:
             self._queue(ticket, model, rec, now, key, counted, cuttable, affinity)
         if self.prefetch.on and (ticket in self.state.leases or ticket in self.state.queue):
-            self.prefetch.asked(key, rec.group, now)  # (served or waiting: not refused)
+            self.prefetch.asked(key, rec.group, now, ticket, affinity)  # (served, waiting)
         return self.moves.flush()
 
     def _serve_now(self, ticket: Hashable, into: ModelRecord, now: float, key: str,
@@ -253,7 +253,7 @@ class Policy:
                 tokens: int = 0) -> None:
         name, generation, key = self.state.leases.pop(ticket)
         if self.prefetch.on and (rec := self.state.models.get(name)) is not None:
-            self.prefetch.ended(key, rec.group)
+            self.prefetch.ended(key, rec.group, ticket)
         if self.state.cuts.of:
             self.state.cuts.forget(ticket)
         freed = False

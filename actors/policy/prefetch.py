@@ -1,7 +1,8 @@
 """The next model, woken before it is asked (issue 44, part 2; `prefetch = true`).
 
-Each asker (its key's name; "" for requests without a key: on a box without keys, the
-whole stream is one asker) is followed from model to model: when it asks for B within
+Each asker (its key's name, "" for requests without a key; and within it each session,
+http.session_headers: two agents under one key, their turns interleaved, are followed
+each on its own) is followed from model to model: when it asks for B within
 FOLLOW_S of its request for A (or of that answer's end), "B after A" is counted (A after
 A too: staying is a choice; a request that joins a grant the front kept is not seen, so
 staying counts less than it happens). When an answer from A ends (the front's grant let
@@ -24,8 +25,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
 
+from ..config.rules import SESSION
 from ..lifecycle import ModelState
 from ..messages import Prefetched
 from .records import ModelRecord, Publish
@@ -39,6 +41,9 @@ FOLLOW_S = 600.0
 """A request this long after the asker's last answer follows nothing."""
 ODDS = 0.5
 SEEN = 3
+TICKETS_MAX = 10_000
+"""Askers followed, and requests of a session whose asker is kept until their answer
+ends: the oldest go first past this (a request cancelled while queued has no end)."""
 
 
 class Prefetch:
@@ -53,24 +58,35 @@ class Prefetch:
         self.last: dict[str, tuple[str, float]] = {}
         """Asker -> the model of its last answer, and when that answer ended."""
         self.pending: list[tuple[str, str]] = []
+        self.tickets: dict[Hashable, str] = {}
+        """A session's request -> its asker, until its answer ends."""
 
-    def asked(self, asker: str, model: str, now: float) -> None:
-        """A request for `model` (a model's own name, not a copy's) came from `asker`."""
+    def asked(self, key: str, model: str, now: float, ticket: Hashable = None,
+              affinity: int = 0) -> None:
+        """A request for `model` (a model's own name, not a copy's) came with `key`, in
+        a session if its `affinity` is one's."""
         if not self.on:
             return
+        asker = key
+        if affinity >= SESSION:
+            asker = self.tickets[ticket] = f"{key}\x00{affinity:x}"
+            if len(self.tickets) > TICKETS_MAX:
+                del self.tickets[next(iter(self.tickets))]
         for name in [n for n, e in self.state.prefetched.items() if e.model == model]:
             del self.state.prefetched[name]  # (one that went first was counted: Moves)
             self.state.stats.prefetches["used"] += 1
-        last = self.last.get(asker)
+        last = self.last.pop(asker, None)  # (and back at the end: the oldest go first)
         if last is not None and now - last[1] <= FOLLOW_S:
             self.follows.setdefault(last[0], Counter())[model] += 1
         self.last[asker] = (model, now)
+        if len(self.last) > TICKETS_MAX:
+            del self.last[next(iter(self.last))]
 
-    def ended(self, asker: str, model: str) -> None:
-        """An answer from `model` to `asker` ended (looked at in `step`, once the rules
-        have run for what waits: a prefetch takes only what they left)."""
+    def ended(self, key: str, model: str, ticket: Hashable = None) -> None:
+        """An answer from `model` to a request with `key` ended (looked at in `step`, once
+        the rules have run for what waits: a prefetch takes only what they left)."""
         if self.on:
-            self.pending.append((asker, model))
+            self.pending.append((self.tickets.pop(ticket, key), model))
 
     def step(self, now: float) -> None:
         pending, self.pending = self.pending, []
