@@ -178,7 +178,8 @@ def _check_caller(req: Request, gate: Gate, host: bytes | None, origin: bytes | 
                   fetch_site: bytes | None, bearer: list[bytes], api_key: list[bytes],
                   ids: list[tuple[bytes, bytes]]) -> Answer | None:
     """Who may send `req` (R5): the refusal, or None with its key set as `req.key`."""
-    if (batch := next((v for n, v in ids if n == b"x-corral-batch"), None)) is not None:
+    if ids and (batch := next((v for n, v in ids if n == b"x-corral-batch"),
+                              None)) is not None:  # (most requests carry no id at all)
         return _batch_caller(req, gate, batch)
     path = req.url.partition(b"?")[0]
     keys = gate.keys
