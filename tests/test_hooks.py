@@ -216,7 +216,9 @@ hooks = {{ before_load = {hook} }}
     wait_until(lambda: not no_process_with(marker), what="the hook's sleep running")
     c.proc.kill()
     c.proc.wait(10)
-    wait_until(lambda: no_process_with(marker), what="the hook's sleep gone")
+    # (its shim sweeps every process of the machine: on a busy one that takes seconds;
+    # the bug left the sleep for its 300 s)
+    wait_until(lambda: no_process_with(marker), 30, what="the hook's sleep gone")
 
 
 def setsid_hook(marker: str, then: str, env: str = "", fast: bool = False) -> str:
