@@ -482,3 +482,21 @@ def test_a_waiter_gets_one_cut_whichever_copy_of_its_model_it_is_on() -> None:
     assert isinstance(w.answers["i1"], Grant) and isinstance(w.answers["i2"], Grant)
     grants = [w.answers[t] for t in ("i1", "i2")]
     assert sorted(g.instance for g in grants if isinstance(g, Grant)) == ["", "m@2"]
+
+
+def test_waiters_left_when_a_child_comes_back_ask_for_their_cuts() -> None:
+    """Found by the machine: m crashed and came back; its waiters were served up to its
+    max_concurrency (with aging, lower classes first), and the higher class waiter left
+    asked for no cut: only a new request's coming asked for them."""
+    m = CutMachine()
+    m.setup(slots=3, timeout=0.0, limit=0, aging_s=2.0)
+    m.crash_and_back(model="m")
+    m.acquire(cuttable=False, key="low", model="m")
+    m.acquire(cuttable=True, key="low", model="m")
+    m.crash_and_back(model="n")
+    m.time_passes(dt=4.0)
+    for key in ("", "low2", "mid"):
+        m.acquire(cuttable=True, key=key, model="m")
+    m.crash_and_back(model="m")
+    m.nothing_unasked()
+    m.teardown()

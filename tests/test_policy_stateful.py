@@ -437,3 +437,21 @@ PlacementMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("CORRAL_STATEFUL_EXAMPLES", "150")) // 3,
     stateful_step_count=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 test_placement_state_machine = PlacementMachine.TestCase
+
+
+def test_a_batch_line_waiting_for_a_slot_a_pinned_model_holds_is_refused() -> None:
+    """Found by the machine: a batch line for b waited for the only slot while a was
+    running; a reload pinned a; the line, whose idle window rule skipped the refusal of
+    every pinned-out entry, was never answered."""
+    m = PolicyMachine()
+    m.setup(models_max=1, sizes=[1, 1, 1, 1], rules=[ModelRules()] * 4, measured=False,
+            intensity=0, keys=[(0, 0, 0, 0)] * 3, aging_s=0.0, preempt=False)
+    m.acquire(autoload=True, key="", model="a")
+    for _ in range(8):
+        m.time_passes(dt=0.1)
+    m.acquire(autoload=True, key="batch:k1", model="b")
+    for _ in range(3):
+        m.time_passes(dt=0.1)
+    m.reload(model="a", remove=False, rules=ModelRules(pinned=True))
+    m.consistent()
+    m.teardown()

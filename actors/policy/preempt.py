@@ -26,6 +26,7 @@ class Preemption:
         self.rules = rules
         self.moves = self.rules.moves
         self.let_go = let_go
+        rules.ask_cuts = self.ask  # (a child that comes up serves its waiters: cuts too)
 
     def ask(self, model: ModelRecord, now: float) -> None:
         """Ask for the cuts that the waiters of a higher class need from `model`'s copies,

@@ -1,6 +1,6 @@
 """The decisions every event ends in: the tick that picks LRU victims (R-4.5), the claims
-of queue heads (R-4.3, with the memory plan), and serving the waiters of a model with
-room, made of the moves in moves.py; core.py and children.py call them."""
+of queue heads (R-4.3, with the memory plan), and serving the waiters of a model with room,
+made of the moves in moves.py; core.py and children.py call them."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ log = logging.getLogger("corral.scheduler")
 
 S = ModelState
 WARM_RETRY_S = 0.5
-"""A warm model that found no room is looked at again this long after, not at every
-event (a memory plan at each request's coming and going)."""
+"""A warm model without room is looked at again this long after, not at every event."""
 
 
 class Rules:
@@ -43,6 +42,8 @@ class Rules:
         self.scaling = Scaling(state, self.moves, self.choice, self.up)
         self.turns = Turns(state, self.up.plan)
         self.drains: Callable[[float], None] | None = None  # drains.py `step` (Policy's)
+        self.prefetches: Callable[[float], None] | None = None  # prefetch.py `due_step`
+        self.ask_cuts: Callable[[ModelRecord, float], None] | None = None  # preempt.py `ask`
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
@@ -67,6 +68,8 @@ class Rules:
             self.scaling.scale(now)
         if self.state.warm and not self.state.queue.entries:
             self.warm_up(now)
+        if self.prefetches is not None:
+            self.prefetches(now)
 
     def take_turns(self, now: float) -> None:
         """Find whose turn a slot is (turns.py); while it changes, the models it held
@@ -89,7 +92,7 @@ class Rules:
         self.moves.revoke_kept()
 
     def drop_partner_loads(self) -> None:
-        """Loads of together partners queued for nobody, whose group stopped meanwhile."""
+        """Loads of together partners queued for nobody, their group stopped meanwhile."""
         queue, dropped = self.state.queue, self.state.teams.dropped
         for name in list(dropped):
             entry = queue.entry(name)
@@ -103,8 +106,7 @@ class Rules:
 
     def warm_up(self, now: float) -> None:
         """Load or wake the `warm` models that have room as things are: a free slot, and
-        memory free on their devices with no eviction (issue 23). Once it serves it is
-        the least recently used model, the first to go when anything needs its place."""
+        memory free with no eviction (issue 23); once up, it is the first LRU victim."""
         state = self.state
         if now < state.warm_after:  # tried just now: once more after, not at every event
             if not state.warm_due:
@@ -132,8 +134,7 @@ class Rules:
             self.up.go(rec, plan, now)
 
     def yield_warm(self, now: float) -> bool:
-        """A request waits for a place: background loads (warm models', prefetches) give
-        it up; whether any did."""
+        """Background loads (warm models', prefetches) give way to a request; if any did."""
         given = [r for r in self.state.warming
                  if r.state is S.LOADING and r.group not in self.state.queue.entries]
         for rec in given:
@@ -158,16 +159,12 @@ class Rules:
             stopping.append(victim)
 
     def tick(self, now: float) -> None:
-        """Stop idle LRU victims until every entry that needs a slot can have one.
-
-        O(1) unless a victim exists or every running model is pinned (then O(queue)):
-        at most one slot is needed per entry, so a queue no longer than the free
-        slots needs nothing.
-        """
+        """Stop idle LRU victims until every entry that needs a slot can have one. O(1)
+        unless a victim exists or every running model is pinned (then O(queue)): an entry
+        needs one slot at most, so a queue no longer than the free slots needs nothing."""
         if self.state.models_max <= 0 or not self.state.queue.entries:
             return
-        # Stopping children free their slot once reaped, so they count as free already:
-        # this is what stops two waiters from evicting two victims for one need.
+        # Stopping children count as free already: two waiters evict no two for one need.
         free = (self.state.models_max - self.state.n_running + self.state.n_stopping
                 + self.state.n_suspending)
         if free >= len(self.state.queue.entries):
@@ -189,7 +186,7 @@ class Rules:
         while free < len(needing):
             model = needing[max(free, 0)]
             victim = self.choice.pick_victim(now, model)
-            if victim is None and state.queue.entries[model].batch_only():
+            if victim is None and not pinned_out and state.queue.entries[model].batch_only():
                 needing.remove(model)  # (its window is shut: the next may evict)
                 continue
             if victim is None:
@@ -388,6 +385,8 @@ class Rules:
             if waiter.key and tenants.at_limit(waiter.key):
                 blocked.add(waiter.key)
         queue.close_if_empty(rec.group)
+        if entry.waiters and self.state.cuts.on and self.ask_cuts is not None:
+            self.ask_cuts(rec, now)  # (the waiters left may want cuts: a child came up)
 
     def serve_queued(self, now: float, key: str | None = None) -> None:
         """Serve the waiters of every serving model with room (of those `key` waits for):
