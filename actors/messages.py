@@ -281,12 +281,14 @@ class Alive(Message, frozen=True, kw_only=True):
 
 EvictionReason = Literal["lru", "memory", "ttl", "manual", "crash", "reload", "shutdown",
                          "unhealthy", "host_memory", "suspended_max", "suspend_failed",
-                         "wake_failed", "wake_elsewhere", "warm", "group", "drain"]
+                         "wake_failed", "wake_elsewhere", "warm", "group", "drain",
+                         "prefetch"]
 """The five before `warm` are of suspended models (issue 23): host RAM ran short, too
 many are suspended, a suspend or wake failed, or it no longer fits where it slept;
 `warm`: a background load of a warm model gave way to a request; `group`: a model
 group's rule (issue 25: another member of an exclusive group loads, or a member of a
-together group stopped); `drain`: its node is drained (issue 42)."""
+together group stopped); `drain`: its node is drained (issue 42); `prefetch`: it had been
+idle longer than a prefetched model is expected to wait (policy/prefetch.py)."""
 
 
 class Event(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
@@ -367,6 +369,10 @@ class Prefetched(Event, frozen=True, tag="prefetch", kw_only=True):
     odds: float
     seen: int
     action: Literal["load", "wake"]
+    expected_s: float = 0.0
+    """How long after an answer from `after` it is asked, as a rule (the median)."""
+    evicts: list[str] = []
+    """What it evicted: models idle longer than that, no request waiting for them."""
 
 
 class QueueChanged(Event, frozen=True, tag="queue", kw_only=True):

@@ -1,7 +1,7 @@
 """An agent that alternates two models, with prefetch on against off (issue 44, part 2).
 
     python -m bench prefetch [--turns 12] [--load-s 1.0] [--think-s 2.5] [--idle-s 3.0]
-                             [--skip-every K]
+                             [--skip-every K] [--reviewer]
 
 Two corrals side by side, one with `prefetch = true`, each with a planner and a coder
 (fake children whose cold load takes --load-s). The coder has `ttl_s` 2 s, so it stops
@@ -11,6 +11,13 @@ turn asks the planner, thinks --think-s (reads its answer), asks the coder, then
 (after the first 3, which prefetch needs to learn from), and the prefetches the corral
 counted as loaded, used and wasted. With --skip-every K every Kth turn asks no coder: a
 prefetch wasted, if the odds still call for one.
+
+With --reviewer each turn asks a third model after the coder (think --think-s, then the
+reviewer), the coder has no ttl_s, and two slots hold three models: without prefetch, LRU
+evicts the very model asked next at every request; with it, a prefetch evicts the model
+idle longer than the next one's expected wait (the reviewer for the coder, the planner
+for the reviewer), and the planner, asked --idle-s after the reviewer, is not prefetched
+over a coder idle only --think-s.
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ LEARN = 3
 
 def config(args: argparse.Namespace, prefetch: bool) -> str:
     cmd = fake_cmd("--load-delay", str(args.load_s))
-    return toml_config({"planner": {"cmd": cmd}, "coder": {"cmd": cmd, "ttl_s": 2}},
-                       models_max=2, prefetch=prefetch)
+    models: dict[str, Any] = {"planner": {"cmd": cmd}, "coder": {"cmd": cmd, "ttl_s": 2}}
+    if args.reviewer:
+        models = {"planner": {"cmd": cmd}, "coder": {"cmd": cmd}, "reviewer": {"cmd": cmd}}
+    return toml_config(models, models_max=2, prefetch=prefetch)
 
 
-async def agent(url: str, args: argparse.Namespace) -> list[float]:
-    """The coder turns' times to first byte, in seconds."""
-    coder: list[float] = []
+async def agent(url: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    """The times to first byte of the turns of the models after the planner, in seconds."""
+    after = ["coder", "reviewer"] if args.reviewer else ["coder"]
+    times: dict[str, list[float]] = {name: [] for name in after}
     async with session() as s:
         for turn in range(args.turns):
             planned = await send(s, url, "planner")
@@ -48,11 +58,14 @@ async def agent(url: str, args: argparse.Namespace) -> list[float]:
             if args.skip_every and turn % args.skip_every == args.skip_every - 1:
                 await asyncio.sleep(args.idle_s)  # (the planner was enough: no coder)
                 continue
-            coded = await send(s, url, "coder")
-            assert coded.status == 200, coded
-            coder.append(coded.ttfb_s)
+            for i, name in enumerate(after):
+                if i:
+                    await asyncio.sleep(args.think_s)
+                answer = await send(s, url, name)
+                assert answer.status == 200, answer
+                times[name].append(answer.ttfb_s)
             await asyncio.sleep(args.idle_s)
-    return coder
+    return times
 
 
 async def prefetches(url: str) -> dict[str, float]:
@@ -75,13 +88,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in corrals.values():
                 c.stop()
     out: dict[str, Any] = {}
-    for (name, _), ttfb in zip(corrals.items(), times, strict=True):
-        after = ttfb[LEARN:]
-        out[name] = {"coder_ttfb_s": ttfb, "p50_after_learning_s": statistics.median(after),
-                     "max_after_learning_s": max(after), "prefetches": counts[name]}
-        print(f"prefetch {name:>3}: the coder's first byte after its first {LEARN} turns: "
-              f"p50 {statistics.median(after) * 1e3:7.1f} ms, max {max(after) * 1e3:7.1f} ms"
-              f"; prefetches {counts[name] or 'none'}")
+    for (name, _), by_model in zip(corrals.items(), times, strict=True):
+        out[name] = {"prefetches": counts[name]}
+        for model, ttfb in by_model.items():
+            after = ttfb[LEARN:]
+            out[name][model] = {"ttfb_s": ttfb, "p50_after_learning_s": statistics.median(after),
+                                "max_after_learning_s": max(after)}
+            print(f"prefetch {name:>3}: the {model}'s first byte after its first {LEARN} "
+                  f"turns: p50 {statistics.median(after) * 1e3:7.1f} ms, max "
+                  f"{max(after) * 1e3:7.1f} ms")
+        print(f"prefetch {name:>3}: prefetches {counts[name] or 'none'}")
     return out
 
 
@@ -94,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-s", type=float, default=3.0)
     ap.add_argument("--skip-every", type=int, default=0, metavar="K",
                     help="every Kth turn asks no coder (a guess that is wasted)")
+    ap.add_argument("--reviewer", action="store_true",
+                    help="a third model after the coder, two slots for three models")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.turns <= LEARN:

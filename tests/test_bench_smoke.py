@@ -74,10 +74,11 @@ def test_scheduler_bench_runs(tmp_path) -> None:
 
 def test_prefetch_bench_runs(tmp_path) -> None:
     path = tmp_path / "p.json"
-    bench("prefetch", "--turns", "4", "--load-s", "0.2", "--think-s", "1.5", "--idle-s",
-          "2.5", "--json", str(path))
+    bench("prefetch", "--turns", "4", "--load-s", "0.2", "--think-s", "1.0", "--idle-s",
+          "1.5", "--reviewer", "--json", str(path))
     data = json.loads(path.read_text())
-    assert len(data["on"]["coder_ttfb_s"]) == len(data["off"]["coder_ttfb_s"]) == 4
+    for model in ("coder", "reviewer"):
+        assert len(data["on"][model]["ttfb_s"]) == len(data["off"][model]["ttfb_s"]) == 4
     assert data["on"]["prefetches"].get("loaded", 0) >= 1, data["on"]
     assert not data["off"]["prefetches"].get("loaded"), data["off"]
 

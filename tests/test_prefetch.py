@@ -4,6 +4,8 @@ pure policy driven synchronously (test_policy_suspend's world), then a corral pr
 
 from __future__ import annotations
 
+import re
+import time
 from typing import Any
 
 from actors.config.keys import Tenant
@@ -37,10 +39,12 @@ def unload(w: TierWorld, model: str) -> None:
     w.report()
 
 
-def learn(w: TierWorld, rounds: int = 3) -> None:
-    """An agent that asks b after each answer from a; b is unloaded in between."""
+def learn(w: TierWorld, rounds: int = 3, gap: float = 0.0) -> None:
+    """An agent that asks b after each answer from a (`gap` s later, and the tick of its
+    ask); b is unloaded in between."""
     for i in range(rounds):
         ask(w, "a", ("a", i))
+        w.now += gap
         ask(w, "b", ("b", i))
         unload(w, "b")
 
@@ -59,7 +63,7 @@ def test_the_model_asked_next_is_loaded_after_the_answer_and_serves_at_once() ->
     spawns = len([e for e in w.effects if isinstance(e, Spawn)])
     ask(w, "a", "z")  # b after a: 3 of 3 times
     assert prefetches(w) == [Prefetched(model="b", after="a", odds=1.0, seen=3,
-                                        action="load")]
+                                        action="load", expected_s=1.0)]
     assert w.state("b") == "loading"
     assert len([e for e in w.effects if isinstance(e, Spawn)]) == spawns + 1
     assert w.p.snapshot(w.now).prefetches == {"loaded": 1}
@@ -85,17 +89,70 @@ def test_a_wrong_guess_is_the_first_victim_and_counts_as_wasted() -> None:
     assert w.p.snapshot(w.now).prefetches.get("wasted") == 1
 
 
-def test_no_prefetch_evicts_anything_or_passes_a_waiting_request() -> None:
+def test_a_model_used_since_the_next_one_is_expected_stays_and_a_request_goes_first() -> None:
     w = world(models_max=2)
-    learn(w)
-    ask(w, "c", "c")  # a and c hold both slots
+    learn(w, gap=100)  # b comes 100 s after a's answer
+    ask(w, "c", "c")  # a and c hold both slots; c was used 2 s before a's answer ends
     ask(w, "a", "x")
-    assert prefetches(w) == [] and w.state("b") == "unloaded", "no free slot: nothing"
+    assert prefetches(w) == [] and w.state("b") == "unloaded" and w.state("c") == "loaded"
     w2 = world(models_max=3)
     learn(w2)
     w2.acquire("wait", "c")  # c's load, not yet ready: a request waits
     ask(w2, "a", "x")
     assert prefetches(w2) == [], "a request waits: nothing is taken ahead of it"
+
+
+def test_a_model_idle_longer_than_the_next_ones_wait_gives_its_slot_once_gone() -> None:
+    w = world(models_max=2)
+    learn(w, gap=100)
+    ask(w, "c", "c")
+    w.now += 150  # c idle past b's expected wait
+    ask(w, "a", "x")
+    assert prefetches(w) == [Prefetched(model="b", after="a", odds=1.0, seen=3, action="load",
+                                        expected_s=101.0, evicts=["c"])]
+    gone = w.evictions()[-1]
+    assert (gone.model, gone.reason, gone.for_model) == ("c", "prefetch", "b")
+    assert w.state("b") == "unloaded", "c's slot: once c is gone"
+    w.exited("c")
+    w.report()
+    assert w.state("b") == "loading" and w.p.state.prefetched.keys() == {"b"}
+    w.ready("b")
+    w.acquire("t", "b")
+    assert isinstance(w.answers["t"], Grant)
+    assert w.p.snapshot(w.now).prefetches == {"loaded": 1, "used": 1}
+
+
+def test_a_request_that_comes_while_the_victim_stops_takes_its_slot() -> None:
+    w = world(models_max=2)
+    learn(w, gap=100)
+    ask(w, "c", "c")
+    w.now += 150
+    ask(w, "a", "x")
+    assert w.evictions()[-1].model == "c"
+    w.acquire("t", "c")  # c again, before it is gone
+    w.exited("c")
+    w.report()
+    assert w.state("b") == "unloaded" and not w.p.prefetch.due
+    w.ready("c")
+    assert isinstance(w.answers["t"], Grant)
+
+
+def test_for_memory_only_models_idle_longer_than_its_wait_go_and_it_loads_after() -> None:
+    w = TierWorld({"a": 4, "b": 4, "c": 4}, models_max=3)
+    w.p.prefetch.on = True
+    learn(w, gap=20)
+    ask(w, "c", "c")  # a and c: 8 of 10 GiB; b needs 4
+    ask(w, "a", "x")
+    assert prefetches(w) == [] and w.state("c") == "loaded", "c used 2 s ago: it stays"
+    w.now += 30
+    ask(w, "a", "y")
+    assert [e.evicts for e in prefetches(w)] == [["c"]]
+    assert w.evictions()[-1].reason == "prefetch" and w.state("a") == "loaded"
+    assert w.state("b") == "unloaded", "c's memory: once c has given it back"
+    assert w.state("c") == "suspending"
+    w.suspended("c")
+    w.report()
+    assert w.state("b") == "loading" and w.state("c") == "suspended"
 
 
 def test_what_comes_long_after_an_answer_follows_nothing() -> None:
@@ -178,8 +235,8 @@ def test_a_prefetch_under_way_gives_its_memory_up_to_a_request() -> None:
 
 def test_the_plan_says_a_prefetch_only_of_a_model_down_that_the_asker_may_see() -> None:
     w = slots_world()
-    assert w.p.plan("a", w.tick()).prefetch == ("b, where it fits (asked next 3 of 3 "
-                                                "times)")
+    assert w.p.plan("a", w.tick()).prefetch == (
+        "b, where it fits evicting only models idle over 1 s (asked next 3 of 3 times)")
     assert w.p.plan("a", w.tick(), key="k", shown={"a"}).prefetch is None
     serve(w, "b", "up")
     assert w.p.plan("a", w.tick()).prefetch is None, "b is up: nothing to prefetch"
@@ -250,8 +307,8 @@ def test_a_corral_with_prefetch_loads_the_next_model_before_it_is_asked(corral) 
     fake = {"cmd": fake_cmd("--load-delay", "0.5")}
     # (each request is seen: the fake answers at once, and a planner request within
     # lease_linger_ms of the last would join its kept grant, which the Scheduler never sees)
-    c = corral(toml_config({"planner": fake, "coder": fake}, models_max=2, prefetch=True,
-                           http={"lease_linger_ms": 0}))
+    c = corral(toml_config({"planner": fake, "coder": fake, "other": fake}, models_max=2,
+                           prefetch=True, http={"lease_linger_ms": 0}))
     sse = SSE(c.port)
 
     def unload_coder() -> None:
@@ -263,10 +320,15 @@ def test_a_corral_with_prefetch_loads_the_next_model_before_it_is_asked(corral) 
         assert chat(c.port, "planner")[0] == 200
         assert chat(c.port, "coder")[0] == 200
         unload_coder()
+    assert chat(c.port, "other")[0] == 200  # planner and other hold both slots
+    time.sleep(0.5)  # (what is tested: other idle longer than the coder comes after)
     assert chat(c.port, "planner")[0] == 200
     event: dict[str, Any] = sse.wait_for(lambda e: e["type"] == "prefetch")
-    assert (event["model"], event["after"], event["odds"], event["action"]) == (
-        "coder", "planner", 1.0, "load")
+    assert (event["model"], event["after"], event["odds"], event["action"],
+            event["evicts"]) == ("coder", "planner", 1.0, "load", ["other"])
+    assert event["expected_s"] < 0.5, event
+    gone = sse.wait_for(lambda e: e["type"] == "eviction" and e["model"] == "other")
+    assert (gone["model"], gone["reason"], gone["for_model"]) == ("other", "prefetch", "coder")
     c.wait_state("coder", "loaded")
     coder = c.models()["coder"]
     assert coder["prefetched"]["after"] == "planner", coder
@@ -275,12 +337,14 @@ def test_a_corral_with_prefetch_loads_the_next_model_before_it_is_asked(corral) 
     assert c.models()["coder"]["pid"] == pid and "prefetched" not in c.models()["coder"]
     _, text, _ = request(c.port, "GET", "/metrics")
     assert 'corral_prefetches_total{outcome="used"} 1.0' in text, text
-    assert "prefetch: load of coder after planner (asked next 3 of 3 times)" in c.log()
+    assert re.search(r"prefetch: load of coder after planner \(asked next 3 of 3 times, "
+                     r"\d+\.\d s after\); evicts other, idle \d+ s", c.log())
     status, plan, _ = request(c.port, "GET", "/models/plan?model=planner")
     assert status == 200 and "prefetch" not in plan, "the coder is up: nothing to prefetch"
     unload_coder()
     status, plan, _ = request(c.port, "GET", "/models/plan?model=planner")
-    assert plan["prefetch"] == "coder, where it fits (asked next 4 of 4 times)", plan
+    assert plan["prefetch"] == ("coder, where it fits evicting only models idle over 0 s "
+                                "(asked next 4 of 4 times)"), plan
     sse.close()
 
 

@@ -5,26 +5,31 @@ http.session_headers: two agents under one key, their turns interleaved, are fol
 each on its own) is followed from model to model: when it asks for B within
 FOLLOW_S of its request for A (or of that answer's end), "B after A" is counted (A after
 A too: staying is a choice; a request that joins a grant the front kept is not seen, so
-staying counts less than it happens). When an answer from A ends (the front's grant let
-go), the model most often asked next after A is prefetched if it
-was that at least ODDS of the times seen, over at least SEEN of them, and it is not up:
-it is loaded (or woken) only where it fits as things are, a free slot and free memory,
-evicting nothing. As a warm model's load is (rules.py `warm_up`), it gives way to any
-request that needs its place, and once ready, unasked, it is the first LRU victim: a
-wrong guess costs only room that was free.
+staying counts less than it happens), and how long after: B's expected wait is the
+median of the last GAPS_KEPT. When an answer from A ends (the front's grant let go), the
+model most often asked next after A is prefetched if it was that at least ODDS of the
+times seen, over at least SEEN of them, and it is not up. It is loaded (or woken) where
+it fits, evicting only models no request waits for that have been idle longer than B's
+expected wait (B is likely asked before them: Belady's rule, with each one's time since
+its last use standing for the time to its next), never the model that just answered. A
+slot its victim frees is taken once the victim is gone, unless a request came first
+(`due`). As a warm model's load is (rules.py `warm_up`), it gives way to any request
+that needs its place, and once ready, unasked, it is the first LRU victim: a wrong guess
+costs what had gone unused longest.
 
-Each prefetch is a `prefetch` event with its odds; `GET /models` shows a prefetched
-child that has served nothing yet, and /metrics counts the prefetches used (a request
-came while it was up) and wasted (it went first: counted as it goes, in
-`Moves.transition`). Never prefetched: copies of a model with replicas, remote models,
-a model with an exclusive rival up or with together partners, anything while corral
-shuts down.
+Each prefetch is a `prefetch` event with its odds, its expected wait and what it evicted
+(each an eviction with reason `prefetch`); `GET /models` shows a prefetched child that
+has served nothing yet, and /metrics counts the prefetches used (a request came while it
+was up) and wasted (it went first: counted as it goes, in `Moves.transition`). Never
+prefetched: copies of a model with replicas, remote models, a model with an exclusive
+rival up or with together partners, anything while corral shuts down.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Collection, Hashable
 
 from ..config.rules import SESSION
@@ -33,6 +38,7 @@ from ..messages import Prefetched
 from .records import ModelRecord, Publish
 from .rules import Rules
 from .state import State
+from .weigh import Plan
 
 log = logging.getLogger("corral.scheduler")
 
@@ -41,6 +47,10 @@ FOLLOW_S = 600.0
 """A request this long after the asker's last answer follows nothing."""
 ODDS = 0.5
 SEEN = 3
+GAPS_KEPT = 16
+DUE_S = 30.0
+"""A prefetch waits at least this long for what its victims give back (or its wait)."""
+"""How many of the last waits from A's answer to B's request give B's expected wait."""
 TICKETS_MAX = 10_000
 """Askers followed, and requests of a session whose asker is kept until their answer
 ends: the oldest go first past this (a request cancelled while queued has no end)."""
@@ -60,6 +70,11 @@ class Prefetch:
         self.pending: list[tuple[str, str]] = []
         self.tickets: dict[Hashable, str] = {}
         """A session's request -> its asker, until its answer ends."""
+        self.gaps: dict[tuple[str, str], deque[float]] = {}
+        """(A, B) -> the last waits from an answer from A to a request for B."""
+        self.due: dict[str, tuple[Prefetched, float]] = {}
+        """A prefetch waiting for the slot its victim frees -> until when it may go."""
+        rules.prefetches = self.due_step
 
     def asked(self, key: str, model: str, now: float, ticket: Hashable = None,
               affinity: int = 0) -> None:
@@ -75,9 +90,14 @@ class Prefetch:
         for name in [n for n, e in self.state.prefetched.items() if e.model == model]:
             del self.state.prefetched[name]  # (one that went first was counted: Moves)
             self.state.stats.prefetches["used"] += 1
+        self.due.pop(model, None)  # (asked: it comes up as any load)
         last = self.last.pop(asker, None)  # (and back at the end: the oldest go first)
         if last is not None and now - last[1] <= FOLLOW_S:
             self.follows.setdefault(last[0], Counter())[model] += 1
+            gaps = self.gaps.get((last[0], model))
+            if gaps is None:
+                gaps = self.gaps[(last[0], model)] = deque(maxlen=GAPS_KEPT)
+            gaps.append(max(0.0, now - last[1]))
         self.last[asker] = (model, now)
         if len(self.last) > TICKETS_MAX:
             del self.last[next(iter(self.last))]
@@ -94,7 +114,7 @@ class Prefetch:
             self.answered(asker, model, now)
 
     def answered(self, asker: str, model: str, now: float) -> None:
-        """Its likely next model is prefetched, if it fits as things are."""
+        """Its likely next model is prefetched, if it has room (`room`)."""
         if self.last.get(asker, ("",))[0] == model:
             self.last[asker] = (model, now)  # (what follows counts from the answer's end)
         likely = self.likely(model)
@@ -102,17 +122,51 @@ class Prefetch:
             return
         after, n, total = likely
         rec = self.down(after)
-        if rec is not None and self.fits(rec, now):
-            event = Prefetched(model=after, after=model, odds=round(n / total, 3), seen=total,
-                               action="wake" if rec.state is S.SUSPENDED else "load")
-            log.info("prefetch: %s of %s after %s (asked next %d of %d times)",
-                     event.action, after, model, n, total)
-            self.state.prefetched[rec.name] = event
-            self.state.stats.prefetches["loaded"] += 1
-            self.state.out.append(Publish(event))
-            self.state.warming.add(rec)
-            self.rules.up.go(rec, self.rules.up.plan(rec, []) if self.state.memory_on
-                             else None, now, why=f"prefetch after {model}")
+        wait = self.expected(model, after)
+        room = None if rec is None or rec.name in self.due else self.room(rec, model, wait, now)
+        if rec is None or room is None:
+            return
+        plan, victims = room
+        event = Prefetched(model=after, after=model, odds=round(n / total, 3), seen=total,
+                           action="wake" if rec.state is S.SUSPENDED else "load",
+                           expected_s=round(wait, 1), evicts=[v.name for v in victims])
+        log.info("prefetch: %s of %s after %s (asked next %d of %d times, %.1f s after)%s",
+                 event.action, after, model, n, total, wait, "".join(
+                     f"; evicts {v.name}, idle {now - v.last_used:.0f} s" for v in victims))
+        self.state.stats.prefetches["loaded"] += 1
+        self.state.out.append(Publish(event))
+        for victim in victims:
+            self.rules.moves.evict(victim, "prefetch", rec.name, now)
+        if self.state.has_capacity() and (plan is None or plan.verdict == "go"):
+            self.go(rec, event, plan, now)
+        else:  # (its victims' slot or memory: once they are gone)
+            self.due[rec.name] = (event, now + max(wait, DUE_S))
+
+    def go(self, rec: ModelRecord, event: Prefetched, plan: Plan | None, now: float) -> None:
+        self.state.prefetched[rec.name] = event
+        self.state.warming.add(rec)
+        self.rules.up.go(rec, plan, now, why=f"prefetch after {event.after}")
+
+    def due_step(self, now: float) -> None:
+        """The prefetches waiting for their victims go once they fit evicting nothing
+        more, unless a request came first (its rules ran first), or they waited too long."""
+        if not self.due:
+            return
+        for name, (event, until) in list(self.due.items()):
+            rec = self.state.models.get(name)
+            if rec is None or now > until or self.state.queue.entries \
+                    or rec.state not in (S.UNLOADED, S.SUSPENDED):
+                del self.due[name]
+            elif self.state.has_capacity():
+                plan = self.rules.up.plan(rec, []) if self.state.memory_on else None
+                if plan is None or (plan.verdict == "go" and not plan.note and not plan.evict):
+                    del self.due[name]
+                    self.go(rec, event, plan, now)
+
+    def expected(self, model: str, after: str) -> float:
+        """How long after an answer from `model` `after` is asked, as a rule (its median)."""
+        gaps = self.gaps.get((model, after))
+        return statistics.median(gaps) if gaps else FOLLOW_S
 
     def likely(self, model: str) -> tuple[str, int, int] | None:
         """The model most often asked next after `model`, how often, and of how many, if
@@ -139,19 +193,39 @@ class Prefetch:
         if likely is None or (shown is not None and likely[0] not in shown) \
                 or self.down(likely[0]) is None:
             return None
-        return f"{likely[0]}, where it fits (asked next {likely[1]} of {likely[2]} times)"
+        return (f"{likely[0]}, where it fits evicting only models idle over "
+                f"{self.expected(model, likely[0]):.0f} s (asked next {likely[1]} of "
+                f"{likely[2]} times)")
 
-    def fits(self, rec: ModelRecord, now: float) -> bool:
-        """`rec` is down and may come up now where it fits, evicting nothing, with no
-        request waiting for anything, no exclusive rival up and no together partner."""
+    def room(self, rec: ModelRecord, model: str, wait: float,
+             now: float) -> tuple[Plan | None, list[ModelRecord]] | None:
+        """How `rec` may come up: its memory plan (None without memory accounting; one
+        that waits for its victims to be gone) and what it evicts, only idle models idle
+        longer than `wait` (not `model`, which just answered); None if it may not: a
+        request waits, it is broken or shutting down, an exclusive rival is up, it has
+        together partners, or it has no room."""
         state = self.state
         if state.shutting_down or rec.breaker.is_open(now) or rec.failed or rec.removed \
-                or state.queue.entries or not state.has_capacity() \
-                or rec.group in state.teams.partners \
+                or state.queue.entries or rec.group in state.teams.partners \
                 or self.rules.teams.has_rival_up(rec.group):
-            return False
-        if state.memory_on:
-            plan = self.rules.up.plan(rec, [])
-            return plan.verdict == "go" and not plan.evict and not plan.note
-        return rec.rules.nodes is None  # (a node's slot: warm_up's way, not taken here)
+            return None
 
+        def may_go(r: ModelRecord) -> bool:
+            return r.group != model and now - r.last_used > wait \
+                and not state.kept_from(r, rec.group)
+        plan, victims = None, []
+        if state.memory_on:
+            plan = self.rules.up.plan(rec, [v for v in self.rules.choice.memory_victims(
+                now, rec.group) if may_go(v)])
+            if plan.note or not (plan.verdict == "go" or (  # (or once its victims are gone)
+                    plan.verdict == "wait" and plan.evict and plan.fits_once_freed)):
+                return None
+            victims = [v for v, _ in plan.evict]
+        elif rec.rules.nodes is not None:  # (a node's slot: warm_up's way, not taken here)
+            return None if not state.has_capacity() else (None, [])
+        if not state.has_capacity() and not any(v.holds_slot for v in victims):
+            slot, _ = state.victims.pick(state.models, now, state.resident_until, may_go)
+            if slot is None:
+                return None
+            victims.append(slot)
+        return plan, victims
