@@ -50,10 +50,14 @@ async def agent(url: str, args: argparse.Namespace) -> dict[str, list[float]]:
     """The times to first byte of the turns of the models after the planner, in seconds."""
     after = ["coder", "reviewer"] if args.reviewer else ["coder"]
     times: dict[str, list[float]] = {name: [] for name in after}
+    if args.reviewer:
+        times["planner"] = []
     async with session() as s:
         for turn in range(args.turns):
             planned = await send(s, url, "planner")
             assert planned.status == 200, planned
+            if args.reviewer:
+                times["planner"].append(planned.ttfb_s)
             await asyncio.sleep(args.think_s)
             if args.skip_every and turn % args.skip_every == args.skip_every - 1:
                 await asyncio.sleep(args.idle_s)  # (the planner was enough: no coder)

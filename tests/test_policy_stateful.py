@@ -21,6 +21,7 @@ variable CORRAL_STATEFUL_EXAMPLES sets the number of machines.
 from __future__ import annotations
 
 import os
+from collections import Counter, deque
 from typing import Any
 
 import pytest
@@ -132,10 +133,11 @@ class PolicyMachine(RuleBasedStateMachine):
                 rules=st.lists(model_rules, min_size=4, max_size=4),
                 measured=st.booleans(), intensity=st.sampled_from([0, 1, 3]),
                 keys=st.lists(tenant_rules, min_size=3, max_size=3),
-                aging_s=st.sampled_from([0.0, 5.0, 30.0]), preempt=st.booleans())
+                aging_s=st.sampled_from([0.0, 5.0, 30.0]), preempt=st.booleans(),
+                prefetch=st.booleans())
     def setup(self, models_max: int, sizes: list[int], rules: list[ModelRules],
               measured: bool, intensity: int, keys: list[tuple[int, int, int, int]],
-              aging_s: float, preempt: bool) -> None:
+              aging_s: float, preempt: bool, prefetch: bool = False) -> None:
         self.sizes = dict(zip(NAMES, sizes, strict=True))
         self.w = StrictWorld(self.sizes, models_max=models_max, measured=False,
                              rules=dict(zip(NAMES, rules, strict=True)), intensity=intensity)
@@ -146,6 +148,12 @@ class PolicyMachine(RuleBasedStateMachine):
         self.w.p.state.tenants.replace(self.tenants)
         self.w.p.state.queue.aging_s = aging_s
         self.w.p.state.cuts.on = preempt
+        if prefetch:  # (its loads and evictions: the same invariants) each model is
+            # followed by the next one, asked at once after its answer, as if learned
+            self.w.p.prefetch.on = True
+            for m, after in zip(NAMES, NAMES[1:] + NAMES[0], strict=True):
+                self.w.p.prefetch.follows[m] = Counter({after: 5})
+                self.w.p.prefetch.gaps[(m, after)] = deque([0.0])
         if measured:  # a model runs at its max; its min is at the smallest context
             for m, size in self.sizes.items():
                 self.w.run(self.w.p.children.measured(m, True, need(size / 2), need(size), 0.0))
@@ -276,15 +284,19 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 3))
     def grow(self, i: int) -> None:
-        """A running child uses 1 GiB more than it did (a context filling up)."""
+        """A running child uses 1 GiB more than it did (a context filling up), if the
+        device has it (a real allocation past the device fails: no report shows less than
+        nothing free, which would hide what others use)."""
         running = [m for m in self.w.actual if self.w.p.state.models[m].state.is_running]
-        if running:
+        if running and sum(self.w.actual.values()) + self.w.external + GiB <= self.w.total:
             self.w.actual[running[i % len(running)]] += GiB
             self.w.unreported = True
 
     @rule(external=st.sampled_from([0, 0, 1, 3]))
     def device_report(self, external: int) -> None:
-        self.w.external = external * GiB
+        """Something outside corral takes memory: what is free at most (as `grow`)."""
+        self.w.external = min(external * GiB, max(
+            self.w.external, self.w.total - sum(self.w.actual.values())))
         self.w.report()
 
     @rule(model=st.sampled_from(NAMES), outcome=st.sampled_from(["ok", "failed", "at_load"]))

@@ -11,7 +11,8 @@ model most often asked next after A is prefetched if it was that at least ODDS o
 times seen, over at least SEEN of them, and it is not up. It is loaded (or woken) where
 it fits, evicting only models no request waits for that have been idle longer than B's
 expected wait (B is likely asked before them: Belady's rule, with each one's time since
-its last use standing for the time to its next), never the model that just answered. A
+its last answer ended standing for the time to its next), never the model that just
+answered. A
 slot its victim frees is taken once the victim is gone, unless a request came first
 (`due`). As a warm model's load is (rules.py `warm_up`), it gives way to any request
 that needs its place, and once ready, unasked, it is the first LRU victim: a wrong guess
@@ -132,7 +133,8 @@ class Prefetch:
                            expected_s=round(wait, 1), evicts=[v.name for v in victims])
         log.info("prefetch: %s of %s after %s (asked next %d of %d times, %.1f s after)%s",
                  event.action, after, model, n, total, wait, "".join(
-                     f"; evicts {v.name}, idle {now - v.last_used:.0f} s" for v in victims))
+                     f"; evicts {v.name}, idle {now - max(v.last_used, v.ended_at):.0f} s"
+                     for v in victims))
         self.state.stats.prefetches["loaded"] += 1
         self.state.out.append(Publish(event))
         for victim in victims:
@@ -211,7 +213,7 @@ class Prefetch:
             return None
 
         def may_go(r: ModelRecord) -> bool:
-            return r.group != model and now - r.last_used > wait \
+            return r.group != model and now - max(r.last_used, r.ended_at) > wait \
                 and not state.kept_from(r, rec.group)
         plan, victims = None, []
         if state.memory_on:
