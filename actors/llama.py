@@ -7,7 +7,9 @@ connection cap and argument rules that llama-server needs here too.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,13 +41,31 @@ def is_llama(cmd: Sequence[str], health: str) -> bool:
     return health == "llama" or Path(cmd[0]).name == "llama-server"
 
 
+CONTEXT_REFUSED = re.compile(
+    r"request \((\d+) tokens\) exceeds the available context size \((\d+) tokens\)")
+"""llama-server's log line (`send_error`) for a request longer than its context."""
+
+
+def context_refused(line: str) -> str | None:
+    """The state line (`context`, with `asked` and `n_ctx` where it says them) for a log
+    line of a llama child that refused a request past its context; None for any other."""
+    if "exceeds the available context size" not in line:
+        return None
+    found = CONTEXT_REFUSED.search(line)
+    payload = {"asked": int(found[1]), "n_ctx": int(found[2])} if found else {}
+    return LLAMA_STATE + json.dumps({"state": "context", "payload": payload})
+
+
 def state_change(state: str, starting: bool, asleep: bool
-                 ) -> Literal["loading", "ready", "awake", "sleeping"] | None:
+                 ) -> Literal["loading", "ready", "awake", "sleeping", "context"] | None:
     """What a child's state line means, for a child loading (`starting`) or loaded
-    (`asleep` or not): progress, ready, a request woke it, it went to sleep, or nothing."""
+    (`asleep` or not): progress, ready, a request woke it, it went to sleep, it refused
+    a request past its context, or nothing."""
     if starting:
         return ("loading" if state in ("loading", "downloading")
                 else "ready" if state == "ready" else None)
+    if state == "context":
+        return "context"
     if state == "ready" and asleep:
         return "awake"
     return "sleeping" if state == "sleeping" and not asleep else None

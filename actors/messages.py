@@ -700,11 +700,12 @@ class InstanceSeen(Message, frozen=True, kw_only=True):
 
 class InstanceReported(Message, frozen=True, kw_only=True):
     """ModelInstance -> Scheduler: a llama child's state line: loading progress, or that it
-    went to sleep, or woke up (R-3.6)."""
+    went to sleep, or woke up (R-3.6); or its log line that it refused a request past its
+    context (`context`, payload `asked` and `n_ctx`: llama.py `context_refused`)."""
 
     model: str
     generation: int
-    state: Literal["loading", "sleeping", "awake"]
+    state: Literal["loading", "sleeping", "awake", "context"]
     payload: dict[str, Any]
 
 

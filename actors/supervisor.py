@@ -157,8 +157,8 @@ class Supervisor:
             config, scheduler, timers, device_names, self._crash))
         for name, model in config.instances().items():  # a model's copies each have one
             self.instances[name] = self._start_instance(name, model)
-            if model.nodes and self.cluster is not None:  # where a drain moves it (issue 42)
-                alternate = alternate_name(name)
+            if (model.nodes and self.cluster is not None) or model.ctx == "fit":
+                alternate = alternate_name(name)  # where a drain moves it, or it grows
                 self.instances[alternate] = self._start_instance(alternate, model)
         monitor: Inbox[MonitorMessage] = self.monitor
         measurer: Inbox[MeasureMessage] = self.measurer
@@ -220,7 +220,8 @@ class Supervisor:
             if name not in self.instances:
                 self.instances[name] = self._start_instance(name, model)
             alternate = alternate_name(name)  # where a changed child loads beside the old
-            if ((model.nodes or (name in before and not same_child(model, before[name])))
+            if ((model.nodes or model.ctx == "fit"
+                 or (name in before and not same_child(model, before[name])))
                     and alternate not in self.instances):
                 self.instances[alternate] = self._start_instance(alternate, model)
         done = ThreadReply()

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import ROOT, chat, fake_cmd, request, wait_until
+from tests.helpers import ROOT, chat, fake_cmd, pid_alive, request, wait_until
 from tests.test_memory import devices, measured, mem_config, sized
 
 MiB = 1024 * 1024
@@ -60,3 +60,45 @@ def test_a_fixed_ctx_is_filled_in(corral, tmp_path) -> None:
     status, props, _ = request(c.port, "GET", "/props?model=b")
     assert status == 200 and props["default_generation_settings"]["n_ctx"] == 8192, props
     assert "ctx" not in c.models()["b"]
+
+
+GROWS = {"cmd": fake_cmd("--device-mib", "1024", "--ctx-mib-per-1k", "256", "--n-ctx", "{ctx}",
+                         "--llama-protocol"),
+         "health": "llama", "measure": "command", "ctx": "fit", "ctx_min": 2048,
+         "ctx_max": 32768}
+
+
+def test_a_fit_model_grows_beside_itself_once_a_request_needs_more(corral, tmp_path) -> None:
+    """b loads with 8,192 context beside a 6 GiB model (3 GiB free); a prompt of 10,000
+    tokens is refused by b's child as past its context (as llama-server does, with its
+    log line), and there is no room to grow; a goes; the next such prompt is refused
+    too, and b reloads beside its old child with the most context that now fits (the
+    old one's 3 GiB still held: 6 GiB free, 20,480 tokens), which then stops."""
+    c = corral(mem_config(tmp_path, {"a": sized(6144), "b": GROWS},
+                          http={"lease_linger_ms": 0}))
+    assert chat(c.port, "a")[0] == 200
+    measured(c, "b")
+    wait_until(lambda: c.models()["a"]["memory"]["effective"], 15, "a's use, charged")
+    assert chat(c.port, "b")[0] == 200
+    assert c.models()["b"]["ctx"] == 8192
+    long = {"messages": [{"role": "user", "content": "word " * 10000}]}
+    status, body = chat(c.port, "b", **long)
+    assert status == 400 and body["error"]["type"] == "exceed_context_size_error", body
+    said = ("not grown (a request of 10000 tokens, more than its 8192 context): no room "
+            "beside what is up")
+    wait_until(lambda: said in c.log(), 15, "the hit, seen")
+    status, body, _ = request(c.port, "POST", "/models/unload", {"model": "a"})
+    assert status == 200, body
+    c.wait_state("a", "unloaded")
+    old_pid = c.models()["b"]["pid"]
+    status, body = chat(c.port, "b", **long)
+    assert status == 400, "this one is refused too: the grown child is not ready yet"
+    wait_until(lambda: c.models()["b"].get("ctx") == 20480 and c.models()["b"]["pid"] != old_pid,
+               30, "b, grown")
+    assert "grows from 8192 to 20480 context (a request of 10000 tokens" in c.log()
+    status, body = chat(c.port, "b", **long)
+    assert status == 200, body
+    wait_until(lambda: not pid_alive(old_pid), 30, "the old child, stopped")
+    held = wait_until(lambda: len(h := devices(c.port)["gpu0"]["held"]) == 1 and h, 15,
+                      "the old child's memory, given back")
+    assert list(held.values()) == [(1024 + 256 * 20) * MiB], held

@@ -70,9 +70,10 @@ def alternate_name(instance: str) -> str:
 
 def with_alternates(table: dict[str, M]) -> dict[str, M]:
     """`table` (instance -> its config) with the alternate of each instance on cluster
-    nodes, where a drain loads it beside its old child (actors/policy/drains.py)."""
+    nodes, where a drain loads it beside its old child (actors/policy/drains.py), and of
+    each whose context is fitted, where it grows (handover.py `grow`)."""
     return table | {alternate_name(n): m for n, m in table.items()
-                    if getattr(m, "nodes", None)}
+                    if getattr(m, "nodes", None) or getattr(m, "ctx", None) == "fit"}
 
 
 class ModelRules(msgspec.Struct, frozen=True, kw_only=True):

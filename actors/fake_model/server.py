@@ -11,6 +11,7 @@ import hmac
 import json
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -133,6 +134,8 @@ class FakeModel:
                  if self.loras is not None else self.args.model)
         if isinstance(model, web.Response):  # (an adapter it has not loaded)
             return model
+        if self.args.llama_protocol and (asked := prompt_words(body)) > self.args.n_ctx:
+            return self._past_context(asked)
         if body.get("stream"):
             options = body.get("stream_options")
             usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -155,6 +158,17 @@ class FakeModel:
             "created": int(time.time()), "choices": [choice],
             "usage": {"prompt_tokens": 1, "completion_tokens": n_tokens,
                       "total_tokens": n_tokens + 1}})
+
+    def _past_context(self, asked: int) -> web.Response:
+        """llama-server's answer and log line to a prompt longer than its context (a
+        word is a token here)."""
+        said = (f"request ({asked} tokens) exceeds the available context size "
+                f"({self.args.n_ctx} tokens), try increasing it")
+        print(f"E srv    send_error: task id = 0, error: {said}", file=sys.stderr, flush=True)
+        self.stats["completed"] += 1
+        return web.json_response({"error": {
+            "code": 400, "message": said, "type": "exceed_context_size_error",
+            "n_prompt_tokens": asked, "n_ctx": self.args.n_ctx}}, status=400)
 
     async def sleep_when_idle(self, idle_s: float) -> None:
         """--sleep-idle-s: report `sleeping` after idle_s with no request (llama protocol)."""
@@ -332,3 +346,13 @@ def strings(value: Any) -> list[str]:
     if isinstance(value, list):
         return [t for v in value for t in strings(v)]
     return []
+
+
+def prompt_words(body: dict[str, Any]) -> int:
+    """Its prompt's length in words (a chat's messages' text, or a completion's prompt)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(len(m["content"].split()) for m in messages
+                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+    prompt = body.get("prompt")
+    return len(prompt.split()) if isinstance(prompt, str) else 0

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from ..childproc import ChildProcess, LogRing, placement_env
 from ..config.model import ModelConfig
-from ..llama import LLAMA_STATE, is_llama, split_args
+from ..llama import LLAMA_STATE, context_refused, is_llama, split_args
 from ..messages import ChildExited, ChildLine, InstanceMessage
 
 KEY_SHOWN = "<the head's key>"
@@ -47,6 +47,8 @@ def spawn(argv: list[str], env: dict[str, str], ring: LogRing, label: str, llama
     def on_line(line: str) -> None:  # on the output reader thread: filter, pass on
         if line.startswith(LLAMA_STATE):
             tell(ChildLine(spawn_id=spawn_id, line=line))
+        elif (refused := context_refused(line)) is not None:  # (ctx = "fit" may grow)
+            tell(ChildLine(spawn_id=spawn_id, line=refused))
 
     return ChildProcess(argv, env, ring, label=label,
                         on_exit=lambda: tell(ChildExited(spawn_id=spawn_id)),

@@ -101,10 +101,9 @@ class Children:
     def instance_adopted(self, model: str, generation: int, pid: int, host: str, port: int,
                          devices: list[str] | None, now: float, node: str | None = None,
                          upstream_key: str | None = None) -> list[Effect]:
-        """A ready child an earlier corral left running on a Ray node (its head restarted)
-        is this model's, as generation `generation`: loaded, with no load (R-3, issue 14).
-        A model that runs, or whose generations have gone past the child's, stops the
-        child instead: a generation is never given out twice (issue 19, R12)."""
+        """A ready child an earlier corral left on a Ray node (its head restarted) is
+        this model's generation `generation`, loaded (R-3, issue 14), unless the model
+        runs or went past it: it stops it (a generation is never given twice: R12)."""
         rec = self.state.models.get(model)
         if rec is not None and rec.state.is_running and generation == rec.generation:
             return []  # its own child (never stop that one)
@@ -157,7 +156,8 @@ class Children:
 
     def instance_reported(self, model: str, generation: int, state: str,
                           payload: dict[str, Any], now: float) -> list[Effect]:
-        """A llama child's progress, or that it went to sleep or woke up (R-3.6)."""
+        """A llama child's progress, that it went to sleep or woke up (R-3.6), or that
+        it refused a request past its context."""
         rec = self.state.models.get(model)
         if rec is None or rec.generation != generation:
             return []
@@ -174,6 +174,8 @@ class Children:
             self.moves.transition(rec, S.LOADED, "woken by a request", now)
             if self.state.memory_on:
                 self.state.ledger.reserve(model, rec.mem_effective or self.state.memory.need(rec))
+        elif state == "context":  # a request past its context: it may grow (ctx = "fit")
+            self.handovers.grow(rec, int(payload.get("asked") or 0), now)
         self.moves.idle(rec)
         self.rules.pump(now)
         return self.moves.flush()
@@ -304,12 +306,10 @@ class Children:
                     retuned: dict[str, ModelRules] | None = None,
                     ) -> tuple[list[Effect], list[str]]:
         """A reload (R-2.6): models added, removed, or with a changed config (name ->
-        rules, or just `pinned`); `retuned`: a change only the policy sees (a model's
-        replicas), so its children keep running. A running model whose config changed
-        loads it beside its old child, which then drains (handover.py), or where there
-        is no room for both, stops first once its requests have finished; a model that
-        is gone stops so too; the queue and unchanged models are kept. Returns the
-        effects and the models that restart."""
+        rules, or just `pinned`); `retuned`: a change only the policy sees (replicas),
+        its children kept. A changed running model loads beside its old child, which
+        drains (handover.py), or without room for both, stops first once its requests
+        have finished (as a removed one). Returns the effects and what restarts."""
         self.state.now = now
         for name, rules in (retuned or {}).items():
             self._set_rules(self.state.models[name], rules)

@@ -19,6 +19,7 @@ import msgspec
 from ..config.rules import alternate_name
 from ..ledger import node_of
 from ..lifecycle import ModelState
+from .context import fits
 from .records import ModelRecord
 from .rules import Rules
 from .state import State
@@ -97,8 +98,8 @@ class Handovers:
         short, never = None, False  # never: it cannot go elsewhere even once room is made
         if not state.has_capacity():
             short = f"no free slot (models_max {state.models_max})"
-        elif state.memory_on:
-            plan = state.memory.plan(new, state.models, [], self.moves.loading_devices(new))
+        elif state.memory_on:  # (ctx = "fit": its context chosen, as any load's)
+            plan = self.rules.up.plan(new, [], self.moves.loading_devices(new))
             if plan.verdict != "go" or plan.note or plan.evict:
                 short = "not enough free memory for both children"
                 never = plan.verdict == "refuse"
@@ -124,7 +125,11 @@ class Handovers:
         """`new` cannot load beside `live` as things are: `live` stops first (once its
         requests end, for a drain), or, for a drain it could not go elsewhere at all
         (`never`), it stays (drains.py reads `stuck`)."""
-        if self.why.get(new.name, "reload") == "reload":
+        if (grown := self.why.get(new.name, "reload")).startswith("context"):
+            log.info("model %s: not grown (%s): %s", live.name, grown, short)
+            self.why.pop(new.name)
+            return  # (growing is never worth a stop: it keeps what it has)
+        if grown == "reload":
             why = f"reload: {short}, so the old child stops before the new config loads"
         elif never:
             self.stuck[live.name] = short
@@ -135,6 +140,36 @@ class Handovers:
         log.info("model %s: %s", live.name, why)
         self.moves.publish_state(live, why, now)
         self.moves.retire(live, now, "reload" if why.startswith("reload") else "drain")
+
+    def grow(self, rec: ModelRecord, asked: int, now: float) -> None:
+        """`rec`'s child (ctx = "fit") refused a request of `asked` tokens (0: it did not
+        say) as more than its context: its copy reloads beside it, make-before-break,
+        with the most context that fits beside what is up (nothing is evicted for it),
+        if that is more than it has and holds what was asked (issue 44, part 3)."""
+        fit, live, had = rec.rules.ctx_fit, self.state.groups.current(rec), rec.n_ctx
+        new = self.state.groups.partner(rec)
+        if fit is None or live is not rec or had is None or had >= fit[1] \
+                or not rec.state.is_serving or rec.retiring \
+                or (new is not None and (new.state is not S.UNLOADED or new in self.pending)):
+            return  # (at its most already, going, or a reload or growth under way)
+        why = f"a request of {asked or 'more'} tokens, more than its {had} context"
+        new = new or self.alternate(rec)
+        if asked > fit[1] or new is None:
+            log.info("model %s: not grown: %s and ctx_max %d", rec.name, why, fit[1])
+            return
+        short = None
+        if not self.state.has_capacity():
+            short = f"no free slot (models_max {self.state.models_max})"
+        elif self.state.memory_on:
+            plan = self.rules.up.plan(new, [], self.moves.loading_devices(new))
+            if not fits(plan) or (new.n_ctx or 0) <= had or (new.n_ctx or 0) < asked:
+                short = (f"{new.n_ctx} context at most fits beside what is up"
+                         if fits(plan) else "no room beside what is up")
+        if short is not None:
+            log.info("model %s: not grown (%s): %s", rec.name, why, short)
+            return
+        log.info("model %s: grows from %d to %d context (%s)", rec.name, had, new.n_ctx, why)
+        self.begin(rec, now, why=f"context {had} -> {new.n_ctx}, after {why}")
 
     def retry(self, now: float) -> None:
         """Something that held a newcomer back may have changed (a measurement, an exit)."""
