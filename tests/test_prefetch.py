@@ -374,3 +374,19 @@ def test_two_sessions_under_one_key_are_followed_each_on_its_own() -> None:
     ask(w, "a", "next")
     assert [(e.model, e.after) for e in prefetches(w)] == [("b", "a")]
     assert not w.p.prefetch.tickets, "each session's request forgotten at its end"
+
+
+def test_waits_count_from_the_answer_s_end_not_from_a_kept_grant_s_release() -> None:
+    """The front keeps a grant lease_linger_ms after its answer: released 1 s after the
+    answer ended, b asked 3 s after the answer: b's wait is 3 s, not 2."""
+    w = world()
+    for i in range(3):
+        w.acquire(("a", i), "a")
+        if w.state("a") == "loading":
+            w.ready("a")
+        w.now += 2
+        w.run(w.p.release(("a", i), w.now, idle_s=1.0))  # its answer ended at now - 1
+        w.now += 2
+        ask(w, "b", ("b", i))
+        unload(w, "b")
+    assert w.p.prefetch.expected("a", "b") == 3.0

@@ -253,7 +253,7 @@ class Policy:
                 tokens: int = 0) -> None:
         name, generation, key = self.state.leases.pop(ticket)
         if self.prefetch.on and (rec := self.state.models.get(name)) is not None:
-            self.prefetch.ended(key, rec.group, ticket)
+            self.prefetch.ended(key, rec.group, ticket, now - idle_s)
         if self.state.cuts.of:
             self.state.cuts.forget(ticket)
         freed = False

@@ -68,7 +68,7 @@ class Prefetch:
         """Model A -> how often each model was asked next after an answer from A."""
         self.last: dict[str, tuple[str, float]] = {}
         """Asker -> the model of its last answer, and when that answer ended."""
-        self.pending: list[tuple[str, str]] = []
+        self.pending: list[tuple[str, str, float]] = []
         self.tickets: dict[Hashable, str] = {}
         """A session's request -> its asker, until its answer ends."""
         self.gaps: dict[tuple[str, str], deque[float]] = {}
@@ -103,28 +103,31 @@ class Prefetch:
         if len(self.last) > TICKETS_MAX:
             del self.last[next(iter(self.last))]
 
-    def ended(self, key: str, model: str, ticket: Hashable = None) -> None:
-        """An answer from `model` to a request with `key` ended (looked at in `step`, once
-        the rules have run for what waits: a prefetch takes only what they left)."""
+    def ended(self, key: str, model: str, ticket: Hashable = None, at: float = 0.0) -> None:
+        """An answer from `model` to a request with `key` ended `at` (before its release,
+        by the time the front kept its grant; looked at in `step`, once the rules have run
+        for what waits: a prefetch takes only what they left)."""
         if self.on:
-            self.pending.append((self.tickets.pop(ticket, key), model))
+            self.pending.append((self.tickets.pop(ticket, key), model, at))
 
     def step(self, now: float) -> None:
         pending, self.pending = self.pending, []
-        for asker, model in pending:
-            self.answered(asker, model, now)
+        for asker, model, at in pending:
+            self.answered(asker, model, min(at, now) or now, now)
 
-    def answered(self, asker: str, model: str, now: float) -> None:
-        """Its likely next model is prefetched, if it has room (`room`)."""
+    def answered(self, asker: str, model: str, at: float, now: float) -> None:
+        """Its likely next model is prefetched, if it has room (`room`): the answer ended
+        `at`, so what is asked `wait` after it is asked `wait - (now - at)` from now."""
         if self.last.get(asker, ("",))[0] == model:
-            self.last[asker] = (model, now)  # (what follows counts from the answer's end)
+            self.last[asker] = (model, at)  # (what follows counts from the answer's end)
         likely = self.likely(model)
         if likely is None:
             return
         after, n, total = likely
         rec = self.down(after)
         wait = self.expected(model, after)
-        room = None if rec is None or rec.name in self.due else self.room(rec, model, wait, now)
+        room = None if rec is None or rec.name in self.due else \
+            self.room(rec, model, max(0.0, wait - (now - at)), now)
         if rec is None or room is None:
             return
         plan, victims = room
