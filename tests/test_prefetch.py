@@ -386,7 +386,7 @@ def test_waits_count_from_the_answer_s_end_not_from_a_kept_grant_s_release() -> 
             w.ready("a")
         w.now += 2
         w.run(w.p.release(("a", i), w.now, idle_s=1.0))  # its answer ended at now - 1
-        w.now += 2
-        ask(w, "b", ("b", i))
+        w.now += 1
+        ask(w, "b", ("b", i))  # (its tick: 2 s after the release)
         unload(w, "b")
     assert w.p.prefetch.expected("a", "b") == 3.0
