@@ -4,7 +4,11 @@ Methods (R-5.3): `command` runs the model's argv plus `measure_args` with
 CORRAL_ROLE=measure and reads one stdout line `corral:measure:{json}`; `declared` takes
 `memory_mib` from the config; `probe` has no measure child: the model's first real load
 is its measurement (the Scheduler samples the running child and sends the figures back
-to be cached). Results are cached in
+to be cached). A `probe` model whose context is fitted (ctx = "fit", llama-server) gets
+one short child first, its context's cost: its cmd at ctx_min with PROBE_ARGS (no GPU,
+llama.cpp's load log), read off its `llama_kv_cache: size` lines as bytes per token and
+stopped once its model is loaded; its first load then measures the rest. Results are
+cached in
 state_dir, keyed by argv, the identity of the files it names and the device set, so a
 restart of corral measures nothing twice. The worker reports; the Scheduler decides.
 """
@@ -16,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -25,6 +30,7 @@ import msgspec
 
 from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port
+from .config.context import with_ctx
 from .config.model import Config, ModelConfig
 from .ledger import Breakdown, DeviceUse, MiB
 from .lifecycle import describe_exit
@@ -43,15 +49,25 @@ from .messages import (
 from .runtime.timers import Timers
 
 MEASURE_PREFIX = "corral:measure:"
+PROBE_ARGS = ["-ngl", "0", "-lv", "4", "--no-warmup"]
+"""A context probe's flags after the model's own (the last one counts): no layer on a
+GPU (a KV cache costs the same bytes per token anywhere), the log that says its size."""
+PROBE_ENV = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+KV_SIZE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells")
+"""llama.cpp's line for each KV cache it made (an iSWA model makes two: the sum of their
+per-token costs is an upper bound)."""
+PROBE_DONE = ("model loaded", "listening on")
 
 
 class MeasureResult(msgspec.Struct, frozen=True):
-    """The JSON of a `corral:measure:` line."""
+    """The JSON of a `corral:measure:` line, or a context probe's result ("at_load": its
+    first load measures it, with `per_token` bytes of context per token where read)."""
 
-    result: Literal["measured", "failed"]
+    result: Literal["measured", "failed", "at_load"]
     min: Breakdown | None = None
     max: Breakdown | None = None
     error: str | None = None
+    per_token: int = 0
 
 
 def parse_measure_line(line: str) -> MeasureResult | str | None:
@@ -65,6 +81,8 @@ def parse_measure_line(line: str) -> MeasureResult | str | None:
         return f"malformed measurement: {e}"
     if result.result == "measured" and (result.min is None or result.max is None):
         return "malformed measurement: \"measured\" needs both \"min\" and \"max\""
+    if result.result == "at_load":
+        return "malformed measurement: a measure child says \"measured\" or \"failed\""
     return result
 
 
@@ -133,6 +151,8 @@ class MeasureWorker(BaseActor):
         """Whether the current child's result went to the Scheduler."""
         self.cause: str | None = None
         self.log_ring = LogRing(200)
+        self.probe: float | None = None
+        """A context probe's bytes per token so far (None: the child is no probe)."""
 
     def on_receive(self, message: MeasureMessage) -> None:
         match message:
@@ -142,9 +162,9 @@ class MeasureWorker(BaseActor):
             case ChildLine(spawn_id=spawn_id, line=line):
                 if spawn_id == self.spawn_id and self.current is not None:
                     self.handle_line(line)
-            case Remember(model=model, config=config, figures=figures):
+            case Remember(model=model, config=config, figures=figures, high=high):
                 self.remember(MeasureCache.key(model, config, self.device_names), model,
-                              MeasureResult("measured", figures, figures))
+                              MeasureResult("measured", figures, high or figures))
             case ChildTimedOut(spawn_id=spawn_id):
                 self.handle_deadline(spawn_id)
             case ChildExited(spawn_id=spawn_id):
@@ -188,19 +208,22 @@ class MeasureWorker(BaseActor):
                 self.log.info("%s: memory figures from the cache (%s)", model, self.cache_key)
                 self.report(model, cached, "cache")
                 continue
-            if method == "probe":  # a probe is a load: the Scheduler measures its first
-                self.log.info("%s: measured by its first load (probe)", model)
-                self.scheduler.tell(Measured(model=model, result="at_load"))
+            if method == "probe" and config.ctx != "fit":  # a probe is a load: the
+                self.log.info("%s: measured by its first load (probe)", model)  # Scheduler
+                self.scheduler.tell(Measured(model=model, result="at_load"))  # measures it
                 continue
-            self.start_child(model, config)
+            self.start_child(model, config, probe=method == "probe")
 
-    def start_child(self, model: str, config: ModelConfig) -> None:
+    def start_child(self, model: str, config: ModelConfig, probe: bool = False) -> None:
         self.spawn_id += 1
         spawn_id = self.spawn_id
         ref = self.actor_ref
         port = pick_port(CHILD_HOST)
-        argv = config.argv(model, CHILD_HOST, port, config.measure_args)
-        env = {**os.environ, **self.config.child_env(), **config.env, "CORRAL_ROLE": "measure"}
+        argv = with_ctx(config, config.ctx_min).argv(model, CHILD_HOST, port, PROBE_ARGS) \
+            if probe else config.argv(model, CHILD_HOST, port, config.measure_args)
+        env = {**os.environ, **self.config.child_env(), **config.env, "CORRAL_ROLE": "measure",
+               **(PROBE_ENV if probe else {})}
+        self.probe = 0.0 if probe else None
         self.log_ring = LogRing(200)
         try:
             self.child = ChildProcess(
@@ -215,8 +238,9 @@ class MeasureWorker(BaseActor):
         self.reported = False
         self.cause = None
         timeout_s = config.measure_timeout_s or self.config.measure_timeout_s
-        self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model, "command",
-                      self.child.pid, timeout_s, " ".join(argv))
+        self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model,
+                      "its context's cost at ctx_min" if probe else "command", self.child.pid,
+                      timeout_s, " ".join(argv))
         self.scheduler.tell(MeasureStarted(model=model))
         self.timers.after(timeout_s, ref, ChildTimedOut(spawn_id=spawn_id, stage="measure"))
 
@@ -224,6 +248,9 @@ class MeasureWorker(BaseActor):
 
     def handle_line(self, line: str) -> None:
         assert self.current is not None
+        if self.probe is not None:
+            self.probe_line(line)
+            return
         parsed = parse_measure_line(line)
         if parsed is None or self.reported:
             return
@@ -233,6 +260,32 @@ class MeasureWorker(BaseActor):
         # It should exit by itself now; one that lingers must not hold up the queue.
         self.timers.after(self.configs[self.current].stop_timeout_s, self.actor_ref,
                           ChildTimedOut(spawn_id=self.spawn_id, stage="measure"))
+
+    def probe_line(self, line: str) -> None:
+        """A line of a context probe: a KV cache's size, or its model is loaded (then
+        what was read is its result, and it is stopped)."""
+        assert self.current is not None and self.probe is not None and self.child is not None
+        if (kv := KV_SIZE.search(line)) is not None and int(kv[2]):
+            self.probe += float(kv[1]) * MiB / int(kv[2])
+        elif any(done in line for done in PROBE_DONE) and not self.reported:
+            self.probed(f"{self.current}'s load log said no KV cache size"
+                        if not self.probe else None)
+            self.child.signal_group(signal.SIGTERM)
+            self.timers.after(self.configs[self.current].stop_timeout_s, self.actor_ref,
+                              ChildTimedOut(spawn_id=self.spawn_id, stage="measure"))
+
+    def probed(self, failed: str | None) -> None:
+        """A context probe's end: the model is measured by its first load, with its
+        context's cost per token if it was read (else `failed` says why not)."""
+        assert self.current is not None
+        per_token = round(self.probe or 0) if failed is None else 0
+        if failed is not None:
+            self.log.warning("measuring %s: its context's cost was not read (%s); it loads "
+                             "at ctx_min and is measured there", self.current, failed)
+        else:
+            self.log.info("%s: its context costs %d bytes per token; measured by its first "
+                          "load (probe)", self.current, per_token)
+        self.report(self.current, MeasureResult("at_load", per_token=per_token), "probe")
 
     def handle_deadline(self, spawn_id: int) -> None:
         if spawn_id != self.spawn_id or self.child is None or self.child.returncode is not None:
@@ -252,10 +305,14 @@ class MeasureWorker(BaseActor):
             self.child.drain()  # its last lines say why
             why = self.cause or f"measure child {describe_exit(returncode)} before reporting"
             tail = " | ".join(self.log_ring.lines()[-3:])
-            self.report(self.current, MeasureResult(
-                "failed", error=why + (f" (last output: {tail})" if tail else "")), "command")
+            why += f" (last output: {tail})" if tail else ""
+            if self.probe is not None:
+                self.probed(why)
+            else:
+                self.report(self.current, MeasureResult("failed", error=why), "command")
         self.child = None
         self.current = None
+        self.probe = None
         self.next()
 
     def remember(self, key: str, model: str, result: MeasureResult) -> None:
@@ -268,11 +325,12 @@ class MeasureWorker(BaseActor):
 
     def report(self, model: str, result: MeasureResult, source: str) -> None:
         self.reported = True
-        if result.result == "measured":
-            if source == "command":
+        if result.result != "failed":
+            if source in ("command", "probe"):
                 self.remember(self.cache_key, model, result)
         else:
             self.log.warning("measuring %s failed: %s; memory limits will not apply to it",
                              model, result.error)
         self.scheduler.tell(Measured(model=model, result=result.result, min=result.min,
-                                     max=result.max, error=result.error))
+                                     max=result.max, error=result.error,
+                                     per_token=result.per_token))

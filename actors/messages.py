@@ -782,7 +782,8 @@ class Measured(Message, frozen=True, kw_only=True):
     """MeasureWorker -> Scheduler: how measuring `model` ended (R-5.2, R-5.3).
 
     `result` is "measured" (with `min` and `max`), "failed" (with `error`), or "at_load":
-    a `probe` model with nothing cached, which is measured by its first real load.
+    a `probe` model with nothing cached, which is measured by its first real load (with
+    `per_token`, its context's bytes per token, where a context probe read them).
     """
 
     model: str
@@ -790,6 +791,7 @@ class Measured(Message, frozen=True, kw_only=True):
     min: Breakdown | None = None
     max: Breakdown | None = None
     error: str | None = None
+    per_token: int = 0
 
 
 class DeviceReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -996,6 +998,8 @@ class Remember(Message, frozen=True, kw_only=True):
     model: str
     config: ModelConfig
     figures: Breakdown
+    high: Breakdown | None = None
+    """ctx = "fit": the figures at ctx_max (`figures`: at ctx_min)."""
 
 
 MeasureMessage = MeasureModel | ChildLine | ChildExited | ChildTimedOut | Remember

@@ -239,9 +239,9 @@ class Scheduler(BaseActor):
                 self._carry_out(p.tiers.woken(model, gen, ok, detail, now))
             case MeasureStarted(model=model):
                 self._carry_out(p.children.measure_started(model))
-            case Measured(model=model, result=result, min=min_, max=max_, error=error):
+            case Measured(model=model, result=result, min=min_, max=max_) as m:
                 self._carry_out(p.children.measured(model, result == "measured", min_, max_,
-                                                    now, error, at_load=result == "at_load"))
+                                                    now, m.error, result == "at_load", m.per_token))
             case DevicesReported(report=report):
                 self._carry_out(p.children.devices_reported(report, now))
             case GetDevices(reply=reply):
@@ -382,10 +382,10 @@ class Scheduler(BaseActor):
                 case Withdraw() | Revoke():
                     for watcher in self.grant_watchers:
                         self._hand(watcher, effect)
-                case Learned(model=model, figures=figures):
+                case Learned(model=model, figures=figures, high=high):
                     if self.measurer is not None and model in self.configs:
                         self.measurer.tell(Remember(model=model, config=self.configs[model],
-                                                    figures=figures))
+                                                    figures=figures, high=high))
                 case Later(delay_s=delay, message=message):
                     if self.timers is not None:
                         self.timers.after(delay, self.actor_ref, message)

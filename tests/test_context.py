@@ -102,3 +102,31 @@ def test_a_fit_model_grows_beside_itself_once_a_request_needs_more(corral, tmp_p
     held = wait_until(lambda: len(h := devices(c.port)["gpu0"]["held"]) == 1 and h, 15,
                       "the old child's memory, given back")
     assert list(held.values()) == [(1024 + 256 * 20) * MiB], held
+
+
+def test_fit_without_memory_accounting_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(mem_config(tmp_path, {"b": KV}, memory_margin_mib=0))
+    run = subprocess.run([sys.executable, str(ROOT / "supervisor.py"), "check-config",
+                          str(cfg)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "models.b.ctx" in run.stderr \
+        and "memory accounting is off" in run.stderr, run.stderr
+
+
+def test_a_probe_that_reads_no_context_cost_loads_at_ctx_min_and_stays_there(
+        corral, tmp_path) -> None:
+    """A llama child (measured by its first load) whose context probe fails (the fake
+    refuses llama-server's flags): it is measured by its first load all the same, at
+    ctx_min, the one context its figures hold for, and loads there again."""
+    model = {**GROWS, "measure": "probe"}
+    c = corral(mem_config(tmp_path, {"b": model}))
+    wait_until(lambda: c.models()["b"]["memory"]["status"] == "at_load", 15, "the probe")
+    assert "its context's cost was not read" in c.log()
+    assert chat(c.port, "b")[0] == 200
+    assert c.models()["b"]["ctx"] == 2048
+    wait_until(lambda: c.models()["b"]["memory"]["status"] == "measured", 15, "its load")
+    status, body, _ = request(c.port, "POST", "/models/unload", {"model": "b"})
+    assert status == 200, body
+    c.wait_state("b", "unloaded")
+    status, plan, _ = request(c.port, "GET", "/models/plan?model=b")
+    assert status == 200 and plan["ctx"] == 2048, plan

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from actors.config.rules import ModelRules
 from actors.ledger import Breakdown, DeviceUse
-from actors.policy.context import at_ctx
+from actors.policy.context import at_ctx, from_slope
 from actors.policy.records import Spawn
 from tests.test_policy_memory import GiB, MemWorld
 
@@ -64,3 +64,25 @@ def test_all_of_it_when_it_fits_and_its_least_when_nothing_does() -> None:
     w.run(w.p.repump(w.tick()))
     b = w.p.state.models["b"]
     assert b.state.value == "loading" and b.n_ctx == 32768
+
+
+def test_a_model_measured_by_its_first_load_loads_at_ctx_min_then_reads_the_line() -> None:
+    """No figures yet (a llama child's first load is its measurement), its context's cost
+    per token known from its probe: the first load takes ctx_min; what it uses there and
+    that cost give its figures at ctx_min and ctx_max (its device rows, not its host's)."""
+    w = MemWorld({"a": 3.0, "b": 1.0}, rules={"b": FIT}, measured=False)
+    w.run(w.p.children.measured("b", False, None, None, 0.0, None, True,
+                                per_token=256 * 1024))  # (0.25 GiB per 1k tokens)
+    plan = w.p.plan("b", w.tick())
+    assert plan.ctx == 2048 and plan.ctx_note == "its first load measures it, at 2048 (ctx_min)"
+    rec = w.p.state.models["b"]
+    rec.n_ctx = 2048
+    used = Breakdown(0, [DeviceUse(kind="device", name="gpu0", model=int(1.5 * GiB)),
+                         DeviceUse(kind="host", name="host", model=GiB // 4)])
+    low, high = from_slope(rec, used)
+    assert (low.n_ctx, high.n_ctx) == (2048, 32768)
+    assert low.devices[0].model == int(1.5 * GiB) and low.devices[1] == used.devices[1]
+    assert high.devices[0].model == int(1.5 * GiB) + 256 * 1024 * (32768 - 2048)
+    assert high.devices[1] == used.devices[1], "the context is on the device"
+    rec.ctx_per_token = 0
+    assert from_slope(rec, used) == (used, used), "no cost per token: one figure"

@@ -38,10 +38,15 @@ def with_ctx(config: M, n_ctx: int | None) -> M:
     return msgspec.structs.replace(config, cmd=[a.replace("{ctx}", str(n_ctx)) for a in cmd])
 
 
-def ctx_problem(model: Sized, cmd: list[str], method: str) -> str | None:
+def ctx_problem(model: Sized, cmd: list[str], method: str,
+                accounting: bool = True) -> str | None:
     """What is wrong with a model's context keys (None: nothing), its key named;
-    `method`: how its memory is measured (one figure, `declared`, cannot be fitted)."""
+    `method`: how its memory is measured (one figure, `declared`, cannot be fitted);
+    `accounting`: memory accounting is on (without it nothing is fitted)."""
     uses = any("{ctx}" in arg for arg in cmd)
+    if model.ctx == "fit" and not accounting:
+        return ('ctx: "fit" chooses the context from the memory ledger, and memory '
+                "accounting is off (memory_margin_mib = 0)")
     if model.ctx != "fit" and model.ctx_max is not None:
         return 'ctx_max: ctx_min and ctx_max are for ctx = "fit" only'
     if model.ctx == "fit" and method == "declared":

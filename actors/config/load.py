@@ -108,7 +108,8 @@ def _validate(config: Config, source: str) -> Config:
             raise ConfigError(f"{source}: models.{name!r}: {wrong}")
         _check_placeholders(model.cmd, PLACEHOLDER, f"{source}: models.{name}.cmd",
                             "{port}, {host}, {model}, {devices}, {device} or {ctx}")
-        if (wrong := ctx_problem(model, model.cmd, model.measure_method)) is not None:
+        if (wrong := ctx_problem(model, model.cmd, model.measure_method,
+                                 config.memory_accounting)) is not None:
             raise ConfigError(f"{source}: models.{name}.{wrong}")
         if model.devices is not None and model.devices_per_instance > len(model.devices):
             raise ConfigError(f"{source}: models.{name}.devices_per_instance: "

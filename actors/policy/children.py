@@ -276,7 +276,7 @@ class Children:
 
     def measured(self, model: str, ok: bool, min_: Breakdown | None,
                  max_: Breakdown | None, now: float, error: str | None = None,
-                 at_load: bool = False) -> list[Effect]:
+                 at_load: bool = False, per_token: int = 0) -> list[Effect]:
         rec = self.state.models.get(model)
         if rec is None:
             return []
@@ -284,7 +284,7 @@ class Children:
             if at_load and copy.state.is_serving:
                 continue  # it runs already: the running child is sampled instead
             self.state.out.extend(self.state.memory.measured(copy, ok, min_, max_, error,
-                                                             at_load))
+                                                             at_load, per_token))
         if self.handovers.pending:
             self.handovers.retry(now)
         self.rules.pump(now)

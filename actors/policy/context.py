@@ -51,6 +51,24 @@ def at_ctx(low: Breakdown, high: Breakdown, n_ctx: int) -> Breakdown:
     return Breakdown(n_ctx, rows)
 
 
+def from_slope(rec: ModelRecord, figures: Breakdown) -> tuple[Breakdown, Breakdown]:
+    """`rec`'s figures at ctx_min and at ctx_max, from what its child uses at the context
+    it loaded with (`figures`) and its context's cost per token (a context probe's),
+    that cost put on its devices' rows (its host rows where it has none) as they hold
+    the figures; `figures` twice if it has no such cost or is not fitted."""
+    fit, per_token, at = rec.rules.ctx_fit, rec.ctx_per_token, rec.n_ctx
+    if fit is None or not per_token or at is None:
+        return figures, figures
+    rows = [r for r in figures.devices if r.kind == "device"] or list(figures.devices)
+    total = sum(r.self_bytes for r in rows) or 1
+
+    def at_ctx_of(n_ctx: int) -> Breakdown:
+        return Breakdown(n_ctx, [msgspec.structs.replace(
+            r, model=max(0, r.self_bytes + per_token * (n_ctx - at) * r.self_bytes // total),
+            context=0, compute=0) if r in rows else r for r in figures.devices])
+    return at_ctx_of(fit[0]), at_ctx_of(fit[1])
+
+
 def sized(rec: ModelRecord) -> Breakdown | None:
     """`rec`'s need at its chosen context (None: it is not sized so: its own figures)."""
     low, high = rec.mem_min, rec.mem_max
@@ -90,7 +108,12 @@ def _choose(rec: ModelRecord, plan: Callable[[list[ModelRecord]], Plan],
             victims: list[ModelRecord], least: int, most: int) -> tuple[Plan, bool]:
     """`choose`'s search: its plan, and whether that plan was made with no victims."""
     rec.n_ctx, rec.ctx_note = most, ""
-    if sized(rec) is None:  # (not measured at two contexts: it loads with its most)
+    if rec.mem_min is None and rec.mem_max is None:  # its first load measures it: the least
+        rec.n_ctx, rec.ctx_note = least, f"its first load measures it, at {least} (ctx_min)"
+        return plan(victims), False
+    if sized(rec) is None:  # measured at one context: it loads with that one (or its most)
+        one = (rec.mem_max or rec.mem_min or Breakdown(0, [])).n_ctx
+        rec.n_ctx = min(max(one, least), most) if one else most
         return plan(victims), False
     if fits(beside := plan([])):
         return beside, True

@@ -118,6 +118,8 @@ class Learned(msgspec.Struct, frozen=True):
 
     model: str
     figures: Breakdown
+    high: Breakdown | None = None
+    """ctx = "fit": the figures at ctx_max (`figures`: at ctx_min)."""
 
 
 class Later(msgspec.Struct, frozen=True):
@@ -234,6 +236,8 @@ class ModelRecord:
     mem_effective: Breakdown | None = None
     """What the running child really uses, from the first device report after ready."""
     mem_error: str | None = None
+    ctx_per_token: int = 0
+    """ctx = "fit", measured by its first load: its context's bytes per token (measure.py)."""
     measure_requested_first: bool = False
     """A front-of-queue measure was asked for since the last result."""
     awaiting_usage: bool = False

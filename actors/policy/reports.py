@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB
 from ..messages import DeviceReport, ModelMemory
+from .context import from_slope
 from .records import Effect, Learned, Measure, ModelRecord, Publish
 
 log = logging.getLogger("corral.scheduler")
@@ -34,13 +35,15 @@ class Reports:
 
     def measured(self, rec: ModelRecord, ok: bool, min_: Breakdown | None,
                  max_: Breakdown | None, error: str | None,
-                 at_load: bool = False) -> list[Effect]:
+                 at_load: bool = False, per_token: int = 0) -> list[Effect]:
         """A measurement ended; a failed one leaves the model outside the limits (R-5.2);
-        `at_load`: its first load will be its measurement (a `probe` model)."""
+        `at_load`: its first load will be its measurement (a `probe` model), `per_token`:
+        what its context costs per token (ctx = "fit": a context probe's)."""
         rec.measure_requested_first = False
         rec.mem_error = error
         if at_load:
             rec.memory, rec.mem_min, rec.mem_max = "at_load", None, None
+            rec.ctx_per_token = per_token
         elif ok:
             rec.memory, rec.mem_min, rec.mem_max = "measured", min_, max_
             if max_ is not None:  # a device not yet reported: the measure child's view
@@ -86,7 +89,7 @@ class Reports:
                 # next load on its devices may go), at what it really uses.
                 user.awaiting_usage = False
                 if usage:
-                    n_ctx = (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
+                    n_ctx = user.n_ctx or (user.mem_max or user.mem_min or Breakdown(0, [])).n_ctx
                     user.mem_effective = Breakdown(n_ctx, [
                         DeviceUse(kind=seen[d].kind, name=d, total=seen[d].total,
                                   free=seen[d].free, model=size)
@@ -103,8 +106,11 @@ class Reports:
     @staticmethod
     def _learned(rec: ModelRecord, figures: Breakdown) -> list[Effect]:
         """No figures but a running child: what it uses is its measurement (a probe is a
-        load like any other, and no second copy of a serving model is ever started)."""
-        log.info("model %s measured by its running child", rec.name)
-        rec.memory, rec.mem_min, rec.mem_max, rec.mem_error = "measured", figures, figures, None
+        load like any other, and no second copy of a serving model is ever started); with
+        its context's cost per token, at ctx_min and ctx_max (context.py `from_slope`)."""
+        low, high = from_slope(rec, figures)
+        log.info("model %s measured by its running child%s", rec.name, "" if low is high else
+                 f" at {rec.n_ctx} context, and so at {low.n_ctx} and at {high.n_ctx}")
+        rec.memory, rec.mem_min, rec.mem_max, rec.mem_error = "measured", low, high, None
         return [Publish(ModelMemory(model=rec.name, memory=rec.memory_info())),
-                Learned(rec.name, figures)]
+                Learned(rec.name, low, None if low is high else high)]
