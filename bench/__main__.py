@@ -14,6 +14,7 @@ from bench import (
     dashboard,
     exit_latency,
     gpu_check,
+    grow,
     journal,
     lease,
     load,
@@ -39,7 +40,7 @@ COMMANDS = {"load": load.main, "overhead": overhead.main, "swap": swap.main,
             "tenants": tenants.main, "prompt-cache": prompt_cache.main,
             "replicas": replicas.main, "uploads": uploads.main, "journal": journal.main,
             "streams": streams.main, "prefetch": prefetch.main, "batches": batches.main,
-            "context": context.main}
+            "context": context.main, "grow": grow.main}
 SUMMARY = {
     "load": "concurrent requests against a running corral (or any router with its API)",
     "overhead": "the proxy's cost: the same requests straight to a child and through corral",
@@ -75,6 +76,8 @@ SUMMARY = {
                 "prefetch on against off, and the guesses wasted",
     "batches": "a 1,000-line batch over 3 models beside an interactive client: its p99 "
                "alone and beside, and the batch's loads per model",
+    "grow": "a fitted context growing beside itself past a long prompt: how long, and the "
+            "short requests served meanwhile",
     "context": "an agent alternating two models on one GPU: the second with a fixed "
                "context against ctx = \"fit\": its answers, the loads",
 }

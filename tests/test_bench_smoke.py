@@ -281,3 +281,10 @@ def test_context_bench_runs(tmp_path) -> None:
     data = json.loads(out.read_text())
     assert data["fit"]["loads"] == [1, 1] and data["fit"]["ctx"] == [20480], data["fit"]
     assert data["fixed 32768"]["loads"] == [2, 2], data["fixed 32768"]
+
+
+def test_grow_bench_runs(tmp_path) -> None:
+    path = tmp_path / "g.json"
+    bench("grow", "--rounds", "1", "--load-s", "0.2", "--json", str(path))
+    (r,) = json.loads(path.read_text())["rounds"]
+    assert r["failed"] == 0 and r["grown_s"] > 0.2 and r["during_n"] > 0, r
