@@ -63,7 +63,7 @@ class Prefetch:
     def __init__(self, state: State, rules: Rules) -> None:
         self.state = state
         self.rules = rules
-        self.on = False
+        self._on = False
         self.follows: dict[str, Counter[str]] = {}
         """Model A -> how often each model was asked next after an answer from A."""
         self.last: dict[str, tuple[str, float]] = {}
@@ -75,7 +75,18 @@ class Prefetch:
         """(A, B) -> the last waits from an answer from A to a request for B."""
         self.due: dict[str, tuple[Prefetched, float]] = {}
         """A prefetch waiting for the slot its victim frees -> until when it may go."""
-        rules.prefetches = self.due_step
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, on: bool) -> None:
+        """Prefetch on or off; off, the rules call nothing of it (no cost unused)."""
+        self._on = on
+        self.rules.prefetches = self.due_step if on else None
+        if not on:
+            self.due.clear()
 
     def asked(self, key: str, model: str, now: float, ticket: Hashable = None,
               affinity: int = 0) -> None:
