@@ -5,10 +5,8 @@ CORRAL_ROLE=measure and reads one stdout line `corral:measure:{json}`; `declared
 `memory_mib` from the config; `probe` has no measure child: the model's first real load
 is its measurement (the Scheduler samples the running child and sends the figures back
 to be cached). A `probe` model whose context is fitted (ctx = "fit", llama-server) gets
-one short child first, its context's cost: its cmd at ctx_min with PROBE_ARGS (no GPU,
-llama.cpp's load log), read off its `llama_kv_cache: size` lines as bytes per token and
-stopped once its model is loaded; its first load then measures the rest. Results are
-cached in
+two short children first, which read what its context costs per token (ctxprobe.py); its
+first load then measures the rest. Results are cached in
 state_dir, keyed by argv, the identity of the files it names and the device set, so a
 restart of corral measures nothing twice. The worker reports; the Scheduler decides.
 """
@@ -20,7 +18,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -32,6 +29,7 @@ from .base import BaseActor, CrashHandler, tell_or_drop
 from .childproc import CHILD_HOST, ChildProcess, LogRing, pick_port
 from .config.context import with_ctx
 from .config.model import Config, ModelConfig
+from .ctxprobe import PROBE_ARGS, PROBE_ENV, TIMEOUT_S, Probe, probe_argv, second_context
 from .ledger import Breakdown, DeviceUse, MiB
 from .lifecycle import describe_exit
 from .messages import (
@@ -49,14 +47,6 @@ from .messages import (
 from .runtime.timers import Timers
 
 MEASURE_PREFIX = "corral:measure:"
-PROBE_ARGS = ["-ngl", "0", "-lv", "4", "--no-warmup"]
-"""A context probe's flags after the model's own (the last one counts): no layer on a
-GPU (a KV cache costs the same bytes per token anywhere), the log that says its size."""
-PROBE_ENV = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
-KV_SIZE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells")
-"""llama.cpp's line for each KV cache it made (an iSWA model makes two: the sum of their
-per-token costs is an upper bound)."""
-PROBE_DONE = ("model loaded", "listening on")
 
 
 class MeasureResult(msgspec.Struct, frozen=True):
@@ -151,8 +141,8 @@ class MeasureWorker(BaseActor):
         """Whether the current child's result went to the Scheduler."""
         self.cause: str | None = None
         self.log_ring = LogRing(200)
-        self.probe: float | None = None
-        """A context probe's bytes per token so far (None: the child is no probe)."""
+        self.probe: Probe | None = None
+        """The current model's context probe (None: its child is no probe)."""
 
     def on_receive(self, message: MeasureMessage) -> None:
         match message:
@@ -212,18 +202,21 @@ class MeasureWorker(BaseActor):
                 self.log.info("%s: measured by its first load (probe)", model)  # Scheduler
                 self.scheduler.tell(Measured(model=model, result="at_load"))  # measures it
                 continue
-            self.start_child(model, config, probe=method == "probe")
+            if method == "probe":
+                self.probe = Probe(config.ctx_min, second_context(config.ctx_min,
+                                                                  config.ctx_max or 0))
+            self.start_child(model, config)
 
-    def start_child(self, model: str, config: ModelConfig, probe: bool = False) -> None:
+    def start_child(self, model: str, config: ModelConfig) -> None:
         self.spawn_id += 1
         spawn_id = self.spawn_id
         ref = self.actor_ref
         port = pick_port(CHILD_HOST)
-        argv = with_ctx(config, config.ctx_min).argv(model, CHILD_HOST, port, PROBE_ARGS) \
-            if probe else config.argv(model, CHILD_HOST, port, config.measure_args)
+        probe = self.probe
+        argv = probe_argv(with_ctx(config, probe.at).argv(model, CHILD_HOST, port, PROBE_ARGS)) \
+            if probe is not None else config.argv(model, CHILD_HOST, port, config.measure_args)
         env = {**os.environ, **self.config.child_env(), **config.env, "CORRAL_ROLE": "measure",
-               **(PROBE_ENV if probe else {})}
-        self.probe = 0.0 if probe else None
+               **(PROBE_ENV if probe is not None else {})}
         self.log_ring = LogRing(200)
         try:
             self.child = ChildProcess(
@@ -231,16 +224,23 @@ class MeasureWorker(BaseActor):
                 on_exit=lambda: tell_or_drop(ref, ChildExited(spawn_id=spawn_id)),
                 on_line=lambda line: tell_or_drop(ref, ChildLine(spawn_id=spawn_id, line=line)))
         except (OSError, subprocess.SubprocessError) as e:
-            self.report(model, MeasureResult("failed", error=f"could not be started: {e}"),
-                        "command")
+            self.child, self.current = None, model
+            if probe is not None:
+                self.probed(f"could not be started: {e}")
+            else:
+                self.report(model, MeasureResult("failed", error=f"could not be started: {e}"),
+                            "command")
+            self.current = self.probe = None
             return
         self.current = model
         self.reported = False
         self.cause = None
         timeout_s = config.measure_timeout_s or self.config.measure_timeout_s
+        if probe is not None:
+            timeout_s = min(timeout_s, TIMEOUT_S)
         self.log.info("measuring %s (%s, pid %d, deadline %g s): %s", model,
-                      "its context's cost at ctx_min" if probe else "command", self.child.pid,
-                      timeout_s, " ".join(argv))
+                      "command" if probe is None else f"its context's cost at {probe.at}",
+                      self.child.pid, timeout_s, " ".join(argv))
         self.scheduler.tell(MeasureStarted(model=model))
         self.timers.after(timeout_s, ref, ChildTimedOut(spawn_id=spawn_id, stage="measure"))
 
@@ -262,26 +262,22 @@ class MeasureWorker(BaseActor):
                           ChildTimedOut(spawn_id=self.spawn_id, stage="measure"))
 
     def probe_line(self, line: str) -> None:
-        """A line of a context probe: a KV cache's size, or its model is loaded (then
-        what was read is its result, and it is stopped)."""
-        assert self.current is not None and self.probe is not None and self.child is not None
-        if (kv := KV_SIZE.search(line)) is not None and int(kv[2]):
-            self.probe += float(kv[1]) * MiB / int(kv[2])
-        elif any(done in line for done in PROBE_DONE) and not self.reported:
-            self.probed(f"{self.current}'s load log said no KV cache size"
-                        if not self.probe else None)
+        """A line of a context probe's child: once its model is loaded, it is stopped."""
+        assert self.probe is not None and self.child is not None and self.current is not None
+        if self.probe.line(line):
             self.child.signal_group(signal.SIGTERM)
             self.timers.after(self.configs[self.current].stop_timeout_s, self.actor_ref,
                               ChildTimedOut(spawn_id=self.spawn_id, stage="measure"))
 
-    def probed(self, failed: str | None) -> None:
-        """A context probe's end: the model is measured by its first load, with its
-        context's cost per token if it was read (else `failed` says why not)."""
-        assert self.current is not None
-        per_token = round(self.probe or 0) if failed is None else 0
-        if failed is not None:
-            self.log.warning("measuring %s: its context's cost was not read (%s); it loads "
-                             "at ctx_min and is measured there", self.current, failed)
+    def probed(self, why: str) -> None:
+        """A context probe's end (`why`: how its last child ended): the model is measured
+        by its first load, with its context's cost a token where it was read."""
+        assert self.current is not None and self.probe is not None
+        per_token = self.probe.per_token()
+        if not per_token:
+            self.log.warning("measuring %s: its context's cost was not read (the probe at %d "
+                             "%s); it loads at ctx_min and is measured there", self.current,
+                             self.probe.at, why)
         else:
             self.log.info("%s: its context costs %d bytes per token; measured by its first "
                           "load (probe)", self.current, per_token)
@@ -306,6 +302,12 @@ class MeasureWorker(BaseActor):
             why = self.cause or f"measure child {describe_exit(returncode)} before reporting"
             tail = " | ".join(self.log_ring.lines()[-3:])
             why += f" (last output: {tail})" if tail else ""
+            if self.probe is not None and self.probe.next_context() is not None:
+                self.child = None  # (its next context: the current model's still)
+                self.start_child(self.current, self.configs[self.current])
+                if self.current is None:  # (it could not be started: reported)
+                    self.next()
+                return
             if self.probe is not None:
                 self.probed(why)
             else:
@@ -325,9 +327,11 @@ class MeasureWorker(BaseActor):
 
     def report(self, model: str, result: MeasureResult, source: str) -> None:
         self.reported = True
-        if result.result != "failed":
-            if source in ("command", "probe"):
+        if result.result == "measured" or result.per_token:  # (a probe that read nothing:
+            if source in ("command", "probe"):                # tried again at the next start)
                 self.remember(self.cache_key, model, result)
+        elif result.result == "at_load":
+            pass  # (said by `probed`)
         else:
             self.log.warning("measuring %s failed: %s; memory limits will not apply to it",
                              model, result.error)

@@ -330,7 +330,7 @@ class Scheduler(BaseActor):
         kept = [n for n in table if n in old and table[n][1] != old[n]]
         for n in kept:  # a changed child loads in its alternate beside the old one
             self.configs[alternate_name(n)] = table[n][1]
-        self.configs |= with_alternates({n: m for n, (_, m) in table.items() if m.nodes})
+        self.configs |= with_alternates({n: m for n, (_, m) in table.items()})  # (new ones)
         effects, restarted = self.policy.children.reconfigure(
             {n: rules(n) for n in table if n not in old},
             [n for n in old if n not in table],

@@ -9,6 +9,7 @@ from actors.config.rules import ModelRules
 from actors.ledger import Breakdown, DeviceUse
 from actors.policy.context import at_ctx, from_slope
 from actors.policy.records import Spawn
+from tests.test_policy import World
 from tests.test_policy_memory import GiB, MemWorld
 
 FIT = ModelRules(ctx_fit=(2048, 32768))
@@ -86,3 +87,43 @@ def test_a_model_measured_by_its_first_load_loads_at_ctx_min_then_reads_the_line
     assert high.devices[1] == used.devices[1], "the context is on the device"
     rec.ctx_per_token = 0
     assert from_slope(rec, used) == (used, used), "no cost per token: one figure"
+
+
+def test_a_growth_asked_before_the_first_report_grows_once_it_is_measured() -> None:
+    """The long prompt that loaded it (at ctx_min) is refused before its first device
+    report: its alternate is made then, unmeasured; once measured, the next refusal
+    grows it all the same (the alternate takes the running record's figures)."""
+    w = MemWorld({"b": 1.0}, rules={"b": FIT}, measured=False)
+    w.run(w.p.children.measured("b", False, None, None, 0.0, None, True,
+                                per_token=256 * 1024))
+    w.acquire("b1", "b")
+    World.ready(w, "b")  # ready; its first device report has not come yet
+    b = w.p.state.models["b"]
+    assert b.n_ctx == 2048
+    # the long prompt that loaded it is refused at once
+    w.run(w.p.children.instance_reported("b", b.generation, "context",
+                                         {"asked": 10000, "n_ctx": 2048}, w.tick()))
+    w.report()  # its first report: b is measured (ctx_min and ctx_max from the slope)
+    assert b.memory == "measured" and b.mem_max is not None and b.mem_max.n_ctx == 32768
+    w.release("b1")
+    # plenty of room (10 GiB - 1 margin - 1 used): another long prompt is refused
+    spawns = len(w.spawns)
+    w.run(w.p.children.instance_reported("b", b.generation, "context",
+                                         {"asked": 10000, "n_ctx": 2048}, w.tick()))
+    alt = w.p.state.models["b@next"]
+    assert len(w.spawns) > spawns, (
+        f"b never grows: its alternate is {alt.memory!r} (n_ctx {alt.n_ctx})")
+
+
+def test_without_the_early_refusal_it_grows() -> None:
+    w = MemWorld({"b": 1.0}, rules={"b": FIT}, measured=False)
+    w.run(w.p.children.measured("b", False, None, None, 0.0, None, True,
+                                per_token=256 * 1024))
+    w.acquire("b1", "b")
+    World.ready(w, "b")
+    b = w.p.state.models["b"]
+    w.report()
+    w.release("b1")
+    w.run(w.p.children.instance_reported("b", b.generation, "context",
+                                         {"asked": 10000, "n_ctx": 2048}, w.tick()))
+    assert len(w.spawns) == 2 and w.p.state.models["b@next"].n_ctx > 10000

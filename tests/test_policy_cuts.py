@@ -500,3 +500,34 @@ def test_waiters_left_when_a_child_comes_back_ask_for_their_cuts() -> None:
     m.crash_and_back(model="m")
     m.nothing_unasked()
     m.teardown()
+
+
+def test_a_cut_out_ranks_among_the_waiters_once_it_comes_back() -> None:
+    """Found by the machine: with aging, a request asked to be cut comes back ranked from
+    when it first came; a second waiter whose rank is below that gains nothing from a
+    second cut (the freed slot would go to the request cut first). Asked one by one, the
+    policy saw this; counted again afterwards, the asked cut's rank was forgotten and a
+    second cut was wanted."""
+    m = CutMachine()
+    m.setup(slots=3, timeout=0.0, limit=0, aging_s=2.0)
+    m.crash_and_back(model="m")
+    m.acquire(cuttable=False, key="low", model="m")
+    m.answer_cut(cut=False, i=1)
+    m.crash_and_back(model="n")
+    m.time_passes(dt=0.5)
+    m.time_passes(dt=0.5)
+    m.acquire(cuttable=True, key="low", model="m")
+    for _ in range(3):
+        m.crash_and_back(model="n")
+    m.time_passes(dt=0.5)
+    m.time_passes(dt=0.5)
+    for key in ("", "", "low2"):
+        m.acquire(cuttable=True, key=key, model="m")
+    m.answer_cut(cut=False, i=0)
+    m.acquire(cuttable=True, key="mid", model="m")
+    m.crash_and_back(model="m")
+    m.crash_and_back(model="m")
+    m.answer_cut(cut=True, i=0)
+    m.acquire(cuttable=True, key="mid", model="m")
+    m.nothing_unasked()
+    m.teardown()

@@ -108,14 +108,15 @@ def test_a_model_idle_longer_than_the_next_ones_wait_gives_its_slot_once_gone() 
     ask(w, "c", "c")
     w.now += 150  # c idle past b's expected wait
     ask(w, "a", "x")
-    assert prefetches(w) == [Prefetched(model="b", after="a", odds=1.0, seen=3, action="load",
-                                        expected_s=101.0, evicts=["c"])]
     gone = w.evictions()[-1]
     assert (gone.model, gone.reason, gone.for_model) == ("c", "prefetch", "b")
     assert w.state("b") == "unloaded", "c's slot: once c is gone"
+    assert prefetches(w) == [] and not w.p.snapshot(w.now).prefetches, "said as it loads"
     w.exited("c")
     w.report()
     assert w.state("b") == "loading" and w.p.state.prefetched.keys() == {"b"}
+    assert prefetches(w) == [Prefetched(model="b", after="a", odds=1.0, seen=3, action="load",
+                                        expected_s=101.0, evicts=["c"])]
     w.ready("b")
     w.acquire("t", "b")
     assert isinstance(w.answers["t"], Grant)
@@ -133,6 +134,7 @@ def test_a_request_that_comes_while_the_victim_stops_takes_its_slot() -> None:
     w.exited("c")
     w.report()
     assert w.state("b") == "unloaded" and not w.p.prefetch.due
+    assert not w.p.snapshot(w.now).prefetches, "it never loaded: not counted"
     w.ready("c")
     assert isinstance(w.answers["t"], Grant)
 
@@ -146,13 +148,13 @@ def test_for_memory_only_models_idle_longer_than_its_wait_go_and_it_loads_after(
     assert prefetches(w) == [] and w.state("c") == "loaded", "c used 2 s ago: it stays"
     w.now += 30
     ask(w, "a", "y")
-    assert [e.evicts for e in prefetches(w)] == [["c"]]
     assert w.evictions()[-1].reason == "prefetch" and w.state("a") == "loaded"
     assert w.state("b") == "unloaded", "c's memory: once c has given it back"
     assert w.state("c") == "suspending"
     w.suspended("c")
     w.report()
     assert w.state("b") == "loading" and w.state("c") == "suspended"
+    assert [e.evicts for e in prefetches(w)] == [["c"]]
 
 
 def test_what_comes_long_after_an_answer_follows_nothing() -> None:

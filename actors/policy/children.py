@@ -174,8 +174,8 @@ class Children:
             self.moves.transition(rec, S.LOADED, "woken by a request", now)
             if self.state.memory_on:
                 self.state.ledger.reserve(model, rec.mem_effective or self.state.memory.need(rec))
-        elif state == "context":  # a request past its context: it may grow (ctx = "fit")
-            self.handovers.grow(rec, int(payload.get("asked") or 0), now)
+        elif state == "context":  # (llama.py context_refused: ints) it may grow
+            self.handovers.grow(rec, payload.get("asked", 0), payload.get("n_ctx", 0), now)
         self.moves.idle(rec)
         self.rules.pump(now)
         return self.moves.flush()

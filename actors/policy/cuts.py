@@ -108,9 +108,14 @@ class Cuts:
         cutters.sort(reverse=True)
         out: list[Hashable] = []
         aging_s = queue.aging_s
+
+        def back(slot: Slot) -> float:  # (its rank once cut, waiting again)
+            return slot.level + ((now - slot.came_at) / aging_s if aging_s else 0)
+        for _, slot in running:  # the cuts out: each comes back to wait, ranked so
+            if slot.asked and not slot.cut:
+                first = max(first, back(slot))
         for (rank, level), (ticket, slot) in zip(cutters[asked:], open_, strict=False):
-            back = slot.level + ((now - slot.came_at) / aging_s if aging_s else 0)
-            first = max(first, back)
+            first = max(first, back(slot))
             if slot.level >= level or rank <= first:
                 break
             slot.asked = True

@@ -141,28 +141,34 @@ class Handovers:
         self.moves.publish_state(live, why, now)
         self.moves.retire(live, now, "reload" if why.startswith("reload") else "drain")
 
-    def grow(self, rec: ModelRecord, asked: int, now: float) -> None:
+    def grow(self, rec: ModelRecord, asked: int, slot_ctx: int, now: float) -> None:
         """`rec`'s child (ctx = "fit") refused a request of `asked` tokens (0: it did not
-        say) as more than its context: its copy reloads beside it, make-before-break,
+        say) as more than its context (`slot_ctx` a slot, where it said: llama-server's
+        -np slots each get a share of it): its copy reloads beside it, make-before-break,
         with the most context that fits beside what is up (nothing is evicted for it),
-        if that is more than it has and holds what was asked (issue 44, part 3)."""
+        if that is more than it has and holds what was asked in a slot (issue 44, part 3)."""
         fit, live, had = rec.rules.ctx_fit, self.state.groups.current(rec), rec.n_ctx
         new = self.state.groups.partner(rec)
         if fit is None or live is not rec or had is None or had >= fit[1] \
                 or not rec.state.is_serving or rec.retiring \
                 or (new is not None and (new.state is not S.UNLOADED or new in self.pending)):
             return  # (at its most already, going, or a reload or growth under way)
-        why = f"a request of {asked or 'more'} tokens, more than its {had} context"
+        slots = max(1, round(had / slot_ctx)) if 0 < slot_ctx < had else 1
+        why = (f"a request of {asked or 'more'} tokens, more than its {had} context"
+               + (f" ({slot_ctx} a slot)" if slots > 1 else ""))
         new = new or self.alternate(rec)
-        if asked > fit[1] or new is None:
+        if asked * slots > fit[1] or new is None:
             log.info("model %s: not grown: %s and ctx_max %d", rec.name, why, fit[1])
             return
+        # (its figures as its running child taught them: the same config, the same model)
+        new.memory, new.mem_min, new.mem_max, new.ctx_per_token, new.mem_error = \
+            rec.memory, rec.mem_min, rec.mem_max, rec.ctx_per_token, rec.mem_error
         short = None
         if not self.state.has_capacity():
             short = f"no free slot (models_max {self.state.models_max})"
         elif self.state.memory_on:
             plan = self.rules.up.plan(new, [], self.moves.loading_devices(new))
-            if not fits(plan) or (new.n_ctx or 0) <= had or (new.n_ctx or 0) < asked:
+            if not fits(plan) or (new.n_ctx or 0) <= had or (new.n_ctx or 0) < asked * slots:
                 short = (f"{new.n_ctx} context at most fits beside what is up"
                          if fits(plan) else "no room beside what is up")
         if short is not None:

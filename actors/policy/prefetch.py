@@ -66,8 +66,11 @@ class Prefetch:
         self._on = False
         self.follows: dict[str, Counter[str]] = {}
         """Model A -> how often each model was asked next after an answer from A."""
-        self.last: dict[str, tuple[str, float]] = {}
-        """Asker -> the model of its last answer, and when that answer ended."""
+        self.last: dict[str, tuple[str, float, bool]] = {}
+        """Asker -> the model of its last request, and when that came, or when its answer
+        ended (True)."""
+        self.open: dict[str, tuple[str, str, float]] = {}
+        """Asker -> (A, B, when B was asked) while A's answer's end is not known."""
         self.pending: list[tuple[str, str, float]] = []
         self.tickets: dict[Hashable, str] = {}
         """A session's request -> its asker, until its answer ends."""
@@ -106,13 +109,21 @@ class Prefetch:
         last = self.last.pop(asker, None)  # (and back at the end: the oldest go first)
         if last is not None and now - last[1] <= FOLLOW_S:
             self.follows.setdefault(last[0], Counter())[model] += 1
-            gaps = self.gaps.get((last[0], model))
-            if gaps is None:
-                gaps = self.gaps[(last[0], model)] = deque(maxlen=GAPS_KEPT)
-            gaps.append(max(0.0, now - last[1]))
-        self.last[asker] = (model, now)
+            if last[2]:
+                self.waited(last[0], model, now - last[1])
+            else:  # (its answer's end is not known yet: the front keeps its grant a while)
+                self.open[asker] = (last[0], model, now)
+                if len(self.open) > TICKETS_MAX:
+                    del self.open[next(iter(self.open))]
+        self.last[asker] = (model, now, False)
         if len(self.last) > TICKETS_MAX:
             del self.last[next(iter(self.last))]
+
+    def waited(self, model: str, after: str, wait: float) -> None:
+        gaps = self.gaps.get((model, after))
+        if gaps is None:
+            gaps = self.gaps[(model, after)] = deque(maxlen=GAPS_KEPT)
+        gaps.append(max(0.0, wait))
 
     def ended(self, key: str, model: str, ticket: Hashable = None, at: float = 0.0) -> None:
         """An answer from `model` to a request with `key` ended `at` (before its release,
@@ -130,7 +141,10 @@ class Prefetch:
         """Its likely next model is prefetched, if it has room (`room`): the answer ended
         `at`, so what is asked `wait` after it is asked `wait - (now - at)` from now."""
         if self.last.get(asker, ("",))[0] == model:
-            self.last[asker] = (model, at)  # (what follows counts from the answer's end)
+            self.last[asker] = (model, at, True)  # (what follows counts from its end)
+        if (opened := self.open.get(asker)) is not None and opened[0] == model:
+            del self.open[asker]
+            self.waited(model, opened[1], opened[2] - at)
         likely = self.likely(model)
         if likely is None:
             return
@@ -149,8 +163,6 @@ class Prefetch:
                  event.action, after, model, n, total, wait, "".join(
                      f"; evicts {v.name}, idle {now - max(v.last_used, v.ended_at):.0f} s"
                      for v in victims))
-        self.state.stats.prefetches["loaded"] += 1
-        self.state.out.append(Publish(event))
         for victim in victims:
             self.rules.moves.evict(victim, "prefetch", rec.name, now)
         if self.state.has_capacity() and (plan is None or plan.verdict == "go"):
@@ -159,6 +171,8 @@ class Prefetch:
             self.due[rec.name] = (event, now + max(wait, DUE_S))
 
     def go(self, rec: ModelRecord, event: Prefetched, plan: Plan | None, now: float) -> None:
+        self.state.stats.prefetches["loaded"] += 1
+        self.state.out.append(Publish(event))
         self.state.prefetched[rec.name] = event
         self.state.warming.add(rec)
         self.rules.up.go(rec, plan, now, why=f"prefetch after {event.after}")
@@ -170,7 +184,7 @@ class Prefetch:
             return
         for name, (event, until) in list(self.due.items()):
             rec = self.state.models.get(name)
-            if rec is None or now > until or self.state.queue.entries \
+            if rec is None or now > until or self.barred(rec, now) \
                     or rec.state not in (S.UNLOADED, S.SUSPENDED):
                 del self.due[name]
             elif self.state.has_capacity():
@@ -213,6 +227,14 @@ class Prefetch:
                 f"{self.expected(model, likely[0]):.0f} s (asked next {likely[1]} of "
                 f"{likely[2]} times)")
 
+    def barred(self, rec: ModelRecord, now: float) -> bool:
+        """`rec` may not be prefetched now: a request waits, it is broken or removed,
+        corral shuts down, an exclusive rival is up, or it has together partners."""
+        state = self.state
+        return (state.shutting_down or rec.breaker.is_open(now) or rec.failed or rec.removed
+                or bool(state.queue.entries) or rec.group in state.teams.partners
+                or self.rules.teams.has_rival_up(rec.group))
+
     def room(self, rec: ModelRecord, model: str, wait: float,
              now: float) -> tuple[Plan | None, list[ModelRecord]] | None:
         """How `rec` may come up: its memory plan (None without memory accounting; one
@@ -221,9 +243,7 @@ class Prefetch:
         request waits, it is broken or shutting down, an exclusive rival is up, it has
         together partners, or it has no room."""
         state = self.state
-        if state.shutting_down or rec.breaker.is_open(now) or rec.failed or rec.removed \
-                or state.queue.entries or rec.group in state.teams.partners \
-                or self.rules.teams.has_rival_up(rec.group):
+        if self.barred(rec, now):
             return None
 
         def may_go(r: ModelRecord) -> bool:

@@ -112,5 +112,7 @@ class Reports:
         log.info("model %s measured by its running child%s", rec.name, "" if low is high else
                  f" at {rec.n_ctx} context, and so at {low.n_ctx} and at {high.n_ctx}")
         rec.memory, rec.mem_min, rec.mem_max, rec.mem_error = "measured", low, high, None
-        return [Publish(ModelMemory(model=rec.name, memory=rec.memory_info())),
-                Learned(rec.name, low, None if low is high else high)]
+        out: list[Effect] = [Publish(ModelMemory(model=rec.name, memory=rec.memory_info()))]
+        if rec.rules.ctx_fit is None or low is not high:  # (fitted, its context's cost not
+            out.append(Learned(rec.name, low, None if low is high else high))  # read: again)
+        return out
