@@ -78,7 +78,8 @@ class StrictWorld(MemWorld):
         self.asked_cuts: list[object] = []
         """Tickets the policy asked to cut (priority_preempt), in order."""
         self.unreported = False
-        """A child grew since the last device report (the policy cannot know yet)."""
+        """A child grew, or one outside the limits started, since the last device report
+        (the policy cannot know yet)."""
         super().__init__(*args, **kw)
 
     def report(self) -> None:
@@ -111,6 +112,8 @@ class StrictWorld(MemWorld):
                         f"{self.total / GiB:.0f} GiB device with a "
                         f"{self.p.state.ledger.margin / GiB:.0f} GiB margin; "
                         f"held {self.p.state.ledger.held}")
+                if rec.memory != "measured":  # outside the limits (R-5.2): what it uses is
+                    self.unreported = True    # known from the next report on
         return effects
 
 
