@@ -18,6 +18,7 @@ The folders, from the top down (each opens with a design note):
     supervisor.py  starts the actors in order, stops them in reverse; leases
     scheduler.py   the Scheduler actor: the policy's events in, its effects out
     measure.py, device.py   the MeasureWorker and the DeviceMonitor
+    ctxprobe.py    what a llama-server model's context costs a token, read off its log
     messages.py    every message, one union per recipient; `Inbox`
     lifecycle.py, ledger.py, histogram.py, llama.py   the vocabulary: model states,
                    per-device accounting, latency histograms, llama-server's protocol
