@@ -25,7 +25,6 @@ import pytest
 from bench.support import in_private_netns, two_ray_nodes
 from tests.helpers import (
     ROOT,
-    chat,
     fake_cmd,
     pid_alive,
     request,
@@ -34,6 +33,17 @@ from tests.helpers import (
 )
 
 INSIDE = os.environ.get("CORRAL_NETNS") == "1"
+
+
+def chat(port: int, model: str, max_tokens: int = 4, headers: dict[str, str] | None = None,
+         **extra: Any) -> tuple[int, Any]:
+    """helpers.chat, for a request that may wait for a cold load on a Ray node: on a
+    machine with every core busy one took 30 s (helpers.chat's whole wait); here, 120."""
+    status, body, _ = request(port, "POST", "/v1/chat/completions", {
+        "model": model, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}], **extra}, headers=headers,
+        timeout_s=120)
+    return status, body
 
 try:
     import ray
