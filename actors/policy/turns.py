@@ -156,9 +156,9 @@ class Turns:
         """`entry` has requests that wait for a slot for a model none of whose copies
         serves, not a batch's lines alone (they hold no model: they wait for idle ones)."""
         state = self.state
-        return bool(entry.waiters) and not entry.batch_only() and state.needs_slot(
-            entry, now) and not any(
-            r.state.is_serving for r in state.groups.of(state.models[entry.model]))
+        return bool(entry.waiters) and state.needs_slot(entry, now) \
+            and not entry.batch_only() and not any(  # (claimed: most, at once)
+                r.state.is_serving for r in state.groups.of(state.models[entry.model]))
 
     def since(self, entry: QueueEntry) -> float:
         return self.state.queue.waiters[next(iter(entry.waiters))].queued_at
