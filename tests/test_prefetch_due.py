@@ -1,7 +1,7 @@
 """Prefetch's edges (issue 44, part 2), each found by a hostile review: a wait counted
 from the answer's end while the front still keeps its grant; a prefetch that waited for
-its victim and never loaded is not counted; one that waited loads only if nothing bars
-it now (an exclusive rival up meanwhile)."""
+its victim loads only if nothing bars it now (an exclusive rival up meanwhile). One that
+waited and never loaded is not counted: test_prefetch.py, a request that comes first."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import Counter, deque
 
 from actors.config.rules import ModelGroup, ModelRules
 from tests.test_policy_suspend import SUSPEND, TierWorld
-from tests.test_prefetch import ask, learn, unload, world
+from tests.test_prefetch import ask, unload, world
 
 
 def test_a_b_asked_within_the_linger_counts_from_the_answer_end() -> None:
@@ -30,23 +30,6 @@ def test_a_b_asked_within_the_linger_counts_from_the_answer_end() -> None:
         unload(w, "b")
     got = w.p.prefetch.expected("a", "b")
     assert abs(got - 0.3) < 1e-9, f"b's expected wait after a's answer: {got} s (0.3 s)"
-
-
-def test_a_due_prefetch_dropped_for_a_request_is_not_counted_loaded() -> None:
-    w = world(models_max=2)
-    learn(w, gap=100)
-    ask(w, "c", "c")
-    w.now += 150
-    ask(w, "a", "x")
-    assert w.evictions()[-1].model == "c"
-    w.acquire("t", "c")
-    w.exited("c")
-    w.report()
-    w.ready("c")
-    w.release("t")
-    assert w.state("b") == "unloaded" and not w.p.prefetch.due
-    counts = w.p.snapshot(w.now).prefetches
-    assert counts.get("loaded", 0) == counts.get("used", 0) + counts.get("wasted", 0), counts
 
 
 def settle(w: TierWorld) -> None:
