@@ -64,8 +64,8 @@ def test_a_warm_model_suspended_is_woken_where_it_slept(corral) -> None:
                             "big": {"cmd": QUICK}}, models_max=1, suspended_max=1))
     first = c.wait_state("small", "loaded")
     assert chat(c.port, "big")[0] == 200
-    wait_until(lambda: c.models()["small"]["status"].get("phase") == "suspended", 15,
-               "small to be suspended")
+    wait_until(lambda: c.models()["small"]["status"].get("phase") == "suspended", 60,
+               "small to be suspended")  # (15 s was too short once, every core busy)
     status, body, _ = request(c.port, "POST", "/models/unload", {"model": "big"})
     assert status == 200, body
     woken = c.wait_state("small", "loaded")
