@@ -158,8 +158,10 @@ def refusal_answer(refusal: Refusal) -> Answer:
 
 def sse_error_event(what: str, exc: BaseException | str) -> bytes:
     """The event that ends a stream a child broke off: clients see an error, not a hang
-    or a stream that merely looks finished."""
-    return b"data: " + msgspec.json.encode(error_body(
+    or a stream that merely looks finished. It starts with a blank line: a child killed
+    mid-event left its line unended, which would swallow the event; after a whole event
+    the blank line is nothing to an event-stream reader."""
+    return b"\n\ndata: " + msgspec.json.encode(error_body(
         502, f"{what} stopped mid-response: {exc}", "server_error")) + b"\n\n"
 
 
