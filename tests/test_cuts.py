@@ -208,7 +208,7 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 may_retry=False, meter=None, ticket=None, cut=False, timer=None,
                 kept=None, upgrade=False, loading=None, held=None).items():
             setattr(ex, name, value)
-        ex.trace = Trace(ex.req, loop.time())
+        ex.trace = Trace.of(ex.req, loop.time())
         for name, value in {}.items():
             setattr(ex, name, value)
         ex.task = loop.create_task(to_model(ex, "a", True))

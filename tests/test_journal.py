@@ -17,16 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.config.journal import JournalConfig
-from actors.http.journaling import Trace, record
+from actors.http.journaling import Spans, Trace, record
 from actors.http.request import Request
 from actors.journal.file import MAX_LIMIT, select
-from actors.journal.record import Row, Said, decoded, encode, head_of
+from actors.journal.record import Head, Kept, Row, Said, decoded, encode
 from actors.journal.store import Journal, Query
 from bench.journal import row
 from tests.helpers import (
@@ -221,62 +222,76 @@ def test_the_file_and_the_ring_answer_alike(tmp_path_factory: pytest.TempPathFac
     records = list({r.at: r for r in records}.values())  # (the order of equal times is
     path = tmp_path_factory.mktemp("j") / "journal.sqlite"  # either's own)
     journal = Journal(JournalConfig(), path)
-    for r in records:
-        journal.add(encode(r))
+    for i, r in enumerate(records):  # (a front's struct, or a front worker's row encoded)
+        journal.add(r if i % 2 else msgspec.Raw(encode(r)))
     journal.close()
     assert journal.broken is None and journal.written == len(records)
     assert path.exists() == bool(records)  # (its writer starts with the first row)
     for q in queries:  # the file alone, and the ring alone
         limit = max(1, min(q.limit, MAX_LIMIT))
         from_file = select(path, q, limit) if records else []
-        from_ring = [r for r in reversed(decoded(list(journal.ring))) if q.matches(r)][:limit]
+        from_ring = [r for r in reversed(journal.memory()) if q.matches(r)][:limit]
         key = sorted  # (equal times may come in either order)
         assert key(map(repr, from_file)) == key(map(repr, from_ring))
 
 
-def test_a_requests_row_decodes_as_a_row_field_by_field() -> None:
-    """`record` encodes a tuple, not a `Row`: the same fields, in `Row`'s order; its head
-    (what the file's pages are found by) is given beside it, as the row says."""
+def test_a_requests_trace_is_its_row_field_by_field() -> None:
+    """The journal encodes a request's `Trace` as it is: a `Row`, then its working part,
+    which is not kept (one nil)."""
+    assert Trace.__struct_fields__ == (*Row.__struct_fields__, "work")
+    assert Row.__struct_fields__[:6] == Head.__struct_fields__  # (what pages are found by)
     req = Request()
     req.method, req.url, req.body_size, req.conversation = b"POST", b"/v1/x?a=1", 7, "c"
-    t = Trace(req, 10.0)
+    t = Trace.of(req, 10.0)
     t.model, t.served, t.copy, t.error, t.bytes_out, t.queue_s = "v", "m", "m@2", "e", 9, 0.5
-    t.waited, t.room, t.first_body, t.said, t.cut = "load", ("stop x",), 10.25, Said(3), True
-    t.asked, t.answer = b"{}", bytearray(b"ok")
-    rows: list[tuple[bytes, object]] = []
+    t.waited, t.room, t.tokens, t.cut = "load", ("stop x",), Said(3), True
+    t.asked, t.answer, t.work.first_body = b"{}", bytearray(b"ok"), 10.25
+    t.work.tail, t.work.spans = bytearray(b"x" * 4096), Spans(b"t" * 16, b"p" * 8)
+    rows: list[Kept] = []
 
     class Recorder:
         capture = 0
 
-        def add(self, row: bytes, head: object = None) -> None:
-            rows.append((row, head))
-    record(Recorder(), t, req, 200, 10.125, 11.0, None, True)
-    (row, head), = rows
-    assert head == head_of(row) == (t.id, t.at, "", "v", "m", 200)
-    got = decoded([row])[0]
-    assert got == Row(t.id, t.at, "", "v", "m", 200, b"POST", b"/v1/x", "m@2", "e", 7, 9,
-                      0.5, "load", ("stop x",), 0.125, 0.25, 1.0, Said(3), True, True, b"{}",
-                      b"ok")
+        def add(self, row: Kept) -> None:
+            rows.append(row)
+    record(Recorder(), t, req, 200, 10.125, 11.0, True)
+    assert rows == [t]
+    assert decoded(1, encode(t)) == [Row(t.id, t.at, "", "v", "m", 200, b"POST", b"/v1/x", "m@2",
+                                 "e", 7, 9, 0.5, "load", ("stop x",), 0.125, 0.25, 1.0,
+                                 Said(3), True, True, b"{}", b"ok")]
+    assert len(encode(t)) == len(encode(decoded(1, encode(t))[0])) + 1  # (its work: nil)
+    with pytest.raises(NotImplementedError, match="cannot keep Request"):
+        encode(msgspec.structs.replace(t, tokens=req))  # (what is not a row's is refused)
 
 
-def test_rows_the_ring_let_go_of_are_found_before_the_file_has_them() -> None:
-    """At a high rate the ring (here 3) lets go of rows the feeder has not sent yet: a
-    query still finds them, newest first, each once."""
+def test_the_newest_rows_are_found_in_memory_before_and_after_the_feeder_takes_them(
+) -> None:
+    """With no file (no state_dir) the journal still answers from memory: rows the
+    feeder has not taken yet, newest first, each once; once taken, the newest pages that
+    hold `ring` rows (here 3), the older ones let go."""
     journal = Journal(JournalConfig(ring=3), None)
-    journal.broken = None  # (rows wait for a feeder that this journal, with no file, lacks)
-    for i in range(8):
-        journal.add(encode(row(f"r{i}", NOW + i, model="a" if i % 2 else "b")))
-    assert len(journal.ring) == 3 and len(journal.pending) == 8
-    assert [r.id for r in journal.query(Query())] == [f"r{i}" for i in range(7, -1, -1)]
-    assert [r.id for r in journal.query(Query(model="b", limit=3))] == ["r6", "r4", "r2"]
+    try:
+        for i in range(8):
+            journal.add(row(f"r{i}", NOW + i, model="a" if i % 2 else "b"))
+        found = [r.id for r in journal.query(Query())]  # (taken or not: found alike)
+        assert found == [f"r{i}" for i in range(7, -1, -1)]
+        assert [r.id for r in journal.query(Query(model="b", limit=3))] == ["r6", "r4", "r2"]
+        wait_until(lambda: journal.in_ring == 8, timeout_s=30)  # (one page, kept whole)
+        for i in range(8, 12):
+            journal.add(msgspec.Raw(encode(row(f"r{i}", NOW + i))))  # (a front worker's)
+        wait_until(lambda: journal.in_ring == 4, timeout_s=30)  # (the page of 8 let go)
+        assert [r.id for r in journal.query(Query())] == ["r11", "r10", "r9", "r8"]
+        assert journal.dropped == 0 and journal.broken == "no file (state_dir)"
+    finally:
+        journal.close()
+    assert not journal.thread.is_alive()
 
 
 def test_a_hundred_thousand_records_are_queried_by_model_and_key(tmp_path: Path) -> None:
     """The figure is the bench's (bench/README.md); here, that the answer is right."""
     journal = Journal(JournalConfig(), tmp_path / "journal.sqlite")
     for i in range(100_000):
-        journal.add(encode(row(f"r{i}", NOW - 100_000 + i, key=f"k{i % 10}",
-                               model=f"m{i % 50}")))
+        journal.add(row(f"r{i}", NOW - 100_000 + i, key=f"k{i % 10}", model=f"m{i % 50}"))
     journal.close(60)
     began = time.monotonic()
     found = journal.query(Query(model="m7", key="k7", limit=100))
@@ -292,7 +307,7 @@ def test_a_file_of_an_older_layout_is_moved_aside(tmp_path: Path) -> None:
     db.commit()
     db.close()
     journal = Journal(JournalConfig(), old)
-    journal.add(encode(row("r1", NOW, model="a")))
+    journal.add(row("r1", NOW, model="a"))
     journal.close()
     assert journal.broken is None and journal.written == 1
     assert [r.id for r in journal.query(Query(model="a"))] == ["r1"]

@@ -19,7 +19,8 @@ class JournalConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     max_mib: Annotated[float, Meta(gt=0)] = 256.0
     """The file's size bound: past it, the oldest records are deleted."""
     ring: Annotated[int, Meta(ge=1, le=1_000_000)] = 2000
-    """Records kept in memory (the newest), answered when the file cannot be."""
+    """Records kept in memory (the newest: at least this many, in whole pages of up to
+    500), answered when the file cannot be."""
     capture: bool = False
     """Keep each model request's body and its answer's too, up to capture_kib each,
     shown to admin keys only. Headers (a key, Authorization) are never kept."""

@@ -194,8 +194,6 @@ class Journaled(Frame, frozen=True):
     (record.py `encode`), inline in the frame."""
 
     row: msgspec.Raw
-    head: tuple[str, float, str, str, str, int]
-    """What the journal's pages are found by (record.py `HeadOf`)."""
 
 
 FromWorker = (Ask | Let | Spent | LetAll | Revoked | Again | Uncut | Drop | Late | Counted

@@ -101,7 +101,7 @@ class Exchange(Relay):
         """Its first-byte timeout (first_byte_timeout_s), while it runs."""
         self.kept: Tee | None = None
         """Where its answer is kept (X-Conversation-Id): it outlives its client."""
-        self.trace = Trace(req, client.loop.time())
+        self.trace = Trace.of(req, client.loop.time())
         """What the journal keeps of it."""
         self.loading: Loading | None = None
         """Its waiting told in its stream (send_loading_state: loading.py)."""
@@ -141,9 +141,9 @@ class Exchange(Relay):
             if self.kept is not None:
                 self.kept.end("its request ended before the child's answer did")
             self.services.live.exchanges.discard(self)
-            if (recorder := self.services.recorder) is not None and not self.trace.to_api:
+            if (recorder := self.services.recorder) is not None and not self.trace.work.to_api:
                 record(recorder, self.trace, self.req, self.status, self.first_at,
-                       self.loop.time(), self.meter, self.sse)
+                       self.loop.time(), self.sse)
             self.phase = Phase.DONE
             self.client.exchange_done(self)
 
@@ -154,7 +154,7 @@ class Exchange(Relay):
                     upload.model if upload is not None and isinstance(upload.model, str)
                     else None, self.req.upgrade)
         if to is None:
-            self.trace.to_api = True  # (corral's own: not a request the journal keeps)
+            self.trace.work.to_api = True  # (corral's own: not a request the journal keeps)
             await self.forward(front.api_pool(), TO_API_DROPPED, None, front.to_api)
             return
         if isinstance(to, Answer):
@@ -172,11 +172,11 @@ class Exchange(Relay):
         if self.loading is not None:  # granted: nothing more is told (loading.py)
             self.loading.stop()
         head = [req.method + b" " + pool.prefix + req.url + b" HTTP/1.1", b"Host: " + pool.host]
-        if (spans := self.trace.spans) is not None:  # corral's traceparent, not the client's
+        if (spans := self.trace.work.spans) is not None:  # corral's traceparent, not theirs
             drop = drop | TRACED
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
         head += extra
-        if self.trace.made_id:  # (the client's own goes on with its headers)
+        if self.trace.work.made_id:  # (the client's own goes on with its headers)
             head.append(b"X-Request-Id: " + self.trace.id.encode())
         if spans is not None:
             head.append(spans.header())

@@ -1,8 +1,8 @@
 """What the front keeps of each request for the journal (actors/journal/): its id
 (`X-Request-Id`, the client's or corral's own, returned on its answer and sent on to
-the child), and a `Trace` its exchange fills as it goes, made a `Row` at its end: its
-figures raw, read into a `Record` (its tokens too) only when someone asks. A front
-worker's rows go over its channel to corral's journal (`RemoteRecorder`)."""
+the child), and a `Trace` its exchange fills as it goes, handed to the journal as it is at
+its end: its figures raw, read into a `Record` (its tokens too) only when someone asks. A
+front worker's rows go over its channel to corral's journal, encoded (`RemoteRecorder`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..journal.record import HeadOf, Record, Row, Said, encode
+from ..journal.record import Kept, Record, Row, Said, Unkept
 from ..messages import Grant
 from .edge import Answer
 from .figures import said
@@ -54,39 +54,28 @@ class Recorder(Protocol):
     capture: int
     """[journal] capture: bytes of each body and answer its records keep (0: none)."""
 
-    def add(self, row: bytes, head: HeadOf | None = None) -> None: ...
+    def add(self, row: Kept) -> None: ...
 
 
-class Trace:
-    """One request's journal fields, filled as it goes."""
+class Work(Unkept):
+    """What a request's `Trace` holds only while the request runs: not kept."""
 
-    __slots__ = ("answer", "asked", "asked_at", "at", "bytes_out", "capture", "copy", "cut",
-                 "error", "events", "first_body", "granted_at", "id", "made_id", "model",
-                 "queue_s", "replays", "room", "said", "served", "spans", "started", "tail",
-                 "to_api", "waited", "waited_s")
+    __slots__ = ("asked_at", "capture", "events", "first_body", "granted_at", "made_id",
+                 "spans", "started", "tail", "to_api", "waited_s")
 
-    def __init__(self, req: Request, started: float) -> None:
-        self.made_id = req.request_id is None
-        self.id = req.request_id or new_id()
-        self.at = time.time()
-        self.started = started
-        self.queue_s = 0.0
-        self.asked_at = started
-        self.model = self.served = self.copy = self.waited = self.error = ""
-        self.room: tuple[str, ...] = ()
-        self.bytes_out = 0
+    def __init__(self, started: float, made_id: bool) -> None:
+        self.started = self.asked_at = started
+        self.made_id = made_id
+        """Its id is corral's own (sent on to its child: the client's goes with its head)."""
         self.first_body: float | None = None
-        self.cut = self.to_api = False
-        self.replays = 0
-        """How often it was sent on to its model's next instance (tries.py)."""
+        self.to_api = False
+        """It was for corral's own API: not a request the journal keeps."""
         self.tail: bytearray | None = None
         """The answer's last TAIL bytes (or up to eight times that), where its tokens
         are read at its end (a request without a key: a key's meter reads them as they
         pass)."""
         self.events = 0
         """Its stream's JSON events so far (a request without a key)."""
-        self.said: Said | None = None
-        """What its answer said it used, once it has ended (figures.py)."""
         self.granted_at: float | None = None
         self.waited_s = 0.0
         """How long the load or wake it waited for took."""
@@ -94,63 +83,83 @@ class Trace:
         """Its trace's ids, when it is traced ([tracing]: spans.py)."""
         self.capture = 0
         """[journal] capture: how much of its body and its answer's is kept (0: none)."""
-        self.asked: bytes | None = None
-        self.answer: bytearray | None = None
+
+
+class Trace(Row, gc=False):
+    """One request's journal fields, filled as it goes: a `Row` (the journal encodes the
+    struct itself, in one call: record.py), and `work`, which it does not keep. Not
+    tracked by the collector: it refers to nothing that refers back to it."""
+
+    answer: bytearray | None = None  # type: ignore[assignment]
+    """Its answer's body's first capture_kib, as it comes (capture = true)."""
+    work: Work = Work(0.0, False)
+    """(Always given: `of`.)"""
+
+    @staticmethod
+    def of(req: Request, started: float) -> Trace:
+        """A request's, as its exchange begins (`started`: the loop's time)."""
+        url = req.url
+        return Trace(req.request_id or new_id(), time.time(),
+                     req.key.name if req.key is not None else "", "", "", 0, req.method,
+                     url.partition(b"?")[0][:512] if b"?" in url else url[:512], "", "",
+                     0, 0, 0.0, "", (), None, None, 0.0, None, False,
+                     bool(req.conversation), None, None,
+                     req.session.decode("utf-8", "replace") if req.session else "", 0,
+                     Work(started, req.request_id is None))
 
     def keep(self, body: bytes) -> None:
-        tail = self.tail
+        tail = self.work.tail
         assert tail is not None
         tail += body
-        self.events += body.count(b"data: {")
+        self.work.events += body.count(b"data: {")
         if len(tail) > 8 * TAIL:
             del tail[:-TAIL]
 
     def captures(self, req: Request, limit: int) -> None:
         """Keep its body and its answer's, `limit` bytes of each ([journal] capture)."""
-        self.capture, self.asked, self.answer = limit, req.body[:limit], bytearray()
+        self.work.capture, self.asked, self.answer = limit, req.body[:limit], bytearray()
 
     def captured(self, body: bytes) -> None:
         answer = self.answer
         assert answer is not None
-        if len(answer) < self.capture:
-            answer += body[:self.capture - len(answer)]
+        if len(answer) < self.work.capture:
+            answer += body[:self.work.capture - len(answer)]
 
     def read(self, meter: Meter | None, stream: bool) -> Said | None:
         """What the answer said it used, read once at its end."""
         if meter is not None:
-            self.said = meter.as_said()
-        elif (tail := self.tail):
-            self.said = said(tail, whole=not stream and self.bytes_out == len(tail))
-        return self.said
+            self.tokens = meter.as_said()
+        elif (tail := self.work.tail):
+            self.tokens = said(tail, whole=not stream and self.bytes_out == len(tail))
+        return self.tokens
 
     def asking(self, now: float) -> None:
-        self.asked_at = now
+        self.work.asked_at = now
 
     def granted(self, grant: Grant, now: float, joined: bool = False) -> Grant:
         """`joined`: another's open grant (shares.py), whose load or wake it did not wait
         for."""
-        self.queue_s += now - self.asked_at
-        self.granted_at = now
+        work = self.work
+        self.queue_s += now - work.asked_at
+        work.granted_at = now
         self.served, self.copy = grant.model, grant.instance
         if grant.waited and not joined:
-            self.waited, self.room, self.waited_s = grant.waited, grant.room, grant.waited_s
+            self.waited, self.room, work.waited_s = grant.waited, grant.room, grant.waited_s
         return grant
 
 
 def record(recorder: Recorder, t: Trace, req: Request, status: int, first_at: float | None,
-           now: float, meter: Meter | None, streamed: bool) -> None:
-    """The row of a request at its end, encoded (a tuple of `Row`'s fields, in order:
-    little more than its figures, copied), given to `recorder` with its head."""
-    url, key = req.url, req.key.name if req.key is not None else ""
-    recorder.add(encode((t.id, t.at, key, t.model, t.served, status, req.method,
-                   url.partition(b"?")[0][:512] if b"?" in url else url[:512], t.copy,
-                   t.error[:1000], req.body_size, t.bytes_out, t.queue_s, t.waited, t.room,
-                   None if first_at is None else first_at - t.started,
-                   None if t.first_body is None or not streamed else t.first_body - t.started,
-                   now - t.started, t.said, t.cut, bool(req.conversation), t.asked,
-                   bytes(t.answer) if t.answer is not None else None,
-                   req.session.decode("utf-8", "replace") if req.session else "", t.replays)),
-                 (t.id, t.at, key, t.model, t.served, status))
+           now: float, streamed: bool) -> None:
+    """Give `recorder` a request's row at its end: its trace, with its last figures."""
+    started, first_body = t.work.started, t.work.first_body
+    t.status, t.bytes_in, t.duration_s = status, req.body_size, now - started
+    if first_at is not None:
+        t.ttfb_s = first_at - started
+    if first_body is not None and streamed:
+        t.ttft_s = first_body - started
+    if len(t.error) > 1000:
+        t.error = t.error[:1000]
+    recorder.add(t)
 
 
 def record_of(r: Row, bodies: bool = False) -> Record:
@@ -177,8 +186,8 @@ def refused(answer: Answer, req: Request | None, recorder: Recorder | None) -> A
     id_ = req.request_id if req is not None and req.request_id else new_id()
     if req is not None and recorder is not None:
         at, key = time.time(), req.key.name if req.key is not None else ""
-        recorder.add(encode(Row(
+        recorder.add(Row(
             id_, at, key, "", "", answer.status, req.method, req.url.partition(b"?")[0][:512],
             "", answer.message[:1000], req.body_size, 0, 0.0, "", (), None, None, 0.0, None,
-            False, False)), (id_, at, key, "", "", answer.status))
+            False, False))
     return msgspec.structs.replace(answer, headers=(*answer.headers, ("X-Request-Id", id_)))

@@ -194,9 +194,9 @@ class Link:
                 self._answered(reply, message)
             case StreamOpen() | StreamBytes() | StreamEnd():
                 self._kept(message)
-            case Journaled(row=row, head=head):
-                if self.recorder is not None:
-                    self.recorder.add(bytes(row), head)
+            case Journaled(row=row):
+                if self.recorder is not None:  # (a copy: not a view of the whole frame)
+                    self.recorder.add(msgspec.Raw(bytes(row)))
             case Listening(port=port):
                 if not self.listening.done():
                     self.listening.set_result(port)

@@ -142,7 +142,7 @@ class Loading:
             parts.append(f"{waiting.progress:.0%} loaded")
         if waiting is not None and waiting.eta_s is not None:
             parts.append(f"about {waiting.eta_s:.0f} s left")
-        parts.append(f"{now - t.started:.0f} s so far")
+        parts.append(f"{now - t.work.started:.0f} s so far")
         return "corral: " + ", ".join(parts)
 
     def _event(self, text: str) -> bytes:

@@ -123,14 +123,15 @@ class Relay:
 
     def response_body(self, body: bytes) -> None:
         trace = self.trace
-        if trace.first_body is None:
-            trace.first_body = self.loop.time()
+        work = trace.work
+        if work.first_body is None:
+            work.first_body = self.loop.time()
         trace.bytes_out += len(body)
         if (meter := self.meter) is not None:
             meter.feed(body)
             if self.ticket is not None and (more := meter.due()):
                 self.services.shares.spend(self.ticket, more)  # the key's next sees it
-        elif trace.tail is not None:
+        elif work.tail is not None:
             trace.keep(body)
         if trace.answer is not None:
             trace.captured(body)

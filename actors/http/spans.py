@@ -39,12 +39,13 @@ class Ended:
 
     def __init__(self, spans: Spans, trace: Trace, req: Request, status: int,
                  stream: bool, until: float) -> None:
-        kept = copy.copy(trace)  # (its times: not its bodies, which may be large)
-        kept.tail = kept.answer = kept.asked = None
+        kept = copy.copy(trace)  # (its times, as they are at its end: not its bodies,
+        kept.work = copy.copy(trace.work)  # which may be large)
+        kept.work.tail = kept.answer = kept.asked = None
         self.spans, self.trace, self.status, self.stream = spans, kept, status, stream
         self.method, self.path = req.method, req.url.partition(b"?")[0]
         self.key = req.key.name if req.key is not None else ""
-        self.said: Said | None = trace.said
+        self.said: Said | None = trace.tokens
         self.until = until
 
 

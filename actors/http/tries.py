@@ -104,11 +104,11 @@ async def to_any(ex: Attempt, model: str, autoload: bool, asked: str = "") -> No
     ex.what = f"model '{named}'"
     ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
     if ex.meter is None:
-        trace.tail = bytearray()  # (where its tokens are read at its end)
+        trace.work.tail = bytearray()  # (where its tokens are read at its end)
     trace.model = named
     front.live.exchanges.add(ex)
     if front.tracer is not None:
-        trace.spans = front.tracer.begin(ex.req)
+        trace.work.spans = front.tracer.begin(ex.req)
     if front.capture:
         trace.captures(ex.req, front.capture)
     if (route := front.routes.models.get(model)) is not None and route.loading \
@@ -137,12 +137,12 @@ async def to_any(ex: Attempt, model: str, autoload: bool, asked: str = "") -> No
             said = trace.read(ex.meter, ex.sse)
             if ex.status < 400:
                 front.speeds.observe(trace.served or model, said, ex.meter.events if ex.meter
-                                     else trace.events, ex.sse, trace.started,
-                                     trace.first_body, end)
+                                     else trace.work.events, ex.sse, trace.work.started,
+                                     trace.work.first_body, end)
         if ex.meter is not None and ex.meter.answered and key is not None:
             front.key_uses.add(key.name, *ex.meter.used(), ex.meter.cached or 0)
-        if trace.spans is not None and front.tracer is not None:
-            front.tracer.end(Ended(trace.spans, trace, ex.req, ex.status, ex.sse,
+        if trace.work.spans is not None and front.tracer is not None:
+            front.tracer.end(Ended(trace.work.spans, trace, ex.req, ex.status, ex.sse,
                                    ex.loop.time()))
 
 

@@ -17,7 +17,7 @@ import sys
 import msgspec
 import pykka
 
-from ..journal.record import HeadOf, head_of
+from ..journal.record import Kept, encode
 from ..messages import (
     Acquire,
     AnswerLate,
@@ -165,8 +165,8 @@ class RemoteRecorder:
         self.corral = corral
         self.capture = capture
 
-    def add(self, row: bytes, head: HeadOf | None = None) -> None:
-        self.corral._send(Journaled(row=msgspec.Raw(row), head=head or head_of(row)))
+    def add(self, row: Kept) -> None:
+        self.corral._send(Journaled(row=msgspec.Raw(encode(row))))
 
 
 class RemoteTee:

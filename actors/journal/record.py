@@ -4,7 +4,7 @@ got, and how long each part took."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import itemgetter
+from operator import attrgetter
 
 import msgspec
 
@@ -89,14 +89,15 @@ class Head(msgspec.Struct, array_like=True, gc=False):
 
 
 class Row(msgspec.Struct, array_like=True, gc=False):
-    """A request as the fronts hand it in: its figures raw, made a `Record` only when it
-    is read (actors/http/journaling.py), so that writing one costs a request little. What
-    the file's pages are selected by comes first: its writer reads those alone (`Head`).
+    """A request as the journal keeps it: its figures raw, made a `Record` only when it is
+    read (actors/http/journaling.py). What the file's pages are selected by comes first:
+    its writer reads those alone (`Head`).
 
-    A front hands it in encoded (`encode` of a tuple of these fields, in this order: the
-    same msgpack array as the struct's): one bytes object a row is what the ring keeps
-    and the feeder joins, where a struct (measured: +7 to +13 % CPU at c=16) or a tuple
-    (which the collector tracks) held a dozen objects a request allocated."""
+    A front hands in no `Row`: it hands in the request's own `Trace` (journaling.py), a
+    struct of the same fields in the same order, filled as the request went, and then
+    the figures of a batch are encoded in one call (`encode`), off the loop. Making a row
+    at a request's end, by reading its two dozen figures there (a tuple, a struct), cost
+    more than the rest of the journal together (bench/README.md, issue 40)."""
 
     id: str
     at: float
@@ -131,54 +132,69 @@ class Row(msgspec.Struct, array_like=True, gc=False):
 
 
 
-encode = msgspec.msgpack.Encoder().encode
-"""A row (a `Row`, or a tuple of its fields in order) as the journal keeps it."""
+class Unkept:
+    """A part of a row that is not kept: encoded as nil (a `Trace`'s working part)."""
+
+    __slots__ = ()
+
+
+def _unkept(obj: object) -> None:
+    if isinstance(obj, Unkept):
+        return None
+    raise NotImplementedError(f"the journal cannot keep {type(obj).__name__}")
+
+
+Kept = msgspec.Struct | msgspec.Raw
+"""A row as the journal takes it: a struct that encodes as a `Row` (a request's `Trace`,
+or a `Row`), or one encoded already (a front worker's, sent over its channel)."""
+_encoder = msgspec.msgpack.Encoder(enc_hook=_unkept)
+encode = _encoder.encode
+"""Rows (a `Kept`, or a list of them: a msgpack array) as the journal keeps them."""
+encode_into = _encoder.encode_into
 _rows = msgspec.msgpack.Decoder(list[Row]).decode
+_raws = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
+_heads = msgspec.msgpack.Decoder(list[Head]).decode
 
 
-def array(raws: list[bytes] | list[msgspec.Raw]) -> bytes:
-    """Encoded rows as one msgpack array of them."""
-    n = len(raws)
+def array(n: int, rows: bytes | bytearray) -> bytes:
+    """`n` encoded rows, back to back, as one msgpack array of them."""
     head = (bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 65536
             else b"\xdd" + n.to_bytes(4, "big"))
-    return head + b"".join(raws)
+    return head + rows
 
 
-def decoded(raws: list[bytes]) -> list[Row]:
-    """Encoded rows, decoded in one call."""
-    return _rows(array(raws))
+def decoded(n: int, rows: bytes | bytearray) -> list[Row]:
+    """`n` encoded rows, back to back, decoded in one call."""
+    return _rows(array(n, rows))
 
 
-HeadOf = tuple[str, float, str, str, str, int]
-"""A row's head as its front knows it: (id, at, key, model, served, status)."""
-_head = msgspec.msgpack.Decoder(Head).decode
+def paged(n: int, rows: bytes | bytearray, size: int) -> list[tuple[int, bytes]]:
+    """`n` encoded rows, back to back, as arrays of up to `size` of them: (how many, the
+    array)."""
+    if n <= size:
+        return [(n, array(n, rows))] if n else []
+    raws = _raws(array(n, rows))
+    return [(len(page), array(len(page), b"".join(page)))
+            for page in (raws[i:i + size] for i in range(0, n, size))]
 
 
-def head_of(row: bytes) -> HeadOf:
-    """The head of an encoded row (one a front worker sent, with no head beside it)."""
-    h = _head(row)
-    return h.id, h.at, h.key, h.model, h.served, h.status
-
-
-_GET = tuple(itemgetter(i) for i in range(6))
-
-
-def sealed(rows: list[bytes], heads: list[HeadOf], sep: str, pair: str) -> tuple[object, ...]:
-    """Rows and their heads as one of the file's pages (file.py): (how many, first_at,
-    last_at, ids, models, keys, pairs, statuses, the rows as one msgpack array), what
-    queries select pages by read in a few calls over the heads, not a step a row."""
-    ids, ats, keys, models, served, statuses = (map(get, heads) for get in _GET)
+def sealed(n: int, page: bytes, sep: str, pair: str) -> tuple[object, ...]:
+    """A page of `n` rows (`paged`) as the file's row (file.py): (how many, first_at,
+    last_at, ids, models, keys, pairs, statuses, the page), what queries select pages by
+    read in a few calls over the rows' heads (decoded in one), not a step a row."""
+    heads = _heads(page)
+    ids, ats, keys, models, served, statuses = (
+        map(attrgetter(name), heads) for name in Head.__struct_fields__)
     keyset, modelset, servedset = set(keys), set(models), set(served)
     if len(keyset) == 1:  # (no keys, or one: every model with it)
         (key,) = keyset
         pairs: Iterable[tuple[str, str]] = ((m, key) for m in modelset | servedset)
     else:
-        pairs = {*zip(map(_GET[3], heads), map(_GET[2], heads), strict=True),
-                 *zip(map(_GET[4], heads), map(_GET[2], heads), strict=True)}
+        pairs = {(h.model, h.key) for h in heads} | {(h.served, h.key) for h in heads}
     times = list(ats)
 
     def joined(values: Iterable[str]) -> str:
         return sep + sep.join(values) + sep
-    return (len(rows), min(times), max(times), joined(ids), joined(modelset | servedset),
+    return (n, min(times), max(times), joined(ids), joined(modelset | servedset),
             joined(keyset), joined(m + pair + k for m, k in pairs),
-            joined(map(str, set(statuses))), array(rows))
+            joined(map(str, set(statuses))), page)

@@ -1,18 +1,21 @@
-"""Where the journal's records go: a ring of the newest in memory, and an SQLite file
-(file.py) written by a process of its own (writer.py), bounded by age (`keep_days`)
-and size (`max_mib`).
+"""Where the journal's records go: the newest in memory (at least `ring` of them), and an
+SQLite file (file.py) written by a process of its own (writer.py), bounded by age
+(`keep_days`) and size (`max_mib`).
 
-The event loop only appends a request's row, encoded (record.py), to the ring and to a
-list, and its head (the id, time, key, models and status the front has) to another. A
-feeder thread, every BATCH_WAIT_S, takes both, seals each PAGE of them into the row of
-the file that holds them (record.py `sealed`: what queries select pages by, read in a few
-calls over the heads) and writes them to the writer's stdin as one frame; the writer
-decodes nothing of a row and inserts the pages as they came, and the SQLite work costs
-corral's process nothing (in a thread of its own it cost three times its own time, in
-the interpreter's lock). A list over MAX_PENDING drops rows, counted, rather than grow. A
-writer that cannot open or write its file (a full disk, a broken file) says why and
-exits: that stops the file for the rest of the run, said once in the log; the ring goes
-on, and so do the requests.
+The event loop only encodes a request's row (its `Trace`: record.py) onto the end of one
+buffer, under a lock it holds for that alone. It keeps no object a row: rows kept as
+objects, a request's struct or even its own bytes, left the allocator's blocks of the
+request's sizes scattered over cold memory, and every later request paid for that
+(measured: 3 to 5 % of a small request's CPU at c=16; bench/README.md, issue 40). A
+feeder thread, every BATCH_WAIT_S, takes the buffer, cuts it into pages of PAGE rows,
+seals each into the row of the file that holds it (record.py `sealed`: what queries
+select pages by), writes them to the writer's stdin as one frame, and keeps the newest
+pages as the ring. The writer decodes nothing of a row and inserts the pages as they
+came; the SQLite work costs corral's process nothing (in a thread of its own it cost
+three times its own time, in the interpreter's lock). Rows past MAX_PENDING in the
+buffer are dropped, counted. A writer that cannot open or write its file (a full disk, a
+broken file) says why and exits: that stops the file for the rest of the run, said once
+in the log; the ring goes on, and so do the requests.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import msgspec
 
 from ..config.journal import JournalConfig
 from ..config.model import Config
-from .file import MAX_LIMIT, PAGE, PAIR, SEP, Query, select
-from .record import HeadOf, Row, decoded, head_of, sealed
+from .file import MAX_LIMIT, Query, select
+from .record import Kept, Row, decoded, encode_into
 
 __all__ = ["MAX_LIMIT", "Journal", "Query"]
 
@@ -42,8 +45,8 @@ costs the writer a transaction, about 0.7 ms: at 0.25 s that was a third of its 
 per row at 2,000 requests/s)."""
 MAX_PENDING = 100_000
 """Rows waiting for the feeder past which new ones are dropped (and counted)."""
-_LENGTH = struct.Struct(">I")
-_encode = msgspec.msgpack.Encoder().encode
+_FRAME = struct.Struct(">II")
+"""A frame's head: its length (after these 4 bytes), and how many rows follow."""
 
 
 class Journal:
@@ -54,25 +57,30 @@ class Journal:
         self.path = path
         self.capture = config.capture_kib * 1024 if config.capture else 0
         """Bytes of each body and answer its records keep (0: none)."""
-        self.ring: collections.deque[bytes] = collections.deque(maxlen=config.ring)
-        """The newest rows, encoded (record.py `encode`)."""
-        self.incoming: collections.deque[tuple[bytes, HeadOf]] = collections.deque()
-        """Rows for the feeder, with their heads: appended on the loop, taken from the
-        other end by the feeder (a deque's two ends need no lock)."""
+        self.lock = threading.Lock()
+        """Held for an add, and for the feeder's and a query's looks at what is below."""
+        self.buffer = bytearray()
+        """The rows since the feeder's last take, encoded back to back."""
+        self.count = 0
+        """How many rows `buffer` holds."""
+        self.taken: tuple[int, bytes | bytearray] = (0, b"")
+        """What the feeder took and has not put in the ring yet: (how many, their rows)."""
+        self.ring: collections.deque[tuple[int, bytes | bytearray]] = collections.deque()
+        """The newest batches the feeder took, (how many rows, the rows back to back), as
+        many as hold `config.ring` rows."""
+        self.in_ring = 0
         self.closing = threading.Event()
         self.broken: str | None = None if path is not None else "no file (state_dir)"
         """Why the file is not written (None: it is)."""
         self.dropped = 0
-        """Rows the file lost: the feeder was too far behind, or the file broke."""
+        """Rows lost: the feeder was too far behind (for the ring too), or the file broke."""
         self.written = 0
         """Rows the writer wrote (known once it has ended: `close`)."""
         self.unreadable = False
         """A query found the file unreadable (said once in the log)."""
         self.writer: subprocess.Popen[bytes] | None = None
-        self.thread: threading.Thread | None = None
-        if path is not None:
-            self.thread = threading.Thread(target=self._feed, name="journal", daemon=True)
-            self.thread.start()
+        self.thread = threading.Thread(target=self._feed, name="journal", daemon=True)
+        self.thread.start()
 
     @classmethod
     def of(cls, config: Config) -> Journal | None:
@@ -81,38 +89,37 @@ class Journal:
             return None
         return cls(config.journal, config.state_path() / "journal.sqlite")
 
-    def add(self, row: bytes, head: HeadOf | None = None) -> None:
-        """A request's row, encoded (record.py `encode`), and its head (None: read from
-        it, for a front worker's)."""
-        self.ring.append(row)  # (the loop's only steps: a deque's appends take no lock)
-        if self.broken is not None:
-            return
-        if len(self.incoming) > MAX_PENDING:
-            self.dropped += 1
-            return
-        self.incoming.append((row, head or head_of(row)))
-
-    @property
-    def pending(self) -> list[bytes]:
-        """The rows the feeder has not taken yet (a copy)."""
-        return [row for row, _ in list(self.incoming)]
+    def add(self, row: Kept) -> None:
+        """A request's row, as it ended (nothing of it changes after)."""
+        with self.lock:
+            if self.count >= MAX_PENDING:
+                self.dropped += 1
+            elif type(row) is msgspec.Raw:  # (a front worker's, encoded there)
+                self.buffer += row
+                self.count += 1
+            else:
+                encode_into(row, self.buffer, -1)
+                self.count += 1
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending, then stop the writer (it ends with its stdin)."""
         self.closing.set()
-        if self.thread is not None:
-            self.thread.join(timeout_s)
+        self.thread.join(timeout_s)
 
     # ------------------------------------------------------------ reading
 
+    def memory(self) -> list[Row]:
+        """The rows in memory, the oldest first: the ring's, then those the feeder has
+        not put there yet (the file may not have them yet)."""
+        with self.lock:
+            parts = [*self.ring, self.taken, (self.count, bytes(self.buffer))]
+        return [row for n, rows in parts if n for row in decoded(n, rows)]
+
     def query(self, q: Query) -> list[Row]:
         """The newest rows that match (blocking: call it off the loop), the newest to end
-        first: the ring's (those not in the file yet among them), then the file's."""
+        first: those in memory, then the file's."""
         limit = max(1, min(q.limit, MAX_LIMIT))
-        ring, waiting = list(self.ring), self.pending  # (copies: the loop appends meanwhile)
-        # the rows the ring let go of that the file has not been sent yet (a high rate)
-        memory = waiting[:-len(ring)] + ring if len(waiting) > len(ring) else ring
-        newest = [r for r in reversed(decoded(memory)) if q.matches(r)][:limit]
+        newest = [r for r in reversed(self.memory()) if q.matches(r)][:limit]
         if self.path is not None and self.path.exists():  # (what it has, written or not)
             try:
                 seen = {(r.id, r.at) for r in newest}
@@ -120,7 +127,7 @@ class Journal:
             except Exception as e:  # (sqlite3.Error, a page it cannot decode)
                 if not self.unreadable:
                     log.warning("the journal's file could not be read (%s); answered from "
-                                "the %d records in memory", e, len(self.ring))
+                                "the %d records in memory", e, self.in_ring)
                 self.unreadable = True
         return newest[:limit]
 
@@ -130,22 +137,34 @@ class Journal:
         writer = None  # (started by the first rows: a corral that serves none has none)
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
-            taken = [self.incoming.popleft() for _ in range(len(self.incoming))]
-            batch, heads = [row for row, _ in taken], [head for _, head in taken]
-            if batch and writer is None and (writer := self._start()) is None:
-                return
+            with self.lock:
+                n, rows = self.count, self.buffer
+                self.buffer, self.count, self.taken = bytearray(), 0, (n, rows)
+            if n and self.broken is None and writer is None:
+                writer = self._start()
             try:
-                if batch and writer is not None and writer.stdin is not None:
-                    data = _encode([sealed(batch[i:i + PAGE], heads[i:i + PAGE], SEP, PAIR)
-                                    for i in range(0, len(batch), PAGE)])
-                    writer.stdin.write(_LENGTH.pack(len(data)) + data)
+                if n and writer is not None and writer.stdin is not None \
+                        and self.broken is None:
+                    writer.stdin.write(_FRAME.pack(len(rows) + 4, n))
+                    writer.stdin.write(rows)
                     writer.stdin.flush()
             except OSError:  # (its stdin closed: it broke, and said why)
-                self.dropped += len(batch)
+                self.dropped += n
+            self._keep(n, rows)
             if stop or (writer is not None and writer.poll() is not None):
                 break
         if writer is not None:
             self._end(writer)
+
+    def _keep(self, n: int, rows: bytearray) -> None:
+        """A batch into the ring, its oldest let go while the rest hold `config.ring`."""
+        with self.lock:
+            if n:
+                self.ring.append((n, rows))
+                self.in_ring += n
+            while self.ring and self.in_ring - self.ring[0][0] >= self.config.ring:
+                self.in_ring -= self.ring.popleft()[0]
+            self.taken = (0, b"")
 
     def _start(self) -> subprocess.Popen[bytes] | None:
         assert self.path is not None
@@ -178,8 +197,6 @@ class Journal:
         self.broken = why
         log.error("the request journal stopped writing %s (%s); requests go on, and the "
                   "newest %d records stay in memory", self.path, why, self.config.ring)
-        self.dropped += len(self.incoming)  # what waits is lost with the file
-        self.incoming.clear()
 
 
 _ROOT = str(Path(__file__).resolve().parents[2])
