@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from actors.config.journal import JournalConfig
 from actors.http.journaling import Spans, Trace, record
 from actors.http.request import Request
-from actors.journal.file import MAX_LIMIT, select
+from actors.journal.file import MAX_LIMIT, PAGE, select
 from actors.journal.record import Head, Kept, Row, Said, decoded, encode
 from actors.journal.store import Journal, Query
 from bench.journal import row
@@ -268,7 +268,7 @@ def test_the_newest_rows_are_found_in_memory_before_and_after_the_feeder_takes_t
 ) -> None:
     """With no file (no state_dir) the journal still answers from memory: rows the
     feeder has not taken yet, newest first, each once; once taken, the newest pages that
-    hold `ring` rows (here 3), the older ones let go."""
+    hold `ring` rows (here 3), the older ones let go, however many came at once."""
     journal = Journal(JournalConfig(ring=3), None)
     try:
         for i in range(8):
@@ -281,6 +281,10 @@ def test_the_newest_rows_are_found_in_memory_before_and_after_the_feeder_takes_t
             journal.add(msgspec.Raw(encode(row(f"r{i}", NOW + i))))  # (a front worker's)
         wait_until(lambda: journal.in_ring == 4, timeout_s=30)  # (the page of 8 let go)
         assert [r.id for r in journal.query(Query())] == ["r11", "r10", "r9", "r8"]
+        for i in range(12, 12 + 4 * PAGE):  # (a burst: whole pages, the last one kept)
+            journal.add(row(f"r{i}", NOW + i))
+        wait_until(lambda: journal.in_ring == PAGE, timeout_s=30)
+        assert len(journal.memory()) == PAGE and journal.query(Query())[0].id == f"r{i}"
         assert journal.dropped == 0 and journal.broken == "no file (state_dir)"
     finally:
         journal.close()

@@ -152,7 +152,6 @@ encode = _encoder.encode
 """Rows (a `Kept`, or a list of them: a msgpack array) as the journal keeps them."""
 encode_into = _encoder.encode_into
 _rows = msgspec.msgpack.Decoder(list[Row]).decode
-_raws = msgspec.msgpack.Decoder(list[msgspec.Raw]).decode
 _heads = msgspec.msgpack.Decoder(list[Head]).decode
 
 
@@ -168,18 +167,8 @@ def decoded(n: int, rows: bytes | bytearray) -> list[Row]:
     return _rows(array(n, rows))
 
 
-def paged(n: int, rows: bytes | bytearray, size: int) -> list[tuple[int, bytes]]:
-    """`n` encoded rows, back to back, as arrays of up to `size` of them: (how many, the
-    array)."""
-    if n <= size:
-        return [(n, array(n, rows))] if n else []
-    raws = _raws(array(n, rows))
-    return [(len(page), array(len(page), b"".join(page)))
-            for page in (raws[i:i + size] for i in range(0, n, size))]
-
-
 def sealed(n: int, page: bytes, sep: str, pair: str) -> tuple[object, ...]:
-    """A page of `n` rows (`paged`) as the file's row (file.py): (how many, first_at,
+    """A page of `n` rows (an `array`) as the file's row (file.py): (how many, first_at,
     last_at, ids, models, keys, pairs, statuses, the page), what queries select pages by
     read in a few calls over the rows' heads (decoded in one), not a step a row."""
     heads = _heads(page)

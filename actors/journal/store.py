@@ -2,20 +2,19 @@
 SQLite file (file.py) written by a process of its own (writer.py), bounded by age
 (`keep_days`) and size (`max_mib`).
 
-The event loop only encodes a request's row (its `Trace`: record.py) onto the end of one
-buffer, under a lock it holds for that alone. It keeps no object a row: rows kept as
-objects, a request's struct or even its own bytes, left the allocator's blocks of the
-request's sizes scattered over cold memory, and every later request paid for that
-(measured: 3 to 5 % of a small request's CPU at c=16; bench/README.md, issue 40). A
-feeder thread, every BATCH_WAIT_S, takes the buffer, cuts it into pages of PAGE rows,
-seals each into the row of the file that holds it (record.py `sealed`: what queries
-select pages by), writes them to the writer's stdin as one frame, and keeps the newest
-pages as the ring. The writer decodes nothing of a row and inserts the pages as they
-came; the SQLite work costs corral's process nothing (in a thread of its own it cost
-three times its own time, in the interpreter's lock). Rows past MAX_PENDING in the
-buffer are dropped, counted. A writer that cannot open or write its file (a full disk, a
-broken file) says why and exits: that stops the file for the rest of the run, said once
-in the log; the ring goes on, and so do the requests.
+The event loop only encodes a request's row (its `Trace`: record.py) onto the end of the
+page it fills (PAGE rows, then a new one), under a lock it holds for that alone. It keeps
+no object a row: rows kept as objects, a request's struct or even its own bytes, left the
+allocator's blocks of the request's sizes over cold memory, and every later request paid
+for that (bench/README.md, issue 40). A feeder thread, every BATCH_WAIT_S, takes the
+pages, writes them to the writer's stdin as one frame, and keeps the newest as the ring.
+The writer seals each page into the row of the file that holds it (record.py `sealed`:
+what queries select pages by) and inserts them; that work and SQLite's cost corral's
+process nothing (in a thread of its own SQLite cost three times its own time, in the
+interpreter's lock). Rows past MAX_PENDING are dropped, counted. A writer that cannot
+open or write its file (a full disk, a broken file) says why and exits: that stops the
+file for the rest of the run, said once in the log; the ring goes on, and so do the
+requests.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import msgspec
 
 from ..config.journal import JournalConfig
 from ..config.model import Config
-from .file import MAX_LIMIT, Query, select
+from .file import MAX_LIMIT, PAGE, Query, select
 from .record import Kept, Row, decoded, encode_into
 
 __all__ = ["MAX_LIMIT", "Journal", "Query"]
@@ -45,8 +44,10 @@ costs the writer a transaction, about 0.7 ms: at 0.25 s that was a third of its 
 per row at 2,000 requests/s)."""
 MAX_PENDING = 100_000
 """Rows waiting for the feeder past which new ones are dropped (and counted)."""
-_FRAME = struct.Struct(">II")
-"""A frame's head: its length (after these 4 bytes), and how many rows follow."""
+_LENGTH = struct.Struct(">I")
+_encode = msgspec.msgpack.Encoder().encode
+Page = tuple[int, bytes | bytearray]
+"""Rows as the journal holds them: (how many, the rows encoded back to back)."""
 
 
 class Journal:
@@ -59,15 +60,16 @@ class Journal:
         """Bytes of each body and answer its records keep (0: none)."""
         self.lock = threading.Lock()
         """Held for an add, and for the feeder's and a query's looks at what is below."""
-        self.buffer = bytearray()
-        """The rows since the feeder's last take, encoded back to back."""
+        self.page = bytearray()
+        """The rows of the page being filled, encoded back to back."""
         self.count = 0
-        """How many rows `buffer` holds."""
-        self.taken: tuple[int, bytes | bytearray] = (0, b"")
-        """What the feeder took and has not put in the ring yet: (how many, their rows)."""
-        self.ring: collections.deque[tuple[int, bytes | bytearray]] = collections.deque()
-        """The newest batches the feeder took, (how many rows, the rows back to back), as
-        many as hold `config.ring` rows."""
+        """How many rows `page` holds."""
+        self.full: list[Page] = []
+        """The pages filled since the feeder's last take."""
+        self.taken: list[Page] = []
+        """What the feeder took and has not put in the ring yet."""
+        self.ring: collections.deque[Page] = collections.deque()
+        """The newest pages the feeder took, as many as hold `config.ring` rows."""
         self.in_ring = 0
         self.closing = threading.Event()
         self.broken: str | None = None if path is not None else "no file (state_dir)"
@@ -92,14 +94,17 @@ class Journal:
     def add(self, row: Kept) -> None:
         """A request's row, as it ended (nothing of it changes after)."""
         with self.lock:
-            if self.count >= MAX_PENDING:
+            if len(self.full) >= MAX_PENDING // PAGE:
                 self.dropped += 1
-            elif type(row) is msgspec.Raw:  # (a front worker's, encoded there)
-                self.buffer += row
-                self.count += 1
+                return
+            if type(row) is msgspec.Raw:  # (a front worker's, encoded there)
+                self.page += row
             else:
-                encode_into(row, self.buffer, -1)
-                self.count += 1
+                encode_into(row, self.page, -1)
+            self.count += 1
+            if self.count == PAGE:
+                self.full.append((PAGE, self.page))
+                self.page, self.count = bytearray(), 0
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending, then stop the writer (it ends with its stdin)."""
@@ -112,8 +117,8 @@ class Journal:
         """The rows in memory, the oldest first: the ring's, then those the feeder has
         not put there yet (the file may not have them yet)."""
         with self.lock:
-            parts = [*self.ring, self.taken, (self.count, bytes(self.buffer))]
-        return [row for n, rows in parts if n for row in decoded(n, rows)]
+            pages = [*self.ring, *self.taken, *self.full, (self.count, bytes(self.page))]
+        return [row for n, rows in pages if n for row in decoded(n, rows)]
 
     def query(self, q: Query) -> list[Row]:
         """The newest rows that match (blocking: call it off the loop), the newest to end
@@ -138,33 +143,35 @@ class Journal:
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
             with self.lock:
-                n, rows = self.count, self.buffer
-                self.buffer, self.count, self.taken = bytearray(), 0, (n, rows)
-            if n and self.broken is None and writer is None:
+                if self.count:
+                    self.full.append((self.count, self.page))
+                    self.page, self.count = bytearray(), 0
+                pages, self.full = self.full, []
+                self.taken = pages
+            if pages and self.broken is None and writer is None:
                 writer = self._start()
             try:
-                if n and writer is not None and writer.stdin is not None \
+                if pages and writer is not None and writer.stdin is not None \
                         and self.broken is None:
-                    writer.stdin.write(_FRAME.pack(len(rows) + 4, n))
-                    writer.stdin.write(rows)
+                    data = _encode(pages)
+                    writer.stdin.write(_LENGTH.pack(len(data)) + data)
                     writer.stdin.flush()
             except OSError:  # (its stdin closed: it broke, and said why)
-                self.dropped += n
-            self._keep(n, rows)
+                self.dropped += sum(n for n, _ in pages)
+            self._keep(pages)
             if stop or (writer is not None and writer.poll() is not None):
                 break
         if writer is not None:
             self._end(writer)
 
-    def _keep(self, n: int, rows: bytearray) -> None:
-        """A batch into the ring, its oldest let go while the rest hold `config.ring`."""
+    def _keep(self, pages: list[Page]) -> None:
+        """Pages into the ring, its oldest let go while the rest hold `config.ring`."""
         with self.lock:
-            if n:
-                self.ring.append((n, rows))
-                self.in_ring += n
+            self.ring.extend(pages)
+            self.in_ring += sum(n for n, _ in pages)
             while self.ring and self.in_ring - self.ring[0][0] >= self.config.ring:
                 self.in_ring -= self.ring.popleft()[0]
-            self.taken = (0, b"")
+            self.taken = []
 
     def _start(self) -> subprocess.Popen[bytes] | None:
         assert self.path is not None

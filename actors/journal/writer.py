@@ -4,12 +4,11 @@ nothing, not even the interpreter's lock.
 
     python -m actors.journal.writer PATH KEEP_DAYS MAX_MIB
 
-Its stdin carries frames (a 4-byte big-endian length, then a 4-byte count of rows, then
-the rows, each a msgpack array, back to back: what corral's feeder took from its loop at
-once); each frame's rows are cut into pages of PAGE and sealed (record.py `sealed`: what
-queries select pages by, from the rows' heads) and inserted in one transaction. That work
-is here, not in corral: a row made an object there, even for a moment, cost every
-request after it (store.py). At the end of its stdin
+Its stdin carries frames (a 4-byte big-endian length, then a msgpack list of pages, each
+[how many rows, the rows back to back]: what corral's feeder took from its loop at once);
+each frame's pages are sealed (record.py `sealed`: what queries select pages by, from the
+rows' heads) and inserted in one transaction. That work is here, not in corral: rows made
+objects there, even for a moment, cost the requests after them (store.py). At the end of its stdin
 (corral closed it, or corral is gone) it prints `written N` and exits 0; a file it cannot
 open or write prints `broken: WHY` and exits 3, and corral's ring goes on without it.
 """
@@ -28,18 +27,22 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
-from .file import INSERT, PAGE, PAIR, PRUNE_EVERY_S, SEP, open_file, prune
-from .record import paged, sealed
+import msgspec
 
-_LENGTH, _COUNT = struct.Struct(">I"), struct.Struct(">I")
+from .file import INSERT, PAIR, PRUNE_EVERY_S, SEP, open_file, prune
+from .record import array, sealed
+
+_LENGTH = struct.Struct(">I")
+_frame = msgspec.msgpack.Decoder(list[tuple[int, bytes]]).decode
 BUSY_TRIES = 12
 """With the file's 5 s busy timeout: a reader may hold it a minute before the file stops."""
 
 
 def pages(frame: bytes) -> tuple[list[tuple[object, ...]], int]:
-    """A frame's rows as pages of the file, and how many rows they are."""
-    (n,) = _COUNT.unpack_from(frame)
-    return [sealed(k, page, SEP, PAIR)[1:] for k, page in paged(n, frame[4:], PAGE)], n
+    """A frame's pages as rows of the file, and how many rows they hold."""
+    taken = _frame(frame)
+    return ([sealed(n, array(n, rows), SEP, PAIR)[1:] for n, rows in taken],
+            sum(n for n, _ in taken))
 
 
 def frames(stream: BinaryIO) -> Iterable[bytes]:
