@@ -24,6 +24,9 @@ whose answer a client got. The `x-odd` request header picks a behaviour:
     html          a text/html page
     close-late    nothing for 0.3 s (it has the request), then a close without a byte
     big-cut       `x-size` bytes promised (default 8 MiB), half of them sent, then a close
+    sse-cut       a chunked SSE stream: one event, half of the next, then a close
+    sse-split     a chunked SSE stream whose events are cut across writes, one of them
+                  ended by CRLFs, then [DONE] and its end
 
 Each request is printed (`request RID on connection N`) before it is answered, so a test
 can count how often the child received it.
@@ -151,6 +154,17 @@ class Child(asyncio.Protocol):
             t.write(b"x" * (size // 2))
             await asyncio.sleep(0.05)
             t.close()
+        elif odd == "sse-cut":
+            chunks = [b'data: {"n": 0, "id": "%s"}\n\n' % rid.encode(),
+                      b'data: {"n": 1, "id": "%s", "text": "hal' % rid.encode()]
+            await chunked_sse(t, chunks, 0.05)
+            t.close()
+        elif odd == "sse-split":
+            chunks = [b'data: {"n": 0, ', b'"id": "%s"}\n' % rid.encode(),
+                      b'\ndata: {"n": 1, "id": "%s"}\r\n\r\ndata: {"n": 2, ' % rid.encode(),
+                      b'"id": "%s"}\n\ndata: [DONE]\n\n' % rid.encode()]
+            await chunked_sse(t, chunks, 0.05)
+            t.write(b"0\r\n\r\n")
         elif odd == "html":
             page = b"<html><script>alert(1)</script></html>"
             t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d"
@@ -167,6 +181,15 @@ class Child(asyncio.Protocol):
             await stream(t, rid, int(headers.get("x-events", "5")), 0.05)
         else:
             t.write(plain)
+
+
+async def chunked_sse(t: asyncio.Transport, chunks: list[bytes], gap_s: float) -> None:
+    """A chunked SSE head, then `chunks` as they are, one write each, `gap_s` apart."""
+    t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    for chunk in chunks:
+        t.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await asyncio.sleep(gap_s)
 
 
 async def stream(t: asyncio.Transport, rid: str, events: int, gap_s: float) -> None:

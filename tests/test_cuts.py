@@ -206,7 +206,8 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 what="model 'a'", upstream=None, out=[], done=None, status=0,
                 first_at=None, late=None, broke=None, broke_kind=None, may_replay=False,
                 may_retry=False, meter=None, ticket=None, cut=False, timer=None,
-                kept=None, upgrade=False, loading=None, held=None).items():
+                kept=None, upgrade=False, loading=None, held=None,
+                partial=None).items():
             setattr(ex, name, value)
         ex.trace = Trace.of(ex.req, loop.time())
         for name, value in {}.items():

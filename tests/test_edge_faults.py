@@ -9,6 +9,8 @@ it had closed), and never after it answered, even badly.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import json
 import shutil
 import socket
 import subprocess
@@ -16,11 +18,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.http.callers import PASSED_KEPT, Origins
+from actors.http.relay import PARTIAL, Relay
 from tests.helpers import Corral, fake_cmd, request, toml_config, wait_until
 from tests.rawhttp import Raw, Response
 from tests.test_edge_hostile import HTTP, KEY, ODD, ask, in_flight_zero, mine
@@ -219,6 +225,62 @@ def test_a_child_silent_mid_answer_ends_the_stream_with_an_error(edge) -> None:
     assert 1.5 < took < 6, took  # upstream_idle_timeout_s = 2, checked once a second
     wait_until(lambda: "liveness check 1 of" in edge.log(), 5, "a liveness failure counted")
     in_flight_zero(edge)
+
+
+def test_a_child_gone_mid_event_leaves_its_client_whole_events_and_the_error(edge) -> None:
+    """A child killed mid-event left half an event at the client, which its SSE reader
+    took for an event of broken JSON: now every event the client gets is whole, and the
+    last is corral's error."""
+    with ask(edge.port, "cut-event", "sse-cut") as raw:
+        answer = raw.one()
+    events = [e for e in answer.body.split(b"\n\n") if e.strip()]
+    assert answer.status == 200 and b"hal" not in answer.body, answer.body
+    assert [json.loads(e.removeprefix(b"data: "))["n"] for e in events[:-1]] == [0]
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == 502 and "stopped mid-response" in error["message"]
+
+
+def test_events_cut_across_a_childs_writes_arrive_whole_and_unchanged(edge) -> None:
+    """What is held back of an unended event is sent once its end comes (a blank line,
+    or CRLFs), byte for byte, and the stream's end as the child ended it."""
+    with ask(edge.port, "split-event", "sse-split") as raw:
+        answer = raw.one()
+    assert answer.status == 200 and answer.body == (
+        b'data: {"n": 0, "id": "split-event"}\n\ndata: {"n": 1, "id": "split-event"}\r\n\r\n'
+        b'data: {"n": 2, "id": "split-event"}\n\ndata: [DONE]\n\n'), answer.body
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(st.tuples(st.binary(max_size=40).filter(
+           lambda b: b"\n\n" not in b and b"\r\n\r\n" not in b and not b.endswith(b"\r\n\r")
+           and not b.endswith(b"\n") and not b.startswith(b"\n")),
+           st.sampled_from([b"\n\n", b"\r\n\r\n"])), max_size=8),
+       cuts=st.lists(st.integers(0, 400), max_size=6))
+def test_events_held_back_come_out_whole_and_in_order(events: list[tuple[bytes, bytes]],
+                                                      cuts: list[int]) -> None:
+    """For any stream of events cut anywhere into reads: what is sent ends at an event's
+    end each time, and what is sent and then held is the stream, byte for byte."""
+    stream = b"".join(data + end for data, end in events)
+    bounds = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+    relay, sent = SimpleNamespace(partial=None), []
+    for a, b in itertools.pairwise(bounds):
+        held = relay.partial
+        sent.append(Relay._whole_events(relay, stream[a:b] if held is None  # type: ignore[arg-type]
+                                        else held + stream[a:b]))
+    assert b"".join(sent) + (relay.partial or b"") == stream
+    ends = set(itertools.accumulate(len(data + end) for data, end in events))
+    assert all(not part or n in ends for part, n in zip(
+        sent, itertools.accumulate(map(len, sent)), strict=True))
+
+
+def test_bytes_that_never_end_an_event_are_held_no_more_than_the_bound() -> None:
+    """A stream that is not events (no blank line) still streams: past PARTIAL bytes
+    what is held goes on as it came."""
+    relay = SimpleNamespace(partial=None)
+    assert Relay._whole_events(relay, b"x" * PARTIAL) == b""  # type: ignore[arg-type]
+    assert relay.partial == b"x" * PARTIAL
+    more = relay.partial + b"y"
+    assert Relay._whole_events(relay, more) == more and relay.partial is None  # type: ignore[arg-type]
 
 
 def test_a_reused_connection_the_child_closed_is_retried_at_once_and_only_then(edge) -> None:

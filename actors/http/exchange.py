@@ -107,6 +107,8 @@ class Exchange(Relay):
         """Its waiting told in its stream (send_loading_state: loading.py)."""
         self.held: bytearray | None = None
         """A child's error answer after that stream's head: its end's error event."""
+        self.partial: bytes | None = None
+        """An event stream's unended event, held till its end comes (relay.py)."""
         self.loop = client.loop
         self.task = client.loop.create_task(self.run())
 

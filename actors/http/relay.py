@@ -27,14 +27,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("corral.front")
 HELD = 64 * 1024
 """How much of a child's error answer after a loading head is kept for its error event."""
+PARTIAL = 64 * 1024
+"""How much of an event stream's unended event is held back at most (`_whole_events`)."""
+_EVENT_END = (b"\n\n", b"\r\n\r\n")
 
 
 class Relay:
     """An exchange's answer, as its upstream connection reports it."""
 
     __slots__ = ("chunked", "client", "first_at", "head_only", "held", "keep_alive", "kept",
-                 "late", "loading", "loop", "meter", "out", "phase", "req", "services", "sse",
-                 "status", "ticket", "upstream", "what")
+                 "late", "loading", "loop", "meter", "out", "partial", "phase", "req",
+                 "services", "sse", "status", "ticket", "upstream", "what")
 
     services: Services
     client: Client
@@ -57,6 +60,7 @@ class Relay:
     trace: Trace
     loading: Loading | None
     held: bytearray | None
+    partial: bytes | None
 
     def _to(self, phase: Phase) -> None: ...
     def _unreachable(self, why: str, kind: Broke) -> None: ...
@@ -140,7 +144,22 @@ class Relay:
         if (held := self.held) is not None:  # (loading.py: an error after the head)
             held += body[:HELD - len(held)]
             return
+        if self.sse and ((partial := self.partial) is not None or not body.endswith(_EVENT_END)):
+            body = self._whole_events(body if partial is None else partial + body)
+            if not body:
+                return
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+
+    def _whole_events(self, body: bytes) -> bytes:
+        """What of an event stream's bytes ends whole events; the unended rest is held for
+        the next read (at most PARTIAL bytes): a child that dies mid-event leaves its
+        client no half event, which a client reads as an event of broken JSON."""
+        lf, crlf = body.rfind(b"\n\n"), body.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if len(body) - end > PARTIAL:
+            end = len(body)  # (no event this long: not events, sent on as they come)
+        self.partial = body[end:] or None
+        return body[:end]
 
     def flush(self) -> None:
         """What one read of the child's answer produced, in one write."""
@@ -151,6 +170,10 @@ class Relay:
 
     def response_done(self) -> None:
         self.upstream = None  # given back to its pool, or closed, by itself
+        if (partial := self.partial) is not None:  # (its end, as the child ended it)
+            self.partial = None
+            self.out.append(b"%x\r\n%b\r\n" % (len(partial), partial) if self.chunked
+                            else partial)
         if self.held is not None:  # (an answer that is no stream: an error to its client)
             said = self.held.decode("utf-8", "replace")
             self.trace.error = f"{self.what} answered {self.status}: {said}"[:1000]
@@ -179,7 +202,9 @@ class Relay:
         self._resolve()
 
     def _break_off(self, why: str) -> None:
-        """End a begun answer that will not be whole: an error event, and the close."""
+        """End a begun answer that will not be whole: an error event (after its last whole
+        event: an unended one is dropped), and the close."""
+        self.partial = None
         if self.sse and self.chunked:
             self.response_body(sse_error_event(self.what, why))
             self.out.append(b"0\r\n\r\n")
