@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from actors.config.journal import JournalConfig
 from actors.http.journaling import Spans, Trace, record
 from actors.http.request import Request
+from actors.journal import store
 from actors.journal.file import MAX_LIMIT, PAGE, select
 from actors.journal.record import Head, Kept, Row, Said, decoded, encode
 from actors.journal.store import Journal, Query
@@ -345,6 +346,50 @@ def test_a_full_disk_stops_the_journal_not_the_requests(tmp_path: Path) -> None:
         assert "full" in c.log() or "too large" in c.log().lower(), c.log()[-2000:]
         assert journaled(c, ids[-1])["status"] == 200  # from memory
         assert not writer.is_running()
+
+
+def test_after_its_file_broke_the_journal_keeps_the_newest_in_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a writer that broke ended the feeder too; rows piled up unread by the ring
+    (100,000 of them, with their bodies) and then the newest were dropped. Now the file
+    stops and the ring goes on, holding what it should."""
+    monkeypatch.setattr(store, "BATCH_WAIT_S", 0.05)
+    bad = tmp_path / "journal.sqlite"
+    bad.mkdir()  # (sqlite cannot open a folder: the writer says why, and exits)
+    journal = Journal(JournalConfig(ring=10), bad)
+    try:
+        journal.add(row("first", NOW))
+        wait_until(lambda: journal.broken is not None, 30, "the writer broke")
+        for i in range(3 * PAGE + 7):
+            journal.add(row(f"r{i}", NOW + 1 + i))
+        wait_until(lambda: not journal.full and not journal.count, 30, "the rows taken")
+        assert journal.thread.is_alive() and journal.in_ring <= PAGE + 10
+        assert journal.query(Query(limit=1))[0].id == f"r{3 * PAGE + 6}"
+        assert "unable to open" in journal.broken
+    finally:
+        journal.close()
+    assert not journal.thread.is_alive()
+
+
+@pytest.mark.parametrize("bad", [{"error": "a lone surrogate \udcff"},  # (UnicodeEncodeError)
+                                 {"tokens": object()}])                  # (enc_hook's)
+def test_a_record_that_cannot_be_encoded_is_lost_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: dict[str, object]) -> None:
+    """Review: a row whose encoding failed half-way left its bytes on the page: every
+    query of it failed, and the writer broke on it. Now it is lost alone, said once."""
+    journal = Journal(JournalConfig(), tmp_path / "journal.sqlite")
+    try:
+        journal.add(row("r0", NOW))
+        for _ in range(2):
+            journal.add(msgspec.structs.replace(row("bad", NOW + 1), **bad))
+        for i in range(1, 4):
+            journal.add(row(f"r{i}", NOW + 1 + i))
+        assert [r.id for r in journal.query(Query())] == ["r3", "r2", "r1", "r0"]
+    finally:
+        journal.close()
+    assert journal.broken is None and journal.written == 4 and journal.dropped == 2
+    said = [r.getMessage() for r in caplog.records if "could not keep" in r.getMessage()]
+    assert len(said) == 1, said
 
 
 def test_capture_keeps_bodies_for_admins_and_never_a_key(tmp_path: Path) -> None:

@@ -80,6 +80,8 @@ class Journal:
         """Rows the writer wrote (known once it has ended: `close`)."""
         self.unreadable = False
         """A query found the file unreadable (said once in the log)."""
+        self.unkept = False
+        """A record could not be encoded (said once in the log)."""
         self.writer: subprocess.Popen[bytes] | None = None
         self.thread = threading.Thread(target=self._feed, name="journal", daemon=True)
         self.thread.start()
@@ -100,11 +102,24 @@ class Journal:
             if type(row) is msgspec.Raw:  # (a front worker's, encoded there)
                 self.page += row
             else:
-                encode_into(row, self.page, -1)
+                size = len(self.page)
+                try:
+                    encode_into(row, self.page, -1)
+                except Exception as e:  # (a field it cannot keep: the page stays whole)
+                    del self.page[size:]
+                    self._lost(row, e)
+                    return
             self.count += 1
             if self.count == PAGE:
                 self.full.append((PAGE, self.page))
                 self.page, self.count = bytearray(), 0
+
+    def _lost(self, row: Kept, e: Exception) -> None:
+        self.dropped += 1
+        if not self.unkept:
+            log.error("the request journal could not keep a record (%s: %s), and keeps none "
+                      "like it; the request went on: %r", type(e).__name__, e, row)
+        self.unkept = True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is pending, then stop the writer (it ends with its stdin)."""
@@ -150,19 +165,19 @@ class Journal:
                 self.taken = pages
             if pages and self.broken is None and writer is None:
                 writer = self._start()
-            try:
-                if pages and writer is not None and writer.stdin is not None \
-                        and self.broken is None:
+            if pages and writer is not None and writer.stdin is not None:
+                try:
                     data = _encode(pages)
                     writer.stdin.write(_LENGTH.pack(len(data)) + data)
                     writer.stdin.flush()
-            except OSError:  # (its stdin closed: it broke, and said why)
-                self.dropped += sum(n for n, _ in pages)
+                except OSError:  # (its stdin closed: it broke, and says why)
+                    self.dropped += sum(n for n, _ in pages)
             self._keep(pages)
-            if stop or (writer is not None and writer.poll() is not None):
-                break
-        if writer is not None:
-            self._end(writer)
+            if writer is not None and (stop or writer.poll() is not None):
+                self._end(writer)  # (one that broke stops the file; the ring goes on)
+                writer = None
+            if stop:
+                return
 
     def _keep(self, pages: list[Page]) -> None:
         """Pages into the ring, its oldest let go while the rest hold `config.ring`."""
