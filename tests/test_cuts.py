@@ -155,7 +155,7 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
     from types import SimpleNamespace
 
     from actors.http.exchange import Exchange
-    from actors.http.journaling import Trace
+    from actors.http.journaling import Trace, Work
     from actors.http.phase import Phase
     from actors.http.shares import Shares
     from actors.http.tries import to_model
@@ -209,7 +209,7 @@ def test_a_client_that_leaves_as_its_request_is_cut_leaks_the_grant() -> None:
                 kept=None, upgrade=False, loading=None, held=None,
                 partial=None).items():
             setattr(ex, name, value)
-        ex.trace = Trace.of(ex.req, loop.time())
+        ex.trace, ex.work = Trace.of(ex.req), Work(loop.time(), True)
         for name, value in {}.items():
             setattr(ex, name, value)
         ex.task = loop.create_task(to_model(ex, "a", True))

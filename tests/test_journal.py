@@ -12,8 +12,9 @@ import resource
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.config.journal import JournalConfig
-from actors.http.journaling import Spans, Trace, record
+from actors.http.journaling import Spans, Trace, Work, record
 from actors.http.request import Request
 from actors.journal import store
 from actors.journal.file import MAX_LIMIT, PAGE, select
-from actors.journal.record import Head, Kept, Row, Said, decoded, encode
+from actors.journal.record import Head, Row, Said, decoded, encode
 from actors.journal.store import Journal, Query
 from bench.journal import row
 from tests.helpers import (
@@ -224,7 +225,10 @@ def test_the_file_and_the_ring_answer_alike(tmp_path_factory: pytest.TempPathFac
     path = tmp_path_factory.mktemp("j") / "journal.sqlite"  # either's own)
     journal = Journal(JournalConfig(), path)
     for i, r in enumerate(records):  # (a front's struct, or a front worker's row encoded)
-        journal.add(r if i % 2 else msgspec.Raw(encode(r)))
+        if i % 2:
+            journal.add(r)
+        else:
+            journal.add_encoded(encode(r))
     journal.close()
     assert journal.broken is None and journal.written == len(records)
     assert path.exists() == bool(records)  # (its writer starts with the first row)
@@ -237,59 +241,158 @@ def test_the_file_and_the_ring_answer_alike(tmp_path_factory: pytest.TempPathFac
 
 
 def test_a_requests_trace_is_its_row_field_by_field() -> None:
-    """The journal encodes a request's `Trace` as it is: a `Row`, then its working part,
-    which is not kept (one nil)."""
-    assert Trace.__struct_fields__ == (*Row.__struct_fields__, "work")
+    """The journal encodes a request's `Trace` as it is: a `Row`, field by field, and
+    nothing of its working part (its exchange holds that beside it)."""
+    assert Trace.__struct_fields__ == Row.__struct_fields__
     assert Row.__struct_fields__[:6] == Head.__struct_fields__  # (what pages are found by)
     req = Request()
     req.method, req.url, req.body_size, req.conversation = b"POST", b"/v1/x?a=1", 7, "c"
-    t = Trace.of(req, 10.0)
+    t, work = Trace.of(req), Work(10.0, True)
     t.model, t.served, t.copy, t.error, t.bytes_out, t.queue_s = "v", "m", "m@2", "e", 9, 0.5
     t.waited, t.room, t.tokens, t.cut = "load", ("stop x",), Said(3), True
-    t.asked, t.answer, t.work.first_body = b"{}", bytearray(b"ok"), 10.25
-    t.work.tail, t.work.spans = bytearray(b"x" * 4096), Spans(b"t" * 16, b"p" * 8)
-    rows: list[Kept] = []
+    t.asked, t.answer, work.first_body = b"{}", bytearray(b"ok"), 10.25
+    work.tail, work.spans = bytearray(b"x" * 4096), Spans(b"t" * 16, b"p" * 8)
+    rows: list[Row] = []
 
     class Recorder:
         capture = 0
 
-        def add(self, row: Kept) -> None:
+        def add(self, row: Row) -> None:
             rows.append(row)
-    record(Recorder(), t, req, 200, 10.125, 11.0, True)
+
+        def add_encoded(self, row: bytes) -> None:
+            raise AssertionError("a front's rows are structs")
+    record(Recorder(), t, work, req, 200, 10.125, 11.0, True)
     assert rows == [t]
-    assert decoded(1, encode(t)) == [Row(t.id, t.at, "", "v", "m", 200, b"POST", b"/v1/x", "m@2",
-                                 "e", 7, 9, 0.5, "load", ("stop x",), 0.125, 0.25, 1.0,
-                                 Said(3), True, True, b"{}", b"ok")]
-    assert len(encode(t)) == len(encode(decoded(1, encode(t))[0])) + 1  # (its work: nil)
-    with pytest.raises(NotImplementedError, match="cannot keep Request"):
+    kept = Row(t.id, t.at, "", "v", "m", 200, b"POST", b"/v1/x", "m@2", "e", 7, 9, 0.5, "load",
+               ("stop x",), 0.125, 0.25, 1.0, Said(3), True, True, b"{}", b"ok")
+    assert decoded(1, encode(t)) == [kept] and encode(t) == encode(kept)
+    with pytest.raises(TypeError, match="type Request is unsupported"):
         encode(msgspec.structs.replace(t, tokens=req))  # (what is not a row's is refused)
 
 
 def test_the_newest_rows_are_found_in_memory_before_and_after_the_feeder_takes_them(
 ) -> None:
-    """With no file (no state_dir) the journal still answers from memory: rows the
-    feeder has not taken yet, newest first, each once; once taken, the newest pages that
-    hold `ring` rows (here 3), the older ones let go, however many came at once."""
+    """With no file (no state_dir) the journal still answers from memory: the page
+    being filled, read by the feeder and never taken from the loop, newest first, each
+    once; and the newest full pages that hold `ring` rows (here 3), the older ones let
+    go, however many came at once."""
     journal = Journal(JournalConfig(ring=3), None)
     try:
         for i in range(8):
             journal.add(row(f"r{i}", NOW + i, model="a" if i % 2 else "b"))
-        found = [r.id for r in journal.query(Query())]  # (taken or not: found alike)
+        found = [r.id for r in journal.query(Query())]  # (read by the feeder or not: alike)
         assert found == [f"r{i}" for i in range(7, -1, -1)]
         assert [r.id for r in journal.query(Query(model="b", limit=3))] == ["r6", "r4", "r2"]
-        wait_until(lambda: journal.in_ring == 8, timeout_s=30)  # (one page, kept whole)
+        wait_until(lambda: journal.sent[1] == 8, timeout_s=30)  # (read, and left)
         for i in range(8, 12):
-            journal.add(msgspec.Raw(encode(row(f"r{i}", NOW + i))))  # (a front worker's)
-        wait_until(lambda: journal.in_ring == 4, timeout_s=30)  # (the page of 8 let go)
-        assert [r.id for r in journal.query(Query())] == ["r11", "r10", "r9", "r8"]
+            journal.add_encoded(encode(row(f"r{i}", NOW + i)))  # (a front worker's)
+        wait_until(lambda: journal.sent[1] == 12, timeout_s=30)
+        assert [r.id for r in journal.query(Query())] == [f"r{i}" for i in range(11, -1, -1)]
+        assert journal.in_ring == 0  # (no page is full yet)
         for i in range(12, 12 + 4 * PAGE):  # (a burst: whole pages, the last one kept)
             journal.add(row(f"r{i}", NOW + i))
-        wait_until(lambda: journal.in_ring == PAGE, timeout_s=30)
-        assert len(journal.memory()) == PAGE and journal.query(Query())[0].id == f"r{i}"
+        wait_until(lambda: journal.in_ring == PAGE and not journal.full, timeout_s=30)
+        ids = [r.id for r in journal.memory()]
+        assert ids == [f"r{i}" for i in range(3 * PAGE, 12 + 4 * PAGE)]
+        assert journal.query(Query())[0].id == f"r{11 + 4 * PAGE}"
         assert journal.dropped == 0 and journal.broken == "no file (state_dir)"
     finally:
         journal.close()
     assert not journal.thread.is_alive()
+
+
+def test_readers_see_every_row_once_while_the_loop_adds_without_a_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop takes no lock (store.py): the feeder reads the page being filled and
+    takes the full ones, readers look at both, all while rows come. Invariant: every
+    look finds the rows added so far from the first, each once, in order, with none
+    missing (the ring is large enough to keep them all); the file gets each once."""
+    monkeypatch.setattr(store, "BATCH_WAIT_S", 0.002)
+    journal = Journal(JournalConfig(ring=1_000_000), tmp_path / "journal.sqlite")
+    n, looks, bad = 6 * PAGE + 123, [0], []
+
+    def look() -> None:
+        last = 0
+        while not journal.closing.is_set():
+            ids = [r.id for r in journal.memory()]
+            if ids != [f"r{i}" for i in range(len(ids))] or len(ids) < last:
+                bad.append(ids)
+                return
+            last = len(ids)
+            looks[0] += 1
+    readers = [threading.Thread(target=look) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch between almost any two steps: races come)
+    try:
+        for i in range(n):
+            if i % 3:
+                journal.add(row(f"r{i}", NOW + i))
+            else:
+                journal.add_encoded(encode(row(f"r{i}", NOW + i)))
+            if i % 97 == 0:
+                time.sleep(0.0005)  # (the feeder and the readers run between adds)
+        wait_until(lambda: journal.sent[1] == 123, 30, "the feeder's last read")
+        assert [r.id for r in journal.memory()] == [f"r{i}" for i in range(n)]
+    finally:
+        sys.setswitchinterval(interval)
+        journal.close()
+        for reader in readers:
+            reader.join(10)
+    assert not bad, bad[0][:5]
+    assert looks[0] > 0 and journal.written == n and journal.dropped == 0
+    ids = [r.id for r in select(tmp_path / "journal.sqlite", Query(limit=MAX_LIMIT), MAX_LIMIT)]
+    assert ids == [f"r{i}" for i in range(n - 1, -1, -1)]
+
+
+class LoopRunsAsItIsTaken:
+    """The journal's lock, which first lets the loop add rows once (`then`): as if the
+    loop ran just where a thread that reads the page and then takes the lock could be
+    put aside (the races of the lock-free page, made to happen)."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self.lock, self.then = threading.Lock(), [then]
+
+    def __enter__(self) -> bool:
+        if self.then:
+            self.then.pop()()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.__exit__(*exc)
+
+
+def test_a_page_cut_as_it_is_read_is_found_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A query reads the page being filled, and the loop cuts it before the query looks
+    at the full pages: its rows are found once. The feeder read the start of a page,
+    and the loop cuts it as the feeder next reads it: the writer is sent each row once."""
+    monkeypatch.setattr(store, "BATCH_WAIT_S", 3600.0)  # (the feeder's takes are the test's)
+    journal = Journal(JournalConfig(ring=1_000_000), None)
+    added = [0]
+
+    def add(n: int) -> None:
+        for _ in range(n):
+            journal.add(row(f"r{added[0]}", NOW + added[0]))
+            added[0] += 1
+
+    def ids(pages: list[tuple[int, bytes | bytearray]]) -> list[str]:
+        return [r.id for n, rows in pages for r in decoded(n, rows)]
+    try:
+        add(5)
+        journal.lock = LoopRunsAsItIsTaken(lambda: add(PAGE - 5 + 3))  # type: ignore[assignment]
+        assert [r.id for r in journal.memory()] == [f"r{i}" for i in range(PAGE)]
+        sent = ids(journal._take()[1])  # (the full page, and the 3 after it)
+        add(4)
+        sent += ids(journal._take()[1])  # (the first 7 of the page being filled)
+        add(2)
+        journal.lock = LoopRunsAsItIsTaken(lambda: add(PAGE - 9 + 2))  # type: ignore[assignment]
+        sent += ids(journal._take()[1])  # (the rest of that page, cut as it was read)
+        sent += ids(journal._take()[1])  # (the 2 after it)
+        assert sent == [f"r{i}" for i in range(added[0])] and added[0] == 2 * PAGE + 2
+    finally:
+        journal.close()
 
 
 def test_a_hundred_thousand_records_are_queried_by_model_and_key(tmp_path: Path) -> None:
@@ -362,7 +465,7 @@ def test_after_its_file_broke_the_journal_keeps_the_newest_in_memory(
         wait_until(lambda: journal.broken is not None, 30, "the writer broke")
         for i in range(3 * PAGE + 7):
             journal.add(row(f"r{i}", NOW + 1 + i))
-        wait_until(lambda: not journal.full and not journal.count, 30, "the rows taken")
+        wait_until(lambda: not journal.full and journal.sent[1] == 8, 30, "the rows taken")
         assert journal.thread.is_alive() and journal.in_ring <= PAGE + 10
         assert journal.query(Query(limit=1))[0].id == f"r{3 * PAGE + 6}"
         assert "unable to open" in journal.broken

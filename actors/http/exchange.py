@@ -21,7 +21,7 @@ from ..messages import NotCut
 from ..runtime.bridge import LoopReply
 from .edge import TO_API_DROPPED, Answer, error_type, target
 from .inflight import CANCELLED
-from .journaling import Trace, record
+from .journaling import Trace, Work, record
 from .loading import Loading, Waiting, error_event
 from .phase import API, TRANSITIONS, Phase
 from .pool import Pool
@@ -52,7 +52,7 @@ class Exchange(Relay):
     """One request on one client connection, from its grant to the last byte of its answer."""
 
     __slots__ = ("broke", "broke_at", "broke_kind", "cut", "done", "may_replay", "may_retry",
-                 "task", "timer", "trace", "upgrade")
+                 "task", "timer", "trace", "upgrade", "work")
 
     client: Client  # (more of it than its answer's side uses)
 
@@ -101,8 +101,10 @@ class Exchange(Relay):
         """Its first-byte timeout (first_byte_timeout_s), while it runs."""
         self.kept: Tee | None = None
         """Where its answer is kept (X-Conversation-Id): it outlives its client."""
-        self.trace = Trace.of(req, client.loop.time())
+        self.trace = Trace.of(req)
         """What the journal keeps of it."""
+        self.work = Work(client.loop.time(), req.request_id is None)
+        """What it holds of its own only while it runs: its times, its answer's tail."""
         self.loading: Loading | None = None
         """Its waiting told in its stream (send_loading_state: loading.py)."""
         self.held: bytearray | None = None
@@ -143,8 +145,8 @@ class Exchange(Relay):
             if self.kept is not None:
                 self.kept.end("its request ended before the child's answer did")
             self.services.live.exchanges.discard(self)
-            if (recorder := self.services.recorder) is not None and not self.trace.work.to_api:
-                record(recorder, self.trace, self.req, self.status, self.first_at,
+            if (recorder := self.services.recorder) is not None and not self.work.to_api:
+                record(recorder, self.trace, self.work, self.req, self.status, self.first_at,
                        self.loop.time(), self.sse)
             self.phase = Phase.DONE
             self.client.exchange_done(self)
@@ -156,7 +158,7 @@ class Exchange(Relay):
                     upload.model if upload is not None and isinstance(upload.model, str)
                     else None, self.req.upgrade)
         if to is None:
-            self.trace.work.to_api = True  # (corral's own: not a request the journal keeps)
+            self.work.to_api = True  # (corral's own: not a request the journal keeps)
             await self.forward(front.api_pool(), TO_API_DROPPED, None, front.to_api)
             return
         if isinstance(to, Answer):
@@ -174,11 +176,11 @@ class Exchange(Relay):
         if self.loading is not None:  # granted: nothing more is told (loading.py)
             self.loading.stop()
         head = [req.method + b" " + pool.prefix + req.url + b" HTTP/1.1", b"Host: " + pool.host]
-        if (spans := self.trace.work.spans) is not None:  # corral's traceparent, not theirs
+        if (spans := self.work.spans) is not None:  # corral's traceparent, not theirs
             drop = drop | TRACED
         head += [n + b": " + v for n, v in req.headers if n.lower() not in drop]
         head += extra
-        if self.trace.work.made_id:  # (the client's own goes on with its headers)
+        if self.work.made_id:  # (the client's own goes on with its headers)
             head.append(b"X-Request-Id: " + self.trace.id.encode())
         if spans is not None:
             head.append(spans.header())

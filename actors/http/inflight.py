@@ -14,7 +14,7 @@ from typing import Protocol
 
 import msgspec
 
-from .journaling import Trace
+from .journaling import Trace, Work
 from .phase import Phase
 
 CANCELLED = "cancelled"
@@ -50,6 +50,7 @@ class Cancellable(Protocol):
     """What inflight.py uses of an exchange."""
 
     trace: Trace
+    work: Work
     phase: Phase
 
     @property
@@ -77,7 +78,7 @@ class Live:
             self.placed_at, self.places = now, {}
             counts: dict[str, int] = {}
             for w in sorted((w for w in self.exchanges if w.phase is Phase.WAITING),
-                            key=lambda w: w.trace.work.started):
+                            key=lambda w: w.work.started):
                 self.places[w] = counts[w.trace.model] = counts.get(w.trace.model, 0) + 1
         return self.places.get(ex, 1)
 
@@ -99,8 +100,8 @@ def _shown(ex: Cancellable, now: float) -> Running:
     queued = ex.phase is Phase.WAITING
     return Running(id=t.id, at=t.at, key=ex.key_name, model=t.model, served=t.served,
                    copy=t.copy, path=ex.path, state="queued" if queued else "running",
-                   waited_s=round(t.queue_s + (now - t.work.asked_at if queued else 0.0), 3),
-                   elapsed_s=round(now - t.work.started, 3), bytes_out=t.bytes_out,
+                   waited_s=round(t.queue_s + (now - ex.work.asked_at if queued else 0.0), 3),
+                   elapsed_s=round(now - ex.work.started, 3), bytes_out=t.bytes_out,
                    waited=t.waited)
 
 

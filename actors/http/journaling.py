@@ -13,7 +13,7 @@ from typing import Protocol
 
 import msgspec
 
-from ..journal.record import Kept, Record, Row, Said, Unkept
+from ..journal.record import Record, Row, Said
 from ..messages import Grant
 from .edge import Answer
 from .figures import said
@@ -54,11 +54,15 @@ class Recorder(Protocol):
     capture: int
     """[journal] capture: bytes of each body and answer its records keep (0: none)."""
 
-    def add(self, row: Kept) -> None: ...
+    def add(self, row: Row) -> None: ...
+
+    def add_encoded(self, row: bytes) -> None:
+        """A row encoded already (a front worker's, sent over its channel)."""
 
 
-class Work(Unkept):
-    """What a request's `Trace` holds only while the request runs: not kept."""
+class Work:
+    """What its exchange holds of a request only while it runs, beside its `Trace`: not
+    kept (a field of the trace, it cost each row a call of the encoder's hook)."""
 
     __slots__ = ("asked_at", "capture", "events", "first_body", "granted_at", "made_id",
                  "spans", "started", "tail", "to_api", "waited_s")
@@ -84,62 +88,55 @@ class Work(Unkept):
         self.capture = 0
         """[journal] capture: how much of its body and its answer's is kept (0: none)."""
 
+    def keep(self, body: bytes) -> None:
+        tail = self.tail
+        assert tail is not None
+        tail += body
+        self.events += body.count(b"data: {")
+        if len(tail) > 8 * TAIL:
+            del tail[:-TAIL]
+
 
 class Trace(Row, gc=False):
     """One request's journal fields, filled as it goes: a `Row` (the journal encodes the
-    struct itself, in one call: record.py), and `work`, which it does not keep. Not
-    tracked by the collector: it refers to nothing that refers back to it."""
+    struct itself, in one call: record.py). Not tracked by the collector: it refers to
+    nothing that refers back to it."""
 
     answer: bytearray | None = None  # type: ignore[assignment]
     """Its answer's body's first capture_kib, as it comes (capture = true)."""
-    work: Work = Work(0.0, False)
-    """(Always given: `of`.)"""
 
     @staticmethod
-    def of(req: Request, started: float) -> Trace:
-        """A request's, as its exchange begins (`started`: the loop's time)."""
+    def of(req: Request) -> Trace:
+        """A request's, as its exchange begins."""
         url = req.url
         return Trace(req.request_id or new_id(), time.time(),
                      req.key.name if req.key is not None else "", "", "", 0, req.method,
                      url.partition(b"?")[0][:512] if b"?" in url else url[:512], "", "",
                      0, 0, 0.0, "", (), None, None, 0.0, None, False,
                      bool(req.conversation), None, None,
-                     req.session.decode("utf-8", "replace") if req.session else "", 0,
-                     Work(started, req.request_id is None))
+                     req.session.decode("utf-8", "replace") if req.session else "", 0)
 
-    def keep(self, body: bytes) -> None:
-        tail = self.work.tail
-        assert tail is not None
-        tail += body
-        self.work.events += body.count(b"data: {")
-        if len(tail) > 8 * TAIL:
-            del tail[:-TAIL]
-
-    def captures(self, req: Request, limit: int) -> None:
+    def captures(self, req: Request, work: Work, limit: int) -> None:
         """Keep its body and its answer's, `limit` bytes of each ([journal] capture)."""
-        self.work.capture, self.asked, self.answer = limit, req.body[:limit], bytearray()
+        work.capture, self.asked, self.answer = limit, req.body[:limit], bytearray()
 
-    def captured(self, body: bytes) -> None:
+    def captured(self, body: bytes, limit: int) -> None:
         answer = self.answer
         assert answer is not None
-        if len(answer) < self.work.capture:
-            answer += body[:self.work.capture - len(answer)]
+        if len(answer) < limit:
+            answer += body[:limit - len(answer)]
 
-    def read(self, meter: Meter | None, stream: bool) -> Said | None:
+    def read(self, meter: Meter | None, work: Work, stream: bool) -> Said | None:
         """What the answer said it used, read once at its end."""
         if meter is not None:
             self.tokens = meter.as_said()
-        elif (tail := self.work.tail):
+        elif (tail := work.tail):
             self.tokens = said(tail, whole=not stream and self.bytes_out == len(tail))
         return self.tokens
 
-    def asking(self, now: float) -> None:
-        self.work.asked_at = now
-
-    def granted(self, grant: Grant, now: float, joined: bool = False) -> Grant:
+    def granted(self, grant: Grant, work: Work, now: float, joined: bool = False) -> Grant:
         """`joined`: another's open grant (shares.py), whose load or wake it did not wait
         for."""
-        work = self.work
         self.queue_s += now - work.asked_at
         work.granted_at = now
         self.served, self.copy = grant.model, grant.instance
@@ -148,10 +145,10 @@ class Trace(Row, gc=False):
         return grant
 
 
-def record(recorder: Recorder, t: Trace, req: Request, status: int, first_at: float | None,
-           now: float, streamed: bool) -> None:
+def record(recorder: Recorder, t: Trace, work: Work, req: Request, status: int,
+           first_at: float | None, now: float, streamed: bool) -> None:
     """Give `recorder` a request's row at its end: its trace, with its last figures."""
-    started, first_body = t.work.started, t.work.first_body
+    started, first_body = work.started, work.first_body
     t.status, t.bytes_in, t.duration_s = status, req.body_size, now - started
     if first_at is not None:
         t.ttfb_s = first_at - started

@@ -196,7 +196,7 @@ class Link:
                 self._kept(message)
             case Journaled(row=row):
                 if self.recorder is not None:  # (a copy: not a view of the whole frame)
-                    self.recorder.add(msgspec.Raw(bytes(row)))
+                    self.recorder.add_encoded(bytes(row))
             case Listening(port=port):
                 if not self.listening.done():
                     self.listening.set_result(port)

@@ -27,7 +27,7 @@ import msgspec
 
 from ..messages import ModelsSnapshot
 from .edge import CHILD_HEADERS, error_body
-from .journaling import Trace
+from .journaling import Trace, Work
 
 AFTER_S = 0.25
 """A stream that waits longer than this is told so (a model already loaded answers
@@ -90,6 +90,7 @@ class Shown(Protocol):
     """What the loading state uses of its exchange."""
 
     trace: Trace
+    work: Work
 
     def write(self, data: bytes) -> None: ...
 
@@ -135,14 +136,13 @@ class Loading:
 
     def text(self, now: float) -> str:
         waiting = self.ex.board()
-        t = self.ex.trace
         parts = [f"waiting for {waiting.what if waiting else 'its turn'} of '{self.model}'",
                  f"place {self.ex.place()} here"]
         if waiting is not None and waiting.progress is not None:
             parts.append(f"{waiting.progress:.0%} loaded")
         if waiting is not None and waiting.eta_s is not None:
             parts.append(f"about {waiting.eta_s:.0f} s left")
-        parts.append(f"{now - t.work.started:.0f} s so far")
+        parts.append(f"{now - self.ex.work.started:.0f} s so far")
         return "corral: " + ", ".join(parts)
 
     def _event(self, text: str) -> bytes:

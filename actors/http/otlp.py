@@ -30,7 +30,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from ..config.tracing import TracingConfig
 from ..journal.record import Said
-from .journaling import Spans, Trace
+from .journaling import Spans, Trace, Work
 
 log = logging.getLogger("corral.tracing")
 
@@ -40,6 +40,7 @@ class Ended(Protocol):
 
     spans: Spans
     trace: Trace
+    work: Work
     method: bytes
     path: bytes
     key: str
@@ -82,20 +83,20 @@ def _attributes(**pairs: str | int | float | bool | list[str] | None) -> list[Ke
 
 def spans_of(e: Ended) -> list[Span]:
     """A request's spans (spans.py says which)."""
-    t, ids = e.trace, e.spans
+    t, w, ids = e.trace, e.work, e.spans
 
     def ns(loop_time: float) -> int:  # a loop time as Unix nanoseconds
-        return int((t.at + (loop_time - t.work.started)) * 1e9)
+        return int((t.at + (loop_time - w.started)) * 1e9)
 
     path = e.path.decode("latin-1")
     operation = next((op for part, op in _OPERATIONS if part in path), "")
     said = e.said
-    granted = t.work.granted_at if t.work.granted_at is not None else e.until
+    granted = w.granted_at if w.granted_at is not None else e.until
     failed = e.status >= 500 or e.status == 0 or bool(t.error)
     root = Span(
         trace_id=ids.trace_id, span_id=ids.root, parent_span_id=ids.parent,
         name=f"{e.method.decode('latin-1')} {path}", kind=SERVER,
-        start_time_unix_nano=ns(t.work.started), end_time_unix_nano=ns(e.until),
+        start_time_unix_nano=ns(w.started), end_time_unix_nano=ns(e.until),
         attributes=_attributes(
             http__request__method=e.method.decode("latin-1"), url__path=path,
             http__response__status_code=e.status or None,
@@ -107,7 +108,7 @@ def spans_of(e: Ended) -> list[Span]:
             corral__queue_s=t.queue_s, corral__waited=t.waited, corral__cut=t.cut or None),
         status=Status(code=Status.StatusCode.STATUS_CODE_ERROR, message=t.error[:500])
         if failed else Status())
-    queued = max(t.work.started, granted - t.queue_s)
+    queued = max(w.started, granted - t.queue_s)
     out = [root, Span(trace_id=ids.trace_id, span_id=_id(), parent_span_id=ids.root,
                       name="queue", kind=INTERNAL, start_time_unix_nano=ns(queued),
                       end_time_unix_nano=ns(granted),
@@ -115,12 +116,12 @@ def spans_of(e: Ended) -> list[Span]:
     if t.waited:
         out.append(Span(trace_id=ids.trace_id, span_id=_id(), parent_span_id=out[1].span_id,
                         name=t.waited, kind=INTERNAL,
-                        start_time_unix_nano=ns(max(queued, granted - t.work.waited_s)),
+                        start_time_unix_nano=ns(max(queued, granted - w.waited_s)),
                         end_time_unix_nano=ns(granted),
                         attributes=_attributes(corral__room=list(t.room) or None,
                                                gen_ai__request__model=t.served)))
-    if t.work.granted_at is not None:
-        first = t.work.first_body if e.stream and t.work.first_body is not None else None
+    if w.granted_at is not None:
+        first = w.first_body if e.stream and w.first_body is not None else None
         out.append(Span(
             trace_id=ids.trace_id, span_id=ids.child, parent_span_id=ids.root,
             name=f"{operation or 'request'} {t.served or t.model}", kind=CLIENT,

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .edge import SSE_PREFIX, Answer, interim_head, relay_head, sse_error_event
-from .journaling import Trace
+from .journaling import Trace, Work
 from .loading import Loading, error_event
 from .phase import API, Phase
 from .resumable import Tee
@@ -58,6 +58,7 @@ class Relay:
     kept: Tee | None
     upstream: Upstream | None
     trace: Trace
+    work: Work
     loading: Loading | None
     held: bytearray | None
     partial: bytes | None
@@ -126,8 +127,7 @@ class Relay:
             self.kept = None
 
     def response_body(self, body: bytes) -> None:
-        trace = self.trace
-        work = trace.work
+        trace, work = self.trace, self.work
         if work.first_body is None:
             work.first_body = self.loop.time()
         trace.bytes_out += len(body)
@@ -136,9 +136,9 @@ class Relay:
             if self.ticket is not None and (more := meter.due()):
                 self.services.shares.spend(self.ticket, more)  # the key's next sees it
         elif work.tail is not None:
-            trace.keep(body)
+            work.keep(body)
         if trace.answer is not None:
-            trace.captured(body)
+            trace.captured(body, work.capture)
         if self.kept is not None:
             self.kept.feed(body)
         if (held := self.held) is not None:  # (loading.py: an error after the head)

@@ -23,7 +23,7 @@ import re
 
 from ..config.tracing import TracingConfig
 from ..journal.record import Said
-from .journaling import Spans, Trace
+from .journaling import Spans, Trace, Work
 from .request import Request
 
 TRACEPARENT = b"traceparent"
@@ -35,13 +35,13 @@ class Ended:
     """A traced request at its end: what the exporter makes its spans of."""
 
     __slots__ = ("key", "method", "path", "said", "spans", "status", "stream", "trace",
-                 "until")
+                 "until", "work")
 
-    def __init__(self, spans: Spans, trace: Trace, req: Request, status: int,
+    def __init__(self, spans: Spans, trace: Trace, work: Work, req: Request, status: int,
                  stream: bool, until: float) -> None:
         kept = copy.copy(trace)  # (its times, as they are at its end: not its bodies,
-        kept.work = copy.copy(trace.work)  # which may be large)
-        kept.work.tail = kept.answer = kept.asked = None
+        self.work = copy.copy(work)  # which may be large)
+        kept.answer = kept.asked = self.work.tail = None
         self.spans, self.trace, self.status, self.stream = spans, kept, status, stream
         self.method, self.path = req.method, req.url.partition(b"?")[0]
         self.key = req.key.name if req.key is not None else ""

@@ -104,13 +104,13 @@ async def to_any(ex: Attempt, model: str, autoload: bool, asked: str = "") -> No
     ex.what = f"model '{named}'"
     ex.meter = Meter(ex.req, key.charge_every) if key is not None else None
     if ex.meter is None:
-        trace.work.tail = bytearray()  # (where its tokens are read at its end)
+        ex.work.tail = bytearray()  # (where its tokens are read at its end)
     trace.model = named
     front.live.exchanges.add(ex)
     if front.tracer is not None:
-        trace.work.spans = front.tracer.begin(ex.req)
+        ex.work.spans = front.tracer.begin(ex.req)
     if front.capture:
-        trace.captures(ex.req, front.capture)
+        trace.captures(ex.req, ex.work, front.capture)
     if (route := front.routes.models.get(model)) is not None and route.loading \
             and not ex.req.http10 and wants(ex.req.method, ex.req.url, ex.req.body):
         ex.loading = Loading(ex, model, route.loading)  # (told as it waits: loading.py)
@@ -134,15 +134,15 @@ async def to_any(ex: Attempt, model: str, autoload: bool, asked: str = "") -> No
             end = ex.loop.time()
             front.times.observe(model, ex.status, (ex.first_at or end) - started,
                                 end - started)
-            said = trace.read(ex.meter, ex.sse)
+            said = trace.read(ex.meter, ex.work, ex.sse)
             if ex.status < 400:
                 front.speeds.observe(trace.served or model, said, ex.meter.events if ex.meter
-                                     else trace.work.events, ex.sse, trace.work.started,
-                                     trace.work.first_body, end)
+                                     else ex.work.events, ex.sse, ex.work.started,
+                                     ex.work.first_body, end)
         if ex.meter is not None and ex.meter.answered and key is not None:
             front.key_uses.add(key.name, *ex.meter.used(), ex.meter.cached or 0)
-        if trace.work.spans is not None and front.tracer is not None:
-            front.tracer.end(Ended(trace.work.spans, trace, ex.req, ex.status, ex.sse,
+        if ex.work.spans is not None and front.tracer is not None:
+            front.tracer.end(Ended(ex.work.spans, trace, ex.work, ex.req, ex.status, ex.sse,
                                    ex.loop.time()))
 
 
@@ -211,7 +211,7 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
                                     if (route := routes.models.get(model)) else ()))
     for tries in range(MAX_INSTANCES):
         # 1. A grant: the one it was cut from again, an open one joined, or the Scheduler's.
-        ex.trace.asking(ex.loop.time())
+        ex.work.asked_at = ex.loop.time()
         joined = None if cut is not None else shares.join(model, ex.req.key, near, among)
         found: SharedGrant | Refusal | None = (  # joined: no coroutine, the usual
             await shares.requeue(cut) if cut is not None else joined or await shares.acquire(
@@ -228,7 +228,8 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         if found is None or isinstance(found, Refusal):
             _refuse(ex, routes, found, fall_back)
             return
-        share, grant = found, ex.trace.granted(found.grant, ex.loop.time(), found is joined)
+        share, grant = found, ex.trace.granted(found.grant, ex.work, ex.loop.time(),
+                                                  found is joined)
         model, among = grant.model, ()  # (a virtual model's member: tried again if need be)
         _as_member(ex, routes, model, asked)  # (a virtual model's member: its filters)
         # 3. A grant of its own the Scheduler may cut; cut before it was sent, it waits again.

@@ -17,7 +17,7 @@ import sys
 import msgspec
 import pykka
 
-from ..journal.record import Kept, encode
+from ..journal.record import Row, encode
 from ..messages import (
     Acquire,
     AnswerLate,
@@ -165,8 +165,11 @@ class RemoteRecorder:
         self.corral = corral
         self.capture = capture
 
-    def add(self, row: Kept) -> None:
+    def add(self, row: Row) -> None:
         self.corral._send(Journaled(row=msgspec.Raw(encode(row))))
+
+    def add_encoded(self, row: bytes) -> None:
+        self.corral._send(Journaled(row=msgspec.Raw(row)))
 
 
 class RemoteTee:

@@ -94,10 +94,9 @@ class Row(msgspec.Struct, array_like=True, gc=False):
     its writer reads those alone (`Head`).
 
     A front hands in no `Row`: it hands in the request's own `Trace` (journaling.py), a
-    struct of the same fields in the same order, filled as the request went, and then
-    the figures of a batch are encoded in one call (`encode`), off the loop. Making a row
-    at a request's end, by reading its two dozen figures there (a tuple, a struct), cost
-    more than the rest of the journal together (bench/README.md, issue 40)."""
+    subclass with no field of its own, filled as the request went, encoded as it is at
+    its end. Making a row there, by reading its two dozen figures (a tuple, a struct),
+    cost more than the rest of the journal together (bench/README.md, issue 40)."""
 
     id: str
     at: float
@@ -132,24 +131,9 @@ class Row(msgspec.Struct, array_like=True, gc=False):
 
 
 
-class Unkept:
-    """A part of a row that is not kept: encoded as nil (a `Trace`'s working part)."""
-
-    __slots__ = ()
-
-
-def _unkept(obj: object) -> None:
-    if isinstance(obj, Unkept):
-        return None
-    raise NotImplementedError(f"the journal cannot keep {type(obj).__name__}")
-
-
-Kept = msgspec.Struct | msgspec.Raw
-"""A row as the journal takes it: a struct that encodes as a `Row` (a request's `Trace`,
-or a `Row`), or one encoded already (a front worker's, sent over its channel)."""
-_encoder = msgspec.msgpack.Encoder(enc_hook=_unkept)
+_encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
-"""Rows (a `Kept`, or a list of them: a msgpack array) as the journal keeps them."""
+"""Rows (a `Row`, or a list of them: a msgpack array) as the journal keeps them."""
 encode_into = _encoder.encode_into
 _rows = msgspec.msgpack.Decoder(list[Row]).decode
 _heads = msgspec.msgpack.Decoder(list[Head]).decode

@@ -3,11 +3,13 @@ SQLite file (file.py) written by a process of its own (writer.py), bounded by ag
 (`keep_days`) and size (`max_mib`).
 
 The event loop only encodes a request's row (its `Trace`: record.py) onto the end of the
-page it fills (PAGE rows, then a new one), under a lock it holds for that alone. It keeps
-no object a row: rows kept as objects, a request's struct or even its own bytes, left the
-allocator's blocks of the request's sizes over cold memory, and every later request paid
-for that (bench/README.md, issue 40). A feeder thread, every BATCH_WAIT_S, takes the
-pages, writes them to the writer's stdin as one frame, and keeps the newest as the ring.
+page it fills (PAGE rows, then a new one), and takes no lock: the page is its own, and
+what it has filled it says in one store (`filled`), which other threads read whole. It
+keeps no object a row: rows kept as objects, a request's struct or even its own bytes,
+left the allocator's blocks of the request's sizes over cold memory, and every later
+request paid for that (bench/README.md, issue 40). A feeder thread, every BATCH_WAIT_S,
+takes the full pages, reads what is new on the page being filled, writes both to the
+writer's stdin as one frame, and keeps the newest full pages as the ring.
 The writer seals each page into the row of the file that holds it (record.py `sealed`:
 what queries select pages by) and inserts them; that work and SQLite's cost corral's
 process nothing (in a thread of its own SQLite cost three times its own time, in the
@@ -32,7 +34,7 @@ import msgspec
 from ..config.journal import JournalConfig
 from ..config.model import Config
 from .file import MAX_LIMIT, PAGE, Query, select
-from .record import Kept, Row, decoded, encode_into
+from .record import Row, decoded, encode_into
 
 __all__ = ["MAX_LIMIT", "Journal", "Query"]
 
@@ -58,24 +60,29 @@ class Journal:
         self.path = path
         self.capture = config.capture_kib * 1024 if config.capture else 0
         """Bytes of each body and answer its records keep (0: none)."""
+        self.filled: tuple[bytearray, int, int] = (bytearray(), 0, 0)
+        """The page the loop fills, how many rows it holds, and where they end: changed by
+        the loop alone, and in one store, so another thread reads the three alike; the
+        bytes before that end never change after."""
+        self.full: collections.deque[Page] = collections.deque()
+        """The pages the loop filled (PAGE rows each), oldest first, not taken yet."""
         self.lock = threading.Lock()
-        """Held for an add, and for the feeder's and a query's looks at what is below."""
-        self.page = bytearray()
-        """The rows of the page being filled, encoded back to back."""
-        self.count = 0
-        """How many rows `page` holds."""
-        self.full: list[Page] = []
-        """The pages filled since the feeder's last take."""
+        """Held by the feeder as it moves pages on, and by a query's look at them; never
+        by the loop (it cost a request as much as its row's encoding)."""
         self.taken: list[Page] = []
         """What the feeder took and has not put in the ring yet."""
         self.ring: collections.deque[Page] = collections.deque()
         """The newest pages the feeder took, as many as hold `config.ring` rows."""
         self.in_ring = 0
+        self.sent: tuple[bytearray | None, int, int] = (None, 0, 0)
+        """How much of the page being filled the writer was sent (its rows, their end)."""
         self.closing = threading.Event()
         self.broken: str | None = None if path is not None else "no file (state_dir)"
         """Why the file is not written (None: it is)."""
         self.dropped = 0
-        """Rows lost: the feeder was too far behind (for the ring too), or the file broke."""
+        """Rows lost on the loop: the feeder was too far behind, or a row did not encode."""
+        self.unsent = 0
+        """Rows the writer could not be sent (it broke)."""
         self.written = 0
         """Rows the writer wrote (known once it has ended: `close`)."""
         self.unreadable = False
@@ -93,28 +100,39 @@ class Journal:
             return None
         return cls(config.journal, config.state_path() / "journal.sqlite")
 
-    def add(self, row: Kept) -> None:
-        """A request's row, as it ended (nothing of it changes after)."""
-        with self.lock:
-            if len(self.full) >= MAX_PENDING // PAGE:
-                self.dropped += 1
-                return
-            if type(row) is msgspec.Raw:  # (a front worker's, encoded there)
-                self.page += row
-            else:
-                size = len(self.page)
-                try:
-                    encode_into(row, self.page, -1)
-                except Exception as e:  # (a field it cannot keep: the page stays whole)
-                    del self.page[size:]
-                    self._lost(row, e)
-                    return
-            self.count += 1
-            if self.count == PAGE:
-                self.full.append((PAGE, self.page))
-                self.page, self.count = bytearray(), 0
+    def add(self, row: Row) -> None:
+        """A request's row, as it ended (nothing of it changes after): on the loop only."""
+        page, n, end = self.filled
+        try:
+            encode_into(row, page, -1)
+        except Exception as e:  # (a field it cannot keep: the page stays whole)
+            del page[end:]
+            self._lost(row, e)
+            return
+        if n < PAGE - 1:
+            self.filled = (page, n + 1, len(page))
+        else:
+            self._cut(page)
 
-    def _lost(self, row: Kept, e: Exception) -> None:
+    def add_encoded(self, row: bytes) -> None:
+        """A row encoded already (a front worker's, sent over its channel): on the loop."""
+        page, n, _ = self.filled
+        page += row
+        if n < PAGE - 1:
+            self.filled = (page, n + 1, len(page))
+        else:
+            self._cut(page)
+
+    def _cut(self, page: bytearray) -> None:
+        """A full page goes to the feeder (first: a reader that saw it as being filled
+        finds it there), a new one is begun."""
+        if len(self.full) < MAX_PENDING // PAGE:
+            self.full.append((PAGE, page))
+        else:
+            self.dropped += PAGE
+        self.filled = (bytearray(), 0, 0)
+
+    def _lost(self, row: Row, e: Exception) -> None:
         self.dropped += 1
         if not self.unkept:
             log.error("the request journal could not keep a record (%s: %s), and keeps none "
@@ -131,9 +149,12 @@ class Journal:
     def memory(self) -> list[Row]:
         """The rows in memory, the oldest first: the ring's, then those the feeder has
         not put there yet (the file may not have them yet)."""
+        page, n, end = self.filled  # (first: if it is cut meanwhile, it is found below)
         with self.lock:
-            pages = [*self.ring, *self.taken, *self.full, (self.count, bytes(self.page))]
-        return [row for n, rows in pages if n for row in decoded(n, rows)]
+            pages = [*self.ring, *self.taken, *self.full]
+        if n and not any(p is page for _, p in pages):
+            pages.append((n, page[:end]))
+        return [row for n, rows in pages for row in decoded(n, rows)]
 
     def query(self, q: Query) -> list[Row]:
         """The newest rows that match (blocking: call it off the loop), the newest to end
@@ -157,27 +178,39 @@ class Journal:
         writer = None  # (started by the first rows: a corral that serves none has none)
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
-            with self.lock:
-                if self.count:
-                    self.full.append((self.count, self.page))
-                    self.page, self.count = bytearray(), 0
-                pages, self.full = self.full, []
-                self.taken = pages
-            if pages and self.broken is None and writer is None:
+            pages, new = self._take()
+            if new and self.broken is None and writer is None:
                 writer = self._start()
-            if pages and writer is not None and writer.stdin is not None:
+            if new and writer is not None and writer.stdin is not None:
                 try:
-                    data = _encode(pages)
+                    data = _encode(new)
                     writer.stdin.write(_LENGTH.pack(len(data)) + data)
                     writer.stdin.flush()
                 except OSError:  # (its stdin closed: it broke, and says why)
-                    self.dropped += sum(n for n, _ in pages)
+                    self.unsent += sum(n for n, _ in new)
             self._keep(pages)
             if writer is not None and (stop or writer.poll() is not None):
                 self._end(writer)  # (one that broke stops the file; the ring goes on)
                 writer = None
             if stop:
                 return
+
+    def _take(self) -> tuple[list[Page], list[Page]]:
+        """The pages filled since the last take (for the ring), and what of them and of
+        the page being filled the writer has not been sent (the loop's page is not taken
+        from it, only read: the rows of a page cut since are sent from the page)."""
+        page, n, end = self.filled  # (first: if it is cut meanwhile, it is taken below)
+        with self.lock:
+            pages = [self.full.popleft() for _ in range(len(self.full))]
+            self.taken = pages
+        was, was_n, was_end = self.sent
+        new = [(k - was_n, p[was_end:]) if p is was else (k, p) for k, p in pages]
+        if any(p is page for _, p in pages):
+            self.sent = (None, 0, 0)
+        else:
+            new.append((n - was_n, page[was_end:end]) if page is was else (n, page[:end]))
+            self.sent = (page, n, end)
+        return pages, [(k, rows) for k, rows in new if k]
 
     def _keep(self, pages: list[Page]) -> None:
         """Pages into the ring, its oldest let go while the rest hold `config.ring`."""
