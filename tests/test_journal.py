@@ -7,7 +7,6 @@ the journal, never a request."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import resource
 import sqlite3
@@ -392,60 +391,6 @@ def test_a_page_cut_as_it_is_read_is_found_once(monkeypatch: pytest.MonkeyPatch)
         sent += ids(journal._take()[1])  # (the rest of that page, cut as it was read)
         sent += ids(journal._take()[1])  # (the 2 after it)
         assert sent == [f"r{i}" for i in range(added[0])] and added[0] == 2 * PAGE + 2
-    finally:
-        journal.close()
-
-
-def test_on_a_loop_rows_wait_to_be_encoded_together_and_are_found_meanwhile(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a loop, rows wait to be encoded onto the page BATCH at a time (or by the loop's
-    timer): a query finds them meanwhile, in order; the last take sends those still
-    waiting; and a query that read the page with rows waiting, as the loop then
-    encoded them and cut the page, finds each once."""
-    monkeypatch.setattr(store, "BATCH_WAIT_S", 3600.0)  # (no timer, no take: the test's)
-    journal = Journal(JournalConfig(ring=1_000_000), tmp_path / "journal.sqlite")
-    added = [0]
-
-    def add(n: int) -> None:
-        for _ in range(n):
-            journal.add(row(f"r{added[0]}", NOW + added[0]))
-            added[0] += 1
-
-    async def on_a_loop() -> None:
-        add(store.BATCH + 8)
-        assert journal.filled[1] == store.BATCH and len(journal.waiting) == 8
-        assert [r.id for r in journal.memory()] == [f"r{i}" for i in range(added[0])]
-        while journal.filled[1] + store.BATCH < PAGE or not journal.waiting:
-            add(1)  # (one batch short of the page's end, and rows waiting)
-        waiting = len(journal.waiting)
-        journal.lock = LoopRunsAsItIsTaken(  # type: ignore[assignment]
-            lambda: add(store.BATCH - waiting + 5))  # (encoded, the page cut, 5 waiting)
-        assert journal.filled[1] < PAGE
-        found = [r.id for r in journal.memory()]
-        assert found == [f"r{i}" for i in range(added[0] - 5)]
-        assert len(journal.full) == 1 and len(journal.waiting) == 5
-    try:
-        asyncio.run(on_a_loop())
-    finally:
-        journal.close()
-    assert journal.written == added[0] and journal.dropped == 0  # (the 5 went last)
-    ids = [r.id for r in select(tmp_path / "journal.sqlite", Query(limit=MAX_LIMIT), MAX_LIMIT)]
-    assert ids == [f"r{i}" for i in range(added[0] - 1, -1, -1)]
-
-
-def test_the_loops_timer_encodes_the_rows_that_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store, "BATCH_WAIT_S", 0.01)
-    journal = Journal(JournalConfig(), None)
-
-    async def on_a_loop() -> None:
-        for i in range(3):
-            journal.add(row(f"r{i}", NOW + i))
-        assert len(journal.waiting) == 3 and journal.due
-        while journal.waiting:  # (the timer's, after BATCH_WAIT_S)
-            await asyncio.sleep(0.01)
-        assert journal.filled[1] == 3 and not journal.due
-    try:
-        asyncio.run(asyncio.wait_for(on_a_loop(), 30))
     finally:
         journal.close()
 

@@ -21,7 +21,6 @@ requests.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import struct
@@ -35,7 +34,7 @@ import msgspec
 from ..config.journal import JournalConfig
 from ..config.model import Config
 from .file import MAX_LIMIT, PAGE, Query, select
-from .record import Row, decoded, encode, encode_into
+from .record import Row, decoded, encode_into
 
 __all__ = ["MAX_LIMIT", "Journal", "Query"]
 
@@ -45,9 +44,6 @@ BATCH_WAIT_S = 1.0
 """How long the feeder sleeps between batches: what came meanwhile is one batch (each
 costs the writer a transaction, about 0.7 ms: at 0.25 s that was a third of its cost
 per row at 2,000 requests/s)."""
-BATCH = 32
-"""Rows encoded onto the page together, in one call: a call a row cost a request about
-as much again as the encoding (the encoder's code and the page cold each time)."""
 MAX_PENDING = 100_000
 """Rows waiting for the feeder past which new ones are dropped (and counted)."""
 _LENGTH = struct.Struct(">I")
@@ -64,15 +60,10 @@ class Journal:
         self.path = path
         self.capture = config.capture_kib * 1024 if config.capture else 0
         """Bytes of each body and answer its records keep (0: none)."""
-        self.filled: tuple[bytearray, int, int, list[Row]] = (bytearray(), 0, 0, [])
-        """The page the loop fills, how many rows it holds, where they end, and the rows
-        that wait to be encoded onto it: changed by the loop alone, and in one store, so
-        another thread reads the four alike; the bytes before that end never change
-        after, and rows are only added to the list."""
-        self.waiting = self.filled[3]
-        """(The loop's own hold on that list.)"""
-        self.due = False
-        """The loop's timer will encode the rows that wait."""
+        self.filled: tuple[bytearray, int, int] = (bytearray(), 0, 0)
+        """The page the loop fills, how many rows it holds, and where they end: changed by
+        the loop alone, and in one store, so another thread reads the three alike; the
+        bytes before that end never change after."""
         self.full: collections.deque[Page] = collections.deque()
         """The pages the loop filled (PAGE rows each), oldest first, not taken yet."""
         self.lock = threading.Lock()
@@ -110,69 +101,36 @@ class Journal:
         return cls(config.journal, config.state_path() / "journal.sqlite")
 
     def add(self, row: Row) -> None:
-        """A request's row, as it ended (nothing of it changes after): on the loop only.
-        It waits with the others for their encoding together (BATCH, or the loop's timer
-        after BATCH_WAIT_S; at once where no loop runs)."""
-        waiting = self.waiting
-        waiting.append(row)
-        if len(waiting) >= BATCH:
-            self.flush()
-        elif not self.due:
-            self.due = True
-            try:
-                asyncio.get_running_loop().call_later(BATCH_WAIT_S, self.flush)
-            except RuntimeError:  # (no loop runs here: a thread's rows, a test's)
-                self.flush()
+        """A request's row, as it ended (nothing of it changes after): on the loop only."""
+        page, n, end = self.filled
+        try:
+            encode_into(row, page, -1)
+        except Exception as e:  # (a field it cannot keep: the page stays whole)
+            del page[end:]
+            self._lost(row, e)
+            return
+        if n < PAGE - 1:
+            self.filled = (page, n + 1, len(page))
+        else:
+            self._cut(page)
 
     def add_encoded(self, row: bytes) -> None:
         """A row encoded already (a front worker's, sent over its channel): on the loop."""
-        if self.waiting:
-            self.flush()  # (what came before it goes first)
-        page, n, _, waiting = self.filled
+        page, n, _ = self.filled
         page += row
-        self._filled(page, n + 1, waiting)
-
-    def flush(self) -> None:
-        """Encode the rows that wait onto the page, in one call (on the loop)."""
-        self.due = False
-        page, n, end, waiting = self.filled
-        if not waiting:
-            return
-        try:
-            encode_into(waiting, page, -1)
-            del page[end:end + (1 if len(waiting) < 16 else 3)]  # (the array's head)
-            n += len(waiting)
-        except Exception:  # (a field one cannot keep: the page stays whole)
-            del page[end:]
-            n += self._each(waiting, page)
-        self._filled(page, n, [])
-
-    def _filled(self, page: bytearray, n: int, waiting: list[Row]) -> None:
-        """The page as it is now; a full one goes to the feeder (first: a reader that saw
-        it as being filled finds it there), and a new one is begun."""
-        if n < PAGE:
-            self.filled = (page, n, len(page), waiting)
+        if n < PAGE - 1:
+            self.filled = (page, n + 1, len(page))
         else:
-            if len(self.full) < MAX_PENDING // PAGE:
-                self.full.append((n, page))
-            else:
-                self.dropped += n
-            self.filled = (bytearray(), 0, 0, waiting)
-        self.waiting = waiting
+            self._cut(page)
 
-    def _each(self, rows: list[Row], page: bytearray) -> int:
-        """`rows` onto `page` one at a time, those that cannot be encoded lost; how many
-        were kept."""
-        kept = 0
-        for row in rows:
-            end = len(page)
-            try:
-                encode_into(row, page, -1)
-                kept += 1
-            except Exception as e:
-                del page[end:]
-                self._lost(row, e)
-        return kept
+    def _cut(self, page: bytearray) -> None:
+        """A full page goes to the feeder (first: a reader that saw it as being filled
+        finds it there), a new one is begun."""
+        if len(self.full) < MAX_PENDING // PAGE:
+            self.full.append((PAGE, page))
+        else:
+            self.dropped += PAGE
+        self.filled = (bytearray(), 0, 0)
 
     def _lost(self, row: Row, e: Exception) -> None:
         self.dropped += 1
@@ -191,15 +149,12 @@ class Journal:
     def memory(self) -> list[Row]:
         """The rows in memory, the oldest first: the ring's, then those the feeder has
         not put there yet (the file may not have them yet)."""
-        page, n, end, waiting = self.filled  # (first: if it is cut meanwhile, it and
-        rows = list(waiting)                  # the rows that waited are found below)
+        page, n, end = self.filled  # (first: if it is cut meanwhile, it is found below)
         with self.lock:
             pages = [*self.ring, *self.taken, *self.full]
-        if any(p is page for _, p in pages):
-            rows = []
-        elif n:
+        if n and not any(p is page for _, p in pages):
             pages.append((n, page[:end]))
-        return [row for n, rows in pages for row in decoded(n, rows)] + rows
+        return [row for n, rows in pages for row in decoded(n, rows)]
 
     def query(self, q: Query) -> list[Row]:
         """The newest rows that match (blocking: call it off the loop), the newest to end
@@ -223,7 +178,7 @@ class Journal:
         writer = None  # (started by the first rows: a corral that serves none has none)
         while True:
             stop = self.closing.wait(BATCH_WAIT_S)
-            pages, new = self._take(last=stop)
+            pages, new = self._take()
             if new and self.broken is None and writer is None:
                 writer = self._start()
             if new and writer is not None and writer.stdin is not None:
@@ -240,13 +195,11 @@ class Journal:
             if stop:
                 return
 
-    def _take(self, last: bool = False) -> tuple[list[Page], list[Page]]:
+    def _take(self) -> tuple[list[Page], list[Page]]:
         """The pages filled since the last take (for the ring), and what of them and of
         the page being filled the writer has not been sent (the loop's page is not taken
-        from it, only read: the rows of a page cut since are sent from the page). The
-        rows that wait for the loop's timer go with the page, but for the `last` take."""
-        page, n, end, waiting = self.filled  # (first: if it is cut meanwhile, it is
-        rows = list(waiting) if last else []  # taken below)
+        from it, only read: the rows of a page cut since are sent from the page)."""
+        page, n, end = self.filled  # (first: if it is cut meanwhile, it is taken below)
         with self.lock:
             pages = [self.full.popleft() for _ in range(len(self.full))]
             self.taken = pages
@@ -256,9 +209,8 @@ class Journal:
             self.sent = (None, 0, 0)
         else:
             new.append((n - was_n, page[was_end:end]) if page is was else (n, page[:end]))
-            new.append(_encoded(rows))
             self.sent = (page, n, end)
-        return pages, [(k, got) for k, got in new if k]
+        return pages, [(k, rows) for k, rows in new if k]
 
     def _keep(self, pages: list[Page]) -> None:
         """Pages into the ring, its oldest let go while the rest hold `config.ring`."""
@@ -300,17 +252,6 @@ class Journal:
         self.broken = why
         log.error("the request journal stopped writing %s (%s); requests go on, and the "
                   "newest %d records stay in memory", self.path, why, self.config.ring)
-
-
-def _encoded(rows: list[Row]) -> Page:
-    """`rows` back to back (those that cannot be encoded left out)."""
-    kept = []
-    for row in rows:
-        try:
-            kept.append(encode(row))
-        except Exception:  # (said by the loop's own encoding of it)
-            continue
-    return len(kept), b"".join(kept)
 
 
 _ROOT = str(Path(__file__).resolve().parents[2])
