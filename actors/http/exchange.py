@@ -292,7 +292,7 @@ class Exchange(Relay):
         if self.kept is not None:
             self.kept.drop()
             self.kept = None
-        self.trace.error = answer.message
+        self.trace.error = answer.message[:1000]
         if self.loading is not None:
             self.loading.stop()
             if self.loading.sent:
@@ -362,7 +362,7 @@ class Exchange(Relay):
         one loses its child connection (the child stops its work) and its answer ends as
         if its client had left (a kept answer too; a WebSocket is shut)."""
         log.info("%s: request %s %s", self.what, self.trace.id, why)
-        self.trace.error = why
+        self.trace.error = why[:1000]
         if self.kept is not None:
             self.kept.end(why)
             self.kept = None

@@ -154,8 +154,6 @@ def record(recorder: Recorder, t: Trace, work: Work, req: Request, status: int,
         t.ttfb_s = first_at - started
     if first_body is not None and streamed:
         t.ttft_s = first_body - started
-    if len(t.error) > 1000:
-        t.error = t.error[:1000]
     recorder.add(t)
 
 

@@ -194,7 +194,7 @@ class Relay:
             self.out.clear()  # interim answers only; the final one is ours
             self._unreachable(why, kind)
         elif self.phase is Phase.STREAMING:
-            self.trace.error = why
+            self.trace.error = why[:1000]
             log.warning("%s broke off a response: %s", self.what, why)
             if kind is Broke.SILENT:
                 self.late = why

@@ -108,6 +108,7 @@ class Row(msgspec.Struct, array_like=True, gc=False):
     path: bytes
     copy: str
     error: str
+    """Why it failed (at most 1,000 characters: cut where it is set)."""
     bytes_in: int
     bytes_out: int
     queue_s: float
