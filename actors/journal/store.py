@@ -60,12 +60,17 @@ class Journal:
         self.path = path
         self.capture = config.capture_kib * 1024 if config.capture else 0
         """Bytes of each body and answer its records keep (0: none)."""
-        self.filled: tuple[bytearray, int, int] = (bytearray(), 0, 0)
-        """The page the loop fills, how many rows it holds, and where they end: changed by
-        the loop alone, and in one store, so another thread reads the three alike; the
-        bytes before that end never change after."""
-        self.full: collections.deque[Page] = collections.deque()
-        """The pages the loop filled (PAGE rows each), oldest first, not taken yet."""
+        self.filled: tuple[bytearray, int, int, int] = (bytearray(), 0, 0, 0)
+        """The page the loop fills, how many rows it holds, where they end, and its number
+        (one more than the page before it): changed by the loop alone, and in one store,
+        so another thread reads the four alike; the bytes before that end never change
+        after."""
+        self.full: collections.deque[tuple[int, int, bytearray]] = collections.deque()
+        """The pages the loop filled (PAGE rows each), oldest first, not taken yet: (its
+        number, how many rows, the rows)."""
+        self.taken_to = -1
+        """The number of the newest page the feeder took: one read as being filled that is
+        not newer went on already (to the ring, and maybe out of it)."""
         self.lock = threading.Lock()
         """Held by the feeder as it moves pages on, and by a query's look at them; never
         by the loop (it cost a request as much as its row's encoding)."""
@@ -102,7 +107,7 @@ class Journal:
 
     def add(self, row: Row) -> None:
         """A request's row, as it ended (nothing of it changes after): on the loop only."""
-        page, n, end = self.filled
+        page, n, end, number = self.filled
         try:
             encode_into(row, page, -1)
         except Exception as e:  # (a field it cannot keep: the page stays whole)
@@ -110,27 +115,27 @@ class Journal:
             self._lost(row, e)
             return
         if n < PAGE - 1:
-            self.filled = (page, n + 1, len(page))
+            self.filled = (page, n + 1, len(page), number)
         else:
-            self._cut(page)
+            self._cut(page, number)
 
     def add_encoded(self, row: bytes) -> None:
         """A row encoded already (a front worker's, sent over its channel): on the loop."""
-        page, n, _ = self.filled
+        page, n, _, number = self.filled
         page += row
         if n < PAGE - 1:
-            self.filled = (page, n + 1, len(page))
+            self.filled = (page, n + 1, len(page), number)
         else:
-            self._cut(page)
+            self._cut(page, number)
 
-    def _cut(self, page: bytearray) -> None:
+    def _cut(self, page: bytearray, number: int) -> None:
         """A full page goes to the feeder (first: a reader that saw it as being filled
         finds it there), a new one is begun."""
         if len(self.full) < MAX_PENDING // PAGE:
-            self.full.append((PAGE, page))
+            self.full.append((number, PAGE, page))
         else:
             self.dropped += PAGE
-        self.filled = (bytearray(), 0, 0)
+        self.filled = (bytearray(), 0, 0, number + 1)
 
     def _lost(self, row: Row, e: Exception) -> None:
         self.dropped += 1
@@ -149,10 +154,12 @@ class Journal:
     def memory(self) -> list[Row]:
         """The rows in memory, the oldest first: the ring's, then those the feeder has
         not put there yet (the file may not have them yet)."""
-        page, n, end = self.filled  # (first: if it is cut meanwhile, it is found below)
-        with self.lock:
-            pages = [*self.ring, *self.taken, *self.full]
-        if n and not any(p is page for _, p in pages):
+        page, n, end, number = self.filled  # (first: if it is cut meanwhile, it is
+        with self.lock:                      # found below, or it went on)
+            pages = [*self.ring, *self.taken]
+            full, gone = list(self.full), number <= self.taken_to
+        pages += [(k, rows) for _, k, rows in full]
+        if n and not gone and not any(p is page for _, _, p in full):
             pages.append((n, page[:end]))
         return [row for n, rows in pages for row in decoded(n, rows)]
 
@@ -199,13 +206,16 @@ class Journal:
         """The pages filled since the last take (for the ring), and what of them and of
         the page being filled the writer has not been sent (the loop's page is not taken
         from it, only read: the rows of a page cut since are sent from the page)."""
-        page, n, end = self.filled  # (first: if it is cut meanwhile, it is taken below)
-        with self.lock:
-            pages = [self.full.popleft() for _ in range(len(self.full))]
+        page, n, end, number = self.filled  # (first: if it is cut meanwhile, it is
+        with self.lock:                      # taken below, or was before)
+            full = [self.full.popleft() for _ in range(len(self.full))]
+            pages: list[Page] = [(k, rows) for _, k, rows in full]
             self.taken = pages
+            if full:
+                self.taken_to = full[-1][0]
         was, was_n, was_end = self.sent
         new = [(k - was_n, p[was_end:]) if p is was else (k, p) for k, p in pages]
-        if any(p is page for _, p in pages):
+        if number <= self.taken_to:
             self.sent = (None, 0, 0)
         else:
             new.append((n - was_n, page[was_end:end]) if page is was else (n, page[:end]))
