@@ -7,6 +7,8 @@ interleaved round by round in one run.
     python -m bench overhead --baseline REV         # also: the corral of git revision REV
     python -m bench overhead --journal-off          # instead: the journal's cost, on
                                                     # against off (bench/journal_cost.py)
+    python -m bench overhead --journal-off --instructions   # the same in instructions,
+                                                    # under valgrind (journal_instructions.py)
 
 Small non-streaming requests (max_tokens 1) at concurrency 1, 16 and 64, and streams at
 1, 64 and 256 at once from a child that streams at --tokens-per-s (a realistic rate).
@@ -33,7 +35,7 @@ from typing import Any
 import aiohttp
 
 from actors.runtime import loop
-from bench import journal_cost
+from bench import journal_cost, journal_instructions
 from bench.common import (
     Result,
     baseline,
@@ -311,8 +313,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: corral with its journal against corral without it (and "
                          "against a control without it), in --pairs sets of processes")
     ap.add_argument("--pairs", type=int, default=9, help="with --journal-off")
+    ap.add_argument("--instructions", action="store_true",
+                    help="with --journal-off: instructions a request, counted under "
+                         "valgrind, on against off, --rounds times each "
+                         "(bench/journal_instructions.py)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.journal_off and args.instructions:
+        write_json(args.json, {"bench": "overhead --journal-off --instructions",
+                               "machine": machine(), "params": {
+                                   k: v for k, v in vars(args).items() if k != "json"},
+                               "result": journal_instructions.run(args)})
+        return 0
     if args.journal_off:
         write_json(args.json, {"bench": "overhead --journal-off", "machine": machine(),
                                "params": {k: v for k, v in vars(args).items() if k != "json"},
