@@ -228,24 +228,23 @@ async def to_model(ex: Attempt, model: str, autoload: bool, among: tuple[str, ..
         if found is None or isinstance(found, Refusal):
             _refuse(ex, routes, found, fall_back)
             return
-        share, grant = found, ex.trace.granted(found.grant, ex.work, ex.loop.time(),
-                                                  found is joined)
+        grant = ex.trace.granted(found.grant, ex.work, ex.loop.time(), found is joined)
         model, among = grant.model, ()  # (a virtual model's member: tried again if need be)
         _as_member(ex, routes, model, asked)  # (a virtual model's member: its filters)
         # 3. A grant of its own the Scheduler may cut; cut before it was sent, it waits again.
         if not grant.shareable:
-            if share.ticket.cut:
-                cut, was_cut = share, True
+            if found.ticket.cut:
+                cut, was_cut = found, True
                 continue
-            ex.ticket, share.ticket.on_cut = share.ticket, ex.cut_off
+            ex.ticket, found.ticket.on_cut = found.ticket, ex.cut_off
         # 4. Sent to its child (or its remote, unless its breaker is open: remote.py);
         #    then its slot is given back, unless it was cut.
-        sent_on = await _send(ex, share, tries, replays, fall_back)
+        sent_on = await _send(ex, found, tries, replays, fall_back)
         if sent_on is None:
             return
         # 5. Cut before its answer began: it waits again, with the grant it was cut from.
         if ex.cut:
-            cut, was_cut = share, True
+            cut, was_cut = found, True
             _wait_again_cut(ex)
             continue
         # 6. Answered, or its child was stopped on purpose: done. Else its next instance.
