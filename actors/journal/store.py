@@ -73,7 +73,8 @@ class Journal:
         not newer went on already (to the ring, and maybe out of it)."""
         self.lock = threading.Lock()
         """Held by the feeder as it moves pages on, and by a query's look at them; never
-        by the loop (it cost a request as much as its row's encoding)."""
+        by the loop (with its checks, it cost a request 2.2k instructions, against 2.9k
+        for its row's encoding: bench/README.md)."""
         self.taken: list[Page] = []
         """What the feeder took and has not put in the ring yet."""
         self.ring: collections.deque[Page] = collections.deque()
