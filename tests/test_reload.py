@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import signal
 import threading
 from pathlib import Path
@@ -88,9 +89,23 @@ def test_a_changed_model_under_load_keeps_serving_while_its_new_config_loads(cor
         c.proc.send_signal(signal.SIGHUP)
         sse.wait_for(lambda e: "make-before-break" in (e.get("cause") or ""), 15)
         before = served(old["port"])
-        ready = sse.wait_for(lambda e: (e.get("cause") or "").startswith("ready, pid ")
-                             and e["cause"] != f"ready, pid {old['pid']}", 30)
-        during = served(old["port"]) - before  # the old child's answers while a@next loaded
+        counts, stop = [before], threading.Event()
+
+        def count_old() -> None:  # (read as it goes: once a@next is ready, the old child
+            while not stop.wait(0.05):  # drains and exits, a busy machine's reader late)
+                try:
+                    counts.append(served(old["port"]))
+                except (OSError, http.client.HTTPException):
+                    return  # (it is gone: its port may be another's soon)
+        counter = threading.Thread(target=count_old)
+        counter.start()
+        try:
+            ready = sse.wait_for(lambda e: (e.get("cause") or "").startswith("ready, pid ")
+                                 and e["cause"] != f"ready, pid {old['pid']}", 30)
+        finally:
+            stop.set()
+            counter.join()
+        during = max(counts) - before  # the old child's answers while a@next loaded
         wait_until(lambda: not pid_alive(old["pid"]), 30, "the old child to drain and exit")
     finally:
         statuses = load.join()
