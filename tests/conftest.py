@@ -14,7 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from actors.policy.quiet import Quiet
 from tests.helpers import ROOT, Corral
+
+Quiet.CHECK = True  # the policies the tests drive run the rules where they would be
+# skipped, and assert that they decided nothing (actors/policy/quiet.py)
 
 MARK = "CORRAL_TEST_RUN"
 # Inherited by every process the tests start (and by a pytest run inside a network

@@ -7,6 +7,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | requests, management, timers: what each event means  | `Policy`               | core.py     |
 | what children, measurements and reloads report       | `Children`             | children.py |
 | the decisions events end in: tick, claim, serve      | `Rules`                | rules.py    |
+| decisions that leave those nothing to decide         | `Quiet`                | quiet.py    |
 | the moves they are made of: transition, spawn, stop  | `Moves`                | moves.py    |
 | how a model comes up: plan, make room, wake or spawn | `BringUp`              | bringup.py  |
 | who may be evicted for whom                          | `Choice`               | choice.py   |

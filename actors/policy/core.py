@@ -29,6 +29,7 @@ from .plans import RequestPlan
 from .preempt import Preemption
 from .prefetch import Prefetch
 from .queue import Waiter
+from .quiet import Quiet
 from .records import Answer, Effect, Later, ModelRecord
 from .rules import Rules
 from .state import State
@@ -61,6 +62,7 @@ class Policy:
         self.cuts = Preemption(self.state, self.rules, self._model_let_go)
         self.tiers = Tiers(self.state, self.rules)
         self.commands = Commands(self.state, self.rules)
+        self.quiet = Quiet(self.state, self.rules)
         self.drains = Drains(self.state, self.children.handovers)
         self.rules.drains = self.drains.step
         self.prefetch = Prefetch(self.state, self.rules)
@@ -170,6 +172,7 @@ class Policy:
         if counted:
             self.state.tenants.take(key, now)
         self.moves.grant(ticket, into, now, key, cuttable=cuttable)
+        self.quiet.granted(into, key, now)  # (its grant revoked, where the rules do)
         if into.rules.replicas is not None:  # busier copies: one more may be due
             self.rules.scaling.scale(now)
         if self.state.teams.brought:  # a together partner to bring back
@@ -198,6 +201,7 @@ class Policy:
         queue_timeout_s, in its class's order; the rules run (it may be served at once,
         or cut its way in)."""
         rules, tenants = rec.rules, self.state.tenants
+        joins = self.quiet.joins(model, key)  # (a wait under way, and nothing to decide)
         if counted:
             tenants.take(key, now)
         deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
@@ -212,7 +216,8 @@ class Policy:
                   model, len(entry.waiters), len(self.state.queue.entries))
         if (into := self.state.route(rec, affinity, now)) is not None:
             self.rules.serve_waiters(into, now)  # others wait only for their keys' limits
-        self.rules.pump(now)
+        if into is not None or not (joins and self.quiet.settled(now)):
+            self.rules.pump(now)
         if counted and ticket not in self.state.queue and ticket not in self.state.leases:
             tenants.untake(key)  # refused as it came (every slot pinned): not counted
         self.cuts.ask(rec, now)
@@ -225,8 +230,10 @@ class Policy:
         `tokens`: what it used, for its key's budget."""
         if ticket not in self.state.leases:
             return self.cancel(ticket, now) if ticket in self.state.queue else []
+        lease = self.state.leases[ticket]
         self._let_go(ticket, now, shared, idle_s, tokens)
-        self.rules.pump(now)
+        if not self.quiet.ended(lease, shared or bool(idle_s), now):
+            self.rules.pump(now)
         self.prefetch.step(now)
         return self.moves.flush()
 
@@ -236,6 +243,7 @@ class Policy:
         lease = self.state.leases.get(ticket)
         if lease is not None and lease[2]:
             self.state.tenants.charge(lease[2], tokens, now)
+            self.state.rested = False
 
     def release_all(self, releases: Iterable[tuple[Hashable, bool, float, int]],
                     now: float) -> list[Effect]:
@@ -290,9 +298,11 @@ class Policy:
 
     def cancel(self, ticket: Hashable, now: float) -> list[Effect]:
         """The client of `ticket` left; a cancel that crossed its grant is a release (R-4.7)."""
+        leaves = self.quiet.leaves(ticket)  # (from the middle of a wait: nothing to decide)
         if self._leave_queue(ticket) is None:
             return self.release(ticket, now) if ticket in self.state.leases else []
-        self.rules.pump(now)
+        if not (leaves and self.quiet.settled(now)):
+            self.rules.pump(now)
         return self.moves.flush()
 
     def _leave_queue(self, ticket: Hashable) -> Waiter | None:
@@ -344,23 +354,8 @@ class Policy:
         applied to what runs: of an exclusive group's members running, all but the one
         used last go (once their requests have ended); a together group's running
         members bring the others; victims are offered anew."""
+        self.moves.teams.apply(groups, now)
         state = self.state
-        state.teams.replace(groups)
-        state.memory.epoch += 1  # plans cached on the old groups are stale
-        for name, group in groups.items():
-            up = [state.models[m] for m in group.models if m in state.models
-                  and not state.absent(state.models[m])]
-            if group.exclusive and len(up) > 1:
-                keep = max(up, key=lambda r: r.last_used)
-                for rec in up:
-                    for copy in state.groups.all_of(rec) if rec is not keep else ():
-                        if copy.state.is_running and copy.state is not S.STOPPING:
-                            self.moves.retire(copy, now, "group", keep.group, note=(
-                                f"exclusive group '{name}' (a reload): one member runs "
-                                "at a time"))
-            if group.together:
-                for rec in up:
-                    self.rules.teams.bring_partners(rec, now)
         for rec in state.models.values():
             self.moves.idle(rec, now)
         self.rules.pump(now)

@@ -391,10 +391,10 @@ class Moves:
             exit=rec.last_exit if failed else None, retry_after_s=retry, replica=copy)))
 
     def flush(self) -> list[Effect]:
+        self.state.settle()
         for model in self.state.queue.changed:
             waiting, oldest = self.state.queue.view(model, self.state.now)
             self.state.out.append(Publish(QueueChanged(model=model, waiting=waiting,
                                                        oldest_wait_s=oldest)))
         self.state.queue.changed.clear()
-        out, self.state.out = self.state.out, []
-        return out
+        return self.state.taken()

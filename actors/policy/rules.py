@@ -47,11 +47,19 @@ class Rules:
 
     def pump(self, now: float) -> None:
         """Re-run the rules after any change to the queue or the running set (R-4.5)."""
-        self.state.now = now
-        if self.state.shutting_down:
+        state = self.state
+        state.now = state.pumped_at = now
+        state.clean = False
+        if state.shutting_down:
             return
+        n, turn = len(state.out), state.turn
+        self.run(now)
+        state.clean, state.clean_at = len(state.out) == n and state.turn is turn, len(state.out)
+
+    def run(self, now: float) -> None:
+        """One run of the rules (`pump`)."""
         if self.state.teams.dropped:
-            self.drop_partner_loads()
+            self.teams.drop_partner_loads()
         if self.state.n_suspended:
             self.relieve_host(now)
         if self.state.nodes.draining and self.drains is not None:
@@ -90,19 +98,6 @@ class Rules:
             self.turns.revoking = True  # (the held models' grants are withdrawn after)
             self.turns.noted |= self.turns.update(now)
         self.moves.revoke_kept()
-
-    def drop_partner_loads(self) -> None:
-        """Loads of together partners queued for nobody, their group stopped meanwhile."""
-        queue, dropped = self.state.queue, self.state.teams.dropped
-        for name in list(dropped):
-            entry = queue.entry(name)
-            if entry is not None and entry.claimed and not entry.waiters:
-                continue  # its load runs, being stopped: looked at again once it ends
-            if entry is not None and entry.explicit and not entry.waiters:
-                entry.explicit = False
-                queue.close_if_empty(name)
-                self.moves.idle(self.state.models[name])
-            dropped.discard(name)
 
     def warm_up(self, now: float) -> None:
         """Load or wake the `warm` models that have room as things are: a free slot, and
@@ -162,6 +157,7 @@ class Rules:
         """Stop idle LRU victims until every entry that needs a slot can have one. O(1)
         unless a victim exists or every running model is pinned (then O(queue)): an entry
         needs one slot at most, so a queue no longer than the free slots needs nothing."""
+        self.state.revoking = False
         if self.state.models_max <= 0 or not self.state.queue.entries:
             return
         # Stopping children count as free already: two waiters evict no two for one need.
@@ -175,6 +171,7 @@ class Rules:
         pinned_out = state.n_running > 0 and state.n_running_pinned == state.n_running \
             and self.state.n_stopping == 0 and self.state.n_suspending == 0
         if self.choice.pick_victim(now) is None and not pinned_out:
+            state.revoking = True
             self.revoke_kept(now)
             if self.state.warming and any(self.state.needs_slot(e, now)
                                           for e in self.state.queue.entries.values()):

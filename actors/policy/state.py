@@ -5,6 +5,7 @@ decisions that change it are in rules.py, the events in core.py and children.py.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable
 
 from ..config.keys import Tenant
@@ -18,7 +19,7 @@ from .host import HostTier
 from .memory import Memory
 from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
-from .records import Effect, ModelRecord, Stats, Turn
+from .records import Effect, Later, ModelRecord, Stats, Turn
 from .replicas import UP, Groups
 from .teams import Teams
 from .tenants import Tenants
@@ -70,6 +71,20 @@ class State:
         """The last turn that could not help (turns.py): it is not had again."""
         self.out: list[Effect] = []
         """Effects decided since the last event, in order."""
+        self.dues: list[float] = []
+        """When the `Later`s asked for come (a heap, kept by Moves.flush): what the rules
+        wait for in time (a backoff, a young victim, a cutoff) changes only then."""
+        self.pumped_at = 0.0
+        """When the rules last ran (Rules.pump)."""
+        self.clean, self.clean_at = False, 0
+        """The rules' last run in this event changed nothing (no effect, the same turn),
+        and how many effects the event had then (quiet.py)."""
+        self.rested = False
+        """Nothing changed after that, to the event's end: a fixed point of the rules
+        (Moves.flush), which a quiet decision keeps (quiet.py)."""
+        self.revoking = False
+        """The rules' last tick revoked the grants the fronts keep: a waiter needs what
+        busy models hold (rules.py `tick`)."""
         self._compose(tenants, models_max_per_node, memory_margin, account_host, host_margin,
                       suspended_max)
         self._count()
@@ -147,6 +162,7 @@ class State:
             rec.generation += 1  # (a lease of one dropped before is not this one's)
         self.groups.add(rec)
         self.rewarm()
+        self.rested = False
 
     def drop(self, name: str) -> None:
         """Forget a model a reload removed (its child, if any, is reaped)."""
@@ -171,6 +187,20 @@ class State:
         stopped, never suspended (it would be left suspended, its copy served by another)."""
         partner = self.groups.partner(rec) if self.groups.alternates else None
         return partner is not None and partner.takes_over == rec.name
+
+    def settle(self) -> None:
+        """At an event's end (Moves.flush): whether the rules rest now (quiet.py)."""
+        self.rested = self.clean and len(self.out) == self.clean_at
+        self.clean = False
+
+    def taken(self) -> list[Effect]:
+        """The event's effects, handed out; when the Laters among them come is kept
+        (`dues`)."""
+        out, self.out = self.out, []
+        for effect in out:
+            if type(effect) is Later:
+                heapq.heappush(self.dues, self.now + effect.delay_s)
+        return out
 
     def find(self, model: str) -> ModelRecord | None:
         rec = self.models.get(model)

@@ -14,6 +14,7 @@ from ..messages import EvictionReason, Shortfall
 from .teams import UNIT_STOPS
 
 if TYPE_CHECKING:
+    from ..config.rules import ModelGroup
     from .records import ModelRecord
     from .state import State
 
@@ -151,3 +152,38 @@ class Teamwork:
                         self.moves.retire(r, now, "group", None, note)
                 else:
                     self.moves.stop(r, "group", None, now, note=note)
+
+    def apply(self, groups: dict[str, ModelGroup], now: float) -> None:
+        """The model groups now (Policy.set_groups): of an exclusive group's members
+        running, all but the one used last go (once their requests have ended); a
+        together group's running members bring the others."""
+        state = self.state
+        state.teams.replace(groups)
+        state.memory.epoch += 1  # plans cached on the old groups are stale
+        for name, group in groups.items():
+            up = [state.models[m] for m in group.models if m in state.models
+                  and not state.absent(state.models[m])]
+            if group.exclusive and len(up) > 1:
+                keep = max(up, key=lambda r: r.last_used)
+                for rec in up:
+                    for copy in state.groups.all_of(rec) if rec is not keep else ():
+                        if copy.state.is_running and copy.state is not S.STOPPING:
+                            self.moves.retire(copy, now, "group", keep.group, note=(
+                                f"exclusive group '{name}' (a reload): one member runs "
+                                "at a time"))
+            if group.together:
+                for rec in up:
+                    self.bring_partners(rec, now)
+
+    def drop_partner_loads(self) -> None:
+        """Loads of together partners queued for nobody, their group stopped meanwhile."""
+        queue, dropped = self.state.queue, self.state.teams.dropped
+        for name in list(dropped):
+            entry = queue.entry(name)
+            if entry is not None and entry.claimed and not entry.waiters:
+                continue  # its load runs, being stopped: looked at again once it ends
+            if entry is not None and entry.explicit and not entry.waiters:
+                entry.explicit = False
+                queue.close_if_empty(name)
+                self.moves.idle(self.state.models[name])
+            dropped.discard(name)
