@@ -11,9 +11,10 @@ cutoff, a warm retry) or a step of theirs is pending (grants to revoke, a group'
 partners, a drain, copies to scale). Then their run is skipped: at 1,000 models and
 10,000 waiters it was most of such a decision's cost (bench/README.md, issue 43).
 
-A grant made at once while the rules revoke the grants the fronts keep (a waiter needs
-what busy models hold: `State.revoking`) is revoked as it is made, as their next run
-would (`granted`), so that its release leaves them nothing to do.
+A rule of its own, skip or no skip: a keyless grant made at once, while the rules rest
+revoking the grants the fronts keep (a waiter needs what busy models hold:
+`State.revoking`), is revoked as it is made, as their next run would (`granted`), so
+that its release leaves them nothing to do.
 
 `check` (the tests' policies) runs the rules anyway where they would be skipped, and
 asserts that they changed nothing.
@@ -53,30 +54,35 @@ class Quiet:
 
     def leaves(self, ticket: Hashable) -> bool:
         """Before `ticket` leaves the queue: it is a keyless waiter, neither its entry's
-        first (a turn's start) nor its last, and nothing was cut for it."""
+        first (a turn's start) nor its last, nothing was cut for it, and one class level
+        waits."""
         queue = self.state.queue
         waiter = queue.waiters.get(ticket)
         entry = queue.entries.get(waiter.model) if waiter is not None else None
         return (waiter is not None and entry is not None and not waiter.key
                 and len(entry.lanes.get("", ())) > 1 and next(iter(entry.waiters)) != ticket
-                and not self.state.cuts.of)
+                and not self.state.cuts.of and len(queue.levels) <= 1)  # (a last of its
+        # level leaving would take the queue's order from ranks to arrival: queue.py)
 
     def granted(self, rec: ModelRecord, key: str, now: float) -> bool:
-        """After a request with `key` was granted `rec` at once (it had others in
-        flight): whether that left the rules nothing to decide. Its grant,
-        kept by the front, is revoked now if the rules revoke such grants (their next run
-        would: nothing has changed since their last)."""
+        """After a request with `key` was granted `rec` at once: whether that left the
+        rules nothing to decide (it had no key, and `rec` others in flight).
+
+        Its grant, which the front may keep idle, is revoked at once where the rules,
+        resting, revoke kept grants (a waiter needs what busy models hold), skipped or
+        not: their next run would, were nothing to change meanwhile (if something does,
+        a victim found first, say, the grant is given back sooner than it had to be,
+        and a later request for `rec` asks the Scheduler again)."""
         state = self.state
-        if not (rec.in_flight > 1 and not key and not rec.rules.max_concurrency
-                and rec.rules.replicas is None and not state.teams.partners
-                and (state.turn is None or rec.name not in state.turn.held)
-                and self.may(now)):
-            return False
         grant = (rec.group, rec.generation)
-        if state.revoking and grant in state.revocable and len(state.revocable) == 1:
+        quiet = (rec.in_flight > 1 and not key and not rec.rules.max_concurrency
+                 and rec.rules.replicas is None and not state.teams.partners
+                 and (state.turn is None or rec.name not in state.turn.held))
+        if (quiet and state.revoking and state.rested and not self.due(now)
+                and grant in state.revocable and len(state.revocable) == 1):
             del state.revocable[grant]
             state.out.append(Revoke(grants=(grant,)))
-        return self.settled(now, checked=True)
+        return quiet and self.settled(now)
 
     def ended(self, lease: tuple[str, int, str], moved: bool, now: float) -> bool:
         """After a lease (model, generation, key) was let go: whether the rules may be
@@ -91,13 +97,12 @@ class Quiet:
                 and not state.queue.changed and not state.teams.partners
                 and (turn is None or name not in turn.held) and self.settled(now))
 
-    def settled(self, now: float, checked: bool = False) -> bool:
+    def settled(self, now: float) -> bool:
         """Whether the rules may be skipped now, after a decision `joins`, `leaves`,
         `granted` or `ended` vouched for: they rested after the last event, one class
-        level waits, and nothing they wait for is due or pending (`checked`: `may` said
-        so already)."""
+        level waits, and nothing they wait for is due or pending."""
         state = self.state
-        if state.revocable or not (checked or self.may(now)):
+        if state.revocable or not self.may(now):
             return False
         state.now = now
         self.skipped += 1
@@ -117,13 +122,18 @@ class Quiet:
         """The rules rested after the last event, one class level waits, and nothing
         they wait for is due, nor a step of theirs pending (but for grants to revoke)."""
         state = self.state
-        dues = state.dues
-        while dues and dues[0] <= state.pumped_at:
-            heapq.heappop(dues)
-        return (self.on and state.rested and not (dues and dues[0] <= now)
+        return (self.on and state.rested and not self.due(now)
                 and len(state.queue.levels) <= 1 and not state.shutting_down
                 and not state.teams.dropped and not state.teams.brought
                 and not state.nodes.draining and not state.groups.wanting)
+
+
+    def due(self, now: float) -> bool:
+        """A time the rules wait for (a `Later`) has come since their last run."""
+        dues, pumped_at = self.state.dues, self.state.pumped_at
+        while dues and dues[0] <= pumped_at:
+            heapq.heappop(dues)
+        return bool(dues) and dues[0] <= now
 
 
 def fingerprint(state: State) -> tuple[object, ...]:
@@ -138,4 +148,5 @@ def fingerprint(state: State) -> tuple[object, ...]:
                   for m, e in state.queue.entries.items()),
             tuple(state.leases.items()), tuple(state.revocable), state.turn, state.spent,
             state.wake_at, state.n_running, state.n_stopping, state.n_suspending,
-            tuple(r.name for r in state.warming), state.warm_after, state.revoking)
+            tuple(r.name for r in state.warming), state.warm_after, state.warm_due,
+            state.revoking)

@@ -52,9 +52,11 @@ class Rules:
         state.clean = False
         if state.shutting_down:
             return
-        n, turn = len(state.out), state.turn
+        n, turn, warm_after = len(state.out), state.turn, state.warm_after
         self.run(now)
-        state.clean, state.clean_at = len(state.out) == n and state.turn is turn, len(state.out)
+        state.clean = (len(state.out) == n and state.turn is turn  # (a warm retry's time:
+                       and state.warm_after == warm_after)  # its Later comes next run)
+        state.clean_at = len(state.out)
 
     def run(self, now: float) -> None:
         """One run of the rules (`pump`)."""
@@ -130,8 +132,9 @@ class Rules:
 
     def yield_warm(self, now: float) -> bool:
         """Background loads (warm models', prefetches) give way to a request; if any did."""
-        given = [r for r in self.state.warming
-                 if r.state is S.LOADING and r.group not in self.state.queue.entries]
+        given = sorted((r for r in self.state.warming  # (by name: a set of records
+                        if r.state is S.LOADING and r.group not in self.state.queue.entries),
+                       key=lambda r: r.name)  # iterates in their addresses' order)
         for rec in given:
             self.moves.stop(rec, "warm", None, now, why="a request needs its place")
         return bool(given)
