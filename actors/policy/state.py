@@ -12,7 +12,7 @@ from ..config.keys import Tenant
 from ..config.rules import ModelRules
 from ..ledger import Ledger
 from ..lifecycle import ModelState
-from ..messages import Prefetched
+from ..messages import Prefetched, WaitDue
 from .breaker import Breaker
 from .cuts import Cuts
 from .host import HostTier
@@ -197,8 +197,8 @@ class State:
         """The event's effects, handed out; when the Laters among them come is kept
         (`dues`)."""
         out, self.out = self.out, []
-        for effect in out:
-            if type(effect) is Later:
+        for effect in out:  # (a queue timeout is its own event: the rules read none)
+            if type(effect) is Later and type(effect.message) is not WaitDue:
                 heapq.heappush(self.dues, self.now + effect.delay_s)
         return out
 
