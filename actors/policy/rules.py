@@ -231,12 +231,13 @@ class Rules:
         classes, the entry of the highest ranked waiter first (queue.ordered).
 
         Scans only up to the first head that must wait (claimed entries before it are
-        at most models_max); a refusal changes the queue, and the scan starts over.
-        """
+        at most models_max); a refusal changes the queue, and the scan starts over."""
         rescan = True
         while rescan:
             rescan = False
             for entry in self.state.queue.ordered(now):
+                if entry.claimed:
+                    continue  # (passed: its load runs; most of a busy cluster's entries)
                 verdict = self.claim_one(entry, now)
                 if verdict == "wait" and not entry.batch_only():
                     return  # the head waits, and nobody overtakes it (but a batch's lines)

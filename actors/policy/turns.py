@@ -145,7 +145,7 @@ class Turns:
             if (turn := Turn(turn.model, since, held)) != state.spent:
                 return turn
         for entry in state.queue.ordered(now):
-            if self.waits(entry, now):
+            if not entry.claimed and self.waits(entry, now):  # (claimed: it waits for none)
                 since = self.since(entry)
                 turn = Turn(entry.model, since, self.victims(entry.model, since))
                 if turn != state.spent:
