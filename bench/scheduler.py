@@ -59,15 +59,16 @@ PUMPS: dict[str, Callable[[Policy], Callable[[float], None]] | None] = {
     "tick+claim only": lambda p: lambda now: (p.rules.tick(now), p.rules.claim(now))[0],
     "no run at all": lambda p: lambda now: None,
 }
-"""`--parts`: what a decision costs with the run of the rules (Rules.pump) cut down, once
-the world is built. Not a policy anyone runs: a ceiling, to show where the time goes."""
+"""`--parts`: what a decision costs with the run of the rules (Rules.run, what `pump` runs
+and skips after a quiet decision) cut down, once the world is built. Not a policy anyone
+runs: a ceiling, to show where the time goes."""
 
 
 def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0,
                     pump: str = "as is") -> float:
     p, loaded, idle, waiting = build(n_models, n_waiters, seed)
     if (cut := PUMPS[pump]) is not None:
-        p.rules.pump = cut(p)  # type: ignore[method-assign]
+        p.rules.run = cut(p)  # type: ignore[method-assign]
     rng = random.Random(seed + 1)
     now = 2.0
     done = 0
