@@ -139,9 +139,11 @@ def test_a_stalled_stream_client_frees_its_grant_and_child(edge) -> None:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                   b"sekrit\r\nx-odd: big\r\nx-size: 67108864\r\nContent-Length: 15\r\n\r\n"
                   b'{"model":"odd"}')
-        wait_until(lambda: edge.models()["odd"]["in_flight"] == 1, 5, "the answer running")
-        in_flight_zero(edge)  # cut after write_timeout_s
-        assert "waiting for it in 2 s (http.write_timeout_s)" in edge.log()
+        cut = "waiting for it in 2 s (http.write_timeout_s)"
+        wait_until(lambda: edge.models()["odd"]["in_flight"] == 1 or cut in edge.log(), 60,
+                   "the answer running")  # (or cut already: its 2 s can pass between
+        in_flight_zero(edge)  # two polls beside busy cores, its child's start before them)
+        assert cut in edge.log()
         # A cut is a reset: nothing of the answer is left in the kernel, still being sent
         # for as long as the client acknowledges (review of issue 19, F3).
         if shutil.which("ss") is not None:  # iproute2
