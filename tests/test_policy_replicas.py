@@ -498,3 +498,20 @@ def test_a_waiter_is_not_starved_by_copies_that_refill_min() -> None:
     assert isinstance(w.answers.get(2), Grant), [
         (n, r.state.value, r.generation) for n, r in w.p.state.models.items()]
     assert sum(1 for r in w.p.state.models.values() if r.state.is_running) == 2  # a, one r
+
+
+def test_a_copy_added_back_while_its_reload_s_newcomer_stops_stays_its_copy() -> None:
+    """Found by the machine above: a copy's child reloaded (its newcomer loading), then a
+    reload took the copy out (and the newcomer) and the next put it back. The copy's
+    own record came back, its newcomer did not; when the copy's old child then stopped,
+    the removed newcomer was made the copy's current record, a member of no copy."""
+    m = CopiesMachine()
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("acquire", {"affinity": 0, "model": "a"}), ("reload_child", {}),
+        ("release", {"i": 0}), ("acquire", {"affinity": 0, "model": "a"}),
+        ("ready", {"i": 0}), ("reload_child", {}), ("reload_child", {}),
+        ("reload", {"most": 1}), ("reload", {"most": 2}), ("release", {"i": 0})]
+    for name, kwargs in steps:
+        getattr(m, name)(**kwargs)  # (each step checks the invariants)
+    assert [r.name for r in m.w.p.state.groups.members["a"]] == ["a", "a@2"]
+    m.teardown()

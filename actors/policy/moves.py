@@ -347,7 +347,7 @@ class Moves:
             self.not_taken_over(rec, now)
         elif old.is_serving and not new.is_serving and state.groups.alternates:
             partner = state.groups.partner(rec)  # a reload's newcomer is its copy's now
-            if partner is not None and partner.takes_over == rec.name:
+            if partner is not None and partner.takes_over == rec.name and not partner.removed:
                 state.groups.swap(partner)
         if state.teams.partners:  # its partners' evictability may have changed
             self.teams.moved(rec, now)
