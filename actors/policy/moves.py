@@ -16,7 +16,6 @@ from ..messages import (
     Evicted,
     EvictionReason,
     Grant,
-    QueueChanged,
     Refusal,
     Revoke,
     Shortfall,
@@ -391,10 +390,4 @@ class Moves:
             exit=rec.last_exit if failed else None, retry_after_s=retry, replica=copy)))
 
     def flush(self) -> list[Effect]:
-        self.state.settle()
-        for model in self.state.queue.changed:
-            waiting, oldest = self.state.queue.view(model, self.state.now)
-            self.state.out.append(Publish(QueueChanged(model=model, waiting=waiting,
-                                                       oldest_wait_s=oldest)))
-        self.state.queue.changed.clear()
-        return self.state.taken()
+        return self.state.flush()

@@ -122,9 +122,13 @@ class Quiet:
         """The rules rested after the last event, one class level waits, and nothing
         they wait for is due, nor a step of theirs pending (but for grants to revoke)."""
         state = self.state
-        return (self.on and state.rested and not self.due(now)
-                and len(state.queue.levels) <= 1 and not state.shutting_down
-                and not state.teams.dropped and not state.teams.brought
+        if not (self.on and state.rested):
+            return False
+        dues = state.dues
+        while dues and dues[0] <= state.pumped_at:
+            heapq.heappop(dues)
+        return (not (dues and dues[0] <= now) and len(state.queue.levels) <= 1
+                and not state.shutting_down and not state.teams.dropped and not state.teams.brought
                 and not state.nodes.draining and not state.groups.wanting)
 
 

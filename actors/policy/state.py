@@ -12,14 +12,14 @@ from ..config.keys import Tenant
 from ..config.rules import ModelRules
 from ..ledger import Ledger
 from ..lifecycle import ModelState
-from ..messages import Prefetched, WaitDue
+from ..messages import Prefetched, QueueChanged, WaitDue
 from .breaker import Breaker
 from .cuts import Cuts
 from .host import HostTier
 from .memory import Memory
 from .nodes import NodeSlots
 from .queue import QueueEntry, RequestQueue
-from .records import Effect, Later, ModelRecord, Stats, Turn
+from .records import Effect, Later, ModelRecord, Publish, Stats, Turn
 from .replicas import UP, Groups
 from .teams import Teams
 from .tenants import Tenants
@@ -188,15 +188,18 @@ class State:
         partner = self.groups.partner(rec) if self.groups.alternates else None
         return partner is not None and partner.takes_over == rec.name
 
-    def settle(self) -> None:
-        """At an event's end (Moves.flush): whether the rules rest now (quiet.py)."""
+    def flush(self) -> list[Effect]:
+        """The event's effects, handed out (Moves.flush): whether the rules rest now
+        (quiet.py), the queues that changed published, and when the Laters among them
+        come kept (`dues`)."""
         self.rested = self.clean and len(self.out) == self.clean_at
         self.clean = False
-
-    def taken(self) -> list[Effect]:
-        """The event's effects, handed out; when the Laters among them come is kept
-        (`dues`)."""
-        out, self.out = self.out, []
+        out, self.out, queue = self.out, [], self.queue
+        for model in queue.changed:
+            waiting, oldest = queue.view(model, self.now)
+            out.append(Publish(QueueChanged(model=model, waiting=waiting,
+                                            oldest_wait_s=oldest)))
+        queue.changed.clear()
         for effect in out:  # (a queue timeout is its own event: the rules read none)
             if type(effect) is Later and type(effect.message) is not WaitDue:
                 heapq.heappush(self.dues, self.now + effect.delay_s)
