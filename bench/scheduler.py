@@ -1,12 +1,17 @@
 """How fast the pure scheduler decides, and how fast an actor message comes back.
 
     python -m bench scheduler [--ops 20000] [--json FILE]
+    python -m bench scheduler --instructions [--sizes 1000x10000]
 
 1. Decisions per second of `actors.policy.Policy` (no threads, no I/O) at 1,000 models with
    10,000 waiting requests, and at other sizes to show how the cost grows. A decision is
    one call: a request that queues, a cancel, a request granted at once, a release. Set
    up so that every running model is busy (no eviction is possible), models_max is a
    tenth of the models, and the waiters are spread over the models that are not running.
+   `--instructions`: the same decisions counted in instructions under valgrind's
+   callgrind (which the machine's noise does not move): run at two lengths, the
+   difference over the difference in decisions (the world's build and the interpreter's
+   start cancel out).
 2. Actor round trip: a Ping told to the live Scheduler actor, answered into the asyncio
    loop through the bridge (LoopReply), one at a time and 64 at a time.
 """
@@ -15,7 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +37,7 @@ from actors.policy import Policy
 from actors.runtime import loop
 from actors.runtime.bridge import LoopReply
 from bench.common import machine, summary_ms, write_json
+from bench.support import ROOT
 
 SIZES = [(100, 1_000), (1_000, 1_000), (1_000, 10_000), (1_000, 50_000), (5_000, 10_000),
          (10_000, 10_000)]
@@ -89,6 +100,25 @@ def decisions_per_s(n_models: int, n_waiters: int, ops: int, seed: int = 0,
     took = time.perf_counter() - start
     assert len(p.state.queue) == n_waiters
     return done / took
+
+
+COUNTED = (2_000, 12_000)
+"""The two lengths `--instructions` runs, in decisions."""
+
+
+def instructions(n_models: int, n_waiters: int) -> float:
+    """Instructions a decision at this size (callgrind; see the module's note)."""
+    from bench.journal_instructions import totals  # (here: `--decide` runs in an older
+    counts = []  # checkout too, this file copied into it, to count that one)
+    for ops in COUNTED:
+        with tempfile.TemporaryDirectory(prefix="corral-cg-") as folder:
+            out = Path(folder) / "callgrind.out"
+            subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                            sys.executable, "-m", "bench", "scheduler", "--decide",
+                            f"{n_models}x{n_waiters}x{ops}"], cwd=ROOT, check=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+            counts.append(totals(out.read_text()))
+    return (counts[1] - counts[0]) / (COUNTED[1] - COUNTED[0])
 
 
 def positive(text: str) -> int:
@@ -157,6 +187,30 @@ def scrape_cost(n_models: int, scrapes: int = 20) -> float:
     return (time.process_time() - start) / scrapes * 1e3
 
 
+def count_instructions(sizes: list[tuple[int, ...]], json: Path | None) -> int:
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt install valgrind): nothing counted")
+        return 0
+    counted = {f"{m}x{w}": instructions(m, w) for m, w in sizes}
+    for size, count in counted.items():
+        print(f"{size}: {count:,.0f} instructions a decision")
+    write_json(json, {"bench": "scheduler-instructions", "machine": machine(),
+                      "counted": COUNTED, "instructions": counted})
+    return 0
+
+
+def parts(size: tuple[int, ...], ops: int, rounds: int, json: Path | None) -> int:
+    n_models, n_waiters = size
+    print(f"{n_models} models, {n_waiters} waiters: decisions/s, best of 2 per round")
+    rows = {name: [max(decisions_per_s(n_models, n_waiters, ops, pump=name)
+                       for _ in range(2)) for _ in range(rounds)] for name in PUMPS}
+    for name, rates in rows.items():
+        print(f"  {name:>16}: " + " / ".join(f"{r:,.0f}" for r in rates))
+    write_json(json, {"bench": "scheduler-parts", "machine": machine(),
+                      "sizes": [size], "ops": ops, "rates": rows})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench scheduler", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,19 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", type=positive, default=0, metavar="ROUNDS",
                     help="only the first size, with the run of the rules as is, cut to "
                          "tick and claim, and left out, ROUNDS times side by side")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count the decisions' instructions under valgrind instead")
+    ap.add_argument("--decide", help=argparse.SUPPRESS)  # (MODELSxWAITERSxOPS: one run)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
-    if args.parts:
-        n_models, n_waiters = sizes[0]
-        print(f"{n_models} models, {n_waiters} waiters: decisions/s, best of 2 per round")
-        rows = {name: [max(decisions_per_s(n_models, n_waiters, args.ops, pump=name)
-                           for _ in range(2)) for _ in range(args.parts)] for name in PUMPS}
-        for name, rates in rows.items():
-            print(f"  {name:>16}: " + " / ".join(f"{r:,.0f}" for r in rates))
-        write_json(args.json, {"bench": "scheduler-parts", "machine": machine(),
-                               "sizes": sizes[:1], "ops": args.ops, "rates": rows})
+    if args.decide:
+        decisions_per_s(*(int(x) for x in args.decide.split("x")))
         return 0
+    sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
+    if args.instructions:
+        return count_instructions(sizes, args.json)
+    if args.parts:
+        return parts(sizes[0], args.ops, args.parts, args.json)
     curve = []
     print(f"{'models':>7} {'waiters':>8} {'decisions/s':>12} {'us/decision':>12}")
     for n_models, n_waiters in sizes:
