@@ -124,7 +124,7 @@ def test_a_probe_that_reads_no_context_cost_loads_at_ctx_min_and_stays_there(
     assert "its context's cost was not read" in c.log()
     assert chat(c.port, "b")[0] == 200
     assert c.models()["b"]["ctx"] == 2048
-    wait_until(lambda: c.models()["b"]["memory"]["status"] == "measured", 15, "its load")
+    wait_until(lambda: c.models()["b"]["memory"]["status"] == "measured", 60, "its load")
     status, body, _ = request(c.port, "POST", "/models/unload", {"model": "b"})
     assert status == 200, body
     c.wait_state("b", "unloaded")

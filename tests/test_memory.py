@@ -39,7 +39,7 @@ def devices(port: int) -> dict[str, Any]:
 
 def measured(c: Any, *models: str) -> None:
     for m in models:
-        wait_until(lambda m=m: c.models()[m]["memory"]["status"] == "measured", 15,
+        wait_until(lambda m=m: c.models()[m]["memory"]["status"] == "measured", 60,
                    f"{m} to be measured")
 
 
