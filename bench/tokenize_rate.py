@@ -1,10 +1,11 @@
 """The proxy's ceiling with real llama-server children: POST /tokenize (no model work) on a
 tiny GGUF model, straight to corral's child, through llama-server's router, through
 nginx in front of that same child (bench/nginx.py) and through corral, interleaved round
-by round in one run.
+by round in one run; `floor` adds bench/floor.py, a relay in Python that only passes
+bytes, to show how much of corral's cost is the language's.
 
     python -m bench tokenize --llama-server BIN [--rounds 3] [--seconds 3] [--baseline REV]
-                             [--routers direct,llama-router,nginx,corral]
+                             [--routers direct,llama-router,nginx,corral[,floor]]
 
 Load comes from wrk when it is on PATH (C: it takes little of the CPU the servers share
 with it on a small machine), else from bench's lean client. Reports, per target and
@@ -38,6 +39,7 @@ from bench.common import (
     session,
 )
 from bench.common import write_json as write_json_file
+from bench.floor import floor
 from bench.nginx import available as nginx_available
 from bench.nginx import nginx
 
@@ -100,6 +102,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                       workers=args.nginx_workers,
                                                       keepalive=args.nginx_keepalive))
                     targets["nginx"], cpu_of["nginx"] = front.url, front.pids()
+            if "floor" in args.routers:  # a relay in Python that does nothing else
+                targets["floor"], pid = stack.enter_context(floor(f"127.0.0.1:{port}"))
+                cpu_of["floor"] = (pid,)
             targets = {n: u for n, u in targets.items()
                        if n in args.routers or n == "corral-baseline"}
             for c in args.concurrency:
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lean", action="store_true", help="bench's lean client even with wrk")
     ap.add_argument("--routers", type=lambda v: v.split(","),
                     default=["direct", "llama-router", "nginx", "corral"],
-                    help="the targets, of direct, llama-router, nginx, corral")
+                    help="the targets, of direct, llama-router, nginx, corral and floor "
+                         "(bench/floor.py: the least a relay in Python does)")
     ap.add_argument("--nginx-workers", type=int, default=1,
                     help="nginx's worker processes: as many as corral's fronts (http.workers, "
                          "1 here)")
