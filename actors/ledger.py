@@ -192,6 +192,15 @@ class Ledger:
         dev.free = sample.free
         dev.external = max(0, sample.total - sample.free - ours)
 
+    def observe_all(self, samples: list[DeviceSample], managed: dict[str, int]) -> None:
+        """`observe` each of a report's samples; those as the last time (most of a large
+        cluster's, whose monitors account per process) are passed over in one loop."""
+        last, mine = self._samples.get, managed.get
+        for sample in samples:
+            bytes_ = mine(sample.name)
+            if bytes_ is None or last(sample.name) != (sample, bytes_):
+                self.observe(sample, bytes_)
+
     def _device(self, name: str, total: int, kind: str) -> DeviceMemory:
         """The device `name`, created if new, with its total and kind as reported now;
         `shape` is bumped when what a placement can choose from changed."""

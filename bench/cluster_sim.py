@@ -25,12 +25,14 @@ copies by demand, placed by fit like any load (issue 24).
 
 Reported per rate: hit ratio (answered with no load waited for), loads and evictions per
 minute, p50 and p99 queue wait (arrival to grant), refusals, and for corral decisions per
-second (policy calls per second of its CPU time).
+second (policy calls per second of its CPU time) and a digest of every effect it made, in
+order: two trees that make the same choices print the same digest, whatever PYTHONHASHSEED.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import heapq
 import itertools
 import json
@@ -141,6 +143,8 @@ class PolicySim:
         self.tally = Tally()
         self.calls = 0
         self.cpu_s = 0.0
+        self.digest = hashlib.sha256()
+        """Of every effect the policy made, in order: the same choices, the same digest."""
         self.now = 0.0
         self._report()
         for name, gib in world.sizes.items():
@@ -156,6 +160,7 @@ class PolicySim:
         self.cpu_s += time.process_time() - start
         self.calls += 1
         for e in effects:
+            self.digest.update(repr(e).encode())
             if isinstance(e, Answer):
                 if isinstance(e.value, Grant):
                     wait = self.now - self.arrived.pop(e.ticket)
@@ -186,6 +191,9 @@ class PolicySim:
         total = int(self.world.gpu_gib * GiB)
         samples = [DeviceSample(d, "device", total, total - used.get(d, 0), "sim")
                    for d in self.world.devices()]
+        # What a monitor with per-process figures (NVML's) says: every GPU's bytes used
+        # by corral's children, 0 where none runs.
+        used = {d: used.get(d, 0) for d in self.world.devices()}
         tracked = sorted(self.used)
         self._call(self.p.children.devices_reported, DeviceReport(
             devices=samples, managed=used, usage={m: dict(u) for m, u in self.used.items()},
@@ -307,6 +315,7 @@ def simulate(args: argparse.Namespace, world: World, requests: list[tuple[float,
     row = sim.run(requests).row(args.minutes, len(requests))
     row["decisions_per_s"] = sim.calls / sim.cpu_s if sim.cpu_s else 0.0
     row["wall_s"] = time.perf_counter() - start
+    row["effects"] = sim.digest.hexdigest()[:16]
     return row
 
 
@@ -345,7 +354,8 @@ def main(argv: list[str]) -> int:
                   f"{corral['loads_per_min']:.1f}, wait p50 {copies['wait_p50_s']:.2f} vs "
                   f"{corral['wait_p50_s']:.2f} s, p99 {copies['wait_p99_s']:.1f} vs "
                   f"{corral['wait_p99_s']:.1f} s, refused {copies['refused']} vs "
-                  f"{corral['refused']}, {copies['decisions_per_s']:.0f} decisions/s",
+                  f"{corral['refused']}, {copies['decisions_per_s']:.0f} decisions/s, "
+                  f"effects {copies['effects']}",
                   flush=True)
         print(f"rate {rate:g}/s, {len(requests)} requests: "
               f"hit {corral['hit_ratio']:.3f} vs {base['hit_ratio']:.3f}, "
@@ -355,7 +365,7 @@ def main(argv: list[str]) -> int:
               f"{base['wait_p50_s']:.2f} s, p99 {corral['wait_p99_s']:.1f} vs "
               f"{base['wait_p99_s']:.1f} s, refused {corral['refused']} vs "
               f"{base['refused']}, corral {corral['decisions_per_s']:.0f} decisions/s "
-              f"({corral['wall_s']:.0f} s)", flush=True)
+              f"({corral['wall_s']:.0f} s), effects {corral['effects']}", flush=True)
     result = {"bench": "cluster-sim", "machine": machine(), "args": vars(args) | {
         "json": None}, "rows": rows}
     write_json(args.json, result)

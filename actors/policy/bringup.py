@@ -13,6 +13,8 @@ does not go (wait, refuse, try later) is its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..ledger import node_of
 from ..lifecycle import ModelState
 from ..messages import EvictionReason
@@ -33,7 +35,7 @@ class BringUp:
         self.state = state
         self.moves = moves
 
-    def plan(self, rec: ModelRecord, victims: list[ModelRecord],
+    def plan(self, rec: ModelRecord, victims: Sequence[ModelRecord],
              busy: set[str] | None = None) -> Plan:
         """Step 1: the memory plan that brings `rec` up, evicting only `victims`: a wake
         where it sleeps, or a load (`busy`: the devices with a load under way, if the

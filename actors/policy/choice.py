@@ -17,6 +17,7 @@ from ..messages import Repump
 from .records import Later, ModelRecord
 from .replicas import UP
 from .state import State
+from .victims import Deferred
 
 S = ModelState
 
@@ -125,13 +126,19 @@ class Choice:
         min_resident_s; on one of `nodes`, where given): the rules run again when the
         first comes of age, as `pick_victim` has them for a slot. Without it, a memory
         plan that left young models out waited for an unrelated event."""
-        state = self.state
-        young = [until for r in state.models.values()
-                 if (nodes is None or r.node in nodes) and state.evictable(r)
-                 and (until := state.resident_until(r)) > now]
+        state, models = self.state, self.state.models
+        # (every evictable model is offered on the victims' heap: its names, not all models)
+        young = [until for name in {offer[2] for offer in state.victims.heap}
+                 if (r := models.get(name)) is not None
+                 and (until := state.resident_until(r)) > now
+                 and (nodes is None or r.node in nodes) and state.evictable(r)]
         if young and (state.wake_at is None or min(young) < state.wake_at):
             state.wake_at = min(young)
             state.out.append(Later(state.wake_at - now, Repump()))
+
+    def victims_later(self, now: float, for_model: str | None = None) -> Deferred:
+        """`memory_victims`, listed when a plan first reads them (most fit as things are)."""
+        return Deferred(lambda: self.memory_victims(now, for_model))
 
     def memory_victims(self, now: float, for_model: str | None = None) -> list[ModelRecord]:
         """What may be evicted for memory (for `for_model`), in order: the idle models,

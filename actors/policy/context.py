@@ -11,7 +11,7 @@ fits beside it".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -85,8 +85,8 @@ def fits(plan: Plan) -> bool:
     return plan.verdict == "go" and not plan.note
 
 
-def choose(rec: ModelRecord, plan: Callable[[list[ModelRecord]], Plan],
-           victims: list[ModelRecord], inputs: tuple[object, ...]) -> Plan:
+def choose(rec: ModelRecord, plan: Callable[[Sequence[ModelRecord]], Plan],
+           victims: Sequence[ModelRecord], inputs: tuple[object, ...]) -> Plan:
     """The plan that loads `rec` (ctx = "fit") at the most context that fits beside what
     is up, else at ctx_min, evicting `victims` as needed; sets `rec.n_ctx` to it and says
     what was given up (`rec.ctx_note`). `plan(victims)`: the memory plan at `rec.n_ctx`;
@@ -104,8 +104,8 @@ def choose(rec: ModelRecord, plan: Callable[[list[ModelRecord]], Plan],
     return chosen
 
 
-def _choose(rec: ModelRecord, plan: Callable[[list[ModelRecord]], Plan],
-            victims: list[ModelRecord], least: int, most: int) -> tuple[Plan, bool]:
+def _choose(rec: ModelRecord, plan: Callable[[Sequence[ModelRecord]], Plan],
+            victims: Sequence[ModelRecord], least: int, most: int) -> tuple[Plan, bool]:
     """`choose`'s search: its plan, and whether that plan was made with no victims."""
     rec.n_ctx, rec.ctx_note = most, ""
     if rec.mem_min is None and rec.mem_max is None:  # its first load measures it: the least

@@ -206,7 +206,7 @@ class Policy:
             tenants.take(key, now)
         deadline = now + rules.queue_timeout_s if rules.queue_timeout_s else None
         if rules.replicas is not None:  # its queue: a copy may be due
-            self.state.groups.wanting.add(model)
+            self.state.groups.wanting[model] = None
         entry = self.state.queue.add(ticket, model, now, deadline, key,
                                      tenants.of(key).level if key else tenants.level,
                                      cuttable, affinity=affinity)

@@ -6,7 +6,7 @@ means for the ledger: reports.py). It decides; the core carries the plan out.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..ledger import Breakdown, DeviceUse, Ledger, MiB, node_of
 from ..lifecycle import ModelState
@@ -94,7 +94,7 @@ class Memory(Reports):
     # ------------------------------------------------------------ the rule
 
     def plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
-             victims: list[ModelRecord], busy: set[str] | None = None,
+             victims: Sequence[ModelRecord], busy: set[str] | None = None,
              exhaustive: bool = False) -> Plan:
         """R-5.7: may `rec` spawn now, and where? `victims`: idle models, least recently
         used first. With several places it may go, the cheapest wins: one where it fits
@@ -118,7 +118,7 @@ class Memory(Reports):
         return plan
 
     def _plan(self, rec: ModelRecord, models: dict[str, ModelRecord],
-              victims: list[ModelRecord], busy: set[str] | None,
+              victims: Sequence[ModelRecord], busy: set[str] | None,
               exhaustive: bool) -> Plan:
         """R-5.7's decision, in this order."""
         # 1. A model not measured yet waits: its measurement decides.
@@ -133,7 +133,7 @@ class Memory(Reports):
         if not places:
             return self.fit(rec, self.need(rec), models, victims)
         # 3. One load per device at a time: the places with a load in flight wait.
-        free_places = [p for p in places if not set(p) & busy] if busy else places
+        free_places = [p for p in places if busy.isdisjoint(p)] if busy else places
         if not free_places:
             return Plan("wait")
         # 4. Where it fits as things are: the cheapest there is. Else each place is
@@ -181,7 +181,7 @@ class Memory(Reports):
         return Around(self.ledger.holds_of(going), holders)
 
     def fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
-             victims: list[ModelRecord], on: set[str] | None = None,
+             victims: Sequence[ModelRecord], on: set[str] | None = None,
              around: Around | None = None) -> Plan:
         """Whether `need` fits, after evicting which of `victims`; `on`: the devices it is
         being placed on (then only models holding memory there count as "others")."""
@@ -231,7 +231,7 @@ class Memory(Reports):
         return rec.mem_effective or self.placed_need(rec, rec.placement)
 
     def plan_wake(self, rec: ModelRecord, models: dict[str, ModelRecord],
-                  victims: list[ModelRecord], busy: set[str]) -> Plan:
+                  victims: Sequence[ModelRecord], busy: set[str]) -> Plan:
         """May the suspended `rec` wake now, where it sleeps? A load's plan on its
         devices, for its need less what its sleeping child holds there still: go, wait
         (after evicting idle models there), or refuse (only pinned models hold the

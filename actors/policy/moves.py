@@ -264,7 +264,7 @@ class Moves:
         if shareable and not rec.pinned:
             self.state.revocable[(rec.group, rec.generation)] = None  # as the front has it
         if rec.rules.replicas is not None:  # busier copies: one more may be due
-            self.state.groups.wanting.add(rec.group)
+            self.state.groups.wanting[rec.group] = None
         waited, took = "", 0.0  # what a queued request waited for, and the room made
         room: tuple[str, ...] = ()
         if waiter is not None and rec.ready_at is not None and rec.ready_at >= waiter.queued_at:

@@ -8,6 +8,7 @@ accounting the plan weighs that slot against the other places (memory.py); witho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,7 +67,7 @@ class NodeSlots:
             self.down[node] = why
 
     def room(self, node: str, rec: ModelRecord, models: dict[str, ModelRecord],
-             victims: list[ModelRecord]) -> Room:
+             victims: Sequence[ModelRecord]) -> Room:
         """What `node` offers `rec`. `victims`: idle models, least recently used first.
         Children being stopped free their slot once reaped, so a node where one is
         stopping waits for it rather than stopping another (as `Rules.tick` counts them)."""

@@ -7,7 +7,7 @@ and listing 2,800 places at every decision cost most of a full cluster's plan.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Iterable
 
 from ..config.rules import ModelRules
 from ..ledger import Breakdown, Ledger, node_of
@@ -51,27 +51,32 @@ class Places:
                 for c in itertools.combinations(on_node, rules.devices_per_instance)]
 
 
-def shortage(need: Breakdown | None, per_place: int, available: dict[str, int | None],
-             ledger: Ledger) -> Callable[[list[str], dict[str, int] | None], bool]:
+class Shortage:
     """`short(devices, back)`: whether `ledger.deficit(placed_need(devices), back)` has
     any row, for a model of `need` placed on `per_place` GPUs, asked of thousands of
     places at one cost each: its rows off the GPUs are the same everywhere (looked at
     once with and once without `back`, one plan's memory coming back), and on each GPU
     of a place it needs an even share of its GPU bytes (Memory.placed_need).
     `available`: device -> ledger.available(device), as the plan began."""
-    if need is None:
-        return lambda devices, back: False
-    share = sum(r.self_bytes for r in need.devices if r.kind == "device") // per_place
-    off_gpu = Breakdown(need.n_ctx, [r for r in need.devices if r.kind != "device"])
-    off_short: dict[bool, bool] = {}
-    margin = ledger.margin
-    memo: dict[int, dict[str, bool]] = {}
-    """id(back) -> device -> short there (a plan asks of a device from every place it is
-    in, with at most two `back`s, both alive for the plan)."""
 
-    def short(devices: list[str], back: dict[str, int] | None) -> bool:
+    def __init__(self, need: Breakdown | None, per_place: int,
+                 available: dict[str, int | None], ledger: Ledger) -> None:
+        self.need, self.available, self.ledger = need, available, ledger
+        self.share = 0 if need is None else sum(
+            r.self_bytes for r in need.devices if r.kind == "device") // per_place
+        self.off_gpu = None if need is None else Breakdown(
+            need.n_ctx, [r for r in need.devices if r.kind != "device"])
+        self.off_short: dict[bool, bool] = {}
+        self.memo: dict[int, dict[str, bool]] = {}
+        """id(back) -> device -> short there (a plan asks of a device from every place it
+        is in, with at most two `back`s, both alive for the plan)."""
+
+    def __call__(self, devices: list[str], back: dict[str, int] | None) -> bool:
+        if self.need is None:
+            return False
         coming = back if back is not None else NOTHING
-        known = memo.setdefault(id(coming), {})
+        known = self.memo.setdefault(id(coming), {})
+        available, margin, share = self.available, self.ledger.margin, self.share
         for d in devices:
             there = known.get(d)
             if there is None:
@@ -79,7 +84,24 @@ def shortage(need: Breakdown | None, per_place: int, available: dict[str, int | 
                 there = known[d] = a is not None and a + coming.get(d, 0) - margin < share
             if there:
                 return True
-        if (back is None) not in off_short:
-            off_short[back is None] = bool(ledger.deficit(off_gpu, back))
-        return off_short[back is None]
-    return short
+        return self.off(back)
+
+    def off(self, back: dict[str, int] | None) -> bool:
+        """Short off the GPUs (host memory, with account_host), whatever the place."""
+        if self.off_gpu is None:
+            return False
+        if (back is None) not in self.off_short:
+            self.off_short[back is None] = bool(self.ledger.deficit(self.off_gpu, back))
+        return self.off_short[back is None]
+
+    def roomy(self, devices: Iterable[str], back: dict[str, int] | None) -> set[str]:
+        """The devices among `devices` where a share fits: those `d` for which
+        `short([d], back)` is False, found in one pass (a plan asks of every GPU)."""
+        if self.need is None:
+            return set(devices)
+        if self.off(back):
+            return set()
+        coming = back if back is not None else NOTHING
+        available, floor = self.available, self.ledger.margin + self.share
+        return {d for d in devices
+                if (a := available.get(d)) is None or a + coming.get(d, 0) >= floor}

@@ -41,8 +41,10 @@ class Groups:
         """Model -> when a Repump is pending for its scaling."""
         self.given: dict[str, int] = {}
         """Model (with copies, now or once) -> the last generation given to one of them."""
-        self.wanting: set[str] = set()
-        """The active groups to look at for scaling at the next decision (scale.py)."""
+        self.wanting: dict[str, None] = {}
+        """The active groups to look at for scaling at the next decision (scale.py), in
+        the order they came to want a look (a set's order was the strings' hashes: which
+        of two models got the one free GPU depended on PYTHONHASHSEED)."""
         self.active: dict[str, list[ModelRecord]] = {}
         """The groups with a copy up (only they may scale, or have spare copies): kept
         by `moved`, so a decision looks at those, not at every model with replicas."""
@@ -87,7 +89,7 @@ class Groups:
         group = self.members.get(rec.group)
         if group is not None and any(r.state in UP for r in group):
             self.active[rec.group] = group
-            self.wanting.add(rec.group)
+            self.wanting[rec.group] = None
         else:
             self.active.pop(rec.group, None)
             self.busy_since.pop(rec.group, None)

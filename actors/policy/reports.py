@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from ..ledger import Breakdown, DeviceUse, Ledger, MiB
+from ..ledger import Breakdown, DeviceSample, DeviceUse, Ledger, MiB
 from ..messages import DeviceReport, ModelMemory
 from .context import from_slope
 from .records import Effect, Learned, Measure, ModelRecord, Publish
@@ -67,9 +67,8 @@ class Reports:
                 self.releasing.discard(rec)
                 if not rec.state.is_running:
                     self.ledger.release(rec.name)
-        for sample in report.devices:
-            self.ledger.observe(sample, report.managed.get(sample.name))
-        seen = {d.name: d for d in report.devices}
+        self.ledger.observe_all(report.devices, report.managed)
+        seen: dict[str, DeviceSample] = {}  # (asked of a child whose use changed: few)
         out: list[Effect] = []
         last, self.usage_seen = self.usage_seen, {}
         observed, shape = self.ledger.observed, self.ledger.shape
@@ -81,6 +80,8 @@ class Reports:
             if (not user.awaiting_usage and last.get(name) == (all_usage, shape)
                     and name in observed):
                 continue  # as in the last report (most children of a large one)
+            if not seen:
+                seen = {d.name: d for d in report.devices}
             usage = {d: b for d, b in all_usage.items()  # host RAM with account_host only
                      if d not in seen or self.ledger.counted(seen[d].kind)}
             seen_ready = report.ready is None or name in report.ready

@@ -282,7 +282,7 @@ class Rules:
         # 6. With memory accounting, the plan decides: evict, measure first, wait or refuse.
         plan = None
         if state.memory_on:
-            plan = self.up.plan(rec, self.choice.memory_victims(now, rec.group), busy)
+            plan = self.up.plan(rec, self.choice.victims_later(now, rec.group), busy)
             self.up.make_room(plan, rec.name, now)
             if plan.measure:
                 rec.measure_requested_first = True
@@ -312,7 +312,7 @@ class Rules:
         for its exit to load it anew (elsewhere, if it may go elsewhere)."""
         state = self.state
         if state.memory_on:
-            plan = self.up.plan(rec, self.choice.memory_victims(now, rec.group))
+            plan = self.up.plan(rec, self.choice.victims_later(now, rec.group))
             self.up.make_room(plan, rec.name, now, reason="memory")
             if plan.verdict == "refuse":
                 self.moves.stop(rec, "wake_elsewhere", None, now, why=plan.refusal)

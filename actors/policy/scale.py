@@ -31,6 +31,8 @@ from .replicas import UP
 from .state import State
 
 S = ModelState
+LOOK_AGAIN_S = 0.001
+"""The least a copy's demand is looked at again after."""
 
 
 class Scaling:
@@ -52,7 +54,7 @@ class Scaling:
         for name in list(groups.wanting):
             group = groups.active.get(name)
             if group is None or not self.scale_one(name, group, now):
-                groups.wanting.discard(name)
+                groups.wanting.pop(name, None)
 
     def scale_one(self, name: str, group: list[ModelRecord], now: float) -> bool:
         """Add a copy to `name` if it wants one and may have it; whether to look again
@@ -103,7 +105,10 @@ class Scaling:
         if due.get(name, 0.0) > now and due[name] <= at:
             return  # one is pending, no later than that
         due[name] = at
-        self.state.out.append(Later(max(at - now, 0.0), Repump()))
+        # (at least a millisecond on: `at` is a sum of floats, and a demand that rounds
+        # to due-now-but-not-yet would repump at the same instant, without end on a
+        # clock that only moves with events, as the cluster sim's)
+        self.state.out.append(Later(max(at - now, LOOK_AGAIN_S), Repump()))
 
     def add_copy(self, group: list[ModelRecord], why: str, waited: float, now: float) -> None:
         """Load (or wake) one more copy of `group`'s model, if the rule allows a place."""

@@ -46,9 +46,14 @@ REVOKED_S = 0.05
 a loop turn, and what they give back together then says which model was used last."""
 
 
+UP = frozenset({ModelState.LOADED, ModelState.SLEEPING, ModelState.REMOTE,
+                ModelState.LOADING, ModelState.WAKING})
+"""Serving (ModelState.is_serving), or on the way to (a load, a wake)."""
+
+
 def up(rec: ModelRecord) -> bool:
     """`rec` serves, or is on its way to (a load, a wake)."""
-    return rec.state.is_serving or rec.state in (ModelState.LOADING, ModelState.WAKING)
+    return rec.state in UP
 
 
 
@@ -94,7 +99,7 @@ class Turns:
         changed = turn != state.turn
         if changed:
             state.turn, self.due = turn, None
-            self.pending = [r for n in turn.held if (r := state.models.get(n))] if turn \
+            self.pending = [r for n in sorted(turn.held) if (r := state.models.get(n))] if turn \
                 else []
             for rec in self.pending:  # (idle with waiters of its own: a victim now)
                 state.victims.offer(rec)
@@ -185,7 +190,7 @@ class Turns:
     def choose(self, rec: ModelRecord, model: str) -> frozenset[str]:
         state = self.state
         may = [r for r in state.models.values()
-               if up(r) and not r.pinned and not r.removed and r.group != rec.group
+               if r.state in UP and not r.pinned and not r.removed and r.group != rec.group
                and not state.kept_from(r, model)
                and (rec.rules.nodes is None or state.memory_on or r.node in rec.rules.nodes)]
         if not may:

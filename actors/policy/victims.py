@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import overload
 
 from .records import ModelRecord
 
@@ -86,3 +87,34 @@ class Victims:
         for rec in models.values():
             if self.evictable(rec):
                 assert (rec.name, rec.last_used) in offers, f"{rec.name}: evictable, unoffered"
+
+
+class Deferred(Sequence[ModelRecord]):
+    """Victims listed when first read: a plan that fits as things are reads none, and
+    listing them (every idle model, ranked) cost a busy cluster's plans a fifth of
+    their time. Nothing a plan reads them for changes before it reads them."""
+
+    __slots__ = ("_items", "_make")
+
+    def __init__(self, make: Callable[[], list[ModelRecord]]) -> None:
+        self._make = make
+        self._items: list[ModelRecord] | None = None
+
+    def _listed(self) -> list[ModelRecord]:
+        if self._items is None:
+            self._items = self._make()
+        return self._items
+
+    @overload
+    def __getitem__(self, i: int) -> ModelRecord: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ModelRecord]: ...
+
+    def __getitem__(self, i: int | slice) -> ModelRecord | Sequence[ModelRecord]:
+        return self._listed()[i]
+
+    def __len__(self) -> int:
+        return len(self._listed())
+
+    def __iter__(self) -> Iterator[ModelRecord]:
+        return iter(self._listed())

@@ -13,13 +13,14 @@ less).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from ..ledger import Breakdown, Ledger, node_of
 from ..messages import Shortfall
 from .nodes import NodeSlots, Room
-from .places import shortage
+from .places import Shortage
 from .records import ModelRecord
 
 Cost = tuple[float, ...]
@@ -73,7 +74,7 @@ class Fitter(Protocol):
     def around(self, models: dict[str, ModelRecord]) -> Around: ...
 
     def fit(self, rec: ModelRecord, need: Breakdown | None, models: dict[str, ModelRecord],
-            victims: list[ModelRecord], on: set[str] | None = None,
+            victims: Sequence[ModelRecord], on: set[str] | None = None,
             around: Around | None = None) -> Plan: ...
 
 
@@ -82,7 +83,7 @@ class Weighing:
     `victims`: idle models, least recently used first."""
 
     def __init__(self, memory: Fitter, rec: ModelRecord, models: dict[str, ModelRecord],
-                 victims: list[ModelRecord], places: list[list[str]]) -> None:
+                 victims: Sequence[ModelRecord], places: list[list[str]]) -> None:
         self.memory, self.rec, self.models, self.victims = memory, rec, models, victims
         self.places = places
         rooms = {node: memory.nodes.room(node, rec, models, victims)
@@ -91,8 +92,10 @@ class Weighing:
                                       if room.kind != "free"}
         """The nodes whose models_max_per_node slots are all taken."""
         available: dict[str, int | None] = dict(memory.ledger.all_available())
-        self.frees = [sum([available.get(d) or 0 for d in devices]) for devices in places]
-        self.short_at = shortage(memory.need(rec), len(places[0]), available, memory.ledger)
+        get = available.get  # (one GPU a place, the most usual: no sum)
+        self.frees = [get(p[0]) or 0 for p in places] if len(places[0]) == 1 else [
+            sum([get(d) or 0 for d in devices]) for devices in places]
+        self.short_at = Shortage(memory.need(rec), len(places[0]), available, memory.ledger)
         self.placed: dict[int, Breakdown | None] = {}
         self.spread = {d for devices in places for d in devices}
 
@@ -100,8 +103,7 @@ class Weighing:
         """The cheapest plan there is: where it fits as things are, the most free memory
         of those, the first of equals (None: it fits nowhere as things are)."""
         short_at, places = self.short_at, self.places
-        room_now = set() if short_at([], None) else {d for d in self.spread
-                                                     if not short_at([d], None)}
+        room_now = short_at.roomy(self.spread, None)
         fits = [i for i, devices in enumerate(places)
                 if room_now.issuperset(devices) and node_of(devices[0]) not in self.full]
         if not fits:
@@ -142,7 +144,7 @@ class Weighing:
         self.first_on = {d: on[0].last_used for d, on in self.on_device.items()}
         self.alone = {d for d in self.spread
                       if not any(r is not rec for r in self.around.holders.get(d, ()))}
-        self.roomy = {d for d in self.spread if not self.short_at([d], self.around.coming_back)}
+        self.roomy = self.short_at.roomy(self.spread, self.around.coming_back)
         self.off_short = self.short_at([], self.around.coming_back)  # (off the GPUs)
         self.victim_of = {node: room.victim for node, room in self.full.items() if room.victim}
 
