@@ -17,7 +17,16 @@ from actors.messages import (
     Repump,
     Shortfall,
 )
-from actors.policy.records import Effect, Learned, Measure, ModelRecord, Publish, Spawn, Track
+from actors.policy.records import (
+    Effect,
+    Later,
+    Learned,
+    Measure,
+    ModelRecord,
+    Publish,
+    Spawn,
+    Track,
+)
 from tests.test_policy import World, drain, random_history
 
 GiB = 1024**3
@@ -377,3 +386,18 @@ def test_a_memory_victim_too_young_to_go_is_evicted_once_it_comes_of_age() -> No
     w.now = max(due for due, _ in repumps)
     w.fire_timers()
     assert w.stops == [("c", "memory")], "c, come of age, is evicted without another event"
+
+
+def test_a_batch_line_that_fits_still_times_the_first_idle_window() -> None:
+    """Listing the victims for a batch's lines alone sets the Repump for the first idle
+    window to open. The victims are listed when a plan reads them (most fit as things
+    are, and read none), but a batch's are listed at once: the timer is set either way."""
+    r = ModelRules(devices=["gpu0"])
+    w = MemWorld({"a": 2, "b": 2}, rules={"a": r, "b": r})
+    w.load_idle("a")  # used by a request of a class just now: its window is shut
+    now = w.tick()
+    effects = w.p.acquire("line", "b", now, True, "batch:")
+    assert any(isinstance(e, Spawn) and e.model == "b" for e in effects), effects
+    timers = [e for e in effects if isinstance(e, Later) and isinstance(e.message, Repump)]
+    assert len(timers) == 1, effects
+    assert w.p.state.wake_at == pytest.approx(now + timers[0].delay_s)

@@ -9,7 +9,7 @@ caller evicts (Moves.evict).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..config.keys import BATCH
 from ..lifecycle import ModelState
@@ -136,8 +136,13 @@ class Choice:
             state.wake_at = min(young)
             state.out.append(Later(state.wake_at - now, Repump()))
 
-    def victims_later(self, now: float, for_model: str | None = None) -> Deferred:
-        """`memory_victims`, listed when a plan first reads them (most fit as things are)."""
+    def victims_later(self, now: float, for_model: str | None = None,
+                      ) -> Sequence[ModelRecord]:
+        """`memory_victims`, listed when a plan first reads them (most fit as things are);
+        at once for a batch's lines alone, whose listing sets the timer for the first
+        idle window to open whether or not the plan reads it."""
+        if self.batch_window(now, for_model) is not None:
+            return self.memory_victims(now, for_model)
         return Deferred(lambda: self.memory_victims(now, for_model))
 
     def memory_victims(self, now: float, for_model: str | None = None) -> list[ModelRecord]:

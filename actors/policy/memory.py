@@ -21,6 +21,8 @@ from .weigh import Around, Plan, Weighing
 log = logging.getLogger("corral.scheduler")
 
 S = ModelState
+GOING = frozenset({S.STOPPING, S.SUSPENDING})
+"""A model on its way out: what it holds is coming back."""
 
 
 class Memory(Reports):
@@ -169,13 +171,15 @@ class Memory(Reports):
 
     def around(self, models: dict[str, ModelRecord]) -> Around:
         """What every place a plan weighs shares, computed once for all of them."""
-        going = [name for name in self.ledger.held  # (only what they hold counts)
-                 if (r := models.get(name)) is not None
-                 and (r.state in (S.STOPPING, S.SUSPENDING) or r.releasing or r.draining)]
+        going: list[str] = []  # (only what they hold counts)
         holders: dict[str, list[ModelRecord]] = {}
         for name, devices in self.ledger.held.items():
             holder = models.get(name)
-            if holder is not None and (holder.state.is_running or holder.releasing):
+            if holder is None:
+                continue
+            if holder.state in GOING or holder.releasing or holder.draining:
+                going.append(name)
+            if holder.state.is_running or holder.releasing:
                 for d in devices:
                     holders.setdefault(d, []).append(holder)
         return Around(self.ledger.holds_of(going), holders)

@@ -195,7 +195,7 @@ class State:
         self.rested = self.clean and len(self.out) == self.clean_at
         self.clean = False
         out, self.out, queue = self.out, [], self.queue
-        for model in queue.changed:
+        for model in sorted(queue.changed):  # (in one order, whatever the hash seed)
             waiting, oldest = queue.view(model, self.now)
             out.append(Publish(QueueChanged(model=model, waiting=waiting,
                                             oldest_wait_s=oldest)))

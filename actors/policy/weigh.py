@@ -118,7 +118,7 @@ class Weighing:
         (`exhaustive`: all of them)."""
         self._facts()
         best: tuple[Cost, Plan] | None = None
-        lows = [self.bound(i) for i in range(len(self.places))]  # (each ends in i: unique)
+        lows = self.bounds()  # (each ends in its place's index: unique)
         heapq.heapify(lows)
         while lows:
             low = heapq.heappop(lows)
@@ -142,26 +142,32 @@ class Weighing:
             for d in memory.ledger.held.get(v.name, {}):
                 self.on_device.setdefault(d, []).append(v)
         self.first_on = {d: on[0].last_used for d, on in self.on_device.items()}
+        holders = self.around.holders  # (a model holds memory on a device once)
         self.alone = {d for d in self.spread
-                      if not any(r is not rec for r in self.around.holders.get(d, ()))}
+                      if not (on := holders.get(d)) or (len(on) == 1 and on[0] is rec)}
         self.roomy = self.short_at.roomy(self.spread, self.around.coming_back)
         self.off_short = self.short_at([], self.around.coming_back)  # (off the GPUs)
         self.victim_of = {node: room.victim for node, room in self.full.items() if room.victim}
 
-    def bound(self, i: int) -> Cost:
-        """The least place i can cost: short even with what is coming back, it costs an
-        eviction (its first victim's use at least) or a wait, unless nothing else holds
-        memory there (then it goes anyway)."""
-        devices, free = self.places[i], -self.frees[i]
-        if self.alone.issuperset(devices):
-            return (0, 0.0, free, i)
-        if not self.off_short and self.roomy.issuperset(devices):
-            return (1, 0.0, free, i)
-        slot = self.victim_of.get(node_of(devices[0]) or "") if self.victim_of else None
-        if slot is not None:
-            return (2, slot.last_used, free, i)
-        firsts = [self.first_on[d] for d in devices if d in self.first_on]
-        return (2, min(firsts), free, i) if firsts else (3, 0.0, free, i)
+    def bounds(self) -> list[Cost]:
+        """The least each place can cost: short even with what is coming back, it costs
+        an eviction (its first victim's use at least) or a wait, unless nothing else
+        holds memory there (then it goes anyway). One loop over thousands of places."""
+        alone, roomy, first_on, victim_of = self.alone, self.roomy, self.first_on, self.victim_of
+        roomy_too = not self.off_short
+        out: list[Cost] = []
+        for i, (devices, free) in enumerate(zip(self.places, self.frees, strict=True)):
+            if alone.issuperset(devices):
+                out.append((0, 0.0, -free, i))
+            elif roomy_too and roomy.issuperset(devices):
+                out.append((1, 0.0, -free, i))
+            elif victim_of and (slot := victim_of.get(node_of(devices[0]) or "")) is not None:
+                out.append((2, slot.last_used, -free, i))
+            elif firsts := [first_on[d] for d in devices if d in first_on]:
+                out.append((2, min(firsts), -free, i))
+            else:
+                out.append((3, 0.0, -free, i))
+        return out
 
     def weigh(self, i: int) -> tuple[Cost, Plan] | None:
         """The plan at place i, and its cost: what it takes, how recently used its
