@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,6 +235,30 @@ def test_bench_cluster_sim_runs_both_sides(tmp_path: Path) -> None:
         assert row[side]["requests"] > 100 and 0 < row[side]["hit_ratio"] <= 1
         assert row[side]["loads_per_min"] > 0
     assert row["corral"]["decisions_per_s"] > 0
+    assert re.fullmatch(r"[0-9a-f]{16}", row["corral"]["effects"])  # (its effects' digest)
+
+
+@pytest.mark.timeout(180)
+def test_tokenize_bench_runs_every_router_on_a_real_llama_server(tmp_path) -> None:
+    """Each target answers: the child itself, llama-server's router, nginx (where it is
+    installed), corral, and the floor relay (bench/floor.py); each proxy's CPU is read."""
+    from bench.nginx import available
+    from tests.test_llama_server import BINARY
+
+    if BINARY is None:
+        pytest.skip("no llama-server here: run `bash scripts/llama-server.sh`")
+    path = tmp_path / "t.json"
+    bench("tokenize", "--llama-server", BINARY, "--rounds", "1", "--seconds", "1",
+          "--concurrency", "4", "--routers", "direct,llama-router,nginx,corral,floor",
+          "--json", str(path), timeout_s=160)
+    data = json.loads(path.read_text())
+    routers = {"direct", "llama-router", "corral", "floor"} | (
+        {"nginx"} if available() is not None else set())
+    assert set(data["req_per_s"]) == routers
+    for name in routers:
+        assert data["req_per_s"][name]["4"][0] > 0, name
+    for name in routers - {"direct"}:
+        assert data["cpu_us_per_request"][name]["4"][0] > 0, name
 
 
 @pytest.mark.timeout(240)  # (seven llama-servers, on a machine whose cores are all busy)
