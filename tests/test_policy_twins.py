@@ -1,5 +1,6 @@
 """Two policies on one random world, one that skips the rules after quiet decisions
-(actors/policy/quiet.py) and one that never does, driven by the same calls, each timer
+(actors/policy/quiet.py) and takes the plain paths where no feature applies
+(actors/policy/plain.py), and one that never does either, driven by the same calls, each timer
 delivered when it comes due: they must decide the same, effect for effect, and hold the
 same grants and waiters after every step (a review's differential search, kept: it
 found a waiter leaving the last of its class level, a warm retry set with no effect,
@@ -33,8 +34,10 @@ def tenants(level: int) -> dict[str, Tenant]:
 class World:
     """A random configuration: models' rules, groups, memory, classes."""
 
-    def __init__(self, rng: random.Random) -> None:
-        limits = rng.choice([[0, 0, 0, 1, 2], [4, 4, 1, 2], [0, 4, 8]])
+    def __init__(self, rng: random.Random, plain: bool = False) -> None:
+        """`plain`: no model has a max_concurrency or copies, and there are no groups
+        (where plain.py's paths decide most)."""
+        limits = [0] if plain else rng.choice([[0, 0, 0, 1, 2], [4, 4, 1, 2], [0, 4, 8]])
         self.rules = {m: ModelRules(
             pinned=rng.random() < 0.1, max_concurrency=rng.choice(limits),
             min_resident_s=rng.choice([0.0, 0.0, 2.0]),
@@ -42,8 +45,8 @@ class World:
             swap_delay_s=rng.choice([0.0, 0.0, 1.0]), permanent=rng.random() < 0.05,
             warm=rng.random() < 0.1,
             replicas=(Replicas(min=1, max=2, target_in_flight=1, scale_up_after_s=1.0)
-                      if rng.random() < 0.1 else None)) for m in NAMES}
-        self.groups = ({"g": ModelGroup(models=["a", "b"], persistent=True)}
+                      if rng.random() < 0.1 and not plain else None)) for m in NAMES}
+        self.groups = {} if plain else ({"g": ModelGroup(models=["a", "b"], persistent=True)}
                        if rng.random() < 0.3 else
                        {"t": ModelGroup(models=["c", "d"], together=True)}
                        if rng.random() < 0.15 else {})
@@ -81,13 +84,35 @@ class World:
             tracked=up, backends=["simulated"]), now)
 
 
+def records(p: Policy) -> tuple[object, ...]:
+    """What a decision may change of the records beside its effects (plain.py's steps)."""
+    return (tuple((r.name, r.state, r.in_flight, r.generation, r.last_used, r.asked_at,
+                   r.ended_at, r.ttl_armed, r.retiring) for r in p.state.models.values()),
+            tuple(p.state.revocable), p.state.stats.granted)
+
+
+def counted(p: Policy) -> dict[str, int]:
+    """How often `p`'s plain paths decided (plain.py): wrapped, counted."""
+    taken = {"grant": 0, "release": 0}
+    for name in taken:
+        made = getattr(p.plain, name)
+
+        def count(*args: Any, made: Any = made, name: str = name) -> Any:
+            effects = made(*args)
+            taken[name] += effects is not None
+            return effects
+        setattr(p.plain, name, count)
+    return taken
+
+
 class Twins:
     """The two policies, the calls made to both, and what they asked for."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, plain: bool = False) -> None:
         self.rng = rng = random.Random(seed)
-        self.world = World(rng)
+        self.world = World(rng, plain)
         self.on, self.off = self.world.policy(True), self.world.policy(False)
+        self.plain = counted(self.on)
         self.now, self.seq = 0.0, 0
         self.timers: list[tuple[float, int, Any]] = []
         self.tickets: list[int] = []
@@ -102,6 +127,7 @@ class Twins:
         assert a == b, "\n".join([*self.log[-8:], f"skipping: {a}", f"not: {b}"])
         assert self.on.state.leases == self.off.state.leases
         assert list(self.on.state.queue.waiters) == list(self.off.state.queue.waiters)
+        assert records(self.on) == records(self.off), "\n".join(self.log[-8:])
         for e in b or ():
             if isinstance(e, Later):
                 self.seq += 1
@@ -162,15 +188,19 @@ class Twins:
                 tenants(level), self.world.aging, t))
 
 
-@pytest.mark.parametrize("block", range(4))
+@pytest.mark.parametrize("block", range(6))
 def test_a_policy_that_skips_decides_what_one_that_never_skips_does(block: int) -> None:
-    skipped = 0
+    """Blocks 4 and 5: worlds with no max_concurrency, copies or groups."""
+    skipped, plain = 0, {"grant": 0, "release": 0}
     for seed in range(block * SEEDS // 4, (block + 1) * SEEDS // 4):
-        twins = Twins(seed)
+        twins = Twins(seed, plain=block >= 4)
         for i in range(STEPS):
             twins.now += twins.rng.choice([0.0, 0.01, 0.2, 0.5, 1.0, 3.0])
             twins.timers_due()
             twins.step(i)
         skipped += twins.on.quiet.skipped
         assert twins.off.quiet.skipped == 0
+        for name, n in twins.plain.items():
+            plain[name] += n
     assert skipped > 50, skipped  # (the skip was exercised, not only the rules)
+    assert min(plain.values()) > (50 if block >= 4 else 10), plain  # (and the plain paths)

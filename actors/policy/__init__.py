@@ -8,6 +8,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | what children, measurements and reloads report       | `Children`             | children.py |
 | the decisions events end in: tick, claim, serve      | `Rules`                | rules.py    |
 | decisions that leave those nothing to decide         | `Quiet`                | quiet.py    |
+| a keyless grant and release, no feature applying     | `Plain`                | plain.py    |
 | the moves they are made of: transition, spawn, stop  | `Moves`                | moves.py    |
 | how a model comes up: plan, make room, wake or spawn | `BringUp`              | bringup.py  |
 | who may be evicted for whom                          | `Choice`               | choice.py   |
@@ -41,8 +42,8 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | GET /models and the invariants                       | `snapshot`, `check`    | views.py    |
 
 Composed of held parts, none a subclass of another: `Policy` holds one `State`, one
-`Rules` on it, one `Children`, one `Preemption`, one `Tiers`, one `Commands` and one
-`Drains`, and calls their named steps. `Rules` holds the one-step `moves` (`Moves`,
+`Rules` on it, one `Children`, one `Preemption`, one `Tiers`, one `Commands`, one
+`Drains` and one `Plain`, and calls their named steps. `Rules` holds the one-step `moves` (`Moves`,
 which holds the model groups' part, `moves.teams`), the victim `choice`, the way a model
 comes `up` and the `scaling` of copies; each event method reads top-down and calls them
 by name, so go-to-definition finds every one. Conventions that cross files:

@@ -25,6 +25,7 @@ from . import plans, views
 from .children import Children
 from .commands import Commands
 from .drains import Drains
+from .plain import Plain
 from .plans import RequestPlan
 from .preempt import Preemption
 from .prefetch import Prefetch
@@ -67,6 +68,7 @@ class Policy:
         self.rules.drains = self.drains.step
         self.prefetch = Prefetch(self.state, self.rules)
         self.prefetch.on = prefetch
+        self.plain = Plain(self.state, self.rules, self.quiet, self.prefetch)
 
     def add_model(self, name: str, now: float, *, pinned: bool = False,
                   rules: ModelRules | None = None) -> None:
@@ -109,12 +111,13 @@ class Policy:
                 key: str = "", retry: bool = False, cuttable: bool = False,
                 affinity: int = 0, among: tuple[str, ...] = (), spill: bool = False,
                 ) -> list[Effect]:
-        """A request for `model` arrived (with `key`, "" for none): grant it now, queue
-        it, or refuse it. `retry`: it came before (its child went away with it), and its
-        key's quota counted it then; `cuttable`: a front may cut it (cuts.py);
-        `affinity`: a hash of its prompt's start (a model with copies routed by prefix);
-        `among`: a virtual model's members, one of which serves it (`warm`); `spill`: a
-        remote member comes after them, which takes it rather than have it wait."""
+        """A request for `model` (`key`: "" for none): granted now, queued, or refused.
+        `retry`: it came before (its child went away with it; its key's quota counted it);
+        `cuttable`: a front may cut it (cuts.py); `affinity`: its prompt's start's hash (for
+        copies routed by prefix); `among`: a virtual model's members, one to serve it
+        (`warm`); `spill`: a remote member after them takes it rather than have it wait."""
+        if not (key or among or spill) and (done := self.plain.grant(ticket, model, now)):
+            return done  # (no feature applies: plain.py)
         model = self.warmest(among) if among else model
         counted, rec, tenants = bool(key) and not retry, self.state.find(model), self.state.tenants
         # 1. Nothing is served while shutting down, nor for a model that is not there.
@@ -125,8 +128,7 @@ class Policy:
         if rec is None:
             self.moves.refuse(ticket, 400, f"model '{model}' not found", "invalid_request_error")
             return self.moves.flush()
-        rules, breaker = rec.rules, rec.breaker
-        entry = self.state.queue.entry(model)
+        rules, breaker, entry = rec.rules, rec.breaker, self.state.queue.entry(model)
         over = tenants.over_quota(key, now) if counted else None
         # 2. A key over its rate or token budget is told when to come back; not queued.
         if over is not None:
@@ -228,6 +230,8 @@ class Policy:
         `shared`: other requests joined its grant; `idle_s`: the front kept it that long
         after its last request (a lease), so that is when the model was last used;
         `tokens`: what it used, for its key's budget."""
+        if (done := self.plain.release(ticket, now, shared, idle_s)) is not None:
+            return done  # (no feature applies: plain.py)
         if ticket not in self.state.leases:
             return self.cancel(ticket, now) if ticket in self.state.queue else []
         lease = self.state.leases[ticket]
