@@ -8,6 +8,7 @@ and warm loads given up in an order that was the records' addresses')."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from typing import Any
@@ -91,9 +92,14 @@ def records(p: Policy) -> tuple[object, ...]:
             tuple(p.state.revocable), p.state.stats.granted)
 
 
+def waiters(p: Policy) -> list[tuple[object, ...]]:
+    """Every waiter, all of its fields, in the queue's order."""
+    return [(t, *dataclasses.astuple(w)) for t, w in p.state.queue.waiters.items()]
+
+
 def counted(p: Policy) -> dict[str, int]:
     """How often `p`'s plain paths decided (plain.py): wrapped, counted."""
-    taken = {"grant": 0, "release": 0}
+    taken = {"grant": 0, "queue": 0, "release": 0}
     for name in taken:
         made = getattr(p.plain, name)
 
@@ -126,7 +132,7 @@ class Twins:
         self.on.check_invariants()
         assert a == b, "\n".join([*self.log[-8:], f"skipping: {a}", f"not: {b}"])
         assert self.on.state.leases == self.off.state.leases
-        assert list(self.on.state.queue.waiters) == list(self.off.state.queue.waiters)
+        assert waiters(self.on) == waiters(self.off)
         assert records(self.on) == records(self.off), "\n".join(self.log[-8:])
         for e in b or ():
             if isinstance(e, Later):
@@ -191,7 +197,7 @@ class Twins:
 @pytest.mark.parametrize("block", range(6))
 def test_a_policy_that_skips_decides_what_one_that_never_skips_does(block: int) -> None:
     """Blocks 4 and 5: worlds with no max_concurrency, copies or groups."""
-    skipped, plain = 0, {"grant": 0, "release": 0}
+    skipped, plain = 0, {"grant": 0, "queue": 0, "release": 0}
     for seed in range(block * SEEDS // 4, (block + 1) * SEEDS // 4):
         twins = Twins(seed, plain=block >= 4)
         for i in range(STEPS):
@@ -203,4 +209,4 @@ def test_a_policy_that_skips_decides_what_one_that_never_skips_does(block: int) 
         for name, n in twins.plain.items():
             plain[name] += n
     assert skipped > 50, skipped  # (the skip was exercised, not only the rules)
-    assert min(plain.values()) > (50 if block >= 4 else 10), plain  # (and the plain paths)
+    assert min(plain.values()) > (30 if block >= 4 else 10), plain  # (and the plain paths)

@@ -113,10 +113,10 @@ class Policy:
                 ) -> list[Effect]:
         """A request for `model` (`key`: "" for none): granted now, queued, or refused.
         `retry`: it came before (its child went away with it; its key's quota counted it);
-        `cuttable`: a front may cut it (cuts.py); `affinity`: its prompt's start's hash (for
-        copies routed by prefix); `among`: a virtual model's members, one to serve it
-        (`warm`); `spill`: a remote member after them takes it rather than have it wait."""
-        if not (key or among or spill) and (done := self.plain.grant(ticket, model, now)):
+        `cuttable`: a front may cut it (cuts.py); `affinity`: its prompt's hash (copies);
+        `among`: a virtual model's members (`warm`); `spill`: a remote one takes a wait."""
+        if not (key or among or spill) and (done := self.plain.acquire(
+                ticket, model, now, autoload, cuttable, affinity)):
             return done  # (no feature applies: plain.py)
         model = self.warmest(among) if among else model
         counted, rec, tenants = bool(key) and not retry, self.state.find(model), self.state.tenants

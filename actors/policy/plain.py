@@ -1,6 +1,7 @@
-"""The two decisions most requests make, written once for when no feature applies
-(issue 43: features cost nothing when unused): a request with no key granted at once by
-a model that serves, and its release.
+"""The decisions most requests make, written once for when no feature applies (issue
+43: features cost nothing when unused): a request with no key granted at once by a model
+that serves, or queued behind others waiting for a model on its way, and the release of
+a grant.
 
 `Policy.acquire` and `Policy.release` read top-down through every feature: keys and
 their limits, virtual models, copies and their routing, groups, a turn's cutoff, cuts,
@@ -19,16 +20,19 @@ with both off through random worlds, and they must decide the same, effect for e
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 
+from ..config.rules import SESSION
 from ..lifecycle import ModelState
-from ..messages import Grant
+from ..messages import Grant, WaitDue
 from .prefetch import Prefetch
 from .quiet import Quiet
-from .records import Answer, Effect
+from .records import Answer, Effect, Later
 from .rules import Rules
 from .state import State
 
+log = logging.getLogger("corral.scheduler")
 _SERVING = frozenset(s for s in ModelState if s.is_serving)
 
 
@@ -40,6 +44,14 @@ class Plain:
         self.rules = rules
         self.quiet = quiet
         self.prefetch = prefetch
+
+    def acquire(self, ticket: Hashable, model: str, now: float, autoload: bool,
+                cuttable: bool, affinity: int) -> list[Effect] | None:
+        """`Policy.acquire` of a keyless request for `model`, where no feature applies:
+        granted at once, or queued behind a wait under way; None: neither applies."""
+        done = self.grant(ticket, model, now)
+        return done if done is not None else self.queue(ticket, model, now, autoload,
+                                                        cuttable, affinity)
 
     def grant(self, ticket: Hashable, model: str, now: float) -> list[Effect] | None:
         """`Policy.acquire` of a keyless request, where `model` takes it at once and none
@@ -69,6 +81,35 @@ class Plain:
             upstream_key=rec.upstream_key, epoch=rec.wakes)))
         quiet.granted(rec, "", now)  # (its grant revoked, where the rules do)
         if teams.brought:  # a together partner to bring back
+            self.rules.pump(now)
+        return state.flush()
+
+    def queue(self, ticket: Hashable, model: str, now: float, autoload: bool,
+              cuttable: bool, affinity: int) -> list[Effect] | None:
+        """`Policy.acquire` of a keyless request that joins the keyless lane of a wait under
+        way for a model that does not serve (core._queue, which Quiet.joins vouches for),
+        where none of the features applies: its effects; None where that is not so
+        (nothing changed)."""
+        state, quiet = self.state, self.quiet
+        entry = state.queue.entries.get(model)
+        rec = state.models.get(model)
+        if (entry is None or rec is None or not autoload or not quiet.on or self.prefetch.on
+                or rec.state in _SERVING or rec.removed or "" not in entry.lanes
+                or entry.sessions or affinity >= SESSION or state.shutting_down
+                or state.cuts.on or state.groups.alternates):
+            return None
+        rules = rec.rules
+        if (rules.replicas is not None or rules.group or rec.breaker.is_open(now)
+                or (rules.queue_max and len(entry.waiters) >= rules.queue_max)):
+            return None
+        timeout_s = rules.queue_timeout_s
+        state.queue.add(ticket, model, now, now + timeout_s if timeout_s else None, "",
+                        state.tenants.level, cuttable, affinity=affinity)
+        if timeout_s:
+            state.out.append(Later(timeout_s, WaitDue(ticket=ticket)))
+        log.debug("request for %s queued (%d waiting for it, %d entries)",
+                  model, len(entry.waiters), len(state.queue.entries))
+        if not quiet.settled(now):  # (it does not serve: no room to route it to)
             self.rules.pump(now)
         return state.flush()
 
