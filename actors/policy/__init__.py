@@ -21,6 +21,7 @@ and carries out the effects it returns; tests drive the same methods synchronous
 | what the policy knows, and the queries on it         | `State`                | state.py    |
 | model records, effects, counters                     | `ModelRecord`, `Spawn` | records.py  |
 | who waits for which model, in which order            | `RequestQueue`         | queue.py    |
+| their order with classes, kept sorted as they change | `ClassOrder`           | order.py    |
 | whose turn a slot is, that busy models give way to   | `Turns`, `Turn`        | turns.py    |
 | suspends and wakes that ended; the TTL timers        | `Tiers`                | tiers.py    |
 | load, unload and shut down, as a person asks         | `Commands`             | commands.py |

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..config.keys import BATCH, BATCH_LEVEL
 from ..config.rules import SESSION
+from .order import ClassOrder
 
 SCAN = 256
 """Waiters of a key's lane looked at for the session to serve next (`by_session`)."""
@@ -122,10 +123,21 @@ class RequestQueue:
         self.waiters: dict[Hashable, Waiter] = {}
         self.changed: set[str] = set()
         """Models whose waiters changed since the policy last said so (a `queue` event)."""
-        self.aging_s = aging_s
-        """A waiter's level rises by one for every this long it waits (0: never)."""
+        self.order: ClassOrder[QueueEntry] = ClassOrder(lambda: self.entries, self.best)
+        """The entries' order while more than one class level waits (`ordered`)."""
+        self._aging_s = aging_s
         self.levels: dict[int, int] = {}
         """Class level -> waiters of it: with one level, entries keep arrival order."""
+
+    @property
+    def aging_s(self) -> float:
+        """A waiter's level rises by one for every this long it waits (0: never)."""
+        return self._aging_s
+
+    @aging_s.setter
+    def aging_s(self, aging_s: float) -> None:
+        self._aging_s = aging_s
+        self.order.reset()
 
     def __len__(self) -> int:
         """Queued requests (not entries)."""
@@ -140,6 +152,8 @@ class RequestQueue:
                                  w.kills_outlived, w.cuttable, w.again, w.affinity)
                        for t, w in self.waiters.items()}
         new.entries = {m: e.copy() for m, e in self.entries.items()}
+        for model in new.entries:
+            new.order.arrived(model)
         new.changed = set(self.changed)
         new.levels = dict(self.levels)
         return new
@@ -157,12 +171,14 @@ class RequestQueue:
         """`model`'s entry goes to the back: its waiters came after those of the entries
         it was ahead of (actors/policy/turns.py)."""
         self.entries[model] = self.entries.pop(model)
+        self.order.arrived(model)
 
     def open(self, model: str) -> QueueEntry:
         """The model's entry, created at the back if it has none."""
         entry = self.entries.get(model)
         if entry is None:
             entry = self.entries[model] = QueueEntry(model)
+            self.order.arrived(model)
         return entry
 
     def add(self, ticket: Hashable, model: str, now: float, deadline: float | None,
@@ -179,6 +195,7 @@ class RequestQueue:
             self.level(entry, key, affinity)
         self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
+        self.order.changed(model)
         return entry
 
     def _forget(self, ticket: Hashable) -> Waiter:
@@ -193,6 +210,7 @@ class RequestQueue:
         else:
             del self.levels[waiter.level]
         self.changed.add(waiter.model)
+        self.order.changed(waiter.model)
         return waiter
 
     def rank(self, waiter: Waiter, now: float) -> float:
@@ -200,6 +218,11 @@ class RequestQueue:
         if not self.aging_s or waiter.level == BATCH_LEVEL:
             return waiter.level
         return waiter.level + (now - waiter.queued_at) / self.aging_s
+
+    def best(self, entry: QueueEntry, now: float) -> float:
+        """The rank of `entry`'s best lane head (-inf: it has none)."""
+        return max((self.rank(self.waiters[next(iter(lane))], now)
+                    for lane in entry.lanes.values()), default=float("-inf"))
 
     def next_of(self, entry: QueueEntry, now: float,
                 skip: frozenset[str] | set[str] = frozenset()) -> Hashable | None:
@@ -276,11 +299,9 @@ class RequestQueue:
         more than one class level wait; then the entry whose best waiter ranks highest
         first (ties: arrival order)."""
         if len(self.levels) <= 1:
+            self.order.reset()  # (kept only while it is used: order.py)
             return iter(self.entries.values())
-        def best(entry: QueueEntry) -> float:
-            return max((self.rank(self.waiters[next(iter(lane))], now)
-                        for lane in entry.lanes.values()), default=float("-inf"))
-        return sorted(self.entries.values(), key=best, reverse=True)
+        return self.order.ordered(now)
 
     def remove(self, ticket: Hashable) -> tuple[Waiter, bool] | None:
         """Take `ticket` out; return its waiter and whether its entry went with it (it was
@@ -315,6 +336,7 @@ class RequestQueue:
             return []
         out = [(t, self._forget(t)) for t in list(entry.waiters)]
         del self.entries[model]
+        self.order.changed(model)
         return out
 
     def keep_for_retries(self, model: str) -> list[tuple[Hashable, Waiter]]:
@@ -336,6 +358,7 @@ class RequestQueue:
         entry = self.entries.get(model)
         if entry is not None and not entry.waiters and not entry.explicit:
             del self.entries[model]
+            self.order.changed(model)
         return model not in self.entries
 
     def clear(self) -> list[Hashable]:
@@ -344,6 +367,7 @@ class RequestQueue:
         self.entries.clear()
         self.waiters.clear()
         self.levels.clear()
+        self.order.reset()
         return tickets
 
     def view(self, model: str, now: float) -> tuple[int, float | None]:
