@@ -71,6 +71,9 @@ def test_scheduler_bench_runs(tmp_path) -> None:
     parts = json.loads(path.read_text())["rates"]
     assert set(parts) == {"as is", "tick+claim only", "no run at all"}
     assert all(len(rates) == 2 and min(rates) > 0 for rates in parts.values())
+    bench("scheduler", "--ops", "400", "--sizes", "20x50", "--kinds", "--json", str(path))
+    us = json.loads(path.read_text())["us"]
+    assert set(us) == {"queued", "cancel", "granted", "release"} and min(us.values()) > 0
 
 
 def test_prefetch_bench_runs(tmp_path) -> None:
