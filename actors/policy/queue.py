@@ -195,7 +195,8 @@ class RequestQueue:
             self.level(entry, key, affinity)
         self.levels[level] = self.levels.get(level, 0) + 1
         self.changed.add(model)
-        self.order.changed(model)
+        if self.order.keys is not None:  # (order.changed, inline: every request's)
+            self.order.stale.add(model)
         return entry
 
     def _forget(self, ticket: Hashable) -> Waiter:
@@ -210,14 +211,15 @@ class RequestQueue:
         else:
             del self.levels[waiter.level]
         self.changed.add(waiter.model)
-        self.order.changed(waiter.model)
+        if self.order.keys is not None:  # (order.changed, inline: every request's)
+            self.order.stale.add(waiter.model)
         return waiter
 
     def rank(self, waiter: Waiter, now: float) -> float:
         """A waiter's level now, with what its wait has added (a batch's line: none)."""
-        if not self.aging_s or waiter.level == BATCH_LEVEL:
+        if not self._aging_s or waiter.level == BATCH_LEVEL:
             return waiter.level
-        return waiter.level + (now - waiter.queued_at) / self.aging_s
+        return waiter.level + (now - waiter.queued_at) / self._aging_s
 
     def best(self, entry: QueueEntry, now: float) -> float:
         """The rank of `entry`'s best lane head (-inf: it has none)."""
@@ -299,7 +301,8 @@ class RequestQueue:
         more than one class level wait; then the entry whose best waiter ranks highest
         first (ties: arrival order)."""
         if len(self.levels) <= 1:
-            self.order.reset()  # (kept only while it is used: order.py)
+            if self.order.keys is not None:  # (kept only while it is used: order.py)
+                self.order.reset()
             return iter(self.entries.values())
         return self.order.ordered(now)
 
