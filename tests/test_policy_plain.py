@@ -1,20 +1,32 @@
 """The plain paths (actors/policy/plain.py): where a feature applies, each declines before
 it changes anything, and the general path decides what it always did. The twins
 (tests/test_policy_twins.py) show that where they decide, they decide the same; these
-cases are the guards the twins' random worlds seldom or never reach."""
+cases are the guards the twins' random worlds seldom or never reach, the last seven a
+hostile review's (each guard or step they cover, removed, failed none of the others):
+a policy with its plain paths and one without decide alike, effect for effect, and hold
+the same state, compared deep."""
 
 from __future__ import annotations
 
+import collections
+import enum
+import itertools
+import logging
+import random
+import types
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from actors.config.keys import Tenant
-from actors.config.rules import SESSION, ModelRules
+from actors.config.rules import SESSION, ModelGroup, ModelRules, Replicas
 from actors.messages import Grant, Refusal
 from actors.policy import Policy
+from actors.policy.order import ClassOrder
+from actors.policy.plain import Plain
 from actors.policy.quiet import fingerprint
-from actors.policy.records import Answer
+from actors.policy.records import Answer, Effect
 
 
 def loading(rules: ModelRules | None = None, preempt: bool = False) -> Policy:
@@ -83,3 +95,148 @@ def test_a_request_for_a_model_that_backs_off_is_the_general_path_s() -> None:
     assert (fingerprint(p.state), list(p.state.queue.waiters)) == before
     p.acquire("w2", "a", now)
     assert list(p.state.queue.entries["a"].waiters) == ["w", "w2"]
+
+
+# ------------------------------------------------------------ a hostile review's cases
+
+def state_of(p: Policy) -> object:
+    """Everything a policy holds, deep (but the plain paths themselves and the classes'
+    order, a cache of the queue's): what a decision may have changed."""
+    seen: set[int] = set()
+
+    def walk(x: object) -> object:
+        if x is None or isinstance(x, (bool, int, float, str, bytes, enum.Enum)):
+            return x
+        if isinstance(x, (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+                          logging.Logger, type, Plain, ClassOrder)):
+            return "-"
+        if isinstance(x, (msgspec.Struct, itertools.count, random.Random)):
+            return repr(x) if not isinstance(x, random.Random) else hash(x.getstate())
+        if id(x) in seen:
+            return ("seen", type(x).__name__)
+        seen.add(id(x))
+        if isinstance(x, dict):
+            return tuple((walk(k), walk(v)) for k, v in x.items())
+        if isinstance(x, (list, tuple, collections.deque)):
+            return tuple(walk(v) for v in x)
+        if isinstance(x, (set, frozenset)):
+            return tuple(sorted(repr(walk(v)) for v in x))
+        fields = dict(getattr(x, "__dict__", {}))
+        for cls in type(x).__mro__:
+            fields.update({s: getattr(x, s) for s in getattr(cls, "__slots__", ())
+                           if hasattr(x, s)})
+        return (type(x).__name__, tuple((k, walk(v)) for k, v in fields.items()))
+    return walk(p)
+
+
+def pair(make: Callable[[], Policy]) -> tuple[Policy, Policy]:
+    """Two policies made alike, the second without its plain paths."""
+    on, off = make(), make()
+    off.plain.grant = off.plain.queue = lambda *a, **k: None  # type: ignore[method-assign]
+    off.plain.release = lambda *a, **k: None  # type: ignore[method-assign]
+    return on, off
+
+
+def same(ps: tuple[Policy, Policy], call: Callable[[Policy], list[Effect]]) -> list[Effect]:
+    on, off = ps
+    a, b = call(on), call(off)
+    assert a == b
+    assert state_of(on) == state_of(off)
+    return a
+
+
+def serving(p: Policy, m: str, now: float, n: int = 2) -> None:
+    """`m` serves `n` keyless requests (tickets m0, m1, ...)."""
+    p.acquire(f"{m}0", m, now)
+    p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, now + 0.1)
+    for i in range(1, n):
+        p.acquire(f"{m}{i}", m, now + 0.2)
+
+
+def test_a_shared_release_moves_the_model_s_last_use_as_the_general_path_does() -> None:
+    ps = pair(lambda: Policy(2))
+    for p in ps:
+        p.add_model("a", 0.0)
+        serving(p, "a", 0.0, 3)
+    same(ps, lambda p: p.release("a1", 5.0, shared=True))
+    same(ps, lambda p: p.release("a2", 6.0, idle_s=0.5))
+
+
+def test_a_remote_model_after_shutdown_is_refused_not_granted() -> None:
+    ps = pair(lambda: Policy(2))
+    for p in ps:
+        p.add_model("r", 0.0, rules=ModelRules(remote=True))
+        p.acquire("r0", "r", 0.0)
+        p.shutdown(1.0)
+    out = same(ps, lambda p: p.acquire("r1", "r", 2.0))
+    assert isinstance(out[0], Answer) and isinstance(out[0].value, Refusal)
+
+
+def test_with_prefetch_on_the_general_path_decides() -> None:
+    ps = pair(lambda: Policy(2, prefetch=True))
+    for p in ps:
+        p.add_model("a", 0.0)
+        p.add_model("b", 0.0)
+        serving(p, "a", 0.0)
+    same(ps, lambda p: p.acquire("a9", "a", 1.0))
+    same(ps, lambda p: p.release("a1", 2.0))
+
+
+def test_a_together_partner_s_release_counts_for_both() -> None:
+    ps = pair(lambda: Policy(3))
+    for p in ps:
+        for m in "cd":
+            p.add_model(m, 0.0)
+        p.set_groups({"t": ModelGroup(models=["c", "d"], together=True)}, 0.0)
+        p.acquire("c0", "c", 0.0)
+        for m in "cd":
+            p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, 0.1)
+        p.acquire("c1", "c", 0.2)
+    same(ps, lambda p: p.release("c1", 5.0))
+
+
+def test_a_lease_of_a_crashed_child_does_not_count_on_its_successor() -> None:
+    ps = pair(lambda: Policy(2))
+    for p in ps:
+        p.add_model("a", 0.0)
+        serving(p, "a", 0.0)
+        p.children.instance_exited("a", p.state.models["a"].generation, 1, "crash", 1.0)
+        p.acquire("n0", "a", 40.0)
+        p.children.instance_ready("a", p.state.models["a"].generation, 1, "h", 1, 40.1)
+        p.acquire("n1", "a", 40.2)
+    same(ps, lambda p: p.release("a1", 41.0))
+
+
+def test_a_child_retiring_for_a_reload_takes_no_more_requests() -> None:
+    ps = pair(lambda: Policy(2))
+    for p in ps:
+        p.add_model("a", 0.0)
+        serving(p, "a", 0.0)
+        p.children.reconfigure({}, [], {"a": ModelRules(make_before_break=False,
+                                                         min_resident_s=1.0)}, 1.0)
+        assert p.state.models["a"].retiring and not p.state.groups.alternates
+    same(ps, lambda p: p.acquire("x", "a", 2.0))
+
+
+def test_a_request_queued_for_a_model_with_copies_may_want_one_more() -> None:
+    copies = Replicas(min=1, max=2, target_in_flight=1, scale_up_after_s=1.0)
+    ps = pair(lambda: Policy(3))
+    for p in ps:
+        p.add_model("a", 0.0, rules=ModelRules(queue_timeout_s=30.0, replicas=copies))
+        p.acquire("w0", "a", 0.0)
+        p.acquire("w1", "a", 0.1)
+    same(ps, lambda p: p.acquire("w2", "a", 5.0))
+
+
+def test_a_request_during_a_reload_s_handover_goes_where_the_general_path_sends_it() -> None:
+    ps = pair(lambda: Policy(3))
+    for p in ps:
+        p.add_model("b", 0.0)
+        serving(p, "b", 0.0)
+        p.children.reconfigure({}, [], {"b": ModelRules(min_resident_s=1.0)}, 1.0)
+        assert p.state.groups.alternates  # (its newcomer loads beside it)
+    same(ps, lambda p: p.acquire("x", "b", 1.5))
+    for p in ps:
+        p.children.instance_ready("b@next", 2, 2, "h", 2, 2.0)
+    out = same(ps, lambda p: p.acquire("y", "b", 2.5))
+    assert isinstance(out[0], Answer) and isinstance(out[0].value, Grant)

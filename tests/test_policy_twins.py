@@ -171,9 +171,10 @@ class Twins:
                 i, m, t, True, key, cuttable=cut, affinity=affinity))
         elif op in ("cancel", "release", "requeue") and self.tickets:
             tk, idle = rng.choice(self.tickets), rng.choice([0.0, 0.0, 0.5])
+            shared = rng.random() < 0.3  # (others joined its grant: its model was used)
             self.both(f"{op} {tk}", lambda p: (
                 p.cancel(tk, t) if op == "cancel" else p.cuts.requeue(tk, t)
-                if op == "requeue" else p.release(tk, t, idle_s=idle)))
+                if op == "requeue" else p.release(tk, t, shared=shared, idle_s=idle)))
             if tk not in self.on.state.leases and tk not in self.on.state.queue:
                 self.tickets.remove(tk)
         elif op in ("ready", "crash") and self.spawned:

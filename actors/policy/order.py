@@ -8,7 +8,10 @@ waiter as time passes, so the order of the entries does not change with time, on
 the queue: an entry's key is its rank at one moment, `at` (the last full sort), and only
 the entries whose lanes changed since are placed again. A batch's line does not age, but
 ranks below every class (BATCH_LEVEL), so it stays last. Ties keep arrival order, as the
-stable sort did: the key carries the entry's place in arrival order.
+stable sort did: the key carries the entry's place in arrival order. One difference, by
+the last bit: ranks that tie exactly (a level higher, one `aging_s` later) may round
+apart at one moment and not at another, so the sort at each moment ordered such entries
+either way; here they keep the order of the moment `at`.
 
 At 1,000 models and 10,000 waiters of two classes, sorting every entry at each run was
 nearly all of a decision's cost (`python -m bench scheduler --configured`).
