@@ -145,12 +145,12 @@ def same(ps: tuple[Policy, Policy], call: Callable[[Policy], list[Effect]]) -> l
     return a
 
 
-def serving(p: Policy, m: str, now: float, n: int = 2) -> None:
-    """`m` serves `n` keyless requests (tickets m0, m1, ...)."""
-    p.acquire(f"{m}0", m, now)
+def serving(p: Policy, m: str, now: float, n: int = 2, tickets: str = "") -> None:
+    """`m` serves `n` keyless requests (tickets m0, m1, ..., or `tickets`0, ...)."""
+    p.acquire(f"{tickets or m}0", m, now)
     p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, now + 0.1)
     for i in range(1, n):
-        p.acquire(f"{m}{i}", m, now + 0.2)
+        p.acquire(f"{tickets or m}{i}", m, now + 0.2)
 
 
 def test_a_shared_release_moves_the_model_s_last_use_as_the_general_path_does() -> None:
@@ -201,9 +201,7 @@ def test_a_lease_of_a_crashed_child_does_not_count_on_its_successor() -> None:
         p.add_model("a", 0.0)
         serving(p, "a", 0.0)
         p.children.instance_exited("a", p.state.models["a"].generation, 1, "crash", 1.0)
-        p.acquire("n0", "a", 40.0)
-        p.children.instance_ready("a", p.state.models["a"].generation, 1, "h", 1, 40.1)
-        p.acquire("n1", "a", 40.2)
+        serving(p, "a", 40.0, tickets="n")  # (its next child, two requests on it)
     same(ps, lambda p: p.release("a1", 41.0))
 
 
