@@ -395,6 +395,25 @@ def test_a_remote_record_takes_no_slot_is_no_victim_and_queues_at_its_limit() ->
     assert w.state("a") == "loading" and "v" not in w.p.state.queue
 
 
+def test_a_reload_that_lifts_a_remote_s_limit_serves_its_waiters_at_once() -> None:
+    """A review's find: a remote model serves on through a reload (it has no child to
+    restart), so a waiter queued at its old max_concurrency waited for a release that
+    might never come (the invariants: "queued while it could serve")."""
+    import msgspec
+
+    from actors.config.rules import ModelRules
+    from actors.messages import Grant
+    from tests.test_policy import World
+    limited = ModelRules(remote=True, max_concurrency=1)
+    w = World(models_max=1, names="r", rules={"r": limited})
+    assert isinstance(w.acquire("r1", "r"), Grant)
+    assert w.acquire("r2", "r") is None  # at its max_concurrency: waits
+    w.run(w.p.children.reconfigure({}, [], {"r": msgspec.structs.replace(
+        limited, max_concurrency=0)}, w.tick())[0])
+    assert isinstance(w.answers["r2"], Grant) and "r2" not in w.p.state.queue
+    w.p.check_invariants()
+
+
 # ---------------------------------------------------------------- the review's cases
 
 

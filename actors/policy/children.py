@@ -14,24 +14,11 @@ from ..config.rules import ModelRules, alternate_name
 from ..histogram import observe
 from ..ledger import Breakdown, node_of
 from ..lifecycle import ModelState
-from ..messages import (
-    DeviceReport,
-    DevicesSnapshot,
-    Repump,
-    StatusChanged,
-)
+from ..messages import DeviceReport, DevicesSnapshot, Repump, StatusChanged
 from . import views
 from .costs import SwapTimes, learned
 from .handover import Handovers
-from .records import (
-    Effect,
-    Later,
-    Measure,
-    ModelRecord,
-    Publish,
-    Stop,
-    Track,
-)
+from .records import Effect, Later, Measure, ModelRecord, Publish, Stop, Track
 from .rules import Rules
 from .state import State
 
@@ -321,6 +308,10 @@ class Children:
             if entry.claimed and not any(r.state in (S.LOADING, S.STOPPING, S.WAKING)
                                          for r in groups.of(self.state.models[entry.model])):
                 entry.claimed = False
+        for name in (*changed, *(retuned or {})):  # a limit raised where a child serves on
+            rec = self.state.models[name]  # (a remote model's, or copies retuned): its
+            if rec.state.is_serving and not rec.retiring:  # waiters may go now
+                self.rules.serve_waiters(rec, now)
         self.rules.pump(now)
         return self.moves.flush(), restarted
 
