@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import openai
@@ -292,3 +293,34 @@ def test_what_a_hook_forks_as_it_exits_ends_with_it(corral) -> None:
     assert request(c.port, "POST", "/models/load", {"model": "m"})[0] == 200
     c.wait_state("m", "loaded", 60)  # (as above: the sweep on a busy machine)
     wait_until(lambda: no_process_with(marker), 15, "every process the hook forked gone")
+
+
+def test_a_hook_whose_leader_is_too_slow_to_sweep_still_takes_what_left_its_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine's CI run: the group leader (hook_shim.py), told to end a hook that
+    had timed out, had not found what left its group within END_GRACE_S; the group's
+    SIGKILL then orphaned a `setsid env -i` process that no sweep could find again (no
+    mark, no parent chain). A grace of 0 is the slowest leader there is."""
+    from actors.childproc import LogRing
+    from actors.instance import hooks
+
+    marker = "corral-hook-slow-leader-7341"
+    monkeypatch.setattr(hooks, "END_GRACE_S", 0.0)
+    argv = ["sh", "-c", f"env -i setsid sh -c 'sleep 300; : {marker}' > /dev/null 2>&1 "
+            "< /dev/null & sleep 300"]
+    run = hooks.HookRun()
+    escaped = threading.Event()
+
+    def watch() -> None:
+        wait_until(lambda: left_its_group(marker), 30, "the setsid process running")
+        escaped.set()
+        run.kill()
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        failure = run.run("before_load", argv, 60, LogRing())
+        assert escaped.is_set() and failure is not None and "stopped" in failure
+        wait_until(lambda: no_process_with(marker), 10, "the setsid process gone")
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if marker in " ".join(p.info["cmdline"] or []):
+                p.kill()

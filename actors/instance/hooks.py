@@ -23,16 +23,26 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+import psutil
+
 from ..childproc import ChildProcess, LogRing
 from ..config.hooks import HOOK_PLACEHOLDER, HookName
 from ..config.model import ModelConfig
 from ..messages import HookRan, Inbox, InstanceMessage
-from .hook_shim import MARK, sweep
+from .hook_shim import MARK, SWEEPS_MAX, sweep
 from .phases import Phase
 
 END_GRACE_S = 2.0
 """How long a hook's group leader has, once told to end the hook, to kill what it
 started before its group is SIGKILLed."""
+
+
+def _signal(proc: psutil.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass
+
 
 Waits = dict[str, Any] | tuple[str, Phase] | None
 """What waits for a hook's end: the ready's info (after_ready), the stop's reason and the
@@ -64,8 +74,33 @@ class HookRun:
         except ProcessLookupError:
             pass
         if not done.wait(END_GRACE_S):
-            self.child.signal_group(signal.SIGKILL)
+            self.kill_all()
             done.wait()
+
+    def kill_all(self) -> None:
+        """SIGKILL the leader's group and every descendant of the leader. They are
+        stopped first, then found, until no new one appears: a stopped process neither
+        forks nor exits, so none slips out of the parent chain before it is killed (a
+        leader too slow to sweep in its grace, on a busy machine, left a `setsid env -i`
+        process behind: with the leader gone, nothing could find it again)."""
+        assert self.child is not None
+        if not self.child.signal_group(signal.SIGSTOP):
+            return
+        stopped: dict[int, psutil.Process] = {}
+        try:
+            for _ in range(SWEEPS_MAX):
+                new = [p for p in psutil.Process(self.child.pid).children(recursive=True)
+                       if p.pid not in stopped]
+                if not new:
+                    break
+                for proc in new:
+                    stopped[proc.pid] = proc
+                    _signal(proc, signal.SIGSTOP)
+        except psutil.Error:  # the leader gone: what it had is found by the mark
+            pass
+        self.child.signal_group(signal.SIGKILL)
+        for proc in stopped.values():
+            _signal(proc, signal.SIGKILL)
 
     def run(self, name: HookName, argv: list[str], timeout_s: float,
             ring: LogRing) -> str | None:
