@@ -231,11 +231,16 @@ class Rules:
         classes, the entry of the highest ranked waiter first (queue.ordered).
 
         Scans only up to the first head that must wait (claimed entries before it are
-        at most models_max); a refusal changes the queue, and the scan starts over."""
+        at most models_max); a refusal changes the queue, and the scan starts over. With
+        every slot taken and no exclusive rival to clear, each entry is passed over or
+        waits (claim_one's steps 1-2, which change nothing): no scan at all."""
+        state = self.state
+        if not state.teams.rivals and not state.has_capacity():
+            return
         rescan = True
         while rescan:
             rescan = False
-            for entry in self.state.queue.ordered(now):
+            for entry in state.queue.ordered(now):
                 if entry.claimed:
                     continue  # (passed: its load runs; most of a busy cluster's entries)
                 verdict = self.claim_one(entry, now)
