@@ -102,13 +102,17 @@ class Prefetch:
             asker = self.tickets[ticket] = f"{key}\x00{affinity:x}"
             if len(self.tickets) > TICKETS_MAX:
                 del self.tickets[next(iter(self.tickets))]
-        for name in [n for n, e in self.state.prefetched.items() if e.model == model]:
-            del self.state.prefetched[name]  # (one that went first was counted: Moves)
+        prefetched = self.state.prefetched
+        for name in [n for n, e in prefetched.items() if e.model == model] if prefetched else ():
+            del prefetched[name]  # (one that went first was counted: Moves)
             self.state.stats.prefetches["used"] += 1
         self.due.pop(model, None)  # (asked: it comes up as any load)
         last = self.last.pop(asker, None)  # (and back at the end: the oldest go first)
         if last is not None and now - last[1] <= FOLLOW_S:
-            self.follows.setdefault(last[0], Counter())[model] += 1
+            follows = self.follows.get(last[0])
+            if follows is None:
+                follows = self.follows[last[0]] = Counter()
+            follows[model] += 1
             if last[2]:
                 self.waited(last[0], model, now - last[1])
             else:  # (its answer's end is not known yet: the front keeps its grant a while)
