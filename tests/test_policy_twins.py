@@ -8,11 +8,11 @@ and warm loads given up in an order that was the records' addresses')."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from actors.config.keys import BATCH, Tenant, batch_tenant
@@ -94,7 +94,7 @@ def records(p: Policy) -> tuple[object, ...]:
 
 def waiters(p: Policy) -> list[tuple[object, ...]]:
     """Every waiter, all of its fields, in the queue's order."""
-    return [(t, *dataclasses.astuple(w)) for t, w in p.state.queue.waiters.items()]
+    return [(t, *msgspec.structs.astuple(w)) for t, w in p.state.queue.waiters.items()]
 
 
 def counted(p: Policy) -> dict[str, int]:

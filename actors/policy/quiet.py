@@ -73,16 +73,17 @@ class Quiet:
         not: their next run would, were nothing to change meanwhile (if something does,
         a victim found first, say, the grant is given back sooner than it had to be,
         and a later request for `rec` asks the Scheduler again)."""
-        state = self.state
-        grant = (rec.group, rec.generation)
-        quiet = (rec.in_flight > 1 and not key and not rec.rules.max_concurrency
-                 and rec.rules.replicas is None and not state.teams.partners
-                 and (state.turn is None or rec.name not in state.turn.held))
-        if (quiet and state.revoking and state.rested and not self.due(now)
-                and grant in state.revocable and len(state.revocable) == 1):
-            del state.revocable[grant]
-            state.out.append(Revoke(grants=(grant,)))
-        return quiet and self.settled(now, skips=False)
+        state, rules, turn = self.state, rec.rules, self.state.turn
+        if (key or rec.in_flight < 2 or rules.max_concurrency or rules.replicas is not None
+                or state.teams.partners or (turn is not None and rec.name in turn.held)):
+            return False
+        revocable = state.revocable
+        if state.revoking and state.rested and len(revocable) == 1:
+            grant = (rec.group, rec.generation)
+            if grant in revocable and not self.due(now):
+                del revocable[grant]
+                state.out.append(Revoke(grants=(grant,)))
+        return self.settled(now, skips=False)
 
     def ended(self, lease: tuple[str, int, str], moved: bool, now: float) -> bool:
         """After a lease (model, generation, key) was let go: whether the rules may be
@@ -120,7 +121,6 @@ class Quiet:
         state.clean, state.clean_at = True, len(state.out)
         return True
 
-
     def may(self, now: float, skips: bool = True) -> bool:
         """The rules rested after the last event, one class level waits, and nothing
         they wait for is due, nor a step of theirs pending (but for grants to revoke)."""
@@ -133,7 +133,6 @@ class Quiet:
         return (not (dues and dues[0] <= now) and len(state.queue.levels) <= 1
                 and not state.shutting_down and not state.teams.dropped and not state.teams.brought
                 and not state.nodes.draining and not state.groups.wanting)
-
 
     def due(self, now: float) -> bool:
         """A time the rules wait for (a `Later`) has come since their last run."""

@@ -195,11 +195,12 @@ class State:
         self.rested = self.clean and len(self.out) == self.clean_at
         self.clean = False
         out, self.out, queue = self.out, [], self.queue
-        for model in sorted(queue.changed):  # (in one order, whatever the hash seed)
-            waiting, oldest = queue.view(model, self.now)
-            out.append(Publish(QueueChanged(model=model, waiting=waiting,
-                                            oldest_wait_s=oldest)))
-        queue.changed.clear()
+        if queue.changed:
+            for model in sorted(queue.changed):  # (in one order, whatever the hash seed)
+                waiting, oldest = queue.view(model, self.now)
+                out.append(Publish(QueueChanged(model=model, waiting=waiting,
+                                                oldest_wait_s=oldest)))
+            queue.changed.clear()
         for effect in out:  # (a queue timeout is its own event: the rules read none)
             if type(effect) is Later and type(effect.message) is not WaitDue:
                 heapq.heappush(self.dues, self.now + effect.delay_s)
