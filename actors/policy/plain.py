@@ -79,7 +79,8 @@ class Plain:
         state.out.append(Answer(ticket, Grant(
             model=model, generation=generation, host=rec.host, port=rec.port,
             upstream_key=rec.upstream_key, epoch=rec.wakes)))
-        quiet.granted(rec, "", now)  # (its grant revoked, where the rules do)
+        if rec.in_flight > 1:  # (Quiet.granted, whose other terms the guards above hold)
+            quiet.granted_quietly(rec, now)  # (its grant revoked, where the rules do)
         if teams.brought:  # a together partner to bring back
             self.rules.pump(now)
         return state.flush()
@@ -138,6 +139,8 @@ class Plain:
         if shared or idle_s:
             rec.last_used = max(rec.last_used, now - idle_s)
             rec.asked_at = max(rec.asked_at, now - idle_s)
-        if not quiet.ended(lease, shared or bool(idle_s), now):
+        turn = state.turn  # (Quiet.ended, whose other terms the guards above hold)
+        if (shared or idle_s or state.queue.changed or (turn is not None and name in turn.held)
+                or not quiet.settled(now)):
             self.rules.pump(now)
         return state.flush()

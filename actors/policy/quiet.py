@@ -77,6 +77,11 @@ class Quiet:
         if (key or rec.in_flight < 2 or rules.max_concurrency or rules.replicas is not None
                 or state.teams.partners or (turn is not None and rec.name in turn.held)):
             return False
+        return self.granted_quietly(rec, now)
+
+    def granted_quietly(self, rec: ModelRecord, now: float) -> bool:
+        """The rest of `granted`, for a grant its caller has found quiet (plain.py)."""
+        state = self.state
         revocable = state.revocable
         if state.revoking and state.rested and len(revocable) == 1:
             grant = (rec.group, rec.generation)
