@@ -15,7 +15,7 @@ from actors.config.keys import Tenant
 from actors.config.rules import ModelRules
 from actors.messages import Grant, Repump, Revoke
 from actors.policy import Policy
-from actors.policy.quiet import Quiet
+from actors.policy.quiet import Quiet, fingerprint
 from actors.policy.records import Answer, Effect, Later, Spawn
 
 MODELS = "abcd"
@@ -196,3 +196,54 @@ def test_a_run_that_sets_a_warm_retry_is_no_rest() -> None:
     p.acquire("r2", "a", 1.1)
     out = p.release("r2", 1.2)
     assert any(isinstance(e, Later) and isinstance(e.message, Repump) for e in out), out
+
+
+def spent_world(quiet: bool) -> Policy:
+    """a's turn is spent, and no turn is had: a stops (its slot comes back by itself, so
+    nothing is evicted for its waiters w1 and w2), b, idle, is what their turn holds (its
+    last use is the oldest of those up), and the turn is spent at once; c's load, killed
+    by a signal, gives back a slot (no turn is had while one is free: turns.py `find`),
+    which c, whose entry is ahead of a's, takes again once its backoff ends."""
+    p = Policy(3, 0, 60.0)  # (restart intensity 0: one kill opens the breaker)
+    for m in "abc":  # (max_concurrency: no grant is kept idle, nothing revocable)
+        p.add_model(m, 0.0, rules=ModelRules(max_concurrency=4))
+    p.quiet.on = quiet
+    for at, m in enumerate("abc", 1):  # (each used once: b's last use before c's)
+        p.acquire(m, m, float(at))
+        p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, at + 0.1)
+        p.release(m, at + 0.2)
+    p.unload("ua", "a", 4.0)
+    p.unload("uc", "c", 4.0)
+    p.children.instance_exited("c", p.state.models["c"].generation, 0, "stopped", 5.0)
+    p.acquire("wc", "c", 6.0)
+    p.acquire("w1", "a", 7.0)
+    p.acquire("w2", "a", 8.0)
+    out = p.children.instance_exited("c", p.state.models["c"].generation, -9, "killed", 9.0)
+    assert Later(1.0, Repump()) in out  # (its backoff; wc waits on: a kill gets two more tries)
+    p.repump(10.0)  # c loads again
+    p.repump(11.0)  # (a run that changes nothing: the rules rest)
+    p.check_invariants()
+    return p
+
+
+def test_the_first_waiter_of_a_spent_turn_s_entry_leaving_runs_the_rules() -> None:
+    """A turn starts from its entry's first waiter (turns.py `since`): with that one gone,
+    a's turn is a new one, no longer the one spent, and the rules' next run gives it to a
+    (and withdraws b's grants again). A skip would leave that to some later decision."""
+    on, off = spent_world(True), spent_world(False)
+    for p in (on, off):
+        s = p.state
+        assert s.turn is None and s.spent is not None and s.spent.model == "a"
+        assert s.spent.held == {"b"} and s.spent.since == s.queue.waiters["w1"].queued_at
+        assert list(s.queue.entries["a"].waiters) == ["w1", "w2"]
+        assert not s.queue.waiters["w1"].key and not s.queue.waiters["w2"].key
+        assert [r.state.value for r in s.models.values()] == ["stopping", "loaded", "loading"]
+        assert s.rested and not s.revocable and not s.cuts.of  # (but for w1, a quiet leave)
+    assert fingerprint(on.state) == fingerprint(off.state)
+    spent = off.state.spent
+    on.quiet.check = False  # (the twin's effects, not the tests' check, tell a skip)
+    skipping, plain = on.cancel("w1", 12.0), off.cancel("w1", 12.0)
+    assert (off.state.turn, off.state.spent) != (None, spent)  # (a's turn, anew)
+    assert skipping == plain
+    assert on.state.turn == off.state.turn
+    assert fingerprint(on.state) == fingerprint(off.state)

@@ -307,7 +307,7 @@ class Policy:
             return self.release(ticket, now) if ticket in self.state.leases else []
         if not (leaves and self.quiet.settled(now)):
             self.rules.pump(now)
-        return self.moves.flush()
+        return self.state.flush()
 
     def _leave_queue(self, ticket: Hashable) -> Waiter | None:
         """Take a waiter out of the queue; None if it was not queued."""

@@ -53,16 +53,28 @@ class Quiet:
         return not key and entry is not None and "" in entry.lanes and not entry.sessions
 
     def leaves(self, ticket: Hashable) -> bool:
-        """Before `ticket` leaves the queue: it is a keyless waiter, neither its entry's
-        first (a turn's start) nor its last, nothing was cut for it, and one class level
-        waits."""
-        queue = self.state.queue
+        """Before `ticket` leaves the queue: it is a keyless waiter, not its entry's last,
+        nor its first where its arrival is read (a turn's start: its model's turn, or one
+        spent; the oldest waiter of an exclusive group's member, teamwork.py), nothing was
+        cut for it, and one class level waits."""
+        state = self.state
+        queue = state.queue
         waiter = queue.waiters.get(ticket)
         entry = queue.entries.get(waiter.model) if waiter is not None else None
         return (waiter is not None and entry is not None and not waiter.key
-                and len(entry.lanes.get("", ())) > 1 and next(iter(entry.waiters)) != ticket
-                and not self.state.cuts.of and len(queue.levels) <= 1)  # (a last of its
+                and len(entry.lanes.get("", ())) > 1
+                and (next(iter(entry.waiters)) != ticket or not self.starts_turn(entry.model))
+                and not state.cuts.of and len(queue.levels) <= 1)  # (a last of its
         # level leaving would take the queue's order from ranks to arrival: queue.py)
+
+    def starts_turn(self, model: str) -> bool:
+        """`model`'s first waiter's arrival decides: it is a turn's start (turns.py
+        `since`: the turn's or the spent one's, a new first waiter makes a new turn), or
+        exclusive groups weigh their members' oldest waiters (teamwork.py `oldest`)."""
+        state = self.state
+        turn, spent = state.turn, state.spent
+        return bool(state.teams.rivals) or (turn is not None and turn.model == model) or (
+            spent is not None and spent.model == model)
 
     def granted(self, rec: ModelRecord, key: str, now: float) -> bool:
         """After a request with `key` was granted `rec` at once: whether that left the

@@ -195,8 +195,8 @@ class State:
         self.rested = self.clean and len(self.out) == self.clean_at
         self.clean = False
         out, self.out, queue = self.out, [], self.queue
-        if queue.changed:
-            for model in sorted(queue.changed):  # (in one order, whatever the hash seed)
+        if changed := queue.changed:  # (in one order, whatever the hash seed)
+            for model in sorted(changed) if len(changed) > 1 else changed:
                 waiting, oldest = queue.view(model, self.now)
                 out.append(Publish(QueueChanged(model=model, waiting=waiting,
                                                 oldest_wait_s=oldest)))
