@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import msgspec
 
 from ..config.rules import ModelRules
-from ..histogram import Histogram
+from ..histogram import Histogram, observe
 from ..ledger import Breakdown, MemoryInfo, MemoryStatus, MiB
 from ..lifecycle import ModelState
 from ..messages import (
@@ -342,6 +342,15 @@ class Stats:
     """(model, reason) -> suspends done in place of a stop (issue 23)."""
     wake_time: dict[str, Histogram] = field(default_factory=dict)
     """Model -> how long its wakes took, for those that succeeded."""
+
+    def waited(self, model: str, wait_s: float, priority: str | None) -> None:
+        """A request granted after `wait_s` in `model`'s queue (`priority`: its key's class,
+        None for no key)."""
+        self.queue_waits += 1
+        self.queue_wait_s += wait_s
+        observe(self.queue_wait, model, wait_s)
+        if priority is not None:
+            observe(self.class_wait, priority, wait_s)
 
 
 def shortfall_text(s: Shortfall) -> str:

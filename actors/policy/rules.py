@@ -8,7 +8,6 @@ import logging
 from collections.abc import Callable
 from typing import Literal
 
-from ..histogram import observe
 from ..ledger import MiB
 from ..lifecycle import ModelState
 from ..messages import Repump
@@ -379,14 +378,9 @@ class Rules:
             if into is None:
                 break
             waiter = queue.take(ticket)
-            waited = now - waiter.queued_at
             if not waiter.again:  # one cut and waiting again: its wait is counted once
-                self.state.stats.queue_waits += 1
-                self.state.stats.queue_wait_s += waited
-                observe(self.state.stats.queue_wait, rec.group, waited)
-                if waiter.key:
-                    observe(self.state.stats.class_wait, tenants.of(waiter.key).priority,
-                            waited)
+                self.state.stats.waited(rec.group, now - waiter.queued_at,
+                                        tenants.of(waiter.key).priority if waiter.key else None)
             self.moves.grant(ticket, into, now, waiter.key, waiter)
             if waiter.key and tenants.at_limit(waiter.key):
                 blocked.add(waiter.key)
