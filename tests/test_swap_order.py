@@ -21,7 +21,7 @@ from actors.config.model import ConfigError
 from actors.config.rules import ModelRules
 from actors.messages import Grant, Repump, Revoke, Withdraw
 from actors.policy import Policy
-from actors.policy.records import Answer, Later, Spawn, Stop
+from actors.policy.records import Later, Spawn, Stop
 from actors.policy.turns import REVOKED_S
 from tests.helpers import Corral, chat, fake_cmd, toml_config, wait_until
 from tests.test_policy import World
@@ -271,25 +271,3 @@ def test_a_model_waiting_for_a_busy_models_slot_is_served_while_that_model_stays
         evicted = c.models()["b"]["last_eviction"]  # (b made way for a's clients again)
         assert evicted["reason"] == "lru" and evicted["for_model"] == "a"
         assert c.models()["a"]["loads"] >= 2
-
-
-def test_a_spent_turn_ends_and_its_held_model_takes_requests_again() -> None:
-    """A turn is spent when every model it holds is idle and old enough to go and its
-    waiter still cannot load (here a, whose own child is still stopping: its slot is
-    counted free, so nothing is evicted for it). Its held model then takes requests
-    again, as the log line says; the turn used to be found again as it was, and b's
-    next request waited behind a's stop."""
-    p = Policy(2)
-    for m in "ab":
-        p.add_model(m, 0.0)
-    for at, m in enumerate("ab", 1):
-        p.acquire(m, m, float(at))
-        p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, at + 0.1)
-        p.release(m, at + 0.2)
-    p.unload("ua", "a", 4.0)  # (a stops; its exit is slow)
-    p.acquire("w1", "a", 5.0)  # waits for a's exit, b held for it, idle at once: spent
-    assert p.state.spent is not None and p.state.spent.model == "a"
-    assert p.state.turn is None, p.state.turn
-    out = p.acquire("b1", "b", 6.0)
-    assert any(isinstance(e, Answer) and e.ticket == "b1" and isinstance(e.value, Grant)
-               for e in out), out

@@ -144,23 +144,18 @@ class Turns:
         if turn is not None and (entry := state.queue.entry(turn.model)) is not None \
                 and self.waits(entry, now):
             since = self.since(entry)
-            if not self.was_spent(turn.model, since):
-                held = self.victims(turn.model, since)
-                return turn if held == turn.held and since == turn.since else \
-                    Turn(turn.model, since, held)
+            held = self.victims(turn.model, since)
+            if held == turn.held and since == turn.since:
+                return turn
+            if (turn := Turn(turn.model, since, held)) != state.spent:
+                return turn
         for entry in state.queue.ordered(now):
             if not entry.claimed and self.waits(entry, now):  # (claimed: it waits for none)
                 since = self.since(entry)
-                if not self.was_spent(entry.model, since):
-                    return Turn(entry.model, since, self.victims(entry.model, since))
+                turn = Turn(entry.model, since, self.victims(entry.model, since))
+                if turn != state.spent:
+                    return turn
         return None
-
-    def was_spent(self, model: str, since: float) -> bool:
-        """The turn of `model`'s waiters since `since` was spent: it comes no more, whatever
-        it would hold (its held models serve again; the next to hold would be spent as
-        soon); a new first waiter starts a new one."""
-        spent = self.state.spent
-        return spent is not None and spent.model == model and spent.since == since
 
     def waits(self, entry: QueueEntry, now: float) -> bool:
         """`entry` has requests that wait for a slot for a model none of whose copies
