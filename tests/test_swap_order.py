@@ -275,6 +275,18 @@ def test_a_model_waiting_for_a_busy_models_slot_is_served_while_that_model_stays
         assert c.models()["a"]["loads"] >= 2
 
 
+def used_once(names: str) -> Policy:
+    """A policy with a slot for each of `names`, each loaded and used once, in order."""
+    p = Policy(len(names))
+    for m in names:
+        p.add_model(m, 0.0)
+    for at, m in enumerate(names, 1):
+        p.acquire(m, m, float(at))
+        p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, at + 0.1)
+        p.release(m, at + 0.2)
+    return p
+
+
 def gpu_need(size: int) -> Breakdown:
     return Breakdown(n_ctx=512, devices=[DeviceUse(kind="device", name="gpu0", model=size)])
 
@@ -288,13 +300,7 @@ def test_a_spent_turn_ends_and_its_held_model_takes_requests_again() -> None:
     waiter still cannot load (here a, whose own child is still stopping: its slot is
     counted free, so nothing is evicted for it). Its held model should then take
     requests again, as the log line says."""
-    p = Policy(2)
-    for m in "ab":
-        p.add_model(m, 0.0)
-    for at, m in enumerate("ab", 1):
-        p.acquire(m, m, float(at))
-        p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, at + 0.1)
-        p.release(m, at + 0.2)
+    p = used_once("ab")
     p.unload("ua", "a", 4.0)  # (a stops; its exit is slow)
     p.acquire("w1", "a", 5.0)  # waits for a's exit, b held for it, idle at once: spent
     assert p.state.spent is not None and p.state.spent.model == "a"
@@ -358,13 +364,7 @@ def test_two_waiting_models_do_not_spend_each_other_s_turn_at_every_run(
     their own child's exit, and c, idle, is what each turn holds. A run that changed
     nothing must say and do nothing (it used to spend a's turn, find b's, spend it, find
     a's again, ... four times a run, withdrawing c's grants each time)."""
-    p = Policy(3)
-    for m in "abc":
-        p.add_model(m, 0.0)
-    for at, m in enumerate("abc", 1):
-        p.acquire(m, m, float(at))
-        p.children.instance_ready(m, p.state.models[m].generation, 1, "h", 1, at + 0.1)
-        p.release(m, at + 0.2)
+    p = used_once("abc")
     p.unload("ua", "a", 4.0)
     p.unload("ub", "b", 4.0)
     p.acquire("w1", "a", 5.0)
