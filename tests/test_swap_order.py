@@ -291,10 +291,6 @@ def gpu_need(size: int) -> Breakdown:
     return Breakdown(n_ctx=512, devices=[DeviceUse(kind="device", name="gpu0", model=size)])
 
 
-@pytest.mark.xfail(strict=True, reason="a spent turn is found again as it was while its "
-                   "model waits (turns.py `find`): spending it changes nothing, and the "
-                   "held model's requests queue behind it; the two tests below are what a "
-                   "fix must keep")
 def test_a_spent_turn_ends_and_its_held_model_takes_requests_again() -> None:
     """A turn is spent when every model it holds is idle and old enough to go and its
     waiter still cannot load (here a, whose own child is still stopping: its slot is
@@ -328,7 +324,7 @@ def test_a_turn_spent_while_its_waiter_waits_for_the_device_comes_back() -> None
             managed={"gpu0": 4 * gib * len(up)}, usage={m: {"gpu0": 4 * gib} for m in up},
             tracked=up, backends=["sim"]), now)
 
-    def settle(out: list[Effect], t: float) -> list[Effect]:  # (stops end at once)
+    def settle(out: list[Effect], t: float) -> list[Effect]:  # (every stop ends at once)
         for e in list(out):
             if isinstance(e, Stop):
                 out += p.children.instance_exited(e.model, e.generation, 0, "stopped", t)
@@ -345,13 +341,13 @@ def test_a_turn_spent_while_its_waiter_waits_for_the_device_comes_back() -> None
     p.release("b0", 2.0)
     p.acquire("c0", "c", 3.0)  # c loads (its request stays in flight)
     p.acquire("w1", "a", 4.0)  # waits for the device; b held, idle: spent
-    out = p.acquire("b1", "b", 5.0)
+    out = settle(p.acquire("b1", "b", 5.0), 5.0)
     out += settle(ready("c", 5.5) + report(5.5), 5.7)
     t, prev = 5.0, "b1"
     for i in range(2, 30):  # b: overlapping requests, never idle
         t += 1.0
-        out += p.acquire(f"b{i}", "b", t)
-        out += p.release(prev, t + 0.5)
+        out += settle(p.acquire(f"b{i}", "b", t), t)
+        out += settle(p.release(prev, t + 0.5), t + 0.5)
         out += settle(p.repump(t + 0.6), t + 0.7)
         prev = f"b{i}"
     assert any(isinstance(e, Spawn) and e.model == "a" for e in out), (p.state.turn,

@@ -72,9 +72,9 @@ class Quiet:
         `since`: the turn's or the spent one's, a new first waiter makes a new turn), or
         exclusive groups weigh their members' oldest waiters (teamwork.py `oldest`)."""
         state = self.state
-        turn, spent = state.turn, state.spent
-        return bool(state.teams.rivals) or (turn is not None and turn.model == model) or (
-            spent is not None and spent.model == model)
+        turn = state.turn
+        return bool(state.teams.rivals) or (turn is not None and turn.model == model) or any(
+            m == model for m, _ in state.spent_turns)
 
     def granted(self, rec: ModelRecord, key: str, now: float) -> bool:
         """After a request with `key` was granted `rec` at once: whether that left the
@@ -170,6 +170,7 @@ def fingerprint(state: State) -> tuple[object, ...]:
             tuple((m, tuple(e.waiters), e.claimed, e.explicit)
                   for m, e in state.queue.entries.items()),
             tuple(state.leases.items()), tuple(state.revocable), state.turn, state.spent,
+            tuple(sorted(state.spent_turns)),
             state.wake_at, state.n_running, state.n_stopping, state.n_suspending,
             tuple(r.name for r in state.warming), state.warm_after, state.warm_due,
             state.revoking)

@@ -68,7 +68,11 @@ class State:
         self.turn: Turn | None = None
         """The model whose turn a slot is, and the models it holds (turns.py)."""
         self.spent: Turn | None = None
-        """The last turn that could not help (turns.py): it is not had again."""
+        """The last turn that could not help (turns.py)."""
+        self.spent_turns: set[tuple[str, float]] = set()
+        self.spent_epoch = 0
+        """The turns (model, since) spent while no model changed state (the memory's
+        epoch then): not had again until one does (turns.py `was_spent`)."""
         self.out: list[Effect] = []
         """Effects decided since the last event, in order."""
         self.dues: list[float] = []

@@ -92,7 +92,9 @@ class Turns:
             return False
         turn = self.find(now) if state.queue.entries else None
         if turn is not None and turn == state.turn and self.spent(turn, now):
+            self.was_spent(turn.model, turn.since)  # (the set of this epoch's, first)
             state.spent = turn
+            state.spent_turns.add((turn.model, turn.since))
             log.info("model %s: its turn is spent (%s idle and it still cannot load); they "
                      "take requests again", turn.model, ", ".join(sorted(turn.held)))
             turn = self.find(now)
@@ -136,26 +138,33 @@ class Turns:
     def find(self, now: float) -> Turn | None:
         """The turn: the one it is while its model still waits and a model it holds still
         serves; else the first entry, in the queue's order, with requests waiting for a
-        slot for a model none of whose copies serves (other than the turn last spent)."""
+        slot for a model none of whose copies serves (none spent: `was_spent`)."""
         state = self.state
         if not state.memory_on and state.has_capacity():
             return None  # (a slot is free: whatever it waits for, no eviction gives it)
         turn = state.turn
         if turn is not None and (entry := state.queue.entry(turn.model)) is not None \
-                and self.waits(entry, now):
-            since = self.since(entry)
+                and self.waits(entry, now) \
+                and not self.was_spent(turn.model, since := self.since(entry)):
             held = self.victims(turn.model, since)
-            if held == turn.held and since == turn.since:
-                return turn
-            if (turn := Turn(turn.model, since, held)) != state.spent:
-                return turn
+            return turn if held == turn.held and since == turn.since else \
+                Turn(turn.model, since, held)
         for entry in state.queue.ordered(now):
             if not entry.claimed and self.waits(entry, now):  # (claimed: it waits for none)
                 since = self.since(entry)
-                turn = Turn(entry.model, since, self.victims(entry.model, since))
-                if turn != state.spent:
-                    return turn
+                if not self.was_spent(entry.model, since):
+                    return Turn(entry.model, since, self.victims(entry.model, since))
         return None
+
+    def was_spent(self, model: str, since: float) -> bool:
+        """`model`'s turn from `since` was spent, and no model has changed state since
+        (what it waited for cannot have come free: it is not had again, nor spent again
+        at every run); once one has, every spent turn may come back."""
+        state = self.state
+        if state.spent_epoch != state.memory.epoch:
+            state.spent_turns.clear()
+            state.spent_epoch = state.memory.epoch
+        return (model, since) in state.spent_turns
 
     def waits(self, entry: QueueEntry, now: float) -> bool:
         """`entry` has requests that wait for a slot for a model none of whose copies
